@@ -1,0 +1,41 @@
+"""The training batch: what the orchestrator hands the trainer for one step.
+
+A batch is ``batches/step_<n>.json``: packed micro-batches, each a list of samples whose token
+counts add up to at most ``orchestrator.seq_len``. Every per-token list of a sample is aligned with
+``input_ids`` (prompt then completion); the trainer predicts token t from positions < t.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TypedDict
+
+from worker.rundir import atomic_write_text
+
+
+class TrainSample(TypedDict):
+    input_ids: list[int]
+    """Prompt then completion token ids, as sampled (never re-tokenized)."""
+    loss_mask: list[int]
+    """1 on policy-sampled completion tokens, 0 on prompt and environment tokens."""
+    sampling_logprobs: list[float]
+    """vLLM's logprob of each sampled token (0.0 where loss_mask is 0)."""
+    advantage: float
+    temperature: float
+    """Sampling temperature the completion was drawn at; the trainer divides logits by it."""
+
+
+class Batch(TypedDict):
+    step: int
+    num_samples: int
+    num_loss_tokens: int
+    micro_batches: list[list[TrainSample]]
+
+
+def write_batch(path: Path, batch: Batch) -> None:
+    atomic_write_text(path, json.dumps(batch))
+
+
+def read_batch(path: Path) -> Batch:
+    return json.loads(path.read_text())  # type: ignore[no-any-return]

@@ -1,0 +1,75 @@
+"""Checkpoints: atomic parts, a completion rule, and the choice of where to resume.
+
+A checkpoint of step k is ``checkpoints/step_k/`` with one part per process: ``trainer/`` (model
+safetensors, optimizer, scheduler, step, RNG) and ``orchestrator/`` (step, data cursor, sampler
+state). Each part is written into a hidden temporary folder, finished with a ``.complete`` marker,
+then renamed into place, so a kill mid-write leaves only a temporary folder that resume ignores and
+removes. A step is complete when both parts are in place with their markers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from worker.rundir import COMPLETE_MARKER, RunDir, step_dirs
+
+PARTS = ("trainer", "orchestrator")
+logger = logging.getLogger(__name__)
+
+
+def write_part(run: RunDir, step: int, part: str, write: Callable[[Path], None]) -> Path:
+    """Write one checkpoint part atomically: ``write(tmp_dir)`` fills a temporary folder, then rename.
+
+    Returns:
+        The final part folder ``checkpoints/step_<step>/<part>``.
+    """
+    step_dir = run.checkpoint_dir(step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    tmp = step_dir / f".{part}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    (tmp / COMPLETE_MARKER).write_text(str(step))
+    final = step_dir / part
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def is_complete(step_dir: Path) -> bool:
+    return all((step_dir / part / COMPLETE_MARKER).exists() for part in PARTS)
+
+
+def complete_steps(run: RunDir) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    return sorted(n for n, p in step_dirs(run.checkpoints).items() if is_complete(p))
+
+
+def resume_step(run: RunDir) -> int | None:
+    """The newest complete checkpoint step, warning about newer incomplete ones (case C4).
+
+    Incomplete newer step folders and temporary folders left by a kill are removed, so the resumed
+    run writes them anew.
+    """
+    complete = complete_steps(run)
+    newest = complete[-1] if complete else None
+    for n, p in sorted(step_dirs(run.checkpoints).items()):
+        if newest is None or n > newest:
+            logger.warning("checkpoint step_%d is incomplete (parts: %s); ignoring it", n,
+                           sorted(x.name for x in p.iterdir()) or "none")
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            for tmp in p.glob(".*.tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+    return newest
+
+
+def prune(run: RunDir, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (incomplete newer ones are kept)."""
+    complete = complete_steps(run)
+    for n in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(run.checkpoint_dir(n), ignore_errors=True)

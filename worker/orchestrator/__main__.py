@@ -1,0 +1,5 @@
+import sys
+
+from worker.orchestrator.orchestrator import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""Held-out evaluation against an inference server: mean reward and pass@k.
+
+Shared by online evals (orchestrator) and ``asyncrl eval``. pass@k is the fraction of tasks with at
+least one of k samples scoring >= ``pass_threshold`` (the unbiased estimator of Chen et al. 2021,
+"Evaluating Large Language Models Trained on Code", with n = k reduces to this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+from worker.envs import Environment
+from worker.inference.client import InferenceClient
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-templated prompt token ids with the assistant turn opened (``add_generation_prompt``)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
+async def evaluate(
+    client: InferenceClient,
+    env: Environment,
+    tokenizer: Any,
+    *,
+    num_examples: int,
+    temperature: float,
+    max_tokens: int,
+    pass_k: int = 1,
+    pass_threshold: float = 1.0,
+) -> dict[str, float]:
+    """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
+
+    Returns:
+        ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
+        rewards that are None are left out of the mean and counted.
+
+    Raises:
+        InferenceError: the server did not answer within the client's bounded retries.
+    """
+    count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
+
+    async def one(index: int) -> tuple[list[float | None], list[int]]:
+        task = env.task(index)
+        completions = await client.generate(
+            prompt_ids(tokenizer, env.prompt_messages(task)), n=pass_k, max_tokens=max_tokens, temperature=temperature
+        )
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        rewards = await asyncio.gather(*(env.score(task, t) for t in texts))
+        return list(rewards), [len(c.token_ids) for c in completions]
+
+    results = await asyncio.gather(*(one(i) for i in range(count)))
+    rewards = [r for rs, _ in results for r in rs if r is not None]
+    lengths = [n for _, ns in results for n in ns]
+    passed = [any(r is not None and r >= pass_threshold for r in rs) for rs, _ in results]
+    return {
+        "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "pass_at_k": sum(passed) / max(1, len(passed)),
+        "k": pass_k,
+        "num_examples": count,
+        "completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "reward_missing": sum(r is None for rs, _ in results for r in rs),
+    }

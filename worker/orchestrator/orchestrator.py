@@ -1,0 +1,359 @@
+"""Orchestrator process: environments -> rollouts -> rewards -> advantages -> packed batches.
+
+One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
+
+- **producer**: for step n, waits until inference serves policy version >= n - 1 - max_async_level
+  (the wait is ``wait_for_policy``; 0 async levels = on-policy), then starts the step's groups.
+  Step n always takes tasks [(n-1)·B, n·B) of the data order, so a resumed run sees the same data.
+- **group rollout**: one vLLM request with ``n = group_size`` on the chat-templated prompt ids; the
+  completion token ids and sampled-token logprobs come from vLLM (never re-tokenized); rewards come
+  from the environment's own reward functions; the request records the policy-version span
+  ``[v_start, v_end]`` it ran under.
+- **batcher** (main loop, in step order): drops rollouts whose lag ``(n - 1) - v_start`` exceeds
+  ``max_off_policy_steps`` and groups with zero advantage, packs samples into micro-batches of at
+  most ``seq_len`` tokens, writes ``batches/step_n.json``, logs metrics and rollouts, checkpoints.
+- **weight watcher**: when the trainer publishes a newer version, pause inference (in-flight
+  requests kept), load the weights in place, reset the prefix cache, resume.
+- **eval**: held-out reward and pass@k at the start, every ``eval.interval`` steps and at the end.
+
+Run as ``python -m worker.orchestrator --run-dir DIR --inference-url URL [--resume-step K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.batch import TrainSample, write_batch
+from worker.checkpoint import write_part
+from worker.envs import Environment, load_environment
+from worker.inference.client import InferenceClient, InferenceError
+from worker.orchestrator.advantages import compute_advantages, is_zero_advantage
+from worker.orchestrator.eval import evaluate, prompt_ids
+from worker.packing import completion_length, pack
+from worker.rundir import RunDir, append_jsonl
+from worker.spec import RLSpec
+
+logger = logging.getLogger("asyncrl.orchestrator")
+
+
+@dataclass
+class Rollout:
+    task_key: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    completion_text: str
+    finish_reason: str
+    reward: float | None
+    advantage: float | None
+    policy_span: tuple[int, int]
+    temperature: float
+
+    def record(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "task": self.task_key,
+            "completion": self.completion_text,
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "policy_span": list(self.policy_span),
+            "temperature": self.temperature,
+            "completion_len": len(self.completion_ids),
+            "finish_reason": self.finish_reason,
+        }
+
+
+def data_order(position: int, num_tasks: int | None, seed: int) -> int:
+    """Task index at a global position of the data order.
+
+    Endless tasksets are read in order; a finite one is reshuffled every pass (seeded by the pass
+    number), so position p lies in pass ``p // num_tasks`` and resuming at a step boundary
+    continues the same pass (case C7).
+    """
+    if num_tasks is None:
+        return position
+    epoch, offset = divmod(position, num_tasks)
+    order = list(range(num_tasks))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[offset]
+
+
+class Orchestrator:
+    def __init__(self, spec: RLSpec, run: RunDir, inference_url: str, start_step: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.spec, self.run, self.start_step = spec, run, start_step
+        inf = spec.inference
+        self.client = InferenceClient(
+            inference_url,
+            connect_timeout_s=inf.connect_timeout_s,
+            read_timeout_s=inf.read_timeout_s,
+            max_retries=inf.max_retries,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
+        self.train_env: Environment = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
+        self.eval_env: Environment = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
+        self.policy_version = start_step
+        self._version_changed = asyncio.Condition()
+        self._steps: dict[int, asyncio.Task[tuple[list[Rollout], float]]] = {}
+
+    # ------------------------------------------------------------------ policy versions
+
+    async def load_policy(self, path: Path, version: int) -> float:
+        """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds."""
+        t0 = time.perf_counter()
+        await self.client.pause()
+        try:
+            await self.client.update_weights(str(path))
+            await self.client.reset_prefix_cache()
+        finally:
+            await self.client.resume()
+        async with self._version_changed:
+            self.policy_version = version
+            self._version_changed.notify_all()
+        return time.perf_counter() - t0
+
+    async def watch_weights(self) -> None:
+        while True:
+            latest = self.run.latest_stable_weights()
+            if latest is not None and latest[0] > self.policy_version:
+                version, path = latest
+                seconds = await self.load_policy(path, version)
+                self.run.log_metrics("inference", version, {"weight_update_s": seconds})
+                logger.info("policy version %d loaded in %.2fs", version, seconds)
+            await asyncio.sleep(0.05)
+
+    async def wait_for_version(self, version: int) -> float:
+        t0 = time.perf_counter()
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.policy_version >= version)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ rollouts
+
+    async def rollout_group(self, index: int) -> list[Rollout]:
+        orch = self.spec.orchestrator
+        task = self.train_env.task(index)
+        ids = prompt_ids(self.tokenizer, self.train_env.prompt_messages(task))
+        v_start = self.policy_version
+        completions = await self.client.generate(
+            ids, n=orch.group_size, max_tokens=orch.max_tokens, temperature=orch.temperature
+        )
+        span = (v_start, self.policy_version)
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        rewards = await asyncio.gather(*(self.train_env.score(task, text) for text in texts))
+        return [
+            Rollout(
+                task_key=str(getattr(task, "key", index)),
+                prompt_ids=ids,
+                completion_ids=c.token_ids,
+                completion_logprobs=c.logprobs,
+                completion_text=text,
+                finish_reason=c.finish_reason,
+                reward=reward,
+                advantage=None,
+                policy_span=span,
+                temperature=orch.temperature,
+            )
+            for c, text, reward in zip(completions, texts, rewards, strict=True)
+        ]
+
+    async def generate_step(self, step: int) -> list[list[Rollout]]:
+        size = self.spec.orchestrator.batch_size
+        positions = range((step - 1) * size, step * size)
+        indices = [data_order(p, self.train_env.num_tasks, self.spec.seed) for p in positions]
+        return list(await asyncio.gather(*(self.rollout_group(i) for i in indices)))
+
+    async def produce(self) -> None:
+        level = self.spec.orchestrator.max_async_level
+        for step in range(self.start_step + 1, self.spec.max_steps + 1):
+            waited = await self.wait_for_version(step - 1 - level)
+            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(step), waited))
+
+    @staticmethod
+    async def _timed(coro: Any, waited: float) -> tuple[Any, float]:
+        return await coro, waited
+
+    # ------------------------------------------------------------------ batches
+
+    def build_batch(self, step: int, groups: list[list[Rollout]]) -> tuple[list[TrainSample], dict[str, float]]:
+        """Advantages, staleness filter and zero-advantage filter for one step's groups."""
+        orch = self.spec.orchestrator
+        adv_cfg = orch.advantage.model_dump(exclude={"type"})
+        samples: list[TrainSample] = []
+        stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
+        dropped_stale = dropped_zero = missing = all_missing_groups = truncated = 0
+        for group in groups:
+            lags = [(step - 1) - r.policy_span[0] for r in group]
+            lengths = [completion_length([1] * len(r.completion_ids)) for r in group]
+            result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
+            missing += result.reward_missing
+            all_missing_groups += int(result.all_missing)
+            for r, a in zip(group, result.advantages, strict=True):
+                r.advantage = a
+            stats["rewards"] += [r.reward for r in group if r.reward is not None]
+            stats["lags"] += lags
+            stats["lens"] += lengths
+            truncated += sum(r.finish_reason == "length" for r in group)
+            if result.all_missing:
+                continue
+            if orch.drop_zero_advantage and is_zero_advantage(result):
+                dropped_zero += 1
+                continue
+            for r, lag in zip(group, lags, strict=True):
+                if r.advantage is None:
+                    continue
+                if lag > orch.max_off_policy_steps:
+                    dropped_stale += 1
+                    continue
+                stats["advantages"].append(r.advantage)
+                stats["trained_lags"].append(lag)
+                samples.append(
+                    TrainSample(
+                        input_ids=r.prompt_ids + r.completion_ids,
+                        loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.completion_ids),
+                        sampling_logprobs=[0.0] * len(r.prompt_ids) + r.completion_logprobs,
+                        advantage=r.advantage,
+                        temperature=r.temperature,
+                    )
+                )
+        rewards, lags = stats["rewards"], stats["lags"]
+        metrics = {
+            "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+            "reward_std": statistics.pstdev(rewards) if rewards else float("nan"),
+            "reward_missing": missing,
+            "groups_all_missing": all_missing_groups,
+            "advantage_abs_mean": statistics.fmean(abs(a) for a in stats["advantages"]) if stats["advantages"] else 0.0,
+            "completion_len_mean": statistics.fmean(stats["lens"]) if stats["lens"] else 0.0,
+            "completion_len_max": max(stats["lens"], default=0),
+            "truncated_fraction": truncated / max(1, len(lags)),
+            "staleness_mean": statistics.fmean(lags) if lags else 0.0,
+            "staleness_max": max(lags, default=0),
+            "trained_staleness_max": max(stats["trained_lags"], default=0),
+            "dropped_stale": dropped_stale,
+            "dropped_zero_advantage_groups": dropped_zero,
+            "num_samples": len(samples),
+        }
+        return samples, metrics
+
+    def write_step(self, step: int, samples: list[TrainSample]) -> None:
+        seq_len = self.spec.orchestrator.seq_len
+        bins = pack([len(s["input_ids"]) for s in samples], seq_len)
+        write_batch(
+            self.run.batch(step),
+            {
+                "step": step,
+                "num_samples": len(samples),
+                "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+                "micro_batches": [[samples[i] for i in b] for b in bins],
+            },
+        )
+
+    def save_state(self, step: int) -> None:
+        size = self.spec.orchestrator.batch_size
+        state = {"step": step, "data_cursor": step * size, "seed": self.spec.seed}
+
+        def write(folder: Path) -> None:
+            (folder / "state.json").write_text(json.dumps(state))
+
+        write_part(self.run, step, "orchestrator", write)
+
+    # ------------------------------------------------------------------ evals
+
+    async def run_eval(self) -> dict[str, float]:
+        ev = self.spec.orchestrator.eval
+        version = self.policy_version
+        result = await evaluate(
+            self.client, self.eval_env, self.tokenizer,
+            num_examples=ev.num_examples, temperature=ev.temperature, max_tokens=self.spec.orchestrator.max_tokens,
+            pass_k=ev.pass_k, pass_threshold=ev.pass_threshold,
+        )
+        self.run.log_metrics("eval", version, result)
+        logger.info("eval at policy version %d: %s", version, result)
+        return result
+
+    # ------------------------------------------------------------------ main loop
+
+    async def main_loop(self) -> None:
+        spec = self.spec
+        await self.client.wait_ready(spec.inference.startup_timeout_s)
+        if self.start_step > 0:
+            await self.load_policy(self.run.checkpoint_dir(self.start_step) / "trainer", self.start_step)
+        elif spec.inference.url is not None and Path(spec.model.name).is_dir():
+            await self.load_policy(Path(spec.model.name), 0)  # a shared server may hold another run's weights
+        if self.start_step == 0:
+            await self.run_eval()
+        watcher = asyncio.create_task(self.watch_weights())
+        producer = asyncio.create_task(self.produce())
+        try:
+            for step in range(self.start_step + 1, spec.max_steps + 1):
+                while step not in self._steps:
+                    await asyncio.sleep(0.01)
+                    if producer.done():
+                        producer.result()
+                t0 = time.perf_counter()
+                groups, wait_for_policy = await self._steps.pop(step)
+                gen_s = time.perf_counter() - t0
+                samples, metrics = self.build_batch(step, groups)
+                self.write_step(step, samples)
+                for group in groups:
+                    for r in group:
+                        append_jsonl(self.run.rollout_file(step), r.record(step))
+                n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
+                self.run.log_metrics(
+                    "orchestrator",
+                    step,
+                    {
+                        **metrics,
+                        "wait_for_policy_s": wait_for_policy,
+                        "rollout_tokens": n_tokens,
+                        "batch_wait_s": gen_s,
+                        "policy_version": self.policy_version,
+                        "temperature": spec.orchestrator.temperature,
+                    },
+                )
+                if spec.ckpt.interval and step % spec.ckpt.interval == 0:
+                    self.save_state(step)
+                ev = spec.orchestrator.eval
+                if ev.interval and step % ev.interval == 0 and step < spec.max_steps:
+                    await self.run_eval()
+            await self.wait_for_version(spec.max_steps)
+            await self.run_eval()
+        finally:
+            for task in (watcher, producer, *self._steps.values()):
+                task.cancel()
+            await self.client.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.orchestrator")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--inference-url", required=True)
+    parser.add_argument("--resume-step", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run = RunDir(args.run_dir)
+    spec = RLSpec.model_validate_json(run.config.read_text())
+    orchestrator = Orchestrator(spec, run, args.inference_url, args.resume_step)
+    try:
+        asyncio.run(orchestrator.main_loop())
+    except InferenceError as err:
+        run.log_event("failed", process="orchestrator", reason=str(err))
+        logger.error("%s", err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

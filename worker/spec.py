@@ -1,0 +1,383 @@
+"""Run-spec schema: the one description of an RL, SFT or eval run.
+
+People write TOML (``asyncrl rl @ base.toml @ override.toml --trainer.optim.lr 1e-5``); the program
+writes the resolved spec as JSON into the run directory and the service stores it in Postgres.
+
+This module imports nothing heavy (no torch, vllm, fastapi): the server validates specs with it,
+and ``tests/unit/test_spec.py`` checks that in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message is one line naming the field and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------- model / env
+
+
+class ModelConfig(_Strict):
+    name: str
+    """HF model id or local path (a directory written by ``save_pretrained``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and compute dtype of the trainer and of vLLM."""
+
+
+class EnvConfig(_Strict):
+    id: str = "reverse_text"
+    """Built-in environment (``reverse_text``, ``arithmetic``) or ``package.module:function`` returning a Taskset."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment loader (e.g. ``num_train``, ``max_chars``)."""
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+class InferenceConfig(_Strict):
+    url: str | None = None
+    """Use an already running vLLM server at this base URL instead of starting one."""
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port."""
+    max_model_len: int = Field(512, ge=16)
+    """vLLM context length in tokens."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra ``api_server`` flags, passed through unchanged."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(3, ge=0, le=20)
+    """Retries of one request (exponential backoff) before the run fails."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+
+
+# ----------------------------------------------------------------------------- orchestrator
+
+
+class AdvantageConfig(_Strict):
+    type: Literal["grpo", "maxrl"] = "grpo"
+    std_normalize: bool = False
+    """GRPO: divide by the group reward std (floored at ``std_floor``)."""
+    std_floor: float = Field(1e-2, gt=0)
+    length_penalty: float = Field(0.0, ge=0)
+    """Shaping against longer completions within a group (0 = off)."""
+
+
+class EvalConfig(_Strict):
+    interval: int = Field(0, ge=0)
+    """Run an online eval every this many steps (0 = only at the start and the end)."""
+    num_examples: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of evals (0 = greedy)."""
+    pass_k: int = Field(1, ge=1)
+    """Samples per eval task; reports mean reward and pass@k (reward >= ``pass_threshold``)."""
+    pass_threshold: float = Field(1.0, ge=0, le=1)
+
+
+class OrchestratorConfig(_Strict):
+    batch_size: int = Field(8, ge=1)
+    """Tasks (groups) per step."""
+    group_size: int = Field(8, ge=1)
+    """Rollouts per task."""
+    max_tokens: int = Field(64, ge=1)
+    """Completion token budget per rollout."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer scales its logits by the same value."""
+    seq_len: int = Field(2048, ge=8)
+    """Micro-batch size in tokens: samples are packed into sequences of at most this length."""
+    max_async_level: int = Field(1, ge=0)
+    """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level."""
+    max_off_policy_steps: int = Field(8, ge=0)
+    """A rollout whose generating policy version lags the trainer's (n - 1) by more than this is dropped."""
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    drop_zero_advantage: bool = True
+    """Drop groups whose advantages are all zero (no learning signal)."""
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"expected two values in [0, 1), got {list(v)}")
+        return v
+
+
+class SchedulerConfig(_Strict):
+    type: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class _LossBase(_Strict):
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per sample (geometric mean over its loss tokens)."""
+
+
+class DppoKlLoss(_LossBase):
+    type: Literal["dppo_kl"] = "dppo_kl"
+    mask_low: float = Field(0.2, gt=0)
+    mask_high: float = Field(0.2, gt=0)
+    kl_tau: float = Field(1e-3, ge=0)
+
+
+class IpoLoss(_LossBase):
+    type: Literal["ipo"] = "ipo"
+    epsilon: float = Field(0.2, gt=0)
+
+
+class IcePopLoss(_LossBase):
+    type: Literal["icepop"] = "icepop"
+    band: tuple[float, float] = (0.5, 5.0)
+
+    @field_validator("band")
+    @classmethod
+    def _band(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < v[0] < 1 < v[1]:
+            raise ValueError(f"expected [low, high] with 0 < low < 1 < high, got {list(v)}")
+        return v
+
+
+class AipoLoss(_LossBase):
+    type: Literal["aipo"] = "aipo"
+    max_ratio: float = Field(2.0, gt=1)
+
+
+LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss, Field(discriminator="type")]
+
+
+class TrainerConfig(_Strict):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    loss: LossConfig = Field(default_factory=DppoKlLoss)
+    threads: int = Field(1, ge=1)
+    """torch intra-op threads of the trainer process (CPU)."""
+    slow_step_s: float = Field(0.0, ge=0)
+    """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
+
+
+class CheckpointConfig(_Strict):
+    interval: int = Field(0, ge=0)
+    """Save trainer and orchestrator state every this many steps (0 = never)."""
+    keep: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk."""
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _check_run_name(cls: type, v: str) -> str:
+    """Run names become directory names: letters, digits, '-', '_', '.' (not leading)."""
+    if not v or v.startswith(".") or not all(c.isalnum() or c in "-_." for c in v):
+        raise ValueError(f"expected letters, digits, '-', '_' or '.', got {v!r}")
+    return v
+
+
+class RLSpec(_Strict):
+    kind: Literal["rl"] = "rl"
+    name: str = "rl"
+    output_dir: str = "outputs"
+    """Run directories are created below this folder, as ``<output_dir>/<name>``."""
+    seed: int = 0
+    max_steps: int = Field(100, ge=1)
+    model: ModelConfig
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    _name = field_validator("name")(_check_run_name)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RLSpec:
+        adv, orch = self.orchestrator.advantage, self.orchestrator
+        if adv.type == "grpo" and orch.group_size < 2:
+            raise ValueError(
+                f"orchestrator.group_size: GRPO needs at least 2 rollouts per group, got {orch.group_size}"
+            )
+        if orch.max_tokens >= self.inference.max_model_len:
+            raise ValueError(
+                f"orchestrator.max_tokens: must be below inference.max_model_len ({self.inference.max_model_len}), "
+                f"got {orch.max_tokens}"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+class SFTDataConfig(_Strict):
+    num_examples: int = Field(4096, ge=1)
+    """Generated prompt/completion pairs (from the environment's train split)."""
+    batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step."""
+
+
+class SFTSpec(_Strict):
+    kind: Literal["sft"] = "sft"
+    name: str = "sft"
+    output_dir: str = "outputs"
+    seed: int = 0
+    max_steps: int = Field(200, ge=1)
+    model: ModelConfig
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    seq_len: int = Field(2048, ge=8)
+    """Packed sequence length in tokens."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    threads: int = Field(2, ge=1)
+    eval_interval: int = Field(0, ge=0)
+    """Greedy held-out eval every this many steps (0 = at the end only)."""
+    eval_examples: int = Field(64, ge=1)
+
+    _name = field_validator("name")(_check_run_name)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+SPEC_TYPES: dict[str, type[_Strict]] = {"rl": RLSpec, "sft": SFTSpec}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _closest_key(model: type[BaseModel], key: str) -> str | None:
+    matches = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
+    """The pydantic model class a field holds, resolving the loss union by its ``type``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = getattr(annotation, "__args__", ()) or ()
+    for arg in args:
+        inner = _submodel(arg, value)
+        if inner is None:
+            continue
+        type_field = inner.model_fields.get("type")
+        if type_field is None or not isinstance(value, dict) or value.get("type", type_field.default) == type_field.default:
+            return inner
+    return None
+
+
+def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> None:
+    """Reject keys the schema does not know, naming the dotted key and the closest valid one.
+
+    Raises:
+        SpecError: ``unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)``.
+    """
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in model.model_fields:
+            hint = _closest_key(model, key)
+            valid = ", ".join(sorted(model.model_fields))
+            suggestion = f"did you mean '{prefix}{hint}'?" if hint else f"valid keys here: {valid}"
+            raise SpecError(f"unknown key '{dotted}' ({suggestion})")
+        inner = _submodel(model.model_fields[key].annotation, value)
+        if inner is not None and isinstance(value, dict):
+            check_unknown_keys(inner, value, prefix=f"{dotted}.")
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p in {"dppo_kl", "ipo", "icepop", "aipo"}))
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "literal_error" or first["type"] == "union_tag_invalid":
+        msg = f"{msg} (got {first.get('input')!r})"
+    return f"{loc}: {msg}" if loc else msg
+
+
+def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
+    """Validate a raw mapping into a spec of ``kind`` (``rl`` or ``sft``).
+
+    Raises:
+        SpecError: one line naming the field and what is allowed.
+    """
+    if kind not in SPEC_TYPES:
+        raise SpecError(f"kind: expected one of {sorted(SPEC_TYPES)}, got {kind!r}")
+    model = SPEC_TYPES[kind]
+    data = dict(data)
+    data.setdefault("kind", kind)
+    if data["kind"] != kind:
+        raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
+    check_unknown_keys(model, data)
+    try:
+        return model.model_validate(data)  # type: ignore[return-value]
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err)) from None
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``override`` into a copy of ``base``; nested tables merge, other values are replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override_value(text: str) -> Any:
+    """A CLI value as a TOML literal (``1e-5``, ``true``, ``[0.5, 5]``), else as a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) -> dict[str, Any]:
+    """Read TOML/JSON files (later files win) and apply ``--dotted.key value`` overrides.
+
+    Raises:
+        SpecError: a file that does not exist or does not parse.
+    """
+    import json
+
+    data: dict[str, Any] = {}
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise SpecError(f"config file not found: {path}")
+        try:
+            text = path.read_text()
+            layer = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {err}") from None
+        data = deep_merge(data, layer)
+    for dotted, raw in overrides:
+        layer: dict[str, Any] = {}
+        cursor = layer
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            cursor = cursor.setdefault(part, {})
+        cursor[parts[-1]] = parse_override_value(raw)
+        data = deep_merge(data, layer)
+    return data

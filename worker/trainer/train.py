@@ -1,0 +1,166 @@
+"""RL trainer process: batches in, policy versions out.
+
+One loop, in reading order (torchtitan's ``Trainer.train`` shape): wait for ``batches/step_n.json``
+(the wait is ``wait_for_batch``), compute trainer logprobs of the sampled tokens at the sampling
+temperature, the configured loss (``worker/trainer/loss``), clip gradients, step, publish policy
+version n to ``weights/step_n``, log metrics, checkpoint in the background. Batch n is built by the
+orchestrator from rollouts of policies <= n - 1, so this step trains policy v(n-1) into v(n).
+
+The trainer knows no RL algorithm: advantages arrive in the batch.
+
+Run as ``python -m worker.trainer --run-dir DIR [--resume-step K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from worker.batch import Batch, read_batch
+from worker.rundir import RunDir
+from worker.spec import RLSpec
+from worker.trainer.common import (
+    BackgroundCheckpointer,
+    build_optimizer,
+    build_scheduler,
+    load_trainer_state,
+    micro_batch_tensors,
+    publish_weights,
+    save_final,
+)
+from worker.trainer.loss import LossInputs, compute_sample_loss
+from worker.trainer.loss.common import entropy_from_logits, selective_log_softmax
+
+logger = logging.getLogger("asyncrl.trainer")
+
+
+def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch, float]:
+    """Block until batch ``step`` exists; returns it and the wait in seconds."""
+    path, t0 = run.batch(step), time.perf_counter()
+    while not path.exists():
+        time.sleep(poll_s)
+    return read_batch(path), time.perf_counter() - t0
+
+
+def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec) -> dict[str, float]:
+    """Forward/backward over every micro-batch of ``batch``; gradients summed, not applied.
+
+    Each loss term is a sum over kept tokens; dividing by the batch's loss-token count makes the
+    step's loss a token-level mean over the whole batch (DAPO-style token normalisation).
+
+    Returns:
+        Sums of per-token metrics divided by the loss-token count, plus ``entropy``.
+    """
+    loss_cfg = spec.trainer.loss
+    params = loss_cfg.model_dump(exclude={"type"})
+    n_tokens = max(batch["num_loss_tokens"], 1)
+    sums: dict[str, float] = defaultdict(float)
+    autocast = spec.model.dtype == "bfloat16"
+    for samples in batch["micro_batches"]:
+        t = micro_batch_tensors(samples)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(
+                input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask
+            ).logits[0].float()  # [T, vocab]
+        total = logits.new_zeros(())
+        for (start, length), sample in zip(t.spans, samples, strict=True):
+            # position p predicts token p + 1 of the same sample
+            sample_logits = logits[start : start + length - 1] / sample["temperature"]  # [L-1, vocab]
+            targets = t.input_ids[0, start + 1 : start + length]  # [L-1]
+            mask = t.loss_mask[start + 1 : start + length]  # [L-1]
+            trainer_lp = selective_log_softmax(sample_logits, targets)  # [L-1]
+            out = compute_sample_loss(
+                loss_cfg.type,
+                LossInputs(
+                    trainer_logprobs=trainer_lp,
+                    sampling_logprobs=t.sampling_logprobs[start + 1 : start + length],
+                    advantages=torch.full_like(trainer_lp, sample["advantage"]),
+                    loss_mask=mask,
+                ),
+                **params,
+            )
+            total = total + out.loss
+            for name, value in out.metrics.items():
+                sums[name] += float(value)
+            with torch.no_grad():
+                sums["entropy"] += float(entropy_from_logits(sample_logits.detach())[mask].sum())
+        (total / n_tokens).backward()
+        sums["loss"] += float(total.detach())
+    return {name: value / n_tokens for name, value in sums.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.trainer")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--resume-step", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+
+    run = RunDir(args.run_dir)
+    spec = RLSpec.model_validate_json(run.config.read_text())
+    torch.set_num_threads(spec.trainer.threads)
+    torch.manual_seed(spec.seed)
+    random.seed(spec.seed)
+
+    from worker.models import load_model
+
+    model = load_model(spec.model.name, dtype="float32")  # fp32 master weights; bf16 through autocast
+    model.train()
+    optimizer = build_optimizer(model, spec.trainer.optim)
+    scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)
+    start = 0
+    if args.resume_step is not None:
+        start = load_trainer_state(run.checkpoint_dir(args.resume_step) / "trainer", model, optimizer, scheduler)
+        logger.info("resumed from checkpoint step %d", start)
+    checkpointer = BackgroundCheckpointer(run, keep=spec.ckpt.keep)
+
+    for step in range(start + 1, spec.max_steps + 1):
+        batch, waited = wait_for_batch(run, step)
+        t0 = time.perf_counter()
+        metrics = train_step(model, batch, spec) if batch["num_samples"] else {}
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        if batch["num_samples"]:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        compute_s = time.perf_counter() - t0
+        publish_weights(model, run, step, keep_versions=spec.orchestrator.max_async_level + 3)
+        step_s = time.perf_counter() - t0
+        n_tok = sum(len(s["input_ids"]) for mb in batch["micro_batches"] for s in mb)
+        run.log_metrics(
+            "trainer",
+            step,
+            {
+                **metrics,
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "num_samples": batch["num_samples"],
+                "num_loss_tokens": batch["num_loss_tokens"],
+                "tokens_per_s": n_tok / compute_s if compute_s > 0 else 0.0,
+                "step_time_s": step_s + waited,
+                "wait_for_batch_s": waited,
+                "policy_version": step,
+            },
+        )
+        logger.info("step %d loss %.4f mismatch_kl %.2e grad_norm %.3f wait_for_batch %.2fs",
+                    step, metrics.get("loss", 0.0), metrics.get("mismatch_kl", 0.0), float(grad_norm), waited)
+        if spec.ckpt.interval and step % spec.ckpt.interval == 0:
+            checkpointer.save(step, model, optimizer, scheduler)
+        if spec.trainer.slow_step_s:
+            time.sleep(spec.trainer.slow_step_s)
+    checkpointer.wait()
+    save_final(model, spec.model.name, run.final)
+    logger.info("done: %d steps", spec.max_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
