@@ -309,8 +309,11 @@ def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p in {"dppo_kl", "ipo", "icepop", "aipo"}))
     msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "literal_error" or first["type"] == "union_tag_invalid":
-        msg = f"{msg} (got {first.get('input')!r})"
+    if first["type"] == "union_tag_invalid":
+        ctx = first.get("ctx", {})
+        return f"{loc}.type: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
+    if first["type"] == "literal_error":
+        msg = f"{msg}, got {first.get('input')!r}"
     return f"{loc}: {msg}" if loc else msg
 
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker.models import load_model
 
-    model = load_model(spec.model.name, dtype="float32")  # fp32 master weights; bf16 through autocast
+    model = load_model(spec.model.name, dtype="float32", attn_implementation="sdpa")  # fp32 master weights; bf16 through autocast
     model.train()
     optimizer = build_optimizer(model, spec.trainer.optim)
     scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)

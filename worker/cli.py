@@ -1,0 +1,164 @@
+"""``asyncrl`` command line.
+
+    asyncrl rl   @ configs/reverse_text/rl.toml [@ more.toml] [--trainer.optim.lr 1e-5] [--dry-run] [--resume]
+    asyncrl sft  @ configs/reverse_text/sft.toml [--max_steps 100] [--dry-run]
+    asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
+    asyncrl model init --out DIR [--size tiny|small]
+    asyncrl demo --local --summary PATH
+
+Spec files are TOML (or JSON), later ones win; ``--dotted.key value`` overrides win over files.
+Bad input exits with code 2 and one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from worker.spec import SpecError, load_spec_data, validate_spec
+
+FLAGS = {"--dry-run", "--resume", "--overwrite", "--quiet"}
+
+
+def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
+    """Split ``@ file`` / ``@file`` arguments, ``--dotted.key value`` overrides and flags.
+
+    Raises:
+        SpecError: an override without a value, or a stray argument.
+    """
+    files: list[str] = []
+    overrides: list[tuple[str, str]] = []
+    flags: set[str] = set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "@":
+            if i + 1 >= len(argv):
+                raise SpecError("'@' must be followed by a config file")
+            files.append(argv[i + 1])
+            i += 2
+        elif arg.startswith("@"):
+            files.append(arg[1:])
+            i += 1
+        elif arg in FLAGS:
+            flags.add(arg)
+            i += 1
+        elif arg.startswith("--"):
+            key, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SpecError(f"--{key}: missing value")
+                value = argv[i + 1]
+                i += 1
+            overrides.append((key.replace("-", "_"), value))
+            i += 1
+        else:
+            raise SpecError(f"unexpected argument {arg!r} (config files go after '@', overrides as --key value)")
+    return files, overrides, flags
+
+
+def _spec_command(kind: str, argv: list[str]) -> int:
+    files, overrides, flags = split_spec_args(argv)
+    spec = validate_spec(kind, load_spec_data(files, overrides))
+    if "--dry-run" in flags:
+        print(spec.model_dump_json(indent=2))  # noqa: T201
+        return 0
+    if kind == "rl":
+        from worker.launchers.local import launch_rl
+
+        summary = launch_rl(spec, resume="--resume" in flags, overwrite="--overwrite" in flags,  # type: ignore[arg-type]
+                            quiet="--quiet" in flags)
+        return 0 if summary["status"] == "completed" else 1
+    from worker.trainer.sft import run_sft
+
+    run_sft(spec, overwrite="--overwrite" in flags)  # type: ignore[arg-type]
+    return 0
+
+
+def _eval_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl eval", description="Held-out reward and pass@k of a model.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model path or HF name (starts a vLLM server for the eval)")
+    src.add_argument("--url", help="base URL of a running vLLM server")
+    p.add_argument("--tokenizer", help="tokenizer path or name (default: --model, or the server's model)")
+    p.add_argument("--env", default="reverse_text")
+    p.add_argument("--env-args", default="{}", help="JSON object of environment arguments")
+    p.add_argument("--num-examples", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--pass-k", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="write the result JSON here")
+    args = p.parse_args(argv)
+    from worker.evaluation import run_eval
+
+    result = run_eval(
+        model=args.model, url=args.url, tokenizer=args.tokenizer, env_id=args.env,
+        env_args=json.loads(args.env_args), num_examples=args.num_examples, temperature=args.temperature,
+        max_tokens=args.max_tokens, pass_k=args.pass_k, seed=args.seed,
+    )
+    text = json.dumps(result, indent=2)
+    print(text)  # noqa: T201
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+def _model_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl model")
+    sub = p.add_subparsers(dest="action", required=True)
+    init = sub.add_parser("init", help="build a tiny random-init Qwen3 model and byte-level tokenizer")
+    init.add_argument("--out", required=True, type=Path)
+    init.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    init.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from worker.models import init_model
+
+    path = init_model(args.out, size=args.size, seed=args.seed)
+    print(f"model written to {path}")  # noqa: T201
+    return 0
+
+
+def _demo_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl demo", description="tiny model -> SFT warm-up -> RL on reverse-text")
+    p.add_argument("--local", action="store_true", help="run the processes here, without the service")
+    p.add_argument("--summary", type=Path, default=Path("outputs/demo/summary.json"))
+    p.add_argument("--output-dir", default="outputs/demo")
+    p.add_argument("--rl-steps", type=int, default=None, help="override the RL step count")
+    p.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
+    args = p.parse_args(argv)
+    if not args.local:
+        raise SpecError("demo: only --local exists so far (the service-backed demo comes with the control plane)")
+    from worker.demo import run_demo
+
+    summary = run_demo(args.output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps)
+    print(json.dumps(summary, indent=2))  # noqa: T201
+    return 0
+
+
+COMMANDS: dict[str, Any] = {
+    "rl": lambda argv: _spec_command("rl", argv),
+    "sft": lambda argv: _spec_command("sft", argv),
+    "eval": _eval_command,
+    "model": _model_command,
+    "demo": _demo_command,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"} or argv[0] not in COMMANDS:
+        print(__doc__)  # noqa: T201
+        return 0 if not argv or argv[0] in {"-h", "--help"} else 2
+    try:
+        return int(COMMANDS[argv[0]](argv[1:]))
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

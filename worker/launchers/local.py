@@ -1,0 +1,240 @@
+"""Local launcher: the three processes of an RL run as children of this process.
+
+``launch_rl`` checks the spec against the world first (model loads, environment imports, prompts fit
+``seq_len``) and only then creates the run directory, so bad input leaves nothing behind. It starts
+inference (unless ``inference.url`` names a running server), trainer and orchestrator, prints one
+line per step from ``metrics.jsonl``, and ends the run when trainer and orchestrator have exited:
+``completed`` when both exit 0, ``failed`` with the process, exit code and log path otherwise. Any
+exit tears the other processes down; children also die with this process (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.checkpoint import resume_step
+from worker.rundir import RunDir, atomic_write_json, read_jsonl
+from worker.spec import RLSpec, SpecError
+
+logger = logging.getLogger("asyncrl.launcher")
+PROCESSES = ("inference", "trainer", "orchestrator")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    os.setpgrp()
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own process group, output to ``log_path``, dying with this process."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent, cwd=os.getcwd(),
+        )
+
+
+def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def preflight(spec: RLSpec) -> None:
+    """Check what the schema cannot: the model loads, the environment imports, prompts fit.
+
+    Raises:
+        SpecError: one line naming the field.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from worker.envs import EnvironmentLoadError, load_environment
+    from worker.orchestrator.eval import prompt_ids
+
+    try:
+        AutoConfig.from_pretrained(spec.model.name)
+        tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecError(f"model.name: cannot load {spec.model.name!r} as a local path or HF model ({first})") from None
+    try:
+        env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
+    except (EnvironmentLoadError, TypeError, ValueError) as err:
+        raise SpecError(f"env: {err}") from None
+    orch = spec.orchestrator
+    longest = max(len(prompt_ids(tokenizer, env.prompt_messages(env.task(i)))) for i in range(8))
+    if longest + orch.max_tokens > orch.seq_len:
+        raise SpecError(
+            f"orchestrator.seq_len: {orch.seq_len} tokens cannot hold a {longest}-token prompt plus "
+            f"max_tokens {orch.max_tokens}; use at least {longest + orch.max_tokens}"
+        )
+    if longest + orch.max_tokens > spec.inference.max_model_len:
+        raise SpecError(
+            f"inference.max_model_len: {spec.inference.max_model_len} cannot hold a {longest}-token prompt plus "
+            f"max_tokens {orch.max_tokens}; use at least {longest + orch.max_tokens}"
+        )
+
+
+def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
+    """Create (or, with ``resume``, reopen) the run directory; returns it and the resume step.
+
+    Raises:
+        SpecError: the directory exists without ``--resume``/``--overwrite``, or nothing to resume.
+    """
+    run = RunDir(spec.run_dir)
+    step = None
+    if resume:
+        if not run.config.exists():
+            raise SpecError(f"--resume: no run at {run.root} (start it without --resume)")
+        step = resume_step(run)
+        if step is None:
+            raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
+        run.prune_after(step)
+    elif run.root.exists():
+        if not overwrite:
+            raise SpecError(f"run directory {run.root} exists: pass --resume to continue it or --overwrite to replace it")
+        shutil.rmtree(run.root)
+    run.create()
+    atomic_write_json(run.config, json.loads(spec.model_dump_json()))
+    return run, step
+
+
+def _step_line(step: int, max_steps: int, orch: dict[str, Any], trainer: dict[str, Any]) -> str:
+    def f(d: dict[str, Any], key: str, fmt: str) -> str:
+        value = d.get(key)
+        return format(value, fmt) if isinstance(value, int | float) else "-"
+
+    return (
+        f"step {step:>4}/{max_steps} | reward {f(orch, 'reward_mean', '.3f')} | loss {f(trainer, 'loss', '+.4f')}"
+        f" | mismatch_kl {f(trainer, 'mismatch_kl', '.1e')} | stale {f(orch, 'staleness_mean', '.1f')}"
+        f"/{f(orch, 'staleness_max', 'd')} drop {f(orch, 'dropped_stale', 'd')}"
+        f" | wait_for_batch {f(trainer, 'wait_for_batch_s', '.2f')}s wait_for_policy {f(orch, 'wait_for_policy_s', '.2f')}s"
+        f" | {f(trainer, 'tokens_per_s', '.0f')} tok/s"
+    )
+
+
+def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
+    """Run summary from ``metrics.jsonl``: first/last eval, last-3 mean ``mismatch_kl``, steps."""
+    rows = read_jsonl(run.metrics)
+    evals = sorted((r for r in rows if r["source"] == "eval"), key=lambda r: r["step"])
+    trainer = sorted((r for r in rows if r["source"] == "trainer"), key=lambda r: r["step"])
+    orch = [r for r in rows if r["source"] == "orchestrator"]
+    last3 = [r.get("mismatch_kl", float("nan")) for r in trainer[-3:]]
+    return {
+        "status": status,
+        "steps": trainer[-1]["step"] if trainer else 0,
+        "wall_s": round(wall_s, 1),
+        "eval_reward_first": evals[0]["reward_mean"] if evals else None,
+        "eval_reward_first_version": evals[0]["step"] if evals else None,
+        "eval_reward_last": evals[-1]["reward_mean"] if evals else None,
+        "eval_reward_last_version": evals[-1]["step"] if evals else None,
+        "pass_at_k_last": evals[-1]["pass_at_k"] if evals else None,
+        "mismatch_kl": sum(last3) / len(last3) if last3 else None,
+        "dropped_stale": sum(r.get("dropped_stale", 0) for r in orch),
+        "max_trained_staleness": max((r.get("trained_staleness_max", 0) for r in orch), default=0),
+    }
+
+
+def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run an RL spec to its end with local processes; returns the summary (also in ``summary.json``).
+
+    Raises:
+        SpecError: bad input found before anything was started (nothing is left on disk).
+    """
+    preflight(spec)
+    run, start = prepare_run_dir(spec, resume=resume, overwrite=overwrite)
+    t_start = time.time()
+    run.log_event("starting", resume_step=start)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
+    status, reason = "failed", ""
+    try:
+        url = spec.inference.url
+        if url is None:
+            from worker.inference.server import server_command, server_env, wait_ready
+
+            port = spec.inference.port or free_port()
+            url = f"http://{spec.inference.host}:{port}"
+            cmd = server_command(
+                spec.model.name, spec.inference.host, port, max_model_len=spec.inference.max_model_len,
+                dtype=spec.model.dtype, seed=spec.seed,
+                extra_args=[f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
+                            *spec.inference.extra_args],
+            )
+            procs["inference"] = spawn(cmd, run.logs / "inference.log", server_env())
+            say(f"starting vLLM at {url} (log: {run.logs / 'inference.log'})")
+            wait_ready(url, spec.inference.startup_timeout_s, procs["inference"], run.logs / "inference.log")
+        resume_args = ["--resume-step", str(start)] if start else []
+        procs["trainer"] = spawn(
+            [sys.executable, "-m", "worker.trainer", "--run-dir", str(run.root), *resume_args], run.logs / "trainer.log"
+        )
+        procs["orchestrator"] = spawn(
+            [sys.executable, "-m", "worker.orchestrator", "--run-dir", str(run.root), "--inference-url", url,
+             *resume_args],
+            run.logs / "orchestrator.log",
+        )
+        run.log_event("running", inference_url=url, pids={k: p.pid for k, p in procs.items()})
+        say(f"run {spec.name}: {run.root} (resume from step {start})" if start else f"run {spec.name}: {run.root}")
+        status, reason = _follow(spec, run, procs, say, start or 0)
+    except KeyboardInterrupt:
+        status, reason = "cancelled", "interrupted"
+    except Exception as err:  # the run is failed with the reason, whatever broke
+        status, reason = "failed", f"{type(err).__name__}: {err}"
+    finally:
+        for proc in procs.values():
+            kill_group(proc)
+    summary = summarize(run, time.time() - t_start, status)
+    atomic_write_json(run.summary, summary)
+    run.log_event(status, reason=reason)
+    say(f"{status}{': ' + reason if reason else ''} | summary: {run.summary}")
+    return summary
+
+
+def _follow(spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int) -> tuple[str, str]:
+    printed, evals_said = start, 0
+    while True:
+        rows = read_jsonl(run.metrics)
+        by = {(r["source"], r["step"]): r for r in rows}
+        while ("trainer", printed + 1) in by:
+            printed += 1
+            say(_step_line(printed, spec.max_steps, by.get(("orchestrator", printed), {}), by[("trainer", printed)]))
+        evals = [r for r in rows if r["source"] == "eval"]
+        for r in evals[evals_said:]:
+            say(f"eval at policy version {r['step']}: reward {r['reward_mean']:.3f} pass@{r['k']} {r['pass_at_k']:.3f}")
+        evals_said = len(evals)
+        for name, proc in procs.items():
+            code = proc.poll()
+            if code is not None and code != 0:
+                return "failed", f"{name} exited with code {code} (log: {run.logs / (name + '.log')})"
+            if code is not None and name == "inference":
+                return "failed", f"inference exited (log: {run.logs / 'inference.log'})"
+        if all(procs[n].poll() == 0 for n in ("trainer", "orchestrator")):
+            return "completed", ""
+        time.sleep(0.5)

@@ -1,0 +1,150 @@
+"""Supervised fine-tuning on an environment's own (prompt, reference answer) pairs.
+
+The prompt is the environment's chat prompt with the assistant turn opened; the target is the
+task's reference answer (``task.data.answer``) followed by the end-of-turn token. The loss is
+cross-entropy on assistant tokens only, a token-level mean over the step's batch; samples are
+packed into rows of at most ``seq_len`` tokens with attention kept inside each sample. A greedy
+held-out eval (the environment's reward) runs every ``eval_interval`` steps and at the end; the
+trained model is saved with ``save_pretrained`` to ``<run>/final`` and checkpoints to
+``<run>/checkpoints/step_<n>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from worker.envs import load_environment
+from worker.orchestrator.eval import prompt_ids
+from worker.orchestrator.orchestrator import data_order
+from worker.packing import pack
+from worker.rundir import RunDir, atomic_write_json
+from worker.spec import SFTSpec, SpecError
+from worker.trainer.common import build_optimizer, build_scheduler, micro_batch_tensors, save_final
+from worker.trainer.loss.common import selective_log_softmax
+
+logger = logging.getLogger("asyncrl.sft")
+
+
+def sft_sample(tokenizer: Any, messages: list[dict[str, Any]], answer: str) -> dict[str, list[int]]:
+    """Token ids of prompt + answer + end-of-turn, with the loss mask on the answer tokens."""
+    prompt = prompt_ids(tokenizer, messages)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    completion = tokenizer.encode(answer, add_special_tokens=False) + [end]
+    return {"input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion)}
+
+
+def sft_loss(model: torch.nn.Module, samples: list[dict[str, list[int]]], n_tokens: int) -> torch.Tensor:
+    """Cross-entropy over the loss-mask tokens of one packed micro-batch, divided by ``n_tokens``."""
+    t = micro_batch_tensors(samples)
+    logits = model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask).logits[0]
+    total = logits.new_zeros(())
+    for start, length in t.spans:
+        lp = selective_log_softmax(logits[start : start + length - 1].float(), t.input_ids[0, start + 1 : start + length])
+        total = total - lp[t.loss_mask[start + 1 : start + length]].sum()
+    return total / max(n_tokens, 1)
+
+
+@torch.no_grad()
+def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new_tokens: int = 64) -> float:
+    """Mean environment reward of greedy completions on the first ``num_examples`` eval tasks."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
+    tasks = [env.task(i) for i in range(count)]
+    prompts = [prompt_ids(tokenizer, env.prompt_messages(t)) for t in tasks]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+    async def score_all() -> list[float | None]:
+        return list(await asyncio.gather(*(env.score(t, x) for t, x in zip(tasks, texts, strict=True))))
+
+    rewards = [r for r in asyncio.run(score_all()) if r is not None]
+    model.train()
+    return statistics.fmean(rewards) if rewards else float("nan")
+
+
+def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
+    """Train ``spec`` to ``max_steps``; returns ``{"final": path, "eval_reward": r, "wall_s": s}``.
+
+    Raises:
+        SpecError: the run directory exists (without ``overwrite``), the model or environment cannot load.
+    """
+    from worker.envs import EnvironmentLoadError
+    from worker.models import load_model, load_tokenizer
+
+    run = RunDir(spec.run_dir)
+    try:
+        tokenizer = load_tokenizer(spec.model.name)
+        model = load_model(spec.model.name, dtype="float32", attn_implementation="sdpa")
+    except (FileNotFoundError, ValueError) as err:
+        raise SpecError(f"model.name: {err}") from None
+    try:
+        env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
+        eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
+    except (EnvironmentLoadError, TypeError, ValueError) as err:
+        raise SpecError(f"env: {err}") from None
+    if run.root.exists():
+        if not overwrite:
+            raise SpecError(f"run directory {run.root} exists: pass --overwrite to replace it")
+        shutil.rmtree(run.root)
+    run.root.mkdir(parents=True)
+    atomic_write_json(run.config, json.loads(spec.model_dump_json()))
+    torch.manual_seed(spec.seed)
+    torch.set_num_threads(spec.threads)
+
+    examples = []
+    for p in range(spec.data.num_examples):
+        task = env.task(data_order(p, env.num_tasks, spec.seed))
+        examples.append(sft_sample(tokenizer, env.prompt_messages(task), str(task.data.answer)))
+    too_long = max(len(e["input_ids"]) for e in examples)
+    if too_long > spec.seq_len:
+        shutil.rmtree(run.root)
+        raise SpecError(f"seq_len: {spec.seq_len} tokens cannot hold a {too_long}-token example; use at least {too_long}")
+
+    model.train()
+    optimizer = build_optimizer(model, spec.optim)
+    scheduler = build_scheduler(optimizer, spec.scheduler, spec.max_steps)
+    autocast = spec.model.dtype == "bfloat16"
+    t_start, reward = time.time(), float("nan")
+    for step in range(1, spec.max_steps + 1):
+        t0 = time.perf_counter()
+        batch = [examples[((step - 1) * spec.data.batch_size + j) % len(examples)] for j in range(spec.data.batch_size)]
+        n_tokens = sum(sum(e["loss_mask"]) for e in batch)
+        loss_sum = 0.0
+        for bin_ in pack([len(e["input_ids"]) for e in batch], spec.seq_len):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = sft_loss(model, [batch[i] for i in bin_], n_tokens)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        dt = time.perf_counter() - t0
+        values = {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
+                  "tokens_per_s": sum(len(e["input_ids"]) for e in batch) / dt, "step_time_s": dt}
+        if step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0):
+            reward = greedy_eval(model, tokenizer, eval_env, spec.eval_examples)
+            values["eval_reward_greedy"] = reward
+        run.log_metrics("sft", step, values)
+        if step % 20 == 0 or "eval_reward_greedy" in values:
+            extra = f" eval_reward_greedy {reward:.3f}" if "eval_reward_greedy" in values else ""
+            print(f"sft step {step:>4}/{spec.max_steps} | loss {loss_sum:.4f} | lr {lr:.2e}{extra}", flush=True)  # noqa: T201
+    save_final(model, spec.model.name, run.final)
+    result = {"final": str(run.final), "eval_reward_greedy": reward, "wall_s": round(time.time() - t_start, 1)}
+    atomic_write_json(run.summary, result)
+    return result
