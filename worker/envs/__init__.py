@@ -1,0 +1,225 @@
+"""Environments for the orchestrator: verifiers v1 Tasksets behind one small interface.
+
+The orchestrator samples completions itself (vLLM, token ids + logprobs), so it needs from an
+environment only its tasks, their chat prompt, and a score. `load_environment` builds a
+verifiers `Taskset` (a built-in one, or any user Taskset named by import path) and wraps it in an
+`Environment`. `Environment.score` runs the task's own `@vf.reward` functions through verifiers'
+offline scoring path (`Task.score(trace)`, as `vf replay` re-scores saved traces) on a one-turn
+trace built from the completion.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import verifiers.v1 as vf
+from pydantic import ValidationError
+from verifiers.v1.graph import MessageNode
+
+logger = logging.getLogger(__name__)
+
+EnvTask = vf.Task
+"""A task of an environment: a verifiers `Task` (its data on `task.data`)."""
+
+BUILTINS = {
+    "arithmetic": "worker.envs.arithmetic:ArithmeticTaskset",
+    "reverse_text": "worker.envs.reverse_text:ReverseTextTaskset",
+}
+"""Built-in environment ids and the Taskset class each names."""
+
+_LOAD_ARGS = {"split", "seed"}
+"""Config fields set by `load_environment` itself, not by `**args`."""
+_CACHE_WINDOW = 4096
+"""Tasks kept in memory behind the furthest one read (older ones are rebuilt on demand)."""
+
+_THINK = re.compile(r".*</think>", re.DOTALL)
+
+
+class EnvironmentLoadError(ValueError):
+    """An environment id that does not resolve to a Taskset, or arguments it does not take."""
+
+
+def parse_answer(reply: str, tag: str) -> str:
+    """The answer in a model reply: the text after the last `</think>` (or nothing if a `<think>`
+    is never closed), then the content of the last `<tag>...</tag>` if there is one, stripped."""
+    text = _THINK.sub("", reply, count=1) if "</think>" in reply else reply
+    if "<think>" in text:
+        return ""
+    matches = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
+    return (matches[-1] if matches else text).strip()
+
+
+class Environment:
+    """One split of a Taskset, read by index, with prompts and scores for the orchestrator."""
+
+    def __init__(self, env_id: str, taskset: vf.Taskset, *, split: str, seed: int) -> None:
+        self.id = env_id
+        self.split = split
+        self.seed = seed
+        self.taskset = taskset
+        self._tasks: dict[int, vf.Task] = {}
+        self._iter: Iterator[vf.Task] | None = None
+        self._next = 0  # index of the task `_iter` yields next
+        self._agent = vf.AgentInfo(config=vf.AgentConfig())
+        self.num_tasks: int | None = sum(1 for _ in taskset) if taskset.bounded else None
+        """Number of tasks; None for an endless taskset."""
+        first = self.task(0) if self.num_tasks != 0 else None
+        self.is_multi_turn: bool = first is not None and (
+            first.data.prompt is None or bool(type(taskset).toolsets(taskset.config) or first.toolsets(first.config))
+        )
+        """True when a task needs more than one model turn: no opening prompt (a scripted user
+        opens it) or tools. Such tasks need verifiers' rollout machinery, not `prompt_messages`."""
+
+    def __repr__(self) -> str:
+        return f"Environment({self.id!r}, split={self.split!r}, seed={self.seed}, num_tasks={self.num_tasks})"
+
+    def task(self, index: int) -> vf.Task:
+        """Task `index` of the split: the same task for the same (env args, split, seed, index)."""
+        if index < 0 or (self.num_tasks is not None and index >= self.num_tasks):
+            raise IndexError(f"{self.id}: task index {index} out of range (num_tasks={self.num_tasks})")
+        if index in self._tasks:
+            return self._tasks[index]
+        if self._iter is None or index < self._next:  # evicted: replay the deterministic stream
+            self._iter, self._next = iter(self.taskset), 0
+        while self._next <= index:
+            self._tasks[self._next] = next(self._iter)
+            self._next += 1
+        for old in [i for i in self._tasks if i < self._next - _CACHE_WINDOW]:
+            del self._tasks[old]
+        return self._tasks[index]
+
+    def prompt_messages(self, task: vf.Task) -> list[dict[str, Any]]:
+        """The task's opening chat messages, `[{"role": ..., "content": ...}, ...]`."""
+        data = task.data
+        if data.prompt is None:
+            raise ValueError(f"{self.id}: task {task.key} has no prompt (a multi-turn task opened by its env)")
+        messages: list[dict[str, Any]] = []
+        if data.system_prompt is not None:
+            messages.append({"role": "system", "content": data.system_prompt})
+        if isinstance(data.prompt, str):
+            messages.append({"role": "user", "content": data.prompt})
+        else:
+            messages += [m.model_dump(exclude_none=True) for m in data.prompt]
+        return messages
+
+    async def score(self, task: vf.Task, completion_text: str) -> float | None:
+        """Weighted sum of the task's rewards for one completion; None if the task has no reward or
+        one went unscored (a reward function returned None or raised: verifiers records it so)."""
+        trace = await self.score_trace(task, completion_text)
+        if not trace.rewards or any(r is None for r in trace.rewards.values()):
+            return None
+        return trace.reward
+
+    async def score_trace(self, task: vf.Task, completion_text: str) -> vf.Trace:
+        """The scored verifiers trace of one completion: `trace.rewards` (name -> score, weight),
+        `trace.metrics`, and `trace.reward`, the weighted sum."""
+        messages = [_message(m) for m in self.prompt_messages(task)]
+        messages.append(vf.AssistantMessage(content=completion_text))
+        nodes = [
+            MessageNode(parent=i - 1 if i else None, message=m, sampled=i == len(messages) - 1)
+            for i, m in enumerate(messages)
+        ]
+        trace = vf.Trace(
+            task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            agent=self._agent,
+            nodes=nodes,
+        )
+        try:
+            await task.score(trace)  # no runtime: rewards that need one are skipped, as in `vf replay`
+        except vf.TaskError as e:
+            logger.warning("%s: scoring task %s failed: %s", self.id, task.key, e)
+        return trace
+
+
+_MESSAGE_TYPES = {
+    "system": vf.SystemMessage,
+    "user": vf.UserMessage,
+    "assistant": vf.AssistantMessage,
+    "tool": vf.ToolMessage,
+}
+
+
+def _message(message: dict[str, Any]) -> vf.Message:
+    return _MESSAGE_TYPES[message["role"]].model_validate(message)
+
+
+def load_environment(env_id: str, *, split: Literal["train", "eval"], seed: int, **args: Any) -> Environment:
+    """The `split` of environment `env_id` under `seed`.
+
+    `env_id` is a built-in id (see `BUILTINS`) or `"package.module:attr"`, where `attr` is a
+    verifiers `Taskset` class (built from its config class with `split`, `seed` and `args`) or a
+    function returning a Taskset (called with `args`, plus `split` and `seed` if it takes them).
+
+    Raises:
+        EnvironmentLoadError: `env_id` does not import, or `args` has a name the taskset does not take.
+    """
+    if split not in ("train", "eval"):
+        raise EnvironmentLoadError(f"environment {env_id!r}: split must be 'train' or 'eval', got {split!r}")
+    target = _resolve(env_id)
+    if isinstance(target, type) and issubclass(target, vf.Taskset):
+        taskset = _build_from_class(env_id, target, split, seed, args)
+    elif callable(target):
+        taskset = _build_from_function(env_id, target, split, seed, args)
+    else:
+        raise EnvironmentLoadError(f"environment {env_id!r} names {type(target).__name__}, not a Taskset or function")
+    if not isinstance(taskset, vf.Taskset):
+        raise EnvironmentLoadError(f"environment {env_id!r} returned {type(taskset).__name__}, not a verifiers Taskset")
+    return Environment(env_id, taskset, split=split, seed=seed)
+
+
+def _resolve(env_id: str) -> Any:
+    allowed = f"allowed: a built-in ({', '.join(sorted(BUILTINS))}) or 'package.module:function' returning a Taskset"
+    module_name, sep, attr = BUILTINS.get(env_id, env_id).partition(":")
+    if not sep or not module_name or not attr:
+        raise EnvironmentLoadError(f"unknown environment {env_id!r}; {allowed}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise EnvironmentLoadError(f"environment {env_id!r} does not import ({e}); {allowed}") from e
+    if not hasattr(module, attr):
+        raise EnvironmentLoadError(f"environment {env_id!r}: module {module_name!r} has no {attr!r}; {allowed}")
+    return getattr(module, attr)
+
+
+def _build_from_class(env_id: str, cls: type[vf.Taskset], split: str, seed: int, args: dict) -> vf.Taskset:
+    config_cls = _config_type(cls)
+    fields = set(config_cls.model_fields)
+    _check_args(env_id, args, fields - _LOAD_ARGS - {"id"})
+    given = {name: value for name, value in (("split", split), ("seed", seed)) if name in fields}
+    if "split" not in fields:
+        logger.warning("%s: taskset config has no 'split' field; train and eval get the same tasks", env_id)
+    try:
+        config = config_cls(**given, **args)
+    except ValidationError as e:
+        errors = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise EnvironmentLoadError(f"environment {env_id!r}: invalid args: {errors}") from e
+    return cls(config)
+
+
+def _build_from_function(env_id: str, fn: Any, split: str, seed: int, args: dict) -> vf.Taskset:
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        _check_args(env_id, args, set(params) - _LOAD_ARGS)
+    given = {name: value for name, value in (("split", split), ("seed", seed)) if name in params}
+    if "split" not in params:
+        logger.warning("%s: %s takes no 'split'; train and eval get the same tasks", env_id, fn.__name__)
+    return fn(**given, **args)
+
+
+def _check_args(env_id: str, args: dict, valid: set[str]) -> None:
+    if unknown := sorted(set(args) - valid):
+        raise EnvironmentLoadError(
+            f"environment {env_id!r} has no argument {', '.join(map(repr, unknown))}; "
+            f"valid: {', '.join(sorted(valid)) or '(none)'}"
+        )
+
+
+def _config_type(cls: type[vf.Taskset]) -> type[vf.TasksetConfig]:
+    from verifiers.v1.utils.generic import concrete_type
+
+    return concrete_type(cls, vf.TasksetConfig) or vf.TasksetConfig

@@ -1,0 +1,123 @@
+"""reverse-text: reverse a made-up sentence character by character (single-turn).
+
+Each task is one sentence from `worker.envs.sentences.make_sentence`; the model answers with the
+reversed text. The answer is the reply with any `<think>...</think>` block dropped, the content of
+`<reversed_text>` tags if the reply has them, and surrounding whitespace stripped. The reward is
+the LCS ratio of that answer against the true reversal: `difflib.SequenceMatcher(None, a, b).ratio()`,
+as in prime-rl's reverse-text environment (PrimeIntellect-ai/prime-rl
+`environments/vf_reverse_text/vf_reverse_text.py`, `lcs_reward_func`), so a partly right
+reversal earns partial credit.
+
+Tasks are generated from `(seed, split, index)` alone, so any task can be rebuilt without the ones
+before it. Train tasks never repeat an eval sentence: a train draw that hits one is redrawn.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from collections.abc import Iterator
+from functools import cached_property
+from itertools import count
+from typing import Literal
+
+import verifiers.v1 as vf
+from pydantic import Field, model_validator
+
+from worker.envs import parse_answer
+from worker.envs.sentences import make_sentence
+
+SYSTEM_PROMPT = "Reverse the text character by character."
+ANSWER_TAG = "reversed_text"
+_MAX_REDRAWS = 1000
+
+
+def lcs_ratio(a: str, b: str) -> float:
+    """Similarity of `a` and `b` in [0, 1]: `2 * matched / (len(a) + len(b))`.
+
+    `difflib.SequenceMatcher` matches blocks greedily (Ratcliff/Obershelp), which is close to,
+    but not always equal to, the longest common subsequence. Two empty strings score 1.0.
+    """
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+class ReverseTextData(vf.TaskData):
+    text: str
+    """The sentence to reverse (also the user prompt)."""
+    answer: str
+    """The true reversal of `text`."""
+
+
+class ReverseTextTask(vf.Task[ReverseTextData]):
+    @property
+    def key(self) -> str:
+        # `id` is "<split>/<seed>/<index>": unique in the taskset and free of the run-local `idx`.
+        return self.data.id or self.hash
+
+    @vf.stop
+    async def single_turn(self, trace: vf.Trace) -> bool:
+        return trace.num_turns >= 1
+
+    @vf.reward(weight=1.0)
+    async def lcs(self, trace: vf.Trace) -> float:
+        return lcs_ratio(parse_answer(trace.last_reply, ANSWER_TAG), self.data.answer)
+
+
+class ReverseTextConfig(vf.TasksetConfig):
+    split: Literal["train", "eval"] = "train"
+    """Which split `load()` yields."""
+    seed: int = 0
+    """Seed of both splits; the same seed gives the same tasks."""
+    num_train: int | None = Field(None, ge=1)
+    """Number of train tasks; None yields train tasks forever."""
+    num_eval: int = Field(200, ge=1)
+    """Number of eval tasks."""
+    min_chars: int = Field(5, ge=2)
+    """Shortest sentence, in characters (before the final period)."""
+    max_chars: int = 30
+    """Longest sentence, in characters (before the final period)."""
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> ReverseTextConfig:
+        if self.max_chars < self.min_chars:
+            raise ValueError(f"max_chars ({self.max_chars}) must be >= min_chars ({self.min_chars})")
+        return self
+
+
+class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
+    def __init__(self, config: ReverseTextConfig) -> None:
+        super().__init__(config)
+        self.INFINITE = config.split == "train" and config.num_train is None
+
+    def load(self) -> Iterator[ReverseTextTask]:
+        c = self.config
+        size = c.num_eval if c.split == "eval" else c.num_train
+        for index in count() if size is None else range(size):
+            yield self.make_task(c.split, index)
+
+    def make_task(self, split: Literal["train", "eval"], index: int) -> ReverseTextTask:
+        """Task `index` of `split`, a function of the config alone."""
+        if split == "eval":
+            text = self._sentence("eval", index, 0)
+        else:
+            draws = (self._sentence("train", index, attempt) for attempt in range(_MAX_REDRAWS))
+            text = next((t for t in draws if t not in self._eval_texts), None)
+            if text is None:
+                raise ValueError(f"reverse_text: no train sentence outside the eval set in {_MAX_REDRAWS} draws")
+        data = ReverseTextData(
+            id=f"{split}/{self.config.seed}/{index}",
+            prompt=text,
+            system_prompt=SYSTEM_PROMPT,
+            text=text,
+            answer=text[::-1],
+        )
+        return ReverseTextTask(data, self.config.task)
+
+    def _sentence(self, split: str, index: int, attempt: int) -> str:
+        # A str seed is hashed with SHA-512, so the stream is the same in every process.
+        rng = random.Random(f"reverse_text/{self.config.seed}/{split}/{index}/{attempt}")
+        return make_sentence(rng, self.config.min_chars, self.config.max_chars)
+
+    @cached_property
+    def _eval_texts(self) -> frozenset[str]:
+        return frozenset(self._sentence("eval", i, 0) for i in range(self.config.num_eval))
