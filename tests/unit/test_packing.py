@@ -1,0 +1,55 @@
+"""Completion length from the loss mask (case C11) and first-fit-decreasing packing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker.packing import completion_length, pack
+
+
+def test_c11_completion_length_counts_sampled_tokens_not_the_span():
+    mask = [0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]
+    # sampled tokens: 4 (turn 1) + 5 (turn 2) = 9; the first-to-last span would be 15 - 3 = 12
+    assert completion_length(mask) == 9
+    assert completion_length([bool(m) for m in mask]) == 9
+    assert completion_length([]) == 0
+
+
+def test_pack_first_fit_decreasing_by_hand():
+    # lengths by index: 0:5 1:7 2:3 3:2 4:4 ; capacity 10 ; order by length: 1(7) 0(5) 4(4) 2(3) 3(2)
+    # 1 -> new bin A [7, 3 free]; 0 -> new bin B [5, 5 free]; 4 -> B (1 free);
+    # 2 -> A (0 free); 3 -> no room in A or B -> new bin C
+    assert pack([5, 7, 3, 2, 4], 10) == [[1, 2], [0, 4], [3]]
+
+
+def test_pack_ties_keep_index_order_and_edge_cases():
+    assert pack([4, 4, 4], 8) == [[0, 1], [2]]
+    assert pack([], 8) == []
+    assert pack([8], 8) == [[0]]
+    assert pack([0, 3], 3) == [[1, 0]]
+
+
+def test_pack_rejects_a_sample_longer_than_seq_len():
+    with pytest.raises(ValueError, match=r"^seq_len: sample 1 has 9 tokens, more than seq_len = 8"):
+        pack([3, 9], 8)
+    with pytest.raises(ValueError, match=r"^seq_len: expected a token count >= 1, got 0"):
+        pack([1], 0)
+    with pytest.raises(ValueError, match="negative length"):
+        pack([-1], 4)
+
+
+@given(st.integers(1, 64).flatmap(lambda cap: st.tuples(st.just(cap), st.lists(st.integers(0, cap), max_size=40))))
+def test_pack_keeps_every_index_once_and_respects_capacity(case):
+    seq_len, lengths = case
+    bins = pack(lengths, seq_len)
+    flat = [i for b in bins for i in b]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert all(b for b in bins)
+    assert all(sum(lengths[i] for i in b) <= seq_len for b in bins)
+    assert pack(list(lengths), seq_len) == bins  # deterministic
+    # first fit never leaves two bins at most half full: the later one's first sample would have
+    # fitted into the earlier one
+    half_or_less = [b for b in bins if 2 * sum(lengths[i] for i in b) <= seq_len]
+    assert len(half_or_less) <= 1

@@ -1,0 +1,91 @@
+"""Shared parts of the per-group advantage functions: the result type, missing rewards, length shaping.
+
+An advantage function takes ONE group (the ``group_size`` rollouts of one task) and returns one
+advantage per rollout. Rewards that are ``None`` (the reward function failed or returned nothing) or
+not finite (NaN, inf) are *missing*: they are left out of every group statistic, and their rollouts
+get advantage ``None`` and must not be trained on (case C8). A group whose rewards are all missing
+is flagged with ``all_missing``; it is never scored 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """Advantages of one group plus the reward statistics the orchestrator logs."""
+
+    advantages: list[float | None]
+    """One per rollout, in input order; ``None`` for a rollout with a missing reward (do not train it)."""
+    reward_mean: float | None
+    """Mean over the present rewards; ``None`` when all are missing."""
+    reward_missing: int
+    """Number of missing rewards (``None`` or not finite)."""
+    all_missing: bool
+    """True when no reward of the group is present: flag the group, never score it 0."""
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """The rollouts of a group that have a reward."""
+
+    index: list[int]
+    """Positions of the present rewards in the group."""
+    rewards: list[float]
+    lengths: list[int]
+
+
+def check_param(name: str, ok: bool, expected: str, value: object) -> None:
+    """One-line ValueError naming ``orchestrator.advantage.<name>`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"orchestrator.advantage.{name}: expected {expected}, got {value!r}")
+
+
+def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[int]) -> ScoredGroup:
+    """Keep the rollouts whose reward is present (not ``None``, finite)."""
+    if len(rewards) != len(completion_lengths):
+        raise ValueError(
+            f"advantages: got {len(rewards)} rewards but {len(completion_lengths)} completion lengths for one group"
+        )
+    if not rewards:
+        raise ValueError("advantages: a group needs at least one rollout, got none")
+    index = [i for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
+    return ScoredGroup(
+        index=index,
+        rewards=[float(rewards[i]) for i in index],  # type: ignore[arg-type]  # None filtered above
+        lengths=[int(completion_lengths[i]) for i in index],
+    )
+
+
+def mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def length_shaping(lengths: Sequence[int], length_penalty: float) -> list[float]:
+    """Per-rollout penalty ``length_penalty * (L_i - mean L) / max L`` over the scored rollouts.
+
+    Centred, so it sums to 0 over the group and never moves the group's mean advantage; scaled by
+    the group's longest completion, so it lies in ``(-length_penalty, length_penalty)``. Lengths are
+    sampled-token counts (``worker.packing.completion_length``, case C11).
+    """
+    longest = max(lengths, default=0)
+    if length_penalty == 0 or longest == 0:
+        return [0.0] * len(lengths)
+    mean_len = mean(lengths)
+    return [length_penalty * (n - mean_len) / longest for n in lengths]
+
+
+def assemble(n: int, scored: ScoredGroup, values: Sequence[float]) -> AdvantageResult:
+    """Scatter the scored rollouts' advantages back into a group of ``n``, ``None`` elsewhere."""
+    advantages: list[float | None] = [None] * n
+    for i, a in zip(scored.index, values, strict=True):
+        advantages[i] = a
+    return AdvantageResult(
+        advantages=advantages,
+        reward_mean=mean(scored.rewards) if scored.rewards else None,
+        reward_missing=n - len(scored.index),
+        all_missing=not scored.index,
+    )
