@@ -111,7 +111,7 @@ def test_parse_answer(reply, expected):
 def test_reverse_text_prompt_format(reverse_eval):
     task = reverse_eval.task(0)
     assert reverse_eval.prompt_messages(task) == [
-        {"role": "system", "content": "Reverse the text character by character."},
+        {"role": "system", "content": "Reverse the text."},
         {"role": "user", "content": task.data.text},
     ]
     assert not reverse_eval.is_multi_turn

@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 from worker.envs import parse_answer
 from worker.envs.sentences import make_sentence
 
-SYSTEM_PROMPT = "Reverse the text character by character."
+SYSTEM_PROMPT = "Reverse the text."
 ANSWER_TAG = "reversed_text"
 _MAX_REDRAWS = 1000
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment
-from worker.inference.client import InferenceClient
+
+if TYPE_CHECKING:
+    from worker.inference.client import InferenceClient
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -24,7 +26,7 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 async def evaluate(
-    client: InferenceClient,
+    client: "InferenceClient",
     env: Environment,
     tokenizer: Any,
     *,

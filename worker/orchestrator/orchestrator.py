@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from worker.checkpoint import write_part
 from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.orchestrator.advantages import compute_advantages, is_zero_advantage
+from worker.orchestrator.data import data_order
 from worker.orchestrator.eval import evaluate, prompt_ids
 from worker.packing import completion_length, pack
 from worker.rundir import RunDir, append_jsonl
@@ -71,21 +71,6 @@ class Rollout:
             "completion_len": len(self.completion_ids),
             "finish_reason": self.finish_reason,
         }
-
-
-def data_order(position: int, num_tasks: int | None, seed: int) -> int:
-    """Task index at a global position of the data order.
-
-    Endless tasksets are read in order; a finite one is reshuffled every pass (seeded by the pass
-    number), so position p lies in pass ``p // num_tasks`` and resuming at a step boundary
-    continues the same pass (case C7).
-    """
-    if num_tasks is None:
-        return position
-    epoch, offset = divmod(position, num_tasks)
-    order = list(range(num_tasks))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order[offset]
 
 
 class Orchestrator:
