@@ -1,0 +1,285 @@
+"""Async client of the inference server: generation with token ids + sampled-token logprobs, and the
+pause / update-weights / resume cycle that publishes a new policy version to vLLM.
+
+Every call is bounded: httpx connect/read timeouts, a hard per-attempt deadline
+(``connect_timeout_s + read_timeout_s``), and at most ``max_retries`` retries with exponential backoff
+(tenacity). Network failures that survive the retries raise :class:`InferenceError` with one line naming
+the URL, the route and what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class InferenceError(RuntimeError):
+    """The inference server could not be reached or answered with an error."""
+
+
+class _RetryableStatus(Exception):
+    def __init__(self, response: httpx.Response):
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: token ids and the logprob of each sampled token under the (temperature-
+    scaled, top-p filtered) distribution it was sampled from."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def _describe(exc: BaseException, connect_s: float = 0.0, read_s: float = 0.0) -> str:
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"ConnectTimeout: no connection within {connect_s:g}s"
+    if isinstance(exc, httpx.ReadTimeout):
+        return f"ReadTimeout: no response within {read_s:g}s"
+    if isinstance(exc, _RetryableStatus):
+        return f"HTTP {exc.response.status_code}: {exc.response.text[:200]!r}"
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return f"timed out (attempt deadline {connect_s + read_s:g}s)"
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}{': ' + msg if msg else ''}"
+
+
+class InferenceClient:
+    """Client of one vLLM OpenAI server started by :mod:`worker.inference.server`.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
+        connect_timeout_s: TCP connect (and connection-pool) timeout per attempt.
+        read_timeout_s: read timeout per attempt; with a non-streamed completion this bounds the whole
+            generation of one request.
+        max_retries: retries after the first attempt on connection errors, timeouts and HTTP 502/503/504.
+        backoff_s / max_backoff_s: exponential backoff between attempts (``backoff_s * 2**k``, capped).
+        model: model name sent with completions; None lets the server use the model it serves.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 120.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        model: str | None = None,
+    ):
+        if max_retries < 0:
+            raise ValueError(f"max_retries: expected >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.model = model
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(
+                connect=connect_timeout_s, read=read_timeout_s, write=read_timeout_s, pool=connect_timeout_s
+            ),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            trust_env=False,
+        )
+
+    # ------------------------------------------------------------------ plumbing
+    def max_total_s(self, read_timeout_s: float | None = None) -> float:
+        """Upper bound of one call's wall time: every attempt at its deadline plus every backoff."""
+        per_attempt = self.connect_timeout_s + (read_timeout_s or self.read_timeout_s)
+        backoff = sum(min(self.backoff_s * 2**k, self.max_backoff_s) for k in range(self.max_retries))
+        return (self.max_retries + 1) * per_attempt + backoff
+
+    async def _request(
+        self,
+        method: str,
+        route: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        read_timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> httpx.Response:
+        read = read_timeout_s or self.read_timeout_s
+        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=read, write=read, pool=self.connect_timeout_s)
+        deadline = self.connect_timeout_s + read
+        attempts = (self.max_retries if retries is None else retries) + 1
+
+        async def attempt() -> httpx.Response:
+            async with asyncio.timeout(deadline):
+                r = await self._http.request(method, route, json=json, params=params, timeout=timeout)
+            if r.status_code in RETRY_STATUS:
+                raise _RetryableStatus(r)
+            return r
+
+        n = 0
+        try:
+            async for a in AsyncRetrying(
+                stop=stop_after_attempt(attempts),
+                wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+                retry=retry_if_exception(
+                    lambda e: isinstance(e, httpx.TransportError | TimeoutError | _RetryableStatus)
+                ),
+                reraise=True,
+            ):
+                with a:
+                    n += 1
+                    r = await attempt()
+        except (httpx.TransportError, TimeoutError, _RetryableStatus) as e:
+            raise InferenceError(
+                f"{method} {self.base_url}{route}: {_describe(e, self.connect_timeout_s, read)} after {n} attempt(s)"
+            ) from e
+        except httpx.HTTPError as e:  # e.g. invalid URL: not retried
+            raise InferenceError(f"{method} {self.base_url}{route}: {_describe(e)}") from e
+        if r.status_code >= 400:
+            raise InferenceError(f"{method} {self.base_url}{route}: HTTP {r.status_code}: {r.text[:300]!r}")
+        return r
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ generation
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[Completion]:
+        """Sample ``n`` completions of the token-id prompt ``prompt_ids``.
+
+        Returns, per completion, the sampled token ids and their logprobs exactly as vLLM computed them
+        (``--logprobs-mode processed_logprobs``: after temperature and top-p), never re-tokenized.
+        """
+        body: dict[str, Any] = {
+            "prompt": list(prompt_ids),
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        if seed is not None:
+            body["seed"] = seed
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
+        route = "/v1/completions"
+        data = (await self._request("POST", route, json=body)).json()
+        try:
+            out = []
+            for c in sorted(data["choices"], key=lambda c: c["index"]):
+                ids = [int(t) for t in c["token_ids"]]
+                lps = [float(x) for x in c["logprobs"]["token_logprobs"]]
+                if len(ids) != len(lps):
+                    raise ValueError(f"{len(ids)} token ids but {len(lps)} logprobs")
+                out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.get("finish_reason") or ""))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InferenceError(f"POST {self.base_url}{route}: unexpected response ({e!r})") from e
+        return out
+
+    # ------------------------------------------------------------------ weight updates
+    async def pause(self, mode: Literal["keep", "wait", "abort"] = "keep") -> None:
+        """Stop scheduling. ``keep`` (default) freezes in-flight requests; they continue after resume."""
+        await self._request("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+
+    async def update_weights(self, path: str | Path, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Load every ``*.safetensors`` in directory ``path`` (as seen by the server) into the running model.
+
+        Returns the worker's reply (tensor count, seconds, whether the tied lm_head was re-packed).
+        """
+        route = "/collective_rpc"
+        body = {"method": "update_weights_from_path", "args": [str(path)]}
+        r = await self._request("POST", route, json=body, read_timeout_s=timeout_s)
+        try:
+            return r.json()["results"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise InferenceError(f"POST {self.base_url}{route}: unexpected response {r.text[:200]!r}") from e
+
+    async def reset_prefix_cache(self, *, reset_running_requests: bool = True) -> bool:
+        """Drop cached KV blocks computed with old weights.
+
+        With ``reset_running_requests`` (default) requests frozen by ``pause("keep")`` are preempted and
+        recomputed with the new weights when generation resumes; otherwise the reset fails (returns
+        False) while any request holds KV blocks.
+        """
+        r = await self._request(
+            "POST",
+            "/reset_prefix_cache",
+            params={"reset_running_requests": str(reset_running_requests).lower()},
+        )
+        return bool(r.json().get("success", False))
+
+    async def publish_weights(self, path: str | Path) -> dict[str, Any]:
+        """pause(keep) → update_weights → reset_prefix_cache → resume (resume also on failure)."""
+        t0 = time.monotonic()
+        await self.pause("keep")
+        try:
+            info = await self.update_weights(path)
+            if not await self.reset_prefix_cache():
+                raise InferenceError(f"POST {self.base_url}/reset_prefix_cache: server reported success=false")
+        finally:
+            await self.resume()
+        return {**info, "total_s": time.monotonic() - t0}
+
+    # ------------------------------------------------------------------ liveness
+    async def served_model(self) -> str:
+        """Name (``--model`` path or HF name) of the model the server serves, from ``/v1/models``."""
+        r = await self._request("GET", "/v1/models")
+        try:
+            return str(r.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise InferenceError(f"GET {self.base_url}/v1/models: unexpected response {r.text[:200]!r}") from e
+
+    async def health(self) -> bool:
+        """True when ``/health`` answers 200 within the connect timeout; never raises for network errors."""
+        try:
+            r = await self._http.get("/health", timeout=self.connect_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def wait_ready(self, timeout_s: float = 180.0, poll_s: float = 0.5) -> float:
+        """Wait until :meth:`health` is True; return seconds waited or raise InferenceError after ``timeout_s``."""
+        t0 = time.monotonic()
+        while True:
+            if await self.health():
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise InferenceError(f"GET {self.base_url}/health: not ready after {timeout_s:.0f}s")
+            await asyncio.sleep(poll_s)
