@@ -151,12 +151,14 @@ class IcePopLoss(_LossBase):
     type: Literal["icepop"] = "icepop"
     band: tuple[float, float] = (0.5, 5.0)
 
-    @field_validator("band")
+    @field_validator("band", mode="wrap")
     @classmethod
-    def _band(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not 0 < v[0] < 1 < v[1]:
-            raise ValueError(f"expected [low, high] with 0 < low < 1 < high, got {list(v)}")
-        return v
+    def _band(cls, v: Any, handler: Any) -> tuple[float, float]:
+        band: tuple[float, float] = handler(v)
+        if not 0 < band[0] < 1 < band[1]:
+            shown = list(v) if isinstance(v, list | tuple) else list(band)  # as written: [1.5, 5], not [1.5, 5.0]
+            raise ValueError(f"expected [low, high] with 0 < low < 1 < high, got {shown}")
+        return band
 
 
 class AipoLoss(_LossBase):

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import random
+from functools import lru_cache
+
+
+@lru_cache(maxsize=4)
+def _pass_order(num_tasks: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The shuffled task order of one pass, computed once per pass (not once per position)."""
+    order = list(range(num_tasks))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
 
 
 def data_order(position: int, num_tasks: int | None, seed: int) -> int:
@@ -15,6 +24,4 @@ def data_order(position: int, num_tasks: int | None, seed: int) -> int:
     if num_tasks is None:
         return position
     epoch, offset = divmod(position, num_tasks)
-    order = list(range(num_tasks))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order[offset]
+    return _pass_order(num_tasks, seed, epoch)[offset]
