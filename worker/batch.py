@@ -24,6 +24,8 @@ class TrainSample(TypedDict):
     advantage: float
     temperature: float
     """Sampling temperature the completion was drawn at; the trainer divides logits by it."""
+    policy_span: list[int]
+    """[first, last] policy version the completion was generated under."""
 
 
 class Batch(TypedDict):

@@ -149,6 +149,9 @@ COMMANDS: dict[str, Any] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in {"-h", "--help"} or argv[0] not in COMMANDS:
         print(__doc__)  # noqa: T201

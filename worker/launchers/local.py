@@ -73,6 +73,13 @@ def preflight(spec: RLSpec) -> None:
     Raises:
         SpecError: one line naming the field.
     """
+    from worker.models import check_model_source
+
+    try:  # before any heavy import, so a wrong path fails at once
+        check_model_source(spec.model.name)
+    except (FileNotFoundError, ValueError) as err:
+        raise SpecError(f"model.name: {err}") from None
+
     from transformers import AutoConfig, AutoTokenizer
 
     from worker.envs import EnvironmentLoadError, load_environment

@@ -96,17 +96,11 @@ class Orchestrator:
 
     async def load_policy(self, path: Path, version: int) -> float:
         """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds."""
-        t0 = time.perf_counter()
-        await self.client.pause()
-        try:
-            await self.client.update_weights(str(path))
-            await self.client.reset_prefix_cache()
-        finally:
-            await self.client.resume()
+        info = await self.client.publish_weights(path)
         async with self._version_changed:
             self.policy_version = version
             self._version_changed.notify_all()
-        return time.perf_counter() - t0
+        return float(info["total_s"])
 
     async def watch_weights(self) -> None:
         while True:
@@ -210,6 +204,7 @@ class Orchestrator:
                         sampling_logprobs=[0.0] * len(r.prompt_ids) + r.completion_logprobs,
                         advantage=r.advantage,
                         temperature=r.temperature,
+                        policy_span=list(r.policy_span),
                     )
                 )
         rewards, lags = stats["rewards"], stats["lags"]

@@ -49,11 +49,16 @@ def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch,
     return read_batch(path), time.perf_counter() - t0
 
 
-def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec) -> dict[str, float]:
+def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) -> dict[str, float]:
     """Forward/backward over every micro-batch of ``batch``; gradients summed, not applied.
 
     Each loss term is a sum over kept tokens; dividing by the batch's loss-token count makes the
     step's loss a token-level mean over the whole batch (DAPO-style token normalisation).
+
+    ``mismatch_kl`` (k3, over all loss tokens) measures trainer policy v(step-1) against the
+    sampling policy, so it includes the drift of stale rollouts; ``mismatch_kl_on_policy`` keeps only
+    samples generated entirely by v(step-1), i.e. the inference-vs-trainer numerical mismatch
+    (NaN when the step has none).
 
     Returns:
         Sums of per-token metrics divided by the loss-token count, plus ``entropy``.
@@ -62,6 +67,7 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec) -> dict[str, 
     params = loss_cfg.model_dump(exclude={"type"})
     n_tokens = max(batch["num_loss_tokens"], 1)
     sums: dict[str, float] = defaultdict(float)
+    on_policy_kl, on_policy_tokens = 0.0, 0.0
     autocast = spec.model.dtype == "bfloat16"
     for samples in batch["micro_batches"]:
         t = micro_batch_tensors(samples)
@@ -89,11 +95,17 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec) -> dict[str, 
             total = total + out.loss
             for name, value in out.metrics.items():
                 sums[name] += float(value)
+            if sample["policy_span"] == [step - 1, step - 1]:
+                on_policy_kl += float(out.metrics["mismatch_kl"])
+                on_policy_tokens += float(out.metrics["loss_tokens"])
             with torch.no_grad():
                 sums["entropy"] += float(entropy_from_logits(sample_logits.detach())[mask].sum())
         (total / n_tokens).backward()
         sums["loss"] += float(total.detach())
-    return {name: value / n_tokens for name, value in sums.items()}
+    metrics = {name: value / n_tokens for name, value in sums.items() if name != "loss_tokens"}
+    metrics["masked_fraction"] = metrics.pop("masked", 0.0)
+    metrics["mismatch_kl_on_policy"] = on_policy_kl / on_policy_tokens if on_policy_tokens else float("nan")
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start + 1, spec.max_steps + 1):
         batch, waited = wait_for_batch(run, step)
         t0 = time.perf_counter()
-        metrics = train_step(model, batch, spec) if batch["num_samples"] else {}
+        metrics = train_step(model, batch, spec, step) if batch["num_samples"] else {}
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         if batch["num_samples"]:
