@@ -1,0 +1,52 @@
+"""Alembic environment: the URL comes from ``Settings`` (or ``config.attributes["connection"]``), the target is
+``SQLModel.metadata`` as declared in ``server/models.py``."""
+
+from __future__ import annotations
+
+from logging.config import fileConfig
+
+from alembic import context
+from sqlalchemy import Connection
+from sqlmodel import SQLModel
+
+import server.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from server.core.config import settings
+from server.core.db import make_engine
+
+config = context.config
+if config.config_file_name is not None and config.attributes.get("configure_logger", True):
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+target_metadata = SQLModel.metadata
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection, target_metadata=target_metadata, compare_type=True,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=settings.DATABASE_URL, target_metadata=target_metadata, literal_binds=True,
+                      compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = make_engine(settings.DATABASE_URL)
+    with engine.connect() as conn:
+        _run(conn)
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

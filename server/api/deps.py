@@ -1,0 +1,45 @@
+"""Shared route dependencies: one DB session per request and the authenticated principal."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from sqlmodel import Session
+
+from server.core.db import get_session
+from server.services import tokens
+from server.services.tokens import Principal
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def current_principal(request: Request, session: SessionDep) -> Principal:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        raise HTTPException(401, "missing token: send 'Authorization: Bearer <token>' (asyncrl token create)",
+                            headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer" or not token.strip():
+        raise HTTPException(401, "malformed Authorization header: expected 'Bearer <token>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+    try:
+        return tokens.authenticate(session, token.strip())
+    except tokens.AuthError as err:
+        raise HTTPException(401, str(err), headers={"WWW-Authenticate": "Bearer"}) from None
+
+
+def current_user(principal: Annotated[Principal, Depends(current_principal)]) -> Principal:
+    if principal.run_id is not None:
+        raise HTTPException(403, f"a run token (run {principal.run_id}) cannot do this; use a user token")
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(current_principal)]
+UserDep = Annotated[Principal, Depends(current_user)]
+
+
+def check_run_access(principal: Principal, run_id: int) -> None:
+    """Run tokens reach only their own run."""
+    if principal.run_id is not None and principal.run_id != run_id:
+        raise HTTPException(403, f"this run token belongs to run {principal.run_id}, not run {run_id}")

@@ -1,0 +1,7 @@
+from fastapi import APIRouter
+
+from server.api.routes import metrics, runs
+
+api_router = APIRouter()
+api_router.include_router(runs.router)
+api_router.include_router(metrics.router)

@@ -1,0 +1,115 @@
+"""``/api/runs``: submit, list, show, stop, status reports and events."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tomllib
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+
+from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
+from server.models import RunEventsPublic, RunPublic, RunsPublic, RunStatus, StatusReport
+from server.services import runs
+
+logger = logging.getLogger("asyncrl.api")
+router = APIRouter(prefix="/runs", tags=["runs"])
+
+_SPEC_EXAMPLE = {
+    "name": "reverse-text-rl", "max_steps": 20, "model": {"name": "outputs/reverse-text-sft/final"},
+    "orchestrator": {"batch_size": 8, "group_size": 8, "max_tokens": 48, "seq_len": 256},
+    "inference": {"max_model_len": 256}, "trainer": {"optim": {"lr": 1e-4}},
+}
+_SUBMIT_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"type": "object"}, "example": _SPEC_EXAMPLE},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+        "file": {"type": "string", "format": "binary", "description": "run spec, .toml or .json"}}}},
+}}}
+
+
+async def _spec_from_request(request: Request) -> dict[str, Any]:
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        form = await request.form()
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise HTTPException(422, "file: upload the spec as a form field named 'file' (.toml or .json)")
+        raw, filename = await upload.read(), upload.filename or "spec.toml"
+        try:
+            text = raw.decode()
+            data = json.loads(text) if filename.endswith(".json") else tomllib.loads(text)
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            fmt = "JSON" if filename.endswith(".json") else "TOML"
+            raise HTTPException(400, f"file: {filename} is not valid {fmt}: {err}") from None
+    elif ctype.startswith("application/json") or not ctype:
+        try:
+            data = json.loads(await request.body())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise HTTPException(400, f"body: not valid JSON: {err}") from None
+    else:
+        raise HTTPException(415, f"content-type {ctype!r}: send application/json or a multipart/form-data 'file'")
+    if not isinstance(data, dict):
+        raise HTTPException(422, f"body: expected a JSON object (the run spec), got {type(data).__name__}")
+    return data
+
+
+@router.post("", status_code=201, response_model=RunPublic, openapi_extra=_SUBMIT_BODY,
+             responses={400: {"description": "body does not parse"}, 422: {"description": "invalid spec"}})
+async def create_run(request: Request, session: SessionDep, user: UserDep) -> Any:
+    """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
+    data = await _spec_from_request(request)
+    run = runs.create(session, data=data, owner=user.name)  # SpecError -> 422 (server/main.py)
+    session.commit()
+    from worker.tasks import enqueue_launch
+
+    enqueue_launch(run.id)  # only after the commit: the worker must find the row
+    return run
+
+
+@router.get("", response_model=RunsPublic)
+def list_runs(session: SessionDep, _user: UserDep, status: RunStatus | None = None,
+              name: str | None = Query(None, max_length=128, description="substring of the run name"),
+              offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)) -> Any:
+    data, count = runs.list_runs(session, status=status, name=name, offset=offset, limit=limit)
+    return RunsPublic(data=[RunPublic.model_validate(r) for r in data], count=count)
+
+
+@router.get("/{run_id}", response_model=RunPublic)
+def get_run(run_id: int, session: SessionDep, principal: PrincipalDep) -> Any:
+    check_run_access(principal, run_id)
+    return runs.get(session, run_id)
+
+
+@router.post("/{run_id}/stop", response_model=RunPublic)
+def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
+    """Cancel a queued run at once, or ask the worker to stop a launched one (status becomes ``cancelled``)."""
+    run = runs.get(session, run_id, lock=True)
+    needs_worker = runs.request_stop(session, run, by=user.name)
+    session.commit()
+    if needs_worker:
+        from worker.tasks import enqueue_stop
+
+        enqueue_stop(run_id)
+    session.refresh(run)
+    return run
+
+
+@router.post("/{run_id}/status", response_model=RunPublic)
+def report_status(run_id: int, report: StatusReport, session: SessionDep, principal: PrincipalDep) -> Any:
+    """A status change reported by the run's supervisor (run token) or an operator."""
+    check_run_access(principal, run_id)
+    run = runs.get(session, run_id, lock=True)
+    runs.transition(session, run, report.status, reason=report.reason, by=principal.name)
+    session.commit()
+    session.refresh(run)
+    return run
+
+
+@router.get("/{run_id}/events", response_model=RunEventsPublic)
+def list_events(run_id: int, session: SessionDep, principal: PrincipalDep,
+                offset: int = Query(0, ge=0), limit: int = Query(500, ge=1, le=5000)) -> Any:
+    check_run_access(principal, run_id)
+    runs.get(session, run_id)
+    data, count = runs.events(session, run_id, offset=offset, limit=limit)
+    return {"data": data, "count": count}

@@ -1,0 +1,33 @@
+"""The engine and sessions. Alembic owns the schema (``alembic upgrade head``); nothing here creates tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import Engine, event
+from sqlmodel import Session, create_engine
+
+from server.core.config import settings
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(eng, "connect")
+        def _sqlite_pragmas(conn, _record):  # type: ignore[no-untyped-def]
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+
+        return eng
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+
+engine = make_engine(settings.DATABASE_URL)
+
+
+def get_session() -> Iterator[Session]:
+    with Session(engine) as session:
+        yield session

@@ -1,0 +1,109 @@
+"""The FastAPI app: ``/api`` JSON routes, ``/healthz``, OpenAPI at ``/docs``.
+
+Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 400 unparsable body,
+401/403 token problems, 404 unknown run, 409 impossible state change, 413 body too large, 422 invalid
+field (spec errors name the dotted key).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from sqlalchemy import text
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.main import api_router
+from server.core.config import settings
+from server.core.db import engine
+from server.services.runs import InvalidTransition, RunNotFound
+from worker.spec import SpecError
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class LimitBodySize:
+    """Refuse request bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = JSONResponse({"detail": f"body: larger than {self.max_bytes} bytes"}, status_code=413)
+        await response(scope, receive, send)
+
+
+def _route_id(route: APIRoute) -> str:
+    return f"{route.tags[0]}-{route.name}" if route.tags else route.name
+
+
+def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="asyncrl", version="0.1.0", generate_unique_id_function=_route_id,
+                  description="Experiment service for asynchronous RL post-training of language models.")
+    app.include_router(api_router, prefix="/api")
+
+    @app.exception_handler(SpecError)
+    async def _spec_error(_request: Request, err: SpecError) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=422)
+
+    @app.exception_handler(RunNotFound)
+    async def _not_found(_request: Request, err: RunNotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=404)
+
+    @app.exception_handler(InvalidTransition)
+    async def _conflict(_request: Request, err: InvalidTransition) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=409)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
+        errors = err.errors()
+        first = errors[0]
+        detail = f"{_loc(first['loc'])}: {first['msg']}"
+        if first.get("type") == "json_invalid":
+            detail = f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
+        simple = [{"loc": _loc(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:20]]
+        return JSONResponse({"detail": detail, "errors": simple}, status_code=422)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return {"status": "ok", "database": engine.dialect.name}
+
+    app.add_middleware(LimitBodySize, max_bytes=settings.MAX_BODY_BYTES)
+    return app
+
+
+app = create_app()

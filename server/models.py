@@ -1,0 +1,212 @@
+"""Tables and API shapes of the control plane.
+
+Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens. Alembic migrations in
+``migrations/`` create them; ``tests/server/test_migrations.py`` fails when these and the migrations drift.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlmodel import Field, SQLModel
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _run_fk() -> Column[int]:
+    return Column(Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False, index=True)
+
+
+def _ts(nullable: bool = False) -> Any:
+    return Field(default_factory=utcnow if not nullable else lambda: None,
+                 sa_type=DateTime(timezone=True), nullable=nullable)  # type: ignore[call-overload]
+
+
+class RunStatus(enum.StrEnum):
+    queued = "queued"
+    starting = "starting"
+    running = "running"
+    paused = "paused"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TERMINAL = frozenset({RunStatus.completed, RunStatus.failed, RunStatus.cancelled})
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+class RunBase(SQLModel):
+    name: str = Field(max_length=128, index=True)
+    kind: str = Field(default="rl", max_length=16)
+
+
+class Run(RunBase, table=True):
+    __tablename__ = "runs"
+    id: int | None = Field(default=None, primary_key=True)
+    status: RunStatus = Field(default=RunStatus.queued, sa_type=String(16), index=True)  # type: ignore[call-overload]
+    status_reason: str = Field(default="", max_length=2000)
+    spec: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
+    spec_hash: str = Field(max_length=64)
+    """sha256 of the resolved spec as canonical JSON."""
+    owner: str = Field(max_length=128)
+    """Name of the token that submitted the run."""
+    launcher: str | None = Field(default=None, max_length=16)
+    launcher_handle: str | None = Field(default=None, max_length=256)
+    """Local: pid (= process group) of the run's supervisor; Slurm: job id."""
+    run_dir: str = Field(max_length=1024)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    started_at: datetime | None = _ts(nullable=True)
+    finished_at: datetime | None = _ts(nullable=True)
+
+
+class RunPublic(RunBase):
+    id: int
+    status: RunStatus
+    status_reason: str
+    spec: dict[str, Any]
+    spec_hash: str
+    owner: str
+    launcher: str | None
+    launcher_handle: str | None
+    run_dir: str
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class RunsPublic(SQLModel):
+    data: list[RunPublic]
+    count: int
+
+
+class StatusReport(SQLModel):
+    """A status change reported by the run's own processes (or an operator)."""
+
+    status: RunStatus
+    reason: str = Field(default="", max_length=2000)
+
+
+# ----------------------------------------------------------------------------- events
+
+
+class RunEvent(SQLModel, table=True):
+    __tablename__ = "run_events"
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(sa_column=_run_fk())
+    time: datetime = _ts()
+    kind: str = Field(default="status", max_length=32)
+    from_status: str | None = Field(default=None, max_length=16)
+    to_status: str | None = Field(default=None, max_length=16)
+    reason: str = Field(default="", max_length=2000)
+    data: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSONType, nullable=False))
+
+
+class RunEventPublic(SQLModel):
+    id: int
+    run_id: int
+    time: datetime
+    kind: str
+    from_status: str | None
+    to_status: str | None
+    reason: str
+    data: dict[str, Any]
+
+
+class RunEventsPublic(SQLModel):
+    data: list[RunEventPublic]
+    count: int
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class Metric(SQLModel, table=True):
+    """One scalar of one process at one step. The primary key is the idempotency key."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_series", "run_id", "name", "step"),)
+    run_id: int = Field(sa_column=Column(Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True))
+    source: str = Field(primary_key=True, max_length=32)
+    step: int = Field(sa_column=Column(BigInteger, primary_key=True))
+    name: str = Field(primary_key=True, max_length=128)
+    value: float = Field(sa_column=Column(Float, nullable=False))
+    time: float = Field(sa_column=Column(Float, nullable=False))
+    """Unix seconds when the process measured it."""
+
+
+class MetricPoint(SQLModel):
+    source: str = Field(min_length=1, max_length=32, regex=r"^[A-Za-z0-9_.-]+$")
+    step: int = Field(ge=0, le=2**62)
+    name: str = Field(min_length=1, max_length=128, regex=r"^[A-Za-z0-9_./@-]+$")
+    value: float
+    time: float = Field(ge=0)
+
+
+class MetricBatch(SQLModel):
+    points: list[MetricPoint]
+
+
+class MetricIngestResult(SQLModel):
+    received: int
+    inserted: int
+
+
+class MetricSeries(SQLModel):
+    source: str
+    total: int
+    """Points of this series after ``since_step`` before downsampling."""
+    step: list[int]
+    value: list[float | None]
+    """Non-finite values (NaN, inf) come back as null."""
+    time: list[float]
+
+
+class MetricSeriesPublic(SQLModel):
+    name: str
+    series: list[MetricSeries]
+
+
+# ----------------------------------------------------------------------------- config revisions
+
+
+class ConfigRevision(SQLModel, table=True):
+    __tablename__ = "config_revisions"
+    __table_args__ = (UniqueConstraint("run_id", "revision"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(sa_column=_run_fk())
+    revision: int
+    changes: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
+    """Dotted live key -> new value."""
+    applied: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSONType, nullable=False))
+    """Process name -> step the revision took effect at."""
+    created_by: str = Field(max_length=128)
+    created_at: datetime = _ts()
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+class ApiToken(SQLModel, table=True):
+    """A user's bearer token. Only its sha256 is stored; the plain token is shown once, at creation."""
+
+    __tablename__ = "api_tokens"
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128, index=True)
+    token_hash: str = Field(max_length=64, unique=True)
+    prefix: str = Field(max_length=16)
+    """First characters of the token, to tell tokens apart in listings."""
+    created_at: datetime = _ts()
+    revoked_at: datetime | None = _ts(nullable=True)

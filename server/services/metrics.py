@@ -1,0 +1,61 @@
+"""Metric ingestion (idempotent on ``(run, source, step, name)``) and downsampled series queries."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from sqlalchemy import text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlmodel import Session
+
+from server.models import Metric, MetricPoint, MetricSeries
+
+CHUNK = 5000
+"""Rows per INSERT statement (6 parameters a row stays under Postgres' 65535-parameter limit)."""
+
+
+def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> int:
+    """Insert points, skipping keys already stored (``ON CONFLICT DO NOTHING``); returns rows inserted."""
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    inserted = 0
+    for i in range(0, len(points), CHUNK):
+        rows = [{"run_id": run_id, "source": p.source, "step": p.step, "name": p.name, "value": p.value,
+                 "time": p.time} for p in points[i:i + CHUNK]]
+        stmt = insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
+        inserted += session.execute(stmt).rowcount  # type: ignore[attr-defined]
+    return inserted
+
+
+_SERIES_SQL = text("""
+WITH s AS (
+    SELECT source, step, value, time,
+           row_number() OVER (PARTITION BY source ORDER BY step) AS rn,
+           count(*) OVER (PARTITION BY source) AS n
+    FROM metrics
+    WHERE run_id = :run_id AND name = :name AND step > :since_step
+)
+SELECT source, step, value, time, n FROM s
+WHERE n <= :max_points OR rn = n
+   OR (:max_points > 1 AND (rn - 1) % ((n + :max_points - 2) / (:max_points - 1)) = 0)
+ORDER BY source, step
+""")
+
+
+def series(session: Session, *, run_id: int, name: str, since_step: int = -1,
+           max_points: int = 1000) -> list[MetricSeries]:
+    """One series per source of metric ``name`` after ``since_step``, each at most ``max_points`` long.
+
+    Downsampling keeps every k-th point by step, k = ceil(n / (max_points - 1)), plus the last point, so a
+    chart always ends at the newest value.
+    """
+    rows = session.execute(_SERIES_SQL, {"run_id": run_id, "name": name, "since_step": since_step,
+                                         "max_points": max_points}).all()
+    out: dict[str, MetricSeries] = {}
+    for source, step, value, t, n in rows:
+        s = out.setdefault(source, MetricSeries(source=source, total=n, step=[], value=[], time=[]))
+        s.step.append(step)
+        s.value.append(value if math.isfinite(value) else None)
+        s.time.append(t)
+    return list(out.values())
