@@ -26,7 +26,7 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 async def evaluate(
-    client: "InferenceClient",
+    client: InferenceClient,
     env: Environment,
     tokenizer: Any,
     *,

@@ -25,10 +25,8 @@ import argparse
 import asyncio
 import json
 import logging
-import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,41 +34,14 @@ from worker.batch import TrainSample, write_batch
 from worker.checkpoint import write_part
 from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
-from worker.orchestrator.advantages import compute_advantages, is_zero_advantage
+from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import data_order
 from worker.orchestrator.eval import evaluate, prompt_ids
-from worker.packing import completion_length, pack
+from worker.packing import pack
 from worker.rundir import RunDir, append_jsonl
 from worker.spec import RLSpec
 
 logger = logging.getLogger("asyncrl.orchestrator")
-
-
-@dataclass
-class Rollout:
-    task_key: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    completion_logprobs: list[float]
-    completion_text: str
-    finish_reason: str
-    reward: float | None
-    advantage: float | None
-    policy_span: tuple[int, int]
-    temperature: float
-
-    def record(self, step: int) -> dict[str, Any]:
-        return {
-            "step": step,
-            "task": self.task_key,
-            "completion": self.completion_text,
-            "reward": self.reward,
-            "advantage": self.advantage,
-            "policy_span": list(self.policy_span),
-            "temperature": self.temperature,
-            "completion_len": len(self.completion_ids),
-            "finish_reason": self.finish_reason,
-        }
 
 
 class Orchestrator:
@@ -90,7 +61,7 @@ class Orchestrator:
         self.eval_env: Environment = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
-        self._steps: dict[int, asyncio.Task[tuple[list[Rollout], float]]] = {}
+        self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
 
     # ------------------------------------------------------------------ policy versions
 
@@ -160,71 +131,12 @@ class Orchestrator:
             self._steps[step] = asyncio.create_task(self._timed(self.generate_step(step), waited))
 
     @staticmethod
-    async def _timed(coro: Any, waited: float) -> tuple[Any, float]:
-        return await coro, waited
+    async def _timed(coro: Any, waited: float) -> tuple[Any, float, float]:
+        t0 = time.perf_counter()
+        result = await coro
+        return result, waited, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ batches
-
-    def build_batch(self, step: int, groups: list[list[Rollout]]) -> tuple[list[TrainSample], dict[str, float]]:
-        """Advantages, staleness filter and zero-advantage filter for one step's groups."""
-        orch = self.spec.orchestrator
-        adv_cfg = orch.advantage.model_dump(exclude={"type"})
-        samples: list[TrainSample] = []
-        stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
-        dropped_stale = dropped_zero = missing = all_missing_groups = truncated = 0
-        for group in groups:
-            lags = [(step - 1) - r.policy_span[0] for r in group]
-            lengths = [completion_length([1] * len(r.completion_ids)) for r in group]
-            result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
-            missing += result.reward_missing
-            all_missing_groups += int(result.all_missing)
-            for r, a in zip(group, result.advantages, strict=True):
-                r.advantage = a
-            stats["rewards"] += [r.reward for r in group if r.reward is not None]
-            stats["lags"] += lags
-            stats["lens"] += lengths
-            truncated += sum(r.finish_reason == "length" for r in group)
-            if result.all_missing:
-                continue
-            if orch.drop_zero_advantage and is_zero_advantage(result):
-                dropped_zero += 1
-                continue
-            for r, lag in zip(group, lags, strict=True):
-                if r.advantage is None:
-                    continue
-                if lag > orch.max_off_policy_steps:
-                    dropped_stale += 1
-                    continue
-                stats["advantages"].append(r.advantage)
-                stats["trained_lags"].append(lag)
-                samples.append(
-                    TrainSample(
-                        input_ids=r.prompt_ids + r.completion_ids,
-                        loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.completion_ids),
-                        sampling_logprobs=[0.0] * len(r.prompt_ids) + r.completion_logprobs,
-                        advantage=r.advantage,
-                        temperature=r.temperature,
-                        policy_span=list(r.policy_span),
-                    )
-                )
-        rewards, lags = stats["rewards"], stats["lags"]
-        metrics = {
-            "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
-            "reward_std": statistics.pstdev(rewards) if rewards else float("nan"),
-            "reward_missing": missing,
-            "groups_all_missing": all_missing_groups,
-            "advantage_abs_mean": statistics.fmean(abs(a) for a in stats["advantages"]) if stats["advantages"] else 0.0,
-            "completion_len_mean": statistics.fmean(stats["lens"]) if stats["lens"] else 0.0,
-            "completion_len_max": max(stats["lens"], default=0),
-            "truncated_fraction": truncated / max(1, len(lags)),
-            "staleness_mean": statistics.fmean(lags) if lags else 0.0,
-            "staleness_max": max(lags, default=0),
-            "trained_staleness_max": max(stats["trained_lags"], default=0),
-            "dropped_stale": dropped_stale,
-            "dropped_zero_advantage_groups": dropped_zero,
-            "num_samples": len(samples),
-        }
-        return samples, metrics
 
     def write_step(self, step: int, samples: list[TrainSample]) -> None:
         seq_len = self.spec.orchestrator.seq_len
@@ -282,9 +194,9 @@ class Orchestrator:
                     if producer.done():
                         producer.result()
                 t0 = time.perf_counter()
-                groups, wait_for_policy = await self._steps.pop(step)
+                groups, wait_for_policy, generation_s = await self._steps.pop(step)
                 gen_s = time.perf_counter() - t0
-                samples, metrics = self.build_batch(step, groups)
+                samples, metrics = build_batch(step, groups, spec.orchestrator)
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:
@@ -297,6 +209,8 @@ class Orchestrator:
                         **metrics,
                         "wait_for_policy_s": wait_for_policy,
                         "rollout_tokens": n_tokens,
+                        "generation_s": generation_s,
+                        "rollout_tokens_per_s": n_tokens / generation_s if generation_s > 0 else 0.0,
                         "batch_wait_s": gen_s,
                         "policy_version": self.policy_version,
                         "temperature": spec.orchestrator.temperature,

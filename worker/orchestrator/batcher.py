@@ -1,0 +1,117 @@
+"""The batcher: one step's rollout groups -> advantages -> filtered training samples + metrics.
+
+Pure functions (no I/O), so the staleness bound and the reward/advantage bookkeeping are tested
+directly (``tests/unit/test_batcher.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from worker.batch import TrainSample
+from worker.orchestrator.advantages import compute_advantages, is_zero_advantage
+from worker.packing import completion_length
+from worker.spec import OrchestratorConfig
+
+
+@dataclass
+class Rollout:
+    task_key: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    completion_text: str
+    finish_reason: str
+    reward: float | None
+    advantage: float | None
+    policy_span: tuple[int, int]
+    temperature: float
+
+    def record(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "task": self.task_key,
+            "completion": self.completion_text,
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "policy_span": list(self.policy_span),
+            "temperature": self.temperature,
+            "completion_len": len(self.completion_ids),
+            "finish_reason": self.finish_reason,
+        }
+
+
+def build_batch(
+    step: int, groups: list[list[Rollout]], orch: OrchestratorConfig
+) -> tuple[list[TrainSample], dict[str, Any]]:
+    """Advantages, staleness filter and zero-advantage filter for the groups of trainer step ``step``.
+
+    A rollout's lag is ``(step - 1) - v_start``: batch ``step`` trains policy v(step-1), and the
+    rollout was started under version ``v_start`` (queue time counted). Rollouts with lag above
+    ``orch.max_off_policy_steps`` are dropped and counted in ``dropped_stale``, never trained on.
+    Rewards that are None get no advantage and are not trained on (case C8); a group whose rewards
+    are all None is counted in ``groups_all_missing``, never scored 0.
+
+    Returns:
+        The training samples and the step's orchestrator metrics (reward, advantage, length,
+        staleness and drop statistics).
+    """
+    adv_cfg = orch.advantage.model_dump(exclude={"type"})
+    samples: list[TrainSample] = []
+    stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
+    dropped_stale = dropped_zero = missing = all_missing_groups = truncated = 0
+    for group in groups:
+        lags = [(step - 1) - r.policy_span[0] for r in group]
+        lengths = [completion_length([1] * len(r.completion_ids)) for r in group]
+        result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
+        missing += result.reward_missing
+        all_missing_groups += int(result.all_missing)
+        for r, a in zip(group, result.advantages, strict=True):
+            r.advantage = a
+        stats["rewards"] += [r.reward for r in group if r.reward is not None]
+        stats["lags"] += lags
+        stats["lens"] += lengths
+        truncated += sum(r.finish_reason == "length" for r in group)
+        if result.all_missing:
+            continue
+        if orch.drop_zero_advantage and is_zero_advantage(result):
+            dropped_zero += 1
+            continue
+        for r, lag in zip(group, lags, strict=True):
+            if r.advantage is None:
+                continue
+            if lag > orch.max_off_policy_steps:
+                dropped_stale += 1
+                continue
+            stats["advantages"].append(r.advantage)
+            stats["trained_lags"].append(lag)
+            samples.append(
+                TrainSample(
+                    input_ids=r.prompt_ids + r.completion_ids,
+                    loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.completion_ids),
+                    sampling_logprobs=[0.0] * len(r.prompt_ids) + r.completion_logprobs,
+                    advantage=r.advantage,
+                    temperature=r.temperature,
+                    policy_span=list(r.policy_span),
+                )
+            )
+    rewards, lags = stats["rewards"], stats["lags"]
+    metrics = {
+        "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "reward_std": statistics.pstdev(rewards) if rewards else float("nan"),
+        "reward_missing": missing,
+        "groups_all_missing": all_missing_groups,
+        "advantage_abs_mean": statistics.fmean(abs(a) for a in stats["advantages"]) if stats["advantages"] else 0.0,
+        "completion_len_mean": statistics.fmean(stats["lens"]) if stats["lens"] else 0.0,
+        "completion_len_max": max(stats["lens"], default=0),
+        "truncated_fraction": truncated / max(1, len(lags)),
+        "staleness_mean": statistics.fmean(lags) if lags else 0.0,
+        "staleness_max": max(lags, default=0),
+        "trained_staleness_max": max(stats["trained_lags"], default=0),
+        "dropped_stale": dropped_stale,
+        "dropped_zero_advantage_groups": dropped_zero,
+        "num_samples": len(samples),
+    }
+    return samples, metrics
