@@ -10,6 +10,8 @@ import enum
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic import Field as PydanticField
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
@@ -147,15 +149,18 @@ class Metric(SQLModel, table=True):
     """Unix seconds when the process measured it."""
 
 
-class MetricPoint(SQLModel):
-    source: str = Field(min_length=1, max_length=32, regex=r"^[A-Za-z0-9_.-]+$")
-    step: int = Field(ge=0, le=2**62)
-    name: str = Field(min_length=1, max_length=128, regex=r"^[A-Za-z0-9_./@-]+$")
+class MetricPoint(BaseModel):
+    source: str = PydanticField(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Process that measured it: ``trainer``, ``orchestrator``, ``eval``, ..."""
+    step: int = PydanticField(ge=0, le=2**62)
+    name: str = PydanticField(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_./@-]+$")
     value: float
-    time: float = Field(ge=0)
+    """Non-finite values (NaN, inf) are stored and come back as null."""
+    time: float = PydanticField(ge=0)
+    """Unix seconds."""
 
 
-class MetricBatch(SQLModel):
+class MetricBatch(BaseModel):
     points: list[MetricPoint]
 
 

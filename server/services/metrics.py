@@ -23,8 +23,9 @@ def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> i
     for i in range(0, len(points), CHUNK):
         rows = [{"run_id": run_id, "source": p.source, "step": p.step, "name": p.name, "value": p.value,
                  "time": p.time} for p in points[i:i + CHUNK]]
-        stmt = insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
-        inserted += session.execute(stmt).rowcount  # type: ignore[attr-defined]
+        stmt = (insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
+                .returning(Metric.__table__.c.step))  # type: ignore[attr-defined]
+        inserted += len(session.execute(stmt).all())
     return inserted
 
 

@@ -32,7 +32,7 @@ os.environ.update({
     "ASYNCRL_HOME": str(STATE / "home"),
     "ASYNCRL_OUTPUT_DIR": str(STATE / "outputs"),
     "MAX_BODY_BYTES": str(256 * 1024),
-    "MAX_METRIC_POINTS": "5000",
+    "MAX_METRIC_POINTS": "2000",
 })
 
 BAD_MODEL = "/nonexistent/asyncrl-test-model"
