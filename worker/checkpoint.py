@@ -59,8 +59,11 @@ def resume_step(run: RunDir) -> int | None:
     newest = complete[-1] if complete else None
     for n, p in sorted(step_dirs(run.checkpoints).items()):
         if newest is None or n > newest:
-            logger.warning("checkpoint step_%d is incomplete (parts: %s); ignoring it", n,
-                           sorted(x.name for x in p.iterdir()) or "none")
+            logger.warning(
+                "checkpoint step_%d is incomplete (parts: %s); ignoring it",
+                n,
+                sorted(x.name for x in p.iterdir()) or "none",
+            )
             shutil.rmtree(p, ignore_errors=True)
         else:
             for tmp in p.glob(".*.tmp-*"):

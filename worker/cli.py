@@ -69,8 +69,12 @@ def _spec_command(kind: str, argv: list[str]) -> int:
     if kind == "rl":
         from worker.launchers.local import launch_rl
 
-        summary = launch_rl(spec, resume="--resume" in flags, overwrite="--overwrite" in flags,  # type: ignore[arg-type]
-                            quiet="--quiet" in flags)
+        summary = launch_rl(
+            spec,
+            resume="--resume" in flags,
+            overwrite="--overwrite" in flags,  # type: ignore[arg-type]
+            quiet="--quiet" in flags,
+        )
         return 0 if summary["status"] == "completed" else 1
     from worker.trainer.sft import run_sft
 
@@ -93,12 +97,23 @@ def _eval_command(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the result JSON here")
     args = p.parse_args(argv)
+    try:
+        env_args = json.loads(args.env_args)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"--env-args: expected a JSON object, got {args.env_args!r} ({err.msg})") from None
     from worker.evaluation import run_eval
 
     result = run_eval(
-        model=args.model, url=args.url, tokenizer=args.tokenizer, env_id=args.env,
-        env_args=json.loads(args.env_args), num_examples=args.num_examples, temperature=args.temperature,
-        max_tokens=args.max_tokens, pass_k=args.pass_k, seed=args.seed,
+        model=args.model,
+        url=args.url,
+        tokenizer=args.tokenizer,
+        env_id=args.env,
+        env_args=env_args,
+        num_examples=args.num_examples,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        pass_k=args.pass_k,
+        seed=args.seed,
     )
     text = json.dumps(result, indent=2)
     print(text)  # noqa: T201

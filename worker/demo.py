@@ -17,8 +17,9 @@ from worker.spec import load_spec_data, validate_spec
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
 
 
-def run_demo(output_dir: str, summary_path: Path, *, rl_steps: int | None = None,
-             sft_steps: int | None = None) -> dict[str, Any]:
+def run_demo(
+    output_dir: str, summary_path: Path, *, rl_steps: int | None = None, sft_steps: int | None = None
+) -> dict[str, Any]:
     """Run the three stages below ``output_dir`` (replacing an earlier demo there); returns the summary."""
     from worker.launchers.local import launch_rl
     from worker.models import init_model
@@ -46,7 +47,8 @@ def run_demo(output_dir: str, summary_path: Path, *, rl_steps: int | None = None
         "reward_after_sft": rl["eval_reward_first"],
         "reward_after_rl": rl["eval_reward_last"],
         "reward_gain": (rl["eval_reward_last"] - rl["eval_reward_first"])
-        if rl["eval_reward_first"] is not None and rl["eval_reward_last"] is not None else None,
+        if rl["eval_reward_first"] is not None and rl["eval_reward_last"] is not None
+        else None,
         "sft_greedy_eval_reward": sft["eval_reward_greedy"],
         "mismatch_kl": rl["mismatch_kl"],
         "steps": rl["steps"],

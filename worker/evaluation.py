@@ -13,8 +13,17 @@ from worker.orchestrator.eval import evaluate
 
 
 def run_eval(
-    *, model: str | None, url: str | None, tokenizer: str | None, env_id: str, env_args: dict[str, Any],
-    num_examples: int, temperature: float, max_tokens: int, pass_k: int, seed: int,
+    *,
+    model: str | None,
+    url: str | None,
+    tokenizer: str | None,
+    env_id: str,
+    env_args: dict[str, Any],
+    num_examples: int,
+    temperature: float,
+    max_tokens: int,
+    pass_k: int,
+    seed: int,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (a vLLM server is started for it and stopped after) or the server at ``url``.
 
@@ -24,13 +33,19 @@ def run_eval(
     Raises:
         SpecError: neither or both of ``model`` and ``url``, or no tokenizer for ``url``.
     """
+    from worker.envs import EnvironmentLoadError
     from worker.launchers.local import free_port
-    from worker.models import load_tokenizer
+    from worker.models import check_model_source, load_tokenizer
     from worker.spec import SpecError
 
     if (model is None) == (url is None):
         raise SpecError("eval: give exactly one of --model and --url")
-    env = load_environment(env_id, split="eval", seed=seed, **env_args)
+    try:
+        if model is not None:
+            check_model_source(model)
+        env = load_environment(env_id, split="eval", seed=seed, **env_args)
+    except (FileNotFoundError, ValueError) as err:  # EnvironmentLoadError is a ValueError
+        raise SpecError(f"{'--env' if isinstance(err, EnvironmentLoadError) else '--model'}: {err}") from None
     proc = None
     if url is None:
         from worker.inference.server import start_server, wait_ready
@@ -41,17 +56,19 @@ def run_eval(
         proc = start_server(str(model), port=port, log_path=log, max_model_len=max(512, 4 * max_tokens))
         wait_ready(url, 300, proc, log)
     try:
-        client = InferenceClient(url)
-        if tokenizer is None:
-            tokenizer = model or asyncio.run(client.served_model())
-        tok = load_tokenizer(tokenizer)
 
         async def go() -> dict[str, Any]:
-            try:
-                return await evaluate(client, env, tok, num_examples=num_examples, temperature=temperature,
-                                      max_tokens=max_tokens, pass_k=pass_k)
-            finally:
-                await client.aclose()
+            async with InferenceClient(url) as client:
+                tok = load_tokenizer(tokenizer or model or await client.served_model())
+                return await evaluate(
+                    client,
+                    env,
+                    tok,
+                    num_examples=num_examples,
+                    temperature=temperature,
+                    max_tokens=max_tokens,
+                    pass_k=pass_k,
+                )
 
         result = asyncio.run(go())
     finally:

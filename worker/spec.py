@@ -189,7 +189,7 @@ class CheckpointConfig(_Strict):
 # ----------------------------------------------------------------------------- runs
 
 
-def _check_run_name(cls: type, v: str) -> str:
+def _check_run_name(_cls: type, v: str) -> str:
     """Run names become directory names: letters, digits, '-', '_', '.' (not leading)."""
     if not v or v.startswith(".") or not all(c.isalnum() or c in "-_." for c in v):
         raise ValueError(f"expected letters, digits, '-', '_' or '.', got {v!r}")
@@ -284,7 +284,11 @@ def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
         if inner is None:
             continue
         type_field = inner.model_fields.get("type")
-        if type_field is None or not isinstance(value, dict) or value.get("type", type_field.default) == type_field.default:
+        if (
+            type_field is None
+            or not isinstance(value, dict)
+            or value.get("type", type_field.default) == type_field.default
+        ):
             return inner
     return None
 
@@ -309,7 +313,9 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
 
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p in {"dppo_kl", "ipo", "icepop", "aipo"}))
+    loc = ".".join(
+        str(p) for p in first["loc"] if not (isinstance(p, str) and p in {"dppo_kl", "ipo", "icepop", "aipo"})
+    )
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "union_tag_invalid":
         ctx = first.get("ctx", {})

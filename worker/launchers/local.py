@@ -47,8 +47,12 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent, cwd=os.getcwd(),
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent,
+            cwd=os.getcwd(),
         )
 
 
@@ -126,7 +130,9 @@ def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[Run
         run.prune_after(step)
     elif run.root.exists():
         if not overwrite:
-            raise SpecError(f"run directory {run.root} exists: pass --resume to continue it or --overwrite to replace it")
+            raise SpecError(
+                f"run directory {run.root} exists: pass --resume to continue it or --overwrite to replace it"
+            )
         shutil.rmtree(run.root)
     run.create()
     atomic_write_json(run.config, json.loads(spec.model_dump_json()))
@@ -190,21 +196,41 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
             port = spec.inference.port or free_port()
             url = f"http://{spec.inference.host}:{port}"
             cmd = server_command(
-                spec.model.name, spec.inference.host, port, max_model_len=spec.inference.max_model_len,
-                dtype=spec.model.dtype, seed=spec.seed,
-                extra_args=[f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
-                            *spec.inference.extra_args],
+                spec.model.name,
+                spec.inference.host,
+                port,
+                max_model_len=spec.inference.max_model_len,
+                dtype=spec.model.dtype,
+                seed=spec.seed,
+                extra_args=[
+                    f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
+                    *spec.inference.extra_args,
+                ],
             )
             procs["inference"] = spawn(cmd, run.logs / "inference.log", server_env())
             say(f"starting vLLM at {url} (log: {run.logs / 'inference.log'})")
-            wait_ready(url, spec.inference.startup_timeout_s, procs["inference"], run.logs / "inference.log")
+            from rich.console import Console
+
+            with Console(stderr=True, quiet=quiet).status("waiting for vLLM to load the model (20-80 s on CPU)"):
+                booted = wait_ready(
+                    url, spec.inference.startup_timeout_s, procs["inference"], run.logs / "inference.log"
+                )
+            say(f"vLLM ready in {booted:.0f}s")
         resume_args = ["--resume-step", str(start)] if start else []
         procs["trainer"] = spawn(
             [sys.executable, "-m", "worker.trainer", "--run-dir", str(run.root), *resume_args], run.logs / "trainer.log"
         )
         procs["orchestrator"] = spawn(
-            [sys.executable, "-m", "worker.orchestrator", "--run-dir", str(run.root), "--inference-url", url,
-             *resume_args],
+            [
+                sys.executable,
+                "-m",
+                "worker.orchestrator",
+                "--run-dir",
+                str(run.root),
+                "--inference-url",
+                url,
+                *resume_args,
+            ],
             run.logs / "orchestrator.log",
         )
         run.log_event("running", inference_url=url, pids={k: p.pid for k, p in procs.items()})
@@ -224,7 +250,9 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
     return summary
 
 
-def _follow(spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int) -> tuple[str, str]:
+def _follow(
+    spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int
+) -> tuple[str, str]:
     printed, evals_said = start, 0
     while True:
         rows = read_jsonl(run.metrics)

@@ -166,9 +166,14 @@ class Orchestrator:
         ev = self.spec.orchestrator.eval
         version = self.policy_version
         result = await evaluate(
-            self.client, self.eval_env, self.tokenizer,
-            num_examples=ev.num_examples, temperature=ev.temperature, max_tokens=self.spec.orchestrator.max_tokens,
-            pass_k=ev.pass_k, pass_threshold=ev.pass_threshold,
+            self.client,
+            self.eval_env,
+            self.tokenizer,
+            num_examples=ev.num_examples,
+            temperature=ev.temperature,
+            max_tokens=self.spec.orchestrator.max_tokens,
+            pass_k=ev.pass_k,
+            pass_threshold=ev.pass_threshold,
         )
         self.run.log_metrics("eval", version, result)
         logger.info("eval at policy version %d: %s", version, result)

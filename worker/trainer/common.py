@@ -143,8 +143,10 @@ class BackgroundCheckpointer:
         # optimizer state tensors are cloned so the next step cannot change them under the writer
         opt_state = optimizer.state_dict()
         opt_state = {
-            "state": {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
-                      for k, s in opt_state["state"].items()},
+            "state": {
+                k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                for k, s in opt_state["state"].items()
+            },
             "param_groups": opt_state["param_groups"],
         }
         meta = {"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": step}
@@ -168,9 +170,7 @@ class BackgroundCheckpointer:
             self._thread = None
 
 
-def load_trainer_state(
-    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> int:
+def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
     """Load a trainer checkpoint part into model, optimizer, scheduler and RNGs; returns its step."""
     weights = load_file(folder / "model.safetensors")
     missing, unexpected = model.load_state_dict(weights, strict=False)

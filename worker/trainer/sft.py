@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from worker.envs import load_environment
-from worker.orchestrator.eval import prompt_ids
 from worker.orchestrator.data import data_order
+from worker.orchestrator.eval import prompt_ids
 from worker.packing import pack
 from worker.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError
@@ -47,7 +47,9 @@ def sft_loss(model: torch.nn.Module, samples: list[dict[str, list[int]]], n_toke
     logits = model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask).logits[0]
     total = logits.new_zeros(())
     for start, length in t.spans:
-        lp = selective_log_softmax(logits[start : start + length - 1].float(), t.input_ids[0, start + 1 : start + length])
+        lp = selective_log_softmax(
+            logits[start : start + length - 1].float(), t.input_ids[0, start + 1 : start + length]
+        )
         total = total - lp[t.loss_mask[start + 1 : start + length]].sum()
     return total / max(n_tokens, 1)
 
@@ -64,8 +66,14 @@ def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
 
     async def score_all() -> list[float | None]:
@@ -96,6 +104,19 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
         eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
     except (EnvironmentLoadError, TypeError, ValueError) as err:
         raise SpecError(f"env: {err}") from None
+    examples = []
+    for p in range(spec.data.num_examples):
+        task = env.task(data_order(p, env.num_tasks, spec.seed))
+        answer = getattr(task.data, "answer", None)
+        if answer is None:
+            raise SpecError(f"env.id: {spec.env.id!r} tasks have no reference 'answer' to fine-tune on")
+        examples.append(sft_sample(tokenizer, env.prompt_messages(task), str(answer)))
+    too_long = max(len(e["input_ids"]) for e in examples)
+    if too_long > spec.seq_len:
+        raise SpecError(
+            f"seq_len: {spec.seq_len} tokens cannot hold a {too_long}-token example; use at least {too_long}"
+        )
+
     if run.root.exists():
         if not overwrite:
             raise SpecError(f"run directory {run.root} exists: pass --overwrite to replace it")
@@ -104,15 +125,6 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
     atomic_write_json(run.config, json.loads(spec.model_dump_json()))
     torch.manual_seed(spec.seed)
     torch.set_num_threads(spec.threads)
-
-    examples = []
-    for p in range(spec.data.num_examples):
-        task = env.task(data_order(p, env.num_tasks, spec.seed))
-        examples.append(sft_sample(tokenizer, env.prompt_messages(task), str(task.data.answer)))
-    too_long = max(len(e["input_ids"]) for e in examples)
-    if too_long > spec.seq_len:
-        shutil.rmtree(run.root)
-        raise SpecError(f"seq_len: {spec.seq_len} tokens cannot hold a {too_long}-token example; use at least {too_long}")
 
     model.train()
     optimizer = build_optimizer(model, spec.optim)
@@ -135,8 +147,13 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         dt = time.perf_counter() - t0
-        values = {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
-                  "tokens_per_s": sum(len(e["input_ids"]) for e in batch) / dt, "step_time_s": dt}
+        values = {
+            "loss": loss_sum,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens_per_s": sum(len(e["input_ids"]) for e in batch) / dt,
+            "step_time_s": dt,
+        }
         if step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0):
             reward = greedy_eval(model, tokenizer, eval_env, spec.eval_examples)
             values["eval_reward_greedy"] = reward

@@ -72,9 +72,11 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
     for samples in batch["micro_batches"]:
         t = micro_batch_tensors(samples)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(
-                input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask
-            ).logits[0].float()  # [T, vocab]
+            logits = (
+                model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask)
+                .logits[0]
+                .float()
+            )  # [T, vocab]
         total = logits.new_zeros(())
         for (start, length), sample in zip(t.spans, samples, strict=True):
             # position p predicts token p + 1 of the same sample
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker.models import load_model
 
-    model = load_model(spec.model.name, dtype="float32", attn_implementation="sdpa")  # fp32 master weights; bf16 through autocast
+    model = load_model(
+        spec.model.name, dtype="float32", attn_implementation="sdpa"
+    )  # fp32 master weights; bf16 through autocast
     model.train()
     optimizer = build_optimizer(model, spec.trainer.optim)
     scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)
@@ -162,8 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                 "policy_version": step,
             },
         )
-        logger.info("step %d loss %.4f mismatch_kl %.2e grad_norm %.3f wait_for_batch %.2fs",
-                    step, metrics.get("loss", 0.0), metrics.get("mismatch_kl", 0.0), float(grad_norm), waited)
+        logger.info(
+            "step %d loss %.4f mismatch_kl %.2e grad_norm %.3f wait_for_batch %.2fs",
+            step,
+            metrics.get("loss", 0.0),
+            metrics.get("mismatch_kl", 0.0),
+            float(grad_norm),
+            waited,
+        )
         if spec.ckpt.interval and step % spec.ckpt.interval == 0:
             checkpointer.save(step, model, optimizer, scheduler)
         if spec.trainer.slow_step_s:

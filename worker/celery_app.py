@@ -1,0 +1,35 @@
+"""The Celery app of the compute plane.
+
+Tasks are idempotent on their run id, so they run with late acks: a worker killed mid-task (even kill -9)
+leaves the message unacked and the broker redelivers it (``task_reject_on_worker_lost``). The Redis
+visibility timeout is far longer than any task (a launch takes about a second), so a slow task is never
+handed to a second worker while the first still runs it. Without ``CELERY_BROKER_URL`` the broker is a
+folder in ASYNCRL_HOME (kombu's filesystem transport): embedded mode needs no Redis.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from server.core.config import settings
+
+
+def _transport_options() -> dict[str, object]:
+    if settings.embedded_broker:
+        folder = settings.ASYNCRL_HOME / "broker"
+        folder.mkdir(parents=True, exist_ok=True)
+        return {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    return {"visibility_timeout": settings.CELERY_VISIBILITY_TIMEOUT_S}
+
+
+app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["worker.tasks"])
+app.conf.update(
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue=settings.CELERY_QUEUE,
+    task_ignore_result=True,
+    broker_transport_options=_transport_options(),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)

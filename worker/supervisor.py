@@ -1,0 +1,262 @@
+"""Supervisor of one service-launched run: ``python -m worker.supervisor --home DIR``.
+
+The Celery ``launch_run`` task starts it in its own session (process group) and records its pid. It
+
+- holds an exclusive ``flock`` on ``<home>/supervisor.lock`` for its whole life, so at most one supervisor
+  (and one set of run processes) exists per run, and a redelivered launch finds and adopts it;
+- runs the run with the local launcher (``worker.launchers.local.launch_rl``), whose processes inherit
+  ``ASYNCRL_RUN_ID``, ``ASYNCRL_RUN_TOKEN`` and ``ASYNCRL_SERVER_URL``;
+- forwards ``metrics.jsonl`` to ``POST /api/runs/{id}/metrics`` (the file is the spool: while the server is
+  down the rows wait there and are sent when it is back; ingestion is idempotent, so a replay adds nothing)
+  and reports status changes to ``POST /api/runs/{id}/status``;
+- turns SIGTERM (``asyncrl runs stop``) into a clean cancel: the launcher tears its processes down.
+
+``<home>`` is ``<ASYNCRL_OUTPUT_DIR>/runs/<id>``; the run directory is ``<home>/<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger("asyncrl.supervisor")
+LOCK_FILE = "supervisor.lock"
+
+
+# ----------------------------------------------------------------------------- starting and stopping
+
+
+def running_pid(home: Path) -> int | None:
+    """Pid of the live supervisor holding ``home``'s lock, or None."""
+    path = home / LOCK_FILE
+    if not path.exists():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = f.read().strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str) -> int:
+    """Write the spec and start a detached supervisor; returns its pid (= its process group id)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+    with open(home / "supervisor.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.supervisor", "--home", str(home)], env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
+    return proc.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def terminate(pid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM the supervisor's process group, wait up to ``grace_s`` for it to end, then SIGKILL it."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ----------------------------------------------------------------------------- talking to the server
+
+
+def rows_to_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` rows ``{"source", "step", "time", <name>: value}`` → API points (numbers only)."""
+    points = []
+    for row in rows:
+        for name, value in row.items():
+            if name in {"source", "step", "time"} or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            points.append({"source": row["source"], "step": row["step"], "name": name, "value": float(value),
+                           "time": row.get("time", 0.0)})
+    return points
+
+
+class MetricsForwarder:
+    """Send new complete lines of ``metrics.jsonl`` to the server; the byte offset sent so far is kept in
+    ``offset_path`` so a restarted supervisor resumes where it stopped."""
+
+    def __init__(self, client: httpx.Client, run_id: int, metrics_path: Path, offset_path: Path,
+                 batch_points: int = 5000) -> None:
+        self.client, self.run_id, self.path, self.offset_path = client, run_id, metrics_path, offset_path
+        self.batch_points = batch_points
+        self.offset = int(offset_path.read_text()) if offset_path.exists() else 0
+
+    def pending(self) -> tuple[list[dict[str, Any]], int]:
+        """Rows after the offset (complete lines only) and the offset after them."""
+        if not self.path.exists():
+            return [], self.offset
+        data = self.path.read_bytes()
+        if len(data) < self.offset:  # rewritten (resume pruned it): replay all, idempotent
+            self.offset = 0
+        chunk = data[self.offset:]
+        end = chunk.rfind(b"\n") + 1
+        rows = []
+        for line in chunk[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows, self.offset + end
+
+    def send_once(self) -> int:
+        """Send what is pending; returns points sent. Raises httpx errors (the caller retries later)."""
+        rows, new_offset = self.pending()
+        points = rows_to_points(rows)
+        for i in range(0, len(points), self.batch_points):
+            batch = points[i:i + self.batch_points]
+            resp = self.client.post(f"/api/runs/{self.run_id}/metrics", json={"points": batch})
+            resp.raise_for_status()
+        if new_offset != self.offset:
+            self.offset = new_offset
+            self.offset_path.write_text(str(new_offset))
+        return len(points)
+
+
+
+class Reporter(threading.Thread):
+    """Background loop: forward metrics and the ``running`` event every ``interval_s``, backing off while
+    the server is unreachable. ``finish()`` flushes and reports the final status (retrying for a while)."""
+
+    def __init__(self, client: httpx.Client, run_id: int, run_dir: Path, home: Path, interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.client, self.run_id, self.run_dir, self.interval_s = client, run_id, run_dir, interval_s
+        self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home / "forwarded.offset")
+        self.reported_running = False
+        self._done = threading.Event()
+
+    def status(self, status: str, reason: str = "") -> None:
+        resp = self.client.post(f"/api/runs/{self.run_id}/status", json={"status": status, "reason": reason[:2000]})
+        if resp.status_code != 409:  # 409: the server already has a later state (e.g. cancelled by stop)
+            resp.raise_for_status()
+
+    def _tick(self) -> None:
+        if not self.reported_running and (self.run_dir / "events.jsonl").exists():
+            from worker.rundir import read_jsonl
+
+            if any(e.get("event") == "running" for e in read_jsonl(self.run_dir / "events.jsonl")):
+                self.status("running")
+                self.reported_running = True
+        self.forwarder.send_once()
+
+    def run(self) -> None:
+        backoff = self.interval_s
+        while not self._done.wait(backoff):
+            try:
+                self._tick()
+                backoff = self.interval_s
+            except httpx.HTTPError as err:
+                backoff = min(backoff * 2, 30.0)
+                logger.warning("server unreachable (%s); metrics stay spooled in %s, retry in %.0fs",
+                               err, self.forwarder.path, backoff)
+
+    def finish(self, status: str, reason: str, deadline_s: float = 600.0) -> None:
+        self._done.set()
+        if self.is_alive():
+            self.join()
+        end, backoff = time.monotonic() + deadline_s, 1.0
+        while True:
+            try:
+                if status == "completed" and not self.reported_running:
+                    self.status("running")
+                    self.reported_running = True
+                self.forwarder.send_once()
+                self.status(status, reason)
+                return
+            except httpx.HTTPError as err:
+                if time.monotonic() > end:
+                    logger.error("could not report %s to the server: %s", status, err)
+                    return
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _last_reason(run_dir: Path) -> str:
+    from worker.rundir import read_jsonl
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    return str(events[-1].get("reason", "")) if events else ""
+
+
+def _on_sigterm(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.supervisor")
+    p.add_argument("--home", type=Path, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lock = open(args.home / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the process
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logger.info("another supervisor holds %s; exiting", args.home / LOCK_FILE)
+        return 0
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    from worker.spec import RLSpec, SpecError, validate_spec
+
+    run_id = int(os.environ["ASYNCRL_RUN_ID"])
+    client = httpx.Client(base_url=os.environ["ASYNCRL_SERVER_URL"], timeout=30.0,
+                          headers={"Authorization": f"Bearer {os.environ['ASYNCRL_RUN_TOKEN']}"})
+    spec = validate_spec("rl", json.loads((args.home / "spec.json").read_text()))
+    assert isinstance(spec, RLSpec)
+    reporter = Reporter(client, run_id, spec.run_dir, args.home)
+    reporter.start()
+    try:
+        from worker.launchers.local import launch_rl
+
+        summary = launch_rl(spec, quiet=True)
+        status, reason = summary["status"], _last_reason(spec.run_dir)
+    except SpecError as err:
+        status, reason = "failed", f"preflight: {err}"
+    except KeyboardInterrupt:
+        status, reason = "cancelled", "terminated"
+    except Exception as err:  # reported to the server as the failure reason
+        status, reason = "failed", f"{type(err).__name__}: {err}"
+    logger.info("run %d ended %s %s", run_id, status, reason)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    reporter.finish(status, reason)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
