@@ -160,6 +160,12 @@ COMMANDS: dict[str, Any] = {
     "eval": _eval_command,
     "model": _model_command,
     "demo": _demo_command,
+    # control plane (server/cli.py), imported only when used
+    "server": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["server"](argv),
+    "worker": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["worker"](argv),
+    "token": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["token"](argv),
+    "submit": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["submit"](argv),
+    "runs": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["runs"](argv),
 }
 
 

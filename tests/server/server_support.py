@@ -97,3 +97,14 @@ def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "condi
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         time.sleep(0.1)
+
+
+def stored(run_id: int) -> int:
+    from sqlalchemy import func
+    from sqlmodel import Session, select
+
+    from server.core.db import engine
+    from server.models import Metric
+
+    with Session(engine) as s:
+        return int(s.exec(select(func.count()).select_from(Metric).where(Metric.run_id == run_id)).one())

@@ -5,22 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from server_support import run_token_headers
+from server_support import run_token_headers, stored
 
 
 def points(n: int, name: str = "loss", source: str = "trainer", start: int = 0) -> list[dict[str, Any]]:
     return [{"source": source, "step": s, "name": name, "value": s / 10, "time": 1e9 + s} for s in range(start, n)]
-
-
-def stored(run_id: int) -> int:
-    from sqlalchemy import func
-    from sqlmodel import Session, select
-
-    from server.core.db import engine
-    from server.models import Metric
-
-    with Session(engine) as s:
-        return int(s.exec(select(func.count()).select_from(Metric).where(Metric.run_id == run_id)).one())
 
 
 def test_same_batch_twice_stores_one_row_per_key(client: Any, make_run: Any) -> None:

@@ -1,0 +1,165 @@
+"""``asyncrl`` commands of the control plane (joined into ``worker.cli.COMMANDS``).
+
+    asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
+    asyncrl worker [--concurrency 2]
+    asyncrl token create --name NAME | revoke --name NAME
+    asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
+    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID
+
+``submit`` and ``runs`` go through the REST API (``ASYNCRL_URL``, default ``ASYNCRL_SERVER_URL``) with
+``ASYNCRL_TOKEN``; ``token`` writes to the database directly (it is how the first token is made).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from worker.spec import SpecError
+
+
+def migrate() -> None:
+    """``alembic upgrade head`` against ``DATABASE_URL``."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config(str(Path(__file__).resolve().parents[1] / "alembic.ini"))
+    command.upgrade(cfg, "head")
+
+
+def server_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl server", description="run the API server (uvicorn)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--no-migrate", action="store_true", help="skip 'alembic upgrade head' at start")
+    args = p.parse_args(argv)
+    if not args.no_migrate:
+        migrate()
+    import uvicorn
+
+    uvicorn.run("server.main:app", host=args.host, port=args.port)
+    return 0
+
+
+def worker_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl worker", description="run a Celery worker that launches runs")
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--loglevel", default="INFO")
+    args = p.parse_args(argv)
+    from worker.celery_app import app
+
+    app.worker_main(["worker", f"--concurrency={args.concurrency}", f"--loglevel={args.loglevel}"])
+    return 0
+
+
+def token_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl token", description="create or revoke API tokens")
+    sub = p.add_subparsers(dest="action", required=True)
+    for action in ("create", "revoke"):
+        sub.add_parser(action).add_argument("--name", required=True)
+    args = p.parse_args(argv)
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.services import tokens
+
+    with Session(engine) as session:
+        if args.action == "create":
+            _, plain = tokens.create(session, name=args.name)
+            session.commit()
+            print(plain)  # noqa: T201 - shown once; only its hash is stored
+            print(f"token '{args.name}' created; it is not shown again (export ASYNCRL_TOKEN=...)",  # noqa: T201
+                  file=sys.stderr)
+            return 0
+        count = tokens.revoke(session, name=args.name)
+        session.commit()
+    if not count:
+        raise SpecError(f"--name: no live token called {args.name!r}")
+    print(f"revoked {count} token(s) called '{args.name}'")  # noqa: T201
+    return 0
+
+
+def _client(url: str | None, token: str | None) -> Any:
+    import httpx
+
+    from server.core.config import settings
+
+    token = token or os.environ.get("ASYNCRL_TOKEN")
+    if not token:
+        raise SpecError("--token: set ASYNCRL_TOKEN or pass --token (asyncrl token create --name NAME)")
+    base = url or os.environ.get("ASYNCRL_URL") or settings.ASYNCRL_SERVER_URL
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
+
+
+def _call(client: Any, method: str, path: str, **kwargs: Any) -> Any:
+    import httpx
+
+    try:
+        resp = client.request(method, path, **kwargs)
+    except httpx.HTTPError as err:
+        raise SpecError(f"--url: cannot reach the server at {client.base_url} ({err})") from None
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        raise SpecError(f"{resp.status_code}: {detail}")
+    return resp.json()
+
+
+def _api_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="server base URL (default: ASYNCRL_URL or ASYNCRL_SERVER_URL)")
+    p.add_argument("--token", help="API token (default: ASYNCRL_TOKEN)")
+
+
+def submit_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl submit", description="submit a run spec to the server")
+    p.add_argument("spec", type=Path, help=".toml or .json run spec")
+    _api_args(p)
+    args = p.parse_args(argv)
+    if not args.spec.is_file():
+        raise SpecError(f"config file not found: {args.spec}")
+    with _client(args.url, args.token) as client:
+        run = _call(client, "POST", "/api/runs", files={"file": (args.spec.name, args.spec.read_bytes())})
+    print(json.dumps({k: run[k] for k in ("id", "name", "status", "run_dir")}))  # noqa: T201
+    return 0
+
+
+def runs_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl runs", description="list, show and stop runs")
+    sub = p.add_subparsers(dest="action", required=True)
+    ls = sub.add_parser("ls")
+    ls.add_argument("--status")
+    ls.add_argument("--name")
+    ls.add_argument("--limit", type=int, default=50)
+    _api_args(ls)
+    for action in ("show", "stop"):
+        sp = sub.add_parser(action)
+        sp.add_argument("id", type=int)
+        _api_args(sp)
+    args = p.parse_args(argv)
+    with _client(args.url, args.token) as client:
+        if args.action == "ls":
+            params = {k: v for k, v in {"status": args.status, "name": args.name, "limit": args.limit}.items() if v}
+            page = _call(client, "GET", "/api/runs", params=params)
+            for r in page["data"]:
+                print(f"{r['id']:>6}  {r['status']:<10} {r['name']:<32} {r['created_at'][:19]}")  # noqa: T201
+            print(f"{len(page['data'])} of {page['count']} runs")  # noqa: T201
+            return 0
+        run = _call(client, "POST" if args.action == "stop" else "GET", f"/api/runs/{args.id}"
+                    + ("/stop" if args.action == "stop" else ""))
+    print(json.dumps(run, indent=2))  # noqa: T201
+    return 0
+
+
+COMMANDS: dict[str, Any] = {
+    "server": server_command,
+    "worker": worker_command,
+    "token": token_command,
+    "submit": submit_command,
+    "runs": runs_command,
+}
