@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from server_support import DB_NAME, REDIS, SUFFIX, free_port, migrate, new_token, pg_admin, spec
+from server_support import DB_NAME, REDIS, STATE, SUFFIX, free_port, migrate, new_token, pg_admin, spec
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,6 +30,7 @@ def database() -> Iterator[str]:
         r = redis.Redis.from_url(REDIS)
         for key in r.scan_iter(f"*asyncrl-test-{SUFFIX}*"):
             r.delete(key)
+        shutil.rmtree(STATE, ignore_errors=True)
 
 
 @pytest.fixture
