@@ -189,7 +189,7 @@ class CheckpointConfig(_Strict):
 # ----------------------------------------------------------------------------- runs
 
 
-def _check_run_name(_cls: type, v: str) -> str:
+def _check_run_name(cls: type, v: str) -> str:  # noqa: ARG001 - pydantic passes the class by this name
     """Run names become directory names: letters, digits, '-', '_', '.' (not leading)."""
     if not v or v.startswith(".") or not all(c.isalnum() or c in "-_." for c in v):
         raise ValueError(f"expected letters, digits, '-', '_' or '.', got {v!r}")
