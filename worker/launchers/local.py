@@ -10,65 +10,21 @@ exit tears the other processes down; children also die with this process (PR_SET
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from worker.checkpoint import resume_step
+from worker.procs import free_port, kill_group, spawn
 from worker.rundir import RunDir, atomic_write_json, read_jsonl
 from worker.spec import RLSpec, SpecError
 
 logger = logging.getLogger("asyncrl.launcher")
 PROCESSES = ("inference", "trainer", "orchestrator")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    os.setpgrp()
-
-
-def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in its own process group, output to ``log_path``, dying with this process."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent,
-            cwd=os.getcwd(),
-        )
-
-
-def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def preflight(spec: RLSpec) -> None:
