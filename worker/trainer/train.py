@@ -39,6 +39,7 @@ from worker.trainer.loss import LossInputs, compute_sample_loss
 from worker.trainer.loss.common import entropy_from_logits, selective_log_softmax
 
 logger = logging.getLogger("asyncrl.trainer")
+EMPTY_STEP_METRICS = ("loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy", "is_ratio", "masked_fraction")
 
 
 def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch, float]:
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         batch, waited = wait_for_batch(run, step)
         t0 = time.perf_counter()
         metrics = train_step(model, batch, spec, step) if batch["num_samples"] else {}
+        for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
+            metrics.setdefault(name, float("nan"))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         if batch["num_samples"]:
