@@ -34,8 +34,8 @@ def run_eval(
         SpecError: neither or both of ``model`` and ``url``, or no tokenizer for ``url``.
     """
     from worker.envs import EnvironmentLoadError
-    from worker.procs import free_port
     from worker.models import check_model_source, load_tokenizer
+    from worker.procs import free_port
     from worker.spec import SpecError
 
     if (model is None) == (url is None):
