@@ -51,6 +51,7 @@ def run_demo(
         else None,
         "sft_greedy_eval_reward": sft["eval_reward_greedy"],
         "mismatch_kl": rl["mismatch_kl"],
+        "mismatch_kl_on_policy": rl["mismatch_kl_on_policy"],
         "steps": rl["steps"],
         "sft_steps": sft_spec.max_steps,
         "wall_s": round(time.time() - t0, 1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
     trainer = sorted((r for r in rows if r["source"] == "trainer"), key=lambda r: r["step"])
     orch = [r for r in rows if r["source"] == "orchestrator"]
     last3 = [r.get("mismatch_kl", float("nan")) for r in trainer[-3:]]
+    on_policy = [r["mismatch_kl_on_policy"] for r in trainer if not math.isnan(r.get("mismatch_kl_on_policy", math.nan))]
     return {
         "status": status,
         "steps": trainer[-1]["step"] if trainer else 0,
@@ -131,6 +133,8 @@ def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
         "eval_reward_last_version": evals[-1]["step"] if evals else None,
         "pass_at_k_last": evals[-1]["pass_at_k"] if evals else None,
         "mismatch_kl": sum(last3) / len(last3) if last3 else None,
+        "mismatch_kl_on_policy": sum(on_policy) / len(on_policy) if on_policy else None,
+        "mismatch_kl_on_policy_steps": len(on_policy),
         "dropped_stale": sum(r.get("dropped_stale", 0) for r in orch),
         "max_trained_staleness": max((r.get("trained_staleness_max", 0) for r in orch), default=0),
     }
