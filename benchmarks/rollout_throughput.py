@@ -1,0 +1,212 @@
+"""Rollout tokens/s of one vLLM server alone vs the same server inside an RL run.
+
+1. Build (or reuse) the tiny model SFT'd for 60 steps on reverse-text (``_common.sft_model``), so
+   completions stop at a realistic length instead of running to ``max_tokens``.
+2. Start one vLLM server on it (``worker.inference.server.start_server``, 1 OMP thread, as runs do).
+3. **Alone**: 8 reverse-text prompts x 8 samples x ``max_tokens`` 48 at T=1, sent the way the
+   orchestrator sends them (one ``/v1/completions`` request per prompt with ``n = 8``, all 8 at
+   once), one warm-up round then ``R`` rounds on fresh prompts; generated tokens / wall seconds,
+   median over rounds.
+4. **In the loop**: a real RL run (``launch_rl``, ``configs/reverse_text/rl.toml``: 8 x 8 x 48,
+   ``max_async_level`` 1, trainer on 1 thread) pointed at the same server (``inference.url``).
+   From its ``metrics.jsonl`` (orchestrator rows, after ``--warmup-steps``):
+   - ``generation``: sum of ``rollout_tokens`` / sum of ``generation_s`` (seconds each step's
+     rollouts took; with ``max_async_level`` 1 two steps' rollouts can overlap, so this sum can
+     double-count time and understates the server's rate);
+   - ``wall``: the same tokens / wall seconds between the orchestrator rows of the first and last
+     counted step (everything the loop adds: weight updates, pauses, waiting for the trainer).
+5. **Alone again** after the run (weights are now the RL policy's), to show the server itself did
+   not change speed.
+
+Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+
+async def _alone_round(url: str, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
+    from worker.inference.client import InferenceClient
+
+    async with InferenceClient(url, read_timeout_s=600) as client:
+        t0 = time.perf_counter()
+        groups = await asyncio.gather(
+            *(client.generate(p, n=n, max_tokens=max_tokens, temperature=1.0) for p in prompts)
+        )
+        dt = time.perf_counter() - t0
+    return sum(len(c.token_ids) for g in groups for c in g), dt
+
+
+def measure_alone(
+    url: str, model: Path, *, rounds: int, offset: int, prompts: int = 8, n: int = 8, max_tokens: int = 48
+) -> dict:
+    from worker.envs import load_environment
+    from worker.models import load_tokenizer
+    from worker.orchestrator.eval import prompt_ids
+
+    tok = load_tokenizer(model)
+    env = load_environment("reverse_text", split="train", seed=0)
+    per_round = []
+    for r in range(rounds + 1):  # round 0 is warm-up
+        base = offset + r * prompts
+        ids = [prompt_ids(tok, env.prompt_messages(env.task(base + i))) for i in range(prompts)]
+        tokens, dt = asyncio.run(_alone_round(url, ids, n, max_tokens))
+        if r > 0:
+            per_round.append({"tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1)})
+    return {
+        "rounds": per_round,
+        "tokens_per_s_median": C.median([x["tokens_per_s"] for x in per_round]),
+        "completion_len_mean": sum(x["tokens"] for x in per_round) / (len(per_round) * prompts * n),
+    }
+
+
+def loop_throughput(run_dir: Path, warmup_steps: int) -> dict:
+    rows = C.read_metrics(run_dir)
+    orch = sorted((r for r in rows if r["source"] == "orchestrator"), key=lambda r: r["step"])
+    trainer = sorted((r for r in rows if r["source"] == "trainer"), key=lambda r: r["step"])
+    counted = [r for r in orch if r["step"] > warmup_steps]
+    tokens = sum(r["rollout_tokens"] for r in counted)
+    gen = [r.get("generation_s") for r in counted]
+    gen_s = sum(gen) if all(isinstance(g, int | float) for g in gen) else None
+    before = [r for r in orch if r["step"] == warmup_steps]
+    t_first = before[0]["time"] if before else None
+    wall_s = counted[-1]["time"] - t_first if counted and t_first else None
+    return {
+        "steps_counted": len(counted),
+        "rollout_tokens": tokens,
+        "generation_s_sum": gen_s,
+        "wall_s": wall_s,
+        "tokens_per_s_generation": tokens / gen_s if gen_s else None,
+        "tokens_per_s_wall": tokens / wall_s if wall_s else None,
+        "completion_len_mean": tokens / (64 * len(counted)) if counted else None,
+        "trainer_step_time_s_mean": (
+            sum(r["step_time_s"] for r in trainer if r["step"] > warmup_steps)
+            / max(1, sum(1 for r in trainer if r["step"] > warmup_steps))
+        ),
+        "wait_for_policy_s_sum": sum(r.get("wait_for_policy_s", 0.0) for r in counted),
+        "note_generation_s": None if gen_s else "metrics.jsonl has no generation_s: orchestrator predates it",
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny counts: 2 rounds, 4 RL steps")
+    ap.add_argument("--rounds", type=int, default=None, help="alone rounds R (default 10; quick 2)")
+    ap.add_argument("--rl-steps", type=int, default=None, help="RL steps (default 30; quick 4)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="RL steps left out (default 2; quick 1)")
+    ap.add_argument("--sft-steps", type=int, default=60)
+    args = ap.parse_args()
+    rounds = args.rounds or (2 if args.quick else 10)
+    rl_steps = args.rl_steps or (4 if args.quick else 30)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.quick else 2)
+
+    started = time.time()
+    machine = C.machine_facts()
+    model = C.sft_model(args.sft_steps)
+
+    from worker.inference.server import start_server, stop_server, wait_ready
+    from worker.launchers.local import free_port, launch_rl
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = C.TMP / "rollout_throughput.server.log"
+    log.unlink(missing_ok=True)
+    proc = start_server(str(model), port=port, log_path=log, max_model_len=256)
+    try:
+        boot_s = wait_ready(url, 600, proc, log)
+        C.say(f"[bench] vLLM ready in {boot_s:.0f}s at {url}")
+        alone = measure_alone(url, model, rounds=rounds, offset=100_000)
+        C.say(f"[bench] alone: {alone['tokens_per_s_median']:.0f} tok/s (median of {rounds})")
+        spec = C.rl_spec(
+            model,
+            "bench-rollout",
+            [
+                ("max_steps", str(rl_steps)),
+                ("inference.url", url),
+                ("orchestrator.eval.interval", "0"),
+                ("orchestrator.eval.num_examples", "8"),
+                ("ckpt.interval", "0"),
+            ],
+        )
+        t0 = time.time()
+        summary = launch_rl(spec, overwrite=True, quiet=True)  # type: ignore[arg-type]
+        run_wall = time.time() - t0
+        if summary["status"] != "completed":
+            raise RuntimeError(f"RL run {summary['status']}: see {spec.run_dir}/logs")
+        loop = loop_throughput(spec.run_dir, warmup)
+        alone_after = measure_alone(url, model, rounds=rounds, offset=200_000)
+    finally:
+        stop_server(proc)
+
+    a = alone["tokens_per_s_median"]
+    ratio_gen = loop["tokens_per_s_generation"] / a if loop["tokens_per_s_generation"] else None
+    ratio_wall = loop["tokens_per_s_wall"] / a if loop["tokens_per_s_wall"] else None
+    payload = {
+        "setup": {
+            "model": str(model.relative_to(C.ROOT)),
+            "sft_steps": args.sft_steps,
+            "prompts": 8,
+            "n": 8,
+            "max_tokens": 48,
+            "temperature": 1.0,
+            "rounds": rounds,
+            "rl_steps": rl_steps,
+            "warmup_steps": warmup,
+            "server_omp_threads": 1,
+            "trainer_threads": spec.trainer.threads,
+            "max_async_level": spec.orchestrator.max_async_level,
+            "server_boot_s": round(boot_s, 1),
+        },
+        "alone": alone,
+        "alone_after_rl": alone_after,
+        "in_loop": loop,
+        "rl_run": {"run_dir": str(spec.run_dir), "wall_s": round(run_wall, 1), "summary": summary},
+        "ratio_loop_generation_vs_alone": ratio_gen,
+        "ratio_loop_wall_vs_alone": ratio_wall,
+    }
+    out = C.write_result("rollout_throughput", payload, quick=args.quick, started=started, machine=machine)
+
+    def f(x):  # noqa: E306
+        return "n/a" if x is None else x
+
+    table = C.md_table(
+        ["measure", "rollout tok/s", "vs alone", "completion len (mean)"],
+        [
+            [f"server alone (median of {rounds} rounds)", a, "1.00", round(alone["completion_len_mean"], 1)],
+            [
+                "in RL loop: tokens / generation_s",
+                f(loop["tokens_per_s_generation"]),
+                f(ratio_gen and round(ratio_gen, 2)),
+                round(loop["completion_len_mean"] or 0, 1),
+            ],
+            [
+                "in RL loop: tokens / wall s",
+                f(loop["tokens_per_s_wall"]),
+                f(ratio_wall and round(ratio_wall, 2)),
+                "",
+            ],
+            [
+                "server alone after the RL run",
+                alone_after["tokens_per_s_median"],
+                round(alone_after["tokens_per_s_median"] / a, 2),
+                round(alone_after["completion_len_mean"], 1),
+            ],
+        ],
+    )
+    C.say(table)
+    C.attach_table(out, table)
+    C.say(f"\nresult: {out.relative_to(C.ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
