@@ -5,6 +5,7 @@
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
     asyncrl model init --out DIR [--size tiny|small]
     asyncrl demo --local --summary PATH
+    asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
 
 Spec files are TOML (or JSON), later ones win; ``--dotted.key value`` overrides win over files.
 Bad input exits with code 2 and one line naming the field.
