@@ -70,8 +70,11 @@ def sft_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def learning_run(sft_model: Path, vllm_server: Any, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    # Sampling at T = 1.5 leaves the short SFT warm-up far from its best; sharpening is the first
+    # thing RL learns, so 24 steps show a clear gain (at T = 1 the gain is within step-to-step noise).
     spec = rl_spec(sft_model, vllm_server.url, tmp_path_factory.mktemp("rl"), "learn", max_steps=24,
-                   **{"trainer.optim.lr": 2e-4, "orchestrator.eval.num_examples": 64})
+                   **{"orchestrator.temperature": 1.5, "orchestrator.eval.temperature": 1.5,
+                      "orchestrator.eval.num_examples": 64})
     summary = launch_rl(spec, quiet=True)
     assert summary["status"] == "completed", summary
     return RunDir(spec.run_dir)
@@ -81,7 +84,9 @@ def test_reward_improves(learning_run: RunDir) -> None:
     orch = by_source(learning_run, "orchestrator")
     first = sum(r["reward_mean"] for r in orch[:6]) / 6
     last = sum(r["reward_mean"] for r in orch[-6:]) / 6
-    assert last > first + 0.02, (first, last)
+    assert last > first + 0.03, (first, last)  # measured: 0.219 -> 0.288
+    evals = by_source(learning_run, "eval")
+    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals  # measured: 0.179 -> 0.307
 
 
 def test_every_metric_is_logged_every_step(learning_run: RunDir) -> None:
