@@ -61,8 +61,24 @@ def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], 
     return files, overrides, flags
 
 
+SPEC_USAGE = """usage: asyncrl {kind} @ SPEC.toml [@ MORE.toml ...] [--dotted.key VALUE ...] [flags]
+
+  @ FILE          spec files (TOML or JSON); later files win
+  --a.b VALUE     override one key (VALUE is a TOML literal: 1e-5, true, [0.5, 5], or text)
+  --dry-run       print the resolved spec as JSON and exit
+  --resume        (rl) continue the run from its newest complete checkpoint
+  --overwrite     replace an existing run directory
+  --quiet         (rl) no step lines on the console
+"""
+
+
 def _spec_command(kind: str, argv: list[str]) -> int:
+    if any(a in {"-h", "--help"} for a in argv):
+        print(SPEC_USAGE.format(kind=kind))  # noqa: T201
+        return 0
     files, overrides, flags = split_spec_args(argv)
+    if kind == "sft" and "--resume" in flags:
+        raise SpecError("--resume: sft runs do not resume; pass --overwrite to start over")
     spec = validate_spec(kind, load_spec_data(files, overrides))
     if "--dry-run" in flags:
         print(spec.model_dump_json(indent=2))  # noqa: T201
@@ -102,6 +118,13 @@ def _eval_command(argv: list[str]) -> int:
         env_args = json.loads(args.env_args)
     except json.JSONDecodeError as err:
         raise SpecError(f"--env-args: expected a JSON object, got {args.env_args!r} ({err.msg})") from None
+    if not isinstance(env_args, dict):
+        raise SpecError(f"--env-args: expected a JSON object, got {args.env_args!r}")
+    for name in ("num_examples", "max_tokens", "pass_k"):
+        if getattr(args, name) < 1:
+            raise SpecError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.temperature < 0:
+        raise SpecError(f"--temperature: expected >= 0 (0 = greedy), got {args.temperature}")
     from worker.evaluation import run_eval
 
     result = run_eval(
@@ -183,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)  # noqa: T201
         return 2
+    except Exception as err:  # an InferenceError and the like: one line, not a traceback
+        from worker.inference.client import InferenceError
+
+        if not isinstance(err, InferenceError):
+            raise
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,7 @@ def test_dry_run_prints_resolved_json(capsys: pytest.CaptureFixture[str], out_di
     assert spec["orchestrator"]["group_size"] == 4  # override, dashes become underscores
     assert spec["trainer"]["loss"] == {"ratio_level": "token", "type": "icepop", "band": [0.5, 4.0]}
     assert spec["orchestrator"]["batch_size"] == 8  # from the file
-    assert spec["max_steps"] == 200  # from the file
+    assert spec["max_steps"] == tomllib.loads(Path(RL_TOML).read_text())["max_steps"]  # from the file
     assert spec["trainer"]["optim"]["weight_decay"] == 0.0  # default
     assert spec["output_dir"] == str(out_dir)
     assert spec["kind"] == "rl"

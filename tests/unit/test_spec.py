@@ -72,7 +72,8 @@ def test_reverse_text_rl_values() -> None:
     spec = validate_spec("rl", load_spec_data([REPO / "configs/reverse_text/rl.toml"], []))
     assert isinstance(spec, RLSpec)
     assert (spec.name, spec.max_steps, spec.orchestrator.group_size, spec.orchestrator.max_tokens) == (
-        "reverse-text-rl", 200, 8, 48)
+        "reverse-text-rl", 160, 8, 48)
+    assert spec.orchestrator.eval.temperature == spec.orchestrator.temperature  # evals sample as training does
     assert spec.inference.max_model_len == 256
     assert isinstance(spec.trainer.loss, DppoKlLoss)
     assert spec.run_dir == Path("outputs/reverse-text-rl")

@@ -85,7 +85,8 @@ def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[Run
     step = None
     if resume:
         if not run.config.exists():
-            raise SpecError(f"--resume: no run at {run.root} (start it without --resume)")
+            hint = "pass --overwrite to start over" if run.root.exists() else "start it without --resume"
+            raise SpecError(f"--resume: no run config at {run.config} ({hint})")
         step = resume_step(run)
         if step is None:
             raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
