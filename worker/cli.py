@@ -4,7 +4,7 @@
     asyncrl sft  @ configs/reverse_text/sft.toml [--max_steps 100] [--dry-run]
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
     asyncrl model init --out DIR [--size tiny|small]
-    asyncrl demo --local --summary PATH
+    asyncrl demo [--local] [--summary PATH]
     asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
 
 Spec files are TOML (or JSON), later ones win; ``--dotted.key value`` overrides win over files.
@@ -162,18 +162,26 @@ def _model_command(argv: list[str]) -> int:
 
 
 def _demo_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl demo", description="tiny model -> SFT warm-up -> RL on reverse-text")
-    p.add_argument("--local", action="store_true", help="run the processes here, without the service")
+    p = argparse.ArgumentParser(prog="asyncrl demo", description="tiny model -> SFT warm-up -> RL on reverse-text; "
+                                "RL runs through the service (server + worker started here, embedded mode)")
+    p.add_argument("--local", action="store_true", help="run the RL processes here, without the service")
     p.add_argument("--summary", type=Path, default=Path("outputs/demo/summary.json"))
-    p.add_argument("--output-dir", default="outputs/demo")
+    p.add_argument("--output-dir", help="where model, SFT, service state and run go (default: the summary's folder)")
     p.add_argument("--rl-steps", type=int, default=None, help="override the RL step count")
     p.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
     args = p.parse_args(argv)
-    if not args.local:
-        raise SpecError("demo: only --local exists so far (the service-backed demo comes with the control plane)")
-    from worker.demo import run_demo
+    for name in ("rl_steps", "sft_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SpecError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    from worker.demo import DemoError, run_demo, run_service_demo
 
-    summary = run_demo(args.output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps)
+    output_dir = args.output_dir or str(args.summary.parent)
+    try:
+        summary = (run_demo if args.local else run_service_demo)(
+            output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps)
+    except DemoError as err:
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 1
     print(json.dumps(summary, indent=2))  # noqa: T201
     return 0
 

@@ -1,54 +1,82 @@
-"""``asyncrl demo --local``: tiny model -> SFT warm-up -> async RL on reverse-text, with a summary.
+"""``asyncrl demo``: tiny model -> SFT warm-up -> async RL on reverse-text, with a summary.
 
-The summary's ``reward_after_sft`` and ``reward_after_rl`` are the RL run's own online evals at
-policy version 0 (the SFT model) and at the last version, on the same held-out tasks with the same
-sampling (``orchestrator.eval``), so the difference is what RL added.
+Two ways to run the RL stage, same summary:
+
+- ``--local``: ``launch_rl`` in this process (the three run processes are its children);
+- default: through the service. ``asyncrl server`` and ``asyncrl worker`` start as children in embedded mode
+  (SQLite + a file broker under ``<output_dir>/service``, a free port on 127.0.0.1), the RL spec is submitted
+  over REST with a fresh token, followed to its end (step and reward from ``GET /api/runs/{id}/metrics``, status
+  changes from ``/events``), and the summary adds ``run_id`` and ``dashboard_url``. Server and worker die with
+  the demo (also on Ctrl-C, which first stops the run).
+
+The summary's ``reward_after_sft`` and ``reward_after_rl`` are the RL run's own online evals at policy version 0
+(the SFT model) and at the last version, on the same held-out tasks with the same sampling
+(``orchestrator.eval``), so the difference is what RL added. SFT is not a service run kind: it runs here first.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from worker.rundir import atomic_write_json
-from worker.spec import load_spec_data, validate_spec
+from worker.spec import SFTSpec, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
+TERMINAL = {"completed", "failed", "cancelled"}
 
 
-def run_demo(
-    output_dir: str, summary_path: Path, *, rl_steps: int | None = None, sft_steps: int | None = None
-) -> dict[str, Any]:
-    """Run the three stages below ``output_dir`` (replacing an earlier demo there); returns the summary."""
-    from worker.launchers.local import launch_rl
+class DemoError(RuntimeError):
+    """The service demo could not finish; the message is a one-line reason."""
+
+
+def say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)  # noqa: T201 - console output
+
+
+def _model_and_sft(out: Path, sft_steps: int | None) -> tuple[dict[str, Any], SFTSpec]:
+    """Stages 1-2 under ``out``: tiny model, then the SFT warm-up; returns run_sft's result and its spec."""
     from worker.models import init_model
     from worker.trainer.sft import run_sft
 
-    t0 = time.time()
-    out = Path(output_dir)
-    model_dir = init_model(out / "model", size="tiny", seed=0)
-    print(f"[demo] tiny model: {model_dir}", flush=True)  # noqa: T201
-
-    sft_overrides = [("model.name", str(model_dir)), ("output_dir", str(out)), ("name", "sft")]
+    model_dir = init_model(out / "model", size="tiny", seed=0, overwrite=True)
+    say(f"tiny model: {model_dir}")
+    overrides = [("model.name", str(model_dir)), ("output_dir", str(out)), ("name", "sft")]
     if sft_steps:
-        sft_overrides.append(("max_steps", str(sft_steps)))
-    sft_spec = validate_spec("sft", load_spec_data([CONFIGS / "sft.toml"], sft_overrides))
-    sft = run_sft(sft_spec, overwrite=True)  # type: ignore[arg-type]
-    print(f"[demo] SFT done in {sft['wall_s']}s: greedy eval reward {sft['eval_reward_greedy']:.3f}", flush=True)  # noqa: T201
+        overrides.append(("max_steps", str(sft_steps)))
+    spec = validate_spec("sft", load_spec_data([CONFIGS / "sft.toml"], overrides))
+    assert isinstance(spec, SFTSpec)
+    sft = run_sft(spec, overwrite=True)
+    say(f"SFT done in {sft['wall_s']}s: greedy eval reward {sft['eval_reward_greedy']:.3f}")
+    return sft, spec
 
-    rl_overrides = [("model.name", sft["final"]), ("output_dir", str(out)), ("name", "rl")]
+
+def _rl_data(model: str, rl_steps: int | None, **overrides: str) -> dict[str, Any]:
+    """The RL spec mapping: ``configs/reverse_text/rl.toml`` from ``model``, with overrides."""
+    pairs = [("model.name", model), *overrides.items()]
     if rl_steps:
-        rl_overrides.append(("max_steps", str(rl_steps)))
-    rl_spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], rl_overrides))
-    rl = launch_rl(rl_spec, overwrite=True)  # type: ignore[arg-type]
-    summary = {
+        pairs.append(("max_steps", str(rl_steps)))
+    return load_spec_data([CONFIGS / "rl.toml"], pairs)
+
+
+def _summary(rl: dict[str, Any], sft: dict[str, Any], sft_spec: SFTSpec, t0: float, run_dir: str,
+             **extra: Any) -> dict[str, Any]:
+    first, last = rl["eval_reward_first"], rl["eval_reward_last"]
+    return {
         "status": rl["status"],
-        "reward_after_sft": rl["eval_reward_first"],
-        "reward_after_rl": rl["eval_reward_last"],
-        "reward_gain": (rl["eval_reward_last"] - rl["eval_reward_first"])
-        if rl["eval_reward_first"] is not None and rl["eval_reward_last"] is not None
-        else None,
+        **extra,
+        "reward_after_sft": first,
+        "reward_after_rl": last,
+        "reward_gain": last - first if first is not None and last is not None else None,
         "sft_greedy_eval_reward": sft["eval_reward_greedy"],
         "mismatch_kl": rl["mismatch_kl"],
         "mismatch_kl_on_policy": rl["mismatch_kl_on_policy"],
@@ -57,8 +85,201 @@ def run_demo(
         "wall_s": round(time.time() - t0, 1),
         "rl_wall_s": rl["wall_s"],
         "sft_wall_s": sft["wall_s"],
-        "run_dir": str(rl_spec.run_dir),
+        "run_dir": run_dir,
     }
+
+
+def _write(summary_path: Path, summary: dict[str, Any]) -> None:
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(summary_path, summary)
+
+
+def run_demo(
+    output_dir: str, summary_path: Path, *, rl_steps: int | None = None, sft_steps: int | None = None
+) -> dict[str, Any]:
+    """``--local``: the three stages below ``output_dir`` (replacing an earlier demo there); returns the summary."""
+    from worker.launchers.local import launch_rl
+
+    t0 = time.time()
+    out = Path(output_dir)
+    sft, sft_spec = _model_and_sft(out, sft_steps)
+    data = _rl_data(sft["final"], rl_steps, output_dir=str(out), name="rl")
+    rl_spec = validate_spec("rl", data)
+    rl = launch_rl(rl_spec, overwrite=True)  # type: ignore[arg-type]
+    summary = _summary(rl, sft, sft_spec, t0, str(rl_spec.run_dir))
+    _write(summary_path, summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------- through the service
+
+
+@dataclass(frozen=True)
+class Service:
+    url: str
+    """Base URL, ``http://127.0.0.1:<port>``."""
+    token: str
+    """An API token made for the demo."""
+    pids: dict[str, int]
+    """``server`` and ``worker`` process ids (each leads its own process group)."""
+
+
+@contextmanager
+def embedded_service(home: Path, *, startup_timeout_s: float = 120.0) -> Iterator[Service]:
+    """Start ``asyncrl server`` and ``asyncrl worker`` in embedded mode with state under ``home``; yields a
+    ``Service``. Both are children in their own process groups that get SIGTERM if this process
+    dies; on exit they are terminated (SIGKILL after 10 s). Logs: ``home/server.log``, ``home/worker.log``.
+
+    Raises:
+        DemoError: the server did not answer ``/healthz`` within ``startup_timeout_s`` or a child exited.
+    """
+    import httpx
+
+    from worker.procs import free_port, kill_group, spawn
+
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "ASYNCRL_HOME": str(home), "DATABASE_URL": "", "CELERY_BROKER_URL": "",
+           "ASYNCRL_OUTPUT_DIR": str(home / "outputs"), "ASYNCRL_SERVER_URL": url}
+    cli = [sys.executable, "-m", "worker.cli"]
+    procs = {"server": spawn([*cli, "server", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]],
+                             home / "server.log", env)}
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if procs["server"].poll() is not None:
+                raise DemoError(f"asyncrl server exited with code {procs['server'].returncode} "
+                                f"(log: {home / 'server.log'})")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise DemoError(f"asyncrl server not up after {startup_timeout_s:.0f}s (log: {home / 'server.log'})")
+            time.sleep(0.3)
+        procs["worker"] = spawn([*cli, "worker", "--concurrency", "1"], home / "worker.log", env)
+        made = subprocess.run([*cli, "token", "create", "--name", "demo"], env=env, capture_output=True, text=True)
+        if made.returncode != 0:
+            raise DemoError(f"asyncrl token create failed: {made.stderr.strip().splitlines()[-1:]}")
+        yield Service(url, made.stdout.strip(), {name: proc.pid for name, proc in procs.items()})
+    finally:
+        for proc in reversed(procs.values()):
+            kill_group(proc)
+
+
+def _stop_run(client: Any, run: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """Ask the service to stop a live run and wait for its end; if it does not end (or the server does not
+    answer), terminate the run's supervisor found by its lock file (its processes go with it)."""
+    import httpx
+
+    from worker import supervisor
+
+    try:
+        client.post(f"/api/runs/{run['id']}/stop")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if client.get(f"/api/runs/{run['id']}").json()["status"] in TERMINAL:
+                return
+            time.sleep(0.5)
+    except httpx.HTTPError:
+        pass
+    pid = supervisor.running_pid(Path(run["run_dir"]).parent)
+    if pid is not None:
+        supervisor.terminate(pid, grace_s=15.0)
+
+
+def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
+               unreachable_s: float = 120.0) -> dict[str, Any]:
+    """Poll the run until it ends: a rich progress line with step and reward (``GET .../metrics``), one line per
+    status change and eval (``GET .../events``, eval points). Returns the final run (``RunPublic`` JSON).
+
+    Raises:
+        DemoError: the server did not answer for ``unreachable_s`` seconds.
+    """
+    import httpx
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    seen_events, last_step, evals_seen, reward = 0, -1, -1, float("nan")
+    last_ok = time.monotonic()
+    columns = (TextColumn("[demo] RL"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        bar = progress.add_task("queued", total=max_steps)
+        while True:
+            try:
+                run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
+                events = client.get(f"/api/runs/{run_id}/events", params={"offset": seen_events})
+                for e in events.raise_for_status().json()["data"]:
+                    seen_events += 1
+                    if e["kind"] == "status":
+                        reason = f" ({e['reason']})" if e["reason"] else ""
+                        progress.console.print(f"[demo] run {run_id}: {e['from_status'] or '-'} -> "
+                                               f"{e['to_status']}{reason}")
+                    else:
+                        progress.console.print(f"[demo] run {run_id}: {e['kind']} {e['reason']}")
+                series = client.get(f"/api/runs/{run_id}/metrics", params={
+                    "name": "reward_mean", "since_step": min(last_step, evals_seen), "max_points": 1000,
+                }).raise_for_status().json()["series"]
+                last_ok = time.monotonic()
+            except httpx.HTTPError as err:
+                if time.monotonic() - last_ok > unreachable_s:
+                    raise DemoError(f"server unreachable for {unreachable_s:.0f}s: {err}") from None
+                time.sleep(poll_s)
+                continue
+            for s in series:
+                for step, value in zip(s["step"], s["value"], strict=True):
+                    if s["source"] == "orchestrator" and step > last_step:
+                        last_step, reward = step, value if value is not None else float("nan")
+                    elif s["source"] == "eval" and step > evals_seen:
+                        evals_seen = step
+                        shown = "-" if value is None else f"{value:.3f}"
+                        progress.console.print(f"[demo] eval at policy version {step}: reward {shown}")
+            progress.update(bar, completed=max(last_step, 0), description=f"{run['status']} | reward {reward:.3f}")
+            if run["status"] in TERMINAL:
+                return dict(run)
+            time.sleep(poll_s)
+
+
+def run_service_demo(
+    output_dir: str, summary_path: Path, *, rl_steps: int | None = None, sft_steps: int | None = None
+) -> dict[str, Any]:
+    """The demo with RL through the service (see the module doc); returns the summary, also written to
+    ``summary_path``. Everything below ``output_dir`` from an earlier demo is replaced.
+
+    Raises:
+        DemoError: the run did not complete (status and reason), or the service did not start.
+    """
+    import httpx
+
+    t0 = time.time()
+    out = Path(output_dir).resolve()
+    sft, sft_spec = _model_and_sft(out, sft_steps)
+    data = _rl_data(str(Path(sft["final"]).resolve()), rl_steps)
+    max_steps = validate_spec("rl", data).max_steps  # bad input fails here, before the service starts
+    home = out / "service"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    with embedded_service(home) as service, httpx.Client(
+            base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=30.0) as client:
+        resp = client.post("/api/runs", json=data)
+        if resp.status_code != 201:
+            raise DemoError(f"POST /api/runs: {resp.status_code} {resp.text[:500]}")
+        run = resp.json()
+        dashboard = f"{service.url}/runs/{run['id']}"
+        say(f"server {service.url} (state: {home}); run {run['id']} submitted, dashboard: {dashboard}")
+        try:
+            run = follow_run(client, run["id"], max_steps)
+        except BaseException:  # Ctrl-C or the server went away: leave no run behind
+            say(f"stopping run {run['id']}")
+            _stop_run(client, run)
+            raise
+    rl_summary, summary = Path(run["run_dir"]) / "summary.json", {}
+    if rl_summary.exists():
+        summary = _summary(json.loads(rl_summary.read_text()), sft, sft_spec, t0, run["run_dir"],
+                           run_id=run["id"], dashboard_url=dashboard)
+        summary["status"] = run["status"]
+        _write(summary_path, summary)
+    if run["status"] != "completed" or not summary:
+        raise DemoError(f"run {run['id']} {run['status']}: {run['status_reason'] or 'no reason given'}"
+                        f" (logs: {run['run_dir']}/logs, {home}/worker.log)")
     return summary

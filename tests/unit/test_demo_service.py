@@ -1,0 +1,68 @@
+"""The service half of ``asyncrl demo``: a real ``asyncrl server`` + ``asyncrl worker`` in embedded mode (SQLite,
+file broker), a run submitted over REST and followed to its end, and no server or worker left behind (also on
+Ctrl-C). The run names a model path that does not exist, so it fails in preflight at once: no model, no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from worker.demo import TERMINAL, embedded_service, follow_run
+
+BAD_MODEL = "/nonexistent/asyncrl-demo-test-model"
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with embedded_service(tmp_path / "home") as service, httpx.Client(
+            base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as client:
+        assert service.token.startswith("asr_") and set(service.pids) == {"server", "worker"}
+        assert all(alive(pid) for pid in service.pids.values())
+        assert client.get("/healthz").json() == {"status": "ok", "database": "sqlite"}
+        resp = client.post("/api/runs", json={"name": "demo-test", "max_steps": 2, "model": {"name": BAD_MODEL}})
+        assert resp.status_code == 201, resp.text
+        run = follow_run(client, resp.json()["id"], max_steps=2, poll_s=0.2)
+        pids = service.pids
+    assert run["status"] == "failed" and run["status"] in TERMINAL
+    assert run["status_reason"].startswith(f"preflight: model.name: {BAD_MODEL}")
+    assert run["run_dir"].startswith(str(tmp_path / "home" / "outputs" / "runs"))
+    out = capsys.readouterr().out
+    assert f"run {run['id']}: - -> queued" in out and f"run {run['id']}: starting -> failed (preflight" in out
+    assert not any(alive(pid) for pid in pids.values())
+    assert (tmp_path / "home" / "asyncrl.db").exists() and (tmp_path / "home" / "broker").is_dir()
+
+
+def test_server_and_worker_die_with_the_demo_on_ctrl_c(tmp_path: Path) -> None:
+    code = ("import json, sys, time; from pathlib import Path; from worker.demo import embedded_service\n"
+            "with embedded_service(Path(sys.argv[1])) as s:\n"
+            "    print(json.dumps(s.pids), flush=True); time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "home")], stdout=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ})
+    try:
+        assert proc.stdout is not None
+        pids = json.loads(proc.stdout.readline())
+        assert all(alive(pid) for pid in pids.values())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids.values()), pids
+    finally:
+        proc.kill()
