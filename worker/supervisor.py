@@ -156,18 +156,21 @@ class Reporter(threading.Thread):
         self.reported_running = False
         self._done = threading.Event()
 
-    def status(self, status: str, reason: str = "") -> None:
+    def status(self, status: str, reason: str = "") -> bool:
+        """Report a status; False when the server refuses the transition (409)."""
         resp = self.client.post(f"/api/runs/{self.run_id}/status", json={"status": status, "reason": reason[:2000]})
-        if resp.status_code != 409:  # 409: the server already has a later state (e.g. cancelled by stop)
-            resp.raise_for_status()
+        if resp.status_code == 409:  # a later state (e.g. cancelled by stop), or still queued (launch not committed)
+            return False
+        resp.raise_for_status()
+        return True
 
     def _tick(self) -> None:
         if not self.reported_running and (self.run_dir / "events.jsonl").exists():
             from worker.rundir import read_jsonl
 
             if any(e.get("event") == "running" for e in read_jsonl(self.run_dir / "events.jsonl")):
-                self.status("running")
-                self.reported_running = True
+                # refused while the run is still queued: a redelivered launch adopts this supervisor later
+                self.reported_running = self.status("running")
         self.forwarder.send_once()
 
     def run(self) -> None:
