@@ -144,6 +144,50 @@ class MetricsForwarder:
         return len(points)
 
 
+class ConfigBridge:
+    """Live config between the server and the run directory (the processes never talk to the server).
+
+    ``sync()`` appends revisions the server has after the newest one in ``live_config.jsonl`` (so none is
+    missed or written twice), then posts the new lines of ``config_acks.jsonl``; the byte offset of acks sent is
+    kept in ``offset_path``, like :class:`MetricsForwarder`'s (acks are idempotent, so a replay is harmless). An ack
+    the server refuses with 404/422 (e.g. a revision written by ``asyncrl config set``, unknown to the server) is
+    logged and skipped.
+    """
+
+    def __init__(self, client: httpx.Client, run_id: int, run_dir: Path, offset_path: Path) -> None:
+        self.client, self.run_id, self.run_dir, self.offset_path = client, run_id, run_dir, offset_path
+        self.offset = int(offset_path.read_text()) if offset_path.exists() else 0
+
+    def sync(self) -> None:
+        """One round trip each way. Raises httpx errors (the caller retries later; nothing is lost)."""
+        from worker.live_config import ACKS_FILE, append_revision, read_revisions
+
+        if not (self.run_dir / "config.json").exists():
+            return  # the launcher has not created the run directory yet; revisions wait on the server
+        last = max((int(r["revision"]) for r in read_revisions(self.run_dir)), default=0)
+        resp = self.client.get(f"/api/runs/{self.run_id}/config", params={"after": last})
+        resp.raise_for_status()
+        for rev in resp.json()["data"]:
+            append_revision(self.run_dir, rev["revision"], rev["changes"])
+        acks = self.run_dir / ACKS_FILE
+        if not acks.exists():
+            return
+        if acks.stat().st_size < self.offset:  # the file was replaced: replay it all
+            self.offset = 0
+        with open(acks, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        for line in chunk[:chunk.rfind(b"\n") + 1].splitlines(keepends=True):
+            ack = json.loads(line)
+            resp = self.client.post(f"/api/runs/{self.run_id}/config/{ack['revision']}/ack",
+                                    json={"process": ack["process"], "step": ack["step"]})
+            if resp.status_code in (404, 422):
+                logger.warning("config ack %s refused: %s %s", ack, resp.status_code, resp.text[:300])
+            else:
+                resp.raise_for_status()
+            self.offset += len(line)
+            self.offset_path.write_text(str(self.offset))
+
 
 class Reporter(threading.Thread):
     """Background loop: forward metrics and the ``running`` event every ``interval_s``, backing off while
@@ -153,6 +197,7 @@ class Reporter(threading.Thread):
         super().__init__(daemon=True)
         self.client, self.run_id, self.run_dir, self.interval_s = client, run_id, run_dir, interval_s
         self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home / "forwarded.offset")
+        self.config = ConfigBridge(client, run_id, run_dir, home / "config_acks.offset")
         self.reported_running = False
         self._done = threading.Event()
 
@@ -172,6 +217,7 @@ class Reporter(threading.Thread):
                 # refused while the run is still queued: a redelivered launch adopts this supervisor later
                 self.reported_running = self.status("running")
         self.forwarder.send_once()
+        self.config.sync()
 
     def run(self) -> None:
         backoff = self.interval_s
@@ -181,7 +227,7 @@ class Reporter(threading.Thread):
                 backoff = self.interval_s
             except httpx.HTTPError as err:
                 backoff = min(backoff * 2, 30.0)
-                logger.warning("server unreachable (%s); metrics stay spooled in %s, retry in %.0fs",
+                logger.warning("server unreachable (%s); metrics and config acks stay spooled in %s, retry in %.0fs",
                                err, self.forwarder.path, backoff)
 
     def finish(self, status: str, reason: str, deadline_s: float = 600.0) -> None:
@@ -195,6 +241,7 @@ class Reporter(threading.Thread):
                     self.status("running")
                     self.reported_running = True
                 self.forwarder.send_once()
+                self.config.sync()
                 self.status(status, reason)
                 return
             except httpx.HTTPError as err:

@@ -1,0 +1,100 @@
+"""Live config revisions of a run: create (validated, numbered per run), list, acknowledge.
+
+The whitelist and value checks live in ``worker/live_config.py`` (shared with ``asyncrl config set``); here
+they run against the run's stored spec with every earlier revision applied. The run's row lock
+(``SELECT … FOR UPDATE``) serialises concurrent changes, so each gets the next number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from server.models import TERMINAL, ConfigRevision, Run, RunStatus
+from server.services import runs
+from server.services.runs import InvalidTransition, RunNotFound
+from worker.live_config import LIVE_KEYS, apply_changes, live_values, validate_changes
+from worker.spec import SpecError
+
+
+class RunNotLive(InvalidTransition):
+    """The run has ended: its config no longer changes (HTTP 409)."""
+
+
+class RevisionNotFound(RunNotFound):
+    """No such revision of this run (HTTP 404)."""
+
+
+def revisions(session: Session, run_id: int, *, after: int = 0) -> list[ConfigRevision]:
+    """Revisions of ``run_id`` numbered above ``after``, oldest first."""
+    stmt = (select(ConfigRevision).where(ConfigRevision.run_id == run_id, col(ConfigRevision.revision) > after)
+            .order_by(col(ConfigRevision.revision)))
+    return list(session.exec(stmt).all())
+
+
+def current(session: Session, run: Run) -> tuple[list[ConfigRevision], dict[str, Any]]:
+    """All revisions of ``run`` (oldest first) and every live key's value once they are applied."""
+    rows = revisions(session, run.id)  # type: ignore[arg-type]
+    spec = run.spec
+    for rev in rows:
+        spec = apply_changes(spec, rev.changes)
+    return rows, live_values(spec)
+
+
+def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRevision:
+    """Validate ``changes`` and add the run's next revision (plus a ``config_revision`` event). Flushes only:
+    the caller commits. On error nothing is added.
+
+    Raises:
+        RunNotFound: no such run.
+        RunNotLive: the run is completed, failed or cancelled.
+        SpecError: empty changes, a non-live key (the message lists the live keys) or a value the schema
+            refuses (the message starts with the dotted key).
+    """
+    run = runs.get(session, run_id, lock=True)
+    status = RunStatus(run.status)
+    if status in TERMINAL:
+        raise RunNotLive(f"run {run_id} is {status.value}: config changes only while it is queued, starting, "
+                         "running or paused")
+    existing = revisions(session, run_id)
+    spec = run.spec
+    for rev in existing:
+        spec = apply_changes(spec, rev.changes)
+    normalised = validate_changes(spec, changes)
+    number = (existing[-1].revision if existing else 0) + 1
+    row = ConfigRevision(run_id=run_id, revision=number, changes=normalised, created_by=by)
+    session.add(row)
+    runs.record_event(session, run, "config_revision", reason=f"revision {number} by {by}", revision=number,
+                      changes=normalised)
+    session.flush()
+    return row
+
+
+def ack(session: Session, run_id: int, revision: int, *, process: str, step: int) -> ConfigRevision:
+    """Record that ``process`` runs with ``revision`` from ``step`` on (and a ``config_applied`` event).
+
+    A repeat with the same step changes nothing; a different step (a resumed run re-did the steps after its
+    checkpoint) replaces it.
+
+    Raises:
+        RunNotFound: no such run.
+        RevisionNotFound: the run has no such revision.
+        SpecError: ``process`` applies none of the revision's keys.
+    """
+    run = runs.get(session, run_id)
+    row = session.exec(select(ConfigRevision).where(ConfigRevision.run_id == run_id,
+                                                    ConfigRevision.revision == revision).with_for_update()).first()
+    if row is None:
+        raise RevisionNotFound(f"run {run_id} has no config revision {revision}")
+    owners = sorted({LIVE_KEYS[k] for k in row.changes if k in LIVE_KEYS})
+    if process not in owners:
+        raise SpecError(f"process: revision {revision} is applied by {', '.join(owners)}, not {process!r}")
+    if row.applied.get(process) == step:
+        return row
+    row.applied = {**row.applied, process: step}  # a new dict: SQLAlchemy sees the change
+    session.add(row)
+    runs.record_event(session, run, "config_applied", reason=f"revision {revision} in effect for {process} "
+                      f"from step {step}", revision=revision, process=process, step=step)
+    session.flush()
+    return row
