@@ -53,13 +53,15 @@ def running_pid(home: Path) -> int | None:
     return None
 
 
-def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str) -> int:
-    """Write the spec and start a detached supervisor; returns its pid (= its process group id)."""
+def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str, resume: bool = False) -> int:
+    """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
+    complete checkpoint); returns its pid (= its process group id)."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
     with open(home / "supervisor.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.supervisor", "--home", str(home)], env=env,
+        argv = [sys.executable, "-m", "worker.supervisor", "--home", str(home), *(["--resume"] if resume else [])]
+        proc = subprocess.Popen(argv, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
     return proc.pid
@@ -269,6 +271,7 @@ def _on_sigterm(_signum: int, _frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m worker.supervisor")
     p.add_argument("--home", type=Path, required=True)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     lock = open(args.home / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the process
@@ -294,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from worker.launchers.local import launch_rl
 
-        summary = launch_rl(spec, quiet=True)
+        summary = launch_rl(spec, resume=args.resume, quiet=True)
         status, reason = summary["status"], _last_reason(spec.run_dir)
     except SpecError as err:
         status, reason = "failed", f"preflight: {err}"
