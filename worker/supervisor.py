@@ -138,7 +138,9 @@ class MetricsForwarder:
         points = rows_to_points(rows)
         for i in range(0, len(points), self.batch_points):
             batch = points[i:i + self.batch_points]
-            resp = self.client.post(f"/api/runs/{self.run_id}/metrics", json={"points": batch})
+            # json.dumps writes NaN/Infinity (the server stores them); httpx's json= refuses non-finite floats
+            resp = self.client.post(f"/api/runs/{self.run_id}/metrics", content=json.dumps({"points": batch}),
+                                    headers={"Content-Type": "application/json"})
             resp.raise_for_status()
         if new_offset != self.offset:
             self.offset = new_offset
