@@ -13,7 +13,7 @@ as the orchestrator packs them. Sampling logprobs are random in [-3, 0), advanta
 Grid: seq_len {256, 1024} x torch threads {1, 2} x {fp32, bf16 autocast} (``model.dtype`` =
 "bfloat16" turns on ``torch.autocast("cpu", bfloat16)`` in ``train_step``; master weights stay fp32).
 Per cell: ``--warmup`` steps (at most 1 for bf16), then ``--steps`` timed steps (``--bf16-steps``
-for bf16 cells, ~10x slower); tokens/s = batch tokens / step seconds,
+for bf16 cells); tokens/s = batch tokens / step seconds,
 median over steps. The model is the tiny Qwen3 (random init: speed does not depend on the weights).
 
 Run: ``.venv/bin/python benchmarks/trainer_throughput.py [--quick]``.
@@ -117,7 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     steps = args.steps or (1 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
-    bf16_steps = args.bf16_steps or (1 if args.quick else 5)  # bf16 steps are ~10x slower
+    bf16_steps = args.bf16_steps or (1 if args.quick else 5)
 
     started = time.time()
     machine = C.machine_facts()
@@ -166,7 +166,7 @@ def main() -> int:
         "bf16_speed_vs_fp32_median": C.median(bf16_ratios),
         "finding": (
             f"bf16 autocast runs at {C.median(bf16_ratios):.2f}x the fp32 speed on this CPU "
-            "(<1 = slower): keep the trainer in fp32 here."
+            "(<1 = slower)."
         ),
     }
     out = C.write_result("trainer_throughput", payload, quick=args.quick, started=started, machine=machine)
