@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -189,22 +190,30 @@ def _stop_run(client: Any, run: dict[str, Any], timeout_s: float = 60.0) -> None
 
 
 def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
-               unreachable_s: float = 120.0) -> dict[str, Any]:
+               unreachable_s: float = 120.0, local_supervisor: bool = False) -> dict[str, Any]:
     """Poll the run until it ends: a rich progress line with step and reward (``GET .../metrics``), one line per
     status change and eval (``GET .../events``, eval points). Returns the final run (``RunPublic`` JSON).
+    With ``local_supervisor`` (the worker runs on this machine) a launched run whose supervisor is gone while the
+    run is still live is an error rather than a wait without end.
 
     Raises:
-        DemoError: the server did not answer for ``unreachable_s`` seconds.
+        DemoError: the server did not answer for ``unreachable_s`` seconds, or the supervisor died unreported.
     """
     import httpx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    seen_events, last_step, evals_seen, reward = 0, -1, -1, float("nan")
+    from worker import supervisor
+
+    seen_events, last_step, evals_seen, reward, gone = 0, -1, -1, float("nan"), 0
     last_ok = time.monotonic()
     columns = (TextColumn("[demo] RL"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:
         bar = progress.add_task("queued", total=max_steps)
+
+        def line(text: str) -> None:
+            progress.console.print(text, markup=False, highlight=False)
+
         while True:
             try:
                 run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
@@ -213,10 +222,9 @@ def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
                     seen_events += 1
                     if e["kind"] == "status":
                         reason = f" ({e['reason']})" if e["reason"] else ""
-                        progress.console.print(f"[demo] run {run_id}: {e['from_status'] or '-'} -> "
-                                               f"{e['to_status']}{reason}")
+                        line(f"[demo] run {run_id}: {e['from_status'] or '-'} -> {e['to_status']}{reason}")
                     else:
-                        progress.console.print(f"[demo] run {run_id}: {e['kind']} {e['reason']}")
+                        line(f"[demo] run {run_id}: {e['kind']} {e['reason']}")
                 series = client.get(f"/api/runs/{run_id}/metrics", params={
                     "name": "reward_mean", "since_step": min(last_step, evals_seen), "max_points": 1000,
                 }).raise_for_status().json()["series"]
@@ -233,11 +241,20 @@ def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
                     elif s["source"] == "eval" and step > evals_seen:
                         evals_seen = step
                         shown = "-" if value is None else f"{value:.3f}"
-                        progress.console.print(f"[demo] eval at policy version {step}: reward {shown}")
+                        line(f"[demo] eval at policy version {step}: reward {shown}")
             progress.update(bar, completed=max(last_step, 0), description=f"{run['status']} | reward {reward:.3f}")
             if run["status"] in TERMINAL:
                 return dict(run)
+            home = Path(run["run_dir"]).parent
+            gone = gone + 1 if local_supervisor and run["launcher_handle"] and supervisor.running_pid(home) is None else 0
+            if gone >= 3:  # it reports the end before it exits: three polls later the server would know
+                raise DemoError(f"run {run_id}: its supervisor (pid {run['launcher_handle']}) exited without "
+                                f"reporting an end (log: {home / 'supervisor.log'})")
             time.sleep(poll_s)
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def run_service_demo(
@@ -267,12 +284,15 @@ def run_service_demo(
         run = resp.json()
         dashboard = f"{service.url}/runs/{run['id']}"
         say(f"server {service.url} (state: {home}); run {run['id']} submitted, dashboard: {dashboard}")
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill <demo>` cleans up like Ctrl-C
         try:
-            run = follow_run(client, run["id"], max_steps)
-        except BaseException:  # Ctrl-C or the server went away: leave no run behind
+            run = follow_run(client, run["id"], max_steps, local_supervisor=True)
+        except BaseException:  # Ctrl-C, SIGTERM or the server went away: leave no run behind
             say(f"stopping run {run['id']}")
             _stop_run(client, run)
             raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     rl_summary, summary = Path(run["run_dir"]) / "summary.json", {}
     if rl_summary.exists():
         summary = _summary(json.loads(rl_summary.read_text()), sft, sft_spec, t0, run["run_dir"],

@@ -37,7 +37,7 @@ def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys
         assert client.get("/healthz").json() == {"status": "ok", "database": "sqlite"}
         resp = client.post("/api/runs", json={"name": "demo-test", "max_steps": 2, "model": {"name": BAD_MODEL}})
         assert resp.status_code == 201, resp.text
-        run = follow_run(client, resp.json()["id"], max_steps=2, poll_s=0.2)
+        run = follow_run(client, resp.json()["id"], max_steps=2, poll_s=0.2, local_supervisor=True)
         pids = service.pids
     assert run["status"] == "failed" and run["status"] in TERMINAL
     assert run["status_reason"].startswith(f"preflight: model.name: {BAD_MODEL}")
