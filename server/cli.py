@@ -1,10 +1,12 @@
 """``asyncrl`` commands of the control plane (joined into ``worker.cli.COMMANDS``).
 
     asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
-    asyncrl worker [--concurrency 2]
+    asyncrl worker [--concurrency 2] [--no-beat]
     asyncrl token create --name NAME | revoke --name NAME
     asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
-    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID
+    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID
+    asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
+    asyncrl runs logs ID [--process trainer|orchestrator|inference|supervisor] [--tail 200]
 
 ``submit`` and ``runs`` go through the REST API (``ASYNCRL_URL``, default ``ASYNCRL_SERVER_URL``) with
 ``ASYNCRL_TOKEN``; ``token`` writes to the database directly (it is how the first token is made).
@@ -49,10 +51,15 @@ def worker_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="asyncrl worker", description="run a Celery worker that launches runs")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument("--no-beat", action="store_true",
+                   help="do not embed Celery beat (the periodic reconcile); run one 'celery -A worker.celery_app beat'")
     args = p.parse_args(argv)
+    from server.core.config import settings
     from worker.celery_app import app
 
-    app.worker_main(["worker", f"--concurrency={args.concurrency}", f"--loglevel={args.loglevel}"])
+    settings.ASYNCRL_HOME.mkdir(parents=True, exist_ok=True)  # beat's schedule file lives there
+    beat = [] if args.no_beat else ["-B"]
+    app.worker_main(["worker", f"--concurrency={args.concurrency}", f"--loglevel={args.loglevel}", *beat])
     return 0
 
 
@@ -129,19 +136,59 @@ def submit_command(argv: list[str]) -> int:
     return 0
 
 
+def _parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """``["trainer.optim.lr=5e-5", ...]`` → ``{"trainer.optim.lr": 5e-05}`` (values as TOML literals, else text).
+
+    Raises:
+        SpecError: an item without ``=`` or with an empty key.
+    """
+    from worker.spec import parse_override_value
+
+    changes = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set: expected key=value such as trainer.optim.lr=5e-5, got {pair!r}")
+        changes[key.strip()] = parse_override_value(value.strip())
+    return changes
+
+
 def runs_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl runs", description="list, show and stop runs")
+    p = argparse.ArgumentParser(prog="asyncrl runs", description="list, show, stop, resume, fork runs; read logs")
     sub = p.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("ls")
     ls.add_argument("--status")
     ls.add_argument("--name")
     ls.add_argument("--limit", type=int, default=50)
     _api_args(ls)
-    for action in ("show", "stop"):
+    for action in ("show", "stop", "resume"):
         sp = sub.add_parser(action)
         sp.add_argument("id", type=int)
         _api_args(sp)
+    fork = sub.add_parser("fork", help="new run from a checkpoint of ID with spec changes")
+    fork.add_argument("id", type=int)
+    fork.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    fork.add_argument("--name", help="name of the new run (default: the parent's)")
+    fork.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                      help="spec change, e.g. --set trainer.optim.lr=5e-5 (repeatable)")
+    _api_args(fork)
+    logs = sub.add_parser("logs", help="last lines of a process log of run ID")
+    logs.add_argument("id", type=int)
+    logs.add_argument("--process", default="trainer", help="trainer | orchestrator | inference | supervisor")
+    logs.add_argument("--tail", type=int, default=200)
+    _api_args(logs)
     args = p.parse_args(argv)
+    if args.action == "fork":
+        body = {"changes": _parse_sets(args.sets), "step": args.step, "name": args.name}
+        with _client(args.url, args.token) as client:
+            run = _call(client, "POST", f"/api/runs/{args.id}/fork", json={k: v for k, v in body.items() if v is not None})
+        print(json.dumps({k: run[k] for k in ("id", "name", "status", "run_dir")}))  # noqa: T201
+        return 0
+    if args.action == "logs":
+        with _client(args.url, args.token) as client:
+            out = _call(client, "GET", f"/api/runs/{args.id}/logs", params={"process": args.process, "tail": args.tail})
+        print("\n".join(out["lines"]))  # noqa: T201
+        return 0
     with _client(args.url, args.token) as client:
         if args.action == "ls":
             params = {k: v for k, v in {"status": args.status, "name": args.name, "limit": args.limit}.items() if v}
@@ -150,8 +197,8 @@ def runs_command(argv: list[str]) -> int:
                 print(f"{r['id']:>6}  {r['status']:<10} {r['name']:<32} {r['created_at'][:19]}")  # noqa: T201
             print(f"{len(page['data'])} of {page['count']} runs")  # noqa: T201
             return 0
-        run = _call(client, "POST" if args.action == "stop" else "GET", f"/api/runs/{args.id}"
-                    + ("/stop" if args.action == "stop" else ""))
+        post = args.action in ("stop", "resume")
+        run = _call(client, "POST" if post else "GET", f"/api/runs/{args.id}" + (f"/{args.action}" if post else ""))
     print(json.dumps(run, indent=2))  # noqa: T201
     return 0
 

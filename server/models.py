@@ -94,6 +94,26 @@ class RunsPublic(SQLModel):
     count: int
 
 
+class ForkRequest(BaseModel):
+    """``POST /api/runs/{id}/fork``: a new run from a checkpoint of this one, with spec changes."""
+
+    model_config = {"extra": "forbid"}
+    step: int | None = PydanticField(default=None, ge=0, le=2**62)
+    """Checkpoint step to start from; default the newest complete one."""
+    changes: dict[str, Any] = PydanticField(default_factory=dict, max_length=200)
+    """Dotted spec key -> new value, e.g. ``{"trainer.optim.lr": 5e-5, "max_steps": 40}``."""
+    name: str | None = PydanticField(default=None, min_length=1, max_length=128)
+    """Name of the new run; default the parent's."""
+
+
+class RunLogs(BaseModel):
+    run_id: int
+    process: str
+    path: str
+    lines: list[str]
+    """The last ``tail`` lines of the log, oldest first."""
+
+
 class StatusReport(SQLModel):
     """A status change reported by the run's own processes (or an operator)."""
 

@@ -5,6 +5,9 @@ leaves the message unacked and the broker redelivers it (``task_reject_on_worker
 visibility timeout is far longer than any task (a launch takes about a second), so a slow task is never
 handed to a second worker while the first still runs it. Without ``CELERY_BROKER_URL`` the broker is a
 folder in ASYNCRL_HOME (kombu's filesystem transport): embedded mode needs no Redis.
+
+Celery beat enqueues ``asyncrl.reconcile`` every ``RECONCILE_INTERVAL_S``; ``asyncrl worker`` embeds beat
+(``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A worker.celery_app beat``).
 """
 
 from __future__ import annotations
@@ -32,4 +35,7 @@ app.conf.update(
     broker_transport_options=_transport_options(),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
+    beat_schedule={"reconcile": {"task": "asyncrl.reconcile", "schedule": settings.RECONCILE_INTERVAL_S,
+                                 "options": {"expires": settings.RECONCILE_INTERVAL_S}}},
+    beat_schedule_filename=str(settings.ASYNCRL_HOME / "celerybeat-schedule"),
 )

@@ -1,10 +1,14 @@
-"""Celery tasks: thin shells over ``launch`` and ``stop``, which are plain functions tested without Celery.
+"""Celery tasks: thin shells over ``launch``, ``stop`` and ``reconcile``, plain functions tested without Celery.
 
 ``launch(run_id)`` locks the run row and returns at once unless the run is ``queued`` with no launch recorded.
 Otherwise it starts the run's supervisor (``worker.supervisor``: a detached process group that runs the local
 launcher and reports status and metrics over HTTP with the run token) — or adopts the one a killed earlier
 delivery already started, found by the supervisor's lock file — records its pid as the launcher handle, moves
-the run to ``starting`` and commits. Enqueue a task only after the commit that created the row.
+the run to ``starting`` and commits. Enqueue a task only after the commit that created the row. When the run
+directory already holds a complete checkpoint (a resumed or forked run) the supervisor starts with ``--resume``.
+
+``reconcile()`` runs every ``RECONCILE_INTERVAL_S`` from Celery beat (``asyncrl worker`` embeds it): a
+starting/running/paused local run whose supervisor is gone is marked ``failed`` with the reason.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, RunStatus
+from server.models import TERMINAL, Run, RunStatus
 from server.services import runs, tokens
 from worker import supervisor
 from worker.celery_app import app
@@ -37,8 +41,9 @@ def launch(run_id: int) -> str:
         pid = supervisor.running_pid(home)
         adopted = pid is not None
         if pid is None:
+            resume = bool(runs.checkpoint_steps(run))
             pid = supervisor.start(home, run_id=run_id, spec=run.spec, token=tokens.run_token(run_id),
-                                   server_url=settings.ASYNCRL_SERVER_URL)
+                                   server_url=settings.ASYNCRL_SERVER_URL, resume=resume)
         run.launcher, run.launcher_handle = "local", str(pid)
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
@@ -66,6 +71,51 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
         runs.transition(session, run, RunStatus.cancelled, reason="stopped", pid=handle)
         session.commit()
     return f"stopped: run {run_id}"
+
+
+def _last_lines(path: Path, n: int) -> str:
+    try:
+        return "\n".join(runs.tail(path, n))
+    except OSError:
+        return ""
+
+
+LIVE = (RunStatus.starting, RunStatus.running, RunStatus.paused)
+
+
+def reconcile() -> list[int]:
+    """Mark every starting/running/paused local run whose supervisor process is gone ``failed``, with the
+    reason ``supervisor <pid> is gone`` and the last lines of its events and supervisor log. Idempotent (a
+    failed run is no longer checked). Assumes the worker running it shares the machine (and /proc) with the
+    supervisors, as the local launcher does. Returns the ids of the runs it failed.
+    """
+    with Session(engine) as session:
+        candidates = session.exec(select(Run.id).where(col(Run.status).in_([s.value for s in LIVE]),
+                                                       Run.launcher == "local")).all()
+    failed = []
+    for run_id in candidates:
+        with Session(engine) as session:
+            run = runs.get(session, run_id, lock=True)
+            if RunStatus(run.status) not in LIVE or not (run.launcher_handle or "").isdigit():
+                continue
+            pid, home = int(run.launcher_handle), Path(run.run_dir).parent
+            if supervisor._alive(pid) or supervisor.running_pid(home) is not None:
+                continue
+            context = "\n".join(x for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3),
+                                             _last_lines(home / "supervisor.log", 5)) if x)
+            reason = f"supervisor {pid} is gone" + (f"; last lines:\n{context}" if context else "")
+            runs.transition(session, run, RunStatus.failed, reason=reason[:2000], pid=pid, by="reconcile")
+            session.commit()
+            failed.append(run_id)
+    return failed
+
+
+@app.task(name="asyncrl.reconcile")
+def reconcile_runs() -> list[int]:
+    failed = reconcile()
+    if failed:
+        logger.warning("reconcile: marked runs %s failed (supervisor gone)", failed)
+    return failed
 
 
 @app.task(name="asyncrl.launch_run")

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     """Larger request bodies are refused with 413."""
     MAX_METRIC_POINTS: int = Field(20_000, ge=1)
     """Points per ``POST /api/runs/{id}/metrics`` batch."""
+    RECONCILE_INTERVAL_S: float = Field(30.0, ge=1.0)
+    """Celery beat runs ``asyncrl.reconcile`` (fail runs whose supervisor died) this often."""
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:

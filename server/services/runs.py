@@ -1,22 +1,28 @@
-"""Run lifecycle: create, list, transition, stop.
+"""Run lifecycle: create, list, transition, stop, resume, fork, logs.
 
 States: ``queued → starting → running ⇄ paused → completed | failed | cancelled``. Any live state may also
 end in ``failed`` or ``cancelled``. Every transition writes a ``run_events`` row with its time and reason.
+``completed`` is final. ``failed`` and ``cancelled`` go back to ``queued`` only through ``resume`` (the
+``RESUMABLE`` edge, never through a status report), keeping the run id, run directory and metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import delete, func
 from sqlmodel import Session, col, select
 
 from server.core.config import settings
-from server.models import TERMINAL, Run, RunEvent, RunStatus, utcnow
-from worker.spec import validate_spec
+from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, utcnow
+from worker.checkpoint import complete_steps
+from worker.rundir import RunDir, atomic_write_json
+from worker.spec import SpecError, validate_spec
 
 S = RunStatus
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
@@ -28,6 +34,10 @@ TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     S.failed: frozenset(),
     S.cancelled: frozenset(),
 }
+RESUMABLE = frozenset({S.failed, S.cancelled})
+"""States that ``resume`` (and only it) moves back to ``queued``."""
+LOG_PROCESSES = ("trainer", "orchestrator", "inference", "supervisor")
+MAX_LOG_LINES = 5000
 
 
 class RunNotFound(LookupError):
@@ -52,8 +62,6 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     kind = data.get("kind", "rl")
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
     if spec.kind != "rl":
-        from worker.spec import SpecError
-
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
@@ -94,8 +102,10 @@ def list_runs(session: Session, *, status: RunStatus | None = None, name: str | 
     return list(rows), int(total)
 
 
-def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", **data: Any) -> bool:
+def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", _resume: bool = False,
+               **data: Any) -> bool:
     """Move ``run`` to ``to`` and record the event; a repeat of the current state is a no-op (returns False).
+    ``_resume`` (used by ``resume`` only) also allows ``failed | cancelled → queued``.
 
     Raises:
         InvalidTransition: ``to`` is not reachable from the current state.
@@ -103,7 +113,8 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", *
     current = RunStatus(run.status)
     if to == current:
         return False
-    if to not in TRANSITIONS[current]:
+    resuming = _resume and current in RESUMABLE and to == S.queued
+    if to not in TRANSITIONS[current] and not resuming:
         allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none (terminal)"
         raise InvalidTransition(f"run {run.id} is {current.value}: cannot go to {to.value} (allowed: {allowed})")
     now = utcnow()
@@ -112,6 +123,8 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", *
         run.started_at = now
     if to in TERMINAL:
         run.finished_at = now
+    if resuming:
+        run.finished_at, run.launcher, run.launcher_handle = None, None, None
     session.add(run)
     session.add(RunEvent(run_id=run.id, kind="status", from_status=current, to_status=to, reason=reason, data=data))
     session.flush()
@@ -145,3 +158,138 @@ def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) 
     rows = session.exec(select(RunEvent).where(RunEvent.run_id == run_id).order_by(col(RunEvent.id))
                         .offset(offset).limit(limit)).all()
     return list(rows), int(total)
+
+
+# ----------------------------------------------------------------------------- resume, fork, logs
+
+
+def checkpoint_steps(run: Run) -> list[int]:
+    """Steps with a complete checkpoint in the run's directory, ascending (read-only: nothing is removed)."""
+    return complete_steps(RunDir(run.run_dir))
+
+
+def resume(session: Session, run: Run, *, by: str) -> int:
+    """Put a failed or cancelled run back to ``queued`` to continue from its newest complete checkpoint; returns
+    that step. Metrics of later steps are deleted (the resumed run measures them again, as ``--resume`` prunes
+    ``metrics.jsonl``). The caller commits and then enqueues the launch, which resumes since a checkpoint exists.
+
+    Raises:
+        InvalidTransition: the run is not failed/cancelled, its supervisor still runs, or it has no complete
+            checkpoint (the message names the checkpoints folder).
+    """
+    from worker.supervisor import running_pid
+
+    current = RunStatus(run.status)
+    if current not in RESUMABLE:
+        raise InvalidTransition(f"run {run.id} is {current.value}: only failed or cancelled runs resume")
+    pid = running_pid(Path(run.run_dir).parent)
+    if pid is not None:
+        raise InvalidTransition(f"run {run.id}: its supervisor (pid {pid}) is still running; wait for it to end")
+    steps = checkpoint_steps(run)
+    if not steps:
+        raise InvalidTransition(f"run {run.id}: no complete checkpoint in {RunDir(run.run_dir).checkpoints}")
+    step = steps[-1]
+    session.execute(delete(Metric).where(col(Metric.run_id) == run.id, col(Metric.step) > step))
+    reason = f"resumed by {by} from checkpoint step {step}"
+    transition(session, run, S.queued, reason=reason, _resume=True, step=step)
+    record_event(session, run, "resumed", reason=reason, step=step, by=by)
+    return step
+
+
+def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``spec`` with ``{"dotted.key": value}`` changes set (missing tables are created).
+
+    Raises:
+        SpecError: a key is empty, names ``output_dir`` (the service sets it), or goes through a non-table value.
+    """
+    out = json.loads(json.dumps(spec))
+    for dotted, value in changes.items():
+        parts = dotted.split(".")
+        if not all(parts):
+            raise SpecError(f"changes.{dotted}: expected a dotted key such as trainer.optim.lr")
+        if dotted == "output_dir":
+            raise SpecError("changes.output_dir: set by the service (<ASYNCRL_OUTPUT_DIR>/runs/<id>)")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(f"changes.{dotted}: {'.'.join(parts[:i + 1])} is not a table")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a checkpoint file (they are written once and renamed into place, never changed), else copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def fork(session: Session, parent: Run, *, owner: str, changes: dict[str, Any], step: int | None = None,
+         name: str | None = None) -> Run:
+    """A new queued run: the parent's spec with ``changes``, starting from the parent's checkpoint ``step``
+    (default: the newest complete one). The checkpoint is hard-linked (or copied) into the child's run
+    directory with the child's ``config.json``, so the child's launch resumes from it: weights, optimizer,
+    scheduler, RNG and data cursor continue at ``step + 1`` under the changed spec. The child gets a ``forked``
+    event (parent run id, step, changes) and the parent a ``fork`` event (child id). The caller commits and then
+    enqueues the child's launch.
+
+    Raises:
+        SpecError: the changed spec is invalid (names the dotted key), ``step`` has no complete checkpoint, or
+            ``max_steps`` leaves nothing to train after ``step``.
+        InvalidTransition: the parent has no complete checkpoint at all.
+    """
+    steps = checkpoint_steps(parent)
+    if not steps:
+        raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {RunDir(parent.run_dir).checkpoints}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise SpecError(f"step: run {parent.id} has no complete checkpoint at step {step} (complete: {steps})")
+    data = apply_changes(parent.spec, changes)
+    data.pop("output_dir", None)
+    if name is not None:
+        data["name"] = name
+    child = create(session, data=data, owner=owner)
+    if child.spec["max_steps"] <= step:
+        raise SpecError(f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "
+                        "raise it in changes")
+    src, dst = RunDir(parent.run_dir), RunDir(child.run_dir)
+    try:
+        shutil.copytree(src.checkpoint_dir(step), dst.checkpoint_dir(step), copy_function=_link_or_copy)
+        atomic_write_json(dst.config, child.spec)
+    except BaseException:
+        shutil.rmtree(Path(child.run_dir).parent, ignore_errors=True)
+        raise
+    record_event(session, child, "forked", reason=f"forked by {owner} from run {parent.id} at checkpoint step {step}",
+                 parent_run_id=parent.id, step=step, changes=changes)
+    record_event(session, parent, "fork", reason=f"forked by {owner} into run {child.id} at step {step}",
+                 child_run_id=child.id, step=step)
+    return child
+
+
+def log_path(run: Run, process: str) -> Path:
+    """``<run_dir>/logs/<process>.log``; the supervisor's log is ``<run_dir>/../supervisor.log``."""
+    if process == "supervisor":
+        return Path(run.run_dir).parent / "supervisor.log"
+    return RunDir(run.run_dir).logs / f"{process}.log"
+
+
+def tail(path: Path, lines: int, block: int = 65536) -> list[str]:
+    """The last ``lines`` lines of a text file (undecodable bytes replaced), reading backwards in ``block``-byte
+    chunks so a large log is not read whole.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    with open(path, "rb") as f:
+        pos = f.seek(0, os.SEEK_END)
+        data = b""
+        while pos > 0 and data.count(b"\n") <= lines:
+            size = min(block, pos)
+            pos -= size
+            f.seek(pos)
+            data = f.read(size) + data
+    return data.decode(errors="replace").splitlines()[-lines:] if lines > 0 else []

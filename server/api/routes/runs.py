@@ -1,16 +1,16 @@
-"""``/api/runs``: submit, list, show, stop, status reports and events."""
+"""``/api/runs``: submit, list, show, stop, resume, fork, status reports, events and logs."""
 
 from __future__ import annotations
 
 import json
 import logging
 import tomllib
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
-from server.models import RunEventsPublic, RunPublic, RunsPublic, RunStatus, StatusReport
+from server.models import ForkRequest, RunEventsPublic, RunLogs, RunPublic, RunsPublic, RunStatus, StatusReport
 from server.services import runs
 
 logger = logging.getLogger("asyncrl.api")
@@ -113,3 +113,47 @@ def list_events(run_id: int, session: SessionDep, principal: PrincipalDep,
     runs.get(session, run_id)
     data, count = runs.events(session, run_id, offset=offset, limit=limit)
     return {"data": data, "count": count}
+
+
+@router.post("/{run_id}/resume", response_model=RunPublic,
+             responses={409: {"description": "not failed/cancelled, or no complete checkpoint"}})
+def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
+    """Continue a failed or cancelled run from its newest complete checkpoint: same run id, run directory and
+    metrics (those after the checkpoint step are dropped); the run is queued and relaunched with ``--resume``."""
+    run = runs.get(session, run_id, lock=True)
+    runs.resume(session, run, by=user.name)
+    session.commit()
+    from worker.tasks import enqueue_launch
+
+    enqueue_launch(run_id)
+    session.refresh(run)
+    return run
+
+
+@router.post("/{run_id}/fork", status_code=201, response_model=RunPublic,
+             responses={409: {"description": "no complete checkpoint"}, 422: {"description": "invalid change"}})
+def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep) -> Any:
+    """A new queued run from a checkpoint of this one (default the newest) with dotted-key spec ``changes``; it
+    starts from that checkpoint's weights, optimizer and data cursor (see ``runs.fork``)."""
+    parent = runs.get(session, run_id)
+    child = runs.fork(session, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
+    session.commit()
+    from worker.tasks import enqueue_launch
+
+    enqueue_launch(child.id)
+    return child
+
+
+@router.get("/{run_id}/logs", response_model=RunLogs, responses={404: {"description": "no such run or log yet"}})
+def get_logs(run_id: int, session: SessionDep, principal: PrincipalDep,
+             process: Literal[runs.LOG_PROCESSES] = "trainer",  # type: ignore[valid-type]
+             tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines")) -> Any:
+    """The last ``tail`` lines of one process's log (read-only; user token or this run's token)."""
+    check_run_access(principal, run_id)
+    run = runs.get(session, run_id)
+    path = runs.log_path(run, process)
+    try:
+        lines = runs.tail(path, tail)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise HTTPException(404, f"process: run {run_id} has no {process} log yet ({path})") from None
+    return RunLogs(run_id=run_id, process=process, path=str(path), lines=lines)
