@@ -1,4 +1,4 @@
-"""The FastAPI app: ``/api`` JSON routes, ``/healthz``, OpenAPI at ``/docs``.
+"""The FastAPI app: ``/api`` JSON routes, ``/healthz``, Prometheus ``/metrics``, OpenAPI at ``/docs``.
 
 Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 400 unparsable body,
 401/403 token problems, 404 unknown run, 409 impossible state change, 413 body too large, 422 invalid
@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import text
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api.main import api_router
 from server.core.config import settings
 from server.core.db import engine
+from server.core.telemetry import PrometheusMiddleware, exposition
 from server.services.runs import InvalidTransition, RunNotFound
 from worker.spec import SpecError
 
@@ -102,7 +103,13 @@ def create_app() -> FastAPI:
             conn.execute(text("SELECT 1"))
         return {"status": "ok", "database": engine.dialect.name}
 
+    @app.get("/metrics", tags=["ops"], include_in_schema=False)
+    def prometheus_metrics() -> Response:
+        """Prometheus scrape endpoint (see ``server.core.telemetry``)."""
+        return Response(exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     app.add_middleware(LimitBodySize, max_bytes=settings.MAX_BODY_BYTES)
+    app.add_middleware(PrometheusMiddleware)  # outermost: counts 413s too
     return app
 
 

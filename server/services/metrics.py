@@ -10,6 +10,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 
+from server.core.telemetry import POINTS_INSERTED, POINTS_RECEIVED
 from server.models import Metric, MetricPoint, MetricSeries
 
 CHUNK = 5000
@@ -26,6 +27,8 @@ def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> i
         stmt = (insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
                 .returning(Metric.__table__.c.step))  # type: ignore[attr-defined]
         inserted += len(session.execute(stmt).all())
+    POINTS_RECEIVED.inc(len(points))
+    POINTS_INSERTED.inc(inserted)
     return inserted
 
 

@@ -277,3 +277,47 @@ def test_asyncrl_worker_embeds_beat_that_reconciles(client: Any, auth: dict[str,
         stop_process_group(proc)
     assert run["status_reason"] == f"supervisor {gone} is gone"
     assert "asyncrl.reconcile" in log.read_text() and any((tmp_path / "home").glob("celerybeat-schedule*"))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_runs_resume_fork_logs(capsys: pytest.CaptureFixture[str], live_server: str, make_run: Any,
+                                   client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.cli import main
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    monkeypatch.setenv("ASYNCRL_URL", live_server)
+    monkeypatch.setenv("ASYNCRL_TOKEN", auth["Authorization"].split()[1])
+    parent = make_run(max_steps=6)
+    checkpoint(parent, 3)
+    code, out, _ = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lr=2e-5", "--set",
+                       "orchestrator.group_size=4", "--name", "cli-fork")
+    child = json.loads(out)
+    assert code == 0 and child["name"] == "cli-fork" and child["status"] == "queued"
+    spec = client.get(f"/api/runs/{child['id']}", headers=auth).json()["spec"]
+    assert spec["trainer"]["optim"]["lr"] == 2e-5 and spec["orchestrator"]["group_size"] == 4
+    code, _, err = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lr")
+    assert code == 2 and err.strip() == "error: --set: expected key=value such as trainer.optim.lr=5e-5, got 'trainer.optim.lr'"
+    code, _, err = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lrr=1")
+    assert code == 2 and err.strip() == "error: 422: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
+
+    code, _, err = cli("runs", "resume", str(parent["id"]))
+    assert code == 2 and err.strip() == f"error: 409: run {parent['id']} is queued: only failed or cancelled runs resume"
+    set_status(client, parent["id"], "cancelled")
+    code, out, _ = cli("runs", "resume", str(parent["id"]))
+    assert code == 0 and json.loads(out)["status"] == "queued"
+
+    logs = RunDir(parent["run_dir"]).logs
+    (logs / "orchestrator.log").write_text("a\nb\nc\n")
+    code, out, _ = cli("runs", "logs", str(parent["id"]), "--process", "orchestrator", "--tail", "2")
+    assert code == 0 and out == "b\nc\n"
+    code, _, err = cli("runs", "logs", str(parent["id"]), "--process", "gpu")
+    assert code == 2 and err.strip() == ("error: 422: query.process: Input should be 'trainer', 'orchestrator', "
+                                         "'inference' or 'supervisor'")
+    code, _, err = cli("runs", "logs", str(parent["id"]))
+    assert code == 2 and err.strip().startswith(f"error: 404: process: run {parent['id']} has no trainer log yet")
