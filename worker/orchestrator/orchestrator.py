@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import logging
 import sys
@@ -34,6 +35,7 @@ from worker.batch import TrainSample, write_batch
 from worker.checkpoint import write_part
 from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
+from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import data_order
 from worker.orchestrator.eval import evaluate, prompt_ids
@@ -42,6 +44,8 @@ from worker.rundir import RunDir, append_jsonl
 from worker.spec import RLSpec
 
 logger = logging.getLogger("asyncrl.orchestrator")
+_STEP_SPEC: contextvars.ContextVar[RLSpec] = contextvars.ContextVar("asyncrl_step_spec")
+"""The spec a step's rollout tasks were requested with (set in the context of each step's task)."""
 
 
 class Orchestrator:
@@ -62,6 +66,19 @@ class Orchestrator:
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
+        self._step_specs: dict[int, RLSpec] = {}
+        self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
+
+    @property
+    def spec(self) -> RLSpec:
+        """The spec in effect. Inside a step's rollout tasks: the one that step was requested with, so a live
+        config revision applied for a later step never changes rollouts already requested (their
+        ``temperature`` record stays the one they were sampled at)."""
+        return _STEP_SPEC.get(self._spec)
+
+    @spec.setter
+    def spec(self, value: RLSpec) -> None:
+        self._spec = value
 
     # ------------------------------------------------------------------ policy versions
 
@@ -128,7 +145,12 @@ class Orchestrator:
         level = self.spec.orchestrator.max_async_level
         for step in range(self.start_step + 1, self.spec.max_steps + 1):
             waited = await self.wait_for_version(step - 1 - level)
-            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(step), waited))
+            # step boundary: live config revisions apply to every rollout, batch and eval of this step on
+            self.spec, _ = self.live.apply(self._spec, step)
+            self._step_specs[step] = self._spec
+            context = contextvars.copy_context()
+            context.run(_STEP_SPEC.set, self._spec)
+            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(step), waited), context=context)
 
     @staticmethod
     async def _timed(coro: Any, waited: float) -> tuple[Any, float, float]:
@@ -201,7 +223,8 @@ class Orchestrator:
                 t0 = time.perf_counter()
                 groups, wait_for_policy, generation_s = await self._steps.pop(step)
                 gen_s = time.perf_counter() - t0
-                samples, metrics = build_batch(step, groups, spec.orchestrator)
+                step_spec = self._step_specs.pop(step)
+                samples, metrics = build_batch(step, groups, step_spec.orchestrator)
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:
@@ -218,12 +241,12 @@ class Orchestrator:
                         "rollout_tokens_per_s": n_tokens / generation_s if generation_s > 0 else 0.0,
                         "batch_wait_s": gen_s,
                         "policy_version": self.policy_version,
-                        "temperature": spec.orchestrator.temperature,
+                        "temperature": step_spec.orchestrator.temperature,
                     },
                 )
                 if spec.ckpt.interval and step % spec.ckpt.interval == 0:
                     self.save_state(step)
-                ev = spec.orchestrator.eval
+                ev = step_spec.orchestrator.eval
                 if ev.interval and step % ev.interval == 0 and step < spec.max_steps:
                     await self.run_eval()
             await self.wait_for_version(spec.max_steps)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from worker.batch import Batch, read_batch
+from worker.live_config import LiveConfig, set_base_lr
 from worker.rundir import RunDir
 from worker.spec import RLSpec
 from worker.trainer.common import (
@@ -137,15 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         start = load_trainer_state(run.checkpoint_dir(args.resume_step) / "trainer", model, optimizer, scheduler)
         logger.info("resumed from checkpoint step %d", start)
     checkpointer = BackgroundCheckpointer(run, keep=spec.ckpt.keep)
+    # live config replays every revision on resume: the live file wins over the checkpoint's lr
+    live = LiveConfig(run.root, "trainer", start_step=start)
 
     for step in range(start + 1, spec.max_steps + 1):
         batch, waited = wait_for_batch(run, step)
+        spec, changed = live.apply(spec, step)
+        if "trainer.optim.lr" in changed:  # the schedule continues from the new base lr
+            set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         t0 = time.perf_counter()
         metrics = train_step(model, batch, spec, step) if batch["num_samples"] else {}
         for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
             metrics.setdefault(name, float("nan"))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
+        lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (a live change sets it between steps)
         if batch["num_samples"]:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
