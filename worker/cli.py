@@ -5,6 +5,7 @@
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
     asyncrl model init --out DIR [--size tiny|small]
     asyncrl demo [--local] [--summary PATH]
+    asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
     asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
 
 Spec files are TOML (or JSON), later ones win; ``--dotted.key value`` overrides win over files.
@@ -186,12 +187,27 @@ def _demo_command(argv: list[str]) -> int:
     return 0
 
 
+def _config_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl config",
+                                description="Live config of a running run (keys: worker/live_config.py).")
+    sub = p.add_subparsers(dest="action", required=True)
+    set_ = sub.add_parser("set", help="append a config revision to RUN_DIR/live_config.jsonl (local runs)")
+    set_.add_argument("run_dir", type=Path)
+    set_.add_argument("assignments", nargs="+", metavar="key=value", help="e.g. trainer.optim.lr=5e-5")
+    args = p.parse_args(argv)
+    from worker.live_config import set_local
+
+    print(json.dumps(set_local(args.run_dir, args.assignments)))  # noqa: T201
+    return 0
+
+
 COMMANDS: dict[str, Any] = {
     "rl": lambda argv: _spec_command("rl", argv),
     "sft": lambda argv: _spec_command("sft", argv),
     "eval": _eval_command,
     "model": _model_command,
     "demo": _demo_command,
+    "config": _config_command,
     # control plane (server/cli.py), imported only when used
     "server": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["server"](argv),
     "worker": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["worker"](argv),
