@@ -138,7 +138,7 @@ def sft_model(steps: int = 60, *, threads: int = 1) -> Path:
     from worker.spec import load_spec_data, validate_spec
     from worker.trainer.sft import run_sft
 
-    base = init_model(TMP / "tiny-init", size="tiny", seed=0)
+    base = init_model(TMP / "tiny-init", size="tiny", seed=0, overwrite=True)
     spec = validate_spec(
         "sft",
         load_spec_data(

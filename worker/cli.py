@@ -3,7 +3,7 @@
     asyncrl rl   @ configs/reverse_text/rl.toml [@ more.toml] [--trainer.optim.lr 1e-5] [--dry-run] [--resume]
     asyncrl sft  @ configs/reverse_text/sft.toml [--max_steps 100] [--dry-run]
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
-    asyncrl model init --out DIR [--size tiny|small]
+    asyncrl model init --out DIR [--size tiny|small] [--overwrite]
     asyncrl demo [--local] [--summary PATH]
     asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
     asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
@@ -18,18 +18,26 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from worker.spec import SpecError, load_spec_data, validate_spec
 
 FLAGS = {"--dry-run", "--resume", "--overwrite", "--quiet"}
 
 
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors raise :class:`SpecError` (one ``error:`` line, exit 2) instead of printing usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise SpecError(f"{self.prog}: {message}")
+
+
 def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
     """Split ``@ file`` / ``@file`` arguments, ``--dotted.key value`` overrides and flags.
 
     Raises:
-        SpecError: an override without a value, or a stray argument.
+        SpecError: an override without a value (none left, or the next argument is a ``--`` option), an ``@``
+            without a file, or a stray argument.
     """
     files: list[str] = []
     overrides: list[tuple[str, str]] = []
@@ -38,8 +46,9 @@ def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], 
     while i < len(argv):
         arg = argv[i]
         if arg == "@":
-            if i + 1 >= len(argv):
-                raise SpecError("'@' must be followed by a config file")
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                got = f", got {argv[i + 1]!r}" if i + 1 < len(argv) else ""
+                raise SpecError(f"'@' must be followed by a config file{got}")
             files.append(argv[i + 1])
             i += 2
         elif arg.startswith("@"):
@@ -53,6 +62,11 @@ def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], 
             if not eq:
                 if i + 1 >= len(argv):
                     raise SpecError(f"--{key}: missing value")
+                if argv[i + 1].startswith("--"):  # `--trainer.optim.lr --dry-run` must not eat the flag
+                    raise SpecError(
+                        f"--{key}: missing value (next is {argv[i + 1]!r}; write --{key}=VALUE for a value "
+                        "starting with '--')"
+                    )
                 value = argv[i + 1]
                 i += 1
             overrides.append((key.replace("-", "_"), value))
@@ -66,7 +80,8 @@ SPEC_USAGE = """usage: asyncrl {kind} @ SPEC.toml [@ MORE.toml ...] [--dotted.ke
 
   @ FILE          spec files (TOML or JSON); later files win
   --a.b VALUE     override one key (VALUE is a TOML literal: 1e-5, true, [0.5, 5], or text)
-  --dry-run       print the resolved spec as JSON and exit
+  --dry-run       run the launch's cheap checks (model dir, tokenizer, env, lengths, run dir), print the
+                  resolved spec as JSON and exit; starts and writes nothing
   --resume        (rl) continue the run from its newest complete checkpoint
   --overwrite     replace an existing run directory
   --quiet         (rl) no step lines on the console
@@ -81,7 +96,18 @@ def _spec_command(kind: str, argv: list[str]) -> int:
     if kind == "sft" and "--resume" in flags:
         raise SpecError("--resume: sft runs do not resume; pass --overwrite to start over")
     spec = validate_spec(kind, load_spec_data(files, overrides))
-    if "--dry-run" in flags:
+    if "--dry-run" in flags:  # the same cheap checks as the launch, in the same order; nothing is created
+        from worker.launchers.local import check_run_dir
+
+        check_run_dir(spec, resume="--resume" in flags, overwrite="--overwrite" in flags)
+        if kind == "rl":
+            from worker.launchers.local import preflight
+
+            preflight(spec)  # type: ignore[arg-type]
+        else:
+            from worker.trainer.sft import sft_preflight
+
+            sft_preflight(spec)  # type: ignore[arg-type]
         print(spec.model_dump_json(indent=2))  # noqa: T201
         return 0
     if kind == "rl":
@@ -101,7 +127,7 @@ def _spec_command(kind: str, argv: list[str]) -> int:
 
 
 def _eval_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl eval", description="Held-out reward and pass@k of a model.")
+    p = ArgParser(prog="asyncrl eval", description="Held-out reward and pass@k of a model.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model path or HF name (starts a vLLM server for the eval)")
     src.add_argument("--url", help="base URL of a running vLLM server")
@@ -126,6 +152,11 @@ def _eval_command(argv: list[str]) -> int:
             raise SpecError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         raise SpecError(f"--temperature: expected >= 0 (0 = greedy), got {args.temperature}")
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        raise SpecError(f"--url: expected http://HOST:PORT, got {args.url!r}")
+    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+        what = "is a directory" if args.out.is_dir() else f"is in a folder that does not exist ({args.out.parent})"
+        raise SpecError(f"--out: expected a file path for the result JSON; {args.out} {what}")
     from worker.evaluation import run_eval
 
     result = run_eval(
@@ -148,16 +179,25 @@ def _eval_command(argv: list[str]) -> int:
 
 
 def _model_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl model")
+    p = ArgParser(prog="asyncrl model")
     sub = p.add_subparsers(dest="action", required=True)
     init = sub.add_parser("init", help="build a tiny random-init Qwen3 model and byte-level tokenizer")
     init.add_argument("--out", required=True, type=Path)
     init.add_argument("--size", choices=["tiny", "small"], default="tiny")
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--overwrite", action="store_true", help="replace an existing model directory at --out")
     args = p.parse_args(argv)
     from worker.models import init_model
 
-    path = init_model(args.out, size=args.size, seed=args.seed)
+    try:
+        path = init_model(args.out, size=args.size, seed=args.seed, overwrite=args.overwrite)
+    except FileExistsError as err:
+        hint = "; pass --overwrite to replace it" if str(err).endswith("not empty") else ""
+        raise SpecError(f"--out: {err}{hint}") from None
+    except NotADirectoryError as err:
+        raise SpecError(f"--out: {err}") from None
+    except OSError as err:  # no permission, disk full: nothing is left at --out
+        raise SpecError(f"--out: cannot write {args.out} ({err.strerror or type(err).__name__})") from None
     print(f"model written to {path}")  # noqa: T201
     return 0
 
@@ -222,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in {"-h", "--help"} or argv[0] not in COMMANDS:
+    if not argv or argv[0] in {"-h", "--help"}:
         print(__doc__)  # noqa: T201
-        return 0 if not argv or argv[0] in {"-h", "--help"} else 2
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r} (expected one of {', '.join(COMMANDS)}; -h for help)", file=sys.stderr)  # noqa: T201
+        return 2
     try:
         return int(COMMANDS[argv[0]](argv[1:]))
     except SpecError as err:

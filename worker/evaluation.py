@@ -31,21 +31,30 @@ def run_eval(
         The result of :func:`worker.orchestrator.eval.evaluate` plus ``model`` and ``env``.
 
     Raises:
-        SpecError: neither or both of ``model`` and ``url``, or no tokenizer for ``url``.
+        SpecError: neither or both of ``model`` and ``url``; a model or tokenizer that fails
+            :func:`worker.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
+            does not load. All are checked before a server starts.
     """
     from worker.envs import EnvironmentLoadError
-    from worker.models import check_model_source, load_tokenizer
+    from worker.models import check_model, load_tokenizer
     from worker.procs import free_port
     from worker.spec import SpecError
 
     if (model is None) == (url is None):
         raise SpecError("eval: give exactly one of --model and --url")
     try:
-        if model is not None:
-            check_model_source(model)
+        tok = check_model(model) if model is not None else None
+    except (FileNotFoundError, ValueError) as err:
+        raise SpecError(f"--model: {err}") from None
+    if tokenizer is not None:
+        try:
+            tok = load_tokenizer(tokenizer)
+        except (FileNotFoundError, ValueError) as err:
+            raise SpecError(f"--tokenizer: {err}") from None
+    try:
         env = load_environment(env_id, split="eval", seed=seed, **env_args)
-    except (FileNotFoundError, ValueError) as err:  # EnvironmentLoadError is a ValueError
-        raise SpecError(f"{'--env' if isinstance(err, EnvironmentLoadError) else '--model'}: {err}") from None
+    except (EnvironmentLoadError, TypeError, ValueError) as err:
+        raise SpecError(f"--env: {err}") from None
     proc = None
     if url is None:
         from worker.inference.server import start_server, wait_ready
@@ -59,11 +68,17 @@ def run_eval(
 
         async def go() -> dict[str, Any]:
             async with InferenceClient(url) as client:
-                tok = load_tokenizer(tokenizer or model or await client.served_model())
+                served_tok = tok
+                if served_tok is None:  # --url without --tokenizer: the server's model names it
+                    served = await client.served_model()
+                    try:
+                        served_tok = load_tokenizer(served)
+                    except (FileNotFoundError, ValueError) as err:
+                        raise SpecError(f"--tokenizer: needed for the server's model {served!r} ({err})") from None
                 return await evaluate(
                     client,
                     env,
-                    tok,
+                    served_tok,
                     num_examples=num_examples,
                     temperature=temperature,
                     max_tokens=max_tokens,

@@ -11,6 +11,8 @@ torch/transformers/tokenizers are imported lazily so that importing this module 
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -99,22 +101,55 @@ def build_tokenizer(seed: int = 0, num_merges: int = NUM_MERGES) -> PreTrainedTo
     return fast
 
 
-def init_model(out_dir: Path, size: Literal["tiny", "small"] = "tiny", seed: int = 0) -> Path:
+def init_model(
+    out_dir: Path, size: Literal["tiny", "small"] = "tiny", seed: int = 0, *, overwrite: bool = False
+) -> Path:
     """Build a random-init Qwen3ForCausalLM and a byte-level tokenizer and save both to ``out_dir``.
 
-    The vocabulary is padded to a multiple of 64; embeddings are tied; eos is ``<|im_end|>``.
-    Returns ``out_dir``.
+    The vocabulary is padded to a multiple of 64; embeddings are tied; eos is ``<|im_end|>``. The model is
+    written to a temporary sibling directory and renamed into place, so ``out_dir`` is never half-written;
+    an existing non-empty ``out_dir`` is replaced only with ``overwrite``. Returns ``out_dir``.
 
     Raises:
         ValueError: if ``size`` is unknown.
+        FileExistsError: ``out_dir`` is a file, or a non-empty directory and ``overwrite`` is False or it is
+            not a model directory (no ``config.json``).
+        NotADirectoryError: a parent of ``out_dir`` is a file.
+        OSError: the parent directory cannot be created or written (e.g. PermissionError).
     """
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
     if size not in SIZES:
         raise ValueError(f"size: expected one of {sorted(SIZES)}, got {size!r}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} exists and is not empty")
+        if not (out_dir / "config.json").is_file():  # overwrite replaces a model, never some other folder
+            raise FileExistsError(f"{out_dir} exists and is not a model directory (no config.json)")
+    blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise NotADirectoryError(f"{blocking} is a file, so {out_dir} cannot be created")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the model directory is an ordinary one
+    try:
+        _write_model(tmp, size, seed)
+        if out_dir.exists():  # empty, or replaced with overwrite: move it aside first, delete it after the rename
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+            out_dir.rename(old / "model")
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only left when something above failed
+    return out_dir
+
+
+def _write_model(out_dir: Path, size: str, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(seed)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
@@ -139,7 +174,6 @@ def init_model(out_dir: Path, size: Literal["tiny", "small"] = "tiny", seed: int
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 def check_model_source(name_or_path: str | Path) -> str:
@@ -154,6 +188,43 @@ def check_model_source(name_or_path: str | Path) -> str:
     if looks_local:
         raise FileNotFoundError(f"{p}: model path does not exist")
     return s
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_model(name_or_path: str | Path) -> PreTrainedTokenizerBase:
+    """The cheap checks every command runs before starting work on a model; returns its tokenizer.
+
+    A local directory must hold ``config.json`` that parses, weights (one of ``WEIGHT_FILES``), tokenizer
+    files and a tokenizer with a chat template. Weights are not loaded (seconds for large models).
+
+    Raises:
+        FileNotFoundError: local path missing, no weights or tokenizer files, or a hub name that cannot load.
+        ValueError: not a model directory, config or tokenizer does not parse, or no chat template.
+    """
+    src = check_model_source(name_or_path)
+    path = Path(src)
+    if path.is_dir():
+        if not any((path / f).is_file() for f in WEIGHT_FILES):
+            raise FileNotFoundError(f"{path}: no model weights (expected one of {', '.join(WEIGHT_FILES)})")
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise FileNotFoundError(f"{path}: no tokenizer files (expected {' or '.join(TOKENIZER_FILES)})")
+    from transformers import AutoConfig  # after the file checks: a wrong path fails without the import
+
+    try:
+        AutoConfig.from_pretrained(src)
+    except OSError as e:
+        raise FileNotFoundError(f"{src}: cannot load model config ({_first_line(e)})") from e
+    except ValueError as e:
+        raise ValueError(f"{src}: cannot load model config ({_first_line(e)})") from e
+    return load_tokenizer(src)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", **kwargs: Any) -> PreTrainedModel:
@@ -176,17 +247,26 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", *
 
 
 def load_tokenizer(name_or_path: str | Path, **kwargs: Any) -> PreTrainedTokenizerBase:
-    """Load a tokenizer by hub name or local path with ``AutoTokenizer``.
+    """Load a tokenizer by hub name or local path with ``AutoTokenizer``; it must have a chat template.
+
+    Every prompt here is built with ``apply_chat_template``, so a tokenizer without one is refused at load.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`load_model`.
+        FileNotFoundError: as :func:`load_model`.
+        ValueError: the path is not a model directory, the tokenizer files do not parse, or no chat template.
     """
     from transformers import AutoTokenizer
 
     src = check_model_source(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(src, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
     except OSError as e:
-        raise FileNotFoundError(
-            f"{src}: cannot load tokenizer ({e.__class__.__name__}: {str(e).splitlines()[0]})"
-        ) from e
+        raise FileNotFoundError(f"{src}: cannot load tokenizer ({_first_line(e)})") from e
+    except Exception as e:  # tokenizers raises bare Exceptions for files that do not parse
+        raise ValueError(f"{src}: cannot load tokenizer ({_first_line(e)})") from e
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{src}: tokenizer has no chat template (expected chat_template.jinja or 'chat_template' in "
+            "tokenizer_config.json); prompts are built with it"
+        )
+    return tokenizer

@@ -22,7 +22,8 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # coerce_numbers_to_str: ``--name 123`` or ``--model.name 2024`` parse as TOML numbers; text fields take them as text
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 # ----------------------------------------------------------------------------- model / env
@@ -189,10 +190,14 @@ class CheckpointConfig(_Strict):
 # ----------------------------------------------------------------------------- runs
 
 
+RUN_NAME_RULE = "1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' (it names a directory)"
+
+
 def _check_run_name(cls: type, v: str) -> str:  # noqa: ARG001 - pydantic passes the class by this name
-    """Run names become directory names: letters, digits, '-', '_', '.' (not leading)."""
-    if not v or v.startswith(".") or not all(c.isalnum() or c in "-_." for c in v):
-        raise ValueError(f"expected letters, digits, '-', '_' or '.', got {v!r}")
+    """Run names become directory names: 1-100 ASCII letters, digits, '-', '_', '.' (not leading)."""
+    ok = 0 < len(v) <= 100 and not v.startswith(".") and all(c.isascii() and (c.isalnum() or c in "-_.") for c in v)
+    if not ok:
+        raise ValueError(f"expected {RUN_NAME_RULE}, got {v!r}")
     return v
 
 
@@ -320,8 +325,9 @@ def _format_validation_error(err: ValidationError) -> str:
     if first["type"] == "union_tag_invalid":
         ctx = first.get("ctx", {})
         return f"{loc}.type: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
-    if first["type"] == "literal_error":
-        msg = f"{msg}, got {first.get('input')!r}"
+    given = first.get("input")
+    if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):
+        msg = f"{msg}, got {given!r}"  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
     return f"{loc}: {msg}" if loc else msg
 
 
@@ -368,25 +374,37 @@ def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) ->
     """Read TOML/JSON files (later files win) and apply ``--dotted.key value`` overrides.
 
     Raises:
-        SpecError: a file that does not exist or does not parse.
+        SpecError: a file that is missing, a directory, unreadable, not UTF-8, does not parse (the message
+            gives line and column) or is not a table; an override key with an empty part (``--a..b``).
     """
     import json
 
     data: dict[str, Any] = {}
     for f in files:
         path = Path(f)
+        fmt = "JSON" if path.suffix == ".json" else "TOML"
+        if path.is_dir():
+            raise SpecError(f"config file {path} is a directory; expected a {fmt} file")
         if not path.is_file():
             raise SpecError(f"config file not found: {path}")
         try:
-            text = path.read_text()
-            layer = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+            text = path.read_text(encoding="utf-8")
+            layer = json.loads(text) if fmt == "JSON" else tomllib.loads(text)
+        except OSError as err:
+            raise SpecError(f"config file {path}: cannot read ({err.strerror or type(err).__name__})") from None
+        except UnicodeDecodeError as err:
+            raise SpecError(f"{path}: not valid {fmt}: not UTF-8 text (byte {err.start})") from None
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-            raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {err}") from None
+            raise SpecError(f"{path}: not valid {fmt}: {err}") from None
+        if not isinstance(layer, dict):
+            raise SpecError(f"{path}: expected a JSON object of spec keys, got {type(layer).__name__}")
         data = deep_merge(data, layer)
     for dotted, raw in overrides:
         layer: dict[str, Any] = {}
         cursor = layer
         parts = dotted.split(".")
+        if not all(parts):
+            raise SpecError(f"--{dotted}: expected a dotted key such as --trainer.optim.lr")
         for part in parts[:-1]:
             cursor = cursor.setdefault(part, {})
         cursor[parts[-1]] = parse_override_value(raw)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+import worker.models
 from worker.envs.sentences import make_sentence
-from worker.models import SPECIAL_TOKENS, init_model, load_model, load_tokenizer
+from worker.models import SPECIAL_TOKENS, check_model, init_model, load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,95 @@ def test_clear_errors_for_bad_paths(tmp_path: Path) -> None:
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(ValueError, match="file.txt"):
         load_tokenizer(tmp_path / "file.txt")
+
+
+# ----------------------------------------------------------------------------- init_model keeps what is stored
+
+
+def test_init_refuses_existing_dir_and_overwrite_replaces(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    init_model(out, seed=0)
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=f"^{out} exists and is not empty$"):
+        init_model(out, seed=1)
+    assert (out / "model.safetensors").read_bytes() == before
+    assert init_model(out, seed=1, overwrite=True) == out
+    assert (out / "model.safetensors").read_bytes() != before
+    assert load_model(out).config.vocab_size % 64 == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary folder left beside it
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
+def test_init_never_replaces_other_things(tmp_path: Path) -> None:
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a model directory"):
+        init_model(folder, overwrite=True)
+    assert (folder / "keep.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+        init_model(tmp_path / "file", overwrite=True)
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path / 'file'} is a file"):
+        init_model(tmp_path / "file" / "sub")
+    assert (tmp_path / "file").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "notes"]
+
+
+def test_init_failure_leaves_nothing_half_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash(out_dir: Path, size: str, seed: int) -> None:  # noqa: ARG001 - _write_model's signature
+        (out_dir / "config.json").write_text("{}")  # half-way through saving
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(worker.models, "_write_model", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        init_model(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text('{"kept": true}')
+    with pytest.raises(RuntimeError, match="disk full"):
+        init_model(old, overwrite=True)
+    assert json.loads((old / "config.json").read_text()) == {"kept": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["old"]
+
+
+# ----------------------------------------------------------------------------- check_model: cheap checks, clear errors
+
+
+def _broken_copy(model_dir: Path, tmp_path: Path, name: str, remove: list[str]) -> Path:
+    out = tmp_path / name
+    shutil.copytree(model_dir, out)
+    for f in remove:
+        (out / f).unlink()
+    return out
+
+
+def test_check_model_returns_a_chat_tokenizer(model_dir: Path) -> None:
+    tok = check_model(model_dir)
+    assert tok.chat_template == load_tokenizer(model_dir).chat_template
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_check_model_names_what_is_missing(model_dir: Path, tmp_path: Path) -> None:
+    assert not json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    no_chat = _broken_copy(model_dir, tmp_path, "no_chat", ["chat_template.jinja"])
+    for load in (check_model, load_tokenizer):
+        with pytest.raises(ValueError, match=f"^{no_chat}: tokenizer has no chat template \\(expected chat_template"):
+            load(no_chat)
+    no_weights = _broken_copy(model_dir, tmp_path, "no_weights", ["model.safetensors"])
+    with pytest.raises(FileNotFoundError, match=f"^{no_weights}: no model weights \\(expected one of model.safetensors"):
+        check_model(no_weights)
+    no_tok = _broken_copy(model_dir, tmp_path, "no_tok", ["tokenizer.json", "tokenizer_config.json"])
+    with pytest.raises(FileNotFoundError, match=f"^{no_tok}: no tokenizer files"):
+        check_model(no_tok)
+    bad_cfg = _broken_copy(model_dir, tmp_path, "bad_cfg", [])
+    (bad_cfg / "config.json").write_text("{not json")
+    with pytest.raises(FileNotFoundError, match=f"^{bad_cfg}: cannot load model config \\(OSError: "):
+        check_model(bad_cfg)
+    bad_tok = _broken_copy(model_dir, tmp_path, "bad_tok", [])
+    (bad_tok / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"^{bad_tok}: cannot load tokenizer \\("):
+        check_model(bad_tok)
+    with pytest.raises(FileNotFoundError, match="model path does not exist"):
+        check_model(tmp_path / "nope")

@@ -147,8 +147,30 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
         load_spec_data([tmp_path / "nope.toml"], [])
     bad = tmp_path / "bad.toml"
     bad.write_text("max_steps = = 3\n")
-    with pytest.raises(SpecError, match=r"bad\.toml: not valid TOML"):
+    with pytest.raises(SpecError, match=r"bad\.toml: not valid TOML: .*\(at line 1, column 13\)$"):
         load_spec_data([bad], [])
+
+
+def _load_error(files: list[Path], overrides: list[tuple[str, str]]) -> str:
+    with pytest.raises(SpecError) as info:
+        load_spec_data(files, overrides)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_unusable_files_and_override_keys(tmp_path: Path) -> None:
+    assert _load_error([tmp_path], []) == f"config file {tmp_path} is a directory; expected a TOML file"
+    (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    assert _load_error([tmp_path / "latin1.toml"], []) == (
+        f"{tmp_path / 'latin1.toml'}: not valid TOML: not UTF-8 text (byte 11)")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert _load_error([tmp_path / "list.json"], []) == (
+        f"{tmp_path / 'list.json'}: expected a JSON object of spec keys, got list")
+    (tmp_path / "bad.json").write_text('{\n  "max_steps": ,\n}')
+    assert _load_error([tmp_path / "bad.json"], []) == (
+        f"{tmp_path / 'bad.json'}: not valid JSON: Expecting value: line 2 column 16 (char 17)")
+    for key in ("a..b", "", ".lr", "trainer."):
+        assert _load_error([], [(key, "1")]) == f"--{key}: expected a dotted key such as --trainer.optim.lr"
 
 
 # ----------------------------------------------------------------------------- bad values
@@ -186,12 +208,24 @@ def test_max_tokens_must_be_below_max_model_len() -> None:
     assert spec.orchestrator.max_tokens == 99
 
 
-@pytest.mark.parametrize("name", ["../x", ".hidden", "a/b", "", "a b"])
+@pytest.mark.parametrize("name", ["../x", ".hidden", "a/b", "", "a b", ".", "..", "/", "run\u00e9", "x" * 101])
 def test_bad_run_name(name: str) -> None:
     for kind in ("rl", "sft"):
         msg = _error(kind, {**MODEL, "name": name})
-        assert msg.startswith("name: expected letters, digits, '-', '_' or '.', got ")
-        assert repr(name) in msg
+        assert msg == (
+            "name: expected 1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' "
+            f"(it names a directory), got {name!r}")
+
+
+@pytest.mark.parametrize("name", ["a", "run.v2", "my_run-3", "x" * 100])
+def test_good_run_name(name: str) -> None:
+    assert validate_spec("rl", {**MODEL, "name": name}).name == name
+
+
+def test_numbers_given_for_text_fields_are_text() -> None:
+    """``--name 123`` / ``--model.name 2024`` parse as TOML numbers; text fields keep them as text."""
+    spec = validate_spec("rl", load_spec_data([], [("name", "123"), ("model.name", "2024")]))
+    assert (spec.name, spec.model.name) == ("123", "2024")
 
 
 def test_other_field_errors_name_the_field() -> None:
@@ -199,7 +233,14 @@ def test_other_field_errors_name_the_field() -> None:
     assert _error("rl", {**MODEL, "trainer": {"optim": {"betas": [0.9, 1.0]}}}) == (
         "trainer.optim.betas: expected two values in [0, 1), got [0.9, 1.0]")
     msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "ipo", "epsilon": -1}}})
-    assert msg.startswith("trainer.loss.epsilon:")
+    assert msg == "trainer.loss.epsilon: Input should be greater than 0, got -1"
+    assert _error("rl", {**MODEL, "max_steps": -1}) == "max_steps: Input should be greater than or equal to 1, got -1"
+    assert _error("sft", {**MODEL, "data": {"batch_size": "abc"}}) == (
+        "data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'abc'")
+    assert _error("rl", {**MODEL, "orchestrator": "x"}) == (
+        "orchestrator: Input should be a valid dictionary or instance of OrchestratorConfig, got 'x'")
+    assert _error("rl", {**MODEL, "model": {"name": "m", "dtype": "fp8"}}) == (
+        "model.dtype: Input should be 'float32' or 'bfloat16', got 'fp8'")
     assert _error("rl", {**MODEL, "kind": "sft"}) == "kind: this command runs 'rl' specs, got 'sft'"
     assert _error("nope", MODEL) == "kind: expected one of ['rl', 'sft'], got 'nope'"
 

@@ -13,16 +13,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from worker.checkpoint import resume_step
 from worker.procs import free_port, kill_group, spawn
 from worker.rundir import RunDir, atomic_write_json, read_jsonl
-from worker.spec import RLSpec, SpecError
+from worker.spec import RLSpec, SFTSpec, SpecError
 
 logger = logging.getLogger("asyncrl.launcher")
 PROCESSES = ("inference", "trainer", "orchestrator")
@@ -31,27 +33,21 @@ PROCESSES = ("inference", "trainer", "orchestrator")
 def preflight(spec: RLSpec) -> None:
     """Check what the schema cannot: the model loads, the environment imports, prompts fit.
 
+    Cheap (no weights loaded, no process started, nothing written); ``asyncrl rl --dry-run`` runs it too.
+
     Raises:
         SpecError: one line naming the field.
     """
-    from worker.models import check_model_source
+    from worker.models import check_model
 
-    try:  # before any heavy import, so a wrong path fails at once
-        check_model_source(spec.model.name)
+    try:
+        tokenizer = check_model(spec.model.name)
     except (FileNotFoundError, ValueError) as err:
         raise SpecError(f"model.name: {err}") from None
-
-    from transformers import AutoConfig, AutoTokenizer
 
     from worker.envs import EnvironmentLoadError, load_environment
     from worker.orchestrator.eval import prompt_ids
 
-    try:
-        AutoConfig.from_pretrained(spec.model.name)
-        tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpecError(f"model.name: cannot load {spec.model.name!r} as a local path or HF model ({first})") from None
     try:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
     except (EnvironmentLoadError, TypeError, ValueError) as err:
@@ -75,14 +71,24 @@ def preflight(spec: RLSpec) -> None:
         )
 
 
-def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
-    """Create (or, with ``resume``, reopen) the run directory; returns it and the resume step.
+def check_run_dir(spec: RLSpec | SFTSpec, *, resume: bool = False, overwrite: bool = False) -> int | None:
+    """Check that the run directory allows this start; creates and changes nothing.
+
+    Returns the checkpoint step to resume from (with ``resume``), else None.
 
     Raises:
-        SpecError: the directory exists without ``--resume``/``--overwrite``, or nothing to resume.
+        SpecError: ``output_dir`` is a file or not writable; the run directory exists without ``--resume`` or
+            ``--overwrite`` (sft: ``--overwrite``); ``--resume`` without a run config or a complete checkpoint.
     """
     run = RunDir(spec.run_dir)
-    step = None
+    out = Path(spec.output_dir or ".")
+    existing = next(p for p in (out, *out.parents, Path(".")) if p.exists())  # Path(".") ends a relative path
+    if not existing.is_dir():
+        raise SpecError(f"output_dir: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError(f"output_dir: cannot create run directories under {existing} (permission denied)")
+    if run.root.exists() and not run.root.is_dir():
+        raise SpecError(f"name: {run.root} exists and is not a directory")
     if resume:
         if not run.config.exists():
             hint = "pass --overwrite to start over" if run.root.exists() else "start it without --resume"
@@ -90,12 +96,25 @@ def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[Run
         step = resume_step(run)
         if step is None:
             raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
+        return step
+    if run.root.exists() and not overwrite:
+        hint = "pass --resume to continue it or --overwrite to replace it" if spec.kind == "rl" else (
+            "pass --overwrite to replace it")
+        raise SpecError(f"run directory {run.root} exists: {hint}")
+    return None
+
+
+def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
+    """Create (or, with ``resume``, reopen) the run directory; returns it and the resume step.
+
+    Raises:
+        SpecError: the directory exists without ``--resume``/``--overwrite``, or nothing to resume.
+    """
+    run = RunDir(spec.run_dir)
+    step = check_run_dir(spec, resume=resume, overwrite=overwrite)
+    if step is not None:
         run.prune_after(step)
     elif run.root.exists():
-        if not overwrite:
-            raise SpecError(
-                f"run directory {run.root} exists: pass --resume to continue it or --overwrite to replace it"
-            )
         shutil.rmtree(run.root)
     run.create()
     atomic_write_json(run.config, json.loads(spec.model_dump_json()))
@@ -147,6 +166,7 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
     Raises:
         SpecError: bad input found before anything was started (nothing is left on disk).
     """
+    check_run_dir(spec, resume=resume, overwrite=overwrite)  # cheapest first
     preflight(spec)
     run, start = prepare_run_dir(spec, resume=resume, overwrite=overwrite)
     t_start = time.time()

@@ -84,21 +84,24 @@ def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new
     return statistics.fmean(rewards) if rewards else float("nan")
 
 
-def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
-    """Train ``spec`` to ``max_steps``; returns ``{"final": path, "eval_reward": r, "wall_s": s}``.
+def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
+    """The cheap checks of an SFT spec, before any weights load; ``asyncrl sft --dry-run`` runs them too.
+
+    Returns ``(tokenizer, eval_env, examples)``; examples hold the token ids of every training sample.
 
     Raises:
-        SpecError: the run directory exists (without ``overwrite``), the model or environment cannot load.
+        SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable,
+            its tasks have no reference answer, or an example is longer than ``seq_len``.
     """
     from worker.envs import EnvironmentLoadError
-    from worker.models import load_model, load_tokenizer
+    from worker.models import check_model
 
-    run = RunDir(spec.run_dir)
     try:
-        tokenizer = load_tokenizer(spec.model.name)
-        model = load_model(spec.model.name, dtype="float32", attn_implementation="sdpa")
+        tokenizer = check_model(spec.model.name)
     except (FileNotFoundError, ValueError) as err:
         raise SpecError(f"model.name: {err}") from None
+    if tokenizer.convert_tokens_to_ids("<|im_end|>") in (None, tokenizer.unk_token_id):
+        raise SpecError(f"model.name: {spec.model.name}: tokenizer has no '<|im_end|>' token (SFT ends answers with it)")
     try:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
         eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
@@ -116,10 +119,30 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
         raise SpecError(
             f"seq_len: {spec.seq_len} tokens cannot hold a {too_long}-token example; use at least {too_long}"
         )
+    return tokenizer, eval_env, examples
 
+
+def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
+    """Train ``spec`` to ``max_steps``; returns ``{"final": path, "eval_reward": r, "wall_s": s}``.
+
+    The cheap checks (run directory state, then :func:`sft_preflight`) run before the weights load, and the
+    run directory is created only after everything loaded.
+
+    Raises:
+        SpecError: the run directory exists (without ``overwrite``), the model or environment cannot load.
+    """
+    from worker.launchers.local import check_run_dir
+    from worker.models import load_model
+
+    check_run_dir(spec, overwrite=overwrite)
+    tokenizer, eval_env, examples = sft_preflight(spec)
+    try:
+        model = load_model(spec.model.name, dtype="float32", attn_implementation="sdpa")
+    except (FileNotFoundError, ValueError) as err:
+        raise SpecError(f"model.name: {err}") from None
+
+    run = RunDir(spec.run_dir)
     if run.root.exists():
-        if not overwrite:
-            raise SpecError(f"run directory {run.root} exists: pass --overwrite to replace it")
         shutil.rmtree(run.root)
     run.root.mkdir(parents=True)
     atomic_write_json(run.config, json.loads(spec.model_dump_json()))
