@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -108,3 +111,100 @@ def stored(run_id: int) -> int:
 
     with Session(engine) as s:
         return int(s.exec(select(func.count()).select_from(Metric).where(Metric.run_id == run_id)).one())
+
+
+# ----------------------------------------------------------------------------- real processes (test_real_runs.py)
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class ApiServer:
+    """``asyncrl server --no-migrate`` (the test database is migrated already) as a child process in its own
+    process group on a fixed 127.0.0.1 port, so it can be killed and restarted at the same URL."""
+
+    def __init__(self, log: Path) -> None:
+        self.port, self.log = free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: _ready(self.url) or self.proc.poll() is not None, 60, "asyncrl server up")  # type: ignore[union-attr]
+        assert self.proc.poll() is None, self.log.read_text()[-2000:]
+
+    def kill(self) -> None:
+        """SIGKILL (no graceful shutdown), as a crashed server."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        assert not _ready(self.url)
+
+
+def start_celery_worker(server_url: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    """A real Celery worker (solo pool: the task runs in this one process) on the test queue, in its own process
+    group, with ``env`` added to the environment; returns once it logged ``ready.``."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=solo", "--loglevel=INFO",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"real-{secrets.token_hex(3)}@%h"],
+            env={**os.environ, "ASYNCRL_SERVER_URL": server_url, **env}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    wait_for(lambda: b"ready." in log.read_bytes() or proc.poll() is not None, 60, "celery worker ready")
+    assert proc.poll() is None, log.read_text()[-2000:]
+    return proc
+
+
+def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """Live processes: pid -> (session id, command line with spaces between arguments)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] not in {"Z", "X"}:
+            found[int(entry.name)] = (int(fields[3]), cmdline)  # state ppid pgrp session ...
+    return found
+
+
+def metrics_file_keys(path: Path) -> set[tuple[str, int, str]]:
+    """``(source, step, name)`` of every point the run's processes wrote to ``metrics.jsonl`` (what the supervisor
+    forwards: numbers, not booleans)."""
+    from worker.rundir import read_jsonl
+    from worker.supervisor import rows_to_points
+
+    return {(p["source"], p["step"], p["name"]) for p in rows_to_points(read_jsonl(path))}
+
+
+def stored_keys(run_id: int) -> set[tuple[str, int, str]]:
+    from sqlmodel import Session, select
+
+    from server.core.db import engine
+    from server.models import Metric
+
+    with Session(engine) as s:
+        rows = s.exec(select(Metric.source, Metric.step, Metric.name).where(Metric.run_id == run_id)).all()
+    return {(source, int(step), name) for source, step, name in rows}
