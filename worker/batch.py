@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from worker.rundir import atomic_write_text
 
@@ -26,6 +26,11 @@ class TrainSample(TypedDict):
     """Sampling temperature the completion was drawn at; the trainer divides logits by it."""
     policy_span: list[int]
     """[first, last] policy version the completion was generated under."""
+    group: NotRequired[int]
+    """Index of the sample's rollout group in its step (samples of a group share the prompt)."""
+    prefix_len: NotRequired[int]
+    """Leading tokens identical for the whole group (the prompt): packed once per chunk when
+    ``orchestrator.share_prompt`` is on (``worker.packing.pack_shared_prompt``)."""
 
 
 class Batch(TypedDict):

@@ -93,6 +93,8 @@ def _spec_command(kind: str, argv: list[str]) -> int:
         print(SPEC_USAGE.format(kind=kind))  # noqa: T201
         return 0
     files, overrides, flags = split_spec_args(argv)
+    if not files and not overrides:
+        raise SpecError(f"no spec given: asyncrl {kind} @ SPEC.toml [--key value ...] (-h for help)")
     if kind == "sft" and "--resume" in flags:
         raise SpecError("--resume: sft runs do not resume; pass --overwrite to start over")
     spec = validate_spec(kind, load_spec_data(files, overrides))

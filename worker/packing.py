@@ -8,6 +8,12 @@
   with first-fit decreasing: longest first, each into the first bin with room, ties in index order.
   It is deterministic, keeps every sample exactly once, and uses at most 11/9 OPT + 6/9 bins
   (Dósa 2007); the trainer concatenates each bin into one packed sequence.
+- ``pack_shared_prompt`` packs the samples of a GRPO group so that their common prompt is in the
+  row once: a chunk is ``prompt, completion_1, ..., completion_k`` (each completion attends to the
+  prompt and to itself; ``worker.trainer.common.micro_batch_tensors`` builds that mask), costing
+  ``prompt + sum(completion)`` tokens instead of ``k * prompt + sum(completion)``. The logits and the
+  gradients are the same as with every sample laid out in full (tested); on reverse-text (a
+  ~38-token prompt, ~15-token completions, group 8) the trainer computes ~2.6x fewer tokens.
 """
 
 from __future__ import annotations
@@ -63,3 +69,44 @@ def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
             bins.append([i])
             free.append(seq_len - lengths[i])
     return bins
+
+
+def pack_shared_prompt(lengths: list[int], prefix_lens: list[int], groups: list[int], seq_len: int) -> list[list[int]]:
+    """Micro-batches of sample indices in which consecutive samples of one group share its prompt.
+
+    Within a group (samples with the same ``groups`` id and ``prefix_lens``), samples are placed
+    longest first into chunks ``prefix + suffixes`` of at most ``seq_len`` tokens (first fit); the
+    chunks of all groups are then packed first-fit decreasing by their cost (``pack``). A chunk's
+    samples stay consecutive in its micro-batch, the first one laid out in full (the "leader").
+
+    Args:
+        lengths: token count of each sample (prompt + completion).
+        prefix_lens: tokens at the start of each sample shared with its group (its prompt), 0..length.
+        groups: group id of each sample (samples of one group have identical first ``prefix_len`` ids).
+        seq_len: capacity of one packed sequence in tokens.
+
+    Returns:
+        Micro-batches of sample indices; every index appears exactly once.
+
+    Raises:
+        ValueError: as ``pack``: ``seq_len`` < 1, or a sample longer than ``seq_len``.
+    """
+    pack(lengths, seq_len)  # the same input checks
+    by_group: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(groups, prefix_lens, strict=True)):
+        by_group.setdefault(key, []).append(i)
+    chunks: list[list[int]] = []
+    costs: list[int] = []
+    for (_, prefix), members in by_group.items():
+        first = len(chunks)
+        for i in sorted(members, key=lambda j: -lengths[j]):
+            suffix = lengths[i] - prefix
+            for c in range(first, len(chunks)):
+                if costs[c] + suffix <= seq_len:
+                    chunks[c].append(i)
+                    costs[c] += suffix
+                    break
+            else:
+                chunks.append([i])
+                costs.append(lengths[i])
+    return [[i for c in bin_ for i in chunks[c]] for bin_ in pack(costs, seq_len)]

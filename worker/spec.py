@@ -98,6 +98,9 @@ class OrchestratorConfig(_Strict):
     """Sampling temperature; the trainer scales its logits by the same value."""
     seq_len: int = Field(2048, ge=8)
     """Micro-batch size in tokens: samples are packed into sequences of at most this length."""
+    share_prompt: bool = True
+    """Pack a group's samples next to each other so that the trainer lays their common prompt out once
+    (same logits and gradients, fewer tokens: ``worker.packing.pack_shared_prompt``)."""
     max_async_level: int = Field(1, ge=0)
     """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level."""
     max_off_policy_steps: int = Field(8, ge=0)
@@ -206,7 +209,8 @@ class RLSpec(_Strict):
     name: str = "rl"
     output_dir: str = "outputs"
     """Run directories are created below this folder, as ``<output_dir>/<name>``."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
     max_steps: int = Field(100, ge=1)
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -247,7 +251,8 @@ class SFTSpec(_Strict):
     kind: Literal["sft"] = "sft"
     name: str = "sft"
     output_dir: str = "outputs"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
     max_steps: int = Field(200, ge=1)
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)

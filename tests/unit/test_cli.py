@@ -175,6 +175,9 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
                                     "write --max_steps=VALUE for a value starting with '--')"),
     "at-without-file": (["rl", "@", "--dry-run"], "error: '@' must be followed by a config file, got '--dry-run'"),
     "at-at-end": (["sft", "@"], "error: '@' must be followed by a config file"),
+    "no-spec": (["rl", "--dry-run"], "error: no spec given: asyncrl rl @ SPEC.toml [--key value ...] (-h for help)"),
+    "seed-out-of-range": (["sft", "@", SFT_TOML, "--seed", "-1", "--dry-run"],
+                          "error: seed: Input should be greater than or equal to 0, got -1"),
     "empty-key-part": (["rl", "@", RL_TOML, "--trainer..lr", "1"],
                        "error: --trainer..lr: expected a dotted key such as --trainer.optim.lr"),
     # config files

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.packing import completion_length, pack
+from worker.packing import completion_length, pack, pack_shared_prompt
 
 
 def test_c11_completion_length_counts_sampled_tokens_not_the_span():
@@ -53,3 +53,34 @@ def test_pack_keeps_every_index_once_and_respects_capacity(case):
     # fitted into the earlier one
     half_or_less = [b for b in bins if 2 * sum(lengths[i] for i in b) <= seq_len]
     assert len(half_or_less) <= 1
+
+
+# ----------------------------------------------------------------------------- shared-prompt packing
+
+
+def test_pack_shared_prompt_by_hand():
+    # group 0: prompt 4, completions 3, 2, 5 -> one chunk 4+5+3+2 = 14 <= 16; group 1: prompt 6, completions 4, 4 -> 14
+    lengths = [7, 6, 9, 10, 10]
+    bins = pack_shared_prompt(lengths, [4, 4, 4, 6, 6], [0, 0, 0, 1, 1], seq_len=16)
+    assert bins == [[2, 0, 1], [3, 4]]
+    # seq_len 12: group 0 splits into chunks [2 (9), 0 (+3) = 12] and [1 (6)]; group 1 into [3 (10)] and [4 (10)]
+    assert pack_shared_prompt(lengths, [4, 4, 4, 6, 6], [0, 0, 0, 1, 1], seq_len=12) == [[2, 0], [3], [4], [1]]
+
+
+def test_pack_shared_prompt_rejects_what_pack_rejects():
+    with pytest.raises(ValueError, match="seq_len"):
+        pack_shared_prompt([20], [4], [0], seq_len=16)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 30)), min_size=1, max_size=40), st.integers(1, 12))
+def test_pack_shared_prompt_keeps_every_index_once_and_fits(samples, prompt):
+    groups = [g for g, _ in samples]
+    prefix = [prompt + g for g in groups]  # one prompt length per group
+    lengths = [p + c for p, c in zip(prefix, (c for _, c in samples), strict=True)]
+    seq_len = max(lengths) + 5
+    bins = pack_shared_prompt(lengths, prefix, groups, seq_len)
+    assert sorted(i for b in bins for i in b) == list(range(len(samples)))
+    for b in bins:  # the row cost: a sample following one of its group adds only its completion
+        cost = sum(lengths[i] if k == 0 or groups[b[k - 1]] != groups[i] else lengths[i] - prefix[i]
+                   for k, i in enumerate(b))
+        assert cost <= seq_len

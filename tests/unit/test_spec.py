@@ -235,6 +235,8 @@ def test_other_field_errors_name_the_field() -> None:
     msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "ipo", "epsilon": -1}}})
     assert msg == "trainer.loss.epsilon: Input should be greater than 0, got -1"
     assert _error("rl", {**MODEL, "max_steps": -1}) == "max_steps: Input should be greater than or equal to 1, got -1"
+    assert _error("sft", {**MODEL, "seed": 2**32}) == "seed: Input should be less than 4294967296, got 4294967296"
+    assert _error("rl", {**MODEL, "seed": -1}) == "seed: Input should be greater than or equal to 0, got -1"
     assert _error("sft", {**MODEL, "data": {"batch_size": "abc"}}) == (
         "data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'abc'")
     assert _error("rl", {**MODEL, "orchestrator": "x"}) == (
@@ -251,7 +253,7 @@ _names = st.text(alphabet="abcXYZ019-_.", min_size=1, max_size=12).filter(lambda
 _text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=16)
 _pos = st.floats(min_value=1e-6, max_value=1e3, allow_nan=False, allow_infinity=False)
 _unit = st.floats(min_value=0.0, max_value=0.999, allow_nan=False)
-_i64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+_seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
 _losses = st.one_of(
     st.builds(DppoKlLoss, mask_low=_pos, mask_high=_pos, kl_tau=_unit,
@@ -275,7 +277,7 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
     return RLSpec.model_validate({
         "name": draw(_names),
         "output_dir": draw(_text),
-        "seed": draw(_i64),
+        "seed": draw(_seeds),
         "max_steps": draw(st.integers(1, 10**6)),
         "model": {"name": draw(_text), "dtype": draw(st.sampled_from(["float32", "bfloat16"]))},
         "env": {"id": draw(_text), "args": draw(_env_args)},

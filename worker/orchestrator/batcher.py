@@ -62,7 +62,7 @@ def build_batch(
     samples: list[TrainSample] = []
     stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
     dropped_stale = dropped_zero = missing = all_missing_groups = truncated = 0
-    for group in groups:
+    for group_index, group in enumerate(groups):
         lags = [(step - 1) - r.policy_span[0] for r in group]
         lengths = [completion_length([1] * len(r.completion_ids)) for r in group]
         result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
@@ -95,6 +95,8 @@ def build_batch(
                     advantage=r.advantage,
                     temperature=r.temperature,
                     policy_span=list(r.policy_span),
+                    group=group_index,
+                    prefix_len=len(r.prompt_ids),
                 )
             )
     rewards, lags = stats["rewards"], stats["lags"]

@@ -39,7 +39,7 @@ from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import data_order
 from worker.orchestrator.eval import evaluate, prompt_ids
-from worker.packing import pack
+from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl
 from worker.spec import RLSpec
 
@@ -161,8 +161,13 @@ class Orchestrator:
     # ------------------------------------------------------------------ batches
 
     def write_step(self, step: int, samples: list[TrainSample]) -> None:
-        seq_len = self.spec.orchestrator.seq_len
-        bins = pack([len(s["input_ids"]) for s in samples], seq_len)
+        orch = self.spec.orchestrator
+        lengths = [len(s["input_ids"]) for s in samples]
+        if orch.share_prompt:
+            groups = [s.get("group", -1 - i) for i, s in enumerate(samples)]  # no group: a group of its own
+            bins = pack_shared_prompt(lengths, [s.get("prefix_len", 0) for s in samples], groups, orch.seq_len)
+        else:
+            bins = pack(lengths, orch.seq_len)
         write_batch(
             self.run.batch(step),
             {

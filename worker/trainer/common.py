@@ -26,18 +26,19 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PackedTensors:
     input_ids: torch.Tensor  # [1, T] long
-    position_ids: torch.Tensor  # [1, T] long, restarting at 0 for every sample
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, causal within a sample, False across samples
+    position_ids: torch.Tensor  # [1, T] long, each sample's own positions (a shared-prompt follower starts at its prompt length)
+    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True = may attend
     loss_mask: torch.Tensor  # [T] bool
     sampling_logprobs: torch.Tensor  # [T] float
-    spans: list[tuple[int, int]]  # (start, length) of each sample
+    spans: list[tuple[int, int]]  # (start, length) of each sample's own tokens in the row
+    rows: list[torch.Tensor]  # per sample, [L-1] long: the row whose logits predict the sample's tokens 1..L-1
 
 
 def packed_attention_mask(lengths: list[int]) -> torch.Tensor:
     """Block-diagonal causal mask ``[1, 1, T, T]`` (True = may attend) for samples packed in one row.
 
     With SDPA this keeps attention inside each sample, so a packed row gives the same logits as the
-    samples run one by one (checked in ``tests/unit/test_trainer.py``).
+    samples run one by one (checked in ``tests/unit/test_trainer_common.py``).
     """
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [T]
     total = int(seg.numel())
@@ -45,20 +46,71 @@ def packed_attention_mask(lengths: list[int]) -> torch.Tensor:
     return (causal & (seg[:, None] == seg[None, :]))[None, None]
 
 
+def _shares_prompt(leader: dict[str, Any] | None, sample: dict[str, Any]) -> bool:
+    """Whether ``sample`` can reuse ``leader``'s prompt tokens: same group, same prompt, a non-empty rest."""
+    p = sample.get("prefix_len", 0)
+    return (
+        leader is not None
+        and 0 < p < len(sample["input_ids"])
+        and sample.get("group") is not None
+        and sample.get("group") == leader.get("group")
+        and leader.get("prefix_len") == p
+        and leader["input_ids"][:p] == sample["input_ids"][:p]
+    )
+
+
 def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
-    """Concatenate samples (``TrainSample`` dicts, or any with ``input_ids``/``loss_mask``) into one row."""
-    lengths = [len(s["input_ids"]) for s in samples]
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.long)
-    mask = torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.bool)
-    lps = [lp for s in samples for lp in s.get("sampling_logprobs", [0.0] * len(s["input_ids"]))]
+    """Lay samples (``TrainSample`` dicts, or any with ``input_ids``/``loss_mask``) out in one row.
+
+    A sample is laid out in full, except one that follows a sample of its group with the same
+    ``prefix_len`` prompt (``worker.packing.pack_shared_prompt`` puts them next to each other): it
+    contributes only its tokens after the prompt, which attend to the first sample's prompt tokens
+    and causally to themselves, at their own positions. The logits of every sample are then those of
+    the sample run alone (``tests/unit/test_trainer_common.py``); ``rows[i]`` says where they are.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    seg: list[int] = []  # sample index owning each row token
+    lead: list[int] = []  # sample index whose prompt each row token may see
+    shared: list[bool] = []  # row token is a prompt token other samples may see
+    lmask: list[bool] = []
+    lps: list[float] = []
+    spans: list[tuple[int, int]] = []
+    rows: list[torch.Tensor] = []
+    leader: dict[str, Any] | None = None
+    leader_k = leader_start = 0
+    for k, s in enumerate(samples):
+        n, start = len(s["input_ids"]), len(ids)
+        sample_lps = s.get("sampling_logprobs") or [0.0] * n
+        if _shares_prompt(leader, s):
+            p, owner = s["prefix_len"], leader_k
+            # tokens 1..p are predicted by the leader's prompt rows, tokens p+1..n-1 by this sample's own rows
+            rows.append(torch.cat([torch.arange(leader_start, leader_start + p), torch.arange(start, start + n - p - 1)]))
+        else:
+            leader, leader_k, leader_start = s, k, start
+            p, owner = 0, k
+            rows.append(torch.arange(start, start + n - 1))
+        own_prefix = s.get("prefix_len", 0) if owner == k else 0
+        for j in range(p, n):
+            ids.append(s["input_ids"][j])
+            pos.append(j)
+            seg.append(k)
+            lead.append(owner)
+            shared.append(j < own_prefix)
+            lmask.append(bool(s["loss_mask"][j]))
+            lps.append(sample_lps[j])
+        spans.append((start, n - p))
+    seg_t, lead_t, shared_t = torch.tensor(seg), torch.tensor(lead), torch.tensor(shared, dtype=torch.bool)
+    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril_()
+    visible = (seg_t[:, None] == seg_t[None, :]) | ((lead_t[:, None] == seg_t[None, :]) & shared_t[None, :])
     return PackedTensors(
-        input_ids=ids[None],
-        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
-        attention_mask=packed_attention_mask(lengths),
-        loss_mask=mask,
+        input_ids=torch.tensor(ids, dtype=torch.long)[None],
+        position_ids=torch.tensor(pos, dtype=torch.long)[None],
+        attention_mask=(causal & visible)[None, None],
+        loss_mask=torch.tensor(lmask, dtype=torch.bool),
         sampling_logprobs=torch.tensor(lps, dtype=torch.float32),
-        spans=list(zip(starts, lengths, strict=True)),
+        spans=spans,
+        rows=rows,
     )
 
 

@@ -63,7 +63,8 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
     (NaN when the step has none).
 
     Returns:
-        Sums of per-token metrics divided by the loss-token count, plus ``entropy``.
+        Sums of per-token metrics divided by the loss-token count, plus ``entropy``, and
+        ``trained_tokens``: the tokens of the packed rows (a shared prompt counted once).
     """
     loss_cfg = spec.trainer.loss
     params = loss_cfg.model_dump(exclude={"type"})
@@ -71,6 +72,7 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
     sums: dict[str, float] = defaultdict(float)
     on_policy_kl, on_policy_tokens = 0.0, 0.0
     autocast = spec.model.dtype == "bfloat16"
+    trained_tokens = 0
     for samples in batch["micro_batches"]:
         t = micro_batch_tensors(samples)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -80,17 +82,21 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
                 .float()
             )  # [T, vocab]
         total = logits.new_zeros(())
-        for (start, length), sample in zip(t.spans, samples, strict=True):
-            # position p predicts token p + 1 of the same sample
-            sample_logits = logits[start : start + length - 1] / sample["temperature"]  # [L-1, vocab]
-            targets = t.input_ids[0, start + 1 : start + length]  # [L-1]
-            mask = t.loss_mask[start + 1 : start + length]  # [L-1]
-            trainer_lp = selective_log_softmax(sample_logits, targets)  # [L-1]
+        trained_tokens += int(t.input_ids.shape[1])
+        for rows, sample in zip(t.rows, samples, strict=True):
+            # tokens first..L-1 of the sample: from its first loss token on (the prompt has no loss)
+            first = next((j for j, m in enumerate(sample["loss_mask"]) if m and j > 0), None)
+            if first is None:
+                continue
+            sample_logits = logits[rows[first - 1 :]] / sample["temperature"]  # [L-first, vocab]
+            targets = torch.tensor(sample["input_ids"][first:])  # [L-first]
+            mask = torch.tensor(sample["loss_mask"][first:], dtype=torch.bool)  # [L-first]
+            trainer_lp = selective_log_softmax(sample_logits, targets)  # [L-first]
             out = compute_sample_loss(
                 loss_cfg.type,
                 LossInputs(
                     trainer_logprobs=trainer_lp,
-                    sampling_logprobs=t.sampling_logprobs[start + 1 : start + length],
+                    sampling_logprobs=torch.tensor(sample["sampling_logprobs"][first:], dtype=torch.float32),
                     advantages=torch.full_like(trainer_lp, sample["advantage"]),
                     loss_mask=mask,
                 ),
@@ -109,6 +115,7 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
     metrics = {name: value / n_tokens for name, value in sums.items() if name != "loss_tokens"}
     metrics["masked_fraction"] = metrics.pop("masked", 0.0)
     metrics["mismatch_kl_on_policy"] = on_policy_kl / on_policy_tokens if on_policy_tokens else float("nan")
+    metrics["trained_tokens"] = trained_tokens
     return metrics
 
 
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         compute_s = time.perf_counter() - t0
         publish_weights(model, run, step, keep_versions=spec.orchestrator.max_async_level + 3)
         step_s = time.perf_counter() - t0
-        n_tok = sum(len(s["input_ids"]) for mb in batch["micro_batches"] for s in mb)
+        n_tok = metrics.pop("trained_tokens", 0)  # tokens in the packed rows (a shared prompt counts once)
         run.log_metrics(
             "trainer",
             step,
