@@ -161,17 +161,37 @@ def sft_model(steps: int = 60, *, threads: int = 1) -> Path:
     return Path(result["final"])
 
 
+BENCH_TEMPERATURE = 1.0
+"""Every benchmark samples at T = 1 (rl.toml's run uses 1.5 for its learning curve; the comparisons must not)."""
+
+
 def rl_spec(model: Path, name: str, overrides: list[tuple[str, str]]):  # -> RLSpec
-    """``configs/reverse_text/rl.toml`` with the model, an output dir under ``results/tmp`` and overrides."""
+    """``configs/reverse_text/rl.toml`` with the model, an output dir under ``results/tmp``, sampling and eval at
+    ``BENCH_TEMPERATURE``, then ``overrides``."""
     from worker.spec import load_spec_data, validate_spec
 
     return validate_spec(
         "rl",
         load_spec_data(
             [CONFIGS / "rl.toml"],
-            [("model.name", str(model)), ("output_dir", str(TMP / "runs")), ("name", name), *overrides],
+            [
+                ("model.name", str(model)),
+                ("output_dir", str(TMP / "runs")),
+                ("name", name),
+                ("orchestrator.temperature", str(BENCH_TEMPERATURE)),
+                ("orchestrator.eval.temperature", str(BENCH_TEMPERATURE)),
+                *overrides,
+            ],
         ),
     )
+
+
+def bench_env(model: Path, split: str = "train"):  # -> worker.envs.Environment
+    """The environment of rl.toml with its args (no system message): the prompts every benchmark uses."""
+    from worker.envs import load_environment
+
+    rl = rl_spec(model, "bench-env", [])
+    return load_environment(rl.env.id, split=split, seed=0, **rl.env.args)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ async def _alone_round(url: str, prompts: list[list[int]], n: int, max_tokens: i
     async with InferenceClient(url, read_timeout_s=600) as client:
         t0 = time.perf_counter()
         groups = await asyncio.gather(
-            *(client.generate(p, n=n, max_tokens=max_tokens, temperature=1.0) for p in prompts)
+            *(client.generate(p, n=n, max_tokens=max_tokens, temperature=C.BENCH_TEMPERATURE) for p in prompts)
         )
         dt = time.perf_counter() - t0
     return sum(len(c.token_ids) for g in groups for c in g), dt
@@ -49,12 +49,11 @@ async def _alone_round(url: str, prompts: list[list[int]], n: int, max_tokens: i
 def measure_alone(
     url: str, model: Path, *, rounds: int, offset: int, prompts: int = 8, n: int = 8, max_tokens: int = 48
 ) -> dict:
-    from worker.envs import load_environment
     from worker.models import load_tokenizer
     from worker.orchestrator.eval import prompt_ids
 
     tok = load_tokenizer(model)
-    env = load_environment("reverse_text", split="train", seed=0)
+    env = C.bench_env(model)  # the RL run's prompts
     per_round = []
     for r in range(rounds + 1):  # round 0 is warm-up
         base = offset + r * prompts
@@ -157,7 +156,7 @@ def main() -> int:
             "prompts": 8,
             "n": 8,
             "max_tokens": 48,
-            "temperature": 1.0,
+            "temperature": C.BENCH_TEMPERATURE,
             "rounds": rounds,
             "rl_steps": rl_steps,
             "warmup_steps": warmup,

@@ -33,12 +33,11 @@ import _common as C  # noqa: E402
 
 
 def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group: int = 8) -> dict:
-    from worker.envs import load_environment
     from worker.orchestrator.eval import prompt_ids
     from worker.packing import pack
 
     rng = random.Random(seed)
-    env = load_environment("reverse_text", split="train", seed=0)
+    env = C.bench_env(C.TMP / "tiny-init")  # rl.toml's prompts (the model path is not read)
     vocab = len(tokenizer)
     samples = []
     for i in range(prompts):

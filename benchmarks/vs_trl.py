@@ -39,7 +39,7 @@ import _common as C  # noqa: E402
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 48, 1e-4
 
 
-def run_asyncrl(model: Path, warmup: int, steps: int) -> dict:
+def run_asyncrl(model: Path, warmup: int, steps: int, trainer_threads: int) -> dict:
     from worker.launchers.local import launch_rl
 
     spec = C.rl_spec(
@@ -54,6 +54,7 @@ def run_asyncrl(model: Path, warmup: int, steps: int) -> dict:
             ("orchestrator.group_size", str(GROUP)),
             ("orchestrator.max_tokens", str(MAX_TOKENS)),
             ("trainer.optim.lr", str(LR)),
+            ("trainer.threads", str(trainer_threads)),
         ],
     )
     t0 = time.time()
@@ -100,13 +101,13 @@ def run_trl(model: Path, warmup: int, steps: int, threads: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from worker.envs import load_environment, parse_answer
+    from worker.envs import parse_answer
     from worker.envs.reverse_text import ANSWER_TAG, lcs_ratio
     from worker.models import load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    env = load_environment("reverse_text", split="train", seed=0)
+    env = C.bench_env(model)  # the asyncrl run's prompts
     n_prompts = PROMPTS * (warmup + steps)
     data = Dataset.from_list(
         [{"prompt": env.prompt_messages(t), "answer": t.data.answer} for t in (env.task(i) for i in range(n_prompts))]
@@ -153,7 +154,7 @@ def run_trl(model: Path, warmup: int, steps: int, threads: int) -> dict:
         weight_decay=0.0,
         max_grad_norm=1.0,
         beta=0.0,
-        temperature=1.0,
+        temperature=C.BENCH_TEMPERATURE,
         top_k=0,
         top_p=1.0,
         use_vllm=False,
@@ -207,6 +208,9 @@ def main() -> int:
     ap.add_argument(
         "--trl-threads", default="2,1", help="torch threads of the TRL process: one run per value (default 2,1)"
     )
+    ap.add_argument(
+        "--trainer-threads", type=int, default=1, help="torch threads of the asyncrl trainer process (default 1)"
+    )
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--only", choices=["asyncrl", "trl"], default=None, help="run one side only")
     args = ap.parse_args()
@@ -218,7 +222,7 @@ def main() -> int:
     model = C.sft_model(args.sft_steps)
     res: dict = {}
     if args.only != "trl":
-        res["asyncrl"] = run_asyncrl(model, warmup, steps)
+        res["asyncrl"] = run_asyncrl(model, warmup, steps, args.trainer_threads)
         C.say(f"[bench] asyncrl: {res['asyncrl']['samples_per_s']:.1f} samples/s")
     if args.only != "asyncrl":
         res["trl_by_threads"] = {}
