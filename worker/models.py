@@ -211,14 +211,21 @@ def check_model(name_or_path: str | Path) -> PreTrainedTokenizerBase:
             raise FileNotFoundError(f"{path}: no model weights (expected one of {', '.join(WEIGHT_FILES)})")
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise FileNotFoundError(f"{path}: no tokenizer files (expected {' or '.join(TOKENIZER_FILES)})")
+    import logging
+
     from transformers import AutoConfig  # after the file checks: a wrong path fails without the import
 
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # a hub name without network: the error below says it in one line
     try:
         AutoConfig.from_pretrained(src)
     except OSError as e:
         raise FileNotFoundError(f"{src}: cannot load model config ({_first_line(e)})") from e
     except ValueError as e:
         raise ValueError(f"{src}: cannot load model config ({_first_line(e)})") from e
+    finally:
+        hub_log.setLevel(level)
     return load_tokenizer(src)
 
 
