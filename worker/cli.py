@@ -225,13 +225,15 @@ def _demo_command(argv: list[str]) -> int:
     except DemoError as err:
         print(f"error: {err}", file=sys.stderr)  # noqa: T201
         return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (the run, server and worker were stopped)", file=sys.stderr)  # noqa: T201
+        return 130
     print(json.dumps(summary, indent=2))  # noqa: T201
     return 0
 
 
 def _config_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl config",
-                                description="Live config of a running run (keys: worker/live_config.py).")
+    p = ArgParser(prog="asyncrl config", description="Live config of a running run (keys: worker/live_config.py).")
     sub = p.add_subparsers(dest="action", required=True)
     set_ = sub.add_parser("set", help="append a config revision to RUN_DIR/live_config.jsonl (local runs)")
     set_.add_argument("run_dir", type=Path)

@@ -19,10 +19,13 @@ CHUNK = 5000
 
 def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> int:
     """Insert points, skipping keys already stored (``ON CONFLICT DO NOTHING``); returns rows inserted."""
-    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    postgres = session.get_bind().dialect.name == "postgresql"
+    insert = pg_insert if postgres else sqlite_insert
     inserted = 0
     for i in range(0, len(points), CHUNK):
-        rows = [{"run_id": run_id, "source": p.source, "step": p.step, "name": p.name, "value": p.value,
+        # SQLite turns NaN into NULL (refused: NOT NULL); inf also reads back as null, so store NaN as inf there
+        rows = [{"run_id": run_id, "source": p.source, "step": p.step, "name": p.name,
+                 "value": p.value if postgres or not math.isnan(p.value) else math.inf,
                  "time": p.time} for p in points[i:i + CHUNK]]
         stmt = (insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
                 .returning(Metric.__table__.c.step))  # type: ignore[attr-defined]

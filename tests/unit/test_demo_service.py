@@ -39,6 +39,13 @@ def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys
         assert resp.status_code == 201, resp.text
         run = follow_run(client, resp.json()["id"], max_steps=2, poll_s=0.2, local_supervisor=True)
         pids = service.pids
+        # SQLite stores no NaN; a NaN point (mismatch_kl_on_policy off-policy) must still be accepted and read back
+        body = ('{"points": [{"source": "trainer", "step": 1, "name": "kl", "value": NaN, "time": 1.0},'
+                ' {"source": "trainer", "step": 2, "name": "kl", "value": 0.5, "time": 2.0}]}')
+        resp = client.post(f"/api/runs/{run['id']}/metrics", content=body, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 200 and resp.json() == {"received": 2, "inserted": 2}, resp.text
+        kl = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "kl"}).json()["series"]
+        assert [(s["step"], s["value"]) for s in kl] == [([1, 2], [None, 0.5])]
     assert run["status"] == "failed" and run["status"] in TERMINAL
     assert run["status_reason"].startswith(f"preflight: model.name: {BAD_MODEL}")
     assert run["run_dir"].startswith(str(tmp_path / "home" / "outputs" / "runs"))
