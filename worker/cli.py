@@ -205,8 +205,8 @@ def _model_command(argv: list[str]) -> int:
 
 
 def _demo_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl demo", description="tiny model -> SFT warm-up -> RL on reverse-text; "
-                                "RL runs through the service (server + worker started here, embedded mode)")
+    p = ArgParser(prog="asyncrl demo", description="tiny model -> SFT warm-up -> RL on reverse-text; "
+                  "RL runs through the service (server + worker started here, embedded mode)")
     p.add_argument("--local", action="store_true", help="run the RL processes here, without the service")
     p.add_argument("--summary", type=Path, default=Path("outputs/demo/summary.json"))
     p.add_argument("--output-dir", help="where model, SFT, service state and run go (default: the summary's folder)")
