@@ -73,3 +73,17 @@ def test_server_and_worker_die_with_the_demo_on_ctrl_c(tmp_path: Path) -> None:
         assert not any(alive(pid) for pid in pids.values()), pids
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rl-steps", "0"], "error: --rl-steps: expected an integer >= 1, got 0"),
+    (["--sft-steps", "-3", "--local"], "error: --sft-steps: expected an integer >= 1, got -3"),
+    (["--bogus"], "error: asyncrl demo: unrecognized arguments: --bogus"),
+])
+def test_demo_refuses_bad_arguments_before_doing_anything(argv: list[str], message: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    assert main(["demo", "--summary", str(tmp_path / "s.json"), *argv]) == 2
+    assert capsys.readouterr().err.strip() == message
+    assert not any(tmp_path.iterdir())
