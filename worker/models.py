@@ -197,8 +197,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def check_model(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """The cheap checks every command runs before starting work on a model; returns its tokenizer.
 
-    A local directory must hold ``config.json`` that parses, weights (one of ``WEIGHT_FILES``), tokenizer
-    files and a tokenizer with a chat template. Weights are not loaded (seconds for large models).
+    A local directory must hold ``config.json`` that parses, weights (one of ``WEIGHT_FILES``; the headers of
+    ``*.safetensors`` files are read, which finds truncated files), tokenizer files and a tokenizer with a chat
+    template. The weights themselves are not loaded (seconds for large models).
 
     Raises:
         FileNotFoundError: local path missing, no weights or tokenizer files, or a hub name that cannot load.
@@ -211,6 +212,14 @@ def check_model(name_or_path: str | Path) -> PreTrainedTokenizerBase:
             raise FileNotFoundError(f"{path}: no model weights (expected one of {', '.join(WEIGHT_FILES)})")
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise FileNotFoundError(f"{path}: no tokenizer files (expected {' or '.join(TOKENIZER_FILES)})")
+        from safetensors import SafetensorError, safe_open
+
+        for weights in sorted(path.glob("*.safetensors")):
+            try:
+                with safe_open(str(weights), framework="pt") as f:  # the header only, no tensor data
+                    f.keys()
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{path}: weights file {weights.name} does not load ({_first_line(e)})") from e
     import logging
 
     from transformers import AutoConfig  # after the file checks: a wrong path fails without the import
@@ -239,7 +248,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", *
 
     Raises:
         FileNotFoundError: local path missing, or the name cannot be resolved (no hub access here).
-        ValueError: the path exists but is not a model directory.
+        ValueError: the path exists but is not a model directory, or its weights do not load.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -247,10 +256,14 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", *
     src = check_model_source(name_or_path)
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
+    from safetensors import SafetensorError
+
     try:
         return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kwargs)
     except OSError as e:
-        raise FileNotFoundError(f"{src}: cannot load model ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+        raise FileNotFoundError(f"{src}: cannot load model ({_first_line(e)})") from e
+    except (SafetensorError, ValueError, RuntimeError) as e:  # truncated weights, shapes that do not match
+        raise ValueError(f"{src}: cannot load model ({_first_line(e)})") from e
 
 
 def load_tokenizer(name_or_path: str | Path, **kwargs: Any) -> PreTrainedTokenizerBase:

@@ -123,12 +123,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def broken_models(model_dir: Path) -> dict[str, Path]:
-    """Copies of the tiny model with one part missing: no chat template, no weights."""
+    """Copies of the tiny model with one part missing: no chat template, no weights, weights cut short."""
     out = {}
     for name, missing in (("nochat", "chat_template.jinja"), ("noweights", "model.safetensors")):
         out[name] = model_dir.parent / name
         shutil.copytree(model_dir, out[name])
         (out[name] / missing).unlink()
+    out["truncated"] = model_dir.parent / "truncated"
+    shutil.copytree(model_dir, out["truncated"])
+    weights = (model_dir / "model.safetensors").read_bytes()
+    (out["truncated"] / "model.safetensors").write_bytes(weights[:1000])
     return out
 
 
@@ -236,6 +240,15 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
     "sft-no-weights": (["sft", "@", SFT_TOML, "--model.name", "{noweights}", "--output_dir", "{out}", *SMALL_SFT],
                        "error: model.name: {noweights}: no model weights (expected one of model.safetensors, "
                        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)"),
+    "rl-dry-run-truncated-weights": (["rl", "@", RL_TOML, "--model.name", "{truncated}", "--output_dir", "{out}",
+                                      "--dry-run"], "re:error: model\\.name: {truncated}: weights file model\\.safetensors "
+                                     "does not load \\(SafetensorError: .*\\)"),
+    "sft-truncated-weights": (["sft", "@", SFT_TOML, "--model.name", "{truncated}", "--output_dir", "{out}", *SMALL_SFT],
+                              "re:error: model\\.name: {truncated}: weights file model\\.safetensors does not load "
+                              "\\(SafetensorError: .*\\)"),
+    "eval-truncated-weights": (["eval", "--model", "{truncated}"],
+                               "re:error: --model: {truncated}: weights file model\\.safetensors does not load "
+                               "\\(SafetensorError: .*\\)"),
     # environment and lengths
     "rl-dry-run-env-does-not-import": (["rl", "@", RL_TOML, "--model.name", "{model}", "--env.id", "nope.module:make",
                                         "--output_dir", "{out}", "--dry-run"], "re:error: env: .*'nope\\.module:make'.*"),

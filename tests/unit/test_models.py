@@ -221,3 +221,11 @@ def test_check_model_names_what_is_missing(model_dir: Path, tmp_path: Path) -> N
         check_model(bad_tok)
     with pytest.raises(FileNotFoundError, match="model path does not exist"):
         check_model(tmp_path / "nope")
+    truncated = _broken_copy(model_dir, tmp_path, "truncated", [])
+    weights = (model_dir / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(ValueError, match=f"^{truncated}: weights file model.safetensors does not load \\("
+                                         "SafetensorError: .*file not fully covered"):
+        check_model(truncated)
+    with pytest.raises(ValueError, match=f"^{truncated}: cannot load model \\("):
+        load_model(truncated)
