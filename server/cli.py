@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from worker.cli import ArgParser  # argparse errors: one 'error:' line, exit 2
 from worker.spec import SpecError
 
 
@@ -34,7 +35,7 @@ def migrate() -> None:
 
 
 def server_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl server", description="run the API server (uvicorn)")
+    p = ArgParser(prog="asyncrl server", description="run the API server (uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--no-migrate", action="store_true", help="skip 'alembic upgrade head' at start")
@@ -48,7 +49,7 @@ def server_command(argv: list[str]) -> int:
 
 
 def worker_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl worker", description="run a Celery worker that launches runs")
+    p = ArgParser(prog="asyncrl worker", description="run a Celery worker that launches runs")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--loglevel", default="INFO")
     p.add_argument("--no-beat", action="store_true",
@@ -64,7 +65,7 @@ def worker_command(argv: list[str]) -> int:
 
 
 def token_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl token", description="create or revoke API tokens")
+    p = ArgParser(prog="asyncrl token", description="create or revoke API tokens")
     sub = p.add_subparsers(dest="action", required=True)
     for action in ("create", "revoke"):
         sub.add_parser(action).add_argument("--name", required=True)
@@ -124,10 +125,12 @@ def _api_args(p: argparse.ArgumentParser) -> None:
 
 
 def submit_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl submit", description="submit a run spec to the server")
+    p = ArgParser(prog="asyncrl submit", description="submit a run spec to the server")
     p.add_argument("spec", type=Path, help=".toml or .json run spec")
     _api_args(p)
     args = p.parse_args(argv)
+    if args.spec.is_dir():
+        raise SpecError(f"config file {args.spec} is a directory; expected a .toml or .json run spec")
     if not args.spec.is_file():
         raise SpecError(f"config file not found: {args.spec}")
     with _client(args.url, args.token) as client:
@@ -154,7 +157,7 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 
 
 def runs_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl runs", description="list, show, stop, resume, fork runs; read logs")
+    p = ArgParser(prog="asyncrl runs", description="list, show, stop, resume, fork runs; read logs")
     sub = p.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("ls")
     ls.add_argument("--status")

@@ -30,7 +30,7 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    name: str
+    name: str = Field(min_length=1)
     """HF model id or local path (a directory written by ``save_pretrained``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights and compute dtype of the trainer and of vLLM."""

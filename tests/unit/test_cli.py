@@ -278,6 +278,13 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
     "model-init-bad-size": (["model", "init", "--out", "{tmp}/m", "--size", "huge"],
                             "error: asyncrl model init: argument --size: invalid choice: 'huge' (choose from 'tiny', 'small')"),
     "model-no-action": (["model"], "error: asyncrl model: the following arguments are required: action"),
+    # control-plane commands (server/cli.py): argument errors before any connection
+    "submit-directory": (["submit", "{tmp}/folder"],
+                         "error: config file {tmp}/folder is a directory; expected a .toml or .json run spec"),
+    "submit-missing": (["submit", "{tmp}/nope.toml"], "error: config file not found: {tmp}/nope.toml"),
+    "runs-show-not-an-id": (["runs", "show", "abc"], "error: asyncrl runs show: argument id: invalid int value: 'abc'"),
+    "token-create-no-name": (["token", "create"],
+                             "error: asyncrl token create: the following arguments are required: --name"),
     # asyncrl eval
     "eval-no-source": (["eval"], "error: asyncrl eval: one of the arguments --model --url is required"),
     "eval-not-an-int": (["eval", "--model", "{model}", "--num-examples", "many"],

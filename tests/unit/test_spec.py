@@ -234,6 +234,7 @@ def test_other_field_errors_name_the_field() -> None:
         "trainer.optim.betas: expected two values in [0, 1), got [0.9, 1.0]")
     msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "ipo", "epsilon": -1}}})
     assert msg == "trainer.loss.epsilon: Input should be greater than 0, got -1"
+    assert _error("rl", {"model": {"name": ""}}) == "model.name: String should have at least 1 character, got ''"
     assert _error("rl", {**MODEL, "max_steps": -1}) == "max_steps: Input should be greater than or equal to 1, got -1"
     assert _error("sft", {**MODEL, "seed": 2**32}) == "seed: Input should be less than 4294967296, got 4294967296"
     assert _error("rl", {**MODEL, "seed": -1}) == "seed: Input should be greater than or equal to 0, got -1"
@@ -279,7 +280,7 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
         "output_dir": draw(_text),
         "seed": draw(_seeds),
         "max_steps": draw(st.integers(1, 10**6)),
-        "model": {"name": draw(_text), "dtype": draw(st.sampled_from(["float32", "bfloat16"]))},
+        "model": {"name": draw(_text.filter(bool)), "dtype": draw(st.sampled_from(["float32", "bfloat16"]))},
         "env": {"id": draw(_text), "args": draw(_env_args)},
         "inference": {
             "url": draw(st.none() | st.just("http://127.0.0.1:8000")),
