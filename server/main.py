@@ -2,7 +2,8 @@
 
 Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 400 unparsable body,
 401/403 token problems, 404 unknown run, 409 impossible state change, 413 body too large, 422 invalid
-field (spec errors name the dotted key).
+field (spec errors name the dotted key; a value the database cannot hold, e.g. an integer beyond its
+column, is 422 too).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import text
+from sqlalchemy.exc import DataError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.main import api_router
@@ -86,6 +88,12 @@ def create_app() -> FastAPI:
     @app.exception_handler(InvalidTransition)
     async def _conflict(_request: Request, err: InvalidTransition) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status_code=409)
+
+    @app.exception_handler(DataError)
+    async def _bad_value(_request: Request, err: DataError) -> JSONResponse:
+        # a client value the database cannot hold (e.g. an integer beyond its column): bad input, not a crash
+        first = str(getattr(err, "orig", err)).splitlines()[0]
+        return JSONResponse({"detail": f"a value is out of range for the database: {first}"}, status_code=422)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:

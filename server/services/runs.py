@@ -34,6 +34,8 @@ TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     S.failed: frozenset(),
     S.cancelled: frozenset(),
 }
+MAX_ID = 2**31 - 1
+"""Largest run id (a Postgres ``integer`` key)."""
 RESUMABLE = frozenset({S.failed, S.cancelled})
 """States that ``resume`` (and only it) moves back to ``queued``."""
 LOG_PROCESSES = ("trainer", "orchestrator", "inference", "supervisor")
@@ -78,8 +80,10 @@ def get(session: Session, run_id: int, *, lock: bool = False) -> Run:
     """The run, optionally locked (``SELECT … FOR UPDATE``) until the transaction ends.
 
     Raises:
-        RunNotFound: no run with this id.
+        RunNotFound: no run with this id (ids outside the 32-bit key range included).
     """
+    if not 1 <= run_id <= MAX_ID:
+        raise RunNotFound(f"run {run_id} not found")
     stmt = select(Run).where(Run.id == run_id)
     if lock:
         stmt = stmt.with_for_update()
