@@ -39,7 +39,7 @@ import _common as C  # noqa: E402
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 48, 1e-4
 
 
-def run_asyncrl(model: Path, warmup: int, steps: int, trainer_threads: int) -> dict:
+def run_asyncrl(model: Path, warmup: int, steps: int, trainer_threads: int, async_level: int) -> dict:
     from worker.launchers.local import launch_rl
 
     spec = C.rl_spec(
@@ -55,6 +55,7 @@ def run_asyncrl(model: Path, warmup: int, steps: int, trainer_threads: int) -> d
             ("orchestrator.max_tokens", str(MAX_TOKENS)),
             ("trainer.optim.lr", str(LR)),
             ("trainer.threads", str(trainer_threads)),
+            ("orchestrator.max_async_level", str(async_level)),
         ],
     )
     t0 = time.time()
@@ -80,6 +81,7 @@ def run_asyncrl(model: Path, warmup: int, steps: int, trainer_threads: int) -> d
         "completion_len_mean": sum(orch[s]["completion_len_mean"] for s in counted) / steps,
         "reward_mean": sum(orch[s]["reward_mean"] for s in counted) / steps,
         "process_threads": {"vllm_omp": 1, "trainer": spec.trainer.threads},
+        "max_async_level": spec.orchestrator.max_async_level,
         "total_wall_s_incl_boot_and_evals": round(total, 1),
         "summary": summary,
     }
@@ -211,6 +213,7 @@ def main() -> int:
     ap.add_argument(
         "--trainer-threads", type=int, default=1, help="torch threads of the asyncrl trainer process (default 1)"
     )
+    ap.add_argument("--async-level", type=int, default=1, help="asyncrl orchestrator.max_async_level (default 1)")
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--only", choices=["asyncrl", "trl"], default=None, help="run one side only")
     args = ap.parse_args()
@@ -222,7 +225,7 @@ def main() -> int:
     model = C.sft_model(args.sft_steps)
     res: dict = {}
     if args.only != "trl":
-        res["asyncrl"] = run_asyncrl(model, warmup, steps, args.trainer_threads)
+        res["asyncrl"] = run_asyncrl(model, warmup, steps, args.trainer_threads, args.async_level)
         C.say(f"[bench] asyncrl: {res['asyncrl']['samples_per_s']:.1f} samples/s")
     if args.only != "asyncrl":
         res["trl_by_threads"] = {}
