@@ -21,7 +21,8 @@ def _transport_options() -> dict[str, object]:
     if settings.embedded_broker:
         folder = settings.ASYNCRL_HOME / "broker"
         folder.mkdir(parents=True, exist_ok=True)
-        return {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+        # control_folder (exchange tables) defaults to ./control in the working directory: keep it in ASYNCRL_HOME too
+        return {"data_folder_in": str(folder), "data_folder_out": str(folder), "control_folder": str(folder / "control")}
     return {"visibility_timeout": settings.CELERY_VISIBILITY_TIMEOUT_S}
 
 
