@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 
 from sqlalchemy import text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 
@@ -14,23 +13,38 @@ from server.core.telemetry import POINTS_INSERTED, POINTS_RECEIVED
 from server.models import Metric, MetricPoint, MetricSeries
 
 CHUNK = 5000
-"""Rows per INSERT statement (6 parameters a row stays under Postgres' 65535-parameter limit)."""
+"""Rows per INSERT statement on SQLite."""
+
+_PG_INGEST = text("""
+INSERT INTO metrics (run_id, source, step, name, value, time)
+SELECT :run_id, * FROM unnest(CAST(:source AS text[]), CAST(:step AS bigint[]), CAST(:name AS text[]),
+                              CAST(:value AS float8[]), CAST(:time AS float8[]))
+ON CONFLICT (run_id, source, step, name) DO NOTHING
+""")
+"""Postgres: one statement with five array parameters for the whole batch (a multi-row VALUES with 6 parameters
+a row spent ~190 ms per 1000 points compiling and binding)."""
 
 
 def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> int:
     """Insert points, skipping keys already stored (``ON CONFLICT DO NOTHING``); returns rows inserted."""
     postgres = session.get_bind().dialect.name == "postgresql"
-    insert = pg_insert if postgres else sqlite_insert
-    inserted = 0
+    received, inserted = len(points), 0
+    if postgres and points:
+        columns = {"source": [p.source for p in points], "step": [p.step for p in points],
+                   "name": [p.name for p in points], "value": [p.value for p in points],
+                   "time": [p.time for p in points]}
+        inserted = session.execute(_PG_INGEST, {"run_id": run_id, **columns}).rowcount  # type: ignore[attr-defined]
+        points = []  # done; the loop below is SQLite's
     for i in range(0, len(points), CHUNK):
         # SQLite turns NaN into NULL (refused: NOT NULL); inf also reads back as null, so store NaN as inf there
         rows = [{"run_id": run_id, "source": p.source, "step": p.step, "name": p.name,
                  "value": p.value if postgres or not math.isnan(p.value) else math.inf,
                  "time": p.time} for p in points[i:i + CHUNK]]
-        stmt = (insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
+        stmt = (sqlite_insert(Metric).values(rows)
+                .on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
                 .returning(Metric.__table__.c.step))  # type: ignore[attr-defined]
         inserted += len(session.execute(stmt).all())
-    POINTS_RECEIVED.inc(len(points))
+    POINTS_RECEIVED.inc(received)
     POINTS_INSERTED.inc(inserted)
     return inserted
 

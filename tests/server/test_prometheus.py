@@ -35,7 +35,11 @@ def test_metrics_parse_and_count(client: Any, auth: dict[str, str], make_run: An
     assert client.get("/no/such/path").status_code == 404
     points = [{"source": "trainer", "step": s, "name": "loss", "value": 0.5, "time": 1.0} for s in range(10)]
     client.post(f"/api/runs/{run_id}/metrics", json={"points": points}, headers=auth)
-    client.post(f"/api/runs/{run_id}/metrics", json={"points": points[5:]}, headers=auth)  # a replay
+    replay = client.post(f"/api/runs/{run_id}/metrics", json={"points": points[5:] + points[9:]}, headers=auth)
+    assert replay.json() == {"received": 6, "inserted": 0}  # replayed keys, one twice in the batch
+    fresh = {"source": "trainer", "step": 99, "name": "loss", "value": 2.0, "time": 1.0}
+    twice = client.post(f"/api/runs/{run_id}/metrics", json={"points": [fresh, fresh]}, headers=auth)
+    assert twice.json() == {"received": 2, "inserted": 1}  # a new key twice in one batch is stored once
     client.post(f"/api/runs/{run_id}/stop", headers=auth)
     after = scrape(client)
 
@@ -47,8 +51,8 @@ def test_metrics_parse_and_count(client: Any, auth: dict[str, str], make_run: An
     assert delta("asyncrl_http_requests_total", method="GET", route="unmatched", status="404") == 1
     assert delta("asyncrl_http_requests_total", method="POST", route="/api/runs", status="201") == 1
     assert delta("asyncrl_http_request_duration_seconds_count", method="GET", route=route) == 4
-    assert delta("asyncrl_metric_points_received_total") == 15
-    assert delta("asyncrl_metric_points_inserted_total") == 10
+    assert delta("asyncrl_metric_points_received_total") == 18
+    assert delta("asyncrl_metric_points_inserted_total") == 11
     with Session(engine) as s:
         counts = dict(s.exec(select(Run.status, func.count()).group_by(Run.status)).all())
     for status in ("queued", "starting", "running", "paused", "completed", "failed", "cancelled"):

@@ -1,0 +1,220 @@
+"""Control-plane throughput: metric ingestion and downsampled series queries through the real server.
+
+1. Create a scratch database ``asyncrl_bench_<random>`` on the local Postgres (``ASYNCRL_BENCH_POSTGRES``,
+   default ``postgresql://postgres@127.0.0.1:5432``), ``alembic upgrade head``, a user token and two runs.
+2. Start ``asyncrl server --no-migrate`` (uvicorn, one process) on a free 127.0.0.1 port.
+3. **Ingestion**: ``B`` batches of 1000 points (10 metric names x 100 steps, new keys every batch) posted
+   one after the other with httpx, as a run's supervisor does, after 3 warm-up batches; then the same with
+   ``--concurrency`` clients at once (as several runs do). Points/s = points / wall seconds; p50/p99 of
+   the per-batch latency (client side, and the app's own time from the ``Server-Timing`` header).
+4. **Query**: one series of 100,000 points (a second run), then ``Q`` ``GET /api/runs/{id}/metrics?name=...
+   &max_points=1000`` after 2 warm-up queries: p50/p99 of the server time (``Server-Timing``) and of the
+   client time.
+5. Stop the server and drop the scratch database (all rows go with it), also on errors.
+
+Goals: ingestion >= 20,000 points/s, query <= 300 ms server time.
+Run: ``.venv/bin/python benchmarks/service_throughput.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+PG = os.environ.get("ASYNCRL_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
+NAMES = [f"bench/m{i}" for i in range(10)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0-100) of ``xs``."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+def server_ms(resp) -> float:  # noqa: ANN001 - httpx.Response
+    return float(resp.headers["server-timing"].removeprefix("app;dur="))
+
+
+def batch(first_step: int, size: int, names: list[str]) -> dict:
+    steps = size // len(names)
+    t = time.time()
+    return {"points": [{"source": "trainer", "step": first_step + s, "name": n, "value": 0.001 * s, "time": t}
+                       for s in range(steps) for n in names]}
+
+
+def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, concurrency: int, offset: int) -> dict:
+    """``batches`` batches of ``size`` points in total, split over ``concurrency`` client threads."""
+    import httpx
+
+    per_step = size // len(NAMES)
+    bodies = [batch(offset + i * per_step, size, NAMES) for i in range(batches)]
+    lat, srv, errors = [], [], []
+    lock = threading.Lock()
+
+    def worker(k: int) -> None:
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+            for body in bodies[k::concurrency]:
+                t0 = time.perf_counter()
+                resp = client.post(f"/api/runs/{run_id}/metrics", json=body)
+                dt = time.perf_counter() - t0
+                with lock:
+                    if resp.status_code != 200 or resp.json()["inserted"] != len(body["points"]):
+                        errors.append(resp.text[:200])
+                    lat.append(dt * 1000)
+                    srv.append(server_ms(resp))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"ingestion failed: {errors[0]}")
+    return {"concurrency": concurrency, "batches": batches, "batch_points": size, "points": batches * size,
+            "wall_s": round(wall, 3), "points_per_s": round(batches * size / wall),
+            "latency_ms_p50": round(percentile(lat, 50), 1), "latency_ms_p99": round(percentile(lat, 99), 1),
+            "server_ms_p50": round(percentile(srv, 50), 1), "server_ms_p99": round(percentile(srv, 99), 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny counts: 20 batches, 5 queries")
+    ap.add_argument("--batches", type=int, default=None, help="timed ingestion batches (default 200; quick 20)")
+    ap.add_argument("--batch-points", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=4, help="clients of the concurrent ingestion pass")
+    ap.add_argument("--series-points", type=int, default=100_000)
+    ap.add_argument("--max-points", type=int, default=1000)
+    ap.add_argument("--queries", type=int, default=None, help="timed series queries (default 20; quick 5)")
+    args = ap.parse_args()
+    batches = args.batches or (20 if args.quick else 200)
+    queries = args.queries or (5 if args.quick else 20)
+    started, machine = time.time(), C.machine_facts()
+
+    db = f"asyncrl_bench_{secrets.token_hex(4)}"
+    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
+    os.environ.update({"DATABASE_URL": f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{db}",
+                       "SECRET_KEY": secrets.token_hex(16), "ASYNCRL_HOME": str(scratch / "home"),
+                       "ASYNCRL_OUTPUT_DIR": str(scratch / "outputs"), "CELERY_BROKER_URL": "memory://"})
+    import httpx
+    import psycopg
+
+    def admin(sql: str) -> None:
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(sql)
+
+    admin(f'CREATE DATABASE "{db}"')
+    server = None
+    try:
+        from sqlmodel import Session
+
+        from server.cli import migrate
+        from server.core.db import engine
+        from server.services import runs, tokens
+
+        migrate()
+        with Session(engine) as s:
+            _, token = tokens.create(s, name="bench")
+            ids = [runs.create(s, data={"name": f"bench-{i}", "model": {"name": "/nonexistent"}}, owner="bench").id
+                   for i in range(2)]
+            s.commit()
+        engine.dispose()
+        port = _free_port()
+        url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
+        log = C.TMP / "service_throughput_server.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            server = subprocess.Popen([sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port",
+                                       str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+        size = args.batch_points
+        ingest(url, headers, ids[0], batches=3, size=size, concurrency=1, offset=0)  # warm-up
+        step0 = 3 * size // len(NAMES)
+        seq = ingest(url, headers, ids[0], batches=batches, size=size, concurrency=1, offset=step0)
+        C.say(f"[bench] ingestion, 1 client: {seq['points_per_s']:,} points/s, p50 {seq['latency_ms_p50']} ms")
+        step1 = step0 + batches * size // len(NAMES)
+        par = ingest(url, headers, ids[0], batches=batches, size=size, concurrency=args.concurrency, offset=step1)
+        C.say(f"[bench] ingestion, {args.concurrency} clients: {par['points_per_s']:,} points/s")
+
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+            for i in range(0, args.series_points, 5000):
+                n = min(5000, args.series_points - i)
+                body = {"points": [{"source": "trainer", "step": i + s, "name": "bench/series",
+                                    "value": math.sin((i + s) / 100), "time": 0.0} for s in range(n)]}
+                client.post(f"/api/runs/{ids[1]}/metrics", json=body).raise_for_status()
+            params = {"name": "bench/series", "max_points": args.max_points}
+            srv, lat = [], []
+            for q in range(queries + 2):
+                t0 = time.perf_counter()
+                resp = client.get(f"/api/runs/{ids[1]}/metrics", params=params)
+                dt = (time.perf_counter() - t0) * 1000
+                resp.raise_for_status()
+                series = resp.json()["series"][0]
+                assert series["total"] == args.series_points and len(series["step"]) <= args.max_points + 1
+                if q >= 2:
+                    srv.append(server_ms(resp))
+                    lat.append(dt)
+        query = {"series_points": args.series_points, "max_points": args.max_points, "returned": len(series["step"]),
+                 "queries": queries, "server_ms_p50": round(percentile(srv, 50), 1),
+                 "server_ms_p99": round(percentile(srv, 99), 1), "latency_ms_p50": round(percentile(lat, 50), 1),
+                 "latency_ms_p99": round(percentile(lat, 99), 1)}
+        C.say(f"[bench] series query: server p50 {query['server_ms_p50']} ms p99 {query['server_ms_p99']} ms")
+    finally:
+        if server is not None and server.poll() is None:
+            server.terminate()
+            server.wait(timeout=30)
+        from server.core.db import engine
+
+        engine.dispose()
+        admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+    payload = {"ingestion": [seq, par], "query": query,
+               "goals": {"ingestion_points_per_s": 20_000, "query_server_ms": 300},
+               "setup": "one uvicorn process (asyncrl server) and the client on the same machine, "
+                        "Postgres on 127.0.0.1"}
+    out = C.write_result("service_throughput", payload, quick=args.quick, started=started, machine=machine)
+    rows = [[f"ingest {r['batch_points']}-point batches, {r['concurrency']} client(s)", r["points_per_s"],
+             r["latency_ms_p50"], r["latency_ms_p99"], r["server_ms_p50"], r["server_ms_p99"]] for r in (seq, par)]
+    rows.append([f"query {query['series_points']:,} points, max_points {query['max_points']}", "-",
+                 query["latency_ms_p50"], query["latency_ms_p99"], query["server_ms_p50"], query["server_ms_p99"]])
+    table = C.md_table(["what", "points/s", "client p50 ms", "client p99 ms", "server p50 ms", "server p99 ms"], rows)
+    C.say(table)
+    C.attach_table(out, table)
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
