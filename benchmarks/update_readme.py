@@ -22,6 +22,7 @@ TITLES = {
     "rollout_throughput": "Rollout throughput: server alone vs in the RL loop",
     "trainer_throughput": "Trainer throughput",
     "vs_trl": "asyncrl vs TRL GRPOTrainer",
+    "service_throughput": "Control plane: metric ingestion and series queries",
 }
 
 
