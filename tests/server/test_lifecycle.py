@@ -83,6 +83,25 @@ def test_resume_requires_failed_or_cancelled_and_a_complete_checkpoint(client: A
     assert back.status_code == 409 and "failed: cannot go to queued" in back.json()["detail"]
 
 
+def test_state_machine_resume_edge(session: Any, make_run: Any) -> None:
+    from server.models import RunStatus as S
+    from server.services import runs
+
+    failed, done = runs.get(session, make_run()["id"]), runs.get(session, make_run()["id"])
+    runs.transition(session, failed, S.failed, reason="crash")
+    for to in (S.starting, S.running, S.completed):
+        runs.transition(session, done, to)
+    with pytest.raises(runs.InvalidTransition, match="is failed: cannot go to queued"):
+        runs.transition(session, failed, S.queued)
+    with pytest.raises(runs.InvalidTransition, match="is completed: cannot go to queued"):
+        runs.transition(session, done, S.queued, _resume=True)
+    with pytest.raises(runs.InvalidTransition, match="is failed: cannot go to running"):
+        runs.transition(session, failed, S.running, _resume=True)
+    assert runs.transition(session, failed, S.queued, _resume=True) and failed.status == S.queued
+    assert failed.finished_at is None and runs.RESUMABLE == {S.failed, S.cancelled}
+    session.rollback()
+
+
 @pytest.mark.usefixtures("server_url")
 def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(client: Any, auth: dict[str, str],
                                                                    make_run: Any) -> None:
