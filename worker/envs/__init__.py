@@ -29,6 +29,7 @@ EnvTask = vf.Task
 BUILTINS = {
     "arithmetic": "worker.envs.arithmetic:ArithmeticTaskset",
     "reverse_text": "worker.envs.reverse_text:ReverseTextTaskset",
+    "reverse_twice": "worker.envs.reverse_twice:ReverseTwiceTaskset",
 }
 """Built-in environment ids and the Taskset class each names."""
 
@@ -69,11 +70,20 @@ class Environment:
         self.num_tasks: int | None = sum(1 for _ in taskset) if taskset.bounded else None
         """Number of tasks; None for an endless taskset."""
         first = self.task(0) if self.num_tasks != 0 else None
-        self.is_multi_turn: bool = first is not None and (
+        needs_harness = first is not None and (
             first.data.prompt is None or bool(type(taskset).toolsets(taskset.config) or first.toolsets(first.config))
         )
-        """True when a task needs more than one model turn: no opening prompt (a scripted user
-        opens it) or tools. Such tasks need verifiers' rollout machinery, not `prompt_messages`."""
+        self.is_multi_turn: bool = needs_harness or hasattr(first, "env_response")
+        """True when a task needs more than one model turn: its task answers the model with
+        `env_response(trace) -> str | None` (run by `worker.orchestrator.multiturn`), or it has no
+        opening prompt (a scripted user opens it) or tools."""
+        self.unsupported: str | None = (
+            f"environment {env_id!r}: its tasks have tools or no opening prompt, which need verifiers' agent "
+            "harness; the orchestrator runs single-turn tasks and tasks with `env_response(trace)`"
+            if needs_harness
+            else None
+        )
+        """Why the orchestrator cannot run this taskset (one line), or None if it can."""
 
     def __repr__(self) -> str:
         return f"Environment({self.id!r}, split={self.split!r}, seed={self.seed}, num_tasks={self.num_tasks})"
@@ -110,30 +120,60 @@ class Environment:
     async def score(self, task: vf.Task, completion_text: str) -> float | None:
         """Weighted sum of the task's rewards for one completion; None if the task has no reward or
         one went unscored (a reward function returned None or raised: verifiers records it so)."""
-        trace = await self.score_trace(task, completion_text)
-        if not trace.rewards or any(r is None for r in trace.rewards.values()):
-            return None
-        return trace.reward
+        return trace_reward(await self.score_trace(task, completion_text))
 
     async def score_trace(self, task: vf.Task, completion_text: str) -> vf.Trace:
         """The scored verifiers trace of one completion: `trace.rewards` (name -> score, weight),
         `trace.metrics`, and `trace.reward`, the weighted sum."""
-        messages = [_message(m) for m in self.prompt_messages(task)]
-        messages.append(vf.AssistantMessage(content=completion_text))
+        return await self.score_conversation(task, [{"role": "assistant", "content": completion_text}])
+
+    def trace(self, task: vf.Task, turns: list[dict[str, Any]]) -> vf.Trace:
+        """An unscored verifiers trace of the task's prompt followed by `turns` (chat messages after the
+        prompt, `{"role", "content"}`); assistant messages among `turns` are marked sampled (model turns)."""
+        prompt = [_message(m) for m in self.prompt_messages(task)]
+        messages = prompt + [_message(m) for m in turns]
         nodes = [
-            MessageNode(parent=i - 1 if i else None, message=m, sampled=i == len(messages) - 1)
+            MessageNode(
+                parent=i - 1 if i else None,
+                message=m,
+                sampled=i >= len(prompt) and isinstance(m, vf.AssistantMessage),
+            )
             for i, m in enumerate(messages)
         ]
-        trace = vf.Trace(
+        return vf.Trace(
             task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
             agent=self._agent,
             nodes=nodes,
         )
+
+    async def env_response(self, task: vf.Task, turns: list[dict[str, Any]]) -> str | None:
+        """The environment's next user message after `turns` (chat messages after the prompt, the last a
+        model reply), from the task's own `env_response(trace)`; None ends the conversation.
+
+        Raises:
+            TypeError: the task has no `env_response` (a single-turn task).
+        """
+        respond = getattr(task, "env_response", None)
+        if respond is None:
+            raise TypeError(f"{self.id}: task {task.key} has no env_response (single-turn)")
+        return await respond(self.trace(task, turns))
+
+    async def score_conversation(self, task: vf.Task, turns: list[dict[str, Any]]) -> vf.Trace:
+        """The scored verifiers trace of the task's prompt followed by `turns` (chat messages after the
+        prompt): `trace.rewards` (name -> score, weight), `trace.metrics`, and `trace.reward`, the weighted sum."""
+        trace = self.trace(task, turns)
         try:
             await task.score(trace)  # no runtime: rewards that need one are skipped, as in `vf replay`
         except vf.TaskError as e:
             logger.warning("%s: scoring task %s failed: %s", self.id, task.key, e)
         return trace
+
+
+def trace_reward(trace: vf.Trace) -> float | None:
+    """A scored trace's weighted reward; None if it has no reward or one went unscored."""
+    if not trace.rewards or any(r is None for r in trace.rewards.values()):
+        return None
+    return trace.reward
 
 
 _MESSAGE_TYPES = {

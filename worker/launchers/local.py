@@ -52,11 +52,8 @@ def preflight(spec: RLSpec) -> None:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
     except (EnvironmentLoadError, TypeError, ValueError) as err:
         raise SpecError(f"env: {err}") from None
-    if env.is_multi_turn:
-        raise SpecError(
-            f"env.id: {spec.env.id!r} is multi-turn; this version runs single-turn tasksets only "
-            "(multi-turn through verifiers' rollout machinery is not built yet)"
-        )
+    if env.unsupported:
+        raise SpecError(f"env.id: {env.unsupported}")
     orch = spec.orchestrator
     longest = max(len(prompt_ids(tokenizer, env.prompt_messages(env.task(i)))) for i in range(8))
     if longest + orch.max_tokens > orch.seq_len:

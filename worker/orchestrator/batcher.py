@@ -28,6 +28,13 @@ class Rollout:
     advantage: float | None
     policy_span: tuple[int, int]
     temperature: float
+    completion_mask: list[int] | None = None
+    """1 on model-sampled completion tokens, 0 on environment tokens (multi-turn); None: all sampled."""
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """The completion's loss mask (aligned with ``completion_ids``)."""
+        return [1] * len(self.completion_ids) if self.completion_mask is None else self.completion_mask
 
     def record(self, step: int) -> dict[str, Any]:
         return {
@@ -64,7 +71,7 @@ def build_batch(
     dropped_stale = dropped_zero = missing = all_missing_groups = truncated = 0
     for group_index, group in enumerate(groups):
         lags = [(step - 1) - r.policy_span[0] for r in group]
-        lengths = [completion_length([1] * len(r.completion_ids)) for r in group]
+        lengths = [completion_length(r.loss_mask) for r in group]
         result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
         missing += result.reward_missing
         all_missing_groups += int(result.all_missing)
@@ -90,7 +97,7 @@ def build_batch(
             samples.append(
                 TrainSample(
                     input_ids=r.prompt_ids + r.completion_ids,
-                    loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.completion_ids),
+                    loss_mask=[0] * len(r.prompt_ids) + r.loss_mask,
                     sampling_logprobs=[0.0] * len(r.prompt_ids) + r.completion_logprobs,
                     advantage=r.advantage,
                     temperature=r.temperature,

@@ -33,10 +33,15 @@ async def evaluate(
     num_examples: int,
     temperature: float,
     max_tokens: int,
+    max_len: int | None = None,
     pass_k: int = 1,
     pass_threshold: float = 1.0,
 ) -> dict[str, float]:
     """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
+
+    A multi-turn environment runs whole conversations (``worker.orchestrator.multiturn``) of at most
+    ``max_len`` tokens (default: unbounded but for ``max_tokens`` per turn); ``completion_len_mean``
+    then counts model-sampled tokens only.
 
     Returns:
         ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
@@ -49,6 +54,14 @@ async def evaluate(
 
     async def one(index: int) -> tuple[list[float | None], list[int]]:
         task = env.task(index)
+        if env.is_multi_turn:
+            from worker.orchestrator.multiturn import run_group
+
+            rollouts = await run_group(
+                client, tokenizer, env, task, n=pass_k, max_tokens=max_tokens, temperature=temperature,
+                max_len=max_len if max_len is not None else 1 << 30, policy_version=lambda: 0,
+            )
+            return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
         completions = await client.generate(
             prompt_ids(tokenizer, env.prompt_messages(task)), n=pass_k, max_tokens=max_tokens, temperature=temperature
         )

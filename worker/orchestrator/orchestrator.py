@@ -39,6 +39,7 @@ from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import data_order
 from worker.orchestrator.eval import evaluate, prompt_ids
+from worker.orchestrator.multiturn import run_group
 from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl
 from worker.spec import RLSpec
@@ -111,6 +112,12 @@ class Orchestrator:
     async def rollout_group(self, index: int) -> list[Rollout]:
         orch = self.spec.orchestrator
         task = self.train_env.task(index)
+        if self.train_env.is_multi_turn:
+            return await run_group(
+                self.client, self.tokenizer, self.train_env, task, n=orch.group_size, max_tokens=orch.max_tokens,
+                temperature=orch.temperature, max_len=min(orch.seq_len, self.spec.inference.max_model_len),
+                policy_version=lambda: self.policy_version,
+            )
         ids = prompt_ids(self.tokenizer, self.train_env.prompt_messages(task))
         v_start = self.policy_version
         completions = await self.client.generate(
@@ -199,6 +206,7 @@ class Orchestrator:
             num_examples=ev.num_examples,
             temperature=ev.temperature,
             max_tokens=self.spec.orchestrator.max_tokens,
+            max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
             pass_k=ev.pass_k,
             pass_threshold=ev.pass_threshold,
         )
