@@ -68,6 +68,8 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
         run = runs.get(session, run_id, lock=True)
         if RunStatus(run.status) in TERMINAL:  # the supervisor reported its own end first
             return f"stopped: run {run_id} is {run.status}"
+        if run.launcher_handle != handle:  # resumed meanwhile (a new launch): that one is not ours to cancel
+            return f"stopped: run {run_id} was relaunched (handle {run.launcher_handle})"
         runs.transition(session, run, RunStatus.cancelled, reason="stopped", pid=handle)
         session.commit()
     return f"stopped: run {run_id}"

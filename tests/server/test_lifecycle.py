@@ -340,3 +340,33 @@ def test_cli_runs_resume_fork_logs(capsys: pytest.CaptureFixture[str], live_serv
                                          "'inference' or 'supervisor'")
     code, _, err = cli("runs", "logs", str(parent["id"]))
     assert code == 2 and err.strip().startswith(f"error: 404: process: run {parent['id']} has no trainer log yet")
+
+
+def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(client: Any, auth: dict[str, str], make_run: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race a real run showed: stop's terminate() waits for the process group; meanwhile the supervisor reports
+    ``cancelled`` and the user resumes. The stop task must then leave the new launch alone."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunStatus
+    from server.services import runs
+    from worker import tasks
+
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    run_id = launched_run(make_run, "running", sleeper.pid)
+    run = client.get(f"/api/runs/{run_id}", headers=auth).json()
+    checkpoint(run, 2)
+
+    def terminate_then_resume(pid: int, grace_s: float) -> None:  # noqa: ARG001 - terminate's signature
+        sleeper.kill()
+        sleeper.wait()
+        with Session(engine) as s:
+            row = runs.get(s, run_id, lock=True)
+            runs.transition(s, row, RunStatus.cancelled, reason="terminated")  # the supervisor's own report
+            runs.resume(s, row, by="user")
+            s.commit()
+
+    monkeypatch.setattr(tasks.supervisor, "terminate", terminate_then_resume)
+    assert tasks.stop(run_id) == f"stopped: run {run_id} was relaunched (handle None)"
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["status"] == "queued"
