@@ -56,7 +56,9 @@ def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys
 
 
 def test_server_and_worker_die_with_the_demo_on_ctrl_c(tmp_path: Path) -> None:
-    code = ("import json, sys, time; from pathlib import Path; from worker.demo import embedded_service\n"
+    # SIGINT handled as in a terminal (a shell's background job would inherit it ignored)
+    code = ("import json, signal, sys, time; from pathlib import Path; from worker.demo import embedded_service\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with embedded_service(Path(sys.argv[1])) as s:\n"
             "    print(json.dumps(s.pids), flush=True); time.sleep(300)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "home")], stdout=subprocess.PIPE,
