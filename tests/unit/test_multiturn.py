@@ -124,3 +124,19 @@ def test_reverse_twice_env_turns_and_splits() -> None:
     both = [*first, {"role": "user", "content": "x"}, {"role": "assistant", "content": task.data.answers[1]}]
     assert asyncio.run(ev.env_response(task, both)) is None
     assert asyncio.run(ev.score_conversation(task, both)).reward == 1.0
+
+
+def test_taskset_needing_an_agent_harness_gets_a_one_line_reason() -> None:
+    import verifiers.v1 as vf
+
+    from worker.envs import Environment
+
+    class UserOpened(vf.Taskset):
+        def load(self):  # noqa: ANN202
+            yield vf.Task(vf.TaskData(id="a", prompt=None, system_prompt="Play."))
+
+    env = Environment("pkg.mod:user_opened", UserOpened(vf.TasksetConfig()), split="train", seed=0)
+    assert env.is_multi_turn
+    assert env.unsupported is not None and "\n" not in env.unsupported
+    assert env.unsupported.startswith("environment 'pkg.mod:user_opened': its tasks have tools or no opening prompt")
+    assert load_environment("reverse_twice", split="train", seed=0).unsupported is None
