@@ -45,7 +45,7 @@ class Rollout:
             "advantage": self.advantage,
             "policy_span": list(self.policy_span),
             "temperature": self.temperature,
-            "completion_len": len(self.completion_ids),
+            "completion_len": sum(self.loss_mask),
             "finish_reason": self.finish_reason,
         }
 
