@@ -97,3 +97,8 @@ def test_stop_resume_then_fork_real_runs(client: Any, auth: dict[str, str], serv
     child_starts = [e for e in read_jsonl(RunDir(child["run_dir"]).events) if e["event"] == "starting"]
     assert [e["resume_step"] for e in child_starts] == [4]
     assert (child["spec"]["trainer"]["optim"]["lr"], child["spec"]["max_steps"]) == (5e-5, 6)
+    # the child trains with its own lr, not the one in the parent's optimizer state (constant schedule, no warm-up)
+    lrs = client.get(f"/api/runs/{child['id']}/metrics", params={"name": "lr"}, headers=auth).json()
+    assert [v for s in lrs["series"] if s["source"] == "trainer" for v in s["value"]] == [5e-5, 5e-5]
+    parent_lrs = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "lr"}, headers=auth).json()
+    assert {v for s in parent_lrs["series"] if s["source"] == "trainer" for v in s["value"]} == {1e-4}

@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     start = 0
     if args.resume_step is not None:
         start = load_trainer_state(run.checkpoint_dir(args.resume_step) / "trainer", model, optimizer, scheduler)
+        # the spec's lr, not the checkpoint's, is the base: a fork with a new trainer.optim.lr trains with it
+        set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         logger.info("resumed from checkpoint step %d", start)
     checkpointer = BackgroundCheckpointer(run, keep=spec.ckpt.keep)
     # live config replays every revision on resume: the live file wins over the checkpoint's lr
