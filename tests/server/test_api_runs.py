@@ -82,7 +82,7 @@ def test_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:
 @pytest.mark.parametrize(("body", "status", "detail"), [
     pytest.param(spec(trainer={"optim": {"lrr": 1e-4}}), 422,
                  "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)", id="unknown-key"),
-    pytest.param(spec(max_steps=0), 422, "max_steps: Input should be greater than or equal to 1", id="bad-value"),
+    pytest.param(spec(max_steps=0), 422, "max_steps: Input should be greater than or equal to 1, got 0", id="bad-value"),
     pytest.param({"name": "x"}, 422, "model: Field required", id="missing-field"),
     pytest.param(spec(kind="sft"), 422, "kind: the service launches 'rl' runs, got 'sft'", id="sft-kind"),
     pytest.param(spec(kind=3), 422, "kind: expected one of ['rl', 'sft'], got '3'", id="kind-not-string"),
