@@ -3,7 +3,9 @@ orchestrator and trainer, on the tiny random-init Qwen3.
 
 A run with a checkpoint every 2 steps is stopped after its first complete checkpoint, resumed through the API (same
 id and run directory) and runs to ``completed``: every trainer step is stored exactly once. Then a fork of it from
-its step-4 checkpoint (the older of the two kept) with a changed learning rate trains only steps 5 and 6.
+its step-4 checkpoint (the older of the two kept) with a changed learning rate trains only steps 5 and 6, at that rate.
+Live config on a real run: a PATCH of the learning rate and the sampling temperature mid-run is in effect from the
+steps the trainer and the orchestrator acknowledged, in the trainer's lr metric and in the rollout records.
 """
 
 from __future__ import annotations
@@ -102,3 +104,31 @@ def test_stop_resume_then_fork_real_runs(client: Any, auth: dict[str, str], serv
     assert [v for s in lrs["series"] if s["source"] == "trainer" for v in s["value"]] == [5e-5, 5e-5]
     parent_lrs = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "lr"}, headers=auth).json()
     assert {v for s in parent_lrs["series"] if s["source"] == "trainer" for v in s["value"]} == {1e-4}
+
+
+def test_patch_lr_and_temperature_mid_run_take_effect_at_the_acked_steps(client: Any, auth: dict[str, str],
+                                                                        service: str) -> None:
+    """The whole live-config path on a real run: PATCH → server → supervisor → processes → acks → server."""
+    run = client.post("/api/runs", json=small_spec(Path(service), "live", max_steps=14), headers=auth).json()
+    rd = RunDir(run["run_dir"])
+    wait_for(lambda: len(trainer_steps(client, auth, run["id"])) >= 2, 400, "two trainer steps stored")
+    changes = {"trainer.optim.lr": 4e-5, "orchestrator.temperature": 1.7}
+    resp = client.patch(f"/api/runs/{run['id']}/config", json={"changes": changes}, headers=auth)
+    assert resp.status_code == 201 and resp.json()["revision"] == 1, resp.text
+    done = ended(client, auth, run["id"])
+    assert done["status"] == "completed", done["status_reason"]
+
+    live = client.get(f"/api/runs/{run['id']}/config", headers=auth).json()
+    applied = live["data"][0]["applied"]
+    assert set(applied) == {"trainer", "orchestrator"} and live["values"]["trainer.optim.lr"] == 4e-5
+    t_step, o_step = applied["trainer"], applied["orchestrator"]
+    assert 3 <= t_step <= 14 and 3 <= o_step <= 14
+    lrs = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "lr"}, headers=auth).json()
+    by_step = {s: v for series in lrs["series"] if series["source"] == "trainer"
+               for s, v in zip(series["step"], series["value"], strict=True)}
+    assert by_step == {s: (4e-5 if s >= t_step else 1e-4) for s in range(1, 15)}
+    temps = {r["step"]: r["temperature"] for step in range(1, 15) for r in read_jsonl(rd.rollout_file(step))}
+    assert temps == {s: (1.7 if s >= o_step else 1.5) for s in range(1, 15)}
+    events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
+    assert sorted(e["data"].get("process") for e in events if e["kind"] == "config_applied") == [
+        "orchestrator", "trainer"]
