@@ -10,7 +10,8 @@ reversal + ``<|im_end|>`` has (~64 tokens a sample in all, ~4.1k a batch), packe
 (``worker.packing.pack``) into micro-batches of ``orchestrator.seq_len`` 256 or 1024 tokens, exactly
 as the orchestrator packs them. Sampling logprobs are random in [-3, 0), advantages +-1.
 
-Grid: seq_len {256, 1024} x torch threads {1, 2} x {fp32, bf16 autocast} (``model.dtype`` =
+Grid: seq_len {256, 1024} x torch threads {1, 2} x {fp32, bf16 autocast, fp32 with shared-prompt packing
+(``worker.packing.pack_shared_prompt``: each prompt once per chunk of its 8 samples)} (``model.dtype`` =
 "bfloat16" turns on ``torch.autocast("cpu", bfloat16)`` in ``train_step``; master weights stay fp32).
 Per cell: ``--warmup`` steps (at most 1 for bf16), then ``--steps`` timed steps (``--bf16-steps``
 for bf16 cells); tokens/s = batch tokens / step seconds,
@@ -32,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 
-def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group: int = 8) -> dict:
+def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group: int = 8, share: bool = False) -> dict:
     from worker.orchestrator.eval import prompt_ids
-    from worker.packing import pack
+    from worker.packing import pack, pack_shared_prompt
 
     rng = random.Random(seed)
     env = C.bench_env(C.TMP / "tiny-init")  # rl.toml's prompts (the model path is not read)
@@ -54,9 +55,14 @@ def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group:
                     "advantage": rng.choice([-1.0, 1.0]),
                     "temperature": 1.0,
                     "policy_span": [0, 0],
+                    **({"group": i, "prefix_len": len(p)} if share else {}),
                 }
             )
-    bins = pack([len(s["input_ids"]) for s in samples], seq_len)
+    lengths = [len(s["input_ids"]) for s in samples]
+    if share:  # as the orchestrator packs with orchestrator.share_prompt (the default)
+        bins = pack_shared_prompt(lengths, [s["prefix_len"] for s in samples], [s["group"] for s in samples], seq_len)
+    else:
+        bins = pack(lengths, seq_len)
     return {
         "step": 1,
         "num_samples": len(samples),
@@ -65,7 +71,9 @@ def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group:
     }
 
 
-def run_cell(model_dir: Path, tokenizer, seq_len: int, threads: int, dtype: str, warmup: int, steps: int) -> dict:
+def run_cell(
+    model_dir: Path, tokenizer, seq_len: int, threads: int, dtype: str, warmup: int, steps: int, share: bool = False
+) -> dict:
     import torch
 
     from worker.models import load_model
@@ -80,10 +88,9 @@ def run_cell(model_dir: Path, tokenizer, seq_len: int, threads: int, dtype: str,
     opt = build_optimizer(model, spec.trainer.optim)
     times, tokens = [], []
     for k in range(warmup + steps):
-        batch = synthetic_batch(tokenizer, seq_len, seed=k)
-        n_tok = sum(len(s["input_ids"]) for mb in batch["micro_batches"] for s in mb)
+        batch = synthetic_batch(tokenizer, seq_len, seed=k, share=share)
         t0 = time.perf_counter()
-        train_step(model, batch, spec, step=1)
+        n_tok = train_step(model, batch, spec, step=1)["trained_tokens"]  # tokens in the packed rows
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -96,9 +103,11 @@ def run_cell(model_dir: Path, tokenizer, seq_len: int, threads: int, dtype: str,
         "seq_len": seq_len,
         "threads": threads,
         "dtype": dtype,
+        "shared_prompt": share,
         "micro_batches": len(batch["micro_batches"]),
         "tokens_per_step_mean": sum(tokens) / len(tokens),
         "step_s_median": C.median(times),
+        "samples_per_s_median": C.median([batch["num_samples"] / t for t in times]),
         "tokens_per_s_median": C.median(tps),
         "tokens_per_s_min": min(tps),
         "tokens_per_s_max": max(tps),
@@ -130,13 +139,14 @@ def main() -> int:
     cells = []
     for seq_len in (256, 1024):
         for threads in (1, 2):
-            for dtype in ("float32", "bfloat16"):
+            for dtype, share in (("float32", False), ("bfloat16", False), ("float32", True)):
                 n = bf16_steps if dtype == "bfloat16" else steps
                 cell = run_cell(
-                    model_dir, tokenizer, seq_len, threads, dtype, min(warmup, 1) if dtype == "bfloat16" else warmup, n
+                    model_dir, tokenizer, seq_len, threads, dtype, min(warmup, 1) if dtype == "bfloat16" else warmup, n,
+                    share,
                 )
                 C.say(
-                    f"[bench] seq_len {seq_len} threads {threads} {dtype}: "
+                    f"[bench] seq_len {seq_len} threads {threads} {dtype} shared_prompt={share}: "
                     f"{cell['tokens_per_s_median']:.0f} tok/s ({cell['step_s_median']:.2f}s/step)"
                 )
                 cells.append(cell)
@@ -146,11 +156,13 @@ def main() -> int:
             x
             for x in cells
             if x["seq_len"] == c["seq_len"] and x["threads"] == c["threads"] and x["dtype"] == "float32"
+            and not x["shared_prompt"]
         )
 
-    for c in cells:
-        c["speed_vs_fp32"] = c["tokens_per_s_median"] / fp32(c)["tokens_per_s_median"]
+    for c in cells:  # samples/s against fp32 with every prompt laid out (64 samples a step in every cell)
+        c["speed_vs_fp32"] = c["samples_per_s_median"] / fp32(c)["samples_per_s_median"]
     bf16_ratios = [c["speed_vs_fp32"] for c in cells if c["dtype"] == "bfloat16"]
+    share_ratios = [c["speed_vs_fp32"] for c in cells if c["shared_prompt"]]
     payload = {
         "setup": {
             "model": "tiny Qwen3 (hidden 256, 4 layers), random init",
@@ -163,9 +175,10 @@ def main() -> int:
         },
         "cells": cells,
         "bf16_speed_vs_fp32_median": C.median(bf16_ratios),
+        "shared_prompt_speed_vs_full_median": C.median(share_ratios),
         "finding": (
             f"bf16 autocast runs at {C.median(bf16_ratios):.2f}x the fp32 speed on this CPU "
-            "(<1 = slower)."
+            f"(<1 = slower); shared-prompt packing at {C.median(share_ratios):.2f}x (fp32, samples/s)."
         ),
     }
     out = C.write_result("trainer_throughput", payload, quick=args.quick, started=started, machine=machine)
@@ -174,20 +187,24 @@ def main() -> int:
             "seq_len",
             "threads",
             "dtype",
+            "prompt layout",
             "micro-batches",
-            "tokens/step",
+            "packed tokens/step",
             "s/step (median)",
+            "samples/s",
             "tokens/s (median)",
-            "vs fp32",
+            "vs fp32 full (samples/s)",
         ],
         [
             [
                 c["seq_len"],
                 c["threads"],
                 "bf16 autocast" if c["dtype"] == "bfloat16" else "fp32",
+                "shared" if c["shared_prompt"] else "full",
                 c["micro_batches"],
                 round(c["tokens_per_step_mean"]),
                 round(c["step_s_median"], 3),
+                round(c["samples_per_s_median"], 1),
                 round(c["tokens_per_s_median"]),
                 f"{c['speed_vs_fp32']:.2f}x",
             ]
