@@ -70,11 +70,15 @@ def token_command(argv: list[str]) -> int:
     for action in ("create", "revoke"):
         sub.add_parser(action).add_argument("--name", required=True)
     args = p.parse_args(argv)
+    from sqlalchemy import inspect
     from sqlmodel import Session
 
     from server.core.db import engine
     from server.services import tokens
 
+    if not inspect(engine).has_table("api_tokens"):
+        raise SpecError(f"database {engine.url.render_as_string(hide_password=True)} has no tables yet: start "
+                        "`asyncrl server` once (it migrates) or run `alembic upgrade head`")
     with Session(engine) as session:
         if args.action == "create":
             _, plain = tokens.create(session, name=args.name)

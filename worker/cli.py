@@ -209,16 +209,19 @@ def _demo_command(argv: list[str]) -> int:
                   "RL runs through the service (server + worker started here, embedded mode)")
     p.add_argument("--local", action="store_true", help="run the RL processes here, without the service")
     p.add_argument("--summary", type=Path, default=Path("outputs/demo/summary.json"))
-    p.add_argument("--output-dir", help="where model, SFT, service state and run go (default: the summary's folder)")
+    p.add_argument("--output-dir", default="outputs/demo",
+                   help="where model, SFT, service state and run go (default: outputs/demo)")
     p.add_argument("--rl-steps", type=int, default=None, help="override the RL step count")
     p.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
     args = p.parse_args(argv)
     for name in ("rl_steps", "sft_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.summary.is_dir() or args.summary.suffix != ".json":
+        raise SpecError(f"--summary: expected a .json file path such as outputs/demo/summary.json, got {args.summary}")
     from worker.demo import DemoError, run_demo, run_service_demo
 
-    output_dir = args.output_dir or str(args.summary.parent)
+    output_dir = args.output_dir
     try:
         summary = (run_demo if args.local else run_service_demo)(
             output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps)

@@ -365,3 +365,17 @@ def test_model_init_refuses_then_overwrites(capsys: pytest.CaptureFixture[str], 
     capsys.readouterr()
     assert (out / "model.safetensors").read_bytes() != weights
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_token_create_on_an_unmigrated_database_is_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    env["ASYNCRL_HOME"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "worker.cli", "token", "create", "--name", "me"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: database sqlite:///{tmp_path}/asyncrl.db has no tables yet: start "
+                                   "`asyncrl server` once (it migrates) or run `alembic upgrade head`")

@@ -81,6 +81,7 @@ def test_server_and_worker_die_with_the_demo_on_ctrl_c(tmp_path: Path) -> None:
     (["--rl-steps", "0"], "error: --rl-steps: expected an integer >= 1, got 0"),
     (["--sft-steps", "-3", "--local"], "error: --sft-steps: expected an integer >= 1, got -3"),
     (["--bogus"], "error: asyncrl demo: unrecognized arguments: --bogus"),
+    (["--summary", "/"], "error: --summary: expected a .json file path such as outputs/demo/summary.json, got /"),
 ])
 def test_demo_refuses_bad_arguments_before_doing_anything(argv: list[str], message: str, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
