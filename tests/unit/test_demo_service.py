@@ -17,16 +17,9 @@ import httpx
 import pytest
 
 from worker.demo import TERMINAL, embedded_service, follow_run
+from worker.supervisor import _alive as alive  # the liveness check the service itself uses
 
 BAD_MODEL = "/nonexistent/asyncrl-demo-test-model"
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in {"Z", "X"}
 
 
 def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
