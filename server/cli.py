@@ -2,7 +2,7 @@
 
     asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
     asyncrl worker [--concurrency 2] [--no-beat]
-    asyncrl token create --name NAME | revoke --name NAME
+    asyncrl token create --name NAME [--read-only] | revoke --name NAME
     asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
     asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID
     asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
@@ -69,6 +69,8 @@ def token_command(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     for action in ("create", "revoke"):
         sub.add_parser(action).add_argument("--name", required=True)
+    sub.choices["create"].add_argument("--read-only", action="store_true",
+                                       help="a read token: GET only (dashboards, monitoring)")
     args = p.parse_args(argv)
     from sqlalchemy import inspect
     from sqlmodel import Session
@@ -81,7 +83,7 @@ def token_command(argv: list[str]) -> int:
                         "`asyncrl server` once (it migrates) or run `alembic upgrade head`")
     with Session(engine) as session:
         if args.action == "create":
-            _, plain = tokens.create(session, name=args.name)
+            _, plain = tokens.create(session, name=args.name, scope="read" if args.read_only else "write")
             session.commit()
             print(plain)  # noqa: T201 - shown once; only its hash is stored
             print(f"token '{args.name}' created; it is not shown again (export ASYNCRL_TOKEN=...)",  # noqa: T201

@@ -233,5 +233,7 @@ class ApiToken(SQLModel, table=True):
     token_hash: str = Field(max_length=64, unique=True)
     prefix: str = Field(max_length=16)
     """First characters of the token, to tell tokens apart in listings."""
+    scope: str = Field(default="write", max_length=8, sa_column_kwargs={"server_default": "write"})
+    """``write`` (read and write) or ``read`` (GET only: dashboards, monitoring)."""
     created_at: datetime = _ts()
     revoked_at: datetime | None = _ts(nullable=True)

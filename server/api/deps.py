@@ -11,6 +11,9 @@ from server.core.db import get_session
 from server.services import tokens
 from server.services.tokens import Principal
 
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""The only methods a read token may use; every other route is a write."""
+
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
@@ -24,9 +27,12 @@ def current_principal(request: Request, session: SessionDep) -> Principal:
         raise HTTPException(401, "malformed Authorization header: expected 'Bearer <token>'",
                             headers={"WWW-Authenticate": "Bearer"})
     try:
-        return tokens.authenticate(session, token.strip())
+        principal = tokens.authenticate(session, token.strip())
     except tokens.AuthError as err:
         raise HTTPException(401, str(err), headers={"WWW-Authenticate": "Bearer"}) from None
+    if principal.read_only and request.method not in READ_METHODS:
+        raise HTTPException(403, f"token '{principal.name}' is read-only: it may only read (GET)")
+    return principal
 
 
 def current_user(principal: Annotated[Principal, Depends(current_principal)]) -> Principal:

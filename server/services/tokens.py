@@ -30,16 +30,27 @@ class Principal:
     name: str
     run_id: int | None = None
     """Set for run tokens: the only run this principal may write to."""
+    read_only: bool = False
+    """Read tokens (scope ``read``): every request other than GET/HEAD/OPTIONS is refused with 403."""
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create(session: Session, *, name: str) -> tuple[ApiToken, str]:
-    """A new user token; returns the row and the plain token (shown once, never stored)."""
+SCOPES = ("write", "read")
+
+
+def create(session: Session, *, name: str, scope: str = "write") -> tuple[ApiToken, str]:
+    """A new user token; returns the row and the plain token (shown once, never stored).
+
+    Raises:
+        ValueError: ``scope`` is not one of ``SCOPES``.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope: expected one of {', '.join(SCOPES)}, got {scope!r}")
     plain = "asr_" + secrets.token_urlsafe(32)
-    row = ApiToken(name=name, token_hash=hash_token(plain), prefix=plain[:10])
+    row = ApiToken(name=name, token_hash=hash_token(plain), prefix=plain[:10], scope=scope)
     session.add(row)
     session.flush()
     return row, plain
@@ -77,4 +88,4 @@ def authenticate(session: Session, token: str) -> Principal:
         raise AuthError("invalid token")
     if row.revoked_at is not None:
         raise AuthError(f"token '{row.name}' was revoked")
-    return Principal(name=row.name)
+    return Principal(name=row.name, read_only=row.scope == "read")

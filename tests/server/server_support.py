@@ -62,14 +62,14 @@ def migrate(url: str, revision: str = "head", down: bool = False) -> None:
     eng.dispose()
 
 
-def new_token(name: str) -> str:
+def new_token(name: str, scope: str = "write") -> str:
     from sqlmodel import Session
 
     from server.core.db import engine
     from server.services import tokens
 
     with Session(engine) as s:
-        _, plain = tokens.create(s, name=name)
+        _, plain = tokens.create(s, name=name, scope=scope)
         s.commit()
     return plain
 

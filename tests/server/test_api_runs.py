@@ -160,6 +160,28 @@ def test_revoked_token_is_401(client: Any) -> None:
     assert resp.status_code == 401 and resp.json()["detail"] == "token 'to-revoke' was revoked"
 
 
+def test_read_token_reads_but_every_write_is_403(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    run_id = make_run()["id"]
+    ro = {"Authorization": f"Bearer {new_token('viewer', scope='read')}"}
+    before = run_count(client, auth)
+    assert client.get("/api/runs", headers=ro).status_code == 200
+    assert client.get(f"/api/runs/{run_id}/events", headers=ro).status_code == 200
+    writes = [("post", "/api/runs", {"json": spec()}), ("post", f"/api/runs/{run_id}/stop", {}),
+              ("patch", f"/api/runs/{run_id}/config", {"json": {"changes": {"orchestrator.temperature": 0.9}}}),
+              ("post", f"/api/runs/{run_id}/fork", {"json": {}})]
+    for method, url, kw in writes:
+        resp = getattr(client, method)(url, headers=ro, **kw)
+        assert resp.status_code == 403, (url, resp.text)
+        assert resp.json()["detail"] == "token 'viewer' is read-only: it may only read (GET)"
+    assert run_count(client, auth) == before
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["status"] == "queued"
+
+
+def test_token_scope_must_be_known() -> None:
+    with pytest.raises(ValueError, match="scope: expected one of write, read, got 'admin'"):
+        new_token("bad-scope", scope="admin")
+
+
 def test_run_token_reaches_only_its_run(client: Any, auth: dict[str, str], make_run: Any) -> None:
     mine, other = make_run()["id"], make_run()["id"]
     rt = run_token_headers(mine)

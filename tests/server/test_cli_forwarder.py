@@ -44,6 +44,13 @@ def test_token_submit_runs(capsys: pytest.CaptureFixture[str], live_server: str,
     code, _, err = cli(capsys, "runs", "show", "999999", "--token", "asr_wrong")
     assert code == 2 and err.strip() == "error: 401: invalid token"
 
+    code, out, _ = cli(capsys, "token", "create", "--name", "cli-viewer", "--read-only")
+    viewer = out.strip()
+    code, out, _ = cli(capsys, "runs", "ls", "--token", viewer)
+    assert code == 0 and "cli-run" in out
+    code, _, err = cli(capsys, "runs", "stop", str(run["id"]), "--token", viewer)
+    assert code == 2 and err.strip() == "error: 403: token 'cli-viewer' is read-only: it may only read (GET)"
+
     code, out, _ = cli(capsys, "token", "revoke", "--name", "cli-user")
     assert code == 0 and "revoked 1" in out
     code, _, err = cli(capsys, "runs", "ls")
