@@ -8,6 +8,15 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# Dashboard JavaScript from its npm package, pinned (webui/static/vendor is gitignored); Plotly's bundle is served
+# from the plotly Python package.
+HTMX_VERSION=2.0.8
+htmx=webui/static/vendor/htmx-$HTMX_VERSION.min.js
+if [ ! -f "$htmx" ]; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack -q "htmx.org@$HTMX_VERSION" >/dev/null && tar -xzf "htmx.org-$HTMX_VERSION.tgz" package/dist/htmx.min.js)
+  mkdir -p webui/static/vendor && mv "$tmp/package/dist/htmx.min.js" "$htmx" && rm -rf "$tmp"
+fi
 stamp=.venv/.asyncrl-installed
 want=$(cat pyproject.toml requirements.lock | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
