@@ -44,6 +44,10 @@ def server_command(argv: list[str]) -> int:
         migrate()
     import uvicorn
 
+    from server.core.config import settings
+
+    if "ASYNCRL_SERVER_URL" not in settings.model_fields_set:  # workers on this ASYNCRL_HOME find this server
+        settings.publish_server_url(args.host, args.port)
     uvicorn.run("server.main:app", host=args.host, port=args.port)
     return 0
 

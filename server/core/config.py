@@ -7,6 +7,7 @@ services. With them (CI, compose, cluster) it uses Postgres and Redis.
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 
@@ -39,6 +40,19 @@ class Settings(BaseSettings):
     """Points per ``POST /api/runs/{id}/metrics`` batch."""
     RECONCILE_INTERVAL_S: float = Field(30.0, ge=1.0)
     """Celery beat runs ``asyncrl.reconcile`` (fail runs whose supervisor died) this often."""
+    LOCAL_MODE: bool = True
+    """Server and users share one machine (embedded, compose): webhooks may target loopback. False on a cluster."""
+    WEBHOOK_ALLOW_HOSTS: list[str] = Field(default_factory=list)
+    """Hosts or IPs webhooks may target although link-local or cloud metadata (JSON list in the environment)."""
+    WEBHOOK_MAX_ATTEMPTS: int = Field(8, ge=1, le=100)
+    """Tries of one delivery before it is marked failed (a replay starts over)."""
+    WEBHOOK_BACKOFF_BASE_S: float = Field(2.0, gt=0)
+    """Wait before retry n is base * 2**(n-1) seconds, at most WEBHOOK_BACKOFF_MAX_S."""
+    WEBHOOK_BACKOFF_MAX_S: float = Field(600.0, gt=0)
+    WEBHOOK_TIMEOUT_S: float = Field(10.0, gt=0)
+    """Per-request timeout of a delivery (connect, read)."""
+    ALERT_STALL_CHECK_S: float = Field(15.0, ge=1.0)
+    """Celery beat checks ``stall`` alert rules this often."""
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
@@ -51,6 +65,24 @@ class Settings(BaseSettings):
     @property
     def embedded_broker(self) -> bool:
         return self.CELERY_BROKER_URL == "filesystem://"
+
+    def server_url(self) -> str:
+        """Base URL run processes report to: ``ASYNCRL_SERVER_URL`` when set, else the URL the newest
+        ``asyncrl server`` on this ``ASYNCRL_HOME`` published (``ASYNCRL_HOME/server_url``), else the default."""
+        published = self.ASYNCRL_HOME / "server_url"
+        if "ASYNCRL_SERVER_URL" not in self.model_fields_set and published.exists():
+            return published.read_text().strip() or self.ASYNCRL_SERVER_URL
+        return self.ASYNCRL_SERVER_URL
+
+    def publish_server_url(self, host: str, port: int) -> str:
+        """Record where this server listens (``0.0.0.0``/``::`` -> loopback) for workers on the same home."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+        url = f"http://{host}:{port}"
+        self.ASYNCRL_HOME.mkdir(parents=True, exist_ok=True)
+        tmp = self.ASYNCRL_HOME / f".server_url.{os.getpid()}"
+        tmp.write_text(url + "\n")
+        tmp.replace(self.ASYNCRL_HOME / "server_url")
+        return url
 
     def secret_key(self) -> str:
         """SECRET_KEY, or the one generated into ASYNCRL_HOME on first use (mode 0600)."""
