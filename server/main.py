@@ -23,6 +23,7 @@ from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
 from server.services.runs import InvalidTransition, RunNotFound
+from webui.routes import router as webui_router
 from worker.spec import SpecError
 
 
@@ -76,6 +77,7 @@ def create_app() -> FastAPI:
     app = FastAPI(title="asyncrl", version="0.1.0", generate_unique_id_function=_route_id,
                   description="Experiment service for asynchronous RL post-training of language models.")
     app.include_router(api_router, prefix="/api")
+    app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /login
 
     @app.exception_handler(SpecError)
     async def _spec_error(_request: Request, err: SpecError) -> JSONResponse:

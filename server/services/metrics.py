@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from server.core.telemetry import POINTS_INSERTED, POINTS_RECEIVED
 from server.models import Metric, MetricPoint, MetricSeries
@@ -80,3 +80,16 @@ def series(session: Session, *, run_id: int, name: str, since_step: int = -1,
         s.value.append(value if math.isfinite(value) else None)
         s.time.append(t)
     return list(out.values())
+
+
+def latest(session: Session, *, run_ids: Sequence[int], source: str, name: str) -> dict[int, tuple[int, float | None]]:
+    """Run id -> (step, value) of the newest point of metric ``name`` from ``source`` (runs without one absent)."""
+    if not run_ids:
+        return {}
+    newest = (select(Metric.run_id, func.max(Metric.step).label("step"))
+              .where(col(Metric.run_id).in_(run_ids), Metric.source == source, Metric.name == name)
+              .group_by(col(Metric.run_id)).subquery())
+    rows = session.execute(select(Metric.run_id, Metric.step, Metric.value).join(
+        newest, (col(Metric.run_id) == newest.c.run_id) & (col(Metric.step) == newest.c.step))
+        .where(Metric.source == source, Metric.name == name)).all()
+    return {run_id: (step, value if math.isfinite(value) else None) for run_id, step, value in rows}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from sqlmodel import Session, col, select
 from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, utcnow
 from worker.checkpoint import complete_steps
-from worker.rundir import RunDir, atomic_write_json
+from worker.rundir import RunDir, atomic_write_json, read_jsonl
 from worker.spec import SpecError, validate_spec
 
 S = RunStatus
@@ -297,3 +298,26 @@ def tail(path: Path, lines: int, block: int = 65536) -> list[str]:
             f.seek(pos)
             data = f.read(size) + data
     return data.decode(errors="replace").splitlines()[-lines:] if lines > 0 else []
+
+
+_ROLLOUT_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+
+
+def rollout_steps(run: Run) -> list[int]:
+    """Steps with a ``rollouts/step_<n>.jsonl`` file in the run directory, ascending."""
+    folder = RunDir(run.run_dir).rollouts
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _ROLLOUT_FILE.match(p.name)))
+
+
+def rollouts(run: Run, *, step: int | None = None, limit: int = 20) -> tuple[int | None, list[dict[str, Any]]]:
+    """The first ``limit`` rollout records of ``step`` (default: the newest step with rollouts) as the orchestrator
+    wrote them (task, completion, reward, advantage, policy_span, ...); returns (step, records). No file: (step, [])
+    (``(None, [])`` when the run has no rollouts yet)."""
+    if step is None:
+        steps = rollout_steps(run)
+        if not steps:
+            return None, []
+        step = steps[-1]
+    return step, read_jsonl(RunDir(run.run_dir).rollout_file(step))[:limit]

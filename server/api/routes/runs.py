@@ -8,6 +8,7 @@ import tomllib
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import BaseModel
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
 from server.models import ForkRequest, RunEventsPublic, RunLogs, RunPublic, RunsPublic, RunStatus, StatusReport
@@ -157,3 +158,21 @@ def get_logs(run_id: int, session: SessionDep, principal: PrincipalDep,
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise HTTPException(404, f"process: run {run_id} has no {process} log yet ({path})") from None
     return RunLogs(run_id=run_id, process=process, path=str(path), lines=lines)
+
+
+class RolloutsPublic(BaseModel):
+    run_id: int
+    step: int | None
+    """The step shown (None: the run wrote no rollouts yet)."""
+    data: list[dict[str, Any]]
+    """Rollout records as the orchestrator wrote them: task, completion, reward, advantage, policy_span, ..."""
+
+
+@router.get("/{run_id}/rollouts", response_model=RolloutsPublic)
+def get_rollouts(run_id: int, session: SessionDep, principal: PrincipalDep,
+                 step: int | None = Query(None, ge=0, le=2**62, description="default: the newest step with rollouts"),
+                 limit: int = Query(20, ge=1, le=1000)) -> Any:
+    """Rollout samples of one step, read from the run directory's ``rollouts/step_<n>.jsonl``."""
+    check_run_access(principal, run_id)
+    shown, data = runs.rollouts(runs.get(session, run_id), step=step, limit=limit)
+    return RolloutsPublic(run_id=run_id, step=shown, data=data)

@@ -1,0 +1,258 @@
+"""The dashboard's server side on the real Postgres: login, CSRF, read tokens, runs list, launch errors, run page,
+live config diff, compare; and its pure helpers (bottleneck verdict, TOML key lines) with hand-made numbers."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Any
+
+import pytest
+from server_support import new_token, spec
+
+from server.models import MetricSeries
+from webui import figures
+from webui.routes import key_line
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert m, html[:500]
+    return m.group(1)
+
+
+def login(client: Any, token: str) -> str:
+    """Log ``client`` in with ``token``; returns the new session's CSRF token."""
+    client.cookies.clear()
+    resp = client.post("/login", data={"csrf": csrf_of(client.get("/login").text), "token": token, "next": "/runs"},
+                       follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"] == "/runs", resp.text
+    cookie = resp.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie, cookie
+    return csrf_of(client.get("/runs").text)
+
+
+def new_read_token(name: str) -> str:
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.services import tokens
+
+    with Session(engine) as s:
+        _, plain = tokens.create(s, name=name, scope="read")
+        s.commit()
+    return plain
+
+
+@pytest.fixture
+def web(client: Any) -> tuple[Any, str]:
+    """The module's client logged in with a fresh write token, and its CSRF token."""
+    return client, login(client, new_token(f"web-{secrets.token_hex(3)}"))
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+@pytest.mark.parametrize(("batch", "policy", "verdict"), [
+    (0.60, 0.05, "inference-bound"), (0.05, 0.40, "trainer-bound"), (0.10, 0.20, "balanced"),
+    (0.30, 0.30, "balanced"), (0.25, 0.0, "inference-bound"), (0.0, 0.25, "trainer-bound"), (0.24, 0.0, "balanced"),
+])
+def test_bottleneck_verdict_rule(batch: float, policy: float, verdict: str) -> None:
+    assert figures.bottleneck_verdict(batch, policy) == verdict
+
+
+def _series(source: str, steps: list[int], values: list[float]) -> MetricSeries:
+    return MetricSeries(source=source, total=len(steps), step=steps, value=values, time=[0.0] * len(steps))
+
+
+def test_bottleneck_shares_use_the_last_window_of_steps() -> None:
+    steps = list(range(1, 31))
+    series = {
+        ("trainer", "step_time_s"): _series("trainer", steps, [2.0] * 30),
+        # steps 1-10 the trainer waits 1.8 s of 2 s (90%), steps 11-30 only 0.2 s (10%)
+        ("trainer", "wait_for_batch_s"): _series("trainer", steps, [1.8] * 10 + [0.2] * 20),
+        # the orchestrator waits 1 s (50%) from step 11 on; step 30 lacks it
+        ("orchestrator", "wait_for_policy_s"): _series("orchestrator", steps[:29], [0.0] * 10 + [1.0] * 19),
+    }
+    bn = figures.bottleneck(series)
+    assert bn.steps == list(range(1, 30))
+    assert bn.batch_share[:2] == [0.9, 0.9] and bn.policy_share[-1] == 0.5
+    # last 20 steps with all three metrics: 10..29 -> batch (0.9 + 19 * 0.1) / 20 = 0.14, policy 19 * 0.5 / 20
+    assert bn.mean_batch_share == pytest.approx(0.14) and bn.mean_policy_share == pytest.approx(0.475)
+    assert bn.verdict == "trainer-bound" and bn.advice[0] == "move GPUs from inference to the trainer"
+    assert figures.bottleneck({}).verdict is None
+
+
+def test_key_line_finds_the_offending_key() -> None:
+    text = 'name = "x"\nmax_steps = 3\n\n[orchestrator]\nbatch_size = 8\ngroup_size = 0  # bad\n\n[env]\nargs = { a = 1 }\n'
+    assert key_line(text, "orchestrator.group_size") == 6
+    assert key_line(text, "max_steps") == 2
+    assert key_line(text, "env.args.a") == 9
+    assert key_line(text, "orchestrator.seq_len") == 4  # not set: its table
+    assert key_line(text, "model.name") is None
+
+
+# ----------------------------------------------------------------------------- login, CSRF, scopes
+
+
+def test_pages_need_login_and_a_bad_token_is_refused(client: Any) -> None:
+    client.cookies.clear()
+    resp = client.get("/runs?status=failed", follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"] == "/login?next=%2Fruns%3Fstatus%3Dfailed"
+    form = client.get("/login").text
+    resp = client.post("/login", data={"csrf": csrf_of(form), "token": "asr_nope", "next": "/runs"})
+    assert resp.status_code == 401 and "token: invalid token" in resp.text
+    resp = client.post("/login", data={"token": "asr_nope"})
+    assert resp.status_code == 403 and resp.json()["detail"].startswith("csrf:")
+
+
+def test_csrf_missing_or_wrong_is_403_and_nothing_is_written(web: tuple[Any, str], make_run: Any) -> None:
+    client, csrf = web
+    run = make_run()
+    for data in ({}, {"csrf": csrf[:-2] + "xx"}):
+        resp = client.post(f"/runs/{run['id']}/stop", data=data)
+        assert resp.status_code == 403, resp.text
+        assert resp.json() == {"detail": "csrf: missing or wrong form token; reload the page and try again"}
+    assert 'id="status-badge">queued<' in client.get(f"/runs/{run['id']}", params={"part": "status"}).text
+    resp = client.post(f"/runs/{run['id']}/stop", data={"csrf": csrf}, follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"] == f"/runs/{run['id']}"
+    assert 'id="status-badge">cancelled<' in client.get(f"/runs/{run['id']}").text
+
+
+def test_read_token_sees_no_write_buttons_and_its_forged_posts_are_403(client: Any, make_run: Any) -> None:
+    run = make_run()
+    csrf = login(client, new_read_token(f"reader-{secrets.token_hex(3)}"))
+    page = client.get(f"/runs/{run['id']}").text
+    assert "read-only" in page
+    for needle in (f'action="/runs/{run["id"]}/stop"', "Review change", 'href="/launch"', 'id="fork"'):
+        assert needle not in page
+    for url, data in ((f"/runs/{run['id']}/stop", {}), ("/launch", {"spec": 'name = "x"'}),
+                      (f"/runs/{run['id']}/config", {"trainer.optim.lr": "0.5"})):
+        resp = client.post(url, data={"csrf": csrf, **data})
+        assert resp.status_code == 403 and "is read-only" in resp.json()["detail"], (url, resp.text)
+    assert 'id="status-badge">queued<' in client.get(f"/runs/{run['id']}").text
+
+
+def test_logout_ends_the_session(web: tuple[Any, str]) -> None:
+    client, csrf = web
+    assert client.post("/logout", data={"csrf": csrf}, follow_redirects=False).headers["location"] == "/login"
+    assert client.get("/runs", follow_redirects=False).status_code == 303
+
+
+# ----------------------------------------------------------------------------- pages
+
+
+def test_runs_list_filters_by_status_and_name_without_javascript(web: tuple[Any, str], make_run: Any) -> None:
+    client, csrf = web
+    tag = secrets.token_hex(3)
+    a, b = make_run(name=f"filter-{tag}-a"), make_run(name=f"filter-{tag}-b")
+    client.post(f"/runs/{b['id']}/stop", data={"csrf": csrf})
+    page = client.get("/runs", params={"q": f"filter-{tag}"}).text
+    assert re.findall(r'data-run-id="(\d+)"', page) == [str(b["id"]), str(a["id"])]
+    page = client.get("/runs", params={"q": f"filter-{tag}", "status": "cancelled"}).text
+    assert re.findall(r'data-run-id="(\d+)"', page) == [str(b["id"])]
+    assert '<span id="runs-count">1</span>' in page and "<html" in page
+    fragment = client.get("/runs", params={"q": f"filter-{tag}"}, headers={"HX-Request": "true"}).text
+    assert "<html" not in fragment and len(re.findall(r"data-run-id", fragment)) == 2
+    assert client.get("/runs", params={"status": "nope"}).status_code == 422
+
+
+def test_launch_shows_the_spec_error_at_its_line(web: tuple[Any, str]) -> None:
+    client, csrf = web
+    page = client.get("/launch", params={"config": "reverse_text/rl.toml"}).text
+    assert '<option value="reverse_text/rl.toml" selected>' in page and "max_off_policy_steps = 8" in page
+    text = 'name = "bad"\nmax_steps = 3\n[model]\nname = "m"\n[orchestrator]\ngroup_size = 0\n'
+    resp = client.post("/launch", data={"csrf": csrf, "spec": text})
+    assert resp.status_code == 422
+    bad = re.search(r'<li value="(\d+)" class="bad" id="bad-line"><code>([^<]*)</code>\s*<p class="inline-error" '
+                    r'role="alert" id="spec-error">([^<]*)</p>', resp.text)
+    assert bad and bad.group(1) == "6" and bad.group(2) == "group_size = 0", resp.text
+    assert bad.group(3).startswith("orchestrator.group_size:")
+    resp = client.post("/launch", data={"csrf": csrf, "spec": 'name = "x"\nmax_steps = [\n'})
+    assert resp.status_code == 422 and 'id="spec-error">TOML: ' in resp.text
+
+
+def test_launch_queues_the_run_and_redirects_to_its_page(web: tuple[Any, str]) -> None:
+    client, csrf = web
+    name = f"web-launch-{secrets.token_hex(3)}"
+    text = f'name = "{name}"\nmax_steps = 3\n[model]\nname = "{spec()["model"]["name"]}"\n'
+    resp = client.post("/launch", data={"csrf": csrf, "spec": text}, follow_redirects=False)
+    assert resp.status_code == 303, resp.text
+    run_id = int(resp.headers["location"].rsplit("/", 1)[1])
+    page = client.get(f"/runs/{run_id}").text
+    assert f"#{run_id} {name}" in page and "data-figures" in page and 'id="chart-mismatch_kl"' in page
+
+
+def test_run_page_figures_marks_rollouts_and_config_diff(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
+    from server_support import run_token_headers
+
+    client, csrf = web
+    run = make_run()
+    rid = run["id"]
+    now = time.time()
+    points = [{"source": src, "step": s, "name": n, "value": v, "time": now} for s in (1, 2, 3) for src, n, v in (
+        ("trainer", "loss", 0.5 / s), ("trainer", "mismatch_kl", 2e-4 * s), ("trainer", "step_time_s", 2.0),
+        ("trainer", "wait_for_batch_s", 1.5), ("orchestrator", "wait_for_policy_s", 0.1),
+        ("orchestrator", "reward_mean", 0.1 * s))]
+    assert client.post(f"/api/runs/{rid}/metrics", json={"points": points}, headers=auth).status_code == 200
+    # preview: the diff, nothing stored yet
+    resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "trainer.optim.lr": "5e-5",
+                                                     "orchestrator.temperature": "1.0"})
+    assert resp.status_code == 200
+    assert re.search(r"<code>trainer.optim.lr</code></th><td class=\"old\">0.0001</td><td class=\"new\">5e-05</td>",
+                     resp.text), resp.text
+    assert client.get(f"/api/runs/{rid}/config", headers=auth).json()["revision"] == 0
+    # a bad value: inline at its field
+    resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "orchestrator.max_tokens": "-3"})
+    assert resp.status_code == 422
+    assert re.search(r'id="live-orchestrator-max_tokens-error">orchestrator.max_tokens: ', resp.text), resp.text
+    # confirm: applied through the PATCH service; the trainer acks at step 2 -> marker on every chart
+    resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "confirm": "1", "trainer.optim.lr": "5e-05"},
+                       follow_redirects=False)
+    assert resp.status_code == 303
+    ack = client.post(f"/api/runs/{rid}/config/1/ack", json={"process": "trainer", "step": 2},
+                      headers=run_token_headers(rid))
+    assert ack.status_code == 200, ack.text
+    html = client.get(f"/runs/{rid}", params={"part": "charts"}).text
+    figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
+    assert figs["loss"]["data"][0]["x"] == [1, 2, 3] and figs["loss"]["data"][0]["y"] == [0.5, 0.25, 0.5 / 3]
+    assert [a["text"] for a in figs["lr"]["layout"]["annotations"]] == ["r1 trainer"]
+    assert all(f["layout"]["shapes"][0]["x0"] == 2 for f in figs.values())
+    kl = figs["mismatch_kl"]["data"]
+    assert kl[-1]["name"] == "alert threshold 0.001" and kl[-1]["y"] == [1e-3, 1e-3] and kl[-1]["x"] == [1, 3]
+    assert figs["bottleneck"]["data"][0]["y"] == [0.75, 0.75, 0.75]
+    assert '<strong id="verdict">inference-bound</strong>' in html
+
+
+def test_rollouts_api_and_fragment_read_the_run_dir(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
+    from worker.rundir import RunDir, append_jsonl
+
+    client, _ = web
+    run = make_run()
+    rd = RunDir(run["run_dir"])
+    rd.rollouts.mkdir(parents=True)
+    for step in (1, 2):
+        for i in range(3):
+            append_jsonl(rd.rollout_file(step), {"step": step, "task": f"abc{i}", "completion": f"cba{i}",
+                                                 "reward": 0.25 * i, "advantage": i - 1.0})
+    data = client.get(f"/api/runs/{run['id']}/rollouts", params={"limit": 2}, headers=auth).json()
+    assert data["step"] == 2 and [r["completion"] for r in data["data"]] == ["cba0", "cba1"]
+    assert client.get(f"/api/runs/{run['id']}/rollouts", params={"step": 9}, headers=auth).json()["data"] == []
+    html = client.get(f"/runs/{run['id']}", params={"part": "rollouts"}).text
+    assert "Step 2 (first 3)" in html and "<td class=\"num\">0.500</td><td class=\"num\">1.000</td>" in html
+
+
+def test_compare_overlays_runs_and_diffs_their_specs(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
+    client, _ = web
+    a, b = make_run(max_steps=3), make_run(max_steps=7)
+    for run, v in ((a, 0.1), (b, 0.2)):
+        pts = [{"source": "orchestrator", "step": 1, "name": "reward_mean", "value": v, "time": 1.0}]
+        client.post(f"/api/runs/{run['id']}/metrics", json={"points": pts}, headers=auth)
+    html = client.get("/compare", params=[("run", a["id"]), ("run", b["id"])]).text
+    rows = re.findall(r'<tr><th scope="row"><code>([^<]+)</code></th>((?:<td>[^<]*</td>)+)</tr>', html)
+    assert [(k, re.findall(r"<td>([^<]*)</td>", v)) for k, v in rows] == [
+        ("max_steps", ["3", "7"]), ("name", [a["name"], b["name"]])]
+    figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
+    assert [(t["name"], t["y"]) for t in figs["reward"]["data"]] == [
+        (f"#{a['id']} {a['name']} train", [0.1]), (f"#{b['id']} {b['name']} train", [0.2])]
