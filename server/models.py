@@ -1,6 +1,7 @@
 """Tables and API shapes of the control plane.
 
-Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens. Alembic migrations in
+Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens, and the alert tables of
+``server/alerts/models.py`` (imported at the end of this module). Alembic migrations in
 ``migrations/`` create them; ``tests/server/test_migrations.py`` fails when these and the migrations drift.
 """
 
@@ -237,3 +238,6 @@ class ApiToken(SQLModel, table=True):
     """``write`` (read and write) or ``read`` (GET only: dashboards, monitoring)."""
     created_at: datetime = _ts()
     revoked_at: datetime | None = _ts(nullable=True)
+
+
+import server.alerts.models  # noqa: E402, F401  (alert and webhook tables; they use the helpers above)

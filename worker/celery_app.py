@@ -8,6 +8,7 @@ folder in ASYNCRL_HOME (kombu's filesystem transport): embedded mode needs no Re
 
 Celery beat enqueues ``asyncrl.reconcile`` every ``RECONCILE_INTERVAL_S``; ``asyncrl worker`` embeds beat
 (``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A worker.celery_app beat``).
+Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALERT_STALL_CHECK_S``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     beat_schedule={"reconcile": {"task": "asyncrl.reconcile", "schedule": settings.RECONCILE_INTERVAL_S,
-                                 "options": {"expires": settings.RECONCILE_INTERVAL_S}}},
+                                 "options": {"expires": settings.RECONCILE_INTERVAL_S}},
+                   "check-stalls": {"task": "asyncrl.check_stalls", "schedule": settings.ALERT_STALL_CHECK_S,
+                                    "options": {"expires": settings.ALERT_STALL_CHECK_S}}},
     beat_schedule_filename=str(settings.ASYNCRL_HOME / "celerybeat-schedule"),
 )

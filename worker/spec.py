@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from worker.alert_rules import AlertRule
+
 
 class SpecError(ValueError):
     """A spec that cannot be used; the message is one line naming the field and what is allowed."""
@@ -218,6 +220,8 @@ class RLSpec(_Strict):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    alerts: list[AlertRule] = Field(default_factory=list)
+    """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission."""
 
     _name = field_validator("name")(_check_run_name)
 
@@ -265,6 +269,8 @@ class SFTSpec(_Strict):
     eval_interval: int = Field(0, ge=0)
     """Greedy held-out eval every this many steps (0 = at the end only)."""
     eval_examples: int = Field(64, ge=1)
+    alerts: list[AlertRule] = Field(default_factory=list)
+    """Alert rules of this run (``worker/alert_rules.py``)."""
 
     _name = field_validator("name")(_check_run_name)
 
@@ -329,7 +335,8 @@ def _format_validation_error(err: ValidationError) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "union_tag_invalid":
         ctx = first.get("ctx", {})
-        return f"{loc}.type: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
+        field = str(ctx.get("discriminator", "type")).strip("'")
+        return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
     given = first.get("input")
     if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):
         msg = f"{msg}, got {given!r}"  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"

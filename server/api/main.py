@@ -1,8 +1,9 @@
 from fastapi import APIRouter
 
-from server.api.routes import config, metrics, runs
+from server.api.routes import alerts, config, metrics, runs
 
 api_router = APIRouter()
 api_router.include_router(runs.router)
 api_router.include_router(metrics.router)
 api_router.include_router(config.router)
+api_router.include_router(alerts.router)

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import delete, func
 from sqlmodel import Session, col, select
 
+from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, utcnow
 from worker.checkpoint import complete_steps
@@ -73,6 +74,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     resolved = json.loads(spec.model_copy(update={"output_dir": str(out)}).model_dump_json())
     run.spec, run.spec_hash, run.run_dir = resolved, spec_hash(resolved), str(out / spec.name)
     session.add(RunEvent(run_id=run.id, kind="status", to_status=S.queued, reason=f"submitted by {owner}"))
+    alert_rules.add_spec_rules(session, run)
     session.flush()
     return run
 
@@ -133,6 +135,7 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", _
     session.add(run)
     session.add(RunEvent(run_id=run.id, kind="status", from_status=current, to_status=to, reason=reason, data=data))
     session.flush()
+    alert_rules.on_status(session, run, current, to)
     return True
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query
 
+from server.alerts import rules as alert_rules
 from server.api.deps import PrincipalDep, SessionDep, check_run_access
 from server.core.config import settings
 from server.models import MetricBatch, MetricIngestResult, MetricSeriesPublic
@@ -22,6 +23,8 @@ def ingest_metrics(run_id: int, batch: MetricBatch, session: SessionDep, princip
         raise HTTPException(413, f"points: {len(batch.points)} in one batch, at most {settings.MAX_METRIC_POINTS}")
     runs.get(session, run_id)
     inserted = metrics.ingest(session, run_id=run_id, points=batch.points)
+    session.commit()
+    alert_rules.on_metrics(session, run_id, batch.points)  # after the points committed: they are in the windows
     session.commit()
     return MetricIngestResult(received=len(batch.points), inserted=inserted)
 

@@ -1,0 +1,236 @@
+"""Alert rules: storage and evaluation.
+
+A rule applies to one run (``run_id``) or to every run (null). Metric rules are evaluated step by step on each
+ingested batch (after its insert committed), status rules on every status transition (in the same transaction),
+``stall`` rules by the Celery beat entry ``asyncrl.check_stalls``. ``alert_states`` holds, per (rule, run),
+whether the rule holds and the newest step checked: a rule fires (an ``alert_events`` row and one webhook
+delivery per matching endpoint) only when it starts holding, and records ``cleared`` when it stops.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from pydantic import TypeAdapter
+from sqlalchemy import func, or_
+from sqlmodel import Session, col, select
+
+from server.alerts import webhooks
+from server.alerts.models import AlertEvent, AlertRuleRow, AlertState
+from server.models import Metric, MetricPoint, Run, RunStatus, utcnow
+from worker.alert_rules import (
+    AlertRule,
+    NonFiniteRule,
+    StallRule,
+    StatusRule,
+    ThresholdRule,
+    default_source,
+    describe,
+)
+
+RULE = TypeAdapter(AlertRule)
+OPS = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
+
+
+def add(session: Session, rule: Any, *, run_id: int | None, by: str, origin: str = "api") -> AlertRuleRow:
+    """Store a validated rule for run ``run_id`` (None: every run). Flushes only."""
+    row = AlertRuleRow(run_id=run_id, kind=rule.kind, rule=rule.model_dump(mode="json"), origin=origin, created_by=by)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def add_spec_rules(session: Session, run: Run) -> None:
+    """Store the ``alerts`` of ``run``'s spec as rules of that run."""
+    for data in run.spec.get("alerts", []):
+        add(session, RULE.validate_python(data), run_id=run.id, by=run.owner, origin="spec")
+
+
+def list_rules(session: Session, *, run_id: int | None = None, applying: bool = False) -> list[AlertRuleRow]:
+    """Rules of one run (or the global ones when ``run_id`` is None); with ``applying``, the global ones too."""
+    where = [AlertRuleRow.run_id == run_id] if run_id is not None else [col(AlertRuleRow.run_id).is_(None)]
+    if applying:
+        where = [or_(*where, col(AlertRuleRow.run_id).is_(None))]
+    return list(session.exec(select(AlertRuleRow).where(*where).order_by(col(AlertRuleRow.id))).all())
+
+
+def get(session: Session, rule_id: int) -> AlertRuleRow:
+    """Raises: webhooks.NotFound."""
+    row = session.get(AlertRuleRow, rule_id) if 0 < rule_id < 2**31 else None
+    if row is None:
+        raise webhooks.NotFound(f"alert rule {rule_id} not found")
+    return row
+
+
+def events(session: Session, *, run_id: int | None, offset: int, limit: int) -> tuple[list[AlertEvent], int]:
+    """Alert events newest first (of one run, or all); returns (page, total)."""
+    where = [AlertEvent.run_id == run_id] if run_id is not None else []
+    total = session.exec(select(func.count()).select_from(AlertEvent).where(*where)).one()
+    rows = session.exec(
+        select(AlertEvent).where(*where).order_by(col(AlertEvent.id).desc()).offset(offset).limit(limit)
+    ).all()
+    return list(rows), int(total)
+
+
+# ----------------------------------------------------------------------------- firing
+
+
+def _active(session: Session, run_id: int, kinds: Sequence[str]) -> list[tuple[AlertRuleRow, Any]]:
+    rows = session.exec(
+        select(AlertRuleRow).where(
+            col(AlertRuleRow.enabled),
+            col(AlertRuleRow.kind).in_(kinds),
+            or_(AlertRuleRow.run_id == run_id, col(AlertRuleRow.run_id).is_(None)),
+        )
+    ).all()
+    return [(r, RULE.validate_python(r.rule)) for r in rows]
+
+
+def _state(session: Session, rule_id: int, run_id: int) -> AlertState:
+    state = session.get(AlertState, (rule_id, run_id), with_for_update=True)
+    if state is None:
+        state = AlertState(rule_id=rule_id, run_id=run_id)
+        session.add(state)
+        session.flush()
+    return state
+
+
+def _record(
+    session: Session, row: AlertRuleRow, run: Run, state: str, message: str, step: int | None, **data: Any
+) -> AlertEvent:
+    ev = AlertEvent(rule_id=row.id, run_id=run.id, kind=row.kind, state=state, step=step, message=message, data=data)
+    session.add(ev)
+    session.flush()
+    if state == "fired":
+        webhooks.fan_out(session, ev, run)
+    return ev
+
+
+def _set(
+    session: Session,
+    row: AlertRuleRow,
+    rule: Any,
+    run: Run,
+    state: AlertState,
+    holding: bool,
+    step: int | None,
+    **data: Any,
+) -> None:
+    """Move the (rule, run) state to ``holding``; an edge records ``fired`` or ``cleared``."""
+    if holding != state.holding:
+        state.holding = holding
+        state.episodes += int(holding)
+        where = f" at step {step}" if step is not None else ""
+        verb = "fired" if holding else "cleared"
+        _record(session, row, run, verb, f"{describe(rule)}: {verb}{where}", step, **data)
+    if step is not None:
+        state.last_step = max(state.last_step, step)
+    state.updated_at = utcnow()
+    session.add(state)
+
+
+def on_status(session: Session, run: Run, old: RunStatus, new: RunStatus) -> None:
+    """Fire the ``status`` rules that watch this transition (``requeued``: failed/cancelled -> queued)."""
+    name = "requeued" if new == RunStatus.queued and old in (RunStatus.failed, RunStatus.cancelled) else new.value
+    for row, rule in _active(session, run.id, ["status"]):  # type: ignore[arg-type]
+        if isinstance(rule, StatusRule) and name in rule.statuses:
+            _record(
+                session,
+                row,
+                run,
+                "fired",
+                f"{describe(rule)}: run {run.id} is {name}"
+                + (f" ({run.status_reason[:300]})" if run.status_reason else ""),
+                None,
+                status=name,
+                previous=old.value,
+            )
+
+
+def _series(session: Session, run_id: int, source: str, name: str, upto: int, n: int) -> list[tuple[int, float]]:
+    """The last ``n`` points (step, value) of one series at or before step ``upto``, oldest first."""
+    rows = session.exec(
+        select(Metric.step, Metric.value)
+        .where(Metric.run_id == run_id, Metric.source == source, Metric.name == name, col(Metric.step) <= upto)
+        .order_by(col(Metric.step).desc())
+        .limit(n)
+    ).all()
+    return [(int(s), float(v)) for s, v in reversed(rows)]
+
+
+def _holds_at(rule: Any, points: list[tuple[int, float]], i: int) -> tuple[bool, dict[str, Any]]:
+    """Whether a threshold/throughput rule holds at ``points[i]`` (a series, oldest first)."""
+    step, value = points[i]
+    if isinstance(rule, ThresholdRule):
+        window = [v for _, v in points[max(0, i + 1 - rule.window) : i + 1]]
+        ok = step >= rule.after_step and len(window) == rule.window and all(OPS[rule.op](v, rule.value) for v in window)
+        return ok, {"metric": rule.metric, "value": value if math.isfinite(value) else None, "window": window[-5:]}
+    before = [v for _, v in points[max(0, i - rule.window) : i] if math.isfinite(v)]
+    median = statistics.median(before) if len(before) == rule.window else None
+    ok = median is not None and math.isfinite(value) and value < rule.fraction * median
+    return ok, {"metric": rule.metric, "value": value if math.isfinite(value) else None, "median": median}
+
+
+def on_metrics(session: Session, run_id: int, points: Sequence[MetricPoint]) -> None:
+    """Evaluate the run's metric rules at every new step of ``points`` (steps above each rule's last checked one),
+    and clear a holding ``stall`` rule. Call after the points are committed; the caller commits."""
+    rules = _active(session, run_id, ["threshold", "throughput", "non_finite", "stall"])
+    if not rules or not points:
+        return
+    run = session.get(Run, run_id)
+    assert run is not None
+    by_key: dict[tuple[str, str], dict[int, float]] = {}
+    for p in points:
+        by_key.setdefault((p.source, p.name), {})[p.step] = p.value
+    for row, rule in rules:
+        state = _state(session, row.id, run_id)  # type: ignore[arg-type]
+        if isinstance(rule, StallRule):
+            _set(session, row, rule, run, state, False, None)
+        elif isinstance(rule, NonFiniteRule):
+            watched = [(default_source(m), m) for m in rule.metrics]
+            steps = sorted({s for k in watched for s in by_key.get(k, {}) if s > state.last_step})
+            for step in steps:
+                bad = {
+                    m: str(v)
+                    for k in watched
+                    for m, v in [(k[1], by_key.get(k, {}).get(step))]
+                    if v is not None and not math.isfinite(v)
+                }
+                _set(session, row, rule, run, state, bool(bad), step, values=bad)
+        else:
+            new = sorted(s for s in by_key.get((rule.source, rule.metric), {}) if s > state.last_step)
+            if not new:
+                continue
+            series = _series(session, run_id, rule.source, rule.metric, new[-1], len(new) + rule.window)
+            for i, (step, _value) in enumerate(series):
+                if step in new:
+                    holding, data = _holds_at(rule, series, i)
+                    _set(session, row, rule, run, state, holding, step, **data)
+    session.flush()
+
+
+def check_stalls(session: Session, now: datetime | None = None) -> list[tuple[int, int]]:
+    """Fire ``stall`` rules of running runs that sent no metric for the rule's ``seconds`` (measured from the
+    newest point's time, or from the run's last status change if later). Returns (rule id, run id) fired."""
+    now = now or utcnow()
+    fired = []
+    running = session.exec(select(Run).where(Run.status == RunStatus.running.value)).all()
+    for run in running:
+        rules = _active(session, run.id, ["stall"])  # type: ignore[arg-type]
+        if not rules:
+            continue
+        newest = session.exec(select(func.max(Metric.time)).where(Metric.run_id == run.id)).one()
+        since = max(float(newest or 0.0), run.updated_at.timestamp())
+        quiet = now.timestamp() - since
+        for row, rule in rules:
+            state = _state(session, row.id, run.id)  # type: ignore[arg-type]
+            if quiet > rule.seconds and not state.holding:
+                fired.append((row.id, run.id))
+            if quiet > rule.seconds:
+                _set(session, row, rule, run, state, True, None, quiet_s=round(quiet, 1))
+    session.flush()
+    return fired

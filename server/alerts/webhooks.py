@@ -1,0 +1,290 @@
+"""Webhook endpoints and deliveries.
+
+- **SSRF guard** (``check_url``): the URL's host is resolved and every address checked, at creation and again
+  before each attempt. Link-local (169.254/16, fe80::/10) and cloud metadata (169.254.169.254, fd00:ec2::254,
+  metadata.google.internal) are refused unless listed in ``WEBHOOK_ALLOW_HOSTS``; loopback only in
+  ``LOCAL_MODE``. Redirects are not followed.
+- **Secret**: stored encrypted (Fernet, key derived from SECRET_KEY) because the server must sign with it; the
+  API shows it once, at creation, and a prefix after. It is never logged.
+- **Signature**: ``X-Asyncrl-Signature: t=<unix s>,v1=<hex HMAC-SHA256(secret, f"{t}.{body}")>``.
+- **Idempotency**: each delivery has an ``Idempotency-Key`` header, the same on every retry, redelivery and
+  replay; a receiver that dedups on it sees each event once, even when a worker is killed mid-request.
+- **Retries**: the Celery task retries a failed attempt (non-2xx, connection error) after
+  ``min(WEBHOOK_BACKOFF_BASE_S * 2**(attempts-1), WEBHOOK_BACKOFF_MAX_S)`` seconds, up to
+  ``WEBHOOK_MAX_ATTEMPTS`` attempts. ``delivered`` is committed before the task is acked, and a redelivered task
+  whose delivery is no longer ``pending`` does nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import secrets
+import socket
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from cryptography.fernet import Fernet
+from sqlalchemy import event
+from sqlalchemy.orm import Session as OrmSession
+from sqlmodel import Session, col, select
+
+from server.alerts.models import AlertEvent, EndpointCreate, WebhookDelivery, WebhookEndpoint
+from server.core.config import settings
+from server.models import Run, utcnow
+
+logger = logging.getLogger("asyncrl.webhooks")
+METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.google.internal."})
+METADATA_IPS = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+SIGNATURE_HEADER = "X-Asyncrl-Signature"
+
+
+class UnsafeURL(ValueError):
+    """A webhook URL the SSRF guard refuses; the message starts with ``url:``."""
+
+
+class NotFound(LookupError):
+    pass
+
+
+def check_url(url: str) -> None:
+    """Resolve ``url``'s host and refuse it if any address is link-local or cloud metadata (unless allow-listed in
+    ``WEBHOOK_ALLOW_HOSTS``), or loopback/unspecified outside ``LOCAL_MODE``.
+
+    Raises:
+        UnsafeURL: one line starting with ``url:`` naming the host and the reason (also when it does not resolve).
+    """
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if parts.scheme not in {"http", "https"} or not host:
+        raise UnsafeURL(f"url: expected an http(s) URL with a host, got {url!r}")
+    allowed = {h.lower() for h in settings.WEBHOOK_ALLOW_HOSTS}
+    if host in METADATA_HOSTS and host not in allowed:
+        raise UnsafeURL(f"url: {host} is a cloud metadata service (allow it in WEBHOOK_ALLOW_HOSTS)")
+    try:
+        infos = socket.getaddrinfo(
+            host, parts.port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM
+        )
+    except (socket.gaierror, UnicodeError) as err:
+        raise UnsafeURL(f"url: host {host} does not resolve ({err})") from None
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        if host in allowed or str(ip) in allowed:
+            continue
+        if ip in METADATA_IPS:
+            raise UnsafeURL(f"url: {host} resolves to {ip}, a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)")
+        if ip.is_link_local:
+            raise UnsafeURL(f"url: {host} resolves to {ip}, a link-local address (allow it in WEBHOOK_ALLOW_HOSTS)")
+        if (ip.is_loopback or ip.is_unspecified) and not settings.LOCAL_MODE:
+            raise UnsafeURL(f"url: {host} resolves to {ip}, a loopback address (allowed only with LOCAL_MODE)")
+
+
+# ----------------------------------------------------------------------------- secrets and signatures
+
+
+def _fernet() -> Fernet:
+    key = hashlib.sha256(b"asyncrl webhook secrets\0" + settings.secret_key().encode()).digest()
+    return Fernet(base64.urlsafe_b64encode(key))
+
+
+def reveal_secret(endpoint: WebhookEndpoint) -> str:
+    """The endpoint's plain signing secret (decrypted with the key derived from SECRET_KEY)."""
+    return _fernet().decrypt(endpoint.secret_encrypted.encode()).decode()
+
+
+def signature(secret: str, body: bytes, timestamp: int) -> str:
+    """Value of the ``X-Asyncrl-Signature`` header for ``body`` sent at ``timestamp`` (unix seconds)."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={mac}"
+
+
+def verify(secret: str, body: bytes, header: str, tolerance_s: float = 300.0) -> bool:
+    """Receiver side: whether ``header`` signs ``body`` with ``secret`` and its time is within ``tolerance_s``."""
+    fields = dict(part.split("=", 1) for part in header.split(",") if "=" in part)
+    if not fields.get("t", "").isdigit() or abs(time.time() - int(fields["t"])) > tolerance_s:
+        return False
+    return hmac.compare_digest(signature(secret, body, int(fields["t"])), header)
+
+
+# ----------------------------------------------------------------------------- endpoints
+
+
+def create_endpoint(session: Session, body: EndpointCreate, *, by: str) -> tuple[WebhookEndpoint, str]:
+    """Add an endpoint; returns it and its plain secret (given or generated). Flushes only.
+
+    Raises:
+        UnsafeURL: the SSRF guard refuses the URL.
+    """
+    url = str(body.url)
+    check_url(url)
+    secret = body.secret or f"whsec_{secrets.token_urlsafe(24)}"
+    row = WebhookEndpoint(
+        name=body.name or urlsplit(url).hostname or "",
+        url=url,
+        secret_encrypted=_fernet().encrypt(secret.encode()).decode(),
+        secret_prefix=secret[:10],
+        events=list(body.events),
+        format=body.format,
+        created_by=by,
+    )
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def get_endpoint(session: Session, endpoint_id: int) -> WebhookEndpoint:
+    """Raises: NotFound."""
+    row = session.get(WebhookEndpoint, endpoint_id) if 0 < endpoint_id < 2**31 else None
+    if row is None:
+        raise NotFound(f"webhook endpoint {endpoint_id} not found")
+    return row
+
+
+# ----------------------------------------------------------------------------- deliveries
+
+
+def _payload(endpoint: WebhookEndpoint, ev: AlertEvent, run: Run, key: str) -> str:
+    if endpoint.format == "slack":
+        return json.dumps({"text": f"[asyncrl] run {run.id} ({run.name}): {ev.message}"})
+    return json.dumps(
+        {
+            "id": key,
+            "event": ev.kind,
+            "state": ev.state,
+            "alert_event_id": ev.id,
+            "rule_id": ev.rule_id,
+            "run": {"id": run.id, "name": run.name, "status": str(run.status)},
+            "step": ev.step,
+            "message": ev.message,
+            "data": ev.data,
+            "time": ev.time.isoformat(),
+        },
+        sort_keys=True,
+    )
+
+
+def fan_out(session: Session, ev: AlertEvent, run: Run) -> list[WebhookDelivery]:
+    """A pending delivery of fired event ``ev`` to every enabled endpoint whose filter has its kind; each is
+    enqueued after the session's next commit. Flushes only."""
+    endpoints = session.exec(select(WebhookEndpoint).where(col(WebhookEndpoint.enabled))).all()
+    rows = []
+    for endpoint in endpoints:
+        if ev.kind not in endpoint.events:
+            continue
+        key = uuid.uuid4().hex
+        row = WebhookDelivery(
+            endpoint_id=endpoint.id, event_id=ev.id, idempotency_key=key, body=_payload(endpoint, ev, run, key)
+        )
+        session.add(row)
+        rows.append(row)
+    session.flush()
+    session.info.setdefault("asyncrl_deliveries", []).extend(r.id for r in rows)
+    return rows
+
+
+def replay(session: Session, delivery_id: int) -> WebhookDelivery:
+    """Send a delivery again (same body and idempotency key, attempts start over); enqueued after the commit.
+
+    Raises:
+        NotFound: no such delivery.
+    """
+    row = session.get(WebhookDelivery, delivery_id, with_for_update=True) if 0 < delivery_id < 2**31 else None
+    if row is None:
+        raise NotFound(f"delivery {delivery_id} not found")
+    row.status, row.attempts, row.replays, row.updated_at = "pending", 0, row.replays + 1, utcnow()
+    session.add(row)
+    session.flush()
+    session.info.setdefault("asyncrl_deliveries", []).append(row.id)
+    return row
+
+
+@event.listens_for(OrmSession, "after_commit")
+def _enqueue_after_commit(session: OrmSession) -> None:
+    ids = session.info.pop("asyncrl_deliveries", [])
+    if not ids:
+        return
+    from worker.tasks import deliver_webhook
+
+    for delivery_id in ids:
+        try:
+            deliver_webhook.delay(delivery_id)
+        except Exception as err:  # the row stays pending; a replay sends it
+            logger.error("could not enqueue delivery %s: %s", delivery_id, err)
+
+
+@event.listens_for(OrmSession, "after_rollback")
+def _forget_after_rollback(session: OrmSession) -> None:
+    session.info.pop("asyncrl_deliveries", None)
+
+
+def backoff_s(attempts: int) -> float:
+    """Seconds before the next try after ``attempts`` failed ones."""
+    return float(min(settings.WEBHOOK_BACKOFF_BASE_S * 2 ** (attempts - 1), settings.WEBHOOK_BACKOFF_MAX_S))
+
+
+def _finish(session: Session, row: WebhookDelivery, **fields: Any) -> None:
+    for name, value in fields.items():
+        setattr(row, name, value)
+    row.updated_at = utcnow()
+    session.add(row)
+    session.commit()
+
+
+def attempt(session: Session, delivery_id: int) -> tuple[str, float | None]:
+    """One attempt of a pending delivery: returns (outcome, seconds until the next try or None).
+
+    Outcomes: ``skipped`` (missing, or no longer pending: a redelivered task after success), ``delivered``,
+    ``retry``, ``failed`` (refused by the SSRF guard, endpoint gone or disabled, or attempts used up).
+    The attempt count is committed before the request; the outcome right after it.
+    """
+    row = session.get(WebhookDelivery, delivery_id)
+    if row is None or row.status != "pending":
+        return f"skipped: delivery {delivery_id} is {row.status if row else 'gone'}", None
+    endpoint = session.get(WebhookEndpoint, row.endpoint_id)
+    if endpoint is None or not endpoint.enabled:
+        _finish(session, row, status="failed", last_error="endpoint disabled")
+        return f"failed: delivery {delivery_id}: endpoint disabled", None
+    try:
+        check_url(endpoint.url)
+    except UnsafeURL as err:
+        _finish(session, row, status="failed", last_error=str(err))
+        return f"failed: delivery {delivery_id}: {err}", None
+    url, secret, body, key = endpoint.url, reveal_secret(endpoint), row.body.encode(), row.idempotency_key
+    _finish(session, row, attempts=row.attempts + 1)
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": key,
+        "User-Agent": "asyncrl-webhooks/1",
+        SIGNATURE_HEADER: signature(secret, body, int(time.time())),
+    }
+    start, code, error = time.perf_counter(), None, ""
+    try:
+        resp = httpx.post(
+            url, content=body, headers=headers, timeout=settings.WEBHOOK_TIMEOUT_S, follow_redirects=False
+        )
+        code = resp.status_code
+        if not 200 <= code < 300:
+            error = f"HTTP {code}: {resp.text[:200]}"
+    except httpx.HTTPError as err:
+        error = f"{type(err).__name__}: {err}"[:2000]
+    latency = round((time.perf_counter() - start) * 1000, 2)
+    session.refresh(row)
+    if not error:
+        _finish(
+            session, row, status="delivered", status_code=code, latency_ms=latency, last_error="", delivered_at=utcnow()
+        )
+        return f"delivered: delivery {delivery_id} attempt {row.attempts} HTTP {code}", None
+    done = row.attempts >= settings.WEBHOOK_MAX_ATTEMPTS
+    _finish(
+        session, row, status="failed" if done else row.status, status_code=code, latency_ms=latency, last_error=error
+    )
+    if done:
+        return f"failed: delivery {delivery_id} after {row.attempts} attempts: {error}", None
+    return f"retry: delivery {delivery_id} attempt {row.attempts}: {error}", backoff_s(row.attempts)

@@ -1,0 +1,189 @@
+"""Alert rules (``/api/alerts/rules``, ``/api/runs/{id}/alerts/rules``), alert events, webhook endpoints
+(``/api/webhooks``), their delivery logs and replays (``/api/deliveries/{id}/replay``).
+
+Writes need a user token with write scope (``current_principal`` refuses read tokens on non-GET requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, Response
+from pydantic import ConfigDict, RootModel
+from sqlmodel import col, func, select
+
+from server.alerts import rules, webhooks
+from server.alerts.models import (
+    AlertEventPublic,
+    DeliveryPublic,
+    EndpointCreate,
+    EndpointCreated,
+    EndpointPublic,
+    Page,
+    RulePublic,
+    RuleUpdate,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
+from server.api.deps import SessionDep, UserDep
+from server.services import runs
+from worker.alert_rules import AlertRule
+
+router = APIRouter(tags=["alerts"])
+_RULE_EXAMPLE = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.01, "window": 3}
+
+
+class RuleIn(RootModel[AlertRule]):
+    """One rule; ``kind`` picks its fields (``worker/alert_rules.py``)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [_RULE_EXAMPLE, {"kind": "status", "statuses": ["failed"]}]}
+    )
+
+
+@contextmanager
+def _http_errors() -> Iterator[None]:
+    try:
+        yield
+    except webhooks.NotFound as err:
+        raise HTTPException(404, str(err)) from None
+    except webhooks.UnsafeURL as err:
+        raise HTTPException(422, str(err)) from None
+
+
+def _add_rule(session: SessionDep, rule: Any, run_id: int | None, by: str) -> Any:
+    row = rules.add(session, rule.root, run_id=run_id, by=by)
+    session.commit()
+    session.refresh(row)
+    return row
+
+
+@router.post("/alerts/rules", status_code=201, response_model=RulePublic)
+def create_global_rule(session: SessionDep, user: UserDep, rule: RuleIn) -> Any:
+    """A rule checked for every run."""
+    return _add_rule(session, rule, None, user.name)
+
+
+@router.get("/alerts/rules", response_model=Page[RulePublic])
+def list_global_rules(session: SessionDep, _user: UserDep) -> Any:
+    data = rules.list_rules(session)
+    return {"data": data, "count": len(data)}
+
+
+@router.post("/runs/{run_id}/alerts/rules", status_code=201, response_model=RulePublic)
+def create_run_rule(run_id: int, session: SessionDep, user: UserDep, rule: RuleIn) -> Any:
+    """A rule checked for this run only."""
+    runs.get(session, run_id)
+    return _add_rule(session, rule, run_id, user.name)
+
+
+@router.get("/runs/{run_id}/alerts/rules", response_model=Page[RulePublic])
+def list_run_rules(run_id: int, session: SessionDep, _user: UserDep) -> Any:
+    """Rules checked for this run: its own (API and spec) and the global ones."""
+    runs.get(session, run_id)
+    data = rules.list_rules(session, run_id=run_id, applying=True)
+    return {"data": data, "count": len(data)}
+
+
+@router.patch("/alerts/rules/{rule_id}", response_model=RulePublic)
+def update_rule(rule_id: int, body: RuleUpdate, session: SessionDep, _user: UserDep) -> Any:
+    """Enable or disable a rule."""
+    with _http_errors():
+        row = rules.get(session, rule_id)
+    row.enabled = body.enabled
+    session.add(row)
+    session.commit()
+    session.refresh(row)
+    return row
+
+
+@router.delete("/alerts/rules/{rule_id}", status_code=204)
+def delete_rule(rule_id: int, session: SessionDep, _user: UserDep) -> Response:
+    """Delete a rule with its states and events (their deliveries too)."""
+    with _http_errors():
+        session.delete(rules.get(session, rule_id))
+    session.commit()
+    return Response(status_code=204)
+
+
+@router.get("/alerts/events", response_model=Page[AlertEventPublic])
+def list_alert_events(
+    session: SessionDep,
+    _user: UserDep,
+    run_id: int | None = Query(None, ge=1),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(100, ge=1, le=1000),
+) -> Any:
+    """Alert events (``fired``/``cleared``), newest first."""
+    data, count = rules.events(session, run_id=run_id, offset=offset, limit=limit)
+    return {"data": data, "count": count}
+
+
+# ----------------------------------------------------------------------------- webhooks
+
+
+@router.post(
+    "/webhooks",
+    status_code=201,
+    response_model=EndpointCreated,
+    responses={422: {"description": "invalid or refused URL (SSRF guard), unknown event"}},
+)
+def create_webhook(body: EndpointCreate, session: SessionDep, user: UserDep) -> Any:
+    """Add an endpoint; the response holds its signing secret, which is never shown again."""
+    with _http_errors():
+        row, secret = webhooks.create_endpoint(session, body, by=user.name)
+    session.commit()
+    session.refresh(row)
+    return EndpointCreated(**EndpointPublic.model_validate(row).model_dump(), secret=secret)
+
+
+@router.get("/webhooks", response_model=Page[EndpointPublic])
+def list_webhooks(session: SessionDep, _user: UserDep) -> Any:
+    data = session.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
+    return {"data": data, "count": len(data)}
+
+
+@router.get("/webhooks/{endpoint_id}", response_model=EndpointPublic)
+def get_webhook(endpoint_id: int, session: SessionDep, _user: UserDep) -> Any:
+    with _http_errors():
+        return webhooks.get_endpoint(session, endpoint_id)
+
+
+@router.delete("/webhooks/{endpoint_id}", status_code=204)
+def delete_webhook(endpoint_id: int, session: SessionDep, _user: UserDep) -> Response:
+    """Delete an endpoint and its delivery log."""
+    with _http_errors():
+        session.delete(webhooks.get_endpoint(session, endpoint_id))
+    session.commit()
+    return Response(status_code=204)
+
+
+@router.get("/webhooks/{endpoint_id}/deliveries", response_model=Page[DeliveryPublic])
+def list_deliveries(
+    endpoint_id: int,
+    session: SessionDep,
+    _user: UserDep,
+    offset: int = Query(0, ge=0),
+    limit: int = Query(100, ge=1, le=1000),
+) -> Any:
+    """The endpoint's delivery log, newest first: status, HTTP code, latency, attempts, last error."""
+    with _http_errors():
+        webhooks.get_endpoint(session, endpoint_id)
+    where = WebhookDelivery.endpoint_id == endpoint_id
+    count = session.exec(select(func.count()).select_from(WebhookDelivery).where(where)).one()
+    data = session.exec(
+        select(WebhookDelivery).where(where).order_by(col(WebhookDelivery.id).desc()).offset(offset).limit(limit)
+    ).all()
+    return {"data": data, "count": count}
+
+
+@router.post("/deliveries/{delivery_id}/replay", response_model=DeliveryPublic)
+def replay_delivery(delivery_id: int, session: SessionDep, _user: UserDep) -> Any:
+    """Send a delivery again: same body and ``Idempotency-Key``, attempts start over."""
+    with _http_errors():
+        row = webhooks.replay(session, delivery_id)
+    session.commit()
+    session.refresh(row)
+    return row

@@ -1,0 +1,160 @@
+"""Alert rule schema: what a run spec's ``alerts`` list and ``POST /api/alerts/rules`` accept.
+
+Imports nothing heavy (the server and the spec validate rules with it). The known metric names live here,
+once: ``METRICS`` maps each process (``source``) to the names it reports every step.
+
+Kinds (``kind`` picks one; each fires once when it starts holding and again only after it cleared):
+
+- ``status``: the run became ``failed``, ``completed``, ``cancelled``, or was ``requeued`` (resumed).
+- ``threshold``: ``metric <op> value`` at each of the last ``window`` steps, from ``after_step`` on
+  (``mismatch_kl > 0.01`` for 3 steps; ``reward_mean < 0.2`` after step 50).
+- ``stall``: a running run sent no metric for ``seconds``.
+- ``non_finite``: one of ``metrics`` (default loss and reward) is NaN or infinite.
+- ``throughput``: ``metric`` (default ``tokens_per_s``) fell below ``fraction`` of its median over the
+  previous ``window`` steps.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+METRICS: dict[str, tuple[str, ...]] = {
+    "trainer": (
+        "loss",
+        "entropy",
+        "mismatch_kl",
+        "mismatch_kl_on_policy",
+        "masked_fraction",
+        "is_ratio",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "step_time_s",
+        "wait_for_batch_s",
+        "num_samples",
+        "num_loss_tokens",
+        "policy_version",
+    ),
+    "orchestrator": (
+        "reward_mean",
+        "reward_std",
+        "reward_missing",
+        "advantage_abs_mean",
+        "completion_len_mean",
+        "completion_len_max",
+        "staleness_mean",
+        "staleness_max",
+        "trained_staleness_max",
+        "dropped_stale",
+        "dropped_zero_advantage_groups",
+        "wait_for_policy_s",
+        "rollout_tokens",
+        "policy_version",
+        "temperature",
+    ),
+    "eval": ("reward_mean", "pass_at_k", "k", "num_examples"),
+}
+"""Process -> metric names it reports every step (an RL run's ``metrics.jsonl``)."""
+KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
+STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued")
+RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")
+"""Also the event names a webhook endpoint filters on."""
+
+
+def default_source(metric: str) -> str:
+    """The first process (trainer, orchestrator, eval) that reports ``metric``."""
+    return next(src for src, names in METRICS.items() if metric in names)
+
+
+def _check_metric(name: str) -> str:
+    if name not in KNOWN_METRICS:
+        raise ValueError(f"unknown metric {name!r}; known: {', '.join(KNOWN_METRICS)}")
+    return name
+
+
+class _Rule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("", max_length=128)
+    """A label for messages; default: a description of the rule."""
+
+
+class _MetricRule(_Rule):
+    metric: str
+    source: Literal["trainer", "orchestrator", "eval"] | None = None
+    """Process whose series is watched; default the first that reports ``metric``."""
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        return _check_metric(v)
+
+    @model_validator(mode="after")
+    def _source(self) -> _MetricRule:
+        if self.source is None:
+            self.source = default_source(self.metric)
+        elif self.metric not in METRICS[self.source]:
+            raise ValueError(f"source: {self.source} does not report {self.metric!r}")
+        return self
+
+
+class StatusRule(_Rule):
+    kind: Literal["status"]
+    statuses: list[Literal["failed", "completed", "cancelled", "requeued"]] = Field(["failed"], min_length=1)
+
+
+class ThresholdRule(_MetricRule):
+    kind: Literal["threshold"]
+    op: Literal[">", ">=", "<", "<="]
+    value: float = Field(allow_inf_nan=False)
+    window: int = Field(1, ge=1, le=10_000)
+    """Consecutive steps the comparison must hold."""
+    after_step: int = Field(0, ge=0)
+    """Steps before this one are not checked."""
+
+
+class StallRule(_Rule):
+    kind: Literal["stall"]
+    seconds: float = Field(gt=0, le=7 * 24 * 3600)
+    """A running run with no metric for this long (the newest point's time, or the last status change)."""
+
+
+class NonFiniteRule(_Rule):
+    kind: Literal["non_finite"]
+    metrics: list[str] = Field(["loss", "reward_mean"], min_length=1)
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v: list[str]) -> list[str]:
+        return [_check_metric(n) for n in v]
+
+
+class ThroughputRule(_MetricRule):
+    kind: Literal["throughput"]
+    metric: str = "tokens_per_s"
+    fraction: float = Field(0.5, gt=0, lt=1)
+    window: int = Field(20, ge=2, le=10_000)
+    """Steps before the current one whose median is the reference."""
+
+
+AlertRule = Annotated[
+    StatusRule | ThresholdRule | StallRule | NonFiniteRule | ThroughputRule, Field(discriminator="kind")
+]
+
+
+def describe(rule: Any) -> str:
+    """One line saying what ``rule`` (a validated rule) watches, for messages."""
+    if rule.name:
+        return str(rule.name)
+    if isinstance(rule, StatusRule):
+        return f"run status {' or '.join(rule.statuses)}"
+    if isinstance(rule, ThresholdRule):
+        steps = f" for {rule.window} steps" if rule.window > 1 else ""
+        after = f" after step {rule.after_step}" if rule.after_step else ""
+        return f"{rule.source}/{rule.metric} {rule.op} {rule.value:g}{steps}{after}"
+    if isinstance(rule, StallRule):
+        return f"no metrics for {rule.seconds:g} s"
+    if isinstance(rule, NonFiniteRule):
+        return f"non-finite {' or '.join(rule.metrics)}"
+    return f"{rule.source}/{rule.metric} below {rule.fraction:g} x its median of {rule.window} steps"
