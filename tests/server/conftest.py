@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from server_support import DB_NAME, REDIS, STATE, SUFFIX, free_port, migrate, new_token, pg_admin, spec
+from server_support import DB_NAME, STATE, drop_queue, free_port, migrate, new_token, pg_admin, spec
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,11 +25,7 @@ def database() -> Iterator[str]:
 
         engine.dispose()
         pg_admin(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)')
-        import redis
-
-        r = redis.Redis.from_url(REDIS)
-        for key in r.scan_iter(f"*asyncrl-test-{SUFFIX}*"):
-            r.delete(key)
+        drop_queue()
         shutil.rmtree(STATE, ignore_errors=True)
 
 

@@ -47,6 +47,15 @@ def pg_admin(sql: str) -> None:
         conn.execute(sql)
 
 
+def drop_queue() -> None:
+    """Delete this session's Celery queue keys from Redis."""
+    import redis
+
+    r = redis.Redis.from_url(REDIS)
+    for key in r.scan_iter(f"*asyncrl-test-{SUFFIX}*"):
+        r.delete(key)
+
+
 def migrate(url: str, revision: str = "head", down: bool = False) -> None:
     from alembic import command
     from alembic.config import Config

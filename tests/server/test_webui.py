@@ -33,18 +33,6 @@ def login(client: Any, token: str) -> str:
     return csrf_of(client.get("/runs").text)
 
 
-def new_read_token(name: str) -> str:
-    from sqlmodel import Session
-
-    from server.core.db import engine
-    from server.services import tokens
-
-    with Session(engine) as s:
-        _, plain = tokens.create(s, name=name, scope="read")
-        s.commit()
-    return plain
-
-
 @pytest.fixture
 def web(client: Any) -> tuple[Any, str]:
     """The module's client logged in with a fresh write token, and its CSRF token."""
@@ -122,7 +110,7 @@ def test_csrf_missing_or_wrong_is_403_and_nothing_is_written(web: tuple[Any, str
 
 def test_read_token_sees_no_write_buttons_and_its_forged_posts_are_403(client: Any, make_run: Any) -> None:
     run = make_run()
-    csrf = login(client, new_read_token(f"reader-{secrets.token_hex(3)}"))
+    csrf = login(client, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
     page = client.get(f"/runs/{run['id']}").text
     assert "read-only" in page
     for needle in (f'action="/runs/{run["id"]}/stop"', "Review change", 'href="/launch"', 'id="fork"'):

@@ -1,0 +1,101 @@
+"""Browser tests of the dashboard: Debian's headless Chromium driven by Playwright against a real server on Postgres.
+
+The database, Redis queue and server fixtures are the control-plane tests' (``tests/server``): its helpers are
+imported and its fixtures re-exported here. The test database is package-scoped here (created and dropped around
+this folder), so a session that also runs ``tests/server`` creates it again there under the same name.
+Every test leaves a full-page screenshot in ``$ASYNCRL_ARTIFACTS`` (default ``test-artifacts/``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SERVER_TESTS = Path(__file__).resolve().parents[1] / "server"
+sys.path.insert(0, str(SERVER_TESTS))
+
+import server_support  # noqa: E402  (sets the test database/queue environment before any server import)
+from server_support import DB_NAME, drop_queue, migrate, pg_admin  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("asyncrl_server_test_fixtures", SERVER_TESTS / "conftest.py")
+_fixtures = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(_fixtures)  # type: ignore[union-attr]
+client, auth, make_run, live_server, session = (
+    _fixtures.client, _fixtures.auth, _fixtures.make_run, _fixtures.live_server, _fixtures.session)
+
+CHROMIUM = os.environ.get("ASYNCRL_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(os.environ.get("ASYNCRL_ARTIFACTS", "test-artifacts"))
+
+
+@pytest.fixture(scope="package", autouse=True)
+def database() -> Iterator[str]:
+    pg_admin(f'CREATE DATABASE "{DB_NAME}"')
+    try:
+        migrate(os.environ["DATABASE_URL"])
+        yield os.environ["DATABASE_URL"]
+    finally:
+        from server.core.db import engine
+
+        engine.dispose()
+        pg_admin(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)')
+        drop_queue()
+
+
+@pytest.fixture(scope="package")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def _page(browser: Any, request: pytest.FixtureRequest, **context: Any) -> Iterator[Any]:
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000}, **context)
+    ctx.set_default_timeout(20_000)
+    page = ctx.new_page()
+    try:
+        yield page
+    finally:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        ctx.close()
+
+
+@pytest.fixture
+def page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fresh browser context and page; a screenshot of it is saved when the test ends."""
+    yield from _page(browser, request)
+
+
+@pytest.fixture
+def nojs_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Like ``page`` with JavaScript disabled."""
+    yield from _page(browser, request, java_script_enabled=False)
+
+
+def _login(page: Any, base: str, token: str) -> None:
+    page.goto(f"{base}/login")
+    page.get_by_label("API token").fill(token)
+    page.keyboard.press("Enter")  # keyboard only
+    page.wait_for_url(f"{base}/runs")
+
+
+@pytest.fixture
+def login() -> Any:
+    """``login(page, base_url, token)``: log in through the form, keyboard only."""
+    return _login
+
+
+__all__ = ["server_support", "client", "auth", "make_run", "live_server", "session"]

@@ -1,0 +1,115 @@
+"""The dashboard in headless Chromium against uvicorn + Postgres: no-JS runs list, read-only token, CSRF,
+inline spec errors, live charts and compare on stored metrics (the real-run flow: ``test_real_run.py``)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import httpx
+import pytest
+from server_support import new_token, wait_for
+
+pytestmark = pytest.mark.browser
+
+
+def test_runs_list_filters_without_javascript(nojs_page: Any, login: Any, live_server: str, make_run: Any) -> None:
+    tag = secrets.token_hex(3)
+    a, b = make_run(name=f"nojs-{tag}-a"), make_run(name=f"nojs-{tag}-b")
+    page = nojs_page
+    login(page, live_server, new_token(f"nojs-{tag}"))
+    page.get_by_label("Name contains").fill(f"nojs-{tag}")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url(f"**/runs?status=&q=nojs-{tag}")
+    assert page.locator("tr[data-run-id]").evaluate_all("rs => rs.map(r => r.dataset.runId)") == [
+        str(b["id"]), str(a["id"])]
+    page.get_by_role("link", name=f"#{a['id']} nojs-{tag}-a").click()
+    page.wait_for_url(f"{live_server}/runs/{a['id']}")
+    assert page.locator("#status-badge").inner_text() == "queued"
+    page.get_by_role("button", name="Stop").click()  # a plain POST form with its CSRF field
+    page.wait_for_url(f"{live_server}/runs/{a['id']}")
+    assert page.locator("#status-badge").inner_text() == "cancelled"
+    page.goto(f"{live_server}/runs?status=cancelled&q=nojs-{tag}")
+    assert page.locator("tr[data-run-id]").evaluate_all("rs => rs.map(r => r.dataset.runId)") == [str(a["id"])]
+
+
+def test_read_only_token_sees_no_write_buttons_and_a_forged_post_is_refused(
+        page: Any, login: Any, live_server: str, make_run: Any) -> None:
+    run = make_run()
+    login(page, live_server, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
+    page.goto(f"{live_server}/runs/{run['id']}")
+    assert page.locator(".who .badge").inner_text() == "read-only"
+    for gone in ("button#stop", "button#fork", "a[href='/launch']", "#config-form button"):
+        assert page.locator(gone).count() == 0, gone
+    assert page.locator("#live-trainer-optim-lr").is_disabled()
+    csrf = page.locator("input[name=csrf]").first.get_attribute("value")
+    status = page.evaluate("""async ([url, csrf]) => (await fetch(url, {method: "POST",
+        body: new URLSearchParams({csrf})})).status""", [f"/runs/{run['id']}/stop", csrf])
+    assert status == 403
+    page.reload()
+    assert page.locator("#status-badge").inner_text() == "queued"
+
+
+def test_post_without_csrf_is_403(page: Any, login: Any, live_server: str, make_run: Any) -> None:
+    run = make_run()
+    login(page, live_server, new_token(f"csrf-{secrets.token_hex(3)}"))
+    page.goto(f"{live_server}/runs/{run['id']}")
+    page.locator("form[action$='/stop'] input[name=csrf]").evaluate("el => el.remove()")
+    with page.expect_response(lambda r: r.url.endswith("/stop")) as resp:
+        page.get_by_role("button", name="Stop").click()
+    assert resp.value.status == 403
+    assert "csrf: missing or wrong form token" in page.content()
+    page.goto(f"{live_server}/runs/{run['id']}")
+    assert page.locator("#status-badge").inner_text() == "queued"
+
+
+def test_launch_form_shows_the_error_at_the_offending_key(page: Any, login: Any, live_server: str) -> None:
+    login(page, live_server, new_token(f"launch-{secrets.token_hex(3)}"))
+    page.goto(f"{live_server}/launch")
+    page.get_by_label("Config from configs/").select_option("reverse_text/rl.toml")
+    page.get_by_role("button", name="Load").click()
+    text = page.get_by_label("Run spec (TOML)").input_value()
+    assert "max_off_policy_steps = 8" in text
+    page.get_by_label("Run spec (TOML)").fill(text.replace("max_off_policy_steps = 8", "max_off_policy_steps = -1"))
+    page.get_by_role("button", name="Launch").click()
+    bad = page.locator("#bad-line")
+    assert bad.locator("code").inner_text() == "max_off_policy_steps = -1"
+    assert bad.locator("#spec-error").inner_text().startswith("orchestrator.max_off_policy_steps: ")
+    assert page.get_by_label("Run spec (TOML)").get_attribute("aria-invalid") == "true"
+
+
+def _chart(page: Any, key: str, expr: str) -> Any:
+    return page.evaluate(f"() => {{ const d = document.getElementById('chart-{key}'); return d && d.data ? {expr} : null }}")
+
+
+def test_run_page_charts_update_live_and_compare_overlays(page: Any, login: Any, live_server: str, make_run: Any,
+                                                          auth: dict[str, str]) -> None:
+    a, b = make_run(max_steps=50), make_run(max_steps=60)
+
+    def post(run: dict[str, Any], steps: range, reward: float) -> None:
+        pts = [{"source": src, "step": s, "name": n, "value": v, "time": time.time()} for s in steps
+               for src, n, v in (("orchestrator", "reward_mean", reward + 0.01 * s), ("trainer", "loss", 1.0 / s))]
+        r = httpx.post(f"{live_server}/api/runs/{run['id']}/metrics", json={"points": pts}, headers=auth)
+        assert r.status_code == 200, r.text
+
+    post(a, range(1, 4), 0.1)
+    login(page, live_server, new_token(f"charts-{secrets.token_hex(3)}"))
+    page.goto(f"{live_server}/runs/{a['id']}")
+    wait_for(lambda: _chart(page, "reward", "d.data[0].x.length") == 3, 10, "3 reward points drawn")
+    post(a, range(4, 9), 0.1)  # arrives while the page is open: htmx polling redraws
+    wait_for(lambda: _chart(page, "reward", "d.data[0].x.length") == 8, 15, "8 reward points after a poll")
+    assert _chart(page, "loss", "d.data[0].y[7]") == 1.0 / 8
+    post(b, range(1, 6), 0.5)
+    page.goto(f"{live_server}/compare")
+    page.get_by_label(f"#{a['id']} {a['name']}").check()
+    page.keyboard.press("Tab")
+    page.get_by_label(f"#{b['id']} {b['name']}").check()
+    page.get_by_role("button", name="Compare").click()
+    wait_for(lambda: _chart(page, "reward", "d.data.length") == 2, 10, "two reward lines")
+    # the runs in the list's order (newest first)
+    assert _chart(page, "reward", "d.data.map(t => [t.name, t.x.length])") == [
+        [f"#{b['id']} {b['name']} train", 5], [f"#{a['id']} {a['name']} train", 8]]
+    rows = page.locator("#config-diff tbody tr").evaluate_all(
+        "rs => rs.map(r => Array.from(r.children).map(c => c.innerText))")
+    assert rows == [["max_steps", "60", "50"], ["name", b["name"], a["name"]]]
