@@ -7,14 +7,19 @@ markdown table.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
+import secrets
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +205,89 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         if line.strip():
             rows.append(json.loads(line))
     return rows
+
+
+BENCH_PG = os.environ.get("ASYNCRL_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
+
+
+def _pg_admin(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(f"{BENCH_PG}/postgres", autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@contextlib.contextmanager
+def scratch_database() -> Iterator[str]:
+    """A scratch database ``asyncrl_bench_<random>`` on the local Postgres (``ASYNCRL_BENCH_POSTGRES``), migrated,
+    with the server's settings pointed at it (and at a scratch ASYNCRL_HOME/output dir); dropped at the end, also on
+    errors. Import ``server`` modules only inside the block. Yields the database name."""
+    db = f"asyncrl_bench_{secrets.token_hex(4)}"
+    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
+    os.environ.update({"DATABASE_URL": f"{BENCH_PG.replace('postgresql://', 'postgresql+psycopg://')}/{db}",
+                       "SECRET_KEY": secrets.token_hex(16), "ASYNCRL_HOME": str(scratch / "home"),
+                       "ASYNCRL_OUTPUT_DIR": str(scratch / "outputs"), "CELERY_BROKER_URL": "memory://"})
+    _pg_admin(f'CREATE DATABASE "{db}"')
+    try:
+        from server.cli import migrate
+
+        migrate()
+        yield db
+    finally:
+        from server.core.db import engine
+
+        engine.dispose()
+        _pg_admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def api_server(log: Path) -> Iterator[str]:
+    """``asyncrl server --no-migrate`` (one uvicorn process) on a free 127.0.0.1 port, its output in ``log``;
+    yields its URL once ``/healthz`` answers and stops it at the end. Raises RuntimeError if it does not start."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0-100) of ``xs``."""
+    import math
+
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+def server_ms(resp: Any) -> float:
+    """The app's own time of an httpx response, from the server's ``Server-Timing: app;dur=<ms>`` header."""
+    return float(resp.headers["server-timing"].removeprefix("app;dur="))

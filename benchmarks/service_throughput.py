@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import secrets
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,20 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-PG = os.environ.get("ASYNCRL_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
 NAMES = [f"bench/m{i}" for i in range(10)]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile ``q`` (0-100) of ``xs``."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
-def server_ms(resp) -> float:  # noqa: ANN001 - httpx.Response
-    return float(resp.headers["server-timing"].removeprefix("app;dur="))
 
 
 def batch(first_step: int, size: int, names: list[str]) -> dict:
@@ -75,7 +58,7 @@ def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, con
                     if resp.status_code != 200 or resp.json()["inserted"] != len(body["points"]):
                         errors.append(resp.text[:200])
                     lat.append(dt * 1000)
-                    srv.append(server_ms(resp))
+                    srv.append(C.server_ms(resp))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
     t0 = time.perf_counter()
@@ -88,8 +71,48 @@ def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, con
         raise RuntimeError(f"ingestion failed: {errors[0]}")
     return {"concurrency": concurrency, "batches": batches, "batch_points": size, "points": batches * size,
             "wall_s": round(wall, 3), "points_per_s": round(batches * size / wall),
-            "latency_ms_p50": round(percentile(lat, 50), 1), "latency_ms_p99": round(percentile(lat, 99), 1),
-            "server_ms_p50": round(percentile(srv, 50), 1), "server_ms_p99": round(percentile(srv, 99), 1)}
+            "latency_ms_p50": round(C.percentile(lat, 50), 1), "latency_ms_p99": round(C.percentile(lat, 99), 1),
+            "server_ms_p50": round(C.percentile(srv, 50), 1), "server_ms_p99": round(C.percentile(srv, 99), 1)}
+
+
+def _measure(args: argparse.Namespace, url: str, headers: dict, ids: list[int], batches: int,
+             queries: int) -> tuple[dict, dict, dict]:
+    """The ingestion passes (1 client, then ``--concurrency``) and the series queries against the server."""
+    import httpx
+
+    size = args.batch_points
+    ingest(url, headers, ids[0], batches=3, size=size, concurrency=1, offset=0)  # warm-up
+    step0 = 3 * size // len(NAMES)
+    seq = ingest(url, headers, ids[0], batches=batches, size=size, concurrency=1, offset=step0)
+    C.say(f"[bench] ingestion, 1 client: {seq['points_per_s']:,} points/s, p50 {seq['latency_ms_p50']} ms")
+    step1 = step0 + batches * size // len(NAMES)
+    par = ingest(url, headers, ids[0], batches=batches, size=size, concurrency=args.concurrency, offset=step1)
+    C.say(f"[bench] ingestion, {args.concurrency} clients: {par['points_per_s']:,} points/s")
+
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+        for i in range(0, args.series_points, 5000):
+            n = min(5000, args.series_points - i)
+            body = {"points": [{"source": "trainer", "step": i + s, "name": "bench/series",
+                                "value": math.sin((i + s) / 100), "time": 0.0} for s in range(n)]}
+            client.post(f"/api/runs/{ids[1]}/metrics", json=body).raise_for_status()
+        params = {"name": "bench/series", "max_points": args.max_points}
+        srv, lat = [], []
+        for q in range(queries + 2):
+            t0 = time.perf_counter()
+            resp = client.get(f"/api/runs/{ids[1]}/metrics", params=params)
+            dt = (time.perf_counter() - t0) * 1000
+            resp.raise_for_status()
+            series = resp.json()["series"][0]
+            assert series["total"] == args.series_points and len(series["step"]) <= args.max_points + 1
+            if q >= 2:
+                srv.append(C.server_ms(resp))
+                lat.append(dt)
+    query = {"series_points": args.series_points, "max_points": args.max_points, "returned": len(series["step"]),
+             "queries": queries, "server_ms_p50": round(C.percentile(srv, 50), 1),
+             "server_ms_p99": round(C.percentile(srv, 99), 1), "latency_ms_p50": round(C.percentile(lat, 50), 1),
+             "latency_ms_p99": round(C.percentile(lat, 99), 1)}
+    C.say(f"[bench] series query: server p50 {query['server_ms_p50']} ms p99 {query['server_ms_p99']} ms")
+    return seq, par, query
 
 
 def main() -> int:
@@ -106,92 +129,21 @@ def main() -> int:
     queries = args.queries or (5 if args.quick else 20)
     started, machine = time.time(), C.machine_facts()
 
-    db = f"asyncrl_bench_{secrets.token_hex(4)}"
-    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
-    os.environ.update({"DATABASE_URL": f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{db}",
-                       "SECRET_KEY": secrets.token_hex(16), "ASYNCRL_HOME": str(scratch / "home"),
-                       "ASYNCRL_OUTPUT_DIR": str(scratch / "outputs"), "CELERY_BROKER_URL": "memory://"})
-    import httpx
-    import psycopg
-
-    def admin(sql: str) -> None:
-        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-            conn.execute(sql)
-
-    admin(f'CREATE DATABASE "{db}"')
-    server = None
-    try:
+    with C.scratch_database():
         from sqlmodel import Session
 
-        from server.cli import migrate
         from server.core.db import engine
         from server.services import runs, tokens
 
-        migrate()
         with Session(engine) as s:
             _, token = tokens.create(s, name="bench")
             ids = [runs.create(s, data={"name": f"bench-{i}", "model": {"name": "/nonexistent"}}, owner="bench").id
                    for i in range(2)]
             s.commit()
         engine.dispose()
-        port = _free_port()
-        url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
-        log = C.TMP / "service_throughput_server.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
-            server = subprocess.Popen([sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port",
-                                       str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-
-        size = args.batch_points
-        ingest(url, headers, ids[0], batches=3, size=size, concurrency=1, offset=0)  # warm-up
-        step0 = 3 * size // len(NAMES)
-        seq = ingest(url, headers, ids[0], batches=batches, size=size, concurrency=1, offset=step0)
-        C.say(f"[bench] ingestion, 1 client: {seq['points_per_s']:,} points/s, p50 {seq['latency_ms_p50']} ms")
-        step1 = step0 + batches * size // len(NAMES)
-        par = ingest(url, headers, ids[0], batches=batches, size=size, concurrency=args.concurrency, offset=step1)
-        C.say(f"[bench] ingestion, {args.concurrency} clients: {par['points_per_s']:,} points/s")
-
-        with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
-            for i in range(0, args.series_points, 5000):
-                n = min(5000, args.series_points - i)
-                body = {"points": [{"source": "trainer", "step": i + s, "name": "bench/series",
-                                    "value": math.sin((i + s) / 100), "time": 0.0} for s in range(n)]}
-                client.post(f"/api/runs/{ids[1]}/metrics", json=body).raise_for_status()
-            params = {"name": "bench/series", "max_points": args.max_points}
-            srv, lat = [], []
-            for q in range(queries + 2):
-                t0 = time.perf_counter()
-                resp = client.get(f"/api/runs/{ids[1]}/metrics", params=params)
-                dt = (time.perf_counter() - t0) * 1000
-                resp.raise_for_status()
-                series = resp.json()["series"][0]
-                assert series["total"] == args.series_points and len(series["step"]) <= args.max_points + 1
-                if q >= 2:
-                    srv.append(server_ms(resp))
-                    lat.append(dt)
-        query = {"series_points": args.series_points, "max_points": args.max_points, "returned": len(series["step"]),
-                 "queries": queries, "server_ms_p50": round(percentile(srv, 50), 1),
-                 "server_ms_p99": round(percentile(srv, 99), 1), "latency_ms_p50": round(percentile(lat, 50), 1),
-                 "latency_ms_p99": round(percentile(lat, 99), 1)}
-        C.say(f"[bench] series query: server p50 {query['server_ms_p50']} ms p99 {query['server_ms_p99']} ms")
-    finally:
-        if server is not None and server.poll() is None:
-            server.terminate()
-            server.wait(timeout=30)
-        from server.core.db import engine
-
-        engine.dispose()
-        admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        with C.api_server(C.TMP / "service_throughput_server.log") as url:
+            headers = {"Authorization": f"Bearer {token}"}
+            seq, par, query = _measure(args, url, headers, ids, batches, queries)
 
     payload = {"ingestion": [seq, par], "query": query,
                "goals": {"ingestion_points_per_s": 20_000, "query_server_ms": 300},
@@ -206,14 +158,6 @@ def main() -> int:
     C.say(table)
     C.attach_table(out, table)
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ TITLES = {
     "trainer_throughput": "Trainer throughput",
     "vs_trl": "asyncrl vs TRL GRPOTrainer",
     "service_throughput": "Control plane: metric ingestion and series queries",
+    "dashboard_page": "Dashboard: run page server time with 100k stored points",
 }
 
 

@@ -50,11 +50,8 @@ METRIC_NAMES = sorted({name for c in CHARTS for _, name, _ in c.lines} | {n for 
 
 def load_series(session: Session, run_id: int, max_points: int = MAX_POINTS) -> dict[tuple[str, str], MetricSeries]:
     """``(source, name) -> series`` of every metric the run page draws, each downsampled to ``max_points``."""
-    out = {}
-    for name in METRIC_NAMES:
-        for s in metrics.series(session, run_id=run_id, name=name, max_points=max_points):
-            out[(s.source, name)] = s
-    return out
+    found = metrics.series_by_name(session, run_id=run_id, names=METRIC_NAMES, max_points=max_points)
+    return {(s.source, name): s for name, series in found.items() for s in series}
 
 
 def revision_marks(revisions: list[ConfigRevision]) -> list[tuple[int, str]]:

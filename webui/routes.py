@@ -271,20 +271,26 @@ def _logs(run: Run, process: str, lines: int = 40) -> list[str]:
         return []
 
 
-def run_context(db: Any, run: Run, process: str = "trainer") -> dict[str, Any]:
-    """Everything the run page and its fragments show, computed once per request."""
+def run_context(db: Any, run: Run, process: str = "trainer", part: str = "") -> dict[str, Any]:
+    """What the run page (``part`` empty) or one of its fragments shows, computed once per request."""
     revisions, values = config.current(db, run)
-    marks = figures.revision_marks(revisions)
-    series = figures.load_series(db, run.id)  # type: ignore[arg-type]
-    bn = figures.bottleneck(series)
-    figs = figures.run_figures(series, marks)
-    figs["bottleneck"] = figures.bottleneck_figure(bn, marks)
-    step, samples = runs.rollouts(run, limit=16)
-    return {"run": run, "live": RunStatus(run.status) not in TERMINAL, "values": values, "revisions": revisions,
-            "charts": [*figures.CHARTS], "figures_json": figures_json(figs),
-            "bottleneck": bn, "events": _events(db, run.id), "rollout_step": step,  # type: ignore[arg-type]
-            "rollouts": samples, "process": process, "processes": runs.LOG_PROCESSES, "logs": _logs(run, process),
-            "live_keys": LIVE_KEYS, "resumable": RunStatus(run.status) in runs.RESUMABLE}
+    ctx: dict[str, Any] = {"run": run, "live": RunStatus(run.status) not in TERMINAL, "values": values,
+                           "revisions": revisions, "live_keys": LIVE_KEYS, "process": process,
+                           "resumable": RunStatus(run.status) in runs.RESUMABLE, "charts": [*figures.CHARTS]}
+    if part in ("", "charts"):
+        marks = figures.revision_marks(revisions)
+        series = figures.load_series(db, run.id)  # type: ignore[arg-type]
+        bn = figures.bottleneck(series)
+        figs = figures.run_figures(series, marks)
+        figs["bottleneck"] = figures.bottleneck_figure(bn, marks)
+        ctx.update(figures_json=figures_json(figs), bottleneck=bn)
+    if part in ("", "events"):
+        ctx["events"] = _events(db, run.id)  # type: ignore[arg-type]
+    if part in ("", "rollouts"):
+        ctx["rollout_step"], ctx["rollouts"] = runs.rollouts(run, limit=16)
+    if part in ("", "logs"):
+        ctx.update(processes=runs.LOG_PROCESSES, logs=_logs(run, process))
+    return ctx
 
 
 PARTS = {"status": "_run_status.html", "charts": "_run_charts.html", "events": "_run_events.html",
@@ -300,7 +306,7 @@ def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", proc
         raise HTTPException(422, f"process: expected one of {', '.join(runs.LOG_PROCESSES)}, got {process!r}")
     if part and part not in PARTS:
         raise HTTPException(422, f"part: expected one of {', '.join(PARTS)}, got {part!r}")
-    ctx = run_context(db, _run(db, run_id), process)
+    ctx = run_context(db, _run(db, run_id), process, part)
     return p.render(PARTS[part] if part else "run.html", **ctx)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from sqlalchemy import func, select, text
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col
 
@@ -51,17 +51,17 @@ def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> i
 
 _SERIES_SQL = text("""
 WITH s AS (
-    SELECT source, step, value, time,
-           row_number() OVER (PARTITION BY source ORDER BY step) AS rn,
-           count(*) OVER (PARTITION BY source) AS n
+    SELECT source, name, step, value, time,
+           row_number() OVER (PARTITION BY name, source ORDER BY step) AS rn,
+           count(*) OVER (PARTITION BY name, source) AS n
     FROM metrics
-    WHERE run_id = :run_id AND name = :name AND step > :since_step
+    WHERE run_id = :run_id AND name IN :names AND step > :since_step
 )
-SELECT source, step, value, time, n FROM s
+SELECT source, name, step, value, time, n FROM s
 WHERE n <= :max_points OR rn = n
    OR (:max_points > 1 AND (rn - 1) % ((n + :max_points - 2) / (:max_points - 1)) = 0)
-ORDER BY source, step
-""")
+ORDER BY name, source, step
+""").bindparams(bindparam("names", expanding=True))
 
 
 def series(session: Session, *, run_id: int, name: str, since_step: int = -1,
@@ -71,15 +71,27 @@ def series(session: Session, *, run_id: int, name: str, since_step: int = -1,
     Downsampling keeps every k-th point by step, k = ceil(n / (max_points - 1)), plus the last point, so a
     chart always ends at the newest value.
     """
-    rows = session.execute(_SERIES_SQL, {"run_id": run_id, "name": name, "since_step": since_step,
+    return series_by_name(session, run_id=run_id, names=[name], since_step=since_step,
+                          max_points=max_points).get(name, [])
+
+
+def series_by_name(session: Session, *, run_id: int, names: Sequence[str], since_step: int = -1,
+                   max_points: int = 1000) -> dict[str, list[MetricSeries]]:
+    """:func:`series` of several metrics in one query: name -> its series (names without points absent)."""
+    rows = session.execute(_SERIES_SQL, {"run_id": run_id, "names": list(names), "since_step": since_step,
                                          "max_points": max_points}).all()
-    out: dict[str, MetricSeries] = {}
-    for source, step, value, t, n in rows:
-        s = out.setdefault(source, MetricSeries(source=source, total=n, step=[], value=[], time=[]))
+    out: dict[tuple[str, str], MetricSeries] = {}
+    for source, name, step, value, t, n in rows:
+        s = out.get((name, source))
+        if s is None:
+            s = out[(name, source)] = MetricSeries(source=source, total=n, step=[], value=[], time=[])
         s.step.append(step)
         s.value.append(value if math.isfinite(value) else None)
         s.time.append(t)
-    return list(out.values())
+    by_name: dict[str, list[MetricSeries]] = {}
+    for (name, _), s in out.items():
+        by_name.setdefault(name, []).append(s)
+    return by_name
 
 
 def latest(session: Session, *, run_ids: Sequence[int], source: str, name: str) -> dict[int, tuple[int, float | None]]:
