@@ -245,14 +245,15 @@ def test_commands_are_the_images_and_parse_with_the_cli(
     ]
 
 
-def test_worker_healthcheck_pings_a_live_worker_by_its_node_name() -> None:
+def test_worker_healthcheck_pings_a_live_worker_by_its_node_name(tmp_path: Path) -> None:
     health = [args for kind, args in dockerfile_instructions(DOCKERFILES["worker"]) if kind == "HEALTHCHECK"]
     assert len(health) == 1
     argv = json.loads(health[0].split("CMD", 1)[1])
     assert argv[:2] == ["sh", "-c"] and argv[2].startswith("celery -A worker.celery_app inspect ping ")
     host = f"asyncrl-test-deploy-{secrets.token_hex(4)}"
-    env = {**os.environ, "CELERY_BROKER_URL": REDIS, "CELERY_QUEUE": host, "ASYNCRL_HOME": "/tmp/" + host}
-    check = argv[2].replace("--timeout 10", "--timeout 2")
+    env = {**os.environ, "CELERY_BROKER_URL": REDIS, "CELERY_QUEUE": host, "ASYNCRL_HOME": str(tmp_path)}
+    check = argv[2].replace("--timeout 10", "--timeout 2")  # a shorter wait for the 'no such node' case
+    assert check != argv[2]
     worker = subprocess.Popen(
         [
             str(BIN / "celery"),
@@ -302,6 +303,11 @@ def test_worker_healthcheck_pings_a_live_worker_by_its_node_name() -> None:
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+        import redis
+
+        client = redis.Redis.from_url(REDIS)
+        for key in client.scan_iter(f"*{host}*"):  # the queue's kombu binding
+            client.delete(key)
 
 
 def test_env_example_lists_exactly_the_compose_variables() -> None:
