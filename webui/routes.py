@@ -19,6 +19,7 @@ import plotly
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
 
 from server.api.deps import SessionDep
 from server.api.routes import config as config_api
@@ -361,7 +362,11 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         step, name = str(form.get("step", "")).strip(), str(form.get("name", "")).strip()
         if step and not step.isdigit():
             raise SpecError(f"step: expected a checkpoint step (a whole number), got {step!r}")
-        body = ForkRequest(changes=changes, step=int(step) if step else None, name=name or None)
+        try:
+            body = ForkRequest(changes=changes, step=int(step) if step else None, name=name or None)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
         return runs_api.fork_run(run_id, body, db, user).id  # type: ignore[no-any-return]
 
     return await _act(p, run_id, action)

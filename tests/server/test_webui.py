@@ -244,3 +244,18 @@ def test_compare_overlays_runs_and_diffs_their_specs(web: tuple[Any, str], make_
     figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
     assert [(t["name"], t["y"]) for t in figs["reward"]["data"]] == [
         (f"#{a['id']} {a['name']} train", [0.1]), (f"#{b['id']} {b['name']} train", [0.2])]
+
+
+def test_resume_and_fork_errors_show_on_the_run_page(web: tuple[Any, str], make_run: Any) -> None:
+    client, csrf = web
+    run = make_run()
+    rid = run["id"]
+    resp = client.post(f"/runs/{rid}/resume", data={"csrf": csrf})
+    assert resp.status_code == 409
+    assert f'id="page-error">run {rid} is queued: only failed or cancelled runs resume</p>' in resp.text
+    resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "trainer.optim.lr = ", "step": ""})
+    assert resp.status_code == 422 and 'id="page-error">changes: not valid TOML (' in resp.text
+    resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "", "name": "x" * 200})
+    assert resp.status_code == 422 and 'id="page-error">name: String should have at most 128 characters' in resp.text
+    resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "max_steps = 9"})
+    assert resp.status_code == 409 and f'id="page-error">run {rid}: no complete checkpoint in ' in resp.text
