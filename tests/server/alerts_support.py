@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from server_support import free_port, run_token_headers, spec
+from server_support import free_port, run_token_headers, spec, wait_for
 
 
 @dataclass
@@ -116,3 +116,36 @@ def alert_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[s
     """(kind, state, step) of the run's alert events, oldest first."""
     data = client.get("/api/alerts/events", params={"run_id": run_id}, headers=auth).json()["data"]
     return [(e["kind"], e["state"], e["step"]) for e in reversed(data)]
+
+
+def deliveries(client: Any, auth: dict[str, str], endpoint_id: int) -> list[dict[str, Any]]:
+    """The endpoint's delivery log, oldest first."""
+    return list(reversed(client.get(f"/api/webhooks/{endpoint_id}/deliveries", headers=auth).json()["data"]))
+
+
+def fire_once(client: Any, auth: dict[str, str]) -> int:
+    """A run whose ``loss > 1`` rule fires at step 1."""
+    run_id = new_run()
+    resp = client.post(
+        f"/api/runs/{run_id}/alerts/rules",
+        headers=auth,
+        json={"kind": "threshold", "metric": "loss", "op": ">", "value": 1.0},
+    )
+    assert resp.status_code == 201, resp.text
+    post_metrics(client, run_id, "loss", {1: 5.0})
+    return run_id
+
+
+def delivered(client: Any, auth: dict[str, str], endpoint_id: int, n: int, timeout: float = 60) -> list[dict[str, Any]]:
+    return list(
+        wait_for(
+            lambda: (
+                (d := deliveries(client, auth, endpoint_id))
+                and len(d) == n
+                and all(x["status"] == "delivered" for x in d)
+                and d
+            ),
+            timeout,
+            f"{n} delivered",
+        )
+    )

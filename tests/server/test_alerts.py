@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from alerts_support import alert_events, new_run, post_metrics
+from alerts_support import alert_events, deliveries, fire_once, new_run, post_metrics
 from server_support import new_token, run_token_headers, spec
 
 
@@ -28,10 +28,6 @@ def endpoint(client: Any, auth: dict[str, str]) -> Any:
     assert resp.status_code == 201, resp.text
     yield resp.json()
     client.delete(f"/api/webhooks/{resp.json()['id']}", headers=auth)
-
-
-def deliveries(client: Any, auth: dict[str, str], endpoint_id: int) -> list[dict[str, Any]]:
-    return list(client.get(f"/api/webhooks/{endpoint_id}/deliveries", headers=auth).json()["data"])
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -314,3 +310,28 @@ def test_stall_rule_fires_once_then_clears_on_metrics(client: Any, auth: dict[st
         assert ((rule["id"], run_id) in fired) == (_ == 0)
     post_metrics(client, run_id, "loss", {1: 1.0})
     assert alert_events(client, auth, run_id) == [("stall", "fired", None), ("stall", "cleared", None)]
+
+
+def test_attempts_run_out_then_failed(
+    client: Any, auth: dict[str, str], endpoint: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain attempt function (no worker here): nothing listens at the endpoint's port."""
+    from sqlmodel import Session
+
+    from server.alerts import webhooks
+    from server.core.config import settings
+    from server.core.db import engine
+
+    monkeypatch.setattr(settings, "WEBHOOK_MAX_ATTEMPTS", 2)
+    monkeypatch.setattr(settings, "WEBHOOK_BACKOFF_BASE_S", 3.0)
+    fire_once(client, auth)
+    (row,) = _delivery_rows(endpoint["id"])
+    with Session(engine) as s:
+        first = webhooks.attempt(s, row.id)
+        second = webhooks.attempt(s, row.id)
+        third = webhooks.attempt(s, row.id)
+    assert first[0].startswith(f"retry: delivery {row.id} attempt 1: ConnectError") and first[1] == 3.0
+    assert second[0].startswith(f"failed: delivery {row.id} after 2 attempts: ConnectError") and second[1] is None
+    assert third == (f"skipped: delivery {row.id} is failed", None)
+    (log,) = deliveries(client, auth, endpoint["id"])
+    assert log["status"] == "failed" and log["attempts"] == 2 and log["status_code"] is None
