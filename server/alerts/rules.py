@@ -133,22 +133,16 @@ def _set(
     session.add(state)
 
 
-def on_status(session: Session, run: Run, old: RunStatus, new: RunStatus) -> None:
-    """Fire the ``status`` rules that watch this transition (``requeued``: failed/cancelled -> queued)."""
-    name = "requeued" if new == RunStatus.queued and old in (RunStatus.failed, RunStatus.cancelled) else new.value
+def on_status(session: Session, run: Run, old: RunStatus | None, new: RunStatus | str, reason: str = "") -> None:
+    """Fire the ``status`` rules that watch this change: a transition, or ``requeued`` (a resume moves a failed or
+    cancelled run back to queued; a Slurm requeue of the run's job records a ``requeued`` event)."""
+    resumed = new == RunStatus.queued and old in (RunStatus.failed, RunStatus.cancelled)
+    name = "requeued" if resumed else str(new)
+    reason = reason or run.status_reason
     for row, rule in _active(session, run.id, ["status"]):  # type: ignore[arg-type]
         if isinstance(rule, StatusRule) and name in rule.statuses:
-            _record(
-                session,
-                row,
-                run,
-                "fired",
-                f"{describe(rule)}: run {run.id} is {name}"
-                + (f" ({run.status_reason[:300]})" if run.status_reason else ""),
-                None,
-                status=name,
-                previous=old.value,
-            )
+            message = f"{describe(rule)}: run {run.id} is {name}" + (f" ({reason[:300]})" if reason else "")
+            _record(session, row, run, "fired", message, None, status=name, previous=old and old.value)
 
 
 def _series(session: Session, run_id: int, source: str, name: str, upto: int, n: int) -> list[tuple[int, float]]:

@@ -142,6 +142,8 @@ def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", _
 def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **data: Any) -> None:
     session.add(RunEvent(run_id=run.id, kind=kind, reason=reason, data=data))
     session.flush()
+    if kind == "requeued":  # the run's Slurm job was requeued
+        alert_rules.on_status(session, run, None, "requeued", reason)
 
 
 def request_stop(session: Session, run: Run, *, by: str) -> bool:

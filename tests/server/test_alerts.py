@@ -259,13 +259,16 @@ def test_status_rule_fires_on_each_matching_transition(
         run = runs.get(s, run_id)
         runs.transition(s, run, RunStatus.failed, reason="preflight: no model")
         runs.transition(s, run, RunStatus.queued, _resume=True, reason="resumed")
+        runs.transition(s, run, RunStatus.starting)
+        runs.record_event(s, run, "requeued", reason="Slurm job 7 requeued (restart 1)")
         runs.transition(s, run, RunStatus.cancelled, reason="stopped")
         s.commit()
-    assert alert_events(client, auth, run_id) == [("status", "fired", None), ("status", "fired", None)]
+    assert alert_events(client, auth, run_id) == [("status", "fired", None)] * 3
     bodies = [json.loads(d.body) for d in _delivery_rows(endpoint["id"])]
     assert [(b["event"], b["run"]["id"], b["message"]) for b in bodies] == [
         ("status", run_id, f"run status failed or requeued: run {run_id} is failed (preflight: no model)"),
         ("status", run_id, f"run status failed or requeued: run {run_id} is requeued (resumed)"),
+        ("status", run_id, f"run status failed or requeued: run {run_id} is requeued (Slurm job 7 requeued (restart 1))"),
     ]
 
 
