@@ -181,6 +181,14 @@ class TrainerConfig(_Strict):
     loss: LossConfig = Field(default_factory=DppoKlLoss)
     threads: int = Field(1, ge=1)
     """torch intra-op threads of the trainer process (CPU)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer computes. ``cuda``: FSDP2 over the GPUs ``torchrun`` starts one process each for
+    (one GPU without torchrun); ``cpu``: one plain process, or FSDP2 over gloo under ``torchrun``."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    attention: Literal["sdpa", "flex_attention"] = "sdpa"
+    """Attention kernel of the trainer: SDPA with a dense packed mask, or flex attention with a block mask
+    that skips the blocks across sample boundaries (compiled; GPU)."""
     slow_step_s: float = Field(0.0, ge=0)
     """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
 

@@ -23,15 +23,64 @@ from worker.spec import OptimConfig, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 
+def visible(
+    q: torch.Tensor, k: torch.Tensor, seg: torch.Tensor, lead: torch.Tensor, shared: torch.Tensor
+) -> torch.Tensor:
+    """Whether row token ``q`` may attend to row token ``k`` in a packed row (broadcasts over index tensors).
+
+    Causal, and inside the own sample, or onto the prompt tokens of the sample whose prompt ``q``
+    reuses (shared-prompt packing). The one rule behind both the dense SDPA mask and the flex
+    attention block mask.
+    """
+    return (q >= k) & ((seg[q] == seg[k]) | ((lead[q] == seg[k]) & shared[k]))
+
+
 @dataclass
 class PackedTensors:
     input_ids: torch.Tensor  # [1, T] long
     position_ids: torch.Tensor  # [1, T] long, each sample's own positions (a shared-prompt follower starts at its prompt length)
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True = may attend
     loss_mask: torch.Tensor  # [T] bool
     sampling_logprobs: torch.Tensor  # [T] float
     spans: list[tuple[int, int]]  # (start, length) of each sample's own tokens in the row
     rows: list[torch.Tensor]  # per sample, [L-1] long: the row whose logits predict the sample's tokens 1..L-1
+    seg: torch.Tensor  # [T] long: sample index owning each row token
+    lead: torch.Tensor  # [T] long: sample index whose prompt each row token may see
+    shared: torch.Tensor  # [T] bool: row token is a prompt token other samples may see
+
+    def to(self, device: torch.device | str) -> PackedTensors:
+        """The same row with its tensors on ``device`` (a no-op copy-free view on the same device)."""
+        moved = {
+            f: getattr(self, f).to(device)
+            for f in ("input_ids", "position_ids", "loss_mask", "sampling_logprobs", "seg", "lead", "shared")
+        }
+        return PackedTensors(spans=self.spans, rows=[r.to(device) for r in self.rows], **moved)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """Dense ``[1, 1, T, T]`` bool mask (True = may attend), built on the row's device (for SDPA)."""
+        idx = torch.arange(self.seg.numel(), device=self.seg.device)
+        return visible(idx[:, None], idx[None, :], self.seg, self.lead, self.shared)[None, None]
+
+    def block_mask(self) -> Any:
+        """The same rule as a flex attention ``BlockMask`` (128-token blocks; fully masked blocks are skipped)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        seg, lead, shared = self.seg, self.lead, self.shared
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
+            return visible(q, k, seg, lead, shared)
+
+        n = self.seg.numel()
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=self.seg.device)
+
+    def mask_for(self, attn_implementation: str) -> Any:
+        """The attention mask argument for the model's attention implementation (``sdpa``/``eager`` or ``flex_attention``)."""
+        return self.block_mask() if attn_implementation == "flex_attention" else self.attention_mask
+
+    @property
+    def attended_pairs(self) -> int:
+        """(query, key) pairs the mask allows: every token sees exactly its own position + 1 keys (MFU's attention term)."""
+        return int((self.position_ids + 1).sum())
 
 
 def packed_attention_mask(lengths: list[int]) -> torch.Tensor:
@@ -100,17 +149,16 @@ def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
             lmask.append(bool(s["loss_mask"][j]))
             lps.append(sample_lps[j])
         spans.append((start, n - p))
-    seg_t, lead_t, shared_t = torch.tensor(seg), torch.tensor(lead), torch.tensor(shared, dtype=torch.bool)
-    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril_()
-    visible = (seg_t[:, None] == seg_t[None, :]) | ((lead_t[:, None] == seg_t[None, :]) & shared_t[None, :])
     return PackedTensors(
         input_ids=torch.tensor(ids, dtype=torch.long)[None],
         position_ids=torch.tensor(pos, dtype=torch.long)[None],
-        attention_mask=(causal & visible)[None, None],
         loss_mask=torch.tensor(lmask, dtype=torch.bool),
         sampling_logprobs=torch.tensor(lps, dtype=torch.float32),
         spans=spans,
         rows=rows,
+        seg=torch.tensor(seg, dtype=torch.long),
+        lead=torch.tensor(lead, dtype=torch.long),
+        shared=torch.tensor(shared, dtype=torch.bool),
     )
 
 
@@ -135,9 +183,29 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def is_main_rank() -> bool:
+    """True in a single process and on rank 0 of a distributed trainer (the rank that writes files)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full HF-named state dict on CPU; with FSDP2 gathered from the shards (a collective).
+
+    Every rank must call it; ranks other than 0 of a sharded model get ``{}``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF-named parameters, cloned and contiguous; a tied ``lm_head.weight`` is left out (it is the embedding)."""
-    state = model.state_dict()
+    """HF-named parameters, cloned and contiguous; a tied ``lm_head.weight`` is left out (it is the embedding).
+
+    A collective with FSDP2 (see ``full_state_dict``): ranks other than 0 get ``{}``.
+    """
+    state = full_state_dict(model)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
@@ -146,13 +214,17 @@ def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_versions: int) -> Path:
     """Publish policy ``version`` as ``weights/step_<version>/model.safetensors`` with STABLE written last.
 
-    Versions older than the newest ``keep_versions`` are deleted.
+    Versions older than the newest ``keep_versions`` are deleted. With FSDP2 every rank calls it (the
+    weights are gathered) and rank 0 writes.
     """
     final = run.weight_dir(version)
+    weights = weights_state_dict(model)
+    if not is_main_rank():
+        return final
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(weights_state_dict(model), tmp / "model.safetensors")
+    save_file(weights, tmp / "model.safetensors")
     (tmp / STABLE_MARKER).write_text(str(version))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -163,12 +235,18 @@ def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_vers
 
 
 def save_final(model: torch.nn.Module, base_name: str, out: Path) -> None:
-    """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path."""
+    """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path.
+
+    With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+    """
     from transformers import AutoTokenizer
 
+    state = full_state_dict(model)
+    if not is_main_rank():
+        return
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state)
     AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -182,7 +260,9 @@ class BackgroundCheckpointer:
     """Writes trainer checkpoint parts on a thread so training goes on while files are written.
 
     The state is copied on the calling thread (a consistent snapshot), then written by the thread.
-    One save at a time: a new save first waits for the previous one.
+    One save at a time: a new save first waits for the previous one. Optimizer state is stored by
+    parameter name (``get_optimizer_state_dict``), so a checkpoint loads with any number of ranks;
+    with FSDP2 every rank calls ``save`` (the state is gathered) and rank 0 writes.
     """
 
     def __init__(self, run: RunDir, keep: int) -> None:
@@ -190,10 +270,16 @@ class BackgroundCheckpointer:
         self._thread: threading.Thread | None = None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         self.wait()
         weights = weights_state_dict(model)
+        opt_state = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if not is_main_rank():
+            return
         # optimizer state tensors are cloned so the next step cannot change them under the writer
-        opt_state = optimizer.state_dict()
         opt_state = {
             "state": {
                 k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
@@ -223,15 +309,22 @@ class BackgroundCheckpointer:
 
 
 def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-    """Load a trainer checkpoint part into model, optimizer, scheduler and RNGs; returns its step."""
+    """Load a trainer checkpoint part into model, optimizer, scheduler and RNGs; returns its step.
+
+    Works on a plain and on an FSDP2-sharded model (every rank reads the files and keeps its shard).
+
+    Raises:
+        RuntimeError: the checkpoint's tensor names do not match the model.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     weights = load_file(folder / "model.safetensors")
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    missing, unexpected = set_model_state_dict(model, weights, options=full)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
     state = torch.load(folder / "state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])

@@ -8,7 +8,8 @@ orchestrator from rollouts of policies <= n - 1, so this step trains policy v(n-
 
 The trainer knows no RL algorithm: advantages arrive in the batch.
 
-Run as ``python -m worker.trainer --run-dir DIR [--resume-step K]``.
+Run as ``python -m worker.trainer --run-dir DIR [--resume-step K]``, or under ``torchrun --nproc-per-node N``
+(FSDP2 over N ranks, see ``worker/trainer/dist.py``); rank 0 writes weights, checkpoints and metrics.
 """
 
 from __future__ import annotations
@@ -24,17 +25,31 @@ from pathlib import Path
 import torch
 
 from worker.batch import Batch, read_batch
+from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
 from worker.rundir import RunDir
 from worker.spec import RLSpec
 from worker.trainer.common import (
     BackgroundCheckpointer,
+    PackedTensors,
     build_optimizer,
     build_scheduler,
     load_trainer_state,
     micro_batch_tensors,
     publish_weights,
     save_final,
+)
+from worker.trainer.dist import (
+    DistInfo,
+    all_ranks_max,
+    all_ranks_sum,
+    broadcast_from_main,
+    flops_per_step,
+    grad_norm_value,
+    peak_flops,
+    peak_memory_gib,
+    prepare_model,
+    setup,
 )
 from worker.trainer.loss import LossInputs, compute_sample_loss
 from worker.trainer.loss.common import entropy_from_logits, selective_log_softmax
@@ -51,11 +66,23 @@ def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch,
     return read_batch(path), time.perf_counter() - t0
 
 
-def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) -> dict[str, float]:
-    """Forward/backward over every micro-batch of ``batch``; gradients summed, not applied.
+def _forward_logits(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> torch.Tensor:
+    """Logits ``[T, vocab]`` of one packed row, in the compute dtype (bf16 or fp32)."""
+    mask = t.mask_for(model.config._attn_implementation)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=mask).logits[0]
 
+
+def train_step(
+    model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int, info: DistInfo | None = None
+) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches of ``batch``; gradients summed, not applied.
+
+    Rank r of a world of w trains micro-batches r, r + w, ...; a rank with fewer than the others runs
+    zero-loss passes so that every rank runs the same number of FSDP2 forward/backward passes.
     Each loss term is a sum over kept tokens; dividing by the batch's loss-token count makes the
-    step's loss a token-level mean over the whole batch (DAPO-style token normalisation).
+    step's loss a token-level mean over the whole batch (DAPO-style token normalisation), and the
+    gradients are summed over ranks.
 
     ``mismatch_kl`` (k3, over all loss tokens) measures trainer policy v(step-1) against the
     sampling policy, so it includes the drift of stale rollouts; ``mismatch_kl_on_policy`` keeps only
@@ -63,40 +90,44 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
     (NaN when the step has none).
 
     Returns:
-        Sums of per-token metrics divided by the loss-token count, plus ``entropy``, and
-        ``trained_tokens``: the tokens of the packed rows (a shared prompt counted once).
+        Over all ranks: sums of per-token metrics divided by the loss-token count, plus ``entropy``,
+        ``trained_tokens`` (the tokens of the packed rows, a shared prompt counted once) and
+        ``attended_pairs`` (the (query, key) pairs the attention masks allow, for MFU).
     """
+    info = info or DistInfo()
     loss_cfg = spec.trainer.loss
     params = loss_cfg.model_dump(exclude={"type"})
     n_tokens = max(batch["num_loss_tokens"], 1)
-    sums: dict[str, float] = defaultdict(float)
-    on_policy_kl, on_policy_tokens = 0.0, 0.0
-    autocast = spec.model.dtype == "bfloat16"
-    trained_tokens = 0
-    for samples in batch["micro_batches"]:
-        t = micro_batch_tensors(samples)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = (
-                model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask)
-                .logits[0]
-                .float()
-            )  # [T, vocab]
-        total = logits.new_zeros(())
-        trained_tokens += int(t.input_ids.shape[1])
+    sums: dict[str, torch.Tensor | float] = defaultdict(float)
+    autocast = spec.model.dtype == "bfloat16" and not info.sharded  # FSDP2's policy casts to bf16 itself
+    dev = info.device
+    mine = batch["micro_batches"][info.rank :: info.world_size]
+    for k in range(all_ranks_max(len(mine), info)):
+        if k >= len(mine):  # padding pass: same collectives, no gradient
+            t = micro_batch_tensors([{"input_ids": [0], "loss_mask": [0]}]).to(dev)
+            (_forward_logits(model, t, autocast).sum() * 0.0).backward()
+            continue
+        samples = mine[k]
+        t = micro_batch_tensors(samples).to(dev)
+        logits = _forward_logits(model, t, autocast)  # [T, vocab]
+        total = logits.new_zeros((), dtype=torch.float32)
+        sums["trained_tokens"] += int(t.input_ids.shape[1])
+        sums["attended_pairs"] += t.attended_pairs
         for rows, sample in zip(t.rows, samples, strict=True):
             # tokens first..L-1 of the sample: from its first loss token on (the prompt has no loss)
             first = next((j for j, m in enumerate(sample["loss_mask"]) if m and j > 0), None)
             if first is None:
                 continue
-            sample_logits = logits[rows[first - 1 :]] / sample["temperature"]  # [L-first, vocab]
-            targets = torch.tensor(sample["input_ids"][first:])  # [L-first]
-            mask = torch.tensor(sample["loss_mask"][first:], dtype=torch.bool)  # [L-first]
+            sample_logits = logits[rows[first - 1 :]].float() / sample["temperature"]  # [L-first, vocab]
+            targets = torch.tensor(sample["input_ids"][first:], device=dev)  # [L-first]
+            mask = torch.tensor(sample["loss_mask"][first:], dtype=torch.bool, device=dev)  # [L-first]
+            sampling_lp = torch.tensor(sample["sampling_logprobs"][first:], dtype=torch.float32, device=dev)
             trainer_lp = selective_log_softmax(sample_logits, targets)  # [L-first]
             out = compute_sample_loss(
                 loss_cfg.type,
                 LossInputs(
                     trainer_logprobs=trainer_lp,
-                    sampling_logprobs=torch.tensor(sample["sampling_logprobs"][first:], dtype=torch.float32),
+                    sampling_logprobs=sampling_lp,
                     advantages=torch.full_like(trainer_lp, sample["advantage"]),
                     loss_mask=mask,
                 ),
@@ -104,18 +135,21 @@ def train_step(model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int) ->
             )
             total = total + out.loss
             for name, value in out.metrics.items():
-                sums[name] += float(value)
+                sums[name] += value
             if sample["policy_span"] == [step - 1, step - 1]:
-                on_policy_kl += float(out.metrics["mismatch_kl"])
-                on_policy_tokens += float(out.metrics["loss_tokens"])
-            with torch.no_grad():
-                sums["entropy"] += float(entropy_from_logits(sample_logits.detach())[mask].sum())
-        (total / n_tokens).backward()
-        sums["loss"] += float(total.detach())
-    metrics = {name: value / n_tokens for name, value in sums.items() if name != "loss_tokens"}
+                sums["on_policy_kl"] += out.metrics["mismatch_kl"]
+                sums["on_policy_tokens"] += out.metrics["loss_tokens"]
+            sums["entropy"] += entropy_from_logits(sample_logits.detach())[mask].sum()
+        (total * (info.loss_scale / n_tokens)).backward()
+        sums["loss"] += total.detach()
+    totals = all_ranks_sum({name: float(v) for name, v in sums.items()}, info)  # one sync per metric, at the end
+    counts = {name: totals.pop(name, 0.0) for name in ("trained_tokens", "attended_pairs", "loss_tokens")}
+    on_policy_kl, on_policy_tokens = totals.pop("on_policy_kl", 0.0), totals.pop("on_policy_tokens", 0.0)
+    metrics: dict[str, float] = {name: value / n_tokens for name, value in totals.items()}
     metrics["masked_fraction"] = metrics.pop("masked", 0.0)
     metrics["mismatch_kl_on_policy"] = on_policy_kl / on_policy_tokens if on_policy_tokens else float("nan")
-    metrics["trained_tokens"] = trained_tokens
+    metrics["trained_tokens"] = int(counts["trained_tokens"])
+    metrics["attended_pairs"] = int(counts["attended_pairs"])
     return metrics
 
 
@@ -131,13 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(spec.trainer.threads)
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
+    info = setup(spec.trainer.device)
 
     from worker.models import load_model
 
-    model = load_model(
-        spec.model.name, dtype="float32", attn_implementation="sdpa"
-    )  # fp32 master weights; bf16 through autocast
+    # fp32 master weights; bf16 compute through FSDP2's policy (sharded) or autocast (one CPU process)
+    model = load_model(spec.model.name, dtype="float32", attn_implementation=spec.trainer.attention)
+    n_params = sum(p.numel() for p in model.parameters())
     model.train()
+    prepare_model(
+        model,
+        info,
+        bf16=spec.model.dtype == "bfloat16",
+        activation_checkpointing=spec.trainer.activation_checkpointing,
+    )
+    peak = peak_flops(info.device)
     optimizer = build_optimizer(model, spec.trainer.optim)
     scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)
     start = 0
@@ -152,47 +194,58 @@ def main(argv: list[str] | None = None) -> int:
 
     for step in range(start + 1, spec.max_steps + 1):
         batch, waited = wait_for_batch(run, step)
-        spec, changed = live.apply(spec, step)
+        # rank 0 reads and acknowledges live revisions; every rank trains with its result
+        spec, changed = broadcast_from_main(live.apply(spec, step) if info.is_main else None, info)  # type: ignore[misc]
         if "trainer.optim.lr" in changed:  # the schedule continues from the new base lr
             set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)
         t0 = time.perf_counter()
-        metrics = train_step(model, batch, spec, step) if batch["num_samples"] else {}
+        metrics = train_step(model, batch, spec, step, info) if batch["num_samples"] else {}
         for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
             metrics.setdefault(name, float("nan"))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
+        grad_norm = grad_norm_value(
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
+        )
         lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (a live change sets it between steps)
         if batch["num_samples"]:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
         compute_s = time.perf_counter() - t0
         publish_weights(model, run, step, keep_versions=spec.orchestrator.max_async_level + 3)
         step_s = time.perf_counter() - t0
         n_tok = metrics.pop("trained_tokens", 0)  # tokens in the packed rows (a shared prompt counts once)
-        run.log_metrics(
-            "trainer",
-            step,
-            {
-                **metrics,
-                "grad_norm": float(grad_norm),
-                "lr": lr,
-                "num_samples": batch["num_samples"],
-                "num_loss_tokens": batch["num_loss_tokens"],
-                "tokens_per_s": n_tok / compute_s if compute_s > 0 else 0.0,
-                "step_time_s": step_s + waited,
-                "wait_for_batch_s": waited,
-                "policy_version": step,
-            },
-        )
+        flops = flops_per_step(model.config, n_params, n_tok, metrics.pop("attended_pairs", 0))
+        if info.is_main:
+            run.log_metrics(
+                "trainer",
+                step,
+                {
+                    **metrics,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "num_samples": batch["num_samples"],
+                    "num_loss_tokens": batch["num_loss_tokens"],
+                    "tokens_per_s": n_tok / compute_s if compute_s > 0 else 0.0,
+                    "mfu": flops / (compute_s * peak * info.world_size) if peak and compute_s > 0 else None,
+                    "peak_memory_gib": peak_memory_gib(info.device),
+                    "step_time_s": step_s + waited,
+                    "wait_for_batch_s": waited,
+                    "policy_version": step,
+                },
+            )
         logger.info(
             "step %d loss %.4f mismatch_kl %.2e grad_norm %.3f wait_for_batch %.2fs",
             step,
             metrics.get("loss", 0.0),
             metrics.get("mismatch_kl", 0.0),
-            float(grad_norm),
+            grad_norm,
             waited,
         )
-        if spec.ckpt.interval and step % spec.ckpt.interval == 0:
+        if checkpoint_due(run, step, spec.ckpt.interval):  # periodic, or requested (preemption)
             checkpointer.save(step, model, optimizer, scheduler)
         if spec.trainer.slow_step_s:
             time.sleep(spec.trainer.slow_step_s)

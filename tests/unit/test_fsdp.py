@@ -1,0 +1,105 @@
+"""FSDP2 on CPU (gloo): a trainer step on 2 ranks equals the one-process step (``tests/unit/fsdp_step.py``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("fsdp_step.py")
+ROOT = SCRIPT.parents[2]
+
+
+def run_step(out: Path, nproc: int, *args: str) -> dict:
+    """Run ``fsdp_step.py`` plainly (``nproc`` 0) or under ``torchrun --nproc-per-node nproc``; its results."""
+    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, *launcher, str(SCRIPT), "--out", str(out), *args], check=True, cwd=ROOT, env=env, timeout=300
+    )
+    return torch.load(out, weights_only=False)
+
+
+def assert_same_step(one: dict, two: dict, *, rtol: float, atol: float) -> None:
+    for name in ("loss", "entropy", "mismatch_kl", "is_ratio", "masked_fraction", "mismatch_kl_on_policy"):
+        assert math.isclose(one["metrics"][name], two["metrics"][name], rel_tol=rtol, abs_tol=atol), name
+    for name in ("trained_tokens", "attended_pairs"):
+        assert one["metrics"][name] == two["metrics"][name], name
+    assert math.isclose(one["grad_norm"], two["grad_norm"], rel_tol=rtol, abs_tol=atol)
+    assert one["params"].keys() == two["params"].keys()
+    for name, p in one["params"].items():
+        torch.testing.assert_close(two["params"][name], p, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """The one-process fp32 step, and the 2-rank steps: fp32, fp32 with activation checkpointing, bf16."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    one = run_step(tmp / "one.pt", 0)
+    two = run_step(tmp / "two.pt", 2, "--variants", "float32,float32+ac,bfloat16")
+    return one, two
+
+
+def test_fsdp2_two_ranks_equal_one_process(steps: tuple[dict, dict]) -> None:
+    one, two = steps[0]["float32"], steps[1]["float32"]
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    # 6 samples with a 9-token prompt (completions 2+5+8+4+7+3) and 6 with a 5-token one (3+6+2+5+8+4)
+    assert one["metrics"]["trained_tokens"] == 6 * 9 + 29 + 6 * 5 + 28 == 141
+    assert one["grad_norm"] > 0.01  # so max_grad_norm 0.01 clips: the reported norm is the one before clipping
+    assert_same_step(one, two, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_activation_checkpointing_changes_nothing(steps: tuple[dict, dict]) -> None:
+    assert_same_step(steps[1]["float32"], steps[1]["float32+ac"], rtol=1e-6, atol=1e-7)
+
+
+def test_fsdp2_bf16_policy_keeps_fp32_master_weights(steps: tuple[dict, dict]) -> None:
+    """bf16 params/compute with fp32 reduction and fp32 master weights: the step stays within bf16 error."""
+    fp32, bf16 = steps[1]["float32"], steps[1]["bfloat16"]
+    assert bf16["params"]["model.embed_tokens.weight"].dtype == torch.float32
+    assert math.isclose(bf16["metrics"]["loss"], fp32["metrics"]["loss"], rel_tol=2e-2, abs_tol=2e-3)
+    assert math.isclose(bf16["grad_norm"], fp32["grad_norm"], rel_tol=5e-2)
+
+
+@pytest.mark.gpu
+def test_fsdp2_two_gpus_equal_one_gpu(tmp_path: Path) -> None:
+    """bf16 params/compute, fp32 reduction: 2 GPUs give the 1-GPU step (same kernels; only the reduction order differs)."""
+    one = run_step(tmp_path / "one.pt", 0, "--device", "cuda", "--variants", "bfloat16")["bfloat16"]
+    two = run_step(tmp_path / "two.pt", 2, "--device", "cuda", "--variants", "bfloat16")["bfloat16"]
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    for name in ("loss", "entropy", "mismatch_kl", "is_ratio"):
+        assert math.isclose(one["metrics"][name], two["metrics"][name], rel_tol=1e-2, abs_tol=1e-4), name
+    assert math.isclose(one["grad_norm"], two["grad_norm"], rel_tol=1e-2)
+    # AdamW's first step moves each weight by about lr * sign(grad): only weights whose bf16 gradient is ~0
+    # may move differently, so nearly every weight must agree to float precision
+    differing = sum(int((two["params"][n] - p).abs().gt(1e-6).sum()) for n, p in one["params"].items())
+    total = sum(p.numel() for p in one["params"].values())
+    assert differing <= total // 100, f"{differing} of {total} weights differ"
+
+
+def test_attended_pairs_count_the_mask() -> None:
+    """MFU's attention term: every token of a packed row (shared prompts too) sees its position + 1 keys."""
+    from worker.trainer.common import micro_batch_tensors
+
+    samples = [
+        {"input_ids": list(range(p + c)), "loss_mask": [0] * p + [1] * c, "group": g, "prefix_len": p}
+        for g, p, c in ((0, 7, 3), (0, 7, 5), (1, 4, 2), (2, 0, 6))
+    ]
+    t = micro_batch_tensors(samples)
+    assert t.input_ids.shape[1] == 10 + 5 + 6 + 6
+    assert t.attended_pairs == int(t.attention_mask.sum()) == 55 + (8 + 9 + 10 + 11 + 12) + 21 + 21
+
+
+@pytest.mark.gpu
+def test_flex_attention_block_mask_equals_sdpa_dense_mask(tmp_path: Path) -> None:
+    """The flex attention block mask and the dense SDPA mask give the same step (bf16 tolerance)."""
+    sdpa = run_step(tmp_path / "sdpa.pt", 0, "--device", "cuda", "--variants", "bfloat16")["bfloat16"]
+    flex = run_step(tmp_path / "flex.pt", 0, "--device", "cuda", "--variants", "bfloat16+flex")["bfloat16+flex"]
+    for name in ("loss", "entropy", "mismatch_kl"):
+        assert math.isclose(sdpa["metrics"][name], flex["metrics"][name], rel_tol=2e-2, abs_tol=1e-3), name
+    assert math.isclose(sdpa["grad_norm"], flex["grad_norm"], rel_tol=2e-2)

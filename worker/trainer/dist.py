@@ -1,0 +1,161 @@
+"""The trainer's distributed side: process group, FSDP2 sharding, mixed precision, MFU.
+
+One code path for one CPU process, ``torchrun`` on CPU (gloo) and one or more GPUs (NCCL):
+
+- ``setup(device)``: a single CPU process stays plain (no process group, bf16 through autocast).
+  Under ``torchrun`` (``WORLD_SIZE`` > 1) or with ``trainer.device = "cuda"`` it joins a process
+  group (gloo on CPU, NCCL on GPU; a lone process gets a one-rank group) and the model is sharded.
+- ``shard(model, ...)``: ``fully_shard`` on every decoder block, then on the root, with a
+  ``MixedPrecisionPolicy`` (bf16 params and compute when ``model.dtype`` is bfloat16, fp32 gradient
+  reduction). The sharded fp32 parameters are the master weights the optimizer updates.
+  FSDP2 averages gradients over ranks; each rank's loss is divided by the step's global loss-token
+  count and multiplied by the world size (``loss_scale``), so the average is the batch's gradient.
+- ``flops_per_step``/``peak_flops``: model FLOPs utilisation, see ``flops_per_step``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+"""Dense bf16 tensor-core peak in FLOP/s by a substring of ``torch.cuda.get_device_name``."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sharded: bool = False
+    """True when the model is wrapped with FSDP2 (a process group exists)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor on each rank's loss that turns FSDP2's gradient average over ranks into the sum."""
+        return float(self.world_size) if self.sharded else 1.0
+
+
+def setup(device: str) -> DistInfo:
+    """Join the trainer's process group when one is needed; returns this process's rank, world size, device.
+
+    Args:
+        device: the spec's ``trainer.device``, ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        RuntimeError: ``device`` is ``"cuda"`` and no CUDA GPU is visible.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device == "cpu" and world == 1:
+        return DistInfo()
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError('trainer.device: "cuda" but no CUDA GPU is visible; use "cpu"')
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:  # torchrun (or the caller) set up the rendezvous
+            dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+        else:  # a lone process: a one-rank group needs no rendezvous
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), device=dev, sharded=True)
+
+
+def prepare_model(
+    model: torch.nn.Module, info: DistInfo, *, bf16: bool, activation_checkpointing: bool
+) -> torch.nn.Module:
+    """Activation checkpointing (per decoder block) if asked, then FSDP2 when ``info.sharded``; in place.
+
+    ``model`` must hold fp32 weights (the master copy). Returns the same module.
+    """
+    model.config.use_cache = False
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not info.sharded:
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model.to(info.device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def all_ranks_max(value: int, info: DistInfo) -> int:
+    """The largest ``value`` over all ranks (``value`` itself without a process group)."""
+    if not info.sharded or info.world_size == 1:
+        return value
+    t = torch.tensor([value], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_ranks_sum(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Sum each named float over all ranks; a name missing on a rank counts 0 there."""
+    if not info.sharded or info.world_size == 1:
+        return dict(values)
+    gathered: list[dict[str, float]] = [{} for _ in range(info.world_size)]
+    dist.all_gather_object(gathered, values)
+    out: dict[str, float] = {}
+    for part in gathered:
+        for name, v in part.items():
+            out[name] = out.get(name, 0.0) + v
+    return out
+
+
+def grad_norm_value(norm: torch.Tensor) -> float:
+    """``clip_grad_norm_``'s result as a float (a DTensor under FSDP2 holds the norm of all shards)."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
+def flops_per_step(config: object, n_params: int, tokens: int, attended_pairs: int) -> float:
+    """Model FLOPs of one training step (forward + backward), the numerator of MFU.
+
+    ``6 * N * tokens + 12 * L * H * d * attended_pairs``: ``N`` all parameters (a tied embedding
+    counted once: it is the output projection), ``L`` layers, ``H`` query heads, ``d`` head dim, and
+    ``attended_pairs`` the (query, key) pairs the packed mask allows, i.e. per token the
+    attention term ``12 * L * H * d * seq`` with ``seq`` the keys the token attends to (``s/2`` on
+    average in a causal sample of length ``s``). For one causal 16k sequence this is the
+    convention of the published anchors (``6 N + 6 L H d s`` per token).
+    """
+    layers = config.num_hidden_layers  # type: ignore[attr-defined]
+    heads = config.num_attention_heads  # type: ignore[attr-defined]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    return 6.0 * n_params * tokens + 12.0 * layers * heads * head_dim * attended_pairs
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of one ``device`` from ``PEAK_BF16_FLOPS``; None on CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """Peak allocated GPU memory of this process in GiB since the last reset; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def broadcast_from_main(obj: object, info: DistInfo) -> object:
+    """Rank 0's ``obj`` on every rank (picklable objects; ``obj`` itself without a process group)."""
+    if not info.sharded or info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
