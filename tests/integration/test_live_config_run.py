@@ -32,7 +32,8 @@ def test_lr_and_temperature_change_mid_run_from_the_acked_steps(tiny_model: Path
                  "orchestrator.max_tokens": "16", "orchestrator.temperature": str(OLD_T),
                  "orchestrator.eval.num_examples": "4", "orchestrator.eval.interval": "0",
                  "orchestrator.drop_zero_advantage": "false", "trainer.optim.lr": str(OLD_LR),
-                 "trainer.scheduler.warmup_steps": "0", "ckpt.interval": "0"}
+                 "trainer.scheduler.warmup_steps": "0", "trainer.scheduler.type": "constant",
+                 "ckpt.interval": "0"}
     spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], list(overrides.items())))
     assert isinstance(spec, RLSpec)
     run = RunDir(spec.run_dir)

@@ -30,7 +30,7 @@ def small_spec(model: Path, name: str, max_steps: int) -> dict[str, Any]:
         ("name", name), ("max_steps", str(max_steps)), ("model.name", str(model)),
         ("orchestrator.batch_size", "4"), ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"),
         ("orchestrator.eval.interval", "0"), ("orchestrator.eval.num_examples", "8"), ("ckpt.interval", "2"),
-        ("trainer.scheduler.warmup_steps", "0"),
+        ("trainer.scheduler.warmup_steps", "0"), ("trainer.scheduler.type", "constant"), ("trainer.optim.lr", "1e-4"),
     ])
 
 
