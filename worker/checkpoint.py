@@ -9,13 +9,14 @@ removes. A step is complete when both parts are in place with their markers.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.rundir import COMPLETE_MARKER, RunDir, step_dirs
+from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json, step_dirs
 
 PARTS = ("trainer", "orchestrator")
 logger = logging.getLogger(__name__)
@@ -76,3 +77,22 @@ def prune(run: RunDir, keep: int) -> None:
     complete = complete_steps(run)
     for n in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(run.checkpoint_dir(n), ignore_errors=True)
+
+
+REQUEST_FILE = "checkpoint_request.json"
+"""In the run directory: ``{"step": n}`` asks trainer and orchestrator for a checkpoint at step n (preemption)."""
+
+
+def request(run: RunDir, step: int) -> None:
+    """Ask both processes for a checkpoint at ``step`` besides the periodic ones (they read it every step)."""
+    atomic_write_json(run.root / REQUEST_FILE, {"step": step})
+
+
+def due(run: RunDir, step: int, interval: int) -> bool:
+    """Whether ``step`` ends with a checkpoint: every ``interval`` steps (0 = never), or ``request``-ed."""
+    if interval and step % interval == 0:
+        return True
+    try:
+        return int(json.loads((run.root / REQUEST_FILE).read_text())["step"]) == step
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
