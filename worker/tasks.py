@@ -150,36 +150,13 @@ def deliver_webhook(self, delivery_id: int) -> str:  # type: ignore[no-untyped-d
 
 @app.task(name="asyncrl.check_stalls")
 def check_stalls() -> list[tuple[int, int]]:
-    """Fire ``stall`` alert rules of running runs (Celery beat, every ``ALERT_STALL_CHECK_S``)."""
-    from server.alerts import rules
+    """Fire ``stall`` alert rules of running runs and re-enqueue lost webhook deliveries (Celery beat, every
+    ``ALERT_STALL_CHECK_S``)."""
+    from server.alerts import rules, webhooks
 
     with Session(engine) as session:
         fired = rules.check_stalls(session)
-        session.commit()
-    return fired
-
-
-@app.task(name="asyncrl.deliver_webhook", bind=True, max_retries=None)
-def deliver_webhook(self, delivery_id: int) -> str:  # type: ignore[no-untyped-def]
-    """One attempt of a webhook delivery (``server.alerts.webhooks.attempt``); a failed one is retried with
-    exponential backoff (a new message with a countdown) until ``WEBHOOK_MAX_ATTEMPTS``."""
-    from server.alerts import webhooks
-
-    with Session(engine) as session:
-        result, retry_in = webhooks.attempt(session, delivery_id)
-    logger.info(result)
-    if retry_in is not None:
-        raise self.retry(countdown=retry_in)
-    return result
-
-
-@app.task(name="asyncrl.check_stalls")
-def check_stalls() -> list[tuple[int, int]]:
-    """Fire ``stall`` alert rules of running runs (Celery beat, every ``ALERT_STALL_CHECK_S``)."""
-    from server.alerts import rules
-
-    with Session(engine) as session:
-        fired = rules.check_stalls(session)
+        webhooks.requeue_stuck(session)
         session.commit()
     return fired
 

@@ -27,6 +27,7 @@ import secrets
 import socket
 import time
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -222,6 +223,19 @@ def _enqueue_after_commit(session: OrmSession) -> None:
 @event.listens_for(OrmSession, "after_rollback")
 def _forget_after_rollback(session: OrmSession) -> None:
     session.info.pop("asyncrl_deliveries", None)
+
+
+def requeue_stuck(session: Session, now: datetime | None = None) -> list[int]:
+    """Pending deliveries untouched for longer than any retry waits (``2 * WEBHOOK_BACKOFF_MAX_S +
+    WEBHOOK_TIMEOUT_S``): their task was lost (enqueueing failed after the commit, or the broker lost it). They
+    are enqueued again after the caller's commit (a duplicate send carries the same key). Returns their ids."""
+    cutoff = (now or utcnow()) - timedelta(seconds=2 * settings.WEBHOOK_BACKOFF_MAX_S + settings.WEBHOOK_TIMEOUT_S)
+    stmt = select(WebhookDelivery.id).where(
+        WebhookDelivery.status == "pending", col(WebhookDelivery.updated_at) < cutoff
+    )
+    ids = [int(i) for i in session.exec(stmt.order_by(col(WebhookDelivery.id)).limit(1000)).all()]
+    session.info.setdefault("asyncrl_deliveries", []).extend(ids)
+    return ids
 
 
 def backoff_s(attempts: int) -> float:

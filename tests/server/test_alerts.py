@@ -268,7 +268,11 @@ def test_status_rule_fires_on_each_matching_transition(
     assert [(b["event"], b["run"]["id"], b["message"]) for b in bodies] == [
         ("status", run_id, f"run status failed or requeued: run {run_id} is failed (preflight: no model)"),
         ("status", run_id, f"run status failed or requeued: run {run_id} is requeued (resumed)"),
-        ("status", run_id, f"run status failed or requeued: run {run_id} is requeued (Slurm job 7 requeued (restart 1))"),
+        (
+            "status",
+            run_id,
+            f"run status failed or requeued: run {run_id} is requeued (Slurm job 7 requeued (restart 1))",
+        ),
     ]
 
 
@@ -338,3 +342,25 @@ def test_attempts_run_out_then_failed(
     assert third == (f"skipped: delivery {row.id} is failed", None)
     (log,) = deliveries(client, auth, endpoint["id"])
     assert log["status"] == "failed" and log["attempts"] == 2 and log["status_code"] is None
+
+
+def test_pending_deliveries_untouched_too_long_are_enqueued_again(
+    client: Any, auth: dict[str, str], endpoint: dict[str, Any]
+) -> None:
+    from sqlmodel import Session
+
+    from server.alerts import webhooks
+    from server.core.config import settings
+    from server.core.db import engine
+    from server.models import utcnow
+
+    fire_once(client, auth)
+    (row,) = _delivery_rows(endpoint["id"])
+    limit = 2 * settings.WEBHOOK_BACKOFF_MAX_S + settings.WEBHOOK_TIMEOUT_S
+    with Session(engine) as s:
+        assert row.id not in webhooks.requeue_stuck(s, now=row.updated_at + timedelta(seconds=limit - 5))
+        assert row.id in webhooks.requeue_stuck(s, now=row.updated_at + timedelta(seconds=limit + 5))
+        s.rollback()  # nothing enqueued
+        with Session(engine) as s2:
+            webhooks.attempt(s2, row.id)  # refused by the closed port: attempts 1, still pending, touched now
+        assert row.id not in webhooks.requeue_stuck(s, now=utcnow() + timedelta(seconds=limit - 5))
