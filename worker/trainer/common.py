@@ -48,12 +48,20 @@ class PackedTensors:
     shared: torch.Tensor  # [T] bool: row token is a prompt token other samples may see
 
     def to(self, device: torch.device | str) -> PackedTensors:
-        """The same row with its tensors on ``device`` (a no-op copy-free view on the same device)."""
+        """The same row with its tensors on ``device`` (``rows`` stay on CPU, index lists for ``sample_logits``)."""
         moved = {
             f: getattr(self, f).to(device)
             for f in ("input_ids", "position_ids", "loss_mask", "sampling_logprobs", "seg", "lead", "shared")
         }
-        return PackedTensors(spans=self.spans, rows=[r.to(device) for r in self.rows], **moved)
+        return PackedTensors(spans=self.spans, rows=self.rows, **moved)  # rows stay on CPU: see ``sample_logits``
+
+    @staticmethod
+    def sample_logits(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``logits[rows]`` for increasing CPU ``rows``: a view when they are contiguous (no copy of ``[L, vocab]``)."""
+        n = rows.numel()
+        if n and int(rows[-1]) - int(rows[0]) == n - 1:
+            return logits[int(rows[0]) : int(rows[0]) + n]
+        return logits[rows.to(logits.device)]
 
     @property
     def attention_mask(self) -> torch.Tensor:

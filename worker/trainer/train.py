@@ -68,9 +68,13 @@ def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch,
 
 def _forward_logits(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> torch.Tensor:
     """Logits ``[T, vocab]`` of one packed row, in the compute dtype (bf16 or fp32)."""
-    mask = t.mask_for(model.config._attn_implementation)
+    impl = model.config._attn_implementation
+    # flex attention picks its decoding kernel (no backward) for rows under 128 tokens unless told otherwise
+    extra = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if impl == "flex_attention" else {}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        return model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=mask).logits[0]
+        return model(
+            input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.mask_for(impl), **extra
+        ).logits[0]
 
 
 def train_step(
@@ -118,7 +122,9 @@ def train_step(
             first = next((j for j, m in enumerate(sample["loss_mask"]) if m and j > 0), None)
             if first is None:
                 continue
-            sample_logits = logits[rows[first - 1 :]].float() / sample["temperature"]  # [L-first, vocab]
+            sample_logits = t.sample_logits(logits, rows[first - 1 :])  # [L-first, vocab], compute dtype
+            if sample["temperature"] != 1.0:  # else the log-softmax and entropy upcast chunk by chunk: same values
+                sample_logits = sample_logits.float() / sample["temperature"]
             targets = torch.tensor(sample["input_ids"][first:], device=dev)  # [L-first]
             mask = torch.tensor(sample["loss_mask"][first:], dtype=torch.bool, device=dev)  # [L-first]
             sampling_lp = torch.tensor(sample["sampling_logprobs"][first:], dtype=torch.float32, device=dev)
