@@ -103,3 +103,65 @@ def test_flex_attention_block_mask_equals_sdpa_dense_mask(tmp_path: Path) -> Non
     for name in ("loss", "entropy", "mismatch_kl"):
         assert math.isclose(sdpa["metrics"][name], flex["metrics"][name], rel_tol=2e-2, abs_tol=1e-3), name
     assert math.isclose(sdpa["grad_norm"], flex["grad_norm"], rel_tol=2e-2)
+
+
+@pytest.mark.slow  # ~80 s on the busy 2-core box: a tiny model + tokenizer, torchrun, a resumed process
+def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
+    """``python -m worker.trainer`` under torchrun (2 gloo ranks): rank 0 alone writes metrics, weights,
+    checkpoints and the final model; its step-1 checkpoint resumes in one plain process to the same step 2."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from worker.batch import write_batch
+    from worker.models import init_model
+    from worker.rundir import RunDir, read_jsonl
+    from worker.spec import validate_spec
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from fsdp_step import batch
+
+    model_dir = init_model(tmp_path / "model", size="tiny", seed=0)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    spec = validate_spec(
+        "rl",
+        {
+            "model": {"name": str(model_dir)},
+            "max_steps": 2,
+            "orchestrator": {"seq_len": 64},
+            "trainer": {"optim": {"lr": 1e-3}},
+            "ckpt": {"interval": 1, "keep": 2},
+        },
+    )
+    run.config.write_text(spec.model_dump_json())
+    for step in (1, 2):
+        write_batch(run.batch(step), batch())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    subprocess.run(
+        [*torchrun, "-m", "worker.trainer", "--run-dir", str(run.root)], check=True, cwd=ROOT, env=env, timeout=300
+    )
+    rows = [r for r in read_jsonl(run.metrics) if r["source"] == "trainer"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["mfu"] is None and rows[0]["peak_memory_gib"] is None  # CPU: no peak FLOP/s, no GPU memory
+    assert all((run.weight_dir(s) / "STABLE").exists() for s in (1, 2))
+    assert json.loads((run.final / "config.json").read_text())["num_hidden_layers"] == 4
+    two_rank = load_file(run.weight_dir(2) / "model.safetensors")
+    shutil.rmtree(run.weight_dir(2))
+
+    subprocess.run(
+        [sys.executable, "-m", "worker.trainer", "--run-dir", str(run.root), "--resume-step", "1"],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    resumed = load_file(run.weight_dir(2) / "model.safetensors")
+    assert resumed.keys() == two_rank.keys()
+    for name, w in two_rank.items():
+        torch.testing.assert_close(resumed[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    again = [r for r in read_jsonl(run.metrics) if r["source"] == "trainer"][-1]
+    assert again["step"] == 2
+    assert math.isclose(again["loss"], rows[1]["loss"], rel_tol=1e-5, abs_tol=1e-7)
