@@ -14,8 +14,10 @@ Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALER
 from __future__ import annotations
 
 from celery import Celery
+from celery.signals import beat_embedded_init
 
 from server.core.config import settings
+from worker.procs import die_with_parent
 
 
 def _transport_options() -> dict[str, object]:
@@ -43,3 +45,10 @@ app.conf.update(
                                     "options": {"expires": settings.ALERT_STALL_CHECK_S}}},
     beat_schedule_filename=str(settings.ASYNCRL_HOME / "celerybeat-schedule"),
 )
+
+
+@beat_embedded_init.connect
+def _beat_dies_with_its_worker(**_: object) -> None:
+    """The beat that ``asyncrl worker -B`` forks stops when the worker dies, even by kill -9: a restarted worker
+    would otherwise run beside an orphaned beat and every periodic task would be sent twice."""
+    die_with_parent()

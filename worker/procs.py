@@ -19,9 +19,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    os.setpgrp()
+def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG, Linux); exits at
+    once if the parent (pid ``parent``, default the current one) is already gone."""
+    parent = os.getppid() if parent is None else parent
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -32,8 +36,14 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        parent = os.getpid()
+
+        def child_setup() -> None:  # runs in the child between fork and exec
+            die_with_parent(parent)
+            os.setpgrp()
+
         return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, cwd=os.getcwd()
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup, cwd=os.getcwd()
         )
 
 

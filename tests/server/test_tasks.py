@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from server_support import spec, wait_for
 
+from worker.supervisor import _alive
+
 
 def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
     data = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
@@ -158,3 +160,37 @@ def test_worker_stops_a_launched_run(client: Any, auth: dict[str, str], celery_w
     kinds = [e["kind"] for e in client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]]
     assert kinds == ["status", "status", "stop_requested", "status"]
     assert celery_worker_proc.read_text().count(f"'stopped: run {run['id']}'") == 1
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Live child processes of ``pid``: child pid -> process title (Celery renames its processes)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) == pid and stat[0] not in {"Z", "X"}:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return found
+
+
+def test_kill_9_of_the_worker_takes_its_embedded_beat_and_pool_along(tmp_path: Path) -> None:
+    """`asyncrl worker` forks a beat (-B) and pool processes; after kill -9 of the worker none of them is left
+    (an orphaned beat beside a restarted worker would send every periodic task twice)."""
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "asyncrl"), "worker", "--concurrency", "2"],
+                                env={**os.environ, "ASYNCRL_HOME": str(tmp_path), "CELERY_QUEUE": f"beat-{os.getpid()}"},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        kids = wait_for(lambda: (k := _children(proc.pid)) and any("beat" in t for t in k.values())
+                        and sum("ForkPoolWorker" in t for t in k.values()) == 2 and k, 60, "beat and 2 pool workers")
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: not any(_alive(p) for p in kids), 20, "beat and pool workers gone")
+    finally:
+        if _alive(proc.pid):
+            os.killpg(proc.pid, 9)
