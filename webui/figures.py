@@ -45,13 +45,13 @@ CHARTS: tuple[Chart, ...] = (
     Chart("tokens_per_s", "Trainer tokens/s", (("trainer", "tokens_per_s", "tokens/s"),)),
 )
 BOTTLENECK_LINES = (("trainer", "wait_for_batch_s"), ("trainer", "step_time_s"), ("orchestrator", "wait_for_policy_s"))
-METRIC_NAMES = sorted({name for c in CHARTS for _, name, _ in c.lines} | {n for _, n in BOTTLENECK_LINES})
+SERIES_KEYS = sorted({(src, name) for c in CHARTS for src, name, _ in c.lines} | set(BOTTLENECK_LINES))
+"""(source, name) of every series the run page draws."""
 
 
 def load_series(session: Session, run_id: int, max_points: int = MAX_POINTS) -> dict[tuple[str, str], MetricSeries]:
     """``(source, name) -> series`` of every metric the run page draws, each downsampled to ``max_points``."""
-    found = metrics.series_by_name(session, run_id=run_id, names=METRIC_NAMES, max_points=max_points)
-    return {(s.source, name): s for name, series in found.items() for s in series}
+    return metrics.series_of(session, run_id=run_id, keys=SERIES_KEYS, max_points=max_points)
 
 
 def revision_marks(revisions: list[ConfigRevision]) -> list[tuple[int, str]]:
