@@ -19,7 +19,7 @@ from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, Text
 from sqlmodel import Field, SQLModel
 
 from server.models import JSONType, _ts
-from worker.alert_rules import RULE_KINDS
+from worker.alert_rules import RULE_KINDS, AlertRule
 
 T = TypeVar("T")
 
@@ -122,8 +122,11 @@ class RulePublic(BaseModel):
 
 
 class RuleUpdate(BaseModel):
+    """``PATCH /api/alerts/rules/{id}``: enable/disable, or replace the rule (e.g. a new threshold; same kind)."""
+
     model_config = ConfigDict(extra="forbid")
-    enabled: bool
+    enabled: bool | None = None
+    rule: AlertRule | None = None
 
 
 class AlertEventPublic(BaseModel):

@@ -364,3 +364,24 @@ def test_pending_deliveries_untouched_too_long_are_enqueued_again(
         with Session(engine) as s2:
             webhooks.attempt(s2, row.id)  # refused by the closed port: attempts 1, still pending, touched now
         assert row.id not in webhooks.requeue_stuck(s, now=utcnow() + timedelta(seconds=limit - 5))
+
+
+def test_editing_a_rule_changes_what_fires(client: Any, auth: dict[str, str]) -> None:
+    run_id = new_run()
+    rule = add_rule(client, auth, run_id, kind="threshold", metric="reward_mean", op="<", value=0.2)
+    post_metrics(client, run_id, "reward_mean", {1: 0.3}, source="orchestrator")
+    url = f"/api/alerts/rules/{rule['id']}"
+    new = {"kind": "threshold", "metric": "reward_mean", "op": "<", "value": 0.5}
+    patched = client.patch(url, json={"rule": new}, headers=auth)
+    assert patched.status_code == 200 and patched.json()["rule"]["value"] == 0.5, patched.text
+    post_metrics(client, run_id, "reward_mean", {2: 0.3}, source="orchestrator")
+    assert client.patch(url, json={"enabled": False}, headers=auth).json()["enabled"] is False
+    post_metrics(client, run_id, "reward_mean", {3: 0.9, 4: 0.1}, source="orchestrator")  # not checked
+    assert alert_events(client, auth, run_id) == [("threshold", "fired", 2)]
+    other_kind = client.patch(url, json={"rule": {"kind": "stall", "seconds": 5}}, headers=auth)
+    assert other_kind.status_code == 422
+    assert other_kind.json()["detail"] == f"rule.kind: rule {rule['id']} is a threshold rule, got 'stall'"
+    bad = client.patch(url, json={"rule": {**new, "window": 0}}, headers=auth)
+    assert bad.status_code == 422
+    assert bad.json()["detail"].startswith("body.rule.threshold.window: Input should be greater than or equal to 1")
+    assert client.patch("/api/alerts/rules/999999", json={"enabled": True}, headers=auth).status_code == 404

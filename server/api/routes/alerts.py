@@ -89,10 +89,16 @@ def list_run_rules(run_id: int, session: SessionDep, _user: UserDep) -> Any:
 
 @router.patch("/alerts/rules/{rule_id}", response_model=RulePublic)
 def update_rule(rule_id: int, body: RuleUpdate, session: SessionDep, _user: UserDep) -> Any:
-    """Enable or disable a rule."""
+    """Enable or disable a rule, or replace it with one of the same kind (its episode state is kept: the next
+    check under the new rule decides whether it still holds)."""
     with _http_errors():
         row = rules.get(session, rule_id)
-    row.enabled = body.enabled
+    if body.rule is not None:
+        if body.rule.kind != row.kind:
+            raise HTTPException(422, f"rule.kind: rule {rule_id} is a {row.kind} rule, got {body.rule.kind!r}")
+        row.rule = body.rule.model_dump(mode="json")
+    if body.enabled is not None:
+        row.enabled = body.enabled
     session.add(row)
     session.commit()
     session.refresh(row)
