@@ -189,6 +189,8 @@ class TrainerConfig(_Strict):
     attention: Literal["sdpa", "flex_attention"] = "sdpa"
     """Attention kernel of the trainer: SDPA with a dense packed mask, or flex attention with a block mask
     that skips the blocks across sample boundaries (compiled; GPU)."""
+    compile: bool = False
+    """``torch.compile`` each decoder block (fuses the elementwise kernels around the matmuls; GPU)."""
     slow_step_s: float = Field(0.0, ge=0)
     """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
 

@@ -9,7 +9,7 @@ reduction, fp32 master weights), ``worker.trainer.train.train_step`` (the ``dppo
 temperature-scaled chunked log-probs), ``clip_grad_norm_``, AdamW step. Grid: attention ``sdpa`` (dense
 packed mask) or ``flex_attention`` (block mask) x activation checkpointing off/on x batch shape
 ``packed`` (16 samples of 1024 tokens, 256 prompt + 768 completion, one 16384-token row) or ``single``
-(one 16384-token sample).
+(one 16384-token sample); plus flex attention cells with ``trainer.compile`` (each decoder block compiled).
 
 Baseline cells: plain transformers, bf16 weights, SDPA (``is_causal``, no mask), one 16384-token
 sequence, chunked log-probs (``selective_log_softmax``), mean NLL, AdamW; checkpointing off/on.
@@ -116,7 +116,14 @@ def profile_step(step_fn: Any, path: Path) -> None:
 
 
 def asyncrl_cell(
-    info: Any, attention: str, ac: bool, shape: str, warmup: int, steps: int, profile_to: Path | None = None
+    info: Any,
+    attention: str,
+    ac: bool,
+    shape: str,
+    warmup: int,
+    steps: int,
+    profile_to: Path | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -130,19 +137,20 @@ def asyncrl_cell(
         {
             "model": {"name": "random-qwen3-0.6b", "dtype": "bfloat16"},
             "orchestrator": {"seq_len": TOKENS},
-            "trainer": {"device": "cuda", "attention": attention, "activation_checkpointing": ac},
+            "trainer": {"device": "cuda", "attention": attention, "activation_checkpointing": ac, "compile": compile},
         },
     )
     model = build_model(attention, torch.float32)  # fp32 master weights
     n_params = sum(p.numel() for p in model.parameters())
-    prepare_model(model, info, bf16=True, activation_checkpointing=ac)
+    prepare_model(model, info, bf16=True, activation_checkpointing=ac, compile=compile)
     opt = build_optimizer(model, spec.trainer.optim)
     batch = rl_batch(shape, seed=0)
     pairs = micro_batch_tensors(batch["micro_batches"][0]).attended_pairs
     norms: list[float] = []
+    losses: list[float] = []
 
     def step() -> None:
-        train_step(model, batch, spec, step=1, info=info)
+        losses.append(train_step(model, batch, spec, step=1, info=info)["loss"])
         norms.append(grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -155,7 +163,8 @@ def asyncrl_cell(
         "attended_pairs": pairs,
         "times": times,
         "peak_memory_gib": mem,
-        "grad_norm_last": norms[-1],
+        "grad_norm_first": norms[0],
+        "loss_first": losses[0],
     }
 
 
@@ -195,6 +204,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="also copy the result JSON here (e.g. $OUT)")
     ap.add_argument("--only", default="", help="comma-separated cell names to run (default: all)")
     ap.add_argument("--profile", default="", help="comma-separated cell names to profile one step of (into --out)")
+    ap.add_argument("--result-name", default="gpu_trainer", help="benchmarks/results/<name>.json")
     args = ap.parse_args()
 
     import torch
@@ -212,15 +222,23 @@ def main() -> int:
     }
     peak = peak_flops(info.device)
     config = Qwen3Config(**QWEN3_0_6B)
-    cells_spec = [
-        (f"asyncrl {att} ac={int(ac)} {shape}", "asyncrl", att, ac, shape)
-        for shape in ("packed", "single")
-        for att in ("sdpa", "flex_attention")
-        for ac in (False, True)
-    ] + [(f"baseline sdpa ac={int(ac)} single", "baseline", "sdpa", ac, "single") for ac in (False, True)]
+    cells_spec = (
+        [
+            (f"asyncrl {att} ac={int(ac)} {shape}", "asyncrl", att, ac, shape, False)
+            for shape in ("packed", "single")
+            for att in ("sdpa", "flex_attention")
+            for ac in (False, True)
+        ]
+        + [
+            (f"asyncrl flex_attention ac={int(ac)} {shape} compile", "asyncrl", "flex_attention", ac, shape, True)
+            for shape in ("packed", "single")
+            for ac in (False, True)
+        ]
+        + [(f"baseline sdpa ac={int(ac)} single", "baseline", "sdpa", ac, "single", False) for ac in (False, True)]
+    )
     wanted = {w for w in args.only.split(",") if w}
     cells = []
-    for name, kind, att, ac, shape in cells_spec:
+    for name, kind, att, ac, shape, comp in cells_spec:
         if wanted and name not in wanted:
             continue
         C.say(f"[bench] {name} ...")
@@ -230,7 +248,7 @@ def main() -> int:
             prof = args.out / ("profile_" + name.replace(" ", "_").replace("=", "") + ".txt")
         try:
             if kind == "asyncrl":
-                r = asyncrl_cell(info, att, ac, shape, args.warmup, args.steps, prof)
+                r = asyncrl_cell(info, att, ac, shape, args.warmup, args.steps, prof, comp)
             else:
                 r = baseline_cell(ac, args.warmup, args.steps, prof)
         except Exception as e:  # noqa: BLE001 - a failing cell is recorded, the others still run
@@ -249,6 +267,9 @@ def main() -> int:
             "attention": att,
             "activation_checkpointing": ac,
             "shape": shape,
+            "compile": comp,
+            "loss_first": r.get("loss_first"),
+            "grad_norm_first": r.get("grad_norm_first"),
             "samples": SHAPES[shape][0],
             "tokens": TOKENS,
             "step_s_median": step_s,
@@ -279,14 +300,15 @@ def main() -> int:
         },
         "cells": cells,
     }
-    out = C.write_result("gpu_trainer", payload, quick=False, started=started, machine=machine)
+    out = C.write_result(args.result_name, payload, quick=False, started=started, machine=machine)
     table = C.md_table(
-        ["cell", "attention", "act. ckpt", "batch", "s/step", "tokens/s", "MFU", "peak mem GiB"],
+        ["cell", "attention", "act. ckpt", "compile", "batch", "s/step", "tokens/s", "MFU", "peak mem GiB"],
         [
             [
                 c["name"].split(" ")[0],
                 c.get("attention", ""),
                 "on" if c.get("activation_checkpointing") else "off",
+                "on" if c.get("compile") else "off",
                 c.get("shape", ""),
                 round(c["step_s_median"], 3),
                 round(c["tokens_per_s"]),
@@ -294,7 +316,7 @@ def main() -> int:
                 round(c["peak_memory_gib"], 1),
             ]
             if "error" not in c
-            else [c["name"], "", "", "", "", "", c["error"][:80], ""]
+            else [c["name"], "", "", "", "", "", "", c["error"][:80], ""]
             for c in cells
         ],
     )

@@ -2,7 +2,7 @@
 
 ``python tests/unit/fsdp_step.py --out F [--device cpu|cuda] [--variants float32,bfloat16,float32+ac]``
 writes, from rank 0, ``torch.save({variant: {"metrics", "grad_norm", "params", "world_size"}})`` to ``F``:
-per variant (compute dtype, ``+ac`` activation checkpointing, ``+flex`` flex attention) the step's metrics, the gradient norm
+per variant (compute dtype, ``+ac`` activation checkpointing, ``+flex`` flex attention, ``+compile`` compiled blocks) the step's metrics, the gradient norm
 before clipping and the full updated parameters. ``tests/unit/test_fsdp.py`` and ``tests/gpu`` compare a
 one-process run with a two-rank ``torchrun`` run. Not a test module itself (pytest does not collect it).
 """
@@ -54,7 +54,9 @@ def batch() -> dict:
     }
 
 
-def one_step(info, dtype: str, activation_checkpointing: bool, device: str, attention: str = "sdpa") -> dict:
+def one_step(
+    info, dtype: str, activation_checkpointing: bool, device: str, attention: str = "sdpa", compile: bool = False
+) -> dict:
     """Build the model (seed 0), run ``train_step``, clip, AdamW step; the result (full params on rank 0)."""
     spec = validate_spec(
         "rl",
@@ -79,7 +81,9 @@ def one_step(info, dtype: str, activation_checkpointing: bool, device: str, atte
     )
     model = Qwen3ForCausalLM(cfg)
     model.train()
-    prepare_model(model, info, bf16=dtype == "bfloat16", activation_checkpointing=activation_checkpointing)
+    prepare_model(
+        model, info, bf16=dtype == "bfloat16", activation_checkpointing=activation_checkpointing, compile=compile
+    )
     opt = build_optimizer(model, spec.trainer.optim)
     metrics = train_step(model, batch(), spec, step=1, info=info)
     grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm))
@@ -102,7 +106,7 @@ def main() -> None:
     for v in args.variants.split(","):
         dtype, *extra = v.split("+")
         attention = "flex_attention" if "flex" in extra else "sdpa"
-        results[v] = one_step(info, dtype, "ac" in extra, args.device, attention)
+        results[v] = one_step(info, dtype, "ac" in extra, args.device, attention, "compile" in extra)
     if info.is_main:
         torch.save(results, args.out)
     if info.sharded:

@@ -72,15 +72,19 @@ def setup(device: str) -> DistInfo:
 
 
 def prepare_model(
-    model: torch.nn.Module, info: DistInfo, *, bf16: bool, activation_checkpointing: bool
+    model: torch.nn.Module, info: DistInfo, *, bf16: bool, activation_checkpointing: bool, compile: bool = False
 ) -> torch.nn.Module:
-    """Activation checkpointing (per decoder block) if asked, then FSDP2 when ``info.sharded``; in place.
+    """Activation checkpointing and ``torch.compile`` per decoder block if asked, then FSDP2 when ``info.sharded``.
 
-    ``model`` must hold fp32 weights (the master copy). Returns the same module.
+    In place (parameter names do not change); ``model`` must hold fp32 weights (the master copy).
+    Returns the same module.
     """
     model.config.use_cache = False
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        for block in model.model.layers:
+            block.compile()  # FSDP2's hooks stay outside the compiled graph (dynamo skips them)
     if not info.sharded:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         info,
         bf16=spec.model.dtype == "bfloat16",
         activation_checkpointing=spec.trainer.activation_checkpointing,
+        compile=spec.trainer.compile,
     )
     peak = peak_flops(info.device)
     optimizer = build_optimizer(model, spec.trainer.optim)
