@@ -90,13 +90,15 @@ def _active(session: Session, run_id: int, kinds: Sequence[str]) -> list[tuple[A
     return [(r, RULE.validate_python(r.rule)) for r in rows]
 
 
-def _state(session: Session, rule_id: int, run_id: int) -> AlertState:
-    state = session.get(AlertState, (rule_id, run_id), with_for_update=True)
-    if state is None:
-        state = AlertState(rule_id=rule_id, run_id=run_id)
-        session.add(state)
-        session.flush()
-    return state
+def _states(session: Session, run_id: int, rule_ids: Sequence[int]) -> dict[int, AlertState]:
+    """The (rule, run) states of ``rule_ids``, locked until the transaction ends (missing ones are added)."""
+    stmt = select(AlertState).where(AlertState.run_id == run_id, col(AlertState.rule_id).in_(rule_ids))
+    found = {st.rule_id: st for st in session.exec(stmt.with_for_update()).all()}
+    for rule_id in set(rule_ids) - set(found):
+        found[rule_id] = AlertState(rule_id=rule_id, run_id=run_id)
+        session.add(found[rule_id])
+    session.flush()
+    return found
 
 
 def _record(
@@ -129,8 +131,9 @@ def _set(
         _record(session, row, run, verb, f"{describe(rule)}: {verb}{where}", step, **data)
     if step is not None:
         state.last_step = max(state.last_step, step)
-    state.updated_at = utcnow()
-    session.add(state)
+    if session.is_modified(state):
+        state.updated_at = utcnow()
+        session.add(state)
 
 
 def on_status(session: Session, run: Run, old: RunStatus | None, new: RunStatus | str, reason: str = "") -> None:
@@ -169,34 +172,45 @@ def _holds_at(rule: Any, points: list[tuple[int, float]], i: int) -> tuple[bool,
     return ok, {"metric": rule.metric, "value": value if math.isfinite(value) else None, "median": median}
 
 
+def _watched(rule: Any) -> list[tuple[str, str]]:
+    """(source, name) of the series a metric rule reads."""
+    if isinstance(rule, NonFiniteRule):
+        return [(default_source(m), m) for m in rule.metrics]
+    return [(rule.source, rule.metric)]
+
+
 def on_metrics(session: Session, run_id: int, points: Sequence[MetricPoint]) -> None:
     """Evaluate the run's metric rules at every new step of ``points`` (steps above each rule's last checked one),
-    and clear a holding ``stall`` rule. Call after the points are committed; the caller commits."""
-    rules = _active(session, run_id, ["threshold", "throughput", "non_finite", "stall"])
-    if not rules or not points:
+    and clear a holding ``stall`` rule. Call after the points are committed; the caller commits. Costs one query
+    for the rules, one for their states, and one per threshold/throughput rule whose series is in the batch."""
+    if not points:
         return
-    run = session.get(Run, run_id)
-    assert run is not None
     by_key: dict[tuple[str, str], dict[int, float]] = {}
     for p in points:
         by_key.setdefault((p.source, p.name), {})[p.step] = p.value
+    rules = [
+        (row, rule)
+        for row, rule in _active(session, run_id, ["threshold", "throughput", "non_finite", "stall"])
+        if isinstance(rule, StallRule) or any(k in by_key for k in _watched(rule))
+    ]
+    if not rules:
+        return
+    run = session.get(Run, run_id)
+    assert run is not None
+    states = _states(session, run_id, [row.id for row, _ in rules])  # type: ignore[misc]
     for row, rule in rules:
-        state = _state(session, row.id, run_id)  # type: ignore[arg-type]
+        state = states[row.id]  # type: ignore[index]
         if isinstance(rule, StallRule):
             _set(session, row, rule, run, state, False, None)
         elif isinstance(rule, NonFiniteRule):
-            watched = [(default_source(m), m) for m in rule.metrics]
+            watched = _watched(rule)
             steps = sorted({s for k in watched for s in by_key.get(k, {}) if s > state.last_step})
             for step in steps:
-                bad = {
-                    m: str(v)
-                    for k in watched
-                    for m, v in [(k[1], by_key.get(k, {}).get(step))]
-                    if v is not None and not math.isfinite(v)
-                }
+                values = {k[1]: by_key.get(k, {}).get(step) for k in watched}
+                bad = {m: str(v) for m, v in values.items() if v is not None and not math.isfinite(v)}
                 _set(session, row, rule, run, state, bool(bad), step, values=bad)
         else:
-            new = sorted(s for s in by_key.get((rule.source, rule.metric), {}) if s > state.last_step)
+            new = sorted(s for s in by_key[(rule.source, rule.metric)] if s > state.last_step)
             if not new:
                 continue
             series = _series(session, run_id, rule.source, rule.metric, new[-1], len(new) + rule.window)
@@ -220,8 +234,9 @@ def check_stalls(session: Session, now: datetime | None = None) -> list[tuple[in
         newest = session.exec(select(func.max(Metric.time)).where(Metric.run_id == run.id)).one()
         since = max(float(newest or 0.0), run.updated_at.timestamp())
         quiet = now.timestamp() - since
+        states = _states(session, run.id, [row.id for row, _ in rules])  # type: ignore[arg-type,misc]
         for row, rule in rules:
-            state = _state(session, row.id, run.id)  # type: ignore[arg-type]
+            state = states[row.id]  # type: ignore[index]
             if quiet > rule.seconds and not state.holding:
                 fired.append((row.id, run.id))
             if quiet > rule.seconds:
