@@ -5,6 +5,7 @@ metrics get past the lookup). An unhandled exception fails the test as a 500 wou
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -42,6 +43,22 @@ def make_module_run(client: Any, auth: dict[str, str]) -> Any:
         return dict(resp.json())
 
     return make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_fuzzed_alerts() -> Iterator[None]:
+    """Rules for every run and webhook endpoints the fuzzer created would apply to later modules' runs: drop them."""
+    yield
+    from sqlalchemy import delete
+    from sqlmodel import Session, col
+
+    from server.alerts.models import AlertRuleRow, WebhookEndpoint
+    from server.core.db import engine
+
+    with Session(engine) as s:
+        s.execute(delete(AlertRuleRow).where(col(AlertRuleRow.run_id).is_(None)))
+        s.execute(delete(WebhookEndpoint))
+        s.commit()
 
 
 @schema.parametrize()
