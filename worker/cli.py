@@ -6,6 +6,7 @@
     asyncrl model init --out DIR [--size tiny|small] [--overwrite]
     asyncrl demo [--local] [--summary PATH]
     asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
+    asyncrl slurm render SPEC [@ more.toml] [--launcher.slurm.nodes 4]   (print the Slurm job script)
     asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
 
 Spec files are TOML (or JSON), later ones win; ``--dotted.key value`` overrides win over files.
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from worker.spec import SpecError, load_spec_data, validate_spec
+from worker.spec import RLSpec, SpecError, load_spec_data, validate_spec
 
 FLAGS = {"--dry-run", "--resume", "--overwrite", "--quiet"}
 
@@ -248,6 +249,26 @@ def _config_command(argv: list[str]) -> int:
     return 0
 
 
+def _slurm_command(argv: list[str]) -> int:
+    """``asyncrl slurm render SPEC [@ more.toml] [--key value]``: print the Slurm job script of an RL spec."""
+    if not argv or argv[0] != "render":
+        got = f", got {argv[0]!r}" if argv else ""
+        raise SpecError(f"asyncrl slurm: expected 'render SPEC' (prints the job script without submitting){got}")
+    rest = argv[1:]
+    if rest and not rest[0].startswith(("@", "--")):
+        rest = ["@", *rest]  # the spec file may be given without '@'
+    files, overrides, flags = split_spec_args(rest)
+    if not files:
+        raise SpecError("asyncrl slurm render: expected a spec file, e.g. asyncrl slurm render configs/x.toml")
+    spec = validate_spec("rl", load_spec_data(files, overrides))
+    assert isinstance(spec, RLSpec)
+    from worker.launchers.slurm import render
+
+    home = Path(spec.output_dir).resolve()
+    print(render(spec, home=home, name=f"asyncrl-{spec.name}", resume="--resume" in flags), end="")  # noqa: T201
+    return 0
+
+
 COMMANDS: dict[str, Any] = {
     "rl": lambda argv: _spec_command("rl", argv),
     "sft": lambda argv: _spec_command("sft", argv),
@@ -255,6 +276,7 @@ COMMANDS: dict[str, Any] = {
     "model": _model_command,
     "demo": _demo_command,
     "config": _config_command,
+    "slurm": _slurm_command,
     # control plane (server/cli.py), imported only when used
     "server": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["server"](argv),
     "worker": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["worker"](argv),

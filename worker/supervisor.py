@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,12 +54,22 @@ def running_pid(home: Path) -> int | None:
     return None
 
 
+def write_spec(home: Path, spec: dict[str, Any]) -> None:
+    """Create ``home`` and write the run's resolved spec as ``home/spec.json`` (the supervisor reads it)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "spec.json").write_text(json.dumps(spec))
+
+
+def run_env(run_id: int, token: str, server_url: str) -> dict[str, str]:
+    """The variables a supervisor needs: run id, run token (never logged) and the server's URL."""
+    return {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+
+
 def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str, resume: bool = False) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
     complete checkpoint); returns its pid (= its process group id)."""
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+    write_spec(home, spec)
+    env = {**os.environ, **run_env(run_id, token, server_url)}
     with open(home / "supervisor.log", "ab") as log:
         argv = [sys.executable, "-m", "worker.supervisor", "--home", str(home), *(["--resume"] if resume else [])]
         proc = subprocess.Popen(argv, env=env,
@@ -203,6 +214,8 @@ class Reporter(threading.Thread):
         self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home / "forwarded.offset")
         self.config = ConfigBridge(client, run_id, run_dir, home / "config_acks.offset")
         self.reported_running = False
+        self.requeue: dict[str, Any] | None = None
+        """A ``requeued`` report still to send (before any metric of the new attempt)."""
         self._done = threading.Event()
 
     def status(self, status: str, reason: str = "") -> bool:
@@ -213,7 +226,17 @@ class Reporter(threading.Thread):
         resp.raise_for_status()
         return True
 
+    def _send_requeue(self) -> None:
+        if self.requeue is not None:
+            resp = self.client.post(f"/api/runs/{self.run_id}/requeued", json=self.requeue)
+            if resp.status_code == 409:  # the run ended meanwhile (e.g. stopped): nothing to continue
+                logger.warning("requeued report refused: %s", resp.text[:300])
+            else:
+                resp.raise_for_status()
+            self.requeue = None
+
     def _tick(self) -> None:
+        self._send_requeue()
         if not self.reported_running and (self.run_dir / "events.jsonl").exists():
             from worker.rundir import read_jsonl
 
@@ -234,7 +257,8 @@ class Reporter(threading.Thread):
                 logger.warning("server unreachable (%s); metrics and config acks stay spooled in %s, retry in %.0fs",
                                err, self.forwarder.path, backoff)
 
-    def finish(self, status: str, reason: str, deadline_s: float = 600.0) -> None:
+    def finish(self, status: str | None, reason: str, deadline_s: float = 600.0) -> None:
+        """Send what is pending, then report ``status`` (None: report no status, e.g. a requeued Slurm job)."""
         self._done.set()
         if self.is_alive():
             self.join()
@@ -244,9 +268,11 @@ class Reporter(threading.Thread):
                 if status == "completed" and not self.reported_running:
                     self.status("running")
                     self.reported_running = True
+                self._send_requeue()
                 self.forwarder.send_once()
                 self.config.sync()
-                self.status(status, reason)
+                if status is not None:
+                    self.status(status, reason)
                 return
             except httpx.HTTPError as err:
                 if time.monotonic() > end:
@@ -266,8 +292,72 @@ def _last_reason(run_dir: Path) -> str:
     return str(events[-1].get("reason", "")) if events else ""
 
 
+_terminated = threading.Event()
+
+
 def _on_sigterm(_signum: int, _frame: Any) -> None:
+    _terminated.set()
     raise KeyboardInterrupt
+
+
+# ----------------------------------------------------------------------------- inside a Slurm job
+
+
+def _slurm_attempt() -> int | None:
+    """``SLURM_RESTART_COUNT`` (0 on the first attempt) when this supervisor runs as a Slurm job, else None."""
+    if os.environ.get("ASYNCRL_LAUNCHER") != "slurm" or "SLURM_JOB_ID" not in os.environ:
+        return None
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def _slurm_requeued(attempt: int) -> bool:
+    """After SIGTERM: whether Slurm requeued the job (its restart count went past this attempt) rather than
+    cancelled it (``scancel`` leaves the count alone)."""
+    from worker.launchers.slurm import SlurmError, state
+
+    try:
+        current = state(os.environ["SLURM_JOB_ID"])
+    except SlurmError as err:
+        logger.warning("cannot ask Slurm whether the job was requeued: %s", err)
+        return False
+    return current is not None and current.restarts > attempt
+
+
+def _prepare_requeued(run_dir: Path, home: Path) -> int | None:
+    """A requeued attempt: keep the run directory up to its newest complete checkpoint (returned) or, without one,
+    start over; the metrics forwarder replays from the start (ingestion is idempotent)."""
+    from worker.checkpoint import resume_step
+    from worker.rundir import RunDir
+
+    run = RunDir(run_dir)
+    step = resume_step(run) if run.config.exists() else None
+    if step is None:
+        shutil.rmtree(run.root, ignore_errors=True)
+    else:
+        run.prune_after(step)
+    (home / "forwarded.offset").unlink(missing_ok=True)
+    return step
+
+
+def _checkpoint_then_requeue(run_dir: Path, wait_s: float) -> None:
+    """USR1 (the job's time limit is near): ask trainer and orchestrator for a checkpoint two steps after the
+    orchestrator's last step, wait up to ``wait_s`` for it to be complete, then ``scontrol requeue`` the job (the
+    next attempt resumes from the newest complete checkpoint)."""
+    from worker.checkpoint import complete_steps, request
+    from worker.rundir import RunDir, read_jsonl
+
+    run = RunDir(run_dir)
+    last = max((r["step"] for r in read_jsonl(run.metrics) if r.get("source") == "orchestrator"), default=0)
+    step = last + 2  # the orchestrator may be writing step last + 1 already
+    request(run, step)
+    logger.info("USR1: checkpoint requested at step %d", step)
+    deadline = time.monotonic() + wait_s
+    while step not in complete_steps(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    job = os.environ["SLURM_JOB_ID"]
+    logger.info("checkpoint step %d %s; requeueing job %s", step,
+                "complete" if step in complete_steps(run) else "not complete in time", job)
+    subprocess.run(["scontrol", "requeue", job], check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,11 +385,22 @@ def main(argv: list[str] | None = None) -> int:
     spec = validate_spec("rl", json.loads((args.home / "spec.json").read_text()))
     assert isinstance(spec, RLSpec)
     reporter = Reporter(client, run_id, spec.run_dir, args.home)
+    resume, attempt = args.resume, _slurm_attempt()
+    if attempt is not None:
+        wait_s = max(10.0, spec.launcher.slurm.signal_before_end_s - 10.0)
+        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(
+            target=_checkpoint_then_requeue, args=(spec.run_dir, wait_s), daemon=True).start())
+    if attempt:
+        step = _prepare_requeued(spec.run_dir, args.home)
+        resume = step is not None
+        reporter.requeue = {"restarts": attempt, "resume_step": step, "job": os.environ["SLURM_JOB_ID"]}
+        logger.info("Slurm attempt %d of job %s: %s", attempt, os.environ["SLURM_JOB_ID"],
+                    f"resuming from checkpoint step {step}" if resume else "no complete checkpoint, starting over")
     reporter.start()
     try:
         from worker.launchers.local import launch_rl
 
-        summary = launch_rl(spec, resume=args.resume, quiet=True)
+        summary = launch_rl(spec, resume=resume, quiet=True)
         status, reason = summary["status"], _last_reason(spec.run_dir)
     except SpecError as err:
         status, reason = "failed", f"preflight: {err}"
@@ -307,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         status, reason = "cancelled", "terminated"
     except Exception as err:  # reported to the server as the failure reason
         status, reason = "failed", f"{type(err).__name__}: {err}"
+    if attempt is not None and _terminated.is_set():  # Slurm's SIGTERM: scancel, time limit or requeue
+        job = os.environ["SLURM_JOB_ID"]
+        requeued = _slurm_requeued(attempt)
+        status, reason = (None, f"Slurm job {job} requeued") if requeued else (
+            "cancelled", f"Slurm job {job} terminated (scancel or time limit)")  # requeued: the next attempt reports
     logger.info("run %d ended %s %s", run_id, status, reason)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     reporter.finish(status, reason)

@@ -24,6 +24,7 @@ from server.models import TERMINAL, Run, RunStatus
 from server.services import runs, tokens
 from worker import supervisor
 from worker.celery_app import app
+from worker.spec import RLSpec, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
 
@@ -37,6 +38,8 @@ def launch(run_id: int) -> str:
             return f"skipped: run {run_id} does not exist"
         if run.status != RunStatus.queued or run.launcher_handle:
             return f"skipped: run {run_id} is {run.status} (handle {run.launcher_handle})"
+        if run.spec.get("launcher", {}).get("kind") == "slurm":
+            return _launch_slurm(session, run)
         home = Path(run.run_dir).parent
         pid = supervisor.running_pid(home)
         adopted = pid is not None
@@ -51,6 +54,33 @@ def launch(run_id: int) -> str:
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
 
 
+def _launch_slurm(session: Session, run: Run) -> str:
+    """Submit the locked queued run as a Slurm job (``worker.launchers.slurm``), or adopt the job an earlier delivery
+    submitted (found by name and home folder); the job id is the launcher handle. When Slurm refuses the job the
+    run is ``failed`` with Slurm's own message and nothing is queued."""
+    from worker.launchers import slurm
+
+    spec = validate_spec("rl", run.spec)
+    assert isinstance(spec, RLSpec)
+    home = Path(run.run_dir).parent
+    try:
+        job = slurm.find(run.id, home, spec.launcher.slurm.allocation)
+        adopted = job is not None
+        if job is None:
+            supervisor.write_spec(home, run.spec)
+            env = supervisor.run_env(run.id, tokens.run_token(run.id), settings.server_url())
+            job = slurm.submit(spec, run_id=run.id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
+    except (slurm.SlurmError, NotImplementedError) as err:
+        runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")
+        session.commit()
+        return f"failed: run {run.id}: {err}"
+    run.launcher, run.launcher_handle = "slurm", job
+    reason = "adopted the Slurm job" if adopted else "submitted to Slurm"
+    runs.transition(session, run, RunStatus.starting, reason=reason, job=job, adopted=adopted)
+    session.commit()
+    return f"{'adopted' if adopted else 'submitted'}: run {run.id} slurm job {job}"
+
+
 def stop(run_id: int, grace_s: float = 30.0) -> str:
     """Terminate the run's process group (not holding the row lock meanwhile), then mark it ``cancelled``."""
     with Session(engine) as session:
@@ -60,9 +90,13 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
             return f"skipped: run {run_id} does not exist"
         if RunStatus(run.status) in TERMINAL:
             return f"skipped: run {run_id} is {run.status}"
-        handle = run.launcher_handle
+        handle, launcher = run.launcher_handle, run.launcher
         session.rollback()
-    if handle:
+    if handle and launcher == "slurm":
+        from worker.launchers import slurm
+
+        slurm.cancel(handle, wait_s=grace_s)
+    elif handle:
         supervisor.terminate(int(handle), grace_s=grace_s)
     with Session(engine) as session:
         run = runs.get(session, run_id, lock=True)
@@ -93,11 +127,15 @@ def reconcile() -> list[int]:
     """
     with Session(engine) as session:
         candidates = session.exec(select(Run.id).where(col(Run.status).in_([s.value for s in LIVE]),
-                                                       Run.launcher == "local")).all()
+                                                       col(Run.launcher).in_(["local", "slurm"]))).all()
     failed = []
     for run_id in candidates:
         with Session(engine) as session:
             run = runs.get(session, run_id, lock=True)
+            if RunStatus(run.status) in LIVE and run.launcher == "slurm" and run.launcher_handle:
+                if _reconcile_slurm(session, run):
+                    failed.append(run_id)
+                continue
             if RunStatus(run.status) not in LIVE or not (run.launcher_handle or "").isdigit():
                 continue
             pid, home = int(run.launcher_handle), Path(run.run_dir).parent
@@ -110,6 +148,31 @@ def reconcile() -> list[int]:
             session.commit()
             failed.append(run_id)
     return failed
+
+
+def _reconcile_slurm(session: Session, run: Run) -> bool:
+    """End a live Slurm run whose job has ended or is gone (``scontrol``/``squeue``; no accounting database):
+    ``cancelled`` when the job was cancelled, else ``failed`` with the job state, Slurm's reason and the last lines
+    of the job's log. Returns whether it ended the run. A worker without Slurm commands leaves it alone."""
+    from worker.launchers import slurm
+
+    try:
+        job = slurm.state(run.launcher_handle or "")
+    except slurm.SlurmError as err:
+        logger.warning("reconcile: run %s: cannot ask Slurm (%s)", run.id, err)
+        return False
+    if job is not None and job.live:
+        return False
+    home = Path(run.run_dir).parent
+    attempts = sorted((home / "slurm").glob("attempt-*/job.log"))
+    context = "\n".join(x for x in (_last_lines(home / "supervisor.log", 5),
+                                    _last_lines(attempts[-1], 3) if attempts else "") if x)
+    what = "is gone" if job is None else f"ended {job.state} (reason {job.reason}, exit code {job.exit_code})"
+    reason = f"Slurm job {run.launcher_handle} {what}" + (f"; last lines:\n{context}" if context else "")
+    to = RunStatus.cancelled if job is not None and job.state == "CANCELLED" else RunStatus.failed
+    runs.transition(session, run, to, reason=reason[:2000], job=run.launcher_handle, by="reconcile")
+    session.commit()
+    return True
 
 
 @app.task(name="asyncrl.reconcile")

@@ -206,6 +206,28 @@ def resume(session: Session, run: Run, *, by: str) -> int:
     return step
 
 
+def requeued(session: Session, run: Run, *, restarts: int, resume_step: int | None, job: str) -> bool:
+    """Slurm requeued the run's job and attempt ``restarts`` started, continuing from checkpoint ``resume_step``
+    (None: from the start). Metrics of later steps are deleted (the attempt measures them again, so each step is
+    stored once, from the attempt that counts) and a ``requeued`` event is recorded. A repeated report of the same
+    attempt changes nothing (returns False).
+
+    Raises:
+        InvalidTransition: the run has ended (completed, failed or cancelled).
+    """
+    if RunStatus(run.status) in TERMINAL:
+        raise InvalidTransition(f"run {run.id} is {run.status}: a requeued job of it does not continue it")
+    seen = session.exec(select(RunEvent).where(RunEvent.run_id == run.id, RunEvent.kind == "requeued")).all()
+    if any(e.data.get("restarts") == restarts for e in seen):
+        return False
+    after = -1 if resume_step is None else resume_step
+    session.execute(delete(Metric).where(col(Metric.run_id) == run.id, col(Metric.step) > after))
+    start = f"checkpoint step {resume_step}" if resume_step is not None else "the start (no complete checkpoint)"
+    record_event(session, run, "requeued", reason=f"Slurm job {job} requeued (restart {restarts}); resuming from {start}",
+                 restarts=restarts, resume_step=resume_step, job=job)
+    return True
+
+
 def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``spec`` with ``{"dotted.key": value}`` changes set (missing tables are created).
 

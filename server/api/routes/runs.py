@@ -8,7 +8,7 @@ import tomllib
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
 from server.models import ForkRequest, RunEventsPublic, RunLogs, RunPublic, RunsPublic, RunStatus, StatusReport
@@ -102,6 +102,25 @@ def report_status(run_id: int, report: StatusReport, session: SessionDep, princi
     check_run_access(principal, run_id)
     run = runs.get(session, run_id, lock=True)
     runs.transition(session, run, report.status, reason=report.reason, by=principal.name)
+    session.commit()
+    session.refresh(run)
+    return run
+
+
+class RequeueReport(BaseModel):
+    """Sent by the supervisor of a requeued Slurm job when its new attempt starts."""
+
+    restarts: int = Field(ge=1, le=10_000)
+    resume_step: int | None = Field(None, ge=0, le=2**62)
+    job: str = Field(min_length=1, max_length=64)
+
+
+@router.post("/{run_id}/requeued", response_model=RunPublic, responses={409: {"description": "the run has ended"}})
+def report_requeued(run_id: int, report: RequeueReport, session: SessionDep, principal: PrincipalDep) -> Any:
+    """A requeued Slurm job of the run started again: a ``requeued`` event; metrics after the resume step go."""
+    check_run_access(principal, run_id)
+    run = runs.get(session, run_id, lock=True)
+    runs.requeued(session, run, **report.model_dump())
     session.commit()
     session.refresh(run)
     return run

@@ -1,0 +1,250 @@
+"""Slurm launcher: a run as a Slurm job, controlled with Slurm's own commands (no accounting database).
+
+- ``render`` fills ``deploy/slurm/rl.sbatch.j2`` from the run spec. On one node the job runs the run's supervisor
+  (``worker.supervisor``: the local launcher's code path, reporting to the server); on several nodes it splits
+  them between inference and trainer (torchrun c10d rendezvous on the first trainer node).
+- ``submit`` creates the job with ``sbatch --parsable`` (the job id is the run's launcher handle), or, when the spec
+  names an ``allocation``, starts the script as a step of that job with ``srun --jobid=<id> --overlap`` (the handle
+  is ``<job>.<step>``). A run's job is named ``asyncrl-run-<id>`` and works in the run's home folder, which is how
+  ``find`` recognises it after a redelivered launch.
+- ``state`` reads ``scontrol show job`` / ``squeue`` (``None`` once Slurm forgot the job); ``cancel`` is ``scancel``.
+
+Requeue (``scontrol requeue``, or USR1 before the time limit): Slurm kills the job and starts it again with
+``SLURM_RESTART_COUNT`` + 1; the supervisor then resumes from the newest complete checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.checkpoint import complete_steps
+from worker.rundir import RunDir
+from worker.spec import RLSpec
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
+SCRIPT = "job.sbatch"
+LIVE_STATES = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESIZING",
+        "SUSPENDED",
+        "STOPPED",
+        "PREEMPTED",
+        "SIGNALING",
+        "STAGE_OUT",
+    }
+)
+"""Job states in which the run goes on (or will start again)."""
+COMMAND_TIMEOUT_S = 30.0
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message is Slurm's own (stderr), one line."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str
+    """``JobState`` (``RUNNING``, ``PENDING``, ``COMPLETED``, ``CANCELLED``, ``FAILED``, ``TIMEOUT``, ...)."""
+    reason: str
+    restarts: int
+    exit_code: str
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+
+def job_name(run_id: int) -> str:
+    return f"asyncrl-run-{run_id}"
+
+
+def _run(argv: list[str], **kwargs: object) -> str:
+    """Run a Slurm command; returns stdout.
+
+    Raises:
+        SlurmError: non-zero exit, with the command's stderr joined into one line.
+    """
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, **kwargs)  # type: ignore[call-overload]
+    except FileNotFoundError:
+        raise SlurmError(f"{argv[0]}: not found (is Slurm installed on this worker?)") from None
+    if proc.returncode != 0:
+        message = " ".join(proc.stderr.split()) or f"exit code {proc.returncode}"
+        raise SlurmError(message)
+    return str(proc.stdout)
+
+
+def render(
+    spec: RLSpec,
+    *,
+    home: Path,
+    name: str,
+    resume: bool = False,
+    python: str = sys.executable,
+    workdir: Path | None = None,
+) -> str:
+    """The job script of ``spec`` (text); ``home`` holds the run directory, logs and the supervisor's files;
+    ``name`` is the job name. ``resume``: start from the newest complete checkpoint."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE.parent),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+    )
+    env.filters["quote"] = lambda value: shlex.quote(str(value))
+    run_dir = home / spec.name
+    steps = complete_steps(RunDir(run_dir)) if resume else []
+    return env.get_template(TEMPLATE.name).render(
+        spec=spec,
+        s=spec.launcher.slurm,
+        name=spec.name,
+        job_name=name,
+        home=home,
+        run_dir=run_dir,
+        python=python,
+        workdir=workdir or Path.cwd(),
+        resume=resume,
+        resume_arg=f" --resume-step {steps[-1]}" if steps else "",
+    )
+
+
+def find(run_id: int, home: Path, allocation: str | None = None) -> str | None:
+    """The handle of this run's live job if one exists, else None: a job named ``asyncrl-run-<id>`` whose working
+    folder is ``home`` (another service's run with the same id has another home), or, inside ``allocation``, a
+    step of that name.
+
+    Raises:
+        SlurmError: squeue failed (e.g. not installed, controller down).
+    """
+    if allocation is not None:
+        return _step(allocation, job_name(run_id))
+    out = _run(["squeue", "-h", "-n", job_name(run_id), "-o", "%i %Z"])
+    for line in out.splitlines():
+        job, _, workdir = line.strip().partition(" ")
+        if Path(workdir) == home:
+            return job
+    return None
+
+
+def _step(allocation: str, name: str) -> str | None:
+    """``<job>.<step>`` of the step called ``name`` in job ``allocation``, or None."""
+    for line in _run(["squeue", "-h", "-s", "-j", allocation, "-o", "%i %j"]).splitlines():
+        step, _, step_name = line.strip().partition(" ")
+        if step_name == name:
+            return step
+    return None
+
+
+def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume: bool = False) -> str:
+    """Write ``<home>/job.sbatch`` and submit it; returns the launcher handle (``<job>``, or ``<job>.<step>``
+    inside an ``allocation``). ``env`` is added to the job's environment (run id, token, server URL): it is
+    not written into the script.
+
+    Raises:
+        SlurmError: Slurm refused it (e.g. ``sbatch: error: invalid partition specified: nope``); nothing is queued.
+        NotImplementedError: a multi-node layout (rendered by ``asyncrl slurm render``, not launched yet).
+    """
+    slurm = spec.launcher.slurm
+    if slurm.nodes > 1:
+        raise NotImplementedError(
+            f"launcher.slurm.nodes: not yet: the service launches 1-node Slurm runs (the trainer is one process), "
+            f"got {slurm.nodes}; `asyncrl slurm render` shows the {slurm.nodes}-node script"
+        )
+    home.mkdir(parents=True, exist_ok=True)
+    script = home / SCRIPT
+    script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume))
+    full_env = {**os.environ, **env}
+    if slurm.allocation is None:
+        return _run(["sbatch", "--parsable", str(script)], env=full_env).strip().split(";")[0]
+    return _start_step(slurm.allocation, run_id, home, script, full_env)
+
+
+def _start_step(allocation: str, run_id: int, home: Path, script: Path, env: dict[str, str]) -> str:
+    """Run ``script`` as a step of job ``allocation``; returns ``<job>.<step>`` once Slurm lists the step."""
+    name = job_name(run_id)
+    with open(home / "srun.log", "ab") as log:
+        proc = subprocess.Popen(
+            [
+                "srun",
+                f"--jobid={allocation}",
+                "--overlap",
+                "--nodes=1",
+                "--ntasks=1",
+                f"--job-name={name}",
+                f"--chdir={home}",
+                "bash",
+                str(script),
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if (step := _step(allocation, name)) is not None:
+            return step
+        if proc.poll() is not None:
+            text = (home / "srun.log").read_text(errors="replace").strip().splitlines()
+            raise SlurmError(text[-1] if text else f"srun exited with code {proc.returncode}")
+        time.sleep(0.2)
+    proc.kill()
+    raise SlurmError(f"srun --jobid={allocation}: no step {name} after {COMMAND_TIMEOUT_S:.0f}s")
+
+
+def state(handle: str) -> JobState | None:
+    """The job's (or step's) state from ``scontrol``/``squeue``; None once Slurm no longer knows it.
+
+    Raises:
+        SlurmError: Slurm could not be asked (not installed, controller down).
+    """
+    try:
+        if "." in handle:  # a step inside an allocation: live while squeue lists it
+            steps = _run(["squeue", "-h", "-s", "-j", handle.split(".")[0], "-o", "%i"]).split()
+            return JobState("RUNNING", "", 0, "") if handle in steps else None
+        out = _run(["scontrol", "show", "job", "-o", handle])
+    except SlurmError as err:
+        if "Invalid job id" in str(err):
+            return None
+        raise
+    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+    return JobState(
+        state=fields.get("JobState", "UNKNOWN"),
+        reason=fields.get("Reason", ""),
+        restarts=int(fields.get("Restarts", "0")),
+        exit_code=fields.get("ExitCode", ""),
+    )
+
+
+def cancel(handle: str, *, wait_s: float = 60.0) -> None:
+    """``scancel`` the job (or step) and wait up to ``wait_s`` until it has left the live states.
+
+    Raises:
+        SlurmError: scancel failed for another reason than the job having ended already.
+    """
+    try:
+        _run(["scancel", handle])
+    except SlurmError as err:
+        if "Invalid job id" not in str(err) and "already completing or completed" not in str(err):
+            raise
+    deadline = time.monotonic() + wait_s
+    while (current := state(handle)) is not None and current.live and time.monotonic() < deadline:
+        time.sleep(0.2)
