@@ -170,3 +170,13 @@ def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
     again = [r for r in read_jsonl(run.metrics) if r["source"] == "trainer"][-1]
     assert again["step"] == 2
     assert math.isclose(again["loss"], rows[1]["loss"], rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_sample_logits_view_only_for_consecutive_rows() -> None:
+    from worker.trainer.common import PackedTensors
+
+    x = torch.arange(12.0).reshape(6, 2)
+    view = PackedTensors.sample_logits(x, torch.tensor([2, 3, 4]))
+    assert view.data_ptr() == x[2].data_ptr() and view.tolist() == [[4, 5], [6, 7], [8, 9]]
+    # first and last row 3 apart over 4 rows, yet not consecutive: a gather, not the slice 0..3
+    assert PackedTensors.sample_logits(x, torch.tensor([0, 2, 1, 3])).tolist() == [[0, 1], [4, 5], [2, 3], [6, 7]]

@@ -57,9 +57,9 @@ class PackedTensors:
 
     @staticmethod
     def sample_logits(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``logits[rows]`` for increasing CPU ``rows``: a view when they are contiguous (no copy of ``[L, vocab]``)."""
+        """``logits[rows]`` for CPU ``rows``: a view when they are consecutive (no copy of ``[len(rows), vocab]``)."""
         n = rows.numel()
-        if n and int(rows[-1]) - int(rows[0]) == n - 1:
+        if n and torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + n)):
             return logits[int(rows[0]) : int(rows[0]) + n]
         return logits[rows.to(logits.device)]
 

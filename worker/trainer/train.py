@@ -117,18 +117,28 @@ def train_step(
         total = logits.new_zeros((), dtype=torch.float32)
         sums["trained_tokens"] += int(t.input_ids.shape[1])
         sums["attended_pairs"] += t.attended_pairs
+        parts = []  # (sample, first, rows): the sample's tokens first..L-1, from its first loss token on
         for rows, sample in zip(t.rows, samples, strict=True):
-            # tokens first..L-1 of the sample: from its first loss token on (the prompt has no loss)
             first = next((j for j, m in enumerate(sample["loss_mask"]) if m and j > 0), None)
-            if first is None:
-                continue
-            sample_logits = t.sample_logits(logits, rows[first - 1 :])  # [L-first, vocab], compute dtype
-            if sample["temperature"] != 1.0:  # else the log-softmax and entropy upcast chunk by chunk: same values
-                sample_logits = sample_logits.float() / sample["temperature"]
-            targets = torch.tensor(sample["input_ids"][first:], device=dev)  # [L-first]
+            if first is not None:  # the prompt has no loss
+                parts.append((sample, first, rows[first - 1 :]))
+        if parts:
+            # all samples' rows in one gather and one log-softmax: the backward pass scatters one gradient
+            # into the logits (a slice per sample would add a full [T, vocab] gradient per sample)
+            sel = t.sample_logits(logits, torch.cat([r for _, _, r in parts]))  # [N, vocab], compute dtype
+            if any(s["temperature"] != 1.0 for s, _, _ in parts):  # else log-softmax and entropy upcast by chunk
+                temps = torch.cat([torch.full((len(r),), float(s["temperature"])) for s, _, r in parts])
+                sel = sel.float() / temps.to(dev)[:, None]
+            targets = torch.tensor([i for s, f, _ in parts for i in s["input_ids"][f:]], device=dev)  # [N]
+            lp_all = selective_log_softmax(sel, targets)  # [N]
+            entropy_all = entropy_from_logits(sel.detach())  # [N]
+        offset = 0
+        for sample, first, rows in parts:
+            trainer_lp = lp_all[offset : offset + len(rows)]  # [L-first]
+            entropy = entropy_all[offset : offset + len(rows)]
+            offset += len(rows)
             mask = torch.tensor(sample["loss_mask"][first:], dtype=torch.bool, device=dev)  # [L-first]
             sampling_lp = torch.tensor(sample["sampling_logprobs"][first:], dtype=torch.float32, device=dev)
-            trainer_lp = selective_log_softmax(sample_logits, targets)  # [L-first]
             out = compute_sample_loss(
                 loss_cfg.type,
                 LossInputs(
@@ -145,7 +155,7 @@ def train_step(
             if sample["policy_span"] == [step - 1, step - 1]:
                 sums["on_policy_kl"] += out.metrics["mismatch_kl"]
                 sums["on_policy_tokens"] += out.metrics["loss_tokens"]
-            sums["entropy"] += entropy_from_logits(sample_logits.detach())[mask].sum()
+            sums["entropy"] += entropy[mask].sum()
         (total * (info.loss_scale / n_tokens)).backward()
         sums["loss"] += total.detach()
     totals = all_ranks_sum({name: float(v) for name, v in sums.items()}, info)  # one sync per metric, at the end
