@@ -110,7 +110,6 @@ def test_flex_attention_and_compiled_blocks_equal_sdpa_eager(tmp_path: Path) -> 
         assert math.isclose(sdpa["grad_norm"], got[variant]["grad_norm"], rel_tol=2e-2), variant
 
 
-@pytest.mark.slow  # ~80 s on the busy 2-core box: a tiny model + tokenizer, torchrun, a resumed process
 def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
     """``python -m worker.trainer`` under torchrun (2 gloo ranks): rank 0 alone writes metrics, weights,
     checkpoints and the final model; its step-1 checkpoint resumes in one plain process to the same step 2."""
