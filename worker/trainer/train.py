@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             grad_norm,
             waited,
         )
-        if checkpoint_due(run, step, spec.ckpt.interval):  # periodic, or requested (preemption)
+        # periodic, or requested (preemption); rank 0 decides, since every rank takes part in the save
+        if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
             checkpointer.save(step, model, optimizer, scheduler)
         if spec.trainer.slow_step_s:
             time.sleep(spec.trainer.slow_step_s)
