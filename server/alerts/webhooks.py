@@ -77,6 +77,7 @@ def check_url(url: str) -> None:
         raise UnsafeURL(f"url: host {host} does not resolve ({err})") from None
     for info in infos:
         ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:169.254.169.254 is 169.254.169.254
         if host in allowed or str(ip) in allowed:
             continue
         if ip in METADATA_IPS:

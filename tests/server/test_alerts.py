@@ -85,6 +85,10 @@ def test_bad_rules_are_422_naming_the_field(
         ),
         ({"url": "http://169.254.10.1/x"}, "url: 169.254.10.1 resolves to 169.254.10.1, a link-local address"),
         ({"url": "http://[fe80::1]:8080/x"}, "url: fe80::1 resolves to fe80::1, a link-local address"),
+        (
+            {"url": "http://[::ffff:169.254.169.254]/x"},
+            "url: ::ffff:a9fe:a9fe resolves to 169.254.169.254, a cloud metadata address",
+        ),
         ({"url": "http://[fd00:ec2::254]/x"}, "url: fd00:ec2::254 resolves to fd00:ec2::254, a cloud metadata address"),
         (
             {"url": "http://metadata.google.internal/computeMetadata/v1/"},
