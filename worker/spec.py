@@ -78,6 +78,19 @@ class AdvantageConfig(_Strict):
     """Shaping against longer completions within a group (0 = off)."""
 
 
+class HarnessConfig(_Strict):
+    """Rollouts of tasksets with tools, run through verifiers' agent harness (``worker.orchestrator.harness``)."""
+
+    id: str = "null"
+    """verifiers harness id (``null``: verifiers' chat program, a subprocess per rollout, needs ``uv``)."""
+    tool_parser: str | None = "qwen3"
+    """``renderers`` parser that reads tool calls from sampled token ids (``qwen3``: ``<tool_call>{json}</tool_call>``)."""
+    max_concurrent: int = Field(8, ge=1)
+    """Agent rollouts running at once (each may start a subprocess and tool servers)."""
+    max_turns: int = Field(8, ge=1)
+    """Model turns per rollout at most."""
+
+
 class EvalConfig(_Strict):
     interval: int = Field(0, ge=0)
     """Run an online eval every this many steps (0 = only at the start and the end)."""
@@ -111,6 +124,7 @@ class OrchestratorConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero (no learning signal)."""
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
 
 
 # ----------------------------------------------------------------------------- trainer

@@ -126,7 +126,7 @@ def test_reverse_twice_env_turns_and_splits() -> None:
     assert asyncio.run(ev.score_conversation(task, both)).reward == 1.0
 
 
-def test_taskset_needing_an_agent_harness_gets_a_one_line_reason() -> None:
+def test_taskset_opened_by_a_user_gets_a_one_line_reason() -> None:
     import verifiers.v1 as vf
 
     from worker.envs import Environment
@@ -138,5 +138,5 @@ def test_taskset_needing_an_agent_harness_gets_a_one_line_reason() -> None:
     env = Environment("pkg.mod:user_opened", UserOpened(vf.TasksetConfig()), split="train", seed=0)
     assert env.is_multi_turn
     assert env.unsupported is not None and "\n" not in env.unsupported
-    assert env.unsupported.startswith("environment 'pkg.mod:user_opened': its tasks have tools or no opening prompt")
+    assert env.unsupported.startswith("environment 'pkg.mod:user_opened': its tasks have no opening prompt")
     assert load_environment("reverse_twice", split="train", seed=0).unsupported is None

@@ -30,6 +30,7 @@ BUILTINS = {
     "arithmetic": "worker.envs.arithmetic:ArithmeticTaskset",
     "reverse_text": "worker.envs.reverse_text:ReverseTextTaskset",
     "reverse_twice": "worker.envs.reverse_twice:ReverseTwiceTaskset",
+    "reverse_tool": "worker.envs.reverse_tool:ReverseToolTaskset",
 }
 """Built-in environment ids and the Taskset class each names."""
 
@@ -70,19 +71,27 @@ class Environment:
         self.num_tasks: int | None = sum(1 for _ in taskset) if taskset.bounded else None
         """Number of tasks; None for an endless taskset."""
         first = self.task(0) if self.num_tasks != 0 else None
-        needs_harness = first is not None and (
-            first.data.prompt is None or bool(type(taskset).toolsets(taskset.config) or first.toolsets(first.config))
+        no_prompt = first is not None and first.data.prompt is None
+        self.needs_harness: bool = first is not None and (
+            no_prompt or bool(type(taskset).toolsets(taskset.config) or first.toolsets(first.config))
         )
-        self.is_multi_turn: bool = needs_harness or hasattr(first, "env_response")
+        """True when tasks have tools (or no opening prompt): rollouts run through verifiers' agent harness
+        (`worker.orchestrator.harness`)."""
+        self.is_multi_turn: bool = self.needs_harness or hasattr(first, "env_response")
         """True when a task needs more than one model turn: its task answers the model with
-        `env_response(trace) -> str | None` (run by `worker.orchestrator.multiturn`), or it has no
-        opening prompt (a scripted user opens it) or tools."""
-        self.unsupported: str | None = (
-            f"environment {env_id!r}: its tasks have tools or no opening prompt, which need verifiers' agent "
-            "harness; the orchestrator runs single-turn tasks and tasks with `env_response(trace)`"
-            if needs_harness
-            else None
-        )
+        `env_response(trace) -> str | None` (run by `worker.orchestrator.multiturn`), or it has tools
+        or no opening prompt (a scripted user opens it)."""
+        self.unsupported: str | None = None
+        if no_prompt:
+            self.unsupported = (
+                f"environment {env_id!r}: its tasks have no opening prompt (a user opens them through verifiers' "
+                "`Agent.interaction`), which the orchestrator does not drive; give each task a prompt"
+            )
+        elif self.needs_harness:
+            from worker.orchestrator.harness import harness_missing
+
+            missing = harness_missing()
+            self.unsupported = f"environment {env_id!r}: its tasks have tools; {missing}" if missing else None
         """Why the orchestrator cannot run this taskset (one line), or None if it can."""
 
     def __repr__(self) -> str:

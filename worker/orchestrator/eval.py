@@ -15,6 +15,7 @@ from worker.envs import Environment
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient
+    from worker.orchestrator.harness import HarnessRunner
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -36,12 +37,14 @@ async def evaluate(
     max_len: int | None = None,
     pass_k: int = 1,
     pass_threshold: float = 1.0,
+    harness: HarnessRunner | None = None,
 ) -> dict[str, float]:
     """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
 
     A multi-turn environment runs whole conversations (``worker.orchestrator.multiturn``) of at most
     ``max_len`` tokens (default: unbounded but for ``max_tokens`` per turn); ``completion_len_mean``
-    then counts model-sampled tokens only.
+    then counts model-sampled tokens only. A taskset with tools (``env.needs_harness``) runs through ``harness``
+    (verifiers' agent harness, ``worker.orchestrator.harness``).
 
     Returns:
         ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
@@ -49,18 +52,33 @@ async def evaluate(
 
     Raises:
         InferenceError: the server did not answer within the client's bounded retries.
+        ValueError: ``env`` needs the agent harness and ``harness`` is None.
     """
+    if env.needs_harness and harness is None:
+        raise ValueError(f"environment {env.id!r}: its tasks have tools; evaluating them needs a HarnessRunner")
     count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
 
     async def one(index: int) -> tuple[list[float | None], list[int]]:
         task = env.task(index)
-        if env.is_multi_turn:
+        if harness is not None and env.needs_harness:
+            rollouts = await harness.run_group(
+                task, n=pass_k, max_tokens=max_tokens, temperature=temperature, policy_version=lambda: 0
+            )
+        elif env.is_multi_turn:
             from worker.orchestrator.multiturn import run_group
 
             rollouts = await run_group(
-                client, tokenizer, env, task, n=pass_k, max_tokens=max_tokens, temperature=temperature,
-                max_len=max_len if max_len is not None else 1 << 30, policy_version=lambda: 0,
+                client,
+                tokenizer,
+                env,
+                task,
+                n=pass_k,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                max_len=max_len if max_len is not None else 1 << 30,
+                policy_version=lambda: 0,
             )
+        if env.is_multi_turn:
             return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
         completions = await client.generate(
             prompt_ids(tokenizer, env.prompt_messages(task)), n=pass_k, max_tokens=max_tokens, temperature=temperature

@@ -39,6 +39,7 @@ from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import data_order
 from worker.orchestrator.eval import evaluate, prompt_ids
+from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.multiturn import run_group
 from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl
@@ -64,6 +65,12 @@ class Orchestrator:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
         self.train_env: Environment = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
         self.eval_env: Environment = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
+        self.harness: HarnessRunner | None = (
+            HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
+            if self.train_env.needs_harness
+            else None
+        )
+        """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
@@ -112,6 +119,11 @@ class Orchestrator:
     async def rollout_group(self, index: int) -> list[Rollout]:
         orch = self.spec.orchestrator
         task = self.train_env.task(index)
+        if self.harness is not None:
+            return await self.harness.run_group(
+                task, n=orch.group_size, max_tokens=orch.max_tokens, temperature=orch.temperature,
+                policy_version=lambda: self.policy_version,
+            )
         if self.train_env.is_multi_turn:
             return await run_group(
                 self.client, self.tokenizer, self.train_env, task, n=orch.group_size, max_tokens=orch.max_tokens,
@@ -209,6 +221,7 @@ class Orchestrator:
             max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
             pass_k=ev.pass_k,
             pass_threshold=ev.pass_threshold,
+            harness=self.harness,
         )
         self.run.log_metrics("eval", version, result)
         logger.info("eval at policy version %d: %s", version, result)
