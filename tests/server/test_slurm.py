@@ -65,7 +65,9 @@ def start_requeued_now(job: str, restarts: int) -> None:
 def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
     client: Any, auth: dict[str, str], service: str
 ) -> None:
-    run = submit(client, auth, slurm_spec(service, "slurm-requeue", max_steps=10))
+    spec = slurm_spec(service, "slurm-requeue", max_steps=16)
+    spec["ckpt"]["interval"] = 4
+    run = submit(client, auth, spec)
     job, rd = run["launcher_handle"], RunDir(run["run_dir"])
     assert run["launcher"] == "slurm" and job.isdigit(), run
     assert queued_jobs(run["id"]) == [job]
@@ -76,12 +78,13 @@ def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
     start_requeued_now(job, 1)
     wait_for(lambda: any(e["kind"] == "requeued" for e in events(client, auth, run["id"])), 120, "requeued event")
 
-    # 2. USR1 to the batch shell, as --signal=B:USR1@<s> before the time limit: checkpoint now, then requeue itself
-    wait_for(
-        lambda: any(r["source"] == "trainer" and r["step"] > first for r in read_jsonl(rd.metrics)),
-        400,
-        "a step after the resume",
-    )
+    # 2. USR1 to the batch shell, as --signal=B:USR1@<s> before the time limit: checkpoint now, then requeue itself.
+    # Sent when the orchestrator's last step is 7 or 11: the step asked for (2 ahead, 3 if the orchestrator moves on
+    # meanwhile) is not one of the periodic checkpoints (every 4)
+    def orchestrator_step() -> int:
+        return max((r["step"] for r in read_jsonl(rd.metrics) if r["source"] == "orchestrator"), default=0)
+
+    wait_for(lambda: orchestrator_step() in (7, 11), 400, "orchestrator at step 7 or 11")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     start_requeued_now(job, 2)
 
@@ -93,12 +96,13 @@ def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
     assert requeues[0]["resume_step"] == first
     preempt_step = requeues[1]["resume_step"]  # the checkpoint USR1 asked for was complete before the requeue
     assert preempt_step == json.loads((rd.root / "checkpoint_request.json").read_text())["step"] > first
+    assert first == 4 and preempt_step in (9, 10, 13, 14)  # a requested checkpoint, not a periodic one
     starts = [e["resume_step"] for e in read_jsonl(rd.events) if e["event"] == "starting"]
     assert starts == [None, first, preempt_step]
     # every step trained once in the run's record: the steps after a checkpoint were pruned and trained again
     trainer_rows = [r for r in read_jsonl(rd.metrics) if r["source"] == "trainer"]
-    assert [r["step"] for r in trainer_rows] == list(range(1, 11))
-    assert trainer_steps(client, auth, run["id"]) == list(range(1, 11))
+    assert [r["step"] for r in trainer_rows] == list(range(1, 17))
+    assert trainer_steps(client, auth, run["id"]) == list(range(1, 17))
     loss = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "loss"}, headers=auth).json()
     stored = [v for s in loss["series"] if s["source"] == "trainer" for v in s["value"]]
     assert stored == pytest.approx([r["loss"] for r in trainer_rows], nan_ok=True)  # the values of the final attempts
