@@ -10,11 +10,12 @@ and ``tests/unit/test_spec.py`` checks that in a fresh interpreter.
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from worker.alert_rules import AlertRule
 
@@ -216,6 +217,84 @@ class CheckpointConfig(_Strict):
     """Complete checkpoints kept on disk."""
 
 
+# ----------------------------------------------------------------------------- launcher
+
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SlurmConfig(_Strict):
+    partition: str | None = None
+    account: str | None = None
+    reservation: str | None = None
+    time_limit: str | None = None
+    """Slurm time format: ``minutes``, ``HH:MM:SS`` or ``D-HH:MM:SS``; None takes the partition's default."""
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    inference_nodes: int = Field(0, ge=0)
+    """With ``nodes > 1``: the first k nodes serve inference, the rest train (orchestrator on the first trainer node)."""
+    allocation: str | None = None
+    """Run inside this existing job id (``srun --jobid=<id> --overlap``) instead of submitting a new job."""
+    signal_before_end_s: int = Field(120, ge=0)
+    """Seconds before the time limit at which the batch shell gets USR1: checkpoint now, then requeue (0 = off)."""
+    requeue: bool = True
+    rdzv_port: int = Field(29500, ge=1, le=65535)
+    """Port of the trainer's torchrun c10d rendezvous on the first trainer node."""
+    inference_port: int = Field(8000, ge=1, le=65535)
+    """Port of the vLLM server on the first inference node (multi-node layouts)."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """More ``#SBATCH`` options, each ``--name`` or ``--name=value``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables exported in the job script."""
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not _SLURM_TIME.match(v):
+            raise ValueError(f"expected minutes, HH:MM:SS or D-HH:MM:SS, got {v!r}")
+        return v
+
+    @field_validator("allocation")
+    @classmethod
+    def _allocation(cls, v: str | None) -> str | None:
+        if v is not None and not v.isdigit():
+            raise ValueError(f"expected a Slurm job id (digits), got {v!r}")
+        return v
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        for opt in v:
+            if not opt.startswith("--") or "\n" in opt:
+                raise ValueError(f"expected options like '--constraint=a100' (one line each), got {opt!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"expected variable names of letters, digits and '_', got {name!r}")
+        return v
+
+    @field_validator("inference_nodes")
+    @classmethod
+    def _layout(cls, v: int, info: ValidationInfo) -> int:
+        nodes = info.data.get("nodes", 1)
+        if nodes == 1 and v:
+            raise ValueError(f"a 1-node job runs every process on its node, so use 0, got {v}")
+        if nodes > 1 and not 1 <= v < nodes:
+            raise ValueError(f"must be between 1 and nodes - 1 ({nodes - 1}) with nodes = {nodes}, got {v}")
+        return v
+
+
+class LauncherConfig(_Strict):
+    kind: Literal["local", "slurm"] = "local"
+    """Where the service runs the run's processes: on the worker's machine, or as a Slurm job."""
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -244,6 +323,7 @@ class RLSpec(_Strict):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     alerts: list[AlertRule] = Field(default_factory=list)
     """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission."""
 

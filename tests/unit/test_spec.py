@@ -101,7 +101,8 @@ def test_unknown_top_level_key() -> None:
     assert _error("rl", {**MODEL, "max_stepz": 3}) == "unknown key 'max_stepz' (did you mean 'max_steps'?)"
     assert _error("sft", {**MODEL, "seq_lenn": 3}) == "unknown key 'seq_lenn' (did you mean 'seq_len'?)"
     msg = _error("rl", {**MODEL, "zzzzqqq": 3})
-    assert msg.startswith("unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, max_steps, model,")
+    assert msg == ("unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, launcher, max_steps, "
+                   "model, name, orchestrator, output_dir, seed, trainer)")
 
 
 # ----------------------------------------------------------------------------- overrides

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.batch import TrainSample, write_batch
+from worker.checkpoint import due as checkpoint_due
 from worker.checkpoint import write_part
 from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
@@ -270,7 +271,7 @@ class Orchestrator:
                         "temperature": step_spec.orchestrator.temperature,
                     },
                 )
-                if spec.ckpt.interval and step % spec.ckpt.interval == 0:
+                if checkpoint_due(self.run, step, spec.ckpt.interval):
                     self.save_state(step)
                 ev = step_spec.orchestrator.eval
                 if ev.interval and step % ev.interval == 0 and step < spec.max_steps:
