@@ -23,6 +23,7 @@ from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
 from server.services.runs import InvalidTransition, RunNotFound
+from webui.alerts import router as webui_alerts_router
 from webui.routes import router as webui_router
 from worker.spec import SpecError
 
@@ -78,6 +79,7 @@ def create_app() -> FastAPI:
                   description="Experiment service for asynchronous RL post-training of language models.")
     app.include_router(api_router, prefix="/api")
     app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /login
+    app.include_router(webui_alerts_router)  # the dashboard's /alerts
 
     @app.exception_handler(SpecError)
     async def _spec_error(_request: Request, err: SpecError) -> JSONResponse:

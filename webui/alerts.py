@@ -1,0 +1,240 @@
+"""Dashboard pages for alerts: rules (global and per run), alert events, webhook endpoints, delivery logs, replay.
+
+``/alerts`` (``?run=<id>``: the rules that apply to that run and its events) and ``/alerts/webhooks/{id}`` (one
+endpoint's delivery log). Every write is a POST form with the session's CSRF token and a write token, and calls
+the same route functions as the REST API (``server/api/routes/alerts.py``); read tokens see no forms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response
+from pydantic import ValidationError
+from sqlmodel import col, select
+
+from server.alerts import rules, webhooks
+from server.alerts.models import AlertRuleRow, AlertState, EndpointCreate, RuleUpdate, WebhookEndpoint
+from server.api.deps import SessionDep
+from server.api.routes import alerts as alerts_api
+from server.services import runs
+from server.services.runs import RunNotFound
+from webui.routes import Page, page
+from worker.alert_rules import (
+    KNOWN_METRICS,
+    RULE_KINDS,
+    STATUS_EVENTS,
+    NonFiniteRule,
+    StallRule,
+    StatusRule,
+    ThresholdRule,
+    ThroughputRule,
+    describe,
+)
+
+router = APIRouter(include_in_schema=False)
+KIND_FIELDS = {
+    kind: [f for f in model.model_fields if f != "kind"]
+    for kind, model in (
+        ("status", StatusRule),
+        ("threshold", ThresholdRule),
+        ("stall", StallRule),
+        ("non_finite", NonFiniteRule),
+        ("throughput", ThroughputRule),
+    )
+}
+"""Each rule kind's form fields, in the schema's order."""
+LIST_FIELDS = ("statuses", "metrics")
+"""Fields typed as comma-separated lists in the form."""
+RECENT_EVENTS = 50
+RECENT_DELIVERIES = 100
+
+
+def first_error(err: ValidationError) -> tuple[str, str]:
+    """(field, one-line message naming it) of a pydantic error; a rule kind's tag is left out of the field path."""
+    first = err.errors()[0]
+    loc = [str(x) for x in first["loc"] if str(x) not in RULE_KINDS]
+    field = loc[0] if loc else "kind"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "union_tag_invalid":
+        msg = f"expected one of {', '.join(RULE_KINDS)}, got {first.get('ctx', {}).get('tag')!r}"
+    return field, f"{'.'.join(loc) or field}: {msg}"
+
+
+def rule_from_form(form: Any) -> dict[str, Any]:
+    """The filled fields of the chosen kind as rule data (lists split on commas); unfilled fields take defaults."""
+    kind = str(form.get("kind", ""))
+    data: dict[str, Any] = {"kind": kind}
+    for name in KIND_FIELDS.get(kind, []):
+        value = str(form.get(name, "")).strip()
+        if value:
+            data[name] = [v.strip() for v in value.split(",") if v.strip()] if name in LIST_FIELDS else value
+    return data
+
+
+def _run_filter(run: str) -> int | None:
+    if not run:
+        return None
+    if not run.isdigit() or not 0 < int(run) < 2**31:
+        raise HTTPException(422, f"run: expected a run id (a whole number >= 1), got {run!r}")
+    return int(run)
+
+
+def alerts_context(db: Any, run_id: int | None) -> dict[str, Any]:
+    """Rules with their descriptions and firing runs, recent events and webhook endpoints (of ``run_id``'s view)."""
+    if run_id is not None:
+        rows = rules.list_rules(db, run_id=run_id, applying=True)
+    else:
+        rows = list(db.exec(select(AlertRuleRow).order_by(col(AlertRuleRow.id))).all())
+    firing: dict[int, list[int]] = {}
+    ids = [r.id for r in rows]
+    for state in db.exec(select(AlertState).where(col(AlertState.rule_id).in_(ids), col(AlertState.holding))).all():
+        if run_id is None or state.run_id == run_id:
+            firing.setdefault(state.rule_id, []).append(state.run_id)
+    shown = [
+        {"row": r, "text": describe(rules.RULE.validate_python(r.rule)), "firing": sorted(firing.get(r.id, []))}
+        for r in rows
+    ]
+    events, total = rules.events(db, run_id=run_id, offset=0, limit=RECENT_EVENTS)
+    webhooks = db.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
+    return {
+        "rules": shown,
+        "events": events,
+        "events_total": total,
+        "webhooks": webhooks,
+        "run_id": run_id,
+        "kinds": KIND_FIELDS,
+        "metrics": KNOWN_METRICS,
+        "statuses": STATUS_EVENTS,
+        "event_names": RULE_KINDS,
+    }
+
+
+def _render(p: Page, code: int = 200, **values: Any) -> HTMLResponse:
+    run_id = values.pop("run_id", None)
+    return p.render("alerts.html", code=code, **{**alerts_context(p.db, run_id), **values})
+
+
+@router.get("/alerts", response_class=HTMLResponse)
+def alerts_page(request: Request, db: SessionDep, run: str = "") -> HTMLResponse:
+    """Rules, alert events and webhook endpoints; ``run`` narrows rules and events to one run."""
+    p = page(request, db)
+    p.need_user()
+    run_id = _run_filter(run)
+    if run_id is not None:
+        runs.get(db, run_id)  # 404 for an unknown run
+    return _render(p, run_id=run_id)
+
+
+@router.post("/alerts/rules")
+async def add_rule(request: Request, db: SessionDep) -> Response:
+    """Add a rule from the form (``scope``: empty for every run, else a run id); errors are shown at the field."""
+    p = page(request, db)
+    form = await p.form()
+    user = p.need_user()
+    data, scope = rule_from_form(form), str(form.get("scope", "")).strip()
+    values = {"run_id": _run_filter(str(form.get("run", ""))), "draft": dict(form)}
+    try:
+        run_id = _run_filter(scope)
+        rule = alerts_api.RuleIn.model_validate(data)
+    except HTTPException as err:
+        return _render(p, 422, field_error={"scope": str(err.detail).replace("run:", "scope:", 1)}, **values)
+    except ValidationError as err:
+        field, msg = first_error(err)
+        return _render(p, 422, field_error={field: msg}, **values)
+    try:
+        if run_id is None:
+            row = alerts_api.create_global_rule(db, user, rule)
+        else:
+            row = alerts_api.create_run_rule(run_id, db, user, rule)
+    except RunNotFound as err:
+        db.rollback()
+        return _render(p, 422, field_error={"scope": f"scope: {err}"}, **values)
+    back = f"/alerts?run={values['run_id']}" if values["run_id"] else "/alerts"
+    return p.redirect(f"{back}#rule-{row.id}")
+
+
+async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> Response:
+    """Apply ``change(form, row) -> RuleUpdate`` through the API's PATCH function; its error is shown on the page."""
+    p = page(request, db)
+    form = await p.form()
+    user = p.need_user()
+    run_id = _run_filter(str(form.get("run", "")))
+    try:
+        row = rules.get(db, rule_id)
+    except webhooks.NotFound as err:
+        raise HTTPException(404, str(err)) from None
+    try:
+        alerts_api.update_rule(rule_id, change(form, row), db, user)
+    except ValidationError as err:
+        return _render(p, 422, run_id=run_id, error=f"rule {rule_id}: {first_error(err)[1]}")
+    except HTTPException as err:
+        if err.status_code != 422:
+            raise
+        return _render(p, 422, run_id=run_id, error=str(err.detail))
+    return p.redirect((f"/alerts?run={run_id}" if run_id else "/alerts") + f"#rule-{rule_id}")
+
+
+@router.post("/alerts/rules/{rule_id}/enabled")
+async def set_enabled(request: Request, db: SessionDep, rule_id: int) -> Response:
+    """Enable (``enabled=1``) or disable (``enabled=0``) a rule."""
+
+    def change(form: Any, _row: AlertRuleRow) -> RuleUpdate:
+        return RuleUpdate.model_validate({"enabled": str(form.get("enabled", ""))})
+
+    return await _update_rule(request, db, rule_id, change)
+
+
+@router.post("/alerts/rules/{rule_id}/threshold")
+async def set_threshold(request: Request, db: SessionDep, rule_id: int) -> Response:
+    """Replace a threshold rule's ``value`` (the rest of the rule is kept)."""
+
+    def change(form: Any, row: AlertRuleRow) -> RuleUpdate:
+        return RuleUpdate.model_validate({"rule": {**row.rule, "value": str(form.get("value", "")).strip()}})
+
+    return await _update_rule(request, db, rule_id, change)
+
+
+@router.post("/alerts/webhooks")
+async def add_webhook(request: Request, db: SessionDep) -> Response:
+    """Add a webhook endpoint; the page shows its signing secret once."""
+    p = page(request, db)
+    form = await p.form()
+    user = p.need_user()
+    draft = {
+        "url": str(form.get("url", "")).strip(),
+        "name": str(form.get("name", "")).strip(),
+        "format": str(form.get("format", "json")),
+        "events": form.getlist("events"),
+    }
+    try:
+        body = EndpointCreate.model_validate({k: v for k, v in draft.items() if v != ""})
+        created = alerts_api.create_webhook(body, db, user)
+    except ValidationError as err:
+        return _render(p, 422, hook_error=first_error(err)[1], hook_draft=draft)
+    except HTTPException as err:
+        if err.status_code != 422:
+            raise
+        db.rollback()
+        return _render(p, 422, hook_error=str(err.detail), hook_draft=draft)
+    return _render(p, 201, created=created)
+
+
+@router.get("/alerts/webhooks/{endpoint_id}", response_class=HTMLResponse)
+def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResponse:
+    """One endpoint's delivery log, newest first, with a Replay button per delivery."""
+    p = page(request, db)
+    user = p.need_user()
+    endpoint = alerts_api.get_webhook(endpoint_id, db, user)
+    log = alerts_api.list_deliveries(endpoint_id, db, user, offset=0, limit=RECENT_DELIVERIES)
+    return p.render("alerts_webhook.html", endpoint=endpoint, deliveries=log["data"], total=log["count"])
+
+
+@router.post("/alerts/deliveries/{delivery_id}/replay")
+async def replay(request: Request, db: SessionDep, delivery_id: int) -> Response:
+    """Send a delivery again (same body and idempotency key, attempts start over)."""
+    p = page(request, db)
+    await p.form()
+    row = alerts_api.replay_delivery(delivery_id, db, p.need_user())
+    return p.redirect(f"/alerts/webhooks/{row.endpoint_id}#delivery-{delivery_id}")
