@@ -73,12 +73,13 @@ def rule_from_form(form: Any) -> dict[str, Any]:
     return data
 
 
-def _run_filter(run: str) -> int | None:
-    if not run:
+def _run_id(text: str, field: str = "run") -> int | None:
+    """The run id typed in ``field`` (None when empty). Raises HTTPException(422) naming ``field``."""
+    if not text:
         return None
-    if not run.isdigit() or not 0 < int(run) < 2**31:
-        raise HTTPException(422, f"run: expected a run id (a whole number >= 1), got {run!r}")
-    return int(run)
+    if not text.isdigit() or not 0 < int(text) < 2**31:
+        raise HTTPException(422, f"{field}: expected a run id (a whole number >= 1), got {text!r}")
+    return int(text)
 
 
 def alerts_context(db: Any, run_id: int | None) -> dict[str, Any]:
@@ -111,6 +112,10 @@ def alerts_context(db: Any, run_id: int | None) -> dict[str, Any]:
     }
 
 
+def _alerts_url(run_id: int | None, rule_id: int) -> str:
+    return (f"/alerts?run={run_id}" if run_id else "/alerts") + f"#rule-{rule_id}"
+
+
 def _render(p: Page, code: int = 200, **values: Any) -> HTMLResponse:
     run_id = values.pop("run_id", None)
     return p.render("alerts.html", code=code, **{**alerts_context(p.db, run_id), **values})
@@ -121,7 +126,7 @@ def alerts_page(request: Request, db: SessionDep, run: str = "") -> HTMLResponse
     """Rules, alert events and webhook endpoints; ``run`` narrows rules and events to one run."""
     p = page(request, db)
     p.need_user()
-    run_id = _run_filter(run)
+    run_id = _run_id(run)
     if run_id is not None:
         runs.get(db, run_id)  # 404 for an unknown run
     return _render(p, run_id=run_id)
@@ -134,12 +139,12 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
     form = await p.form()
     user = p.need_user()
     data, scope = rule_from_form(form), str(form.get("scope", "")).strip()
-    values = {"run_id": _run_filter(str(form.get("run", ""))), "draft": dict(form)}
+    values = {"run_id": _run_id(str(form.get("run", ""))), "draft": dict(form)}
     try:
-        run_id = _run_filter(scope)
+        run_id = _run_id(scope, "scope")
         rule = alerts_api.RuleIn.model_validate(data)
     except HTTPException as err:
-        return _render(p, 422, field_error={"scope": str(err.detail).replace("run:", "scope:", 1)}, **values)
+        return _render(p, 422, field_error={"scope": str(err.detail)}, **values)
     except ValidationError as err:
         field, msg = first_error(err)
         return _render(p, 422, field_error={field: msg}, **values)
@@ -151,8 +156,7 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
     except RunNotFound as err:
         db.rollback()
         return _render(p, 422, field_error={"scope": f"scope: {err}"}, **values)
-    back = f"/alerts?run={values['run_id']}" if values["run_id"] else "/alerts"
-    return p.redirect(f"{back}#rule-{row.id}")
+    return p.redirect(_alerts_url(values["run_id"], row.id))
 
 
 async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> Response:
@@ -160,7 +164,7 @@ async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> 
     p = page(request, db)
     form = await p.form()
     user = p.need_user()
-    run_id = _run_filter(str(form.get("run", "")))
+    run_id = _run_id(str(form.get("run", "")))
     try:
         row = rules.get(db, rule_id)
     except webhooks.NotFound as err:
@@ -173,7 +177,7 @@ async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> 
         if err.status_code != 422:
             raise
         return _render(p, 422, run_id=run_id, error=str(err.detail))
-    return p.redirect((f"/alerts?run={run_id}" if run_id else "/alerts") + f"#rule-{rule_id}")
+    return p.redirect(_alerts_url(run_id, rule_id))
 
 
 @router.post("/alerts/rules/{rule_id}/enabled")
