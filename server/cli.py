@@ -8,7 +8,7 @@
     asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
     asyncrl runs logs ID [--process trainer|orchestrator|inference|supervisor] [--tail 200]
 
-``submit`` and ``runs`` go through the REST API (``ASYNCRL_URL``, default ``ASYNCRL_SERVER_URL``) with
+``submit`` and ``runs`` go through the REST API (``ASYNCRL_URL``, else ``settings.server_url()``) with
 ``ASYNCRL_TOKEN``; ``token`` writes to the database directly (it is how the first token is made).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,16 @@ def migrate() -> None:
 def server_command(argv: list[str]) -> int:
     p = ArgParser(prog="asyncrl server", description="run the API server (uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--no-migrate", action="store_true", help="skip 'alembic upgrade head' at start")
     args = p.parse_args(argv)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bind before anything else, so a busy port fails at once and publishes nothing
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        sock.close()
+        raise SpecError(f"--port: cannot listen on {args.host}:{args.port} ({err.strerror or err})") from None
     if not args.no_migrate:
         migrate()
     import uvicorn
@@ -48,8 +56,14 @@ def server_command(argv: list[str]) -> int:
 
     if "ASYNCRL_SERVER_URL" not in settings.model_fields_set:  # workers on this ASYNCRL_HOME find this server
         settings.publish_server_url(args.host, args.port)
-    uvicorn.run("server.main:app", host=args.host, port=args.port)
+    uvicorn.Server(uvicorn.Config("server.main:app", host=args.host, port=args.port)).run(sockets=[sock])
     return 0
+
+
+def _port(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {text!r}")
+    return int(text)
 
 
 def worker_command(argv: list[str]) -> int:
@@ -109,7 +123,7 @@ def _client(url: str | None, token: str | None) -> Any:
     token = token or os.environ.get("ASYNCRL_TOKEN")
     if not token:
         raise SpecError("--token: set ASYNCRL_TOKEN or pass --token (asyncrl token create --name NAME)")
-    base = url or os.environ.get("ASYNCRL_URL") or settings.ASYNCRL_SERVER_URL
+    base = url or os.environ.get("ASYNCRL_URL") or settings.server_url()
     return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
 
 
@@ -130,7 +144,8 @@ def _call(client: Any, method: str, path: str, **kwargs: Any) -> Any:
 
 
 def _api_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="server base URL (default: ASYNCRL_URL or ASYNCRL_SERVER_URL)")
+    p.add_argument("--url", help="server base URL (default: ASYNCRL_URL, ASYNCRL_SERVER_URL, or the URL the "
+                   "server published in ASYNCRL_HOME/server_url)")
     p.add_argument("--token", help="API token (default: ASYNCRL_TOKEN)")
 
 

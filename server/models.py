@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from pydantic import Field as PydanticField
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
@@ -28,9 +29,20 @@ def _run_fk() -> Column[int]:
     return Column(Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False, index=True)
 
 
+class UTCDateTime(TypeDecorator[datetime]):
+    """``timestamp with time zone`` that always loads as an aware UTC datetime: SQLite (embedded mode) stores no
+    zone and hands back naive values, which must not meet aware ones (``utcnow() - created_at``)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
 def _ts(nullable: bool = False) -> Any:
     return Field(default_factory=utcnow if not nullable else lambda: None,
-                 sa_type=DateTime(timezone=True), nullable=nullable)  # type: ignore[call-overload]
+                 sa_type=UTCDateTime(), nullable=nullable)  # type: ignore[call-overload]
 
 
 class RunStatus(enum.StrEnum):

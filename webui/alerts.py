@@ -77,7 +77,7 @@ def _run_id(text: str, field: str = "run") -> int | None:
     """The run id typed in ``field`` (None when empty). Raises HTTPException(422) naming ``field``."""
     if not text:
         return None
-    if not text.isdigit() or not 0 < int(text) < 2**31:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 2**31:
         raise HTTPException(422, f"{field}: expected a run id (a whole number >= 1), got {text!r}")
     return int(text)
 

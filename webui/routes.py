@@ -360,7 +360,7 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         except tomllib.TOMLDecodeError as err:
             raise SpecError(f"changes: not valid TOML ({err})") from None
         step, name = str(form.get("step", "")).strip(), str(form.get("name", "")).strip()
-        if step and not step.isdigit():
+        if step and not (step.isascii() and step.isdigit()):  # "²".isdigit() is True, int("²") fails
             raise SpecError(f"step: expected a checkpoint step (a whole number), got {step!r}")
         try:
             body = ForkRequest(changes=changes, step=int(step) if step else None, name=name or None)

@@ -255,6 +255,10 @@ def test_resume_and_fork_errors_show_on_the_run_page(web: tuple[Any, str], make_
     assert f'id="page-error">run {rid} is queued: only failed or cancelled runs resume</p>' in resp.text
     resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "trainer.optim.lr = ", "step": ""})
     assert resp.status_code == 422 and 'id="page-error">changes: not valid TOML (' in resp.text
+    for step in ("²", "-1", "4.0"):  # "²".isdigit() is True but int("²") raises: a 422, not a 500
+        resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "", "step": step})
+        want = f'id="page-error">step: expected a checkpoint step (a whole number), got &#39;{step}&#39;'
+        assert resp.status_code == 422 and want in resp.text
     resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "", "name": "x" * 200})
     assert resp.status_code == 422 and 'id="page-error">name: String should have at most 128 characters' in resp.text
     resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "max_steps = 9"})

@@ -105,6 +105,15 @@ def test_unknown_top_level_key() -> None:
                    "model, name, orchestrator, output_dir, seed, trainer)")
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_numbers_are_refused(value: float) -> None:
+    """JSON has no inf/nan: stored specs would hold null and the run would fail later with a traceback."""
+    msg = _error("rl", {**MODEL, "trainer": {"optim": {"lr": value}}})
+    assert msg == f"trainer.optim.lr: Input should be a finite number, got {value}"
+    msg = _error("rl", {**MODEL, "orchestrator": {"temperature": value}})
+    assert msg == f"orchestrator.temperature: Input should be a finite number, got {value}"
+
+
 # ----------------------------------------------------------------------------- overrides
 
 
