@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
@@ -28,8 +28,9 @@ from webui.routes import router as webui_router
 from worker.spec import SpecError
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """413 raised while a body streams in; an HTTPException so FastAPI's body parsing re-raises it instead of
+    turning it into 400 "There was an error parsing the body" (routes with a pydantic body model)."""
 
 
 class LimitBodySize:
@@ -53,7 +54,7 @@ class LimitBodySize:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise BodyTooLarge
+                raise BodyTooLarge(413, self._detail())
             return message
 
         try:
@@ -61,8 +62,11 @@ class LimitBodySize:
         except BodyTooLarge:
             await self._refuse(scope, receive, send)
 
+    def _detail(self) -> str:
+        return f"body: larger than {self.max_bytes} bytes"
+
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = JSONResponse({"detail": f"body: larger than {self.max_bytes} bytes"}, status_code=413)
+        response = JSONResponse({"detail": self._detail()}, status_code=413)
         await response(scope, receive, send)
 
 

@@ -82,8 +82,9 @@ def _run_id(text: str, field: str = "run") -> int | None:
     return int(text)
 
 
-def alerts_context(db: Any, run_id: int | None) -> dict[str, Any]:
-    """Rules with their descriptions and firing runs, recent events and webhook endpoints (of ``run_id``'s view)."""
+def alerts_context(db: Any, run_id: int | None, read_only: bool) -> dict[str, Any]:
+    """Rules with their descriptions and firing runs, recent events and webhook endpoints (of ``run_id``'s view;
+    URLs redacted for a read-only token)."""
     if run_id is not None:
         rows = rules.list_rules(db, run_id=run_id, applying=True)
     else:
@@ -98,12 +99,12 @@ def alerts_context(db: Any, run_id: int | None) -> dict[str, Any]:
         for r in rows
     ]
     events, total = rules.events(db, run_id=run_id, offset=0, limit=RECENT_EVENTS)
-    webhooks = db.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
+    endpoints = db.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
     return {
         "rules": shown,
         "events": events,
         "events_total": total,
-        "webhooks": webhooks,
+        "webhooks": [webhooks.public_endpoint(e, read_only=read_only) for e in endpoints],
         "run_id": run_id,
         "kinds": KIND_FIELDS,
         "metrics": KNOWN_METRICS,
@@ -118,7 +119,7 @@ def _alerts_url(run_id: int | None, rule_id: int) -> str:
 
 def _render(p: Page, code: int = 200, **values: Any) -> HTMLResponse:
     run_id = values.pop("run_id", None)
-    return p.render("alerts.html", code=code, **{**alerts_context(p.db, run_id), **values})
+    return p.render("alerts.html", code=code, **{**alerts_context(p.db, run_id, p.need_user().read_only), **values})
 
 
 @router.get("/alerts", response_class=HTMLResponse)

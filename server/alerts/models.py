@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, UrlConstraints
 from pydantic import Field as PydanticField
 from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, Text
 from sqlmodel import Field, SQLModel
@@ -148,7 +148,8 @@ EventName = Literal[RULE_KINDS]  # type: ignore[valid-type]
 class EndpointCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = PydanticField("", max_length=128)
-    url: AnyHttpUrl
+    url: Annotated[AnyHttpUrl, UrlConstraints(max_length=2048)]
+    """At most 2048 characters (the column's size)."""
     secret: str | None = PydanticField(None, min_length=16, max_length=256)
     """Signing secret; default: one is generated and returned once, in this response."""
     events: list[EventName] = PydanticField(default_factory=lambda: list(RULE_KINDS), min_length=1)

@@ -37,7 +37,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session, col, select
 
-from server.alerts.models import AlertEvent, EndpointCreate, WebhookDelivery, WebhookEndpoint
+from server.alerts.models import AlertEvent, EndpointCreate, EndpointPublic, WebhookDelivery, WebhookEndpoint
 from server.core.config import settings
 from server.models import Run, utcnow
 
@@ -53,6 +53,33 @@ class UnsafeURL(ValueError):
 
 class NotFound(LookupError):
     pass
+
+
+class StillRetrying(RuntimeError):
+    """A replay of a delivery that has not ended yet (``pending``: its retry chain is still running)."""
+
+
+SECRET_PREFIX_CHARS = 4
+"""Characters of a signing secret shown after creation (enough to tell secrets apart, too few to guess one)."""
+
+
+def redact_url(url: str) -> str:
+    """``scheme://host[:port]/…`` without path, query or credentials (for read-only tokens: the URL may be the
+    credential, as with Slack incoming webhooks)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}/…"
+
+
+def public_endpoint(row: WebhookEndpoint, *, read_only: bool) -> EndpointPublic:
+    """The endpoint as shown to a principal: URL redacted for read-only ones, secret prefix at most 4 characters."""
+    shown = EndpointPublic.model_validate(row)
+    shown.secret_prefix = shown.secret_prefix[:SECRET_PREFIX_CHARS]
+    if read_only:
+        shown.url = redact_url(shown.url)
+    return shown
 
 
 def check_url(url: str) -> None:
@@ -131,7 +158,7 @@ def create_endpoint(session: Session, body: EndpointCreate, *, by: str) -> tuple
         name=body.name or urlsplit(url).hostname or "",
         url=url,
         secret_encrypted=_fernet().encrypt(secret.encode()).decode(),
-        secret_prefix=secret[:10],
+        secret_prefix=secret[:SECRET_PREFIX_CHARS],
         events=list(body.events),
         format=body.format,
         created_by=by,
@@ -196,10 +223,16 @@ def replay(session: Session, delivery_id: int) -> WebhookDelivery:
 
     Raises:
         NotFound: no such delivery.
+        StillRetrying: the delivery is still ``pending`` (a second chain would share its attempt budget).
     """
     row = session.get(WebhookDelivery, delivery_id, with_for_update=True) if 0 < delivery_id < 2**31 else None
     if row is None:
         raise NotFound(f"delivery {delivery_id} not found")
+    if row.status == "pending":
+        raise StillRetrying(
+            f"delivery {delivery_id} is still being retried (attempt {row.attempts} of "
+            f"{settings.WEBHOOK_MAX_ATTEMPTS}); replay it once it has ended"
+        )
     row.status, row.attempts, row.replays, row.updated_at = "pending", 0, row.replays + 1, utcnow()
     session.add(row)
     session.flush()

@@ -95,6 +95,7 @@ def test_bad_rules_are_422_naming_the_field(
             "url: metadata.google.internal is a cloud metadata service",
         ),
         ({"url": "http://no-such-host.invalid/x"}, "url: host no-such-host.invalid does not resolve"),
+        ({"url": "http://127.0.0.1:9/" + "x" * 2050}, "body.url: URL should have at most 2048 characters"),
     ],
 )
 def test_bad_webhooks_are_422_naming_the_field(
@@ -129,6 +130,8 @@ def test_writes_need_a_write_token(client: Any) -> None:
     resp = client.post("/api/webhooks", json=body, headers=read)
     assert resp.status_code == 403 and "read-only" in resp.json()["detail"]
     assert client.get("/api/webhooks", headers=read).status_code == 200
+    resp = client.post("/api/alerts/rules", json={"kind": "stall", "seconds": 5}, headers=read)
+    assert resp.status_code == 403
     run_id = new_run()
     resp = client.post("/api/alerts/rules", json={"kind": "stall", "seconds": 5}, headers=run_token_headers(run_id))
     assert resp.status_code == 403
@@ -140,10 +143,10 @@ def test_secret_is_shown_once_then_only_its_prefix(client: Any, auth: dict[str, 
         "/api/webhooks", json={"url": "http://127.0.0.1:9/x", "secret": secret, "format": "slack"}, headers=auth
     ).json()
     try:
-        assert created["secret"] == secret and created["secret_prefix"] == secret[:10]
+        assert created["secret"] == secret and created["secret_prefix"] == "s3cr"
         shown = client.get(f"/api/webhooks/{created['id']}", headers=auth).text
         listed = client.get("/api/webhooks", headers=auth).text
-        assert secret not in shown and secret not in listed and secret[:10] in shown
+        assert secret[:5] not in shown and secret[:5] not in listed and '"secret_prefix":"s3cr"' in shown
         assert created["events"] == ["status", "threshold", "stall", "non_finite", "throughput"]
         from sqlmodel import Session
 
@@ -157,6 +160,38 @@ def test_secret_is_shown_once_then_only_its_prefix(client: Any, auth: dict[str, 
     finally:
         assert client.delete(f"/api/webhooks/{created['id']}", headers=auth).status_code == 204
     assert client.get(f"/api/webhooks/{created['id']}", headers=auth).status_code == 404
+
+
+def test_read_tokens_see_webhook_urls_without_path_or_query(client: Any, auth: dict[str, str]) -> None:
+    """A Slack-style URL is itself the credential: read tokens see only scheme://host:port/…"""
+    url = "http://127.0.0.1:9/services/T000/B000/XXXXsecret?token=abc"
+    created = client.post("/api/webhooks", json={"url": url}, headers=auth).json()
+    read = {"Authorization": f"Bearer {new_token('alerts-url-reader', scope='read')}"}
+    try:
+        mine = [h["url"] for h in client.get("/api/webhooks", headers=read).json()["data"] if h["id"] == created["id"]]
+        assert mine == ["http://127.0.0.1:9/…"]
+        one = client.get(f"/api/webhooks/{created['id']}", headers=read).json()
+        assert (one["url"], one["secret_prefix"]) == ("http://127.0.0.1:9/…", created["secret_prefix"])
+        assert len(created["secret_prefix"]) == 4
+        assert client.get(f"/api/webhooks/{created['id']}", headers=auth).json()["url"] == url
+    finally:
+        assert client.delete(f"/api/webhooks/{created['id']}", headers=auth).status_code == 204
+
+
+@pytest.mark.parametrize("path", ["/api/webhooks", "/api/alerts/rules"])
+def test_oversized_chunked_body_is_413(client: Any, auth: dict[str, str], path: str) -> None:
+    """As for /api/runs: not FastAPI's 400 "There was an error parsing the body"."""
+    from server.core.config import settings
+
+    before = client.get(path, headers=auth).json()["count"]
+
+    def chunks() -> Any:
+        for _ in range(settings.MAX_BODY_BYTES // 10_000 + 2):
+            yield b" " * 10_000
+
+    resp = client.post(path, content=chunks(), headers={**auth, "content-type": "application/json"})
+    assert (resp.status_code, resp.json()) == (413, {"detail": f"body: larger than {settings.MAX_BODY_BYTES} bytes"})
+    assert client.get(path, headers=auth).json()["count"] == before
 
 
 # ----------------------------------------------------------------------------- rules and when they fire
@@ -339,13 +374,18 @@ def test_attempts_run_out_then_failed(
     (row,) = _delivery_rows(endpoint["id"])
     with Session(engine) as s:
         first = webhooks.attempt(s, row.id)
+        replay = client.post(f"/api/deliveries/{row.id}/replay", headers=auth)  # a second chain: refused
+        assert (replay.status_code, replay.json()) == (
+            409,
+            {"detail": f"delivery {row.id} is still being retried (attempt 1 of 2); replay it once it has ended"},
+        )
         second = webhooks.attempt(s, row.id)
         third = webhooks.attempt(s, row.id)
     assert first[0].startswith(f"retry: delivery {row.id} attempt 1: ConnectError") and first[1] == 3.0
     assert second[0].startswith(f"failed: delivery {row.id} after 2 attempts: ConnectError") and second[1] is None
     assert third == (f"skipped: delivery {row.id} is failed", None)
     (log,) = deliveries(client, auth, endpoint["id"])
-    assert log["status"] == "failed" and log["attempts"] == 2 and log["status_code"] is None
+    assert log["status"] == "failed" and log["attempts"] == 2 and log["status_code"] is None and log["replays"] == 0
 
 
 def test_pending_deliveries_untouched_too_long_are_enqueued_again(

@@ -185,12 +185,10 @@ def test_webhook_form_delivery_log_and_replay(
         "hook <b>1</b>",
         ["threshold"],
         "json",
-        secret[:10],
+        secret[:4],
     )
     page = client.get("/alerts").text
-    assert (
-        secret not in page and f"<code>{secret[:10]}…</code>" in page and "<td>hook &lt;b&gt;1&lt;/b&gt;</td>" in page
-    )
+    assert secret not in page and f"<code>{secret[:4]}…</code>" in page and "<td>hook &lt;b&gt;1&lt;/b&gt;</td>" in page
 
     run_id = fire_once(client, auth)
     (first,) = delivered(client, auth, hook["id"], 1)
@@ -259,8 +257,15 @@ def test_read_token_sees_no_forms_and_its_posts_are_403(client: Any, auth: dict[
         headers=auth,
         json={"kind": "threshold", "metric": "loss", "op": ">", "value": 1.0},
     ).json()
+    hook = client.post(
+        "/api/webhooks", headers=auth, json={"url": "http://127.0.0.1:9/services/T0/B0/SECRETPATH"}
+    ).json()
     csrf = login(client, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
     html = client.get(f"/alerts?run={run_id}").text
+    log_page = client.get(f"/alerts/webhooks/{hook['id']}").text
+    assert client.delete(f"/api/webhooks/{hook['id']}", headers=auth).status_code == 204
+    assert "SECRETPATH" not in html and "SECRETPATH" not in log_page  # the URL path may be the credential
+    assert html.count("<code>http://127.0.0.1:9/…</code>") == 1 and "<code>http://127.0.0.1:9/…</code>" in log_page
     assert f'<tr id="rule-{rule["id"]}">' in html and "<td>trainer/loss &gt; 1</td>" in html
     assert 'method="post" action="/alerts' not in html and "Add a rule" not in html and "Add a webhook" not in html
     for url, data in [

@@ -51,6 +51,8 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(404, str(err)) from None
     except webhooks.UnsafeURL as err:
         raise HTTPException(422, str(err)) from None
+    except webhooks.StillRetrying as err:
+        raise HTTPException(409, str(err)) from None
 
 
 def _add_rule(session: SessionDep, rule: Any, run_id: int | None, by: str) -> Any:
@@ -142,19 +144,22 @@ def create_webhook(body: EndpointCreate, session: SessionDep, user: UserDep) -> 
         row, secret = webhooks.create_endpoint(session, body, by=user.name)
     session.commit()
     session.refresh(row)
-    return EndpointCreated(**EndpointPublic.model_validate(row).model_dump(), secret=secret)
+    return EndpointCreated(**webhooks.public_endpoint(row, read_only=False).model_dump(), secret=secret)
 
 
 @router.get("/webhooks", response_model=Page[EndpointPublic])
-def list_webhooks(session: SessionDep, _user: UserDep) -> Any:
-    data = session.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
+def list_webhooks(session: SessionDep, user: UserDep) -> Any:
+    """Endpoints; a read-only token sees each URL as ``scheme://host[:port]/…`` (the path may be a credential)."""
+    rows = session.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
+    data = [webhooks.public_endpoint(r, read_only=user.read_only) for r in rows]
     return {"data": data, "count": len(data)}
 
 
 @router.get("/webhooks/{endpoint_id}", response_model=EndpointPublic)
-def get_webhook(endpoint_id: int, session: SessionDep, _user: UserDep) -> Any:
+def get_webhook(endpoint_id: int, session: SessionDep, user: UserDep) -> Any:
+    """One endpoint; URL redacted for read-only tokens as in the list."""
     with _http_errors():
-        return webhooks.get_endpoint(session, endpoint_id)
+        return webhooks.public_endpoint(webhooks.get_endpoint(session, endpoint_id), read_only=user.read_only)
 
 
 @router.delete("/webhooks/{endpoint_id}", status_code=204)
@@ -185,7 +190,11 @@ def list_deliveries(
     return {"data": data, "count": count}
 
 
-@router.post("/deliveries/{delivery_id}/replay", response_model=DeliveryPublic)
+@router.post(
+    "/deliveries/{delivery_id}/replay",
+    response_model=DeliveryPublic,
+    responses={409: {"description": "the delivery is still pending (being retried)"}},
+)
 def replay_delivery(delivery_id: int, session: SessionDep, _user: UserDep) -> Any:
     """Send a delivery again: same body and ``Idempotency-Key``, attempts start over."""
     with _http_errors():
