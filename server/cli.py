@@ -41,23 +41,34 @@ def server_command(argv: list[str]) -> int:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--no-migrate", action="store_true", help="skip 'alembic upgrade head' at start")
     args = p.parse_args(argv)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:  # bind before anything else, so a busy port fails at once and publishes nothing
-        sock.bind((args.host, args.port))
-    except OSError as err:
-        sock.close()
-        raise SpecError(f"--port: cannot listen on {args.host}:{args.port} ({err.strerror or err})") from None
+    sock = bind(args.host, args.port)  # first: a busy port fails at once, before migrating or publishing
     if not args.no_migrate:
         migrate()
-    import uvicorn
-
     from server.core.config import settings
 
     if "ASYNCRL_SERVER_URL" not in settings.model_fields_set:  # workers on this ASYNCRL_HOME find this server
         settings.publish_server_url(args.host, args.port)
-    uvicorn.Server(uvicorn.Config("server.main:app", host=args.host, port=args.port)).run(sockets=[sock])
+    serve(sock, args.host, args.port)
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening). Raises SpecError naming --port when it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise SpecError(f"--port: cannot listen on {host}:{port} ({err.strerror or err})") from None
+    return sock
+
+
+def serve(sock: socket.socket, host: str, port: int) -> None:
+    """Run the API server (uvicorn) on the bound ``sock`` until it is stopped."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config("server.main:app", host=host, port=port)).run(sockets=[sock])
 
 
 def _port(text: str) -> int:

@@ -225,22 +225,22 @@ def test_commands_are_the_images_and_parse_with_the_cli(
         assert argv[0] in scripts
         cmd = [args for kind, args in dockerfile_instructions(DOCKERFILES[dockerfile]) if kind == "CMD"]
         assert [json.loads(c) for c in cmd] == [argv]
-    import uvicorn
-
     from server import cli
     from server.core.config import settings
     from worker.celery_app import app
 
     calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(cli, "bind", lambda host, port: calls.append(("bind", host, port)))
     monkeypatch.setattr(cli, "migrate", lambda: calls.append(("migrate",)))
-    monkeypatch.setattr(uvicorn, "run", lambda target, host, port: calls.append(("uvicorn", target, host, port)))
+    monkeypatch.setattr(cli, "serve", lambda sock, host, port: calls.append(("serve", host, port)))
     monkeypatch.setattr(app, "worker_main", lambda argv: calls.append(("celery", *argv)))
     monkeypatch.setattr(settings, "ASYNCRL_HOME", tmp_path)
     assert cli.COMMANDS[services["server"]["command"][1]](services["server"]["command"][2:]) == 0
     assert cli.COMMANDS[services["worker"]["command"][1]](services["worker"]["command"][2:]) == 0
     assert calls == [
+        ("bind", "0.0.0.0", 8000),
         ("migrate",),
-        ("uvicorn", "server.main:app", "0.0.0.0", 8000),
+        ("serve", "0.0.0.0", 8000),
         ("celery", "worker", "--concurrency=2", "--loglevel=INFO", "-B"),
     ]
 
