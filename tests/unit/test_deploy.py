@@ -56,9 +56,10 @@ def env_example() -> dict[str, str]:
 def compose(*args: str, env_file: Path, profiles: str) -> subprocess.CompletedProcess[str]:
     """Docker Compose v2 (no engine needed for ``config``) on the checkout's compose file."""
     cmd = [str(COMPOSE_BIN), "--project-directory", str(ROOT), "-f", str(COMPOSE), "--env-file", str(env_file), *args]
-    return subprocess.run(
-        cmd, env={**os.environ, "COMPOSE_PROFILES": profiles}, capture_output=True, text=True, timeout=120
-    )
+    # the shell's variables override --env-file in compose: drop the ones compose reads (the server tests export
+    # e.g. SECRET_KEY into this process), so the result depends on the env file alone, as on a fresh machine
+    env = {k: v for k, v in os.environ.items() if k not in env_example() and k not in REQUIRED}
+    return subprocess.run(cmd, env={**env, "COMPOSE_PROFILES": profiles}, capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
