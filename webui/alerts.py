@@ -20,7 +20,7 @@ from server.api.deps import SessionDep
 from server.api.routes import alerts as alerts_api
 from server.services import runs
 from server.services.runs import RunNotFound
-from webui.routes import Page, page
+from webui.routes import HTMLErrorRoute, Page, page
 from worker.alert_rules import (
     KNOWN_METRICS,
     RULE_KINDS,
@@ -33,7 +33,7 @@ from worker.alert_rules import (
     describe,
 )
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
 KIND_FIELDS = {
     kind: [f for f in model.model_fields if f != "kind"]
     for kind, model in (
@@ -166,12 +166,9 @@ async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> 
     form = await p.form()
     user = p.need_user()
     run_id = _run_id(str(form.get("run", "")))
+    row = alerts_api.found(rules.get, db, rule_id)
     try:
-        row = rules.get(db, rule_id)
-    except webhooks.NotFound as err:
-        raise HTTPException(404, str(err)) from None
-    try:
-        alerts_api.update_rule(rule_id, change(form, row), db, user)
+        alerts_api.update_rule(change(form, row), db, user, row)
     except ValidationError as err:
         return _render(p, 422, run_id=run_id, error=f"rule {rule_id}: {first_error(err)[1]}")
     except HTTPException as err:
@@ -231,9 +228,10 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     """One endpoint's delivery log, newest first, with a Replay button per delivery."""
     p = page(request, db)
     user = p.need_user()
-    endpoint = alerts_api.get_webhook(endpoint_id, db, user)
-    log = alerts_api.list_deliveries(endpoint_id, db, user, offset=0, limit=RECENT_DELIVERIES)
-    return p.render("alerts_webhook.html", endpoint=endpoint, deliveries=log["data"], total=log["count"])
+    row = alerts_api.found(webhooks.get_endpoint, db, endpoint_id)
+    log = alerts_api.list_deliveries(db, user, row, offset=0, limit=RECENT_DELIVERIES)
+    return p.render("alerts_webhook.html", endpoint=alerts_api.get_webhook(user, row), deliveries=log["data"],
+                    total=log["count"])
 
 
 @router.post("/alerts/deliveries/{delivery_id}/replay")

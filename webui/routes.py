@@ -13,17 +13,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import plotly
 from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
+from sqlmodel import Session
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.deps import SessionDep
 from server.api.routes import config as config_api
 from server.api.routes import runs as runs_api
+from server.core.db import engine
 from server.models import TERMINAL, ForkRequest, Run, RunStatus, utcnow
 from server.services import config, metrics, runs, tokens
 from server.services.runs import InvalidTransition, RunNotFound
@@ -63,7 +68,68 @@ templates.env.filters["age"] = age
 def figures_json(figs: dict[str, Any]) -> str:
     """Figures as JSON safe inside ``<script type="application/json">`` (no ``</`` can end the element)."""
     return json.dumps(figs, allow_nan=False, default=str).replace("</", "<\\/")
-router = APIRouter(include_in_schema=False)
+
+
+# ----------------------------------------------------------------------------- error pages
+
+
+def wants_html(request: Request) -> bool:
+    """True for a browser navigation or form post (``Accept`` names ``text/html``), not for htmx fragment
+    requests or API clients."""
+    return "text/html" in request.headers.get("accept", "") and not _is_fragment(request)
+
+
+def _back(request: Request) -> str:
+    """Where the error page links back to: the referring page of this site, else the runs list."""
+    referer = urlsplit(request.headers.get("referer", ""))
+    if referer.netloc == request.url.netloc and referer.path.startswith("/") and referer.path != request.url.path:
+        return referer.path + (f"?{referer.query}" if referer.query else "")
+    return "/runs"
+
+
+def error_status(err: Exception) -> tuple[int, str, dict[str, str] | None]:
+    """(status, one-line message, headers) of an error a dashboard route raised, as the JSON API reports it."""
+    if isinstance(err, StarletteHTTPException):
+        return err.status_code, str(err.detail), err.headers
+    if isinstance(err, RequestValidationError):
+        first = err.errors()[0]
+        return 422, f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}", None
+    code = {RunNotFound: 404, InvalidTransition: 409, SpecError: 422}[type(err)]
+    return code, str(err), None
+
+
+def error_page(request: Request, code: int, message: str, headers: dict[str, str] | None = None) -> HTMLResponse:
+    """The site's layout with the one-line ``message`` and a link back (status ``code``)."""
+    web = auth.load(request)
+    with Session(engine) as db:
+        user = auth.principal(db, web)
+    resp = templates.TemplateResponse(request, "error.html", {
+        "user": user, "csrf": web.csrf, "poll_s": POLL_S, "code": code, "message": message, "back": _back(request)},
+        status_code=code, headers=headers)
+    web.save(resp)
+    return resp
+
+
+class HTMLErrorRoute(APIRoute):
+    """A dashboard route whose 4xx errors reach a browser as an HTML page in the site's layout; other clients
+    (the TestClient, curl, htmx fragments) keep the API's JSON ``{"detail": …}``."""
+
+    def get_route_handler(self) -> Any:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)  # type: ignore[no-any-return]
+            except (StarletteHTTPException, RequestValidationError, RunNotFound, InvalidTransition, SpecError) as err:
+                code, message, headers = error_status(err)
+                if code < 400 or not wants_html(request):
+                    raise
+                return error_page(request, code, message, headers)
+
+        return route
+
+
+router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
 
 
 @dataclass
@@ -195,7 +261,7 @@ def key_line(toml_text: str, dotted: str) -> int | None:
             table = m.group(1).replace(" ", "").replace('"', "")
             full = table
         elif "=" in line:
-            key = line.split("=", 1)[0].strip().replace('"', "")
+            key = re.sub(r"\s*\.\s*", ".", line.split("=", 1)[0].strip().replace('"', ""))
             full = f"{table}.{key}" if table else key
         else:
             continue
@@ -207,6 +273,27 @@ def key_line(toml_text: str, dotted: str) -> int | None:
     return best
 
 
+_TOML_AT = re.compile(r"\(at line (\d+), column \d+\)")
+_UNKNOWN_KEY = re.compile(r"^unknown key '([^']+)'")
+
+
+def error_line(toml_text: str, error: SpecError | tomllib.TOMLDecodeError) -> int | None:
+    """The 1-based line of ``toml_text`` an error of the pasted spec points at: the position a TOML syntax error
+    names (``… (at line 3, column 5)``; the last line for ``… (at end of document)``), the key an unknown-key
+    error names (``unknown key 'trainer.optim.lrr' (did you mean …)``) or the key before the first ``:`` of a
+    validation error; None when no line does."""
+    message = str(error)
+    if isinstance(error, tomllib.TOMLDecodeError):
+        lineno = getattr(error, "lineno", None)  # Python >= 3.14; older ones only say it in the message
+        if lineno is None and (found := _TOML_AT.search(message)):
+            lineno = int(found.group(1))
+        if lineno is None and message.endswith("(at end of document)"):
+            lineno = len(toml_text.splitlines()) or None
+        return lineno
+    unknown = _UNKNOWN_KEY.match(message)
+    return key_line(toml_text, unknown.group(1) if unknown else message.split(":", 1)[0].strip())
+
+
 def _launch_page(p: Page, text: str, chosen: str, status: int = 200, error: str | None = None,
                  line: int | None = None) -> HTMLResponse:
     return p.render("launch.html", code=status, configs=config_files(), chosen=chosen, text=text, spec_error=error,
@@ -216,7 +303,7 @@ def _launch_page(p: Page, text: str, chosen: str, status: int = 200, error: str 
 @router.get("/launch", response_class=HTMLResponse)
 def launch_page(request: Request, db: SessionDep, config: str = "") -> HTMLResponse:
     p = page(request, db)
-    p.need_user()
+    auth.check_write(p.need_user())  # a read token gets a 403 page, not a form whose POST is refused
     text = ""
     if config:
         if config not in config_files():
@@ -235,13 +322,13 @@ async def launch(request: Request, db: SessionDep) -> Response:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        return _launch_page(p, text, chosen, 422, f"TOML: {err}", getattr(err, "lineno", None))
+        return _launch_page(p, text, chosen, 422, f"TOML: {err}", error_line(text, err))
     try:
         run = runs.create(db, data=data, owner=p.need_user().name)
     except SpecError as err:
         db.rollback()
-        message = str(err)
-        return _launch_page(p, text, chosen, 422, message, key_line(text, message.split(":", 1)[0].strip()))
+        line = error_line(text, err)
+        return _launch_page(p, text, chosen, 422, f"{err} (line {line})" if line else str(err), line)
     db.commit()
     from worker.tasks import enqueue_launch
 

@@ -31,7 +31,15 @@ def _fk(table: str, nullable: bool = False) -> Any:
     )
 
 
-class AlertRuleRow(SQLModel, table=True):
+class _Owned(SQLModel):
+    """Columns of what a user adds (rules, webhook endpoints): on/off, by whom and when."""
+
+    enabled: bool = Field(default=True, nullable=False)
+    created_by: str = Field(max_length=128)
+    created_at: datetime = _ts()
+
+
+class AlertRuleRow(_Owned, table=True):
     __tablename__ = "alert_rules"
     id: int | None = Field(default=None, primary_key=True)
     run_id: int | None = _fk("runs", nullable=True)
@@ -41,9 +49,6 @@ class AlertRuleRow(SQLModel, table=True):
     """The validated rule (``worker.alert_rules.AlertRule``) as JSON."""
     origin: str = Field(default="api", max_length=8)
     """``api`` or ``spec`` (from the run spec's ``alerts`` list)."""
-    enabled: bool = Field(default=True, sa_column=Column(Boolean, nullable=False))
-    created_by: str = Field(max_length=128)
-    created_at: datetime = _ts()
 
 
 class AlertState(SQLModel, table=True):
@@ -71,7 +76,7 @@ class AlertEvent(SQLModel, table=True):
     time: datetime = _ts()
 
 
-class WebhookEndpoint(SQLModel, table=True):
+class WebhookEndpoint(_Owned, table=True):
     __tablename__ = "webhook_endpoints"
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=128)
@@ -81,9 +86,6 @@ class WebhookEndpoint(SQLModel, table=True):
     secret_prefix: str = Field(max_length=16)
     events: list[str] = Field(sa_column=Column(JSONType, nullable=False))
     format: str = Field(default="json", max_length=8)
-    enabled: bool = Field(default=True, sa_column=Column(Boolean, nullable=False))
-    created_by: str = Field(max_length=128)
-    created_at: datetime = _ts()
 
 
 class WebhookDelivery(SQLModel, table=True):
@@ -109,16 +111,24 @@ class WebhookDelivery(SQLModel, table=True):
 # ----------------------------------------------------------------------------- API shapes
 
 
-class RulePublic(BaseModel):
+class _Public(BaseModel):
+    """An API shape read from a table row."""
+
     model_config = ConfigDict(from_attributes=True)
+
+
+class _OwnedPublic(_Public):
+    enabled: bool
+    created_by: str
+    created_at: datetime
+
+
+class RulePublic(_OwnedPublic):
     id: int
     run_id: int | None
     kind: str
     rule: dict[str, Any]
     origin: str
-    enabled: bool
-    created_by: str
-    created_at: datetime
 
 
 class RuleUpdate(BaseModel):
@@ -129,8 +139,7 @@ class RuleUpdate(BaseModel):
     rule: AlertRule | None = None
 
 
-class AlertEventPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+class AlertEventPublic(_Public):
     id: int
     rule_id: int
     run_id: int
@@ -158,17 +167,13 @@ class EndpointCreate(BaseModel):
     """``json``: the event as an object; ``slack``: ``{"text": "<message>"}`` (Slack/Mattermost incoming hooks)."""
 
 
-class EndpointPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+class EndpointPublic(_OwnedPublic):
     id: int
     name: str
     url: str
     secret_prefix: str
     events: list[str]
     format: str
-    enabled: bool
-    created_by: str
-    created_at: datetime
 
 
 class EndpointCreated(EndpointPublic):
@@ -176,8 +181,7 @@ class EndpointCreated(EndpointPublic):
     """The signing secret; shown only in this response."""
 
 
-class DeliveryPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+class DeliveryPublic(_Public):
     id: int
     endpoint_id: int
     event_id: int

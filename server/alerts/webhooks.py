@@ -2,8 +2,9 @@
 
 - **SSRF guard** (``check_url``): the URL's host is resolved and every address checked, at creation and again
   before each attempt. Link-local (169.254/16, fe80::/10) and cloud metadata (169.254.169.254, fd00:ec2::254,
-  metadata.google.internal) are refused unless listed in ``WEBHOOK_ALLOW_HOSTS``; loopback only in
-  ``LOCAL_MODE``. Redirects are not followed.
+  metadata.google.internal) are refused unless listed in ``WEBHOOK_ALLOW_HOSTS``; loopback and private
+  addresses only in ``LOCAL_MODE``. IPv6 forms that embed an IPv4 address (IPv4-mapped, NAT64, 6to4, Teredo,
+  IPv4-compatible) are judged by that address too. Redirects are not followed.
 - **Secret**: stored encrypted (Fernet, key derived from SECRET_KEY) because the server must sign with it; the
   API shows it once, at creation, and a prefix after. It is never logged.
 - **Signature**: ``X-Asyncrl-Signature: t=<unix s>,v1=<hex HMAC-SHA256(secret, f"{t}.{body}")>``.
@@ -82,12 +83,49 @@ def public_endpoint(row: WebhookEndpoint, *, read_only: bool) -> EndpointPublic:
     return shown
 
 
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+"""The well-known NAT64 prefix (RFC 6052 section 2.1): the last 32 bits are the IPv4 address."""
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+"""Deprecated IPv4-compatible addresses ``::a.b.c.d`` (RFC 4291 section 2.5.5.1); ``::`` and ``::1`` are not."""
+
+
+def embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries, which a host on the path may route to: IPv4-mapped
+    ``::ffff:a.b.c.d`` (``ipv4_mapped``), NAT64 ``64:ff9b::a.b.c.d``, 6to4 ``2002:AABB:CCDD::/48``
+    (``sixtofour``), Teredo ``2001:0::/32`` (``teredo``: server and client) and IPv4-compatible ``::a.b.c.d``.
+    Empty for an IPv4 address or a plain IPv6 one."""
+    if isinstance(ip, ipaddress.IPv4Address):
+        return []
+    found = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
+    if ip in NAT64 or (ip in IPV4_COMPATIBLE and int(ip) > 1):
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return [v4 for v4 in found if v4 is not None]
+
+
+def _refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why the guard refuses ``ip`` itself (not what it embeds), or None."""
+    if ip in METADATA_IPS:
+        return "a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)"
+    if ip.is_link_local:
+        return "a link-local address (allow it in WEBHOOK_ALLOW_HOSTS)"
+    if settings.LOCAL_MODE:
+        return None
+    if ip.is_loopback or ip.is_unspecified:
+        return "a loopback address (allowed only with LOCAL_MODE)"
+    if ip.is_private:
+        return "a private address (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
+    return None
+
+
 def check_url(url: str) -> None:
     """Resolve ``url``'s host and refuse it if any address is link-local or cloud metadata (unless allow-listed in
-    ``WEBHOOK_ALLOW_HOSTS``), or loopback/unspecified outside ``LOCAL_MODE``.
+    ``WEBHOOK_ALLOW_HOSTS``), or loopback/unspecified/private outside ``LOCAL_MODE``. An IPv6 address that embeds
+    IPv4 addresses (:func:`embedded_ipv4`) is judged by those.
 
     Raises:
-        UnsafeURL: one line starting with ``url:`` naming the host and the reason (also when it does not resolve).
+        UnsafeURL: one line starting with ``url:`` naming the host and the reason (also when it does not resolve),
+            e.g. ``url: 2002:a9fe:a9fe:: resolves to 2002:a9fe:a9fe:: (IPv4 169.254.169.254), a cloud metadata
+            address (allow it in WEBHOOK_ALLOW_HOSTS)``.
     """
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
@@ -102,17 +140,17 @@ def check_url(url: str) -> None:
         )
     except (socket.gaierror, UnicodeError) as err:
         raise UnsafeURL(f"url: host {host} does not resolve ({err})") from None
+    if host in allowed:
+        return
     for info in infos:
         ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:169.254.169.254 is 169.254.169.254
-        if host in allowed or str(ip) in allowed:
-            continue
-        if ip in METADATA_IPS:
-            raise UnsafeURL(f"url: {host} resolves to {ip}, a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)")
-        if ip.is_link_local:
-            raise UnsafeURL(f"url: {host} resolves to {ip}, a link-local address (allow it in WEBHOOK_ALLOW_HOSTS)")
-        if (ip.is_loopback or ip.is_unspecified) and not settings.LOCAL_MODE:
-            raise UnsafeURL(f"url: {host} resolves to {ip}, a loopback address (allowed only with LOCAL_MODE)")
+        for judged in embedded_ipv4(ip) or [ip]:  # the outer prefix (e.g. 2001::/23) says nothing of the target
+            if str(judged) in allowed:
+                continue
+            reason = _refusal(judged)
+            if reason is not None:
+                shown = f"{ip} (IPv4 {judged})" if judged is not ip else str(ip)
+                raise UnsafeURL(f"url: {host} resolves to {shown}, {reason}")
 
 
 # ----------------------------------------------------------------------------- secrets and signatures

@@ -41,7 +41,8 @@ class Settings(BaseSettings):
     RECONCILE_INTERVAL_S: float = Field(30.0, ge=1.0)
     """Celery beat runs ``asyncrl.reconcile`` (fail runs whose supervisor died) this often."""
     LOCAL_MODE: bool = True
-    """Server and users share one machine (embedded, compose): webhooks may target loopback. False on a cluster."""
+    """Server and users share one machine (embedded, compose): webhooks may target loopback and private
+    addresses. False on a cluster: loopback and private (RFC 1918, also embedded in IPv6 forms) are refused."""
     WEBHOOK_ALLOW_HOSTS: list[str] = Field(default_factory=list)
     """Hosts or IPs webhooks may target although link-local or cloud metadata (JSON list in the environment)."""
     WEBHOOK_MAX_ATTEMPTS: int = Field(8, ge=1, le=100)

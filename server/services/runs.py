@@ -273,6 +273,11 @@ def fork(session: Session, parent: Run, *, owner: str, changes: dict[str, Any], 
             ``max_steps`` leaves nothing to train after ``step``.
         InvalidTransition: the parent has no complete checkpoint at all.
     """
+    data = apply_changes(parent.spec, changes)
+    data.pop("output_dir", None)
+    if name is not None:
+        data["name"] = name
+    validate_spec("rl", data)  # a bad key or value is named before the checkpoint is looked for
     steps = checkpoint_steps(parent)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {RunDir(parent.run_dir).checkpoints}")
@@ -280,10 +285,6 @@ def fork(session: Session, parent: Run, *, owner: str, changes: dict[str, Any], 
         step = steps[-1]
     elif step not in steps:
         raise SpecError(f"step: run {parent.id} has no complete checkpoint at step {step} (complete: {steps})")
-    data = apply_changes(parent.spec, changes)
-    data.pop("output_dir", None)
-    if name is not None:
-        data["name"] = name
     child = create(session, data=data, owner=owner)
     if child.spec["max_steps"] <= step:
         raise SpecError(f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "

@@ -22,7 +22,6 @@ SERVER_TESTS = Path(__file__).resolve().parents[1] / "server"
 sys.path.insert(0, str(SERVER_TESTS))
 
 import server_support  # noqa: E402  (sets the test database/queue environment before any server import)
-from server_support import DB_NAME, drop_queue, migrate, pg_admin  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("asyncrl_server_test_fixtures", SERVER_TESTS / "conftest.py")
 _fixtures = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -38,16 +37,7 @@ ARTIFACTS = Path(os.environ.get("ASYNCRL_ARTIFACTS", "test-artifacts"))
 
 @pytest.fixture(scope="package", autouse=True)
 def database() -> Iterator[str]:
-    pg_admin(f'CREATE DATABASE "{DB_NAME}"')
-    try:
-        migrate(os.environ["DATABASE_URL"])
-        yield os.environ["DATABASE_URL"]
-    finally:
-        from server.core.db import engine
-
-        engine.dispose()
-        pg_admin(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)')
-        drop_queue()
+    yield from _fixtures.fresh_database(remove_state=False)  # the state dir stays for a later tests/server
 
 
 @pytest.fixture(scope="package")

@@ -40,15 +40,42 @@ def test_read_only_token_sees_no_write_buttons_and_a_forged_post_is_refused(
     login(page, live_server, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
     page.goto(f"{live_server}/runs/{run['id']}")
     assert page.locator(".who .badge").inner_text() == "read-only"
-    for gone in ("button#stop", "button#fork", "a[href='/launch']", "#config-form button"):
+    for gone in ("button#stop", "button#fork", "a[href='/launch']", "#config-form", "textarea"):
         assert page.locator(gone).count() == 0, gone
-    assert page.locator("#live-trainer-optim-lr").is_disabled()
+    assert page.locator("#config-values").get_by_text("trainer.optim.lr").count() == 1
+    assert page.locator("form[method=post]").evaluate_all("fs => fs.map(f => f.getAttribute('action'))") == ["/logout"]
     csrf = page.locator("input[name=csrf]").first.get_attribute("value")
     status = page.evaluate("""async ([url, csrf]) => (await fetch(url, {method: "POST",
         body: new URLSearchParams({csrf})})).status""", [f"/runs/{run['id']}/stop", csrf])
     assert status == 403
     page.reload()
     assert page.locator("#status-badge").inner_text() == "queued"
+
+
+def test_read_only_token_gets_an_error_page_instead_of_the_launch_form(
+        page: Any, login: Any, live_server: str) -> None:
+    login(page, live_server, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
+    resp = page.goto(f"{live_server}/launch")
+    assert resp.status == 403
+    assert page.locator("#page-error").inner_text().endswith("is read-only: it may only read")
+    assert page.locator("textarea").count() == 0 and page.locator("form[action='/launch']").count() == 0
+    page.get_by_role("link", name="Back").click()
+    page.wait_for_url(f"{live_server}/runs")
+
+
+def test_errors_are_html_pages_in_the_site_layout(page: Any, login: Any, live_server: str) -> None:
+    login(page, live_server, new_token(f"errors-{secrets.token_hex(3)}"))
+    resp = page.goto(f"{live_server}/runs/2000000000")  # typed URL: no referer, back goes to the runs list
+    assert resp.status == 404 and resp.headers["content-type"].startswith("text/html")
+    assert page.title() == "Error 404 · asyncrl"
+    assert page.locator("#page-error").inner_text() == "run 2000000000 not found"
+    assert page.get_by_role("navigation", name="main").get_by_role("link", name="Runs").count() == 1
+    page.get_by_role("link", name="Back").click()
+    page.wait_for_url(f"{live_server}/runs")
+    resp = page.goto(f"{live_server}/alerts?run=x")
+    assert resp.status == 422 and page.locator("#page-error").inner_text().startswith("run: expected a run id")
+    api = page.request.get(f"{live_server}/api/runs/2000000000", headers={"Accept": "text/html"})
+    assert api.status == 401 and api.json()["detail"].startswith("missing token")  # the API answers JSON
 
 
 def test_post_without_csrf_is_403(page: Any, login: Any, live_server: str, make_run: Any) -> None:
@@ -58,8 +85,9 @@ def test_post_without_csrf_is_403(page: Any, login: Any, live_server: str, make_
     page.locator("form[action$='/stop'] input[name=csrf]").evaluate("el => el.remove()")
     with page.expect_response(lambda r: r.url.endswith("/stop")) as resp:
         page.get_by_role("button", name="Stop").click()
-    assert resp.value.status == 403
-    assert "csrf: missing or wrong form token" in page.content()
+    assert resp.value.status == 403  # an HTML page in the site's layout, with a link back to the run page
+    assert page.locator("#page-error").inner_text().startswith("csrf: missing or wrong form token")
+    assert page.get_by_role("link", name="Back").get_attribute("href") == f"/runs/{run['id']}"
     page.goto(f"{live_server}/runs/{run['id']}")
     assert page.locator("#status-badge").inner_text() == "queued"
 

@@ -87,7 +87,7 @@ def test_bad_rules_are_422_naming_the_field(
         ({"url": "http://[fe80::1]:8080/x"}, "url: fe80::1 resolves to fe80::1, a link-local address"),
         (
             {"url": "http://[::ffff:169.254.169.254]/x"},
-            "url: ::ffff:a9fe:a9fe resolves to 169.254.169.254, a cloud metadata address",
+            "url: ::ffff:a9fe:a9fe resolves to ::ffff:a9fe:a9fe (IPv4 169.254.169.254), a cloud metadata address",
         ),
         ({"url": "http://[fd00:ec2::254]/x"}, "url: fd00:ec2::254 resolves to fd00:ec2::254, a cloud metadata address"),
         (
@@ -121,6 +121,72 @@ def test_ssrf_allow_list_and_loopback_outside_local_mode(
     assert resp.status_code == 422
     assert resp.json()["detail"].startswith("url: localhost resolves to "), resp.text
     assert resp.json()["detail"].endswith("a loopback address (allowed only with LOCAL_MODE)")
+
+
+# the IPv6 forms that carry an IPv4 address; Teredo's client is stored bit-inverted (RFC 4380 section 4):
+# 2001:0:4136:e378:0:7fff:5601:5601 is server 65.54.227.120, client ~0x5601_5601 = 0xa9fe_a9fe = 169.254.169.254
+EMBEDDED = {
+    "mapped": ("::ffff:{}", {"169.254.169.254": "::ffff:a9fe:a9fe", "169.254.7.7": "::ffff:a9fe:707",
+                              "127.0.0.1": "::ffff:7f00:1", "10.1.2.3": "::ffff:a01:203"}),
+    "nat64": ("64:ff9b::{}", {"169.254.169.254": "64:ff9b::a9fe:a9fe", "169.254.7.7": "64:ff9b::a9fe:707",
+                              "127.0.0.1": "64:ff9b::7f00:1", "10.1.2.3": "64:ff9b::a01:203"}),
+    "6to4": ("{}", {"169.254.169.254": "2002:a9fe:a9fe::1", "169.254.7.7": "2002:a9fe:707::1",
+                    "127.0.0.1": "2002:7f00:1::1", "10.1.2.3": "2002:a01:203::1"}),
+    "teredo": ("{}", {"169.254.169.254": "2001:0:4136:e378:0:7fff:5601:5601",
+                      "169.254.7.7": "2001:0:4136:e378:0:7fff:5601:f8f8",
+                      "127.0.0.1": "2001:0:4136:e378:0:7fff:80ff:fffe",
+                      "10.1.2.3": "2001:0:4136:e378:0:7fff:f5fe:fdfc"}),
+    "compatible": ("::{}", {"169.254.169.254": "::a9fe:a9fe", "169.254.7.7": "::a9fe:707",
+                            "127.0.0.1": "::7f00:1", "10.1.2.3": "::a01:203"}),
+}
+REASONS = {
+    "169.254.169.254": "a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)",
+    "169.254.7.7": "a link-local address (allow it in WEBHOOK_ALLOW_HOSTS)",
+    "127.0.0.1": "a loopback address (allowed only with LOCAL_MODE)",
+    "10.1.2.3": "a private address (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)",
+}
+
+
+@pytest.mark.parametrize("form", sorted(EMBEDDED))
+@pytest.mark.parametrize("v4", sorted(REASONS))
+def test_ssrf_guard_judges_ipv6_by_the_ipv4_it_embeds(form: str, v4: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ipaddress
+
+    from server.alerts.webhooks import UnsafeURL, check_url, embedded_ipv4
+    from server.core.config import settings
+
+    pattern, written = EMBEDDED[form]
+    literal = pattern.format(v4) if pattern != "{}" else written[v4]
+    ip6 = written[v4]
+    assert str(ipaddress.IPv6Address(literal)) == ip6  # the table is right: the literal is that address
+    assert ipaddress.IPv4Address(v4) in embedded_ipv4(ipaddress.IPv6Address(ip6))
+    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    with pytest.raises(UnsafeURL) as err:
+        check_url(f"http://[{literal}]:8080/hook")
+    assert str(err.value) == f"url: {literal} resolves to {ip6} (IPv4 {v4}), {REASONS[v4]}"  # the host as written
+    monkeypatch.setattr(settings, "LOCAL_MODE", True)  # loopback and private pass on one machine, the rest never
+    if v4.startswith("169.254."):
+        with pytest.raises(UnsafeURL, match="IPv4 169.254"):
+            check_url(f"http://[{literal}]:8080/hook")
+    else:
+        check_url(f"http://[{literal}]:8080/hook")
+
+
+def test_ssrf_guard_lets_public_embedded_ipv4_and_allow_listed_ones_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.alerts.webhooks import UnsafeURL, check_url
+    from server.core.config import settings
+
+    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    # 8.8.8.8 inside each form, and a Teredo address whose server and client are both public
+    for literal in ("::ffff:8.8.8.8", "64:ff9b::8.8.8.8", "2002:808:808::1", "::8.8.8.8",
+                    "2001:0:4136:e378:0:7fff:f7f7:f7f7", "2606:4700::1111"):
+        check_url(f"http://[{literal}]/hook")
+    with pytest.raises(UnsafeURL, match="private address"):
+        check_url("http://10.1.2.3/hook")  # plain IPv4 is judged the same way
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_HOSTS", ["169.254.169.254"])
+    check_url("http://[2002:a9fe:a9fe::1]/hook")  # the allow-listed IPv4 is allowed in every form
+    with pytest.raises(UnsafeURL, match=r"::a9fe:707 \(IPv4 169.254.7.7\), a link-local address"):
+        check_url("http://[::169.254.7.7]/hook")
 
 
 def test_writes_need_a_write_token(client: Any) -> None:

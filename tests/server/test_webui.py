@@ -13,7 +13,7 @@ from server_support import new_token, spec
 
 from server.models import MetricSeries
 from webui import figures
-from webui.routes import key_line
+from webui.routes import error_line, key_line
 
 
 def csrf_of(html: str) -> str:
@@ -79,6 +79,26 @@ def test_key_line_finds_the_offending_key() -> None:
     assert key_line(text, "env.args.a") == 9
     assert key_line(text, "orchestrator.seq_len") == 4  # not set: its table
     assert key_line(text, "model.name") is None
+    assert key_line("[trainer]\noptim . lrr = 1\n", "trainer.optim.lrr") == 2  # spaces around a dotted key's dots
+
+
+def test_error_line_of_toml_syntax_and_unknown_key_errors() -> None:
+    import tomllib
+
+    from worker.spec import SpecError
+
+    def toml_error(text: str) -> tomllib.TOMLDecodeError:
+        with pytest.raises(tomllib.TOMLDecodeError) as err:
+            tomllib.loads(text)
+        return err.value
+
+    text = 'name = "x"\n[trainer]\noptim.lrr = 1\n'
+    assert error_line(text, SpecError("unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)")) == 3
+    assert error_line(text, SpecError("unknown key 'trainer' (did you mean 'trainers'?)")) == 2
+    assert error_line(text, SpecError("trainer.optim.lrr: Input should be a number")) == 3
+    assert error_line(text, SpecError("unknown key 'model.nam' (valid keys here: name)")) is None
+    assert error_line("a = 1\nb = 2\nbad line\n", toml_error("a = 1\nb = 2\nbad line\n")) == 3
+    assert error_line('name = "x"\nmax_steps = [\n', toml_error('name = "x"\nmax_steps = [\n')) == 2
 
 
 # ----------------------------------------------------------------------------- login, CSRF, scopes
@@ -122,6 +142,61 @@ def test_read_token_sees_no_write_buttons_and_its_forged_posts_are_403(client: A
     assert 'id="status-badge">queued<' in client.get(f"/runs/{run['id']}").text
 
 
+def test_read_token_gets_no_launch_form_and_no_config_form(client: Any, make_run: Any) -> None:
+    run = make_run()
+    login(client, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
+    resp = client.get("/launch", params={"config": "reverse_text/rl.toml"}, headers={"Accept": "text/html"})
+    assert resp.status_code == 403
+    assert 'id="page-error">token &#39;reader-' in resp.text and "is read-only: it may only read" in resp.text
+    assert 'action="/launch"' not in resp.text and "<textarea" not in resp.text
+    page = client.get(f"/runs/{run['id']}").text
+    assert 'id="config-values"' in page and 'id="config-form"' not in page and "<textarea" not in page
+    assert re.search(r"<code>trainer.optim.lr</code> <small>\(trainer\)</small></th><td>0.0001</td>", page), page
+    assert not re.findall(r'<form method="post" action="(?!/logout)', page)  # the only POST form is Log out
+    alerts = client.get("/alerts").text
+    assert not re.findall(r'<form method="post" action="(?!/logout)', alerts)
+
+
+def test_dashboard_errors_are_html_pages_for_browsers_and_json_for_api_clients(
+        client: Any, make_run: Any, auth: dict[str, str]) -> None:
+    run = make_run()
+    csrf = login(client, new_token(f"web-{secrets.token_hex(3)}"))
+    html = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    referer = {"Referer": f"http://testserver/runs/{run['id']}"}
+    cases = [  # (method, url, form, status, message)
+        ("GET", "/runs/2000000000", None, 404, "run 2000000000 not found"),
+        ("GET", "/runs/abc", None, 422, "path.run_id: Input should be a valid integer, unable to parse string as an "
+                                        "integer"),
+        ("GET", "/runs?status=nope", None, 422, "status: expected one of queued, "),
+        ("GET", "/alerts/webhooks/2000000000", None, 404, "webhook endpoint 2000000000 not found"),
+        ("POST", f"/runs/{run['id']}/stop", {}, 403, "csrf: missing or wrong form token; reload the page and try "
+                                                     "again"),
+        ("POST", "/alerts/rules/2000000000/enabled", {"csrf": csrf, "enabled": "1"}, 404,
+         "alert rule 2000000000 not found"),
+    ]
+    for method, url, form, status, message in cases:
+        resp = client.request(method, url, data=form, headers={**html, **referer})
+        assert resp.status_code == status and resp.headers["content-type"].startswith("text/html"), (url, resp.text)
+        assert f"<title>Error {status} · asyncrl</title>" in resp.text and '<header class="top">' in resp.text
+        assert 'href="/compare">Compare</a>' in resp.text  # the site's layout, logged-in navigation included
+        shown = re.search(r'<p class="error" role="alert" id="page-error">([^<]*)</p>', resp.text)
+        assert shown and shown.group(1).replace("&#39;", "'").startswith(message), (url, resp.text)
+        assert f'<a href="/runs/{run["id"]}" id="back">Back</a>' in resp.text
+        # the same request from an API client (TestClient's Accept: */*) or an htmx fragment request: JSON
+        for headers in ({}, {**html, "HX-Request": "true"}):
+            resp = client.request(method, url, data=form, headers=headers)
+            assert resp.status_code == status and resp.json()["detail"].startswith(message), (url, resp.text)
+    # no referer (a typed URL): back to the runs list; the API keeps JSON whatever the Accept header says
+    resp = client.get("/runs/2000000000", headers=html)
+    assert resp.status_code == 404 and '<a href="/runs" id="back">Back</a>' in resp.text
+    resp = client.get("/api/runs/2000000000", headers={**html, **auth})
+    assert resp.status_code == 404 and resp.json() == {"detail": "run 2000000000 not found"}
+    # a redirect to the login page stays a redirect
+    client.cookies.clear()
+    resp = client.get(f"/runs/{run['id']}", headers=html, follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"].startswith("/login?next=")
+
+
 def test_logout_ends_the_session(web: tuple[Any, str]) -> None:
     client, csrf = web
     assert client.post("/logout", data={"csrf": csrf}, follow_redirects=False).headers["location"] == "/login"
@@ -159,6 +234,36 @@ def test_launch_shows_the_spec_error_at_its_line(web: tuple[Any, str]) -> None:
     assert bad.group(3).startswith("orchestrator.group_size:")
     resp = client.post("/launch", data={"csrf": csrf, "spec": 'name = "x"\nmax_steps = [\n'})
     assert resp.status_code == 422 and 'id="spec-error">TOML: ' in resp.text
+
+
+def _marked(html: str) -> tuple[int, str, str]:
+    """(line number, line text, error) of the launch page's marked line."""
+    bad = re.search(r'<li value="(\d+)" class="bad" id="bad-line"><code>([^<]*)</code>\s*<p class="inline-error" '
+                    r'role="alert" id="spec-error">([^<]*)</p>', html)
+    assert bad, html
+    return int(bad.group(1)), bad.group(2), bad.group(3)
+
+
+@pytest.mark.parametrize(("text", "line", "error"), [
+    ('name = "bad"\nmax_steps = 3\n[model]\nname = "m"\n[orchestrator]\nbatch_sise = 8\n', 6,
+     "unknown key &#39;orchestrator.batch_sise&#39; (did you mean &#39;orchestrator.batch_size&#39;?) (line 6)"),
+    ('name = "bad"\nmax_step = 3\n[model]\nname = "m"\n', 2,
+     "unknown key &#39;max_step&#39; (did you mean &#39;max_steps&#39;?) (line 2)"),
+    ('name = "bad"\nmax_steps = 3\ntrainer.optim.lrr = 1e-5\n[model]\nname = "m"\n', 3,
+     "unknown key &#39;trainer.optim.lrr&#39; (did you mean &#39;trainer.optim.lr&#39;?) (line 3)"),
+    ('name = "bad"\nmax_steps = 3\n[orchestrater]\nbatch_size = 8\n', 3,
+     "unknown key &#39;orchestrater&#39; (did you mean &#39;orchestrator&#39;?) (line 3)"),
+    ('name = "bad"\nmax_steps = 3\nbatch size = 8\n', 3,
+     "TOML: Expected &#39;=&#39; after a key in a key/value pair (at line 3, column 7)"),
+    ('name = "bad"\nmax_steps = [\n', 2, "TOML: Invalid value (at end of document)"),
+])
+def test_launch_marks_unknown_keys_and_toml_syntax_errors_at_their_line(
+        web: tuple[Any, str], text: str, line: int, error: str) -> None:
+    client, csrf = web
+    resp = client.post("/launch", data={"csrf": csrf, "spec": text})
+    assert resp.status_code == 422
+    assert _marked(resp.text) == (line, text.splitlines()[line - 1].replace('"', "&#34;"), error)
+    assert 'aria-invalid="true"' in resp.text
 
 
 def test_launch_queues_the_run_and_redirects_to_its_page(web: tuple[Any, str]) -> None:

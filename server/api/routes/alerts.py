@@ -6,17 +6,18 @@ Writes need a user token with write scope (``current_principal`` refuses read to
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from pydantic import ConfigDict, RootModel
-from sqlmodel import col, func, select
+from sqlmodel import Session, col, func, select
 
 from server.alerts import rules, webhooks
 from server.alerts.models import (
     AlertEventPublic,
+    AlertRuleRow,
     DeliveryPublic,
     EndpointCreate,
     EndpointCreated,
@@ -43,6 +44,11 @@ class RuleIn(RootModel[AlertRule]):
     )
 
 
+T = TypeVar("T")
+Offset = Annotated[int, Query(ge=0)]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+
+
 @contextmanager
 def _http_errors() -> Iterator[None]:
     try:
@@ -53,6 +59,27 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(422, str(err)) from None
     except webhooks.StillRetrying as err:
         raise HTTPException(409, str(err)) from None
+
+
+def found(get: Callable[[Session, int], T], session: Session, key: int) -> T:
+    """``get(session, key)`` (``rules.get``, ``webhooks.get_endpoint``); raises HTTPException(404) naming the
+    missing row when there is none."""
+    with _http_errors():
+        return get(session, key)
+
+
+def _rule(rule_id: int, session: SessionDep, _user: UserDep) -> AlertRuleRow:
+    return found(rules.get, session, rule_id)
+
+
+def _endpoint(endpoint_id: int, session: SessionDep, _user: UserDep) -> WebhookEndpoint:
+    return found(webhooks.get_endpoint, session, endpoint_id)
+
+
+RuleDep = Annotated[AlertRuleRow, Depends(_rule)]
+"""The rule of the path's ``rule_id`` (after the token check), else 404."""
+EndpointDep = Annotated[WebhookEndpoint, Depends(_endpoint)]
+"""The webhook endpoint of the path's ``endpoint_id`` (after the token check), else 404."""
 
 
 def _add_rule(session: SessionDep, rule: Any, run_id: int | None, by: str) -> Any:
@@ -90,14 +117,12 @@ def list_run_rules(run_id: int, session: SessionDep, _user: UserDep) -> Any:
 
 
 @router.patch("/alerts/rules/{rule_id}", response_model=RulePublic)
-def update_rule(rule_id: int, body: RuleUpdate, session: SessionDep, _user: UserDep) -> Any:
+def update_rule(body: RuleUpdate, session: SessionDep, _user: UserDep, row: RuleDep) -> Any:
     """Enable or disable a rule, or replace it with one of the same kind (its episode state is kept: the next
     check under the new rule decides whether it still holds)."""
-    with _http_errors():
-        row = rules.get(session, rule_id)
     if body.rule is not None:
         if body.rule.kind != row.kind:
-            raise HTTPException(422, f"rule.kind: rule {rule_id} is a {row.kind} rule, got {body.rule.kind!r}")
+            raise HTTPException(422, f"rule.kind: rule {row.id} is a {row.kind} rule, got {body.rule.kind!r}")
         row.rule = body.rule.model_dump(mode="json")
     if body.enabled is not None:
         row.enabled = body.enabled
@@ -108,10 +133,9 @@ def update_rule(rule_id: int, body: RuleUpdate, session: SessionDep, _user: User
 
 
 @router.delete("/alerts/rules/{rule_id}", status_code=204)
-def delete_rule(rule_id: int, session: SessionDep, _user: UserDep) -> Response:
+def delete_rule(session: SessionDep, _user: UserDep, row: RuleDep) -> Response:
     """Delete a rule with its states and events (their deliveries too)."""
-    with _http_errors():
-        session.delete(rules.get(session, rule_id))
+    session.delete(row)
     session.commit()
     return Response(status_code=204)
 
@@ -121,8 +145,8 @@ def list_alert_events(
     session: SessionDep,
     _user: UserDep,
     run_id: int | None = Query(None, ge=1),
-    offset: int = Query(0, ge=0),
-    limit: int = Query(100, ge=1, le=1000),
+    offset: Offset = 0,
+    limit: Limit = 100,
 ) -> Any:
     """Alert events (``fired``/``cleared``), newest first."""
     data, count = rules.events(session, run_id=run_id, offset=offset, limit=limit)
@@ -156,33 +180,25 @@ def list_webhooks(session: SessionDep, user: UserDep) -> Any:
 
 
 @router.get("/webhooks/{endpoint_id}", response_model=EndpointPublic)
-def get_webhook(endpoint_id: int, session: SessionDep, user: UserDep) -> Any:
+def get_webhook(user: UserDep, endpoint: EndpointDep) -> Any:
     """One endpoint; URL redacted for read-only tokens as in the list."""
-    with _http_errors():
-        return webhooks.public_endpoint(webhooks.get_endpoint(session, endpoint_id), read_only=user.read_only)
+    return webhooks.public_endpoint(endpoint, read_only=user.read_only)
 
 
 @router.delete("/webhooks/{endpoint_id}", status_code=204)
-def delete_webhook(endpoint_id: int, session: SessionDep, _user: UserDep) -> Response:
+def delete_webhook(session: SessionDep, _user: UserDep, endpoint: EndpointDep) -> Response:
     """Delete an endpoint and its delivery log."""
-    with _http_errors():
-        session.delete(webhooks.get_endpoint(session, endpoint_id))
+    session.delete(endpoint)
     session.commit()
     return Response(status_code=204)
 
 
 @router.get("/webhooks/{endpoint_id}/deliveries", response_model=Page[DeliveryPublic])
 def list_deliveries(
-    endpoint_id: int,
-    session: SessionDep,
-    _user: UserDep,
-    offset: int = Query(0, ge=0),
-    limit: int = Query(100, ge=1, le=1000),
+    session: SessionDep, _user: UserDep, endpoint: EndpointDep, offset: Offset = 0, limit: Limit = 100
 ) -> Any:
     """The endpoint's delivery log, newest first: status, HTTP code, latency, attempts, last error."""
-    with _http_errors():
-        webhooks.get_endpoint(session, endpoint_id)
-    where = WebhookDelivery.endpoint_id == endpoint_id
+    where = WebhookDelivery.endpoint_id == endpoint.id
     count = session.exec(select(func.count()).select_from(WebhookDelivery).where(where)).one()
     data = session.exec(
         select(WebhookDelivery).where(where).order_by(col(WebhookDelivery.id).desc()).offset(offset).limit(limit)
