@@ -1,4 +1,10 @@
-"""``asyncrl eval``: held-out reward and pass@k of a model path or of a running vLLM server."""
+"""``asyncrl eval``: held-out reward and pass@k of a model path or of a running vLLM server.
+
+A taskset with tools runs through verifiers' agent harness (`worker.orchestrator.harness.HarnessRunner`, default
+`[orchestrator.harness]` settings), as in RL: the model's tool calls are executed by verifiers and the finished
+conversation is scored by the task's own rewards. The server must then offer ``/inference/v1/generate`` (ours
+started with ``--enable-scale-out``; `start_server` does that where vLLM has it).
+"""
 
 from __future__ import annotations
 
@@ -33,9 +39,10 @@ def run_eval(
     Raises:
         SpecError: neither or both of ``model`` and ``url``; a model or tokenizer that fails
             :func:`worker.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
-            does not load. All are checked before a server starts.
+            does not load, or that the orchestrator cannot run (`Environment.unsupported`, e.g. tools without
+            ``uv``). All are checked before a server starts.
     """
-    from worker.envs import EnvironmentLoadError
+    from worker.envs import EnvironmentLoadError, env_error_field
     from worker.models import check_model, load_tokenizer
     from worker.procs import free_port
     from worker.spec import SpecError
@@ -54,7 +61,9 @@ def run_eval(
     try:
         env = load_environment(env_id, split="eval", seed=seed, **env_args)
     except (EnvironmentLoadError, TypeError, ValueError) as err:
-        raise SpecError(f"--env: {err}") from None
+        raise SpecError(f"{env_error_field(err, '--env-')}: {err}") from None
+    if env.unsupported is not None:
+        raise SpecError(f"--env: {env.unsupported}")
     proc = None
     if url is None:
         from worker.inference.server import start_server, wait_ready
@@ -75,6 +84,13 @@ def run_eval(
                         served_tok = load_tokenizer(served)
                     except (FileNotFoundError, ValueError) as err:
                         raise SpecError(f"--tokenizer: needed for the server's model {served!r} ({err})") from None
+                harness = None
+                if env.needs_harness:
+                    from worker.orchestrator.harness import HarnessRunner
+                    from worker.spec import HarnessConfig
+
+                    template = tokenizer or (str(model) if model is not None else await client.served_model())
+                    harness = HarnessRunner(template, str(url), HarnessConfig())
                 return await evaluate(
                     client,
                     env,
@@ -83,6 +99,7 @@ def run_eval(
                     temperature=temperature,
                     max_tokens=max_tokens,
                     pass_k=pass_k,
+                    harness=harness,
                 )
 
         result = asyncio.run(go())

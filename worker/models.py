@@ -22,16 +22,46 @@ if TYPE_CHECKING:  # pragma: no cover
 
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
-SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+CHATML_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+"""Specials the BPE is trained with: ids 0-2, then the 256 byte symbols, then the merges."""
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+"""Delimiters of a tool call (Hermes/Qwen3 style); renderers' ``qwen3`` tool parser finds them by token id, so each
+must be one token. Appended after the learned vocabulary, so every other token keeps the id it had before they
+existed: the tiny model's reverse-text SFT is sensitive to which embedding row each character gets (seed 0 with
+the ids shifted by these two reached a greedy reward of 0.570 after 240 SFT steps and stayed at loss ~1.1 for 400;
+with these ids, 0.836)."""
+SPECIAL_TOKENS = [*CHATML_TOKENS, *TOOL_CALL_TOKENS]
 NUM_MERGES = 64
 VOCAB_MULTIPLE = 64
 
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- set ns = namespace(first=0) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}{%- set ns.first = 1 %}"
+    "{%- endif %}"
+    "{{- '# Tools' }}"
+    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- '\\n' + f['name'] + '(' + ((f['parameters'] or {}).get('properties') or {}) | list | join(', ') + ')' }}"
+    "{%- if f['description'] %}{{- ': ' + f['description'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[ns.first:] %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}{%- set c = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>{\"name\": ' + c['name'] | tojson + ', \"arguments\": ' }}"
+    "{{- c['arguments'] if c['arguments'] is string else c['arguments'] | tojson }}{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+"""ChatML. With ``tools`` (OpenAI function specs), the system turn lists them one per line as ``name(params):
+description`` after the system message; an assistant turn's ``tool_calls`` follow its content as
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the form renderers' ``qwen3`` parser reads); tool
+results are ``tool`` turns."""
 
 # Architecture per size. head_dim is fixed at 64.
 SIZES: dict[str, dict[str, int]] = {
@@ -74,7 +104,8 @@ def _training_corpus(seed: int, n_lines: int = 20_000) -> list[str]:
 
 
 def build_tokenizer(seed: int = 0, num_merges: int = NUM_MERGES) -> PreTrainedTokenizerBase:
-    """A byte-level BPE tokenizer: 256 byte symbols + 3 specials + at most ``num_merges`` merges."""
+    """A byte-level BPE tokenizer: 3 ChatML specials, 256 byte symbols, at most ``num_merges`` merges, then the two
+    tool-call delimiters (``TOOL_CALL_TOKENS``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,13 +114,14 @@ def build_tokenizer(seed: int = 0, num_merges: int = NUM_MERGES) -> PreTrainedTo
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) + len(SPECIAL_TOKENS) + num_merges,
+        vocab_size=len(alphabet) + len(CHATML_TOKENS) + num_merges,
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=CHATML_TOKENS,
         initial_alphabet=alphabet,
         show_progress=False,
     )
     tok.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    tok.add_special_tokens(TOOL_CALL_TOKENS)  # after the learned ids (see TOOL_CALL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,

@@ -1,4 +1,18 @@
-"""Child processes of a run: start in their own process group, die with their parent, stop as a group."""
+"""Child processes of a run: start in their own process group, die with their parent, stop as a group.
+
+A child started by :func:`spawn` leads a new process group; whatever it starts (vLLM's API server starts its
+EngineCore, and so on) stays in that group. When the parent dies — even by SIGKILL — the whole group is killed:
+
+- a *watchdog* (a few lines of Python, one per group) sits in the group and blocks on a pipe whose only write end is
+  held by the parent. When the parent is gone the kernel closes that end, the read returns end-of-file, and the
+  watchdog sends SIGKILL to its group (itself included). It ignores SIGTERM, so :func:`kill_group`'s SIGTERM still
+  gives the others their grace period; the SIGKILL that follows ends it too.
+- the leader itself also gets SIGKILL from the kernel when its parent dies (``PR_SET_PDEATHSIG``), in case the
+  watchdog is not there (not started yet, or killed).
+
+SIGKILL, not SIGTERM: a vLLM API server that got SIGTERM once hung in its shutdown with its EngineCore defunct,
+keeping the port; a run whose launcher is gone has nobody to report to, and checkpoints are written atomically.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +21,24 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+WATCHDOG = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "fd = int(sys.argv[1])\n"
+    "while os.read(fd, 1):\n"
+    "    pass\n"
+    "os.killpg(0, signal.SIGKILL)\n"
+)
+"""The watchdog's program: end-of-file on fd ``argv[1]`` (the parent is gone) -> SIGKILL to its process group."""
+_watchdogs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
+"""Leader pid -> (its watchdog, the write end of the watchdog's pipe held by this process)."""
+_lock = threading.Lock()
 
 
 def free_port() -> int:
@@ -21,7 +50,8 @@ def free_port() -> int:
 
 def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG, Linux); exits at
-    once if the parent (pid ``parent``, default the current one) is already gone."""
+    once if the parent (pid ``parent``, default the current one) is already gone. Note: "parent" is the thread
+    that forked this process; call :func:`spawn` from a thread that lives as long as the child should."""
     parent = os.getppid() if parent is None else parent
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:
@@ -29,26 +59,42 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> Non
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in its own process group with stdout+stderr appended to ``log_path``.
+    """Start ``cmd`` as the leader of a new process group with stdout+stderr appended to ``log_path``, plus the
+    group's watchdog (module docstring): when this process dies, by any signal, the whole group gets SIGKILL.
+    ``env`` replaces the environment when given (else it is inherited). Stop it with :func:`kill_group`.
 
-    The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG), so a killed launcher or test
-    runner leaves no orphan. ``env`` replaces the environment when given (else it is inherited).
+    Raises:
+        OSError: ``cmd`` cannot be started (the watchdog is not started then).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         parent = os.getpid()
 
         def child_setup() -> None:  # runs in the child between fork and exec
-            die_with_parent(parent)
+            die_with_parent(parent, signal.SIGKILL)
             os.setpgrp()
 
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup, cwd=os.getcwd()
         )
+    read_end, write_end = os.pipe()  # both close-on-exec: only the watchdog gets the read end (pass_fds)
+    try:
+        watchdog = subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read_end)], pass_fds=(read_end,),
+                                    process_group=proc.pid, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+    except OSError:
+        os.close(write_end)
+        kill_group(proc)
+        raise
+    finally:
+        os.close(read_end)
+    with _lock:
+        _watchdogs[proc.pid] = (watchdog, write_end)
+    return proc
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``; reaps the leader."""
+    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``; reaps the leader and its watchdog."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -60,3 +106,9 @@ def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    with _lock:
+        entry = _watchdogs.pop(proc.pid, None)
+    if entry is not None:
+        watchdog, write_end = entry
+        os.close(write_end)
+        watchdog.wait()

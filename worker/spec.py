@@ -191,6 +191,29 @@ class AipoLoss(_LossBase):
 LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss, Field(discriminator="type")]
 
 
+class WeightSyncConfig(_Strict):
+    """How the trainer hands a new policy version to vLLM (``worker/trainer/weight_sync.py``).
+
+    ``filesystem``: safetensors in ``weights/step_n`` loaded by path. ``process_group``: the weights are
+    broadcast in buckets from trainer rank 0 to the vLLM workers over a separate process group (NCCL on
+    cuda, gloo on cpu), no disk; any failure falls back to the filesystem route with a logged warning.
+    """
+
+    kind: Literal["filesystem", "process_group"] = "filesystem"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto``: nccl when the trainer runs on cuda, else gloo."""
+    master_addr: str = Field("127.0.0.1", min_length=1)
+    """Address of trainer rank 0 as the vLLM workers reach it (the group's TCP store listens there)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """Port of the group's TCP store; 0 picks a free port."""
+    bucket_mb: int = Field(256, ge=1, le=16384)
+    """Upper bound of one broadcast bucket in MiB (tensors of one dtype flattened together; a larger tensor
+    goes alone)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Bound on forming the group (after inference is up) and on one update, on both sides; past it the
+    update falls back to the filesystem."""
+
+
 class TrainerConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -209,6 +232,8 @@ class TrainerConfig(_Strict):
     """``torch.compile`` each decoder block (fuses the elementwise kernels around the matmuls; GPU)."""
     slow_step_s: float = Field(0.0, ge=0)
     """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
 
 
 class CheckpointConfig(_Strict):
@@ -290,9 +315,34 @@ class SlurmConfig(_Strict):
         return v
 
 
+class LocalConfig(_Strict):
+    """Placement of a local run's processes on this machine's GPUs (``worker/launchers/local.py``).
+
+    Each list becomes the process's ``CUDA_VISIBLE_DEVICES``; an empty list leaves the inherited one (every
+    process sees every GPU, as on a one-GPU machine where vLLM and the trainer share the card). Lists may overlap
+    (colocation); parallelism flags of vLLM over several inference GPUs go in ``inference.extra_args``.
+    """
+
+    inference_gpus: list[int] = Field(default_factory=list)
+    """CUDA device ids of the vLLM server."""
+    trainer_gpus: list[int] = Field(default_factory=list)
+    """CUDA device ids of the trainer: with more than one, ``torchrun`` starts one FSDP2 rank per GPU."""
+    trainer_processes: int = Field(0, ge=0, le=1024)
+    """Trainer ranks under ``torchrun`` (FSDP2; gloo on cpu). 0: one per ``trainer_gpus`` entry, else 1 (a plain
+    process)."""
+
+    @field_validator("inference_gpus", "trainer_gpus")
+    @classmethod
+    def _device_ids(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v) or len(set(v)) != len(v):
+            raise ValueError(f"expected distinct CUDA device ids >= 0, got {v}")
+        return v
+
+
 class LauncherConfig(_Strict):
     kind: Literal["local", "slurm"] = "local"
     """Where the service runs the run's processes: on the worker's machine, or as a Slurm job."""
+    local: LocalConfig = Field(default_factory=LocalConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
 
@@ -342,7 +392,21 @@ class RLSpec(_Strict):
                 f"orchestrator.max_tokens: must be below inference.max_model_len ({self.inference.max_model_len}), "
                 f"got {orch.max_tokens}"
             )
+        local = self.launcher.local
+        if local.trainer_gpus and self.trainer.device != "cuda":
+            raise ValueError("launcher.local.trainer_gpus: needs trainer.device = 'cuda'")
+        if local.trainer_gpus and local.trainer_processes not in (0, len(local.trainer_gpus)):
+            raise ValueError(
+                f"launcher.local.trainer_processes: one rank per trainer GPU ({len(local.trainer_gpus)}) or 0, "
+                f"got {local.trainer_processes}"
+            )
         return self
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Trainer processes a local launch starts (``launcher.local``): 1 means a plain process, no torchrun."""
+        local = self.launcher.local
+        return local.trainer_processes or max(len(local.trainer_gpus), 1)
 
     @property
     def run_dir(self) -> Path:

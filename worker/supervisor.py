@@ -9,7 +9,13 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
 - forwards ``metrics.jsonl`` to ``POST /api/runs/{id}/metrics`` (the file is the spool: while the server is
   down the rows wait there and are sent when it is back; ingestion is idempotent, so a replay adds nothing)
   and reports status changes to ``POST /api/runs/{id}/status``;
-- turns SIGTERM (``asyncrl runs stop``) into a clean cancel: the launcher tears its processes down.
+- turns SIGTERM (``asyncrl runs stop``) into a clean cancel: the launcher tears its processes down;
+- writes its final status to ``<home>/final.json`` (the spool) before reporting it, and retries the report for at
+  most ``ASYNCRL_REPORT_TIMEOUT_S`` seconds (default 60): a status the server did not take is delivered later by
+  the worker (``worker.tasks.reconcile``, or a redelivered launch), which reads the spool.
+
+``--attempt N`` names the launch attempt (the id of the run event that last queued the run; the launch task passes
+it): the spool records it, so a spool of an earlier attempt (before a resume) is never taken for this one's.
 
 ``<home>`` is ``<ASYNCRL_OUTPUT_DIR>/runs/<id>``; the run directory is ``<home>/<name>``.
 """
@@ -34,6 +40,10 @@ import httpx
 
 logger = logging.getLogger("asyncrl.supervisor")
 LOCK_FILE = "supervisor.lock"
+FINAL_FILE = "final.json"
+REPORT_TIMEOUT_ENV = "ASYNCRL_REPORT_TIMEOUT_S"
+REPORT_TIMEOUT_S = 60.0
+"""Default bound (seconds) on retrying the final report while the server is unreachable."""
 
 
 # ----------------------------------------------------------------------------- starting and stopping
@@ -65,17 +75,60 @@ def run_env(run_id: int, token: str, server_url: str) -> dict[str, str]:
     return {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
 
 
-def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str, resume: bool = False) -> int:
+def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str, resume: bool = False,
+          attempt: int | None = None) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
-    complete checkpoint); returns its pid (= its process group id)."""
+    complete checkpoint; ``attempt``: see the module docstring); returns its pid (= its process group id). A final
+    status spooled by an earlier supervisor of ``home`` is removed first."""
     write_spec(home, spec)
+    (home / FINAL_FILE).unlink(missing_ok=True)
     env = {**os.environ, **run_env(run_id, token, server_url)}
     with open(home / "supervisor.log", "ab") as log:
-        argv = [sys.executable, "-m", "worker.supervisor", "--home", str(home), *(["--resume"] if resume else [])]
+        argv = [sys.executable, "-m", "worker.supervisor", "--home", str(home), *(["--resume"] if resume else []),
+                *(["--attempt", str(attempt)] if attempt is not None else [])]
         proc = subprocess.Popen(argv, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
     return proc.pid
+
+
+def write_final(home: Path, final: dict[str, Any]) -> None:
+    """Write the spool ``home/final.json`` atomically (``{"status", "reason", "attempt", "pid", "time",
+    "delivered"}``)."""
+    from worker.rundir import atomic_write_json
+
+    atomic_write_json(home / FINAL_FILE, final)
+
+
+def read_final(home: Path, attempt: int | None) -> dict[str, Any] | None:
+    """The final status a supervisor of ``home`` spooled for launch attempt ``attempt``, or None (no spool, an
+    unreadable one, or one of another attempt)."""
+    try:
+        final = json.loads((home / FINAL_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(final, dict) or final.get("attempt") != attempt or final.get("status") not in {
+            "completed", "failed", "cancelled"}:
+        return None
+    return final
+
+
+def report_timeout_s(environ: dict[str, str] | None = None) -> float:
+    """``ASYNCRL_REPORT_TIMEOUT_S`` (seconds, > 0), default :data:`REPORT_TIMEOUT_S`.
+
+    Raises:
+        ValueError: not a positive number (the message names the variable).
+    """
+    raw = (os.environ if environ is None else environ).get(REPORT_TIMEOUT_ENV, "")
+    if not raw:
+        return REPORT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{REPORT_TIMEOUT_ENV}: expected a positive number of seconds, got {raw!r}")
+    return value
 
 
 def _alive(pid: int) -> bool:
@@ -116,6 +169,26 @@ def rows_to_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return points
 
 
+def unsent_rows(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete lines of the JSONL file ``path`` after byte ``offset``, parsed (unparsable ones skipped), and
+    the offset after them. A file shorter than ``offset`` was rewritten (resume pruned it): all of it is returned
+    (replays are idempotent)."""
+    if not path.exists():
+        return [], offset
+    data = path.read_bytes()
+    if len(data) < offset:
+        offset = 0
+    chunk = data[offset:]
+    end = chunk.rfind(b"\n") + 1
+    rows = []
+    for line in chunk[:end].splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows, offset + end
+
+
 class MetricsForwarder:
     """Send new complete lines of ``metrics.jsonl`` to the server; the byte offset sent so far is kept in
     ``offset_path`` so a restarted supervisor resumes where it stopped."""
@@ -128,20 +201,7 @@ class MetricsForwarder:
 
     def pending(self) -> tuple[list[dict[str, Any]], int]:
         """Rows after the offset (complete lines only) and the offset after them."""
-        if not self.path.exists():
-            return [], self.offset
-        data = self.path.read_bytes()
-        if len(data) < self.offset:  # rewritten (resume pruned it): replay all, idempotent
-            self.offset = 0
-        chunk = data[self.offset:]
-        end = chunk.rfind(b"\n") + 1
-        rows = []
-        for line in chunk[:end].splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows, self.offset + end
+        return unsent_rows(self.path, self.offset)
 
     def send_once(self) -> int:
         """Send what is pending; returns points sent. Raises httpx errors (the caller retries later)."""
@@ -206,17 +266,44 @@ class ConfigBridge:
 
 class Reporter(threading.Thread):
     """Background loop: forward metrics and the ``running`` event every ``interval_s``, backing off while
-    the server is unreachable. ``finish()`` flushes and reports the final status (retrying for a while)."""
+    the server is unreachable. ``finish()`` spools, flushes and reports the final status (retrying for a while).
 
-    def __init__(self, client: httpx.Client, run_id: int, run_dir: Path, home: Path, interval_s: float = 1.0) -> None:
+    Only events of this attempt count: ``events.jsonl`` is append-only and keeps the events of earlier attempts
+    (a resumed run's has their ``running``), so the reporter reads it from ``events_offset``, its size in bytes
+    when the reporter was made (make it once the run directory is ready for this attempt, before the launcher
+    starts).
+    """
+
+    def __init__(self, client: httpx.Client, run_id: int, run_dir: Path, home: Path, interval_s: float = 1.0,
+                 attempt: int | None = None) -> None:
         super().__init__(daemon=True)
         self.client, self.run_id, self.run_dir, self.interval_s = client, run_id, run_dir, interval_s
+        self.home, self.attempt = home, attempt
+        events = run_dir / "events.jsonl"
+        self.events_offset = events.stat().st_size if events.exists() else 0
         self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home / "forwarded.offset")
         self.config = ConfigBridge(client, run_id, run_dir, home / "config_acks.offset")
         self.reported_running = False
         self.requeue: dict[str, Any] | None = None
         """A ``requeued`` report still to send (before any metric of the new attempt)."""
         self._done = threading.Event()
+
+    def attempt_events(self) -> list[dict[str, Any]]:
+        """Events of ``events.jsonl`` written since the reporter was made (all of them when the file was replaced by
+        a shorter one, e.g. a requeued attempt started over); complete lines only."""
+        path = self.run_dir / "events.jsonl"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        chunk = data[self.events_offset:] if len(data) >= self.events_offset else data
+        events = []
+        for line in chunk[:chunk.rfind(b"\n") + 1].splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return events
 
     def status(self, status: str, reason: str = "") -> bool:
         """Report a status; False when the server refuses the transition (409)."""
@@ -237,12 +324,9 @@ class Reporter(threading.Thread):
 
     def _tick(self) -> None:
         self._send_requeue()
-        if not self.reported_running and (self.run_dir / "events.jsonl").exists():
-            from worker.rundir import read_jsonl
-
-            if any(e.get("event") == "running" for e in read_jsonl(self.run_dir / "events.jsonl")):
-                # refused while the run is still queued: a redelivered launch adopts this supervisor later
-                self.reported_running = self.status("running")
+        if not self.reported_running and any(e.get("event") == "running" for e in self.attempt_events()):
+            # refused while the run is still queued: a redelivered launch adopts this supervisor later
+            self.reported_running = self.status("running")
         self.forwarder.send_once()
         self.config.sync()
 
@@ -257,29 +341,44 @@ class Reporter(threading.Thread):
                 logger.warning("server unreachable (%s); metrics and config acks stay spooled in %s, retry in %.0fs",
                                err, self.forwarder.path, backoff)
 
-    def finish(self, status: str | None, reason: str, deadline_s: float = 600.0) -> None:
-        """Send what is pending, then report ``status`` (None: report no status, e.g. a requeued Slurm job)."""
+    def finish(self, status: str | None, reason: str, deadline_s: float = REPORT_TIMEOUT_S) -> bool:
+        """Spool ``status`` in ``home/final.json``, send what is pending, then report ``status`` (None: report no
+        status, e.g. a requeued Slurm job). Retries with exponential backoff (1 s doubling, at most 10 s apart)
+        while the server is unreachable or answers an error other than 409, for at most ``deadline_s`` seconds; returns whether the
+        server took the status (the spool then says ``"delivered": true``). A status not taken stays spooled for
+        ``worker.tasks.reconcile`` or a redelivered launch."""
+        from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
         self._done.set()
         if self.is_alive():
             self.join()
-        end, backoff = time.monotonic() + deadline_s, 1.0
-        while True:
-            try:
-                if status == "completed" and not self.reported_running:
-                    self.status("running")
-                    self.reported_running = True
-                self._send_requeue()
-                self.forwarder.send_once()
-                self.config.sync()
-                if status is not None:
-                    self.status(status, reason)
-                return
-            except httpx.HTTPError as err:
-                if time.monotonic() > end:
-                    logger.error("could not report %s to the server: %s", status, err)
-                    return
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+        final = {"status": status, "reason": reason[:2000], "attempt": self.attempt, "pid": os.getpid(),
+                 "time": time.time(), "delivered": False}
+        if status is not None:
+            write_final(self.home, final)
+
+        def report() -> bool:
+            if status == "completed" and not self.reported_running:
+                self.reported_running = self.status("running")
+            self._send_requeue()
+            self.forwarder.send_once()
+            self.config.sync()
+            return self.status(status, reason) if status is not None else False
+
+        try:
+            taken = Retrying(stop=stop_after_delay(deadline_s), wait=wait_exponential(multiplier=1, max=10),
+                             retry=retry_if_exception_type(httpx.HTTPError), reraise=True,
+                             before_sleep=lambda rs: logger.warning(
+                                 "final report: %s; retrying", rs.outcome.exception() if rs.outcome else "?"))(report)
+        except httpx.HTTPError as err:
+            logger.error("could not report %s to the server within %.0fs (%s); spooled in %s for the worker",
+                         status, deadline_s, err, self.home / FINAL_FILE)
+            return False
+        if taken:
+            write_final(self.home, {**final, "delivered": True})
+        elif status is not None:
+            logger.warning("the server refused %s (409); it stays spooled in %s", status, self.home / FINAL_FILE)
+        return taken
 
 
 # ----------------------------------------------------------------------------- main
@@ -364,8 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m worker.supervisor")
     p.add_argument("--home", type=Path, required=True)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--attempt", type=int, default=None, help="launch attempt, recorded in the final-status spool")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        deadline_s = report_timeout_s()
+    except ValueError as err:
+        p.error(str(err))
     lock = open(args.home / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the process
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -384,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                           headers={"Authorization": f"Bearer {os.environ['ASYNCRL_RUN_TOKEN']}"})
     spec = validate_spec("rl", json.loads((args.home / "spec.json").read_text()))
     assert isinstance(spec, RLSpec)
-    reporter = Reporter(client, run_id, spec.run_dir, args.home)
     resume, attempt = args.resume, _slurm_attempt()
+    requeue: dict[str, Any] | None = None
     if attempt is not None:
         wait_s = max(10.0, spec.launcher.slurm.signal_before_end_s - 10.0)
         signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(
@@ -393,9 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     if attempt:
         step = _prepare_requeued(spec.run_dir, args.home)
         resume = step is not None
-        reporter.requeue = {"restarts": attempt, "resume_step": step, "job": os.environ["SLURM_JOB_ID"]}
+        requeue = {"restarts": attempt, "resume_step": step, "job": os.environ["SLURM_JOB_ID"]}
         logger.info("Slurm attempt %d of job %s: %s", attempt, os.environ["SLURM_JOB_ID"],
                     f"resuming from checkpoint step {step}" if resume else "no complete checkpoint, starting over")
+    # made after _prepare_requeued: what events.jsonl holds now is of earlier attempts
+    reporter = Reporter(client, run_id, spec.run_dir, args.home, attempt=args.attempt)
+    reporter.requeue = requeue
     reporter.start()
     try:
         from worker.launchers.local import launch_rl
@@ -415,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             "cancelled", f"Slurm job {job} terminated (scancel or time limit)")  # requeued: the next attempt reports
     logger.info("run %d ended %s %s", run_id, status, reason)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    reporter.finish(status, reason)
+    reporter.finish(status, reason, deadline_s)
     return 0
 
 

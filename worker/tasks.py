@@ -6,21 +6,30 @@ launcher and reports status and metrics over HTTP with the run token) — or ado
 delivery already started, found by the supervisor's lock file — records its pid as the launcher handle, moves
 the run to ``starting`` and commits. Enqueue a task only after the commit that created the row. When the run
 directory already holds a complete checkpoint (a resumed or forked run) the supervisor starts with ``--resume``.
+A delivery that comes after the supervisor of this very attempt already ended (its launch was never committed, so
+the run is still ``queued``) adopts the finished run: it records the status the supervisor spooled in
+``<home>/final.json`` instead of starting the run again (whose directory now exists).
 
 ``reconcile()`` runs every ``RECONCILE_INTERVAL_S`` from Celery beat (``asyncrl worker`` embeds it): a
-starting/running/paused local run whose supervisor is gone is marked ``failed`` with the reason.
+starting/running/paused local run whose supervisor is gone gets the final status the supervisor spooled for this
+attempt (it could not reach the server), or else is marked ``failed`` with the reason.
+
+An *attempt* is identified by the id of the run event that last moved the run to ``queued`` (its creation, or a
+resume): every delivery of one launch sees the same id, and a resume makes a new one.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, Run, RunStatus
+from server.models import TERMINAL, Run, RunEvent, RunStatus
 from server.services import runs, tokens
 from worker import supervisor
 from worker.celery_app import app
@@ -43,15 +52,45 @@ def launch(run_id: int) -> str:
         home = Path(run.run_dir).parent
         pid = supervisor.running_pid(home)
         adopted = pid is not None
+        attempt = current_attempt(session, run_id)
+        if pid is None and (final := supervisor.read_final(home, attempt)) is not None:
+            return _adopt_finished(session, run, final)
         if pid is None:
             resume = bool(runs.checkpoint_steps(run))
             pid = supervisor.start(home, run_id=run_id, spec=run.spec, token=tokens.run_token(run_id),
-                                   server_url=settings.server_url(), resume=resume)
+                                   server_url=settings.server_url(), resume=resume, attempt=attempt)
         run.launcher, run.launcher_handle = "local", str(pid)
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
         session.commit()
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
+
+
+def current_attempt(session: Session, run_id: int) -> int | None:
+    """Id of the run event that last moved the run to ``queued`` (see the module docstring), None without one."""
+    return session.exec(select(func.max(RunEvent.id)).where(
+        RunEvent.run_id == run_id, RunEvent.kind == "status", RunEvent.to_status == RunStatus.queued.value)).one()
+
+
+def _apply_final(session: Session, run: Run, final: dict[str, Any], **data: Any) -> None:
+    """Move the live (or still queued) ``run`` to the spooled final status, through the states the supervisor would
+    have reported on the way (``starting``, and ``running`` before ``completed``)."""
+    to = RunStatus(final["status"])
+    path = [RunStatus.starting] if RunStatus(run.status) == RunStatus.queued else []
+    if to == RunStatus.completed and RunStatus(run.status) in (RunStatus.queued, RunStatus.starting):
+        path.append(RunStatus.running)
+    for step in path:
+        runs.transition(session, run, step, reason="reported late by the supervisor's spool", **data)
+    runs.transition(session, run, to, reason=str(final.get("reason", ""))[:2000], **data)
+
+
+def _adopt_finished(session: Session, run: Run, final: dict[str, Any]) -> str:
+    """The supervisor of this attempt already ended (a redelivered launch): record its spooled final status."""
+    pid = int(final.get("pid") or 0)
+    run.launcher, run.launcher_handle = "local", str(pid) if pid else None
+    _apply_final(session, run, final, pid=pid, adopted=True)
+    session.commit()
+    return f"adopted finished: run {run.id} {final['status']} (supervisor {pid})"
 
 
 def _launch_slurm(session: Session, run: Run) -> str:
@@ -120,10 +159,12 @@ LIVE = (RunStatus.starting, RunStatus.running, RunStatus.paused)
 
 
 def reconcile() -> list[int]:
-    """Mark every starting/running/paused local run whose supervisor process is gone ``failed``, with the
-    reason ``supervisor <pid> is gone`` and the last lines of its events and supervisor log. Idempotent (a
-    failed run is no longer checked). Assumes the worker running it shares the machine (and /proc) with the
-    supervisors, as the local launcher does. Returns the ids of the runs it failed.
+    """End every starting/running/paused local run whose supervisor process is gone: with the final status the
+    supervisor spooled for this attempt (``<home>/final.json``, written when it could not reach the server), else
+    ``failed`` with the reason ``supervisor <pid> is gone`` and the last lines of its events and supervisor log.
+    Idempotent (an ended run is no longer checked). Assumes the worker running it shares the machine (and /proc)
+    with the supervisors, as the local launcher does. Returns the ids of the runs it failed (not those it ended
+    from a spool).
     """
     with Session(engine) as session:
         candidates = session.exec(select(Run.id).where(col(Run.status).in_([s.value for s in LIVE]),
@@ -141,6 +182,14 @@ def reconcile() -> list[int]:
             pid, home = int(run.launcher_handle), Path(run.run_dir).parent
             if supervisor._alive(pid) or supervisor.running_pid(home) is not None:
                 continue
+            final = supervisor.read_final(home, current_attempt(session, run_id))
+            if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
+                points = _ingest_spooled_metrics(session, run, home)
+                _apply_final(session, run, final, pid=pid, by="reconcile")
+                session.commit()
+                logger.info("reconcile: run %s %s from the spool %s (%d metric points it had not sent)", run_id,
+                            final["status"], home / supervisor.FINAL_FILE, points)
+                continue
             context = "\n".join(x for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3),
                                              _last_lines(home / "supervisor.log", 5)) if x)
             reason = f"supervisor {pid} is gone" + (f"; last lines:\n{context}" if context else "")
@@ -148,6 +197,27 @@ def reconcile() -> list[int]:
             session.commit()
             failed.append(run_id)
     return failed
+
+
+def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
+    """Store the points of ``metrics.jsonl`` the supervisor had not forwarded (after ``forwarded.offset``), as the
+    metrics route would (idempotent; invalid points are skipped); returns how many were read. Not committed."""
+    from pydantic import ValidationError
+
+    from server.models import MetricPoint
+    from server.services import metrics
+
+    offset_path = home / "forwarded.offset"
+    offset = int(offset_path.read_text()) if offset_path.exists() else 0
+    rows, _ = supervisor.unsent_rows(Path(run.run_dir) / "metrics.jsonl", offset)
+    points = []
+    for point in supervisor.rows_to_points(rows):
+        try:
+            points.append(MetricPoint.model_validate(point))
+        except ValidationError:
+            logger.warning("reconcile: run %s: skipped an invalid metric point %s", run.id, point)
+    metrics.ingest(session, run_id=run.id, points=points)
+    return len(points)
 
 
 def _reconcile_slurm(session: Session, run: Run) -> bool:

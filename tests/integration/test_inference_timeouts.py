@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,40 @@ def test_health_and_wait_ready_are_bounded(blackhole: BlackHole) -> None:
             return time.monotonic() - t0
 
     assert asyncio.run(go()) < CONNECT_S + 1.0 + CONNECT_S + SLACK_S
+
+
+def test_run_against_a_silent_server_fails_with_the_cause(blackhole: BlackHole, tiny_model: Path,
+                                                          tmp_path: Path) -> None:
+    """The whole run (launcher, trainer, orchestrator) pointed at the black hole: it fails within its startup
+    timeout plus process start-up, the orchestrator's ``failed`` event and the run's own reason both name the
+    route and the timeout, and no process of the run is left."""
+    import os
+
+    from worker.launchers.local import launch_rl
+    from worker.rundir import RunDir, read_jsonl
+    from worker.spec import load_spec_data, validate_spec
+
+    configs = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
+    spec = validate_spec("rl", load_spec_data([configs / "rl.toml"], [
+        ("model.name", str(tiny_model)), ("inference.url", blackhole.url), ("output_dir", str(tmp_path)),
+        ("name", "c9"), ("max_steps", "3"), ("inference.startup_timeout_s", "5"), ("inference.connect_timeout_s", "1"),
+        ("inference.read_timeout_s", "1"), ("inference.max_retries", "1")]))
+    t0 = time.monotonic()
+    summary = launch_rl(spec, quiet=True)
+    elapsed = time.monotonic() - t0
+    assert summary["status"] == "failed"
+    assert elapsed < 120, elapsed  # start-up of two Python processes with torch on a loaded 2-core box + 5 s
+    events = read_jsonl(RunDir(spec.run_dir).events)
+    cause = f"GET {blackhole.url}/health: not ready after 5s"
+    assert [e["reason"] for e in events if e.get("process") == "orchestrator"] == [cause]
+    last = events[-1]
+    assert last["event"] == "failed" and last["reason"].startswith(f"orchestrator exited with code 1: {cause} (log: ")
+    pids = next(e["pids"] for e in events if e["event"] == "running")
+    for pid in pids.values():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state in {"Z", "X"}, f"{pid} still running"
+    assert blackhole.accepted >= 1

@@ -32,9 +32,11 @@ TRAINER_METRICS = {
 }
 ORCHESTRATOR_METRICS = {
     "reward_mean", "reward_std", "reward_missing", "advantage_abs_mean", "completion_len_mean", "completion_len_max",
-    "staleness_mean", "staleness_max", "trained_staleness_max", "dropped_stale", "dropped_zero_advantage_groups",
+    "staleness_mean", "staleness_max", "trained_staleness_max", "dropped_stale", "dropped_overlong",
+    "dropped_zero_advantage_groups",
     "wait_for_policy_s", "rollout_tokens", "policy_version", "temperature",
 }
+LEARN_STEPS = 48
 EVAL_METRICS = {"reward_mean", "pass_at_k", "k", "num_examples"}
 
 
@@ -71,34 +73,41 @@ def sft_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def learning_run(sft_model: Path, vllm_server: Any, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
     # Sampling at T = 1.5 leaves the short SFT warm-up far from its best; sharpening is the first
-    # thing RL learns, so 24 steps show a clear gain (at T = 1 the gain is within step-to-step noise).
-    spec = rl_spec(sft_model, vllm_server.url, tmp_path_factory.mktemp("rl"), "learn", max_steps=24,
+    # thing RL learns (at T = 1 the gain is within step-to-step noise). 48 steps, not 24: at 24 steps the gain
+    # (+0.03..+0.07 train reward, +0.04..+0.11 eval with 64 examples, 6 runs) was too close to the noise, and CI
+    # failed once at +0.028. 128 eval examples halve the eval's sampling noise (step-0 eval of one model varied
+    # 0.22-0.27 over runs with 64).
+    spec = rl_spec(sft_model, vllm_server.url, tmp_path_factory.mktemp("rl"), "learn", max_steps=LEARN_STEPS,
                    **{"orchestrator.temperature": 1.5, "orchestrator.eval.temperature": 1.5,
-                      "orchestrator.eval.num_examples": 64})
+                      "orchestrator.eval.num_examples": 128})
     summary = launch_rl(spec, quiet=True)
     assert summary["status"] == "completed", summary
     return RunDir(spec.run_dir)
 
 
 def test_reward_improves(learning_run: RunDir) -> None:
+    # Measured (2026-12-02, 3 runs of this fixture on the 2-core box, ~80 s each, tool-call tokens inserted before the
+    # learned vocabulary): train reward first 8 -> last 8 steps 0.259 -> 0.339, 0.260 -> 0.343, 0.260 -> 0.325;
+    # held-out eval 0.228 -> 0.336, 0.233 -> 0.339, 0.218 -> 0.325. With them after it (now), a fresh-clone CI run:
+    # train 0.247 -> 0.314, held-out 0.188 -> 0.310.
     orch = by_source(learning_run, "orchestrator")
-    first = sum(r["reward_mean"] for r in orch[:6]) / 6
-    last = sum(r["reward_mean"] for r in orch[-6:]) / 6
-    assert last > first + 0.03, (first, last)  # measured: 0.219 -> 0.288
+    first = sum(r["reward_mean"] for r in orch[:8]) / 8
+    last = sum(r["reward_mean"] for r in orch[-8:]) / 8
+    assert last > first + 0.03, (first, last)
     evals = by_source(learning_run, "eval")
-    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals  # measured: 0.179 -> 0.307
+    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals
 
 
 def test_every_metric_is_logged_every_step(learning_run: RunDir) -> None:
     trainer, orch = by_source(learning_run, "trainer"), by_source(learning_run, "orchestrator")
-    assert [r["step"] for r in trainer] == list(range(1, 25))
-    assert [r["step"] for r in orch] == list(range(1, 25))
+    assert [r["step"] for r in trainer] == list(range(1, LEARN_STEPS + 1))
+    assert [r["step"] for r in orch] == list(range(1, LEARN_STEPS + 1))
     for r in trainer:
         assert TRAINER_METRICS <= r.keys(), TRAINER_METRICS - r.keys()
     for r in orch:
         assert ORCHESTRATOR_METRICS <= r.keys(), ORCHESTRATOR_METRICS - r.keys()
     evals = by_source(learning_run, "eval")
-    assert [r["step"] for r in evals] == [0, 24]  # start (SFT model) and last policy version
+    assert [r["step"] for r in evals] == [0, LEARN_STEPS]  # start (SFT model) and last policy version
     for r in evals:
         assert EVAL_METRICS <= r.keys()
 
@@ -112,7 +121,7 @@ def test_async_staleness_within_bound(learning_run: RunDir) -> None:
 
 def test_summary_and_final_model(learning_run: RunDir) -> None:
     summary = json.loads(learning_run.summary.read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 24
+    assert summary["status"] == "completed" and summary["steps"] == LEARN_STEPS
     assert (learning_run.final / "config.json").exists() and (learning_run.final / "tokenizer.json").exists()
 
 
@@ -206,6 +215,10 @@ def test_kill_trainer_then_resume_at_end_of_pass(sft_model: Path, vllm_server: A
     assert "step_6 is incomplete" in text
     trainer_steps = [r["step"] for r in by_source(run, "trainer")]
     assert trainer_steps == list(range(1, 9))  # no gap, no repeat
+    # version 4's load into vLLM has its weight_update_s point once (logged by the resume's re-load if the killed
+    # attempt had not logged it)
+    inference_steps = [r["step"] for r in by_source(run, "inference")]
+    assert 4 in inference_steps and len(inference_steps) == len(set(inference_steps)), inference_steps
     # steps 5..8 read the second pass over the 16 tasks, in the same order an uninterrupted run would
     for step in range(5, 9):
         keys = {r["task"] for r in read_jsonl(run.rollout_file(step))}
@@ -213,3 +226,20 @@ def test_kill_trainer_then_resume_at_end_of_pass(sft_model: Path, vllm_server: A
         assert keys == expected, step
     second_pass = {f"train/0/{data_order(p, 16, 0)}" for p in range(16, 32)}
     assert len(second_pass) == 16
+
+
+# ----------------------------------------------------------------------------- torchrun trainer
+
+
+def test_trainer_under_torchrun_two_gloo_ranks_is_on_policy(sft_model: Path, vllm_server: Any, tmp_path: Path) -> None:
+    """``launcher.local.trainer_processes = 2``: the launcher starts the trainer under torchrun (2 FSDP2 ranks over
+    gloo on cpu); the sharded trainer computes the logprobs vLLM sampled with (on-policy mismatch_kl tiny in fp32),
+    rank 0 alone logs every step once, and the run completes."""
+    spec = rl_spec(sft_model, vllm_server.url, tmp_path, "torchrun", max_steps=3,
+                   **{"orchestrator.max_async_level": 0, "launcher.local.trainer_processes": 2})
+    summary = launch_rl(spec, quiet=True)
+    assert summary["status"] == "completed", summary
+    trainer = by_source(RunDir(spec.run_dir), "trainer")
+    assert [r["step"] for r in trainer] == [1, 2, 3]
+    assert {r["trainer_ranks"] for r in trainer} == {2}
+    assert all(r["mismatch_kl_on_policy"] <= 1e-3 for r in trainer), trainer

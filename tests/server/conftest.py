@@ -14,8 +14,9 @@ import pytest
 from server_support import DB_NAME, STATE, drop_queue, free_port, migrate, new_token, pg_admin, spec
 
 
-@pytest.fixture(scope="session", autouse=True)
-def database() -> Iterator[str]:
+def fresh_database(*, remove_state: bool) -> Iterator[str]:
+    """Body of the ``database`` fixtures (here, and package-scoped in ``tests/browser``): create and migrate the
+    test database, yield its URL, then drop it and the test queue (and, with ``remove_state``, the state dir)."""
     pg_admin(f'CREATE DATABASE "{DB_NAME}"')
     try:
         migrate(os.environ["DATABASE_URL"])
@@ -26,7 +27,13 @@ def database() -> Iterator[str]:
         engine.dispose()
         pg_admin(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)')
         drop_queue()
-        shutil.rmtree(STATE, ignore_errors=True)
+        if remove_state:
+            shutil.rmtree(STATE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def database() -> Iterator[str]:
+    yield from fresh_database(remove_state=True)
 
 
 @pytest.fixture

@@ -198,6 +198,10 @@ def test_fork_without_checkpoint_is_409(client: Any, auth: dict[str, str], make_
     parent = make_run()
     resp = client.post(f"/api/runs/{parent['id']}/fork", json={}, headers=auth)
     assert resp.status_code == 409 and resp.json()["detail"].startswith(f"run {parent['id']}: no complete checkpoint")
+    # a bad key is named first, with or without a checkpoint (the request itself is wrong)
+    resp = client.post(f"/api/runs/{parent['id']}/fork", json={"changes": {"trainer.optim.lrr": 1}}, headers=auth)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"] == "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
 
 
 # ----------------------------------------------------------------------------- logs

@@ -67,6 +67,9 @@ def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
 ) -> None:
     spec = slurm_spec(service, "slurm-requeue", max_steps=16)
     spec["ckpt"]["interval"] = 4
+    # >= 0.5 s a step, so the 0.1 s polls below see every step (the random-init tiny model's 16-token rollouts made
+    # steps fast enough that the orchestrator passed 7 and 11 between two polls; CI waited 400 s for them)
+    spec["trainer"]["slow_step_s"] = 0.5
     run = submit(client, auth, spec)
     job, rd = run["launcher_handle"], RunDir(run["run_dir"])
     assert run["launcher"] == "slurm" and job.isdigit(), run
@@ -79,12 +82,12 @@ def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
     wait_for(lambda: any(e["kind"] == "requeued" for e in events(client, auth, run["id"])), 120, "requeued event")
 
     # 2. USR1 to the batch shell, as --signal=B:USR1@<s> before the time limit: checkpoint now, then requeue itself.
-    # Sent when the orchestrator's last step is 7 or 11: the step asked for (2 ahead, 3 if the orchestrator moves on
-    # meanwhile) is not one of the periodic checkpoints (every 4)
+    # Sent when the orchestrator's last step is 7, 8, 11 or 12: the step asked for (2 ahead, 3 if the orchestrator
+    # moves on meanwhile) is not one of the periodic checkpoints (every 4)
     def orchestrator_step() -> int:
         return max((r["step"] for r in read_jsonl(rd.metrics) if r["source"] == "orchestrator"), default=0)
 
-    wait_for(lambda: orchestrator_step() in (7, 11), 400, "orchestrator at step 7 or 11")
+    wait_for(lambda: orchestrator_step() in (7, 8, 11, 12), 400, "orchestrator at step 7, 8, 11 or 12")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     start_requeued_now(job, 2)
 
@@ -96,7 +99,7 @@ def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
     assert requeues[0]["resume_step"] == first
     preempt_step = requeues[1]["resume_step"]  # the checkpoint USR1 asked for was complete before the requeue
     assert preempt_step == json.loads((rd.root / "checkpoint_request.json").read_text())["step"] > first
-    assert first == 4 and preempt_step in (9, 10, 13, 14)  # a requested checkpoint, not a periodic one
+    assert first == 4 and preempt_step in (9, 10, 11, 13, 14, 15)  # a requested checkpoint, not a periodic one
     starts = [e["resume_step"] for e in read_jsonl(rd.events) if e["event"] == "starting"]
     assert starts == [None, first, preempt_step]
     # every step trained once in the run's record: the steps after a checkpoint were pruned and trained again

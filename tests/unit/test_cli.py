@@ -147,7 +147,7 @@ def test_rl_missing_model_path(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 def test_rl_bad_env_id(capsys: pytest.CaptureFixture[str], model_dir: Path, out_dir: Path) -> None:
     line = _fails(capsys, ["rl", "@", RL_TOML, "--model.name", str(model_dir), "--env.id", "nope.module:thing",
                            "--output_dir", str(out_dir)])
-    assert line.startswith("error: env: ")
+    assert line.startswith("error: env.id: ")
     assert "nope.module:thing" in line
     assert _nothing_under(out_dir)
 
@@ -251,10 +251,10 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
                                "\\(SafetensorError: .*\\)"),
     # environment and lengths
     "rl-dry-run-env-does-not-import": (["rl", "@", RL_TOML, "--model.name", "{model}", "--env.id", "nope.module:make",
-                                        "--output_dir", "{out}", "--dry-run"], "re:error: env: .*'nope\\.module:make'.*"),
+                                        "--output_dir", "{out}", "--dry-run"], "re:error: env.id: .*'nope\\.module:make'.*"),
     "sft-dry-run-env-bad-arg": (["sft", "@", SFT_TOML, "--model.name", "{model}", "--env.args.bogus", "1",
                                  "--output_dir", "{out}", "--dry-run", *SMALL_SFT],
-                                "re:error: env: environment 'reverse_text' has no argument 'bogus'; valid: .*max_chars.*"),
+                                "re:error: env.args: environment 'reverse_text' has no argument 'bogus'; valid: .*max_chars.*"),
     "rl-dry-run-seq-len-below-prompt": (["rl", "@", RL_TOML, "--model.name", "{model}", "--orchestrator.seq_len", "50",
                                          "--output_dir", "{out}", "--dry-run"],
                                         "re:error: orchestrator\\.seq_len: 50 tokens cannot hold a \\d+-token prompt "
@@ -333,6 +333,33 @@ def test_bad_input_one_line_exit_2_nothing_made(
     else:
         assert line == fill(expected)
     assert _snapshot(tmp_path) == before  # nothing created, changed or removed
+
+
+def test_resume_of_a_completed_run_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                              model_dir: Path) -> None:
+    """--resume of a run that completed all max_steps: one line naming max_steps, nothing relaunched or changed
+    (it used to start the three processes again and log a second final eval)."""
+    from worker.checkpoint import write_part
+    from worker.rundir import RunDir, atomic_write_json
+
+    run = RunDir(tmp_path / "outputs" / "done")
+    run.create()
+    (run.root / "config.json").write_text("{}")
+    for part in ("trainer", "orchestrator"):
+        write_part(run, 4, part, lambda folder: (folder / "state.json").write_text("{}"))
+    atomic_write_json(run.summary, {"status": "completed", "steps": 4})
+    run.metrics.write_text('{"source": "eval", "step": 4, "reward_mean": 0.5}\n')
+    before = _snapshot(tmp_path)
+    argv = ["rl", "@", RL_TOML, "--model.name", str(model_dir), "--output_dir", str(tmp_path / "outputs"),
+            "--name", "done", "--resume"]
+    line = _fails(capsys, [*argv, "--max_steps", "4"])
+    assert line == ("error: max_steps: the run completed at step 4 and max_steps is 4: nothing to resume "
+                    "(raise --max_steps to train further)")
+    assert _snapshot(tmp_path) == before
+    assert main([*argv, "--max_steps", "6", "--dry-run"]) == 0  # more steps: a resume to train further
+    capsys.readouterr()
+    atomic_write_json(run.summary, {"status": "failed", "steps": 4})  # stopped after its last checkpoint
+    assert main([*argv, "--max_steps", "4", "--dry-run"]) == 0
 
 
 # ----------------------------------------------------------------------------- dry-run and model init that work

@@ -347,3 +347,37 @@ def test_round_trip_default_sft() -> None:
     spec = validate_spec("sft", MODEL)
     assert SFTSpec.model_validate_json(spec.model_dump_json()) == spec
     assert spec.optim.lr == 1e-3
+
+
+def test_local_gpu_placement_and_trainer_ranks(tmp_path: Path) -> None:
+    """``launcher.local``: device lists checked; trainer GPUs need a cuda trainer; ranks follow the GPU list; the
+    trainer argv is torchrun only with more than one rank; placement becomes CUDA_VISIBLE_DEVICES."""
+    from worker.launchers.local import gpu_env, trainer_command
+    from worker.rundir import RunDir
+
+    def spec(**local: Any) -> RLSpec:
+        data = {**MODEL, "trainer": {"device": "cuda"}, "launcher": {"local": local}}
+        s = validate_spec("rl", data)
+        assert isinstance(s, RLSpec)
+        return s
+
+    assert spec().trainer_ranks == 1
+    assert spec(trainer_gpus=[1, 2, 3]).trainer_ranks == 3
+    assert spec(trainer_processes=2).trainer_ranks == 2
+    assert _error("rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [1]}}}) == (
+        "launcher.local.trainer_gpus: needs trainer.device = 'cuda'"
+    )
+    assert "launcher.local.inference_gpus" in _error("rl", {**MODEL, "launcher": {"local": {"inference_gpus": [0, 0]}}})
+    assert "distinct CUDA device ids >= 0" in _error("rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [-1]}}})
+    assert _error("rl", {**MODEL, "trainer": {"device": "cuda"},
+                         "launcher": {"local": {"trainer_gpus": [0, 1], "trainer_processes": 3}}}) == (
+        "launcher.local.trainer_processes: one rank per trainer GPU (2) or 0, got 3"
+    )
+    run = RunDir(tmp_path / "r")
+    one = trainer_command(spec(trainer_gpus=[1]), run, [])
+    assert one[1:] == ["-m", "worker.trainer", "--run-dir", str(run.root)]
+    many = trainer_command(spec(trainer_gpus=[1, 2]), run, ["--resume-step", "4"])
+    assert many[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert many[-4:] == ["--run-dir", str(run.root), "--resume-step", "4"]
+    assert gpu_env([]) is None
+    assert gpu_env([2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"  # type: ignore[index]

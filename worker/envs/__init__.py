@@ -15,10 +15,11 @@ import inspect
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any, Literal
+from itertools import count
+from typing import Any, Generic, Literal, TypeVar
 
 import verifiers.v1 as vf
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from verifiers.v1.graph import MessageNode
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,20 @@ _THINK = re.compile(r".*</think>", re.DOTALL)
 
 
 class EnvironmentLoadError(ValueError):
-    """An environment id that does not resolve to a Taskset, or arguments it does not take."""
+    """An environment id that does not resolve to a Taskset (``arg = "id"``), or arguments it does not take
+    (``arg = "args"``)."""
+
+    def __init__(self, message: str, arg: str = "id") -> None:
+        super().__init__(message)
+        self.arg = arg
+
+
+def env_error_field(err: Exception, prefix: str = "env.") -> str:
+    """The spec field to name for an error of ``load_environment``: ``env.id`` for an id that does not resolve,
+    ``env.args`` for arguments the taskset refused (its own ``TypeError``/``ValueError`` included). ``prefix``
+    ``"--env-"`` gives the CLI flags (``--env-id`` is spelled ``--env``)."""
+    arg = err.arg if isinstance(err, EnvironmentLoadError) else "args"
+    return "--env" if (prefix, arg) == ("--env-", "id") else prefix + arg
 
 
 def parse_answer(reply: str, tag: str) -> str:
@@ -54,6 +68,58 @@ def parse_answer(reply: str, tag: str) -> str:
         return ""
     matches = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
     return (matches[-1] if matches else text).strip()
+
+
+DataT = TypeVar("DataT", bound=vf.TaskData)
+
+
+class SingleTurnTask(vf.Task[DataT], Generic[DataT]):
+    """A task that ends after the model's first reply, keyed by its `id` ("<split>/<seed>/<index>": unique in the
+    taskset and free of the run-local `idx`); subclasses add the `@vf.reward`."""
+
+    @property
+    def key(self) -> str:
+        return self.data.id or self.hash
+
+    @vf.stop
+    async def single_turn(self, trace: vf.Trace) -> bool:
+        return trace.num_turns >= 1
+
+
+class SplitConfig(vf.TasksetConfig):
+    """Config fields of a built-in taskset that generates its tasks: which split, the seed, the split sizes."""
+
+    split: Literal["train", "eval"] = "train"
+    """Which split `load()` yields."""
+    seed: int = 0
+    """Seed of both splits; the same seed gives the same tasks."""
+    num_train: int | None = Field(None, ge=1)
+    """Number of train tasks; None yields train tasks forever."""
+    num_eval: int = Field(200, ge=1)
+    """Number of eval tasks."""
+
+
+TaskT = TypeVar("TaskT", bound=vf.Task)
+SplitConfigT = TypeVar("SplitConfigT", bound=SplitConfig)
+
+
+class SplitTaskset(vf.Taskset[TaskT, SplitConfigT], Generic[TaskT, SplitConfigT]):
+    """A taskset whose task `index` of a split is a function of the config alone (`make_task`); `load()` yields
+    `num_train`/`num_eval` of them, or train tasks forever when `num_train` is None."""
+
+    def __init__(self, config: SplitConfigT) -> None:
+        super().__init__(config)
+        self.INFINITE = config.split == "train" and config.num_train is None
+
+    def load(self) -> Iterator[TaskT]:
+        c = self.config
+        size = c.num_eval if c.split == "eval" else c.num_train
+        for index in count() if size is None else range(size):
+            yield self.make_task(c.split, index)
+
+    def make_task(self, split: Literal["train", "eval"], index: int) -> TaskT:
+        """Task `index` of `split`."""
+        raise NotImplementedError
 
 
 class Environment:
@@ -125,6 +191,13 @@ class Environment:
         else:
             messages += [m.model_dump(exclude_none=True) for m in data.prompt]
         return messages
+
+    def sft_conversation(self, task: vf.Task) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
+        """The whole conversation SFT trains on for `task` and the tool specs its chat template renders, from the
+        task's own ``sft_conversation()`` (e.g. a tool call, its result and the answer); None if the task has
+        none (SFT then trains on the prompt and ``task.data.answer``)."""
+        conversation = getattr(task, "sft_conversation", None)
+        return conversation() if conversation is not None else None
 
     async def score(self, task: vf.Task, completion_text: str) -> float | None:
         """Weighted sum of the task's rewards for one completion; None if the task has no reward or
@@ -246,7 +319,7 @@ def _build_from_class(env_id: str, cls: type[vf.Taskset], split: str, seed: int,
         config = config_cls(**given, **args)
     except ValidationError as e:
         errors = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise EnvironmentLoadError(f"environment {env_id!r}: invalid args: {errors}") from e
+        raise EnvironmentLoadError(f"environment {env_id!r}: invalid args: {errors}", arg="args") from e
     return cls(config)
 
 
@@ -264,7 +337,8 @@ def _check_args(env_id: str, args: dict, valid: set[str]) -> None:
     if unknown := sorted(set(args) - valid):
         raise EnvironmentLoadError(
             f"environment {env_id!r} has no argument {', '.join(map(repr, unknown))}; "
-            f"valid: {', '.join(sorted(valid)) or '(none)'}"
+            f"valid: {', '.join(sorted(valid)) or '(none)'}",
+            arg="args",
         )
 
 

@@ -14,9 +14,7 @@ one is redrawn from a fresh seed.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from functools import cache, cached_property
-from itertools import count
 from typing import Any, Literal
 
 import reasoning_gym
@@ -24,7 +22,7 @@ import verifiers.v1 as vf
 from pydantic import Field, model_validator
 from reasoning_gym.dataset import ProceduralDataset
 
-from worker.envs import parse_answer
+from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 
 SYSTEM_PROMPT = "Compute the result. Answer with the number only."
 ANSWER_TAG = "answer"
@@ -50,29 +48,13 @@ class ArithmeticData(vf.TaskData):
     """The reasoning-gym item (`question`, `answer`, `metadata`) that `score_answer` reads."""
 
 
-class ArithmeticTask(vf.Task[ArithmeticData]):
-    @property
-    def key(self) -> str:
-        return self.data.id or self.hash
-
-    @vf.stop
-    async def single_turn(self, trace: vf.Trace) -> bool:
-        return trace.num_turns >= 1
-
+class ArithmeticTask(SingleTurnTask[ArithmeticData]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         return score_arithmetic(parse_answer(trace.last_reply, ANSWER_TAG), self.data.entry)
 
 
-class ArithmeticConfig(vf.TasksetConfig):
-    split: Literal["train", "eval"] = "train"
-    """Which split `load()` yields."""
-    seed: int = 0
-    """Seed of both splits; the same seed gives the same tasks."""
-    num_train: int | None = Field(None, ge=1)
-    """Number of train tasks; None yields train tasks forever."""
-    num_eval: int = Field(200, ge=1)
-    """Number of eval tasks."""
+class ArithmeticConfig(SplitConfig):
     min_terms: int = Field(2, ge=1)
     """Fewest numbers in an expression."""
     max_terms: int = 3
@@ -91,17 +73,10 @@ class ArithmeticConfig(vf.TasksetConfig):
         return self
 
 
-class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
+class ArithmeticTaskset(SplitTaskset[ArithmeticTask, ArithmeticConfig]):
     def __init__(self, config: ArithmeticConfig) -> None:
         super().__init__(config)
-        self.INFINITE = config.split == "train" and config.num_train is None
         self._datasets: dict[tuple[str, int], ProceduralDataset] = {}
-
-    def load(self) -> Iterator[ArithmeticTask]:
-        c = self.config
-        size = c.num_eval if c.split == "eval" else c.num_train
-        for index in count() if size is None else range(size):
-            yield self.make_task(c.split, index)
 
     def make_task(self, split: Literal["train", "eval"], index: int) -> ArithmeticTask:
         """Task `index` of `split`, a function of the config alone."""

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import difflib
 import random
-from collections.abc import Iterator
 from functools import cached_property
-from itertools import count
 from typing import Literal
 
 import verifiers.v1 as vf
 from pydantic import Field, model_validator
 
-from worker.envs import parse_answer
+from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 from worker.envs.sentences import make_sentence
 
 SYSTEM_PROMPT = "Reverse the text."
@@ -48,30 +46,13 @@ class ReverseTextData(vf.TaskData):
     """The true reversal of `text`."""
 
 
-class ReverseTextTask(vf.Task[ReverseTextData]):
-    @property
-    def key(self) -> str:
-        # `id` is "<split>/<seed>/<index>": unique in the taskset and free of the run-local `idx`.
-        return self.data.id or self.hash
-
-    @vf.stop
-    async def single_turn(self, trace: vf.Trace) -> bool:
-        return trace.num_turns >= 1
-
+class ReverseTextTask(SingleTurnTask[ReverseTextData]):
     @vf.reward(weight=1.0)
     async def lcs(self, trace: vf.Trace) -> float:
         return lcs_ratio(parse_answer(trace.last_reply, ANSWER_TAG), self.data.answer)
 
 
-class ReverseTextConfig(vf.TasksetConfig):
-    split: Literal["train", "eval"] = "train"
-    """Which split `load()` yields."""
-    seed: int = 0
-    """Seed of both splits; the same seed gives the same tasks."""
-    num_train: int | None = Field(None, ge=1)
-    """Number of train tasks; None yields train tasks forever."""
-    num_eval: int = Field(200, ge=1)
-    """Number of eval tasks."""
+class ReverseTextConfig(SplitConfig):
     min_chars: int = Field(5, ge=2)
     """Shortest sentence, in characters (before the final period)."""
     max_chars: int = 30
@@ -87,17 +68,7 @@ class ReverseTextConfig(vf.TasksetConfig):
         return self
 
 
-class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
-    def __init__(self, config: ReverseTextConfig) -> None:
-        super().__init__(config)
-        self.INFINITE = config.split == "train" and config.num_train is None
-
-    def load(self) -> Iterator[ReverseTextTask]:
-        c = self.config
-        size = c.num_eval if c.split == "eval" else c.num_train
-        for index in count() if size is None else range(size):
-            yield self.make_task(c.split, index)
-
+class ReverseTextTaskset(SplitTaskset[ReverseTextTask, ReverseTextConfig]):
     def make_task(self, split: Literal["train", "eval"], index: int) -> ReverseTextTask:
         """Task `index` of `split`, a function of the config alone."""
         if split == "eval":

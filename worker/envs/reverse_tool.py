@@ -8,14 +8,19 @@ reply's answer (`parse_answer`, tag ``reversed_text``) against the true reversal
 Tasks with tools run through verifiers' agent harness (`worker.orchestrator.harness`): the model's
 tool calls are parsed and executed by verifiers, and the tool results come back as tool messages.
 Tasks are generated from `(seed, split, index)` alone.
+
+`ReverseToolTask.sft_conversation` gives the warm-up conversation SFT trains on (``asyncrl sft``): a call
+``reverse(text)``, the tool's result, and the tagged answer, with the tool's spec as verifiers advertises it, so
+the SFT tokens are the ones the RL rollouts render (the model's chat template with tools).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from itertools import count
-from typing import Literal
+from typing import Any, Literal
 
 import verifiers.v1 as vf
 from pydantic import Field
@@ -28,12 +33,27 @@ SYSTEM_PROMPT = "Reverse the text. You may call the reverse tool."
 
 
 class ReverseToolset(vf.Toolset[vf.ToolsetConfig]):
-    """The `reverse` tool (verifiers serves it per rollout as ``python -m worker.envs.reverse_tool``)."""
+    """The `reverse` tool (verifiers serves it per rollout as ``python -m worker.envs.reverse_tool``), advertised
+    bare as ``reverse`` (no ``<toolset>_`` prefix)."""
+
+    TOOL_PREFIX = None
 
     @vf.tool
     async def reverse(self, text: str) -> str:
         """Return `text` reversed character by character."""
         return text[::-1]
+
+
+TOOL_SPEC: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "reverse",
+        "description": (ReverseToolset.reverse.__doc__ or "").strip(),
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
+"""The `reverse` tool as the chat template sees it (the template renders its name, parameter names and
+description; tests/integration/test_tool_rl.py checks the SFT prompt tokens equal a real rollout's)."""
 
 
 class ReverseToolTaskConfig(vf.TaskConfig):
@@ -55,6 +75,25 @@ class ReverseToolTask(vf.Task[ReverseToolData, vf.State, ReverseToolTaskConfig])
     @classmethod
     def toolsets(cls, config: ReverseToolTaskConfig) -> list[vf.Toolset]:
         return [ReverseToolset(config.tools)]
+
+    def sft_conversation(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The ideal rollout as OpenAI chat messages (prompt, assistant call ``reverse(text)``, tool result,
+        assistant answer in ``<reversed_text>`` tags) and the tool specs (OpenAI function form, as verifiers'
+        TrainClient passes them to the chat template)."""
+        d = self.data
+        messages: list[dict[str, Any]] = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "reverse", "arguments": json.dumps({"text": d.text})},
+        }
+        messages += [
+            {"role": "user", "content": d.text},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": d.answer, "tool_call_id": "call_0"},
+            {"role": "assistant", "content": f"<{ANSWER_TAG}>{d.answer}</{ANSWER_TAG}>"},
+        ]
+        return messages, [TOOL_SPEC]
 
     @vf.reward(weight=1.0)
     async def lcs(self, trace: vf.Trace) -> float:

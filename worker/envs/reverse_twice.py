@@ -16,15 +16,13 @@ Tasks are generated from `(seed, split, index)` alone; a train task never reuses
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from functools import cached_property
-from itertools import count
 from typing import Literal
 
 import verifiers.v1 as vf
 from pydantic import Field
 
-from worker.envs import parse_answer
+from worker.envs import SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import ANSWER_TAG, SYSTEM_PROMPT, lcs_ratio
 from worker.envs.sentences import make_sentence
 
@@ -61,30 +59,20 @@ class ReverseTwiceTask(vf.Task[ReverseTwiceData]):
         return sum(scores) / len(scores)
 
 
-class ReverseTwiceConfig(vf.TasksetConfig):
-    split: Literal["train", "eval"] = "train"
-    seed: int = 0
-    num_train: int | None = Field(None, ge=1)
-    """Number of train tasks; None yields train tasks forever."""
+class ReverseTwiceConfig(SplitConfig):
     num_eval: int = Field(100, ge=1)
+    """Number of eval tasks."""
     min_chars: int = Field(5, ge=2)
     max_chars: int = Field(20, ge=2)
     system_message: bool = True
     """Send the instruction as a system message."""
 
 
-class ReverseTwiceTaskset(vf.Taskset[ReverseTwiceTask, ReverseTwiceConfig]):
+class ReverseTwiceTaskset(SplitTaskset[ReverseTwiceTask, ReverseTwiceConfig]):
     def __init__(self, config: ReverseTwiceConfig) -> None:
         if config.max_chars < config.min_chars:
             raise ValueError(f"max_chars ({config.max_chars}) must be >= min_chars ({config.min_chars})")
         super().__init__(config)
-        self.INFINITE = config.split == "train" and config.num_train is None
-
-    def load(self) -> Iterator[ReverseTwiceTask]:
-        c = self.config
-        size = c.num_eval if c.split == "eval" else c.num_train
-        for index in count() if size is None else range(size):
-            yield self.make_task(c.split, index)
 
     def make_task(self, split: Literal["train", "eval"], index: int) -> ReverseTwiceTask:
         """Task `index` of `split`, a function of the config alone."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -231,6 +232,18 @@ class InferenceClient:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise InferenceError(f"POST {self.base_url}{route}: unexpected response {r.text[:200]!r}") from e
 
+    async def collective_rpc(self, method: str, args: list[Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Call ``method(*args)`` of the worker extension on every vLLM worker; the first worker's reply.
+
+        Never retried (a repeated collective call would wait for peers that already left).
+        """
+        route = "/collective_rpc"
+        r = await self._request("POST", route, json={"method": method, "args": args}, read_timeout_s=timeout_s, retries=0)
+        try:
+            return r.json()["results"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise InferenceError(f"POST {self.base_url}{route}: unexpected response {r.text[:200]!r}") from e
+
     async def reset_prefix_cache(self, *, reset_running_requests: bool = True) -> bool:
         """Drop cached KV blocks computed with old weights.
 
@@ -245,12 +258,14 @@ class InferenceClient:
         )
         return bool(r.json().get("success", False))
 
-    async def publish_weights(self, path: str | Path) -> dict[str, Any]:
-        """pause(keep) → update_weights → reset_prefix_cache → resume (resume also on failure)."""
+    async def publish_weights(
+        self, path: str | Path, load: Callable[[Path], Awaitable[dict[str, Any]]] | None = None
+    ) -> dict[str, Any]:
+        """pause(keep) → update_weights (or ``await load(path)``) → reset_prefix_cache → resume (resume also on failure)."""
         t0 = time.monotonic()
         await self.pause("keep")
         try:
-            info = await self.update_weights(path)
+            info = await (load(Path(path)) if load is not None else self.update_weights(path))
             if not await self.reset_prefix_cache():
                 raise InferenceError(f"POST {self.base_url}/reset_prefix_cache: server reported success=false")
         finally:

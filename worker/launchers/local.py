@@ -5,7 +5,8 @@
 inference (unless ``inference.url`` names a running server), trainer and orchestrator, prints one
 line per step from ``metrics.jsonl``, and ends the run when trainer and orchestrator have exited:
 ``completed`` when both exit 0, ``failed`` with the process, exit code and log path otherwise. Any
-exit tears the other processes down; children also die with this process (PR_SET_PDEATHSIG).
+exit tears the other processes down. Each process leads its own process group (vLLM's EngineCore is in the
+inference group), and every group is SIGKILLed when this process dies, even by SIGKILL (``worker.procs.spawn``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def preflight(spec: RLSpec) -> None:
     except (FileNotFoundError, ValueError) as err:
         raise SpecError(f"model.name: {err}") from None
 
-    from worker.envs import EnvironmentLoadError, load_environment
+    from worker.envs import EnvironmentLoadError, env_error_field, load_environment
     from worker.orchestrator.eval import prompt_ids
 
     try:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
     except (EnvironmentLoadError, TypeError, ValueError) as err:
-        raise SpecError(f"env: {err}") from None
+        raise SpecError(f"{env_error_field(err)}: {err}") from None
     if env.unsupported:
         raise SpecError(f"env.id: {env.unsupported}")
     orch = spec.orchestrator
@@ -93,12 +94,23 @@ def check_run_dir(spec: RLSpec | SFTSpec, *, resume: bool = False, overwrite: bo
         step = resume_step(run)
         if step is None:
             raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
+        if step >= spec.max_steps and _completed(run):
+            raise SpecError(f"max_steps: the run completed at step {step} and max_steps is {spec.max_steps}: nothing "
+                            f"to resume (raise --max_steps to train further)")
         return step
     if run.root.exists() and not overwrite:
         hint = "pass --resume to continue it or --overwrite to replace it" if spec.kind == "rl" else (
             "pass --overwrite to replace it")
         raise SpecError(f"run directory {run.root} exists: {hint}")
     return None
+
+
+def _completed(run: RunDir) -> bool:
+    """Whether the run's ``summary.json`` says it completed."""
+    try:
+        return json.loads(run.summary.read_text()).get("status") == "completed"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
@@ -157,6 +169,22 @@ def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
     }
 
 
+def gpu_env(gpus: list[int]) -> dict[str, str] | None:
+    """The environment of a process placed on CUDA devices ``gpus`` (``CUDA_VISIBLE_DEVICES``); None (inherit
+    the launcher's) for an empty list."""
+    if not gpus:
+        return None
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+
+def trainer_command(spec: RLSpec, run: RunDir, resume_args: list[str]) -> list[str]:
+    """The trainer's argv: a plain process, or ``torchrun --standalone`` with ``spec.trainer_ranks`` FSDP2 ranks
+    (one per GPU of ``launcher.local.trainer_gpus``; gloo ranks on cpu)."""
+    ranks = spec.trainer_ranks
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return [sys.executable, *launcher, "-m", "worker.trainer", "--run-dir", str(run.root), *resume_args]
+
+
 def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run an RL spec to its end with local processes; returns the summary (also in ``summary.json``).
 
@@ -190,7 +218,9 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
                     *spec.inference.extra_args,
                 ],
             )
-            procs["inference"] = spawn(cmd, run.logs / "inference.log", server_env())
+            procs["inference"] = spawn(
+                cmd, run.logs / "inference.log", server_env(gpu_env(spec.launcher.local.inference_gpus))
+            )
             say(f"starting vLLM at {url} (log: {run.logs / 'inference.log'})")
             from rich.console import Console
 
@@ -201,7 +231,7 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
             say(f"vLLM ready in {booted:.0f}s")
         resume_args = ["--resume-step", str(start)] if start else []
         procs["trainer"] = spawn(
-            [sys.executable, "-m", "worker.trainer", "--run-dir", str(run.root), *resume_args], run.logs / "trainer.log"
+            trainer_command(spec, run, resume_args), run.logs / "trainer.log", gpu_env(spec.launcher.local.trainer_gpus)
         )
         procs["orchestrator"] = spawn(
             [
@@ -236,7 +266,8 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
 def _follow(
     spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int
 ) -> tuple[str, str]:
-    printed, evals_said = start, 0
+    printed = start
+    evals_said = sum(1 for r in read_jsonl(run.metrics) if r["source"] == "eval")  # a resumed run's earlier evals
     while True:
         rows = read_jsonl(run.metrics)
         by = {(r["source"], r["step"]): r for r in rows}
@@ -250,7 +281,10 @@ def _follow(
         for name, proc in procs.items():
             code = proc.poll()
             if code is not None and code != 0:
-                return "failed", f"{name} exited with code {code} (log: {run.logs / (name + '.log')})"
+                cause = next((e["reason"] for e in reversed(read_jsonl(run.events)) if e.get("process") == name
+                              and e.get("event") == "failed" and e.get("reason")), "")
+                return "failed", (f"{name} exited with code {code}{': ' + cause if cause else ''} "
+                                  f"(log: {run.logs / (name + '.log')})")
             if code is not None and name == "inference":
                 return "failed", f"inference exited (log: {run.logs / 'inference.log'})"
         if all(procs[n].poll() == 0 for n in ("trainer", "orchestrator")):

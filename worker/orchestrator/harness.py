@@ -7,6 +7,13 @@ vLLM's ``/inference/v1/generate``; the server runs with ``--enable-scale-out``).
 tool calls, runs the tools, feeds the results back, and scores the finished trace with the task's own
 `@vf.reward` functions.
 
+Offline: verifiers prepares the chat program with ``uv sync --script`` and forces ``UV_OFFLINE=false`` for it, so
+without a lockfile uv asks the package index on every new runtime and fails with no network even when its cache
+holds every wheel. `lock_chat_program` writes the program where verifiers' subprocess runtime keeps it (the
+content-addressed path it computes itself) with a ``uv lock --script`` lockfile beside it; ``uv sync`` then
+installs from the lock and uv's cache without the index. Locking needs the index once, or ``UV_OFFLINE=1`` with a
+cache that holds the packages (any earlier harness run on the machine fills it).
+
 `trace_to_rollouts` turns the scored trace into our `Rollout` records: every trainable branch of the trace's
 message graph (`Trace.branches`, one per root-to-leaf path; one for a conversation that only ever appended)
 becomes one rollout whose ids are the branch's token ids exactly as vLLM sampled them (no re-tokenization),
@@ -18,9 +25,11 @@ tokens (tool results and chat-template scaffold are 0) and the logprobs are vLLM
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +67,37 @@ def _ensure_uv_on_path() -> None:
         os.environ["PATH"] = f"{Path(uv).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def lock_chat_program() -> Path:
+    """Write verifiers' chat program (the null harness) to the path its subprocess runtime uses and lock its
+    dependencies beside it (``<path>.lock``) unless a lockfile is there already; returns the program's path.
+    A failed lock is logged (verifiers then resolves against the index itself) and not raised.
+
+    Raises:
+        RuntimeError: `uv` is not found (see `harness_missing`).
+    """
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    data = CHAT_PROGRAM_SOURCE.encode()
+    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
+    lock = path.with_name(path.name + ".lock")
+    if lock.is_file():
+        return path
+    if (uv := _find_uv()) is None:
+        raise RuntimeError(harness_missing())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file():
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    result = subprocess.run(
+        [uv, "lock", "--script", str(path), "-q", "--no-config"], capture_output=True, text=True, timeout=300
+    )
+    if result.returncode != 0:
+        logger.warning("uv lock --script %s failed (harness setup will ask the index): %s", path, result.stderr[-500:])
+    return path
+
+
 def agent_config(
     model: str,
     inference_url: str,
@@ -67,11 +107,16 @@ def agent_config(
     max_turns: int,
     harness: str = "null",
     tool_parser: str | None = "qwen3",
+    served_model: str | None = None,
+    max_total_tokens: int | None = None,
 ) -> vf.AgentConfig:
-    """The verifiers agent for one rollout: `harness` on a local subprocess runtime, sampling `model` from our
-    vLLM server at `inference_url` through verifiers' `TrainClient`.
+    """The verifiers agent for one rollout: `harness` on a local subprocess runtime, sampling from our vLLM server
+    at `inference_url` through verifiers' `TrainClient`: requests name `served_model` (default `model`), the
+    server's name for the weights it holds, and prompts are rendered with `model`'s chat template and tokenizer.
 
-    `max_tokens` bounds each model turn (tokens), `max_turns` the model turns of a rollout. `tool_parser` names
+    `max_tokens` bounds each model turn (tokens), `max_turns` the model turns of a rollout, `max_total_tokens` (None:
+    no cap) the last call's prompt + completion tokens before verifiers refuses another turn (soft by one turn: the
+    turn that crosses it completes). `tool_parser` names
     the `renderers` parser that reads tool calls out of sampled token ids (``qwen3``: Hermes-style
     ``<tool_call>{json}</tool_call>``); the chat template is the model's own (renderers' default renderer).
     """
@@ -89,10 +134,11 @@ def agent_config(
     return vf.AgentConfig(
         harness=harness_config_type(harness)(id=harness),
         runtime=SubprocessConfig(),
-        model=model,
+        model=served_model or model,
         client=client,
         sampling=vf.SamplingConfig(max_tokens=max_tokens, temperature=temperature),
         max_turns=max_turns,
+        max_total_tokens=max_total_tokens,
         network_notice=False,
     )
 
@@ -150,19 +196,43 @@ def _render(message: vf.Message) -> str:
 
 
 class HarnessRunner:
-    """Runs rollout groups of a taskset through verifiers' agent harness for the model `model` served at
-    `inference_url`, at most `config.max_concurrent` rollouts at once (each may start a subprocess and tool
-    servers)."""
+    """Runs rollout groups of a taskset through verifiers' agent harness for the model `model` (a path or hub
+    name: its chat template and tokenizer render the prompts) served at `inference_url`, at most
+    `config.max_concurrent` rollouts at once (each may start a subprocess and tool servers)."""
 
     def __init__(self, model: str, inference_url: str, config: HarnessConfig) -> None:
         _ensure_uv_on_path()
+        if config.id == "null":
+            lock_chat_program()
         self.model, self.inference_url, self.config = model, inference_url, config
+        self._served: str | None = None
         self._slots = asyncio.Semaphore(config.max_concurrent)
 
+    async def served_model(self) -> str:
+        """The server's name for the model it serves (``/v1/models``; asked once): a shared server keeps the name it
+        was started with while it holds the weights of `model` (loaded in place), and vLLM refuses other names.
+
+        Raises:
+            InferenceError: the server does not answer ``/v1/models`` within the client's bounded retries.
+        """
+        if self._served is None:
+            from worker.inference.client import InferenceClient
+
+            async with InferenceClient(self.inference_url) as client:
+                self._served = await client.served_model()
+        return self._served
+
     async def run(
-        self, task: EnvTask, *, max_tokens: int, temperature: float, policy_version: Callable[[], int]
+        self,
+        task: EnvTask,
+        *,
+        max_tokens: int,
+        temperature: float,
+        policy_version: Callable[[], int],
+        max_total_tokens: int | None = None,
     ) -> list[Rollout]:
-        """One rollout of `task` (possibly several records: see `trace_to_rollouts`); `max_tokens` per model turn."""
+        """One rollout of `task` (possibly several records: see `trace_to_rollouts`); `max_tokens` per model turn,
+        `max_total_tokens` as for `agent_config`."""
         c = self.config
         config = agent_config(
             self.model,
@@ -172,6 +242,8 @@ class HarnessRunner:
             max_turns=c.max_turns,
             harness=c.id,
             tool_parser=c.tool_parser,
+            served_model=await self.served_model(),
+            max_total_tokens=max_total_tokens,
         )
         async with self._slots:
             v_start = policy_version()

@@ -13,7 +13,8 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
   ``max_off_policy_steps`` and groups with zero advantage, packs samples into micro-batches of at
   most ``seq_len`` tokens, writes ``batches/step_n.json``, logs metrics and rollouts, checkpoints.
 - **weight watcher**: when the trainer publishes a newer version, pause inference (in-flight
-  requests kept), load the weights in place, reset the prefix cache, resume.
+  requests kept), load the weights in place (by path, or received over the weight-sync process group:
+  ``worker/trainer/weight_sync.py``), reset the prefix cache, resume.
 - **eval**: held-out reward and pass@k at the start, every ``eval.interval`` steps and at the end.
 
 Run as ``python -m worker.orchestrator --run-dir DIR --inference-url URL [--resume-step K]``.
@@ -43,7 +44,7 @@ from worker.orchestrator.eval import evaluate, prompt_ids
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.multiturn import run_group
 from worker.packing import pack, pack_shared_prompt
-from worker.rundir import RunDir, append_jsonl
+from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import RLSpec
 
 logger = logging.getLogger("asyncrl.orchestrator")
@@ -77,6 +78,12 @@ class Orchestrator:
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
         self._step_specs: dict[int, RLSpec] = {}
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
+        self.weight_sync = None
+        """Loads versions the trainer sends over the weight-sync process group (None: filesystem only)."""
+        if spec.trainer.weight_sync.kind == "process_group":
+            from worker.trainer.weight_sync import WeightReceiver
+
+            self.weight_sync = WeightReceiver(self.client, run, spec.trainer.weight_sync)
 
     @property
     def spec(self) -> RLSpec:
@@ -93,7 +100,8 @@ class Orchestrator:
 
     async def load_policy(self, path: Path, version: int) -> float:
         """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds."""
-        info = await self.client.publish_weights(path)
+        load = self.weight_sync.load if self.weight_sync is not None else None
+        info = await self.client.publish_weights(path, load=load)
         async with self._version_changed:
             self.policy_version = version
             self._version_changed.notify_all()
@@ -121,9 +129,12 @@ class Orchestrator:
         orch = self.spec.orchestrator
         task = self.train_env.task(index)
         if self.harness is not None:
+            # no new model turn once a call's context leaves less than max_tokens of seq_len (a longer sample is
+            # dropped by build_batch as dropped_overlong)
             return await self.harness.run_group(
                 task, n=orch.group_size, max_tokens=orch.max_tokens, temperature=orch.temperature,
                 policy_version=lambda: self.policy_version,
+                max_total_tokens=max(1, min(orch.seq_len, self.spec.inference.max_model_len) - orch.max_tokens),
             )
         if self.train_env.is_multi_turn:
             return await run_group(
@@ -233,8 +244,13 @@ class Orchestrator:
     async def main_loop(self) -> None:
         spec = self.spec
         await self.client.wait_ready(spec.inference.startup_timeout_s)
+        if self.weight_sync is not None:  # the vLLM workers join the trainer's group (warning + filesystem on failure)
+            await self.weight_sync.join(spec.inference.startup_timeout_s, start_step=self.start_step)
         if self.start_step > 0:
-            await self.load_policy(self.run.checkpoint_dir(self.start_step) / "trainer", self.start_step)
+            seconds = await self.load_policy(self.run.checkpoint_dir(self.start_step) / "trainer", self.start_step)
+            if not any(r["source"] == "inference" and r["step"] == self.start_step for r in read_jsonl(self.run.metrics)):
+                # the attempt before stopped ahead of loading it: this load is version start_step's update
+                self.run.log_metrics("inference", self.start_step, {"weight_update_s": seconds})
         elif spec.inference.url is not None and Path(spec.model.name).is_dir():
             await self.load_policy(Path(spec.model.name), 0)  # a shared server may hold another run's weights
         if self.start_step == 0:

@@ -91,8 +91,11 @@ def prepare_model(
 
     model.to(info.device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    # one rank: keep each block's gathered bf16 weights from forward to backward (nothing to save by
+    # freeing them, and the backward pass skips a second gather + cast); several ranks: reshard (memory)
+    reshard = info.world_size > 1
     for block in model.model.layers:
-        fully_shard(block, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp)
     return model
 

@@ -41,6 +41,39 @@ def sft_sample(tokenizer: Any, messages: list[dict[str, Any]], answer: str) -> d
     return {"input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion)}
 
 
+def sft_conversation_sample(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> dict[str, list[int]]:
+    """Token ids of a whole conversation (OpenAI chat messages, assistant tool calls included) rendered as the
+    RL rollouts render it (renderers' `DefaultRenderer`: the model's chat template with `tools`, as verifiers'
+    TrainClient uses it), cut after the last assistant turn's end-of-turn token. The loss mask is 1 on what the
+    model samples in a rollout: each assistant turn's tokens after its ``<|im_start|>assistant\\n`` opener up to and
+    including its ``<|im_end|>``; system, user and tool turns and the template scaffold are 0.
+
+    Raises:
+        ValueError: no assistant message, or the template renders a conversation prefix differently from the
+            start of the whole conversation (then rollouts and SFT would see different tokens).
+    """
+    from renderers import DefaultRenderer
+
+    renderer = DefaultRenderer(tokenizer)
+    full = renderer.render_ids(messages, tools=tools)
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    mask = [0] * len(full)
+    end = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = renderer.render_ids(messages[:i], tools=tools, add_generation_prompt=True)
+        if full[: len(prefix)] != prefix:
+            raise ValueError(f"chat template: the conversation up to message {i} does not render as a prefix of it")
+        end = full.index(end_id, len(prefix)) + 1
+        mask[len(prefix) : end] = [1] * (end - len(prefix))
+    if end == 0:
+        raise ValueError("sft conversation: no assistant message to train on")
+    return {"input_ids": full[:end], "loss_mask": mask[:end]}
+
+
 def sft_loss(model: torch.nn.Module, samples: list[dict[str, list[int]]], n_tokens: int) -> torch.Tensor:
     """Cross-entropy over the loss-mask tokens of one packed micro-batch, divided by ``n_tokens``."""
     t = micro_batch_tensors(samples)
@@ -93,7 +126,7 @@ def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
         SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable,
             its tasks have no reference answer, or an example is longer than ``seq_len``.
     """
-    from worker.envs import EnvironmentLoadError
+    from worker.envs import EnvironmentLoadError, env_error_field
     from worker.models import check_model
 
     try:
@@ -106,10 +139,16 @@ def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
         eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
     except (EnvironmentLoadError, TypeError, ValueError) as err:
-        raise SpecError(f"env: {err}") from None
+        raise SpecError(f"{env_error_field(err)}: {err}") from None
     examples = []
     for p in range(spec.data.num_examples):
         task = env.task(data_order(p, env.num_tasks, spec.seed))
+        if (conversation := env.sft_conversation(task)) is not None:
+            try:
+                examples.append(sft_conversation_sample(tokenizer, *conversation))
+            except ValueError as err:
+                raise SpecError(f"env.id: {spec.env.id!r}: {err}") from None
+            continue
         answer = getattr(task.data, "answer", None)
         if answer is None:
             raise SpecError(f"env.id: {spec.env.id!r} tasks have no reference 'answer' to fine-tune on")
@@ -154,6 +193,10 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
     scheduler = build_scheduler(optimizer, spec.scheduler, spec.max_steps)
     autocast = spec.model.dtype == "bfloat16"
     t_start, reward = time.time(), float("nan")
+    can_eval = not eval_env.needs_harness
+    if not can_eval:  # its rollouts call tools: only verifiers' agent harness on a vLLM server can run them
+        reward = None
+        print(f"sft: {spec.env.id!r} tasks use tools; no greedy eval here (run `asyncrl eval --model <run>/final`)")  # noqa: T201
     for step in range(1, spec.max_steps + 1):
         t0 = time.perf_counter()
         batch = [examples[((step - 1) * spec.data.batch_size + j) % len(examples)] for j in range(spec.data.batch_size)]
@@ -177,7 +220,7 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
             "tokens_per_s": sum(len(e["input_ids"]) for e in batch) / dt,
             "step_time_s": dt,
         }
-        if step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0):
+        if can_eval and (step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0)):
             reward = greedy_eval(model, tokenizer, eval_env, spec.eval_examples)
             values["eval_reward_greedy"] = reward
         run.log_metrics("sft", step, values)

@@ -3,7 +3,8 @@
 One loop, in reading order (torchtitan's ``Trainer.train`` shape): wait for ``batches/step_n.json``
 (the wait is ``wait_for_batch``), compute trainer logprobs of the sampled tokens at the sampling
 temperature, the configured loss (``worker/trainer/loss``), clip gradients, step, publish policy
-version n to ``weights/step_n``, log metrics, checkpoint in the background. Batch n is built by the
+version n to ``weights/step_n`` (or broadcast it to vLLM over a process group, ``worker/trainer/weight_sync.py``),
+log metrics, checkpoint in the background. Batch n is built by the
 orchestrator from rollouts of policies <= n - 1, so this step trains policy v(n-1) into v(n).
 
 The trainer knows no RL algorithm: advantages arrive in the batch.
@@ -31,13 +32,14 @@ from worker.rundir import RunDir
 from worker.spec import RLSpec
 from worker.trainer.common import (
     BackgroundCheckpointer,
-    PackedTensors,
     build_optimizer,
     build_scheduler,
+    forward_hidden,
     load_trainer_state,
     micro_batch_tensors,
     publish_weights,
     save_final,
+    weights_state_dict,
 )
 from worker.trainer.dist import (
     DistInfo,
@@ -52,7 +54,8 @@ from worker.trainer.dist import (
     setup,
 )
 from worker.trainer.loss import LossInputs, compute_sample_loss
-from worker.trainer.loss.common import entropy_from_logits, selective_log_softmax
+from worker.trainer.loss.common import fused_logprob_entropy
+from worker.trainer.weight_sync import WeightSender, inference_workers
 
 logger = logging.getLogger("asyncrl.trainer")
 EMPTY_STEP_METRICS = ("loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy", "is_ratio", "masked_fraction")
@@ -64,17 +67,6 @@ def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch,
     while not path.exists():
         time.sleep(poll_s)
     return read_batch(path), time.perf_counter() - t0
-
-
-def _forward_logits(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> torch.Tensor:
-    """Logits ``[T, vocab]`` of one packed row, in the compute dtype (bf16 or fp32)."""
-    impl = model.config._attn_implementation
-    # flex attention picks its decoding kernel (no backward) for rows under 128 tokens unless told otherwise
-    extra = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if impl == "flex_attention" else {}
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        return model(
-            input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.mask_for(impl), **extra
-        ).logits[0]
 
 
 def train_step(
@@ -109,12 +101,13 @@ def train_step(
     for k in range(all_ranks_max(len(mine), info)):
         if k >= len(mine):  # padding pass: same collectives, no gradient
             t = micro_batch_tensors([{"input_ids": [0], "loss_mask": [0]}]).to(dev)
-            (_forward_logits(model, t, autocast).sum() * 0.0).backward()
+            hidden, weight = forward_hidden(model, t, autocast)
+            ((hidden @ weight.T).sum() * 0.0).backward()
             continue
         samples = mine[k]
         t = micro_batch_tensors(samples).to(dev)
-        logits = _forward_logits(model, t, autocast)  # [T, vocab]
-        total = logits.new_zeros((), dtype=torch.float32)
+        hidden, weight = forward_hidden(model, t, autocast)  # [T, D], [vocab, D]
+        total = hidden.new_zeros((), dtype=torch.float32)
         sums["trained_tokens"] += int(t.input_ids.shape[1])
         sums["attended_pairs"] += t.attended_pairs
         parts = []  # (sample, first, rows): the sample's tokens first..L-1, from its first loss token on
@@ -123,15 +116,13 @@ def train_step(
             if first is not None:  # the prompt has no loss
                 parts.append((sample, first, rows[first - 1 :]))
         if parts:
-            # all samples' rows in one gather and one log-softmax: the backward pass scatters one gradient
-            # into the logits (a slice per sample would add a full [T, vocab] gradient per sample)
-            sel = t.sample_logits(logits, torch.cat([r for _, _, r in parts]))  # [N, vocab], compute dtype
-            if any(s["temperature"] != 1.0 for s, _, _ in parts):  # else log-softmax and entropy upcast by chunk
-                temps = torch.cat([torch.full((len(r),), float(s["temperature"])) for s, _, r in parts])
-                sel = sel.float() / temps.to(dev)[:, None]
+            # all samples' rows at once through the fused chunked LM head + log-softmax + entropy
+            sel = t.sample_logits(hidden, torch.cat([r for _, _, r in parts]))  # [N, D]
+            temps = None
+            if any(s["temperature"] != 1.0 for s, _, _ in parts):
+                temps = torch.cat([torch.full((len(r),), float(s["temperature"])) for s, _, r in parts]).to(dev)
             targets = torch.tensor([i for s, f, _ in parts for i in s["input_ids"][f:]], device=dev)  # [N]
-            lp_all = selective_log_softmax(sel, targets)  # [N]
-            entropy_all = entropy_from_logits(sel.detach())  # [N]
+            lp_all, entropy_all = fused_logprob_entropy(sel, weight, targets, temps, compiled=spec.trainer.compile)
         offset = 0
         for sample, first, rows in parts:
             trainer_lp = lp_all[offset : offset + len(rows)]  # [L-first]
@@ -182,6 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
     info = setup(spec.trainer.device)
+    sync = spec.trainer.weight_sync
+    sender = (  # rank 0's end of the weight-sync group, formed in the background while the model loads
+        WeightSender(
+            run,
+            sync,
+            info.device,
+            workers=inference_workers(spec.inference.extra_args),
+            join_timeout_s=spec.inference.startup_timeout_s + sync.timeout_s,
+            start_step=args.resume_step or 0,
+        )
+        if sync.kind == "process_group" and info.is_main
+        else None
+    )
 
     from worker.models import load_model
 
@@ -232,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         compute_s = time.perf_counter() - t0
-        publish_weights(model, run, step, keep_versions=spec.orchestrator.max_async_level + 3)
+        keep_versions = spec.orchestrator.max_async_level + 3
+        if sender is not None:  # over the process group (filesystem fallback inside)
+            sender.publish(weights_state_dict(model), step, keep_versions)
+        else:  # with FSDP2 the other ranks take part in the gather here
+            publish_weights(model, run, step, keep_versions=keep_versions)
         step_s = time.perf_counter() - t0
         n_tok = metrics.pop("trained_tokens", 0)  # tokens in the packed rows (a shared prompt counts once)
         flops = flops_per_step(model.config, n_params, n_tok, metrics.pop("attended_pairs", 0))
@@ -252,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                     "step_time_s": step_s + waited,
                     "wait_for_batch_s": waited,
                     "policy_version": step,
+                    "trainer_ranks": info.world_size,
                 },
             )
         logger.info(

@@ -199,3 +199,144 @@ def base_metrics(p: Prepared, keep: Tensor, masked_low: Tensor, masked_high: Ten
         "masked_low": (mask & masked_low).sum().to(lr.dtype),
         "masked_high": (mask & masked_high).sum().to(lr.dtype),
     }
+
+
+def _chunk_stats(z: Tensor, targets: Tensor, temps: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of one logits chunk ``z`` ``[c, vocab]`` (compute dtype): fp32 logsumexp, target logit, entropy.
+
+    The logits are upcast to float32 and divided by ``temps`` ``[c]`` (None: temperature 1) first, as
+    ``selective_log_softmax`` and ``entropy_from_logits`` do. Returns three ``[c]`` float32 tensors.
+    """
+    z = z.float()
+    if temps is not None:
+        z = z / temps[:, None]
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    picked = z.gather(-1, targets[:, None]).squeeze(-1)  # [c]
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [c]
+    return lse, picked, entropy
+
+
+def _chunk_grad(z: Tensor, targets: Tensor, temps: Tensor | None, lse: Tensor, grad_lp: Tensor) -> Tensor:
+    """Gradient of ``sum(grad_lp * log_softmax(z / temps)[target])`` w.r.t. the chunk's logits ``z`` ``[c, vocab]``.
+
+    ``(onehot(target) - softmax(z / T)) * grad_lp / T`` per row, returned in ``z``'s dtype.
+    """
+    zf = z.float()
+    if temps is not None:
+        zf = zf / temps[:, None]
+    g = -torch.exp(zf - lse[:, None]) * grad_lp[:, None]  # [c, vocab]
+    g = g.scatter_add(-1, targets[:, None], grad_lp[:, None])
+    if temps is not None:
+        g = g / temps[:, None]
+    return g.to(z.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernels(compiled: bool) -> tuple[object, object]:
+    """``_chunk_stats`` and ``_chunk_grad``, through ``torch.compile`` (fused elementwise + reductions) if asked."""
+    if not compiled:
+        return _chunk_stats, _chunk_grad
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
+class _FusedLogprobEntropy(torch.autograd.Function):
+    """See ``fused_logprob_entropy``; saves only the hidden rows, the weight and one logsumexp per row."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: object,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        temps: Tensor | None,
+        chunk_size: int,
+        compiled: bool,
+    ) -> tuple[Tensor, Tensor]:
+        stats, _ = _kernels(compiled)
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(lp)
+        lse = torch.empty_like(lp)
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            z = hidden[s:e] @ weight.T  # [c, vocab], compute dtype
+            t = None if temps is None else temps[s:e]
+            lse[s:e], picked, entropy[s:e] = stats(z, targets[s:e], t)  # type: ignore[operator]
+            lp[s:e] = picked - lse[s:e]
+        ctx.save_for_backward(hidden, weight, targets, lse, temps)  # type: ignore[attr-defined]
+        ctx.chunk_size, ctx.compiled = chunk_size, compiled  # type: ignore[attr-defined]
+        ctx.mark_non_differentiable(entropy)  # type: ignore[attr-defined]
+        return lp, entropy
+
+    @staticmethod
+    def backward(ctx: object, grad_lp: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ARG004
+        hidden, weight, targets, lse, temps = ctx.saved_tensors  # type: ignore[attr-defined]
+        _, grad_fn = _kernels(ctx.compiled)  # type: ignore[attr-defined]
+        n, chunk_size = hidden.shape[0], ctx.chunk_size  # type: ignore[attr-defined]
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # type: ignore[attr-defined]
+        want_w = ctx.needs_input_grad[1]  # type: ignore[attr-defined]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_lp = grad_lp.float()
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            z = hidden[s:e] @ weight.T  # [c, vocab], recomputed
+            t = None if temps is None else temps[s:e]
+            g = grad_fn(z, targets[s:e], t, lse[s:e], grad_lp[s:e])  # type: ignore[operator]
+            del z
+            if grad_h is not None:
+                grad_h[s:e] = g @ weight  # [c, D]
+            if grad_w is not None:
+                grad_w += (g.T @ hidden[s:e]).float()  # [vocab, D], fp32 accumulation over chunks
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def fused_logprob_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temps: Tensor | None = None,
+    chunk_size: int = 4096,
+    compiled: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Log-probability of each target token and the entropy of each row, straight from hidden states.
+
+    ``z = hidden @ weight.T`` (the LM head) in the inputs' dtype, ``chunk_size`` rows at a time, so
+    the full ``[N, vocab]`` logits never exist; per chunk the logits are upcast to float32, divided
+    by ``temps``, and the logsumexp, the target logit and the entropy are taken (the values of
+    ``selective_log_softmax`` and ``entropy_from_logits`` on the materialised logits). The backward
+    pass recomputes each chunk's logits and applies ``d log p_t / d z = onehot(t) - softmax(z)``
+    (divided by the temperature), accumulating the weight's gradient in float32 over chunks.
+
+    Args:
+        hidden: ``[N, D]`` float (bf16 or fp32): final hidden states of the rows that predict ``targets``.
+        weight: ``[vocab, D]`` of the same dtype: the output embedding.
+        targets: ``[N]`` int64 token ids.
+        temps: ``[N]`` float32 sampling temperatures, or None for 1.
+        chunk_size: rows per chunk (peak extra memory ~ ``chunk_size * vocab * 6`` bytes for bf16).
+        compiled: run the per-chunk elementwise work through ``torch.compile`` (fused kernels).
+
+    Returns:
+        ``(logprobs, entropy)``, both ``[N]`` float32; ``logprobs`` is differentiable in ``hidden`` and
+        ``weight``, ``entropy`` (nats) carries no gradient.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit together.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"expected hidden [N, D], weight [vocab, D], targets [N]; got {list(hidden.shape)}, "
+            f"{list(weight.shape)}, {list(targets.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    if temps is not None and temps.shape != targets.shape:
+        raise ValueError(f"temps: expected [N] = {list(targets.shape)}, got {list(temps.shape)}")
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty + (hidden.sum() + weight.sum()).float() * 0, empty
+    return _FusedLogprobEntropy.apply(hidden, weight, targets, temps, chunk_size, compiled)  # type: ignore[no-any-return]

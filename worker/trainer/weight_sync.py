@@ -1,0 +1,442 @@
+"""Weight sync over a process group: trainer rank 0 broadcasts a new policy version to the vLLM workers in
+buckets, no disk (``[trainer.weight_sync] kind = "process_group"``); the filesystem route is the fallback.
+
+Design (the run directory stays the one place trainer and orchestrator meet; only the tensors move over
+the group):
+
+- **Group.** A separate process group of ``1 + n`` ranks: trainer rank 0 (rank 0) and the ``n`` vLLM workers
+  (ranks ``1..n``, ``n`` = vLLM's tensor-parallel size). It is not the trainer's FSDP group nor vLLM's own
+  groups: a ``TCPStore`` hosted by the trainer, a ``PrefixStore`` and a gloo (CPU) or NCCL (cuda) backend
+  built directly on it (:func:`new_group`, the recipe of vLLM's ``init_gloo_process_group`` /
+  ``stateless_init_torch_distributed_process_group``, torch only, so the trainer needs no vLLM). At start the
+  trainer writes ``weight_sync.json`` (address, port, world size, backend) and forms the group in a
+  background thread; the orchestrator, once vLLM is up, reads the file and asks the workers to join
+  (``/collective_rpc init_weight_update_group``).
+- **Metadata.** For version n the trainer writes ``weights/step_n/group.json`` (names, dtypes, shapes,
+  bucket boundaries; :func:`plan_buckets`) and the ``STABLE`` marker: the orchestrator's weight watcher sees a
+  new version as today. It pauses vLLM (keep), sends the metadata in the body of
+  ``/collective_rpc update_weights_from_group``, resets the prefix cache and resumes.
+- **Overlap.** The RPC blocks until the workers have received and loaded every bucket; the broadcast runs in
+  the trainer process at the same time (the trainer starts it right after writing ``group.json``; the
+  first bucket waits for the workers to enter the receive). The orchestrator's RPC is an awaited HTTP call,
+  so its event loop keeps batching meanwhile.
+- **Acknowledgement and fallback.** The orchestrator writes ``LOADED`` (or ``FAILED``) into
+  ``weights/step_n``; the trainer waits for it after the broadcast. On a broadcast error, ``FAILED`` or no
+  answer within ``timeout_s`` the trainer logs a warning, writes ``model.safetensors`` into ``weights/step_n``
+  (temporary name, then rename) and uses the filesystem for the rest of the run; the orchestrator, after a
+  failed RPC, waits for that file and loads it by path. A version folder holding ``model.safetensors`` is
+  always loaded by path.
+
+Buckets: tensors are grouped by dtype (stable order), each bucket is a contiguous run of one dtype of at most
+``bucket_mb`` MiB, flattened into one 1-D tensor (a tensor larger than the bound goes alone).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.rundir import STABLE_MARKER, RunDir, step_dirs
+
+logger = logging.getLogger(__name__)
+
+GROUP_FILE = "weight_sync.json"
+"""In the run directory: how to join the trainer's weight-sync group (written by trainer rank 0)."""
+META_FILE = "group.json"
+"""In ``weights/step_n``: the version's tensor metadata; its presence means "sent over the group"."""
+LOADED, FAILED = "LOADED", "FAILED"
+"""Acknowledgements the orchestrator writes into ``weights/step_n``."""
+WEIGHTS_FILE = "model.safetensors"
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> dict[str, Any]:
+    """Metadata of a bucketed broadcast of ``state`` (JSON-serialisable).
+
+    Returns:
+        ``{"tensors": [[name, dtype, shape], ...], "buckets": [[start, stop], ...]}``: tensors ordered by
+        dtype (first appearance), then by their order in ``state``; bucket ``b`` holds tensors
+        ``start..stop-1``, all of one dtype, at most ``bucket_bytes`` bytes unless it is a single tensor.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: expected >= 1, got {bucket_bytes}")
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in state.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    tensors: list[list[Any]] = []
+    buckets: list[list[int]] = []
+    for dtype, names in by_dtype.items():
+        size = 0
+        for name in names:
+            t = state[name]
+            nbytes = t.numel() * t.element_size()
+            if buckets and size and size + nbytes <= bucket_bytes and buckets[-1][1] == len(tensors):
+                buckets[-1][1] += 1
+                size += nbytes
+            else:
+                buckets.append([len(tensors), len(tensors) + 1])
+                size = nbytes
+            tensors.append([name, str(dtype).removeprefix("torch."), list(t.shape)])
+    return {"tensors": tensors, "buckets": buckets}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"tensors: unknown dtype {name!r}")
+    return dtype
+
+
+def bucket_numel(meta: dict[str, Any], b: int) -> tuple[int, torch.dtype]:
+    """Element count and dtype of bucket ``b``'s flat tensor."""
+    start, stop = meta["buckets"][b]
+    numel = sum(_numel(shape) for _, _, shape in meta["tensors"][start:stop])
+    return numel, _dtype(meta["tensors"][start][1])
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def flatten_bucket(state: dict[str, torch.Tensor], meta: dict[str, Any], b: int, device: torch.device) -> torch.Tensor:
+    """Bucket ``b`` of ``state`` as one contiguous 1-D tensor on ``device`` (tensors in metadata order)."""
+    start, stop = meta["buckets"][b]
+    parts = [state[name].detach().reshape(-1) for name, _, _ in meta["tensors"][start:stop]]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return flat.to(device).contiguous()
+
+
+def unflatten_bucket(flat: torch.Tensor, meta: dict[str, Any], b: int) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``flat`` (bucket ``b``) as ``(name, tensor)`` with the shapes of the metadata.
+
+    Raises:
+        ValueError: ``flat`` does not have the bucket's element count.
+    """
+    start, stop = meta["buckets"][b]
+    numel, _ = bucket_numel(meta, b)
+    if flat.numel() != numel:
+        raise ValueError(f"bucket {b}: {flat.numel()} elements, metadata says {numel}")
+    out, offset = [], 0
+    for name, _, shape in meta["tensors"][start:stop]:
+        n = _numel(shape)
+        out.append((name, flat[offset : offset + n].view(shape)))
+        offset += n
+    return out
+
+
+# ----------------------------------------------------------------------------- group
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    """``auto`` -> ``nccl`` when ``device`` is cuda, else ``gloo``; other values unchanged."""
+    if backend == "auto":
+        return "nccl" if device.startswith("cuda") else "gloo"
+    return backend
+
+
+def new_group(store: torch.distributed.Store, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    """A process-group backend (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) of ``world_size`` ranks on ``store``.
+
+    Not registered with ``torch.distributed`` (no default group is created or touched), so it coexists with
+    the trainer's FSDP group and vLLM's groups; use its own ``broadcast`` method. The gloo constructor blocks
+    until every rank has joined (at most ``timeout_s``); NCCL connects at the first collective.
+    """
+    from torch.distributed import PrefixStore
+
+    prefix = PrefixStore("asyncrl-weight-sync", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(prefix, rank, world_size, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(prefix, rank, world_size, opts)
+    raise ValueError(f"backend: expected gloo or nccl, got {backend!r}")
+
+
+def join_store(master_addr: str, master_port: int, world_size: int, timeout_s: float) -> torch.distributed.Store:
+    """A client of the trainer's ``TCPStore`` (the vLLM side)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        master_addr,
+        master_port,
+        world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def broadcast(group: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast ``tensor`` in place from group rank 0 (send on rank 0, receive elsewhere) and wait.
+
+    Raises:
+        RuntimeError: the collective failed or (gloo) did not finish within ``timeout_s``.
+    """
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    group.broadcast([tensor], opts).wait()
+
+
+def send(
+    group: Any, state: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device, timeout_s: float
+) -> None:
+    """Broadcast every bucket of ``state`` (planned in ``meta``) from rank 0."""
+    for b in range(len(meta["buckets"])):
+        broadcast(group, flatten_bucket(state, meta, b, device), timeout_s)
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+
+def inference_workers(extra_args: list[str]) -> int:
+    """vLLM workers of one server: its ``--tensor-parallel-size`` / ``-tp`` among the extra args (default 1)."""
+    for i, arg in enumerate(extra_args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and i + 1 < len(extra_args):
+                return int(extra_args[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
+
+
+class WeightSender:
+    """Trainer rank 0's end of the weight-sync group (see the module docstring).
+
+    Args:
+        run: the run directory (``weight_sync.json`` and ``weights/step_n`` are written there).
+        cfg: ``spec.trainer.weight_sync``.
+        device: the trainer's device (buckets are moved there before an NCCL broadcast).
+        workers: vLLM workers that join (ranks 1..workers).
+        join_timeout_s: how long the group may take to form (vLLM boot included).
+        start_step: the step the trainer starts after (its resume step), written with the join info so the
+            orchestrator of the same launch does not read a file left by an earlier trainer.
+    """
+
+    def __init__(
+        self, run: RunDir, cfg: Any, device: torch.device, *, workers: int, join_timeout_s: float, start_step: int = 0
+    ) -> None:
+        from torch.distributed import TCPStore
+
+        self.run, self.cfg = run, cfg
+        self.backend = resolve_backend(cfg.backend, device.type)
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        self.world_size = 1 + workers
+        self.join_timeout_s = join_timeout_s
+        self.group: Any = None
+        self.failed: str | None = None
+        """Why the group route was given up (then every version goes through the filesystem)."""
+        self._store = TCPStore(
+            cfg.master_addr,
+            cfg.master_port,
+            self.world_size,
+            is_master=True,
+            timeout=timedelta(seconds=join_timeout_s),
+            wait_for_workers=False,
+        )
+        info = {
+            "start_step": start_step,
+            "master_addr": cfg.master_addr,
+            "master_port": self._store.port,
+            "world_size": self.world_size,
+            "backend": self.backend,
+        }
+        tmp = run.root / f".{GROUP_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, run.root / GROUP_FILE)
+        self._joined = threading.Event()
+        self._thread = threading.Thread(target=self._join, name="weight-sync-join", daemon=True)
+        self._thread.start()
+
+    def _join(self) -> None:
+        try:
+            self.group = new_group(self._store, 0, self.world_size, self.backend, self.join_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure means: filesystem route
+            self.failed = f"forming the group failed: {e}"
+        finally:
+            self._joined.set()
+
+    def usable(self) -> bool:
+        """Wait (at most ``join_timeout_s``) for the group; False once the route has failed."""
+        if not self._joined.wait(self.join_timeout_s):
+            self._give_up(f"the vLLM workers did not join within {self.join_timeout_s:g}s")
+        return self.failed is None and self.group is not None
+
+    def _give_up(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            logger.warning("weight sync over the process group: %s; using the filesystem from now on", reason)
+
+    def publish(self, state: dict[str, torch.Tensor], version: int, keep_versions: int) -> Path:
+        """Publish ``state`` (full HF-named weights, tied ``lm_head`` left out) as policy ``version``.
+
+        Over the group when it is usable, else (or after any failure) as ``weights/step_<version>/model.safetensors``.
+        Returns the version folder.
+        """
+        final = self.run.weight_dir(version)
+        if not self.usable():
+            path = _write_version(self.run, version, state, None)
+        else:
+            meta = {"version": version, **plan_buckets(state, self.cfg.bucket_mb * 2**20)}
+            path = _write_version(self.run, version, None, meta)
+            try:
+                send(self.group, state, meta, self.device, self.cfg.timeout_s)
+                ack = _wait_ack(final, self.cfg.timeout_s)
+                if ack != LOADED:
+                    raise RuntimeError(
+                        f"version {version}: inference answered {ack or 'nothing'} within {self.cfg.timeout_s:g}s"
+                    )
+            except Exception as e:  # noqa: BLE001 - fall back, never lose a version
+                self._give_up(str(e).splitlines()[0] if str(e) else type(e).__name__)
+                _write_file(final / WEIGHTS_FILE, state)
+        for n, p in step_dirs(self.run.weights).items():
+            if n <= version - keep_versions:
+                shutil.rmtree(p, ignore_errors=True)
+        return path
+
+
+def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(state, str(tmp))
+    os.replace(tmp, path)
+
+
+def _write_version(
+    run: RunDir, version: int, state: dict[str, torch.Tensor] | None, meta: dict[str, Any] | None
+) -> Path:
+    """``weights/step_<version>`` with safetensors (``state``) or ``group.json`` (``meta``), STABLE last, renamed
+    into place."""
+    final = run.weight_dir(version)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if state is not None:
+        _write_file(tmp / WEIGHTS_FILE, state)
+    if meta is not None:
+        (tmp / META_FILE).write_text(json.dumps(meta))
+    (tmp / STABLE_MARKER).write_text(str(version))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def _wait_ack(folder: Path, timeout_s: float, poll_s: float = 0.01) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for ack in (LOADED, FAILED):
+            if (folder / ack).exists():
+                return ack
+        time.sleep(poll_s)
+    return None
+
+
+# ----------------------------------------------------------------------------- orchestrator side
+
+
+class WeightReceiver:
+    """The orchestrator's part: make the vLLM workers join the group, and load a version sent over it.
+
+    Args:
+        client: the orchestrator's :class:`~worker.inference.client.InferenceClient`.
+        run: the run directory.
+        cfg: ``spec.trainer.weight_sync``.
+    """
+
+    def __init__(self, client: Any, run: RunDir, cfg: Any) -> None:
+        self.client, self.run, self.cfg = client, run, cfg
+        self.joined = False
+
+    async def join(self, wait_s: float, start_step: int = 0) -> bool:
+        """Wait (at most ``wait_s``) for ``weight_sync.json`` of the trainer started after ``start_step``, then
+        ask the workers to join; False on failure (logged; the trainer then falls back to the filesystem)."""
+        import asyncio
+
+        path = self.run.root / GROUP_FILE
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                info = json.loads(path.read_text())
+                if info.get("start_step", 0) == start_step:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                logger.warning("weight sync: no %s of this launch within %.0fs; using the filesystem", path, wait_s)
+                return False
+            await asyncio.sleep(0.1)
+        try:
+            await self.client.collective_rpc(
+                "init_weight_update_group",
+                [info["master_addr"], info["master_port"], 1, info["world_size"], info["backend"], self.cfg.timeout_s],
+                timeout_s=self.cfg.timeout_s + 10,
+            )
+        except Exception as e:  # noqa: BLE001 - the filesystem route remains
+            logger.warning("weight sync: the vLLM workers could not join the group (%s); using the filesystem", e)
+            return False
+        self.joined = True
+        return True
+
+    async def load(self, folder: Path) -> dict[str, Any]:
+        """Load version ``folder`` while generation is paused: over the group when ``group.json`` is there and
+        no ``model.safetensors``, else by path. After a failed group load: ``FAILED`` is written, a warning
+        logged, and the trainer's fallback file is loaded by path.
+
+        Raises:
+            InferenceError: the fallback file did not appear within ``timeout_s`` or the path load failed.
+        """
+        import asyncio
+
+        from worker.inference.client import InferenceError
+
+        meta_path = folder / META_FILE
+        if (folder / WEIGHTS_FILE).exists() or not meta_path.exists():
+            return {**await self.client.update_weights(folder), "route": "filesystem"}
+        try:
+            if not self.joined:
+                raise InferenceError("the vLLM workers are not in the group")
+            meta = json.loads(meta_path.read_text())
+            info = await self.client.collective_rpc(
+                "update_weights_from_group", [meta], timeout_s=self.cfg.timeout_s + 10
+            )
+            (folder / LOADED).write_text("")
+            return {**info, "route": "process_group"}
+        except Exception as e:  # noqa: BLE001 - fall back to the filesystem
+            self.joined = False
+            (folder / FAILED).write_text(str(e))
+            logger.warning(
+                "weight sync over the process group failed for %s (%s); loading it from the filesystem", folder, e
+            )
+        deadline = time.monotonic() + self.cfg.timeout_s + 30
+        while not (folder / WEIGHTS_FILE).exists():
+            if time.monotonic() > deadline:
+                raise InferenceError(f"weight sync: {folder / WEIGHTS_FILE} did not appear after a failed group update")
+            await asyncio.sleep(0.05)
+        return {**await self.client.update_weights(folder), "route": "filesystem"}
