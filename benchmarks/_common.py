@@ -111,11 +111,15 @@ def write_result(name: str, payload: dict[str, Any], *, quick: bool, started: fl
     return out
 
 
-def attach_table(path: Path, table: str) -> None:
-    """Store the printed markdown table in the result file (``update_readme.py`` copies it to the README)."""
+def finish(path: Path, table: str) -> int:
+    """Print the markdown table, store it in the result file ``path`` (``update_readme.py`` copies it to the
+    README) and say where the result is; the script's exit code (0)."""
+    say(table)
     doc = json.loads(path.read_text())
     doc["table_md"] = table
     path.write_text(json.dumps(doc, indent=2) + "\n")
+    say(f"\nresult: {path.relative_to(ROOT)}")
+    return 0
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -110,9 +110,7 @@ def main() -> int:
                         "client p99 ms"], [[r["request"], round(r["bytes"] / 1024), r["server_ms_p50"],
                                             r["server_ms_p99"], r["latency_ms_p50"], r["latency_ms_p99"]]
                                            for r in results])
-    C.say(table)
-    C.attach_table(out, table)
-    return 0
+    return C.finish(out, table)
 
 
 if __name__ == "__main__":

@@ -201,10 +201,7 @@ def main() -> int:
             ],
         ],
     )
-    C.say(table)
-    C.attach_table(out, table)
-    C.say(f"\nresult: {out.relative_to(C.ROOT)}")
-    return 0
+    return C.finish(out, table)
 
 
 if __name__ == "__main__":

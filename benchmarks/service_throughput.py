@@ -155,9 +155,7 @@ def main() -> int:
     rows.append([f"query {query['series_points']:,} points, max_points {query['max_points']}", "-",
                  query["latency_ms_p50"], query["latency_ms_p99"], query["server_ms_p50"], query["server_ms_p99"]])
     table = C.md_table(["what", "points/s", "client p50 ms", "client p99 ms", "server p50 ms", "server p99 ms"], rows)
-    C.say(table)
-    C.attach_table(out, table)
-    return 0
+    return C.finish(out, table)
 
 
 if __name__ == "__main__":

@@ -283,10 +283,7 @@ def main() -> int:
     table = C.md_table(["system", "samples/s", "s/step", "where a step goes", "completion len", "reward"], rows)
     if speedup is not None:
         table += f"\n\nasyncrl / TRL = {speedup:.2f}x vs the best TRL setting (goal >= 2x: {'met' if speedup >= 2 else 'NOT met'})"
-    C.say(table)
-    C.attach_table(out, table)
-    C.say(f"\nresult: {out.relative_to(C.ROOT)}")
-    return 0
+    return C.finish(out, table)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ The model is built locally from its shape (no hub, no tokenizer): vocab 151936, 
 asyncrl cells run the trainer's real step on one GPU: ``worker.trainer.dist.setup("cuda")`` (a one-rank
 NCCL group), ``prepare_model`` (FSDP2 ``fully_shard`` per block + root, bf16 params/compute, fp32
 reduction, fp32 master weights), ``worker.trainer.train.train_step`` (the ``dppo_kl`` loss on per-sample
-temperature-scaled chunked log-probs), ``clip_grad_norm_``, AdamW step. Grid: attention ``sdpa`` (dense
+temperature-scaled log-probs from the fused chunked LM head; a one-sample row runs SDPA ``is_causal``
+whatever the attention setting), ``clip_grad_norm_``, AdamW step. To measure an older trainer on the same
+machine, put its ``worker/`` first on ``PYTHONPATH`` (``git archive <commit> worker``) and pick another
+``--result-name``. Grid: attention ``sdpa`` (dense
 packed mask) or ``flex_attention`` (block mask) x activation checkpointing off/on x batch shape
 ``packed`` (16 samples of 1024 tokens, 256 prompt + 768 completion, one 16384-token row) or ``single``
 (one 16384-token sample); plus flex attention cells with ``trainer.compile`` (each decoder block compiled).
@@ -320,8 +323,7 @@ def main() -> int:
             for c in cells
         ],
     )
-    C.attach_table(out, table)
-    C.say(table)
+    C.finish(out, table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / out.name).write_text(out.read_text())
