@@ -48,6 +48,7 @@ METRICS: dict[str, tuple[str, ...]] = {
         "staleness_max",
         "trained_staleness_max",
         "dropped_stale",
+        "dropped_overlong",
         "dropped_zero_advantage_groups",
         "wait_for_policy_s",
         "rollout_tokens",

@@ -42,6 +42,15 @@ def test_zero_advantage_group_dropped() -> None:
     assert samples == [] and metrics["dropped_zero_advantage_groups"] == 1
 
 
+def test_rollout_longer_than_seq_len_dropped_and_counted() -> None:
+    """A (multi-turn) rollout of prompt + completion > seq_len is not trained on; its group's others are."""
+    group = [rollout(0.0, n_tokens=6), rollout(1.0, n_tokens=7), rollout(0.5, n_tokens=5)]  # 8, 9 and 7 tokens
+    samples, metrics = build_batch(1, [group], OrchestratorConfig(group_size=3, seq_len=8))
+    assert metrics["dropped_overlong"] == 1
+    assert [len(s["input_ids"]) for s in samples] == [8, 7]
+    assert [s["advantage"] for s in samples] == pytest.approx([-0.5, 0.0])  # advantages over the whole group
+
+
 def test_sample_layout_aligned_with_input_ids() -> None:
     samples, _ = build_batch(3, [[rollout(0.0, v_start=2), rollout(1.0, v_start=2)]], OrchestratorConfig(group_size=2))
     s = samples[1]

@@ -57,7 +57,9 @@ def build_batch(
 
     A rollout's lag is ``(step - 1) - v_start``: batch ``step`` trains policy v(step-1), and the
     rollout was started under version ``v_start`` (queue time counted). Rollouts with lag above
-    ``orch.max_off_policy_steps`` are dropped and counted in ``dropped_stale``, never trained on.
+    ``orch.max_off_policy_steps`` are dropped and counted in ``dropped_stale``, never trained on;
+    so are rollouts longer than ``orch.seq_len`` tokens (prompt + completion; a multi-turn rollout whose
+    last turn or tool result crossed it), counted in ``dropped_overlong``.
     Rewards that are None get no advantage and are not trained on (case C8); a group whose rewards
     are all None is counted in ``groups_all_missing``, never scored 0.
 
@@ -68,7 +70,7 @@ def build_batch(
     adv_cfg = orch.advantage.model_dump(exclude={"type"})
     samples: list[TrainSample] = []
     stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
-    dropped_stale = dropped_zero = missing = all_missing_groups = truncated = 0
+    dropped_stale = dropped_overlong = dropped_zero = missing = all_missing_groups = truncated = 0
     for group_index, group in enumerate(groups):
         lags = [(step - 1) - r.policy_span[0] for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
@@ -91,6 +93,9 @@ def build_batch(
                 continue
             if lag > orch.max_off_policy_steps:
                 dropped_stale += 1
+                continue
+            if len(r.prompt_ids) + len(r.completion_ids) > orch.seq_len:
+                dropped_overlong += 1
                 continue
             stats["advantages"].append(r.advantage)
             stats["trained_lags"].append(lag)
@@ -120,6 +125,7 @@ def build_batch(
         "staleness_max": max(lags, default=0),
         "trained_staleness_max": max(stats["trained_lags"], default=0),
         "dropped_stale": dropped_stale,
+        "dropped_overlong": dropped_overlong,
         "dropped_zero_advantage_groups": dropped_zero,
         "num_samples": len(samples),
     }
