@@ -58,6 +58,24 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> Non
         os._exit(0)
 
 
+def live_processes() -> dict[int, tuple[int, int, str]]:
+    """Live (not zombie) processes of this machine, read from ``/proc`` (Linux): pid -> (process group id,
+    session id, command line with spaces between its arguments). A process that exits while it is read is left
+    out."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] not in {"Z", "X"}:
+            found[int(entry.name)] = (int(fields[2]), int(fields[3]), cmdline)
+    return found
+
+
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` as the leader of a new process group with stdout+stderr appended to ``log_path``, plus the
     group's watchdog (module docstring): when this process dies, by any signal, the whole group gets SIGKILL.

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.procs import free_port
+from worker.procs import free_port, live_processes
 from worker.rundir import read_jsonl
 from worker.spec import load_spec_data
 
@@ -54,16 +54,8 @@ launch_rl(validate_spec("rl", json.loads(sys.argv[1])), quiet=True)
 def groups() -> dict[int, list[tuple[int, str]]]:
     """Live processes by process group: pgid -> [(pid, command line)]."""
     found: dict[int, list[tuple[int, str]]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if fields[0] not in {"Z", "X"}:  # state ppid pgrp ...
-            found.setdefault(int(fields[2]), []).append((int(entry.name), cmdline))
+    for pid, (pgid, _, cmd) in live_processes().items():
+        found.setdefault(pgid, []).append((pid, cmd))
     return found
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import psycopg
 
+from worker.procs import live_processes
+
 SUFFIX = secrets.token_hex(4)
 PG = os.environ.get("ASYNCRL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("ASYNCRL_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -185,18 +187,7 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
 
 def processes() -> dict[int, tuple[int, str]]:
     """Live processes: pid -> (session id, command line with spaces between arguments)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if fields[0] not in {"Z", "X"}:
-            found[int(entry.name)] = (int(fields[3]), cmdline)  # state ppid pgrp session ...
-    return found
+    return {pid: (sid, cmd) for pid, (_, sid, cmd) in live_processes().items()}
 
 
 def metrics_file_keys(path: Path) -> set[tuple[str, int, str]]:
