@@ -291,19 +291,7 @@ class Reporter(threading.Thread):
     def attempt_events(self) -> list[dict[str, Any]]:
         """Events of ``events.jsonl`` written since the reporter was made (all of them when the file was replaced by
         a shorter one, e.g. a requeued attempt started over); complete lines only."""
-        path = self.run_dir / "events.jsonl"
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        chunk = data[self.events_offset:] if len(data) >= self.events_offset else data
-        events = []
-        for line in chunk[:chunk.rfind(b"\n") + 1].splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return events
+        return unsent_rows(self.run_dir / "events.jsonl", self.events_offset)[0]
 
     def status(self, status: str, reason: str = "") -> bool:
         """Report a status; False when the server refuses the transition (409)."""
