@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
-from itertools import count
 from typing import Any, Literal
 
 import verifiers.v1 as vf
 from pydantic import Field
 
-from worker.envs import parse_answer
+from worker.envs import SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import ANSWER_TAG, lcs_ratio
 from worker.envs.sentences import make_sentence
 
@@ -100,11 +98,7 @@ class ReverseToolTask(vf.Task[ReverseToolData, vf.State, ReverseToolTaskConfig])
         return lcs_ratio(parse_answer(trace.last_reply or "", ANSWER_TAG), self.data.answer)
 
 
-class ReverseToolConfig(vf.TasksetConfig):
-    split: Literal["train", "eval"] = "train"
-    seed: int = 0
-    num_train: int | None = Field(None, ge=1)
-    """Number of train tasks; None yields train tasks forever."""
+class ReverseToolConfig(SplitConfig):
     num_eval: int = Field(100, ge=1)
     min_chars: int = Field(5, ge=2)
     max_chars: int = Field(20, ge=2)
@@ -113,27 +107,24 @@ class ReverseToolConfig(vf.TasksetConfig):
     task: ReverseToolTaskConfig = ReverseToolTaskConfig()
 
 
-class ReverseToolTaskset(vf.Taskset[ReverseToolTask, ReverseToolConfig]):
+class ReverseToolTaskset(SplitTaskset[ReverseToolTask, ReverseToolConfig]):
     def __init__(self, config: ReverseToolConfig) -> None:
         if config.max_chars < config.min_chars:
             raise ValueError(f"max_chars ({config.max_chars}) must be >= min_chars ({config.min_chars})")
         super().__init__(config)
-        self.INFINITE = config.split == "train" and config.num_train is None
 
-    def load(self) -> Iterator[ReverseToolTask]:
+    def make_task(self, split: Literal["train", "eval"], index: int) -> ReverseToolTask:
         c = self.config
-        size = c.num_eval if c.split == "eval" else c.num_train
-        for index in count() if size is None else range(size):
-            rng = random.Random(f"reverse_tool/{c.seed}/{c.split}/{index}")
-            text = make_sentence(rng, c.min_chars, c.max_chars)
-            data = ReverseToolData(
-                id=f"{c.split}/{c.seed}/{index}",
-                prompt=text,
-                system_prompt=SYSTEM_PROMPT if c.system_message else None,
-                text=text,
-                answer=text[::-1],
-            )
-            yield ReverseToolTask(data, c.task)
+        rng = random.Random(f"reverse_tool/{c.seed}/{split}/{index}")
+        text = make_sentence(rng, c.min_chars, c.max_chars)
+        data = ReverseToolData(
+            id=f"{split}/{c.seed}/{index}",
+            prompt=text,
+            system_prompt=SYSTEM_PROMPT if c.system_message else None,
+            text=text,
+            answer=text[::-1],
+        )
+        return ReverseToolTask(data, c.task)
 
 
 if __name__ == "__main__":
