@@ -228,9 +228,15 @@ def scratch_database() -> Iterator[str]:
     errors. Import ``server`` modules only inside the block. Yields the database name."""
     db = f"asyncrl_bench_{secrets.token_hex(4)}"
     scratch = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
-    os.environ.update({"DATABASE_URL": f"{BENCH_PG.replace('postgresql://', 'postgresql+psycopg://')}/{db}",
-                       "SECRET_KEY": secrets.token_hex(16), "ASYNCRL_HOME": str(scratch / "home"),
-                       "ASYNCRL_OUTPUT_DIR": str(scratch / "outputs"), "CELERY_BROKER_URL": "memory://"})
+    os.environ.update(
+        {
+            "DATABASE_URL": f"{BENCH_PG.replace('postgresql://', 'postgresql+psycopg://')}/{db}",
+            "SECRET_KEY": secrets.token_hex(16),
+            "ASYNCRL_HOME": str(scratch / "home"),
+            "ASYNCRL_OUTPUT_DIR": str(scratch / "outputs"),
+            "CELERY_BROKER_URL": "memory://",
+        }
+    )
     _pg_admin(f'CREATE DATABASE "{db}"')
     try:
         from server.cli import migrate
@@ -262,8 +268,12 @@ def api_server(log: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -41,11 +41,15 @@ def store(points: int) -> tuple[str, int, int]:
     steps = points // len(pairs)
     with Session(engine) as s:
         _, token = tokens.create(s, name="bench")
-        run = runs.create(s, data={"name": "bench-page", "max_steps": steps, "model": {"name": "/nonexistent"}},
-                          owner="bench")
+        run = runs.create(
+            s, data={"name": "bench-page", "max_steps": steps, "model": {"name": "/nonexistent"}}, owner="bench"
+        )
         for first in range(1, steps + 1, 2000):
-            batch = [MetricPoint(source=src, step=n, name=name, value=1.0 / n, time=float(n))
-                     for n in range(first, min(first + 2000, steps + 1)) for src, name in pairs]
+            batch = [
+                MetricPoint(source=src, step=n, name=name, value=1.0 / n, time=float(n))
+                for n in range(first, min(first + 2000, steps + 1))
+                for src, name in pairs
+            ]
             metrics.ingest(s, run_id=run.id, points=batch)  # type: ignore[arg-type]
         rev = config.create(s, run.id, {"trainer.optim.lr": 5e-5}, by="bench")  # type: ignore[arg-type]
         rev.applied = {"trainer": steps // 2}
@@ -56,8 +60,10 @@ def store(points: int) -> tuple[str, int, int]:
     rd = RunDir(run_dir)
     rd.rollouts.mkdir(parents=True)
     for i in range(64):
-        append_jsonl(rd.rollout_file(steps), {"step": steps, "task": f"prompt {i}", "completion": "x" * 40,
-                                              "reward": 0.5, "advantage": 0.1})
+        append_jsonl(
+            rd.rollout_file(steps),
+            {"step": steps, "task": f"prompt {i}", "completion": "x" * 40, "reward": 0.5, "advantage": 0.1},
+        )
     return token, run_id, steps
 
 
@@ -98,18 +104,47 @@ def main() -> int:
                     if r >= 2:
                         srv[part].append(C.server_ms(resp))
                         lat[part].append(dt)
-    results = [{"request": "/runs/{id}" + (f"?part={p}" if p else ""), "bytes": size[p],
-                "server_ms_p50": round(C.percentile(srv[p], 50), 1), "server_ms_p99": round(C.percentile(srv[p], 99), 1),
-                "latency_ms_p50": round(C.percentile(lat[p], 50), 1),
-                "latency_ms_p99": round(C.percentile(lat[p], 99), 1)} for p in PARTS]
-    payload = {"points": args.points, "steps_per_series": steps, "rounds": rounds, "results": results,
-               "goals": {"page_server_ms": 300},
-               "setup": "one uvicorn process (asyncrl server) and the client on the same machine, Postgres on 127.0.0.1"}
+    results = [
+        {
+            "request": "/runs/{id}" + (f"?part={p}" if p else ""),
+            "bytes": size[p],
+            "server_ms_p50": round(C.percentile(srv[p], 50), 1),
+            "server_ms_p99": round(C.percentile(srv[p], 99), 1),
+            "latency_ms_p50": round(C.percentile(lat[p], 50), 1),
+            "latency_ms_p99": round(C.percentile(lat[p], 99), 1),
+        }
+        for p in PARTS
+    ]
+    payload = {
+        "points": args.points,
+        "steps_per_series": steps,
+        "rounds": rounds,
+        "results": results,
+        "goals": {"page_server_ms": 300},
+        "setup": "one uvicorn process (asyncrl server) and the client on the same machine, Postgres on 127.0.0.1",
+    }
     out = C.write_result("dashboard_page", payload, quick=args.quick, started=started, machine=machine)
-    table = C.md_table([f"request ({args.points:,} points stored)", "KiB", "server p50 ms", "server p99 ms", "client p50 ms",
-                        "client p99 ms"], [[r["request"], round(r["bytes"] / 1024), r["server_ms_p50"],
-                                            r["server_ms_p99"], r["latency_ms_p50"], r["latency_ms_p99"]]
-                                           for r in results])
+    table = C.md_table(
+        [
+            f"request ({args.points:,} points stored)",
+            "KiB",
+            "server p50 ms",
+            "server p99 ms",
+            "client p50 ms",
+            "client p99 ms",
+        ],
+        [
+            [
+                r["request"],
+                round(r["bytes"] / 1024),
+                r["server_ms_p50"],
+                r["server_ms_p99"],
+                r["latency_ms_p50"],
+                r["latency_ms_p99"],
+            ]
+            for r in results
+        ],
+    )
     return C.finish(out, table)
 
 

@@ -35,8 +35,13 @@ NAMES = [f"bench/m{i}" for i in range(10)]
 def batch(first_step: int, size: int, names: list[str]) -> dict:
     steps = size // len(names)
     t = time.time()
-    return {"points": [{"source": "trainer", "step": first_step + s, "name": n, "value": 0.001 * s, "time": t}
-                       for s in range(steps) for n in names]}
+    return {
+        "points": [
+            {"source": "trainer", "step": first_step + s, "name": n, "value": 0.001 * s, "time": t}
+            for s in range(steps)
+            for n in names
+        ]
+    }
 
 
 def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, concurrency: int, offset: int) -> dict:
@@ -69,14 +74,23 @@ def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, con
     wall = time.perf_counter() - t0
     if errors:
         raise RuntimeError(f"ingestion failed: {errors[0]}")
-    return {"concurrency": concurrency, "batches": batches, "batch_points": size, "points": batches * size,
-            "wall_s": round(wall, 3), "points_per_s": round(batches * size / wall),
-            "latency_ms_p50": round(C.percentile(lat, 50), 1), "latency_ms_p99": round(C.percentile(lat, 99), 1),
-            "server_ms_p50": round(C.percentile(srv, 50), 1), "server_ms_p99": round(C.percentile(srv, 99), 1)}
+    return {
+        "concurrency": concurrency,
+        "batches": batches,
+        "batch_points": size,
+        "points": batches * size,
+        "wall_s": round(wall, 3),
+        "points_per_s": round(batches * size / wall),
+        "latency_ms_p50": round(C.percentile(lat, 50), 1),
+        "latency_ms_p99": round(C.percentile(lat, 99), 1),
+        "server_ms_p50": round(C.percentile(srv, 50), 1),
+        "server_ms_p99": round(C.percentile(srv, 99), 1),
+    }
 
 
-def _measure(args: argparse.Namespace, url: str, headers: dict, ids: list[int], batches: int,
-             queries: int) -> tuple[dict, dict, dict]:
+def _measure(
+    args: argparse.Namespace, url: str, headers: dict, ids: list[int], batches: int, queries: int
+) -> tuple[dict, dict, dict]:
     """The ingestion passes (1 client, then ``--concurrency``) and the series queries against the server."""
     import httpx
 
@@ -92,8 +106,18 @@ def _measure(args: argparse.Namespace, url: str, headers: dict, ids: list[int], 
     with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
         for i in range(0, args.series_points, 5000):
             n = min(5000, args.series_points - i)
-            body = {"points": [{"source": "trainer", "step": i + s, "name": "bench/series",
-                                "value": math.sin((i + s) / 100), "time": 0.0} for s in range(n)]}
+            body = {
+                "points": [
+                    {
+                        "source": "trainer",
+                        "step": i + s,
+                        "name": "bench/series",
+                        "value": math.sin((i + s) / 100),
+                        "time": 0.0,
+                    }
+                    for s in range(n)
+                ]
+            }
             client.post(f"/api/runs/{ids[1]}/metrics", json=body).raise_for_status()
         params = {"name": "bench/series", "max_points": args.max_points}
         srv, lat = [], []
@@ -107,10 +131,16 @@ def _measure(args: argparse.Namespace, url: str, headers: dict, ids: list[int], 
             if q >= 2:
                 srv.append(C.server_ms(resp))
                 lat.append(dt)
-    query = {"series_points": args.series_points, "max_points": args.max_points, "returned": len(series["step"]),
-             "queries": queries, "server_ms_p50": round(C.percentile(srv, 50), 1),
-             "server_ms_p99": round(C.percentile(srv, 99), 1), "latency_ms_p50": round(C.percentile(lat, 50), 1),
-             "latency_ms_p99": round(C.percentile(lat, 99), 1)}
+    query = {
+        "series_points": args.series_points,
+        "max_points": args.max_points,
+        "returned": len(series["step"]),
+        "queries": queries,
+        "server_ms_p50": round(C.percentile(srv, 50), 1),
+        "server_ms_p99": round(C.percentile(srv, 99), 1),
+        "latency_ms_p50": round(C.percentile(lat, 50), 1),
+        "latency_ms_p99": round(C.percentile(lat, 99), 1),
+    }
     C.say(f"[bench] series query: server p50 {query['server_ms_p50']} ms p99 {query['server_ms_p99']} ms")
     return seq, par, query
 
@@ -137,23 +167,44 @@ def main() -> int:
 
         with Session(engine) as s:
             _, token = tokens.create(s, name="bench")
-            ids = [runs.create(s, data={"name": f"bench-{i}", "model": {"name": "/nonexistent"}}, owner="bench").id
-                   for i in range(2)]
+            ids = [
+                runs.create(s, data={"name": f"bench-{i}", "model": {"name": "/nonexistent"}}, owner="bench").id
+                for i in range(2)
+            ]
             s.commit()
         engine.dispose()
         with C.api_server(C.TMP / "service_throughput_server.log") as url:
             headers = {"Authorization": f"Bearer {token}"}
             seq, par, query = _measure(args, url, headers, ids, batches, queries)
 
-    payload = {"ingestion": [seq, par], "query": query,
-               "goals": {"ingestion_points_per_s": 20_000, "query_server_ms": 300},
-               "setup": "one uvicorn process (asyncrl server) and the client on the same machine, "
-                        "Postgres on 127.0.0.1"}
+    payload = {
+        "ingestion": [seq, par],
+        "query": query,
+        "goals": {"ingestion_points_per_s": 20_000, "query_server_ms": 300},
+        "setup": "one uvicorn process (asyncrl server) and the client on the same machine, Postgres on 127.0.0.1",
+    }
     out = C.write_result("service_throughput", payload, quick=args.quick, started=started, machine=machine)
-    rows = [[f"ingest {r['batch_points']}-point batches, {r['concurrency']} client(s)", r["points_per_s"],
-             r["latency_ms_p50"], r["latency_ms_p99"], r["server_ms_p50"], r["server_ms_p99"]] for r in (seq, par)]
-    rows.append([f"query {query['series_points']:,} points, max_points {query['max_points']}", "-",
-                 query["latency_ms_p50"], query["latency_ms_p99"], query["server_ms_p50"], query["server_ms_p99"]])
+    rows = [
+        [
+            f"ingest {r['batch_points']}-point batches, {r['concurrency']} client(s)",
+            r["points_per_s"],
+            r["latency_ms_p50"],
+            r["latency_ms_p99"],
+            r["server_ms_p50"],
+            r["server_ms_p99"],
+        ]
+        for r in (seq, par)
+    ]
+    rows.append(
+        [
+            f"query {query['series_points']:,} points, max_points {query['max_points']}",
+            "-",
+            query["latency_ms_p50"],
+            query["latency_ms_p99"],
+            query["server_ms_p50"],
+            query["server_ms_p99"],
+        ]
+    )
     table = C.md_table(["what", "points/s", "client p50 ms", "client p99 ms", "server p50 ms", "server p99 ms"], rows)
     return C.finish(out, table)
 

@@ -142,7 +142,13 @@ def main() -> int:
             for dtype, share in (("float32", False), ("bfloat16", False), ("float32", True)):
                 n = bf16_steps if dtype == "bfloat16" else steps
                 cell = run_cell(
-                    model_dir, tokenizer, seq_len, threads, dtype, min(warmup, 1) if dtype == "bfloat16" else warmup, n,
+                    model_dir,
+                    tokenizer,
+                    seq_len,
+                    threads,
+                    dtype,
+                    min(warmup, 1) if dtype == "bfloat16" else warmup,
+                    n,
                     share,
                 )
                 C.say(
@@ -155,7 +161,9 @@ def main() -> int:
         return next(
             x
             for x in cells
-            if x["seq_len"] == c["seq_len"] and x["threads"] == c["threads"] and x["dtype"] == "float32"
+            if x["seq_len"] == c["seq_len"]
+            and x["threads"] == c["threads"]
+            and x["dtype"] == "float32"
             and not x["shared_prompt"]
         )
 

@@ -21,7 +21,9 @@ target_metadata = SQLModel.metadata
 
 def _run(connection: Connection) -> None:
     context.configure(
-        connection=connection, target_metadata=target_metadata, compare_type=True,
+        connection=connection,
+        target_metadata=target_metadata,
+        compare_type=True,
         render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
@@ -29,8 +31,7 @@ def _run(connection: Connection) -> None:
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=settings.DATABASE_URL, target_metadata=target_metadata, literal_binds=True,
-                      compare_type=True)
+    context.configure(url=settings.DATABASE_URL, target_metadata=target_metadata, literal_binds=True, compare_type=True)
     with context.begin_transaction():
         context.run_migrations()
 

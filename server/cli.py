@@ -81,8 +81,11 @@ def worker_command(argv: list[str]) -> int:
     p = ArgParser(prog="asyncrl worker", description="run a Celery worker that launches runs")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--loglevel", default="INFO")
-    p.add_argument("--no-beat", action="store_true",
-                   help="do not embed Celery beat (the periodic reconcile); run one 'celery -A worker.celery_app beat'")
+    p.add_argument(
+        "--no-beat",
+        action="store_true",
+        help="do not embed Celery beat (the periodic reconcile); run one 'celery -A worker.celery_app beat'",
+    )
     args = p.parse_args(argv)
     from server.core.config import settings
     from worker.celery_app import app
@@ -98,8 +101,9 @@ def token_command(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     for action in ("create", "revoke"):
         sub.add_parser(action).add_argument("--name", required=True)
-    sub.choices["create"].add_argument("--read-only", action="store_true",
-                                       help="a read token: GET only (dashboards, monitoring)")
+    sub.choices["create"].add_argument(
+        "--read-only", action="store_true", help="a read token: GET only (dashboards, monitoring)"
+    )
     args = p.parse_args(argv)
     from sqlalchemy import inspect
     from sqlmodel import Session
@@ -108,15 +112,19 @@ def token_command(argv: list[str]) -> int:
     from server.services import tokens
 
     if not inspect(engine).has_table("api_tokens"):
-        raise SpecError(f"database {engine.url.render_as_string(hide_password=True)} has no tables yet: start "
-                        "`asyncrl server` once (it migrates) or run `alembic upgrade head`")
+        raise SpecError(
+            f"database {engine.url.render_as_string(hide_password=True)} has no tables yet: start "
+            "`asyncrl server` once (it migrates) or run `alembic upgrade head`"
+        )
     with Session(engine) as session:
         if args.action == "create":
             _, plain = tokens.create(session, name=args.name, scope="read" if args.read_only else "write")
             session.commit()
             print(plain)  # noqa: T201 - shown once; only its hash is stored
-            print(f"token '{args.name}' created; it is not shown again (export ASYNCRL_TOKEN=...)",  # noqa: T201
-                  file=sys.stderr)
+            print(
+                f"token '{args.name}' created; it is not shown again (export ASYNCRL_TOKEN=...)",  # noqa: T201
+                file=sys.stderr,
+            )
             return 0
         count = tokens.revoke(session, name=args.name)
         session.commit()
@@ -155,8 +163,11 @@ def _call(client: Any, method: str, path: str, **kwargs: Any) -> Any:
 
 
 def _api_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="server base URL (default: ASYNCRL_URL, ASYNCRL_SERVER_URL, or the URL the "
-                   "server published in ASYNCRL_HOME/server_url)")
+    p.add_argument(
+        "--url",
+        help="server base URL (default: ASYNCRL_URL, ASYNCRL_SERVER_URL, or the URL the "
+        "server published in ASYNCRL_HOME/server_url)",
+    )
     p.add_argument("--token", help="API token (default: ASYNCRL_TOKEN)")
 
 
@@ -208,8 +219,14 @@ def runs_command(argv: list[str]) -> int:
     fork.add_argument("id", type=int)
     fork.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     fork.add_argument("--name", help="name of the new run (default: the parent's)")
-    fork.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                      help="spec change, e.g. --set trainer.optim.lr=5e-5 (repeatable)")
+    fork.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="spec change, e.g. --set trainer.optim.lr=5e-5 (repeatable)",
+    )
     _api_args(fork)
     logs = sub.add_parser("logs", help="last lines of a process log of run ID")
     logs.add_argument("id", type=int)
@@ -220,7 +237,9 @@ def runs_command(argv: list[str]) -> int:
     if args.action == "fork":
         body = {"changes": _parse_sets(args.sets), "step": args.step, "name": args.name}
         with _client(args.url, args.token) as client:
-            run = _call(client, "POST", f"/api/runs/{args.id}/fork", json={k: v for k, v in body.items() if v is not None})
+            run = _call(
+                client, "POST", f"/api/runs/{args.id}/fork", json={k: v for k, v in body.items() if v is not None}
+            )
         print(json.dumps({k: run[k] for k in ("id", "name", "status", "run_dir")}))  # noqa: T201
         return 0
     if args.action == "logs":

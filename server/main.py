@@ -79,8 +79,12 @@ def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
 
 
 def create_app() -> FastAPI:
-    app = FastAPI(title="asyncrl", version="0.1.0", generate_unique_id_function=_route_id,
-                  description="Experiment service for asynchronous RL post-training of language models.")
+    app = FastAPI(
+        title="asyncrl",
+        version="0.1.0",
+        generate_unique_id_function=_route_id,
+        description="Experiment service for asynchronous RL post-training of language models.",
+    )
     app.include_router(api_router, prefix="/api")
     app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /login
     app.include_router(webui_alerts_router)  # the dashboard's /alerts

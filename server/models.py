@@ -41,8 +41,7 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 def _ts(nullable: bool = False) -> Any:
-    return Field(default_factory=utcnow if not nullable else lambda: None,
-                 sa_type=UTCDateTime(), nullable=nullable)  # type: ignore[call-overload]
+    return Field(default_factory=utcnow if not nullable else lambda: None, sa_type=UTCDateTime(), nullable=nullable)  # type: ignore[call-overload]
 
 
 class RunStatus(enum.StrEnum):

@@ -230,8 +230,9 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     user = p.need_user()
     row = alerts_api.found(webhooks.get_endpoint, db, endpoint_id)
     log = alerts_api.list_deliveries(db, user, row, offset=0, limit=RECENT_DELIVERIES)
-    return p.render("alerts_webhook.html", endpoint=alerts_api.get_webhook(user, row), deliveries=log["data"],
-                    total=log["count"])
+    return p.render(
+        "alerts_webhook.html", endpoint=alerts_api.get_webhook(user, row), deliveries=log["data"], total=log["count"]
+    )
 
 
 @router.post("/alerts/deliveries/{delivery_id}/replay")

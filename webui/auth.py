@@ -43,8 +43,9 @@ class WebSession:
         """Set the cookie on ``response`` if the session is new or changed."""
         if self.dirty:
             value = _serializer().dumps({"csrf": self.csrf, "token": self.token})
-            response.set_cookie(COOKIE, value, max_age=MAX_AGE_S, httponly=True, samesite="strict",
-                                secure=False, path="/")
+            response.set_cookie(
+                COOKIE, value, max_age=MAX_AGE_S, httponly=True, samesite="strict", secure=False, path="/"
+            )
 
 
 def load(request: Request) -> WebSession:

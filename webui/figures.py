@@ -35,13 +35,24 @@ CHARTS: tuple[Chart, ...] = (
     Chart("reward", "Reward", (("orchestrator", "reward_mean", "train"), ("eval", "reward_mean", "eval"))),
     Chart("loss", "Loss", (("trainer", "loss", "loss"),)),
     Chart("entropy", "Entropy", (("trainer", "entropy", "entropy"),)),
-    Chart("mismatch_kl", "Mismatch KL", (("trainer", "mismatch_kl", "mismatch_kl"),), log_y=True,
-          threshold=MISMATCH_KL_THRESHOLD),
+    Chart(
+        "mismatch_kl",
+        "Mismatch KL",
+        (("trainer", "mismatch_kl", "mismatch_kl"),),
+        log_y=True,
+        threshold=MISMATCH_KL_THRESHOLD,
+    ),
     Chart("grad_norm", "Grad norm", (("trainer", "grad_norm", "grad norm"),)),
     Chart("lr", "Learning rate", (("trainer", "lr", "lr"),)),
-    Chart("staleness", "Staleness (policy versions) and dropped rollouts", (
-        ("orchestrator", "staleness_mean", "mean"), ("orchestrator", "staleness_max", "max"),
-        ("orchestrator", "dropped_stale", "dropped"))),
+    Chart(
+        "staleness",
+        "Staleness (policy versions) and dropped rollouts",
+        (
+            ("orchestrator", "staleness_mean", "mean"),
+            ("orchestrator", "staleness_max", "max"),
+            ("orchestrator", "dropped_stale", "dropped"),
+        ),
+    ),
     Chart("tokens_per_s", "Trainer tokens/s", (("trainer", "tokens_per_s", "tokens/s"),)),
 )
 BOTTLENECK_LINES = (("trainer", "wait_for_batch_s"), ("trainer", "step_time_s"), ("orchestrator", "wait_for_policy_s"))
@@ -61,19 +72,55 @@ def revision_marks(revisions: list[ConfigRevision]) -> list[tuple[int, str]]:
 
 
 def _layout(title: str, marks: list[tuple[int, str]], *, log_y: bool = False) -> dict[str, Any]:
-    shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": s, "x1": s, "y0": 0, "y1": 1,
-               "line": {"color": "#b45309", "dash": "dot", "width": 1}} for s, _ in marks]
-    notes = [{"x": s, "xref": "x", "y": 1, "yref": "paper", "text": label, "showarrow": False, "textangle": -90,
-              "xanchor": "right", "yanchor": "top", "font": {"size": 10, "color": "#b45309"}} for s, label in marks]
-    return {"title": {"text": title, "font": {"size": 14}}, "height": 250, "margin": {"l": 50, "r": 10, "t": 30, "b": 30},
-            "xaxis": {"title": {"text": "step"}}, "yaxis": {"type": "log" if log_y else "linear"},
-            "shapes": shapes, "annotations": notes, "legend": {"orientation": "h", "y": -0.25},
-            "uirevision": title}
+    shapes = [
+        {
+            "type": "line",
+            "xref": "x",
+            "yref": "paper",
+            "x0": s,
+            "x1": s,
+            "y0": 0,
+            "y1": 1,
+            "line": {"color": "#b45309", "dash": "dot", "width": 1},
+        }
+        for s, _ in marks
+    ]
+    notes = [
+        {
+            "x": s,
+            "xref": "x",
+            "y": 1,
+            "yref": "paper",
+            "text": label,
+            "showarrow": False,
+            "textangle": -90,
+            "xanchor": "right",
+            "yanchor": "top",
+            "font": {"size": 10, "color": "#b45309"},
+        }
+        for s, label in marks
+    ]
+    return {
+        "title": {"text": title, "font": {"size": 14}},
+        "height": 250,
+        "margin": {"l": 50, "r": 10, "t": 30, "b": 30},
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"type": "log" if log_y else "linear"},
+        "shapes": shapes,
+        "annotations": notes,
+        "legend": {"orientation": "h", "y": -0.25},
+        "uirevision": title,
+    }
 
 
 def _trace(label: str, s: MetricSeries) -> dict[str, Any]:
-    return {"type": "scatter", "mode": "lines+markers" if len(s.step) < 50 else "lines", "name": label,
-            "x": s.step, "y": s.value}
+    return {
+        "type": "scatter",
+        "mode": "lines+markers" if len(s.step) < 50 else "lines",
+        "name": label,
+        "x": s.step,
+        "y": s.value,
+    }
 
 
 def run_figures(series: dict[tuple[str, str], MetricSeries], marks: list[tuple[int, str]]) -> dict[str, Any]:
@@ -85,9 +132,16 @@ def run_figures(series: dict[tuple[str, str], MetricSeries], marks: list[tuple[i
         if chart.threshold is not None:
             steps = [x for t in data for x in t["x"]]
             if steps:
-                data.append({"type": "scatter", "mode": "lines", "name": f"alert threshold {chart.threshold:g}",
-                             "x": [min(steps), max(steps)], "y": [chart.threshold] * 2,
-                             "line": {"color": "#dc2626", "dash": "dash"}})
+                data.append(
+                    {
+                        "type": "scatter",
+                        "mode": "lines",
+                        "name": f"alert threshold {chart.threshold:g}",
+                        "x": [min(steps), max(steps)],
+                        "y": [chart.threshold] * 2,
+                        "line": {"color": "#dc2626", "dash": "dash"},
+                    }
+                )
         figs[chart.key] = {"data": data, "layout": layout}
     return figs
 
@@ -96,8 +150,12 @@ def compare_figures(runs: list[tuple[str, dict[tuple[str, str], MetricSeries]]])
     """Chart key -> Plotly figure with every line of every run overlaid (legend ``<run label> <line label>``)."""
     figs = {}
     for chart in CHARTS:
-        data = [_trace(f"{run_label} {label}", series[(src, name)])
-                for run_label, series in runs for src, name, label in chart.lines if (src, name) in series]
+        data = [
+            _trace(f"{run_label} {label}", series[(src, name)])
+            for run_label, series in runs
+            for src, name, label in chart.lines
+            if (src, name) in series
+        ]
         figs[chart.key] = {"data": data, "layout": _layout(chart.title, [], log_y=chart.log_y)}
     return figs
 
@@ -109,13 +167,17 @@ BOUND_SHARE = 0.25
 WINDOW = 20
 """The verdict looks at the last this many steps."""
 ADVICE = {
-    "inference-bound": ["move GPUs from the trainer to inference",
-                        "raise orchestrator.max_off_policy_steps (and max_async_level) so inference runs further ahead",
-                        "larger orchestrator.batch_size: more concurrent rollouts keep vLLM busier",
-                        "lower orchestrator.max_tokens if completions are cut anyway"],
-    "trainer-bound": ["move GPUs from inference to the trainer",
-                      "raise orchestrator.max_async_level so inference does not wait for each new policy",
-                      "shorter seq_len / fewer samples per step, or a smaller model"],
+    "inference-bound": [
+        "move GPUs from the trainer to inference",
+        "raise orchestrator.max_off_policy_steps (and max_async_level) so inference runs further ahead",
+        "larger orchestrator.batch_size: more concurrent rollouts keep vLLM busier",
+        "lower orchestrator.max_tokens if completions are cut anyway",
+    ],
+    "trainer-bound": [
+        "move GPUs from inference to the trainer",
+        "raise orchestrator.max_async_level so inference does not wait for each new policy",
+        "shorter seq_len / fewer samples per step, or a smaller model",
+    ],
     "balanced": ["both sides are busy: add GPUs to both in proportion"],
 }
 
@@ -156,8 +218,16 @@ def bottleneck(series: dict[tuple[str, str], MetricSeries]) -> Bottleneck:
     ``step_time_s`` (capped at 1), and the verdict over the last ``WINDOW`` steps that have all three."""
     cols = [dict(zip(s.step, s.value, strict=True)) if (s := series.get(k)) else {} for k in BOTTLENECK_LINES]
     wfb, step_time, wfp = cols
-    steps = [n for n in sorted(step_time) if n in wfb and n in wfp and step_time[n] and wfb[n] is not None
-             and wfp[n] is not None and math.isfinite(step_time[n] or 0)]
+    steps = [
+        n
+        for n in sorted(step_time)
+        if n in wfb
+        and n in wfp
+        and step_time[n]
+        and wfb[n] is not None
+        and wfp[n] is not None
+        and math.isfinite(step_time[n] or 0)
+    ]
     b = [min(1.0, wfb[n] / step_time[n]) for n in steps]  # type: ignore[operator]
     p = [min(1.0, wfp[n] / step_time[n]) for n in steps]  # type: ignore[operator]
     if not steps:
@@ -167,9 +237,16 @@ def bottleneck(series: dict[tuple[str, str], MetricSeries]) -> Bottleneck:
 
 
 def bottleneck_figure(bn: Bottleneck, marks: list[tuple[int, str]]) -> dict[str, Any]:
-    data = [{"type": "scatter", "mode": "lines", "name": "trainer wait_for_batch", "x": bn.steps, "y": bn.batch_share},
-            {"type": "scatter", "mode": "lines", "name": "orchestrator wait_for_policy", "x": bn.steps,
-             "y": bn.policy_share}]
+    data = [
+        {"type": "scatter", "mode": "lines", "name": "trainer wait_for_batch", "x": bn.steps, "y": bn.batch_share},
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "orchestrator wait_for_policy",
+            "x": bn.steps,
+            "y": bn.policy_share,
+        },
+    ]
     layout = _layout("Waits as share of step time", marks)
     layout["yaxis"] = {"range": [0, 1], "tickformat": ".0%"}
     return {"data": data, "layout": layout}

@@ -103,9 +103,13 @@ def error_page(request: Request, code: int, message: str, headers: dict[str, str
     web = auth.load(request)
     with Session(engine) as db:
         user = auth.principal(db, web)
-    resp = templates.TemplateResponse(request, "error.html", {
-        "user": user, "csrf": web.csrf, "poll_s": POLL_S, "code": code, "message": message, "back": _back(request)},
-        status_code=code, headers=headers)
+    resp = templates.TemplateResponse(
+        request,
+        "error.html",
+        {"user": user, "csrf": web.csrf, "poll_s": POLL_S, "code": code, "message": message, "back": _back(request)},
+        status_code=code,
+        headers=headers,
+    )
     web.save(resp)
     return resp
 
@@ -140,8 +144,9 @@ class Page:
     user: Principal | None
 
     def render(self, name: str, code: int = 200, **values: Any) -> HTMLResponse:
-        resp = templates.TemplateResponse(self.request, name, {
-            "user": self.user, "csrf": self.web.csrf, "poll_s": POLL_S, **values}, status_code=code)
+        resp = templates.TemplateResponse(
+            self.request, name, {"user": self.user, "csrf": self.web.csrf, "poll_s": POLL_S, **values}, status_code=code
+        )
         self.web.save(resp)
         return resp
 
@@ -236,8 +241,9 @@ def runs_page(request: Request, db: SessionDep, status: str = "", q: str = "") -
     reward = metrics.latest(db, run_ids=[r.id for r in rows], source="orchestrator", name="reward_mean")  # type: ignore[misc]
     query = urlencode({"status": status, "q": q})
     name = "_runs_table.html" if _is_fragment(request) else "runs.html"
-    return p.render(name, runs=rows, total=total, reward=reward, status=status, q=q, query=query,
-                    statuses=list(RunStatus))
+    return p.render(
+        name, runs=rows, total=total, reward=reward, status=status, q=q, query=query, statuses=list(RunStatus)
+    )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -294,10 +300,19 @@ def error_line(toml_text: str, error: SpecError | tomllib.TOMLDecodeError) -> in
     return key_line(toml_text, unknown.group(1) if unknown else message.split(":", 1)[0].strip())
 
 
-def _launch_page(p: Page, text: str, chosen: str, status: int = 200, error: str | None = None,
-                 line: int | None = None) -> HTMLResponse:
-    return p.render("launch.html", code=status, configs=config_files(), chosen=chosen, text=text, spec_error=error,
-                    error_line=line, lines=text.splitlines())
+def _launch_page(
+    p: Page, text: str, chosen: str, status: int = 200, error: str | None = None, line: int | None = None
+) -> HTMLResponse:
+    return p.render(
+        "launch.html",
+        code=status,
+        configs=config_files(),
+        chosen=chosen,
+        text=text,
+        spec_error=error,
+        error_line=line,
+        lines=text.splitlines(),
+    )
 
 
 @router.get("/launch", response_class=HTMLResponse)
@@ -362,9 +377,16 @@ def _logs(run: Run, process: str, lines: int = 40) -> list[str]:
 def run_context(db: Any, run: Run, process: str = "trainer", part: str = "") -> dict[str, Any]:
     """What the run page (``part`` empty) or one of its fragments shows, computed once per request."""
     revisions, values = config.current(db, run)
-    ctx: dict[str, Any] = {"run": run, "live": RunStatus(run.status) not in TERMINAL, "values": values,
-                           "revisions": revisions, "live_keys": LIVE_KEYS, "process": process,
-                           "resumable": RunStatus(run.status) in runs.RESUMABLE, "charts": [*figures.CHARTS]}
+    ctx: dict[str, Any] = {
+        "run": run,
+        "live": RunStatus(run.status) not in TERMINAL,
+        "values": values,
+        "revisions": revisions,
+        "live_keys": LIVE_KEYS,
+        "process": process,
+        "resumable": RunStatus(run.status) in runs.RESUMABLE,
+        "charts": [*figures.CHARTS],
+    }
     if part in ("", "charts"):
         marks = figures.revision_marks(revisions)
         series = figures.load_series(db, run.id)  # type: ignore[arg-type]
@@ -381,8 +403,13 @@ def run_context(db: Any, run: Run, process: str = "trainer", part: str = "") -> 
     return ctx
 
 
-PARTS = {"status": "_run_status.html", "charts": "_run_charts.html", "events": "_run_events.html",
-         "rollouts": "_run_rollouts.html", "logs": "_run_logs.html"}
+PARTS = {
+    "status": "_run_status.html",
+    "charts": "_run_charts.html",
+    "events": "_run_events.html",
+    "rollouts": "_run_rollouts.html",
+    "logs": "_run_logs.html",
+}
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
@@ -512,6 +539,9 @@ def compare(request: Request, db: SessionDep, run: Annotated[list[int] | None, Q
         ctx["charts"] = list(figures.CHARTS)
         flat = [_dotted({k: v for k, v in r.spec.items() if k != "output_dir"}) for r in chosen]
         keys = sorted(set().union(*flat))
-        ctx["diff"] = [(k, [f.get(k, "—") for f in flat]) for k in keys
-                       if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+        ctx["diff"] = [
+            (k, [f.get(k, "—") for f in flat])
+            for k in keys
+            if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1
+        ]
     return p.render("compare.html", **ctx)

@@ -25,7 +25,11 @@ def _transport_options() -> dict[str, object]:
         folder = settings.ASYNCRL_HOME / "broker"
         folder.mkdir(parents=True, exist_ok=True)
         # control_folder (exchange tables) defaults to ./control in the working directory: keep it in ASYNCRL_HOME too
-        return {"data_folder_in": str(folder), "data_folder_out": str(folder), "control_folder": str(folder / "control")}
+        return {
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "control_folder": str(folder / "control"),
+        }
     return {"visibility_timeout": settings.CELERY_VISIBILITY_TIMEOUT_S}
 
 
@@ -39,10 +43,18 @@ app.conf.update(
     broker_transport_options=_transport_options(),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
-    beat_schedule={"reconcile": {"task": "asyncrl.reconcile", "schedule": settings.RECONCILE_INTERVAL_S,
-                                 "options": {"expires": settings.RECONCILE_INTERVAL_S}},
-                   "check-stalls": {"task": "asyncrl.check_stalls", "schedule": settings.ALERT_STALL_CHECK_S,
-                                    "options": {"expires": settings.ALERT_STALL_CHECK_S}}},
+    beat_schedule={
+        "reconcile": {
+            "task": "asyncrl.reconcile",
+            "schedule": settings.RECONCILE_INTERVAL_S,
+            "options": {"expires": settings.RECONCILE_INTERVAL_S},
+        },
+        "check-stalls": {
+            "task": "asyncrl.check_stalls",
+            "schedule": settings.ALERT_STALL_CHECK_S,
+            "options": {"expires": settings.ALERT_STALL_CHECK_S},
+        },
+    },
     beat_schedule_filename=str(settings.ASYNCRL_HOME / "celerybeat-schedule"),
 )
 

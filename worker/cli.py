@@ -206,12 +206,18 @@ def _model_command(argv: list[str]) -> int:
 
 
 def _demo_command(argv: list[str]) -> int:
-    p = ArgParser(prog="asyncrl demo", description="tiny model -> SFT warm-up -> RL on reverse-text; "
-                  "RL runs through the service (server + worker started here, embedded mode)")
+    p = ArgParser(
+        prog="asyncrl demo",
+        description="tiny model -> SFT warm-up -> RL on reverse-text; "
+        "RL runs through the service (server + worker started here, embedded mode)",
+    )
     p.add_argument("--local", action="store_true", help="run the RL processes here, without the service")
     p.add_argument("--summary", type=Path, default=Path("outputs/demo/summary.json"))
-    p.add_argument("--output-dir", default="outputs/demo",
-                   help="where model, SFT, service state and run go (default: outputs/demo)")
+    p.add_argument(
+        "--output-dir",
+        default="outputs/demo",
+        help="where model, SFT, service state and run go (default: outputs/demo)",
+    )
     p.add_argument("--rl-steps", type=int, default=None, help="override the RL step count")
     p.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
     args = p.parse_args(argv)
@@ -225,7 +231,8 @@ def _demo_command(argv: list[str]) -> int:
     output_dir = args.output_dir
     try:
         summary = (run_demo if args.local else run_service_demo)(
-            output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps)
+            output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps
+        )
     except DemoError as err:
         print(f"error: {err}", file=sys.stderr)  # noqa: T201
         return 1
@@ -295,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)  # noqa: T201
         return 0
     if argv[0] not in COMMANDS:
-        print(f"error: unknown command {argv[0]!r} (expected one of {', '.join(COMMANDS)}; -h for help)", file=sys.stderr)  # noqa: T201
+        print(
+            f"error: unknown command {argv[0]!r} (expected one of {', '.join(COMMANDS)}; -h for help)", file=sys.stderr
+        )  # noqa: T201
         return 2
     try:
         return int(COMMANDS[argv[0]](argv[1:]))

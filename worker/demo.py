@@ -69,8 +69,9 @@ def _rl_data(model: str, rl_steps: int | None, **overrides: str) -> dict[str, An
     return load_spec_data([CONFIGS / "rl.toml"], pairs)
 
 
-def _summary(rl: dict[str, Any], sft: dict[str, Any], sft_spec: SFTSpec, t0: float, run_dir: str,
-             **extra: Any) -> dict[str, Any]:
+def _summary(
+    rl: dict[str, Any], sft: dict[str, Any], sft_spec: SFTSpec, t0: float, run_dir: str, **extra: Any
+) -> dict[str, Any]:
     first, last = rl["eval_reward_first"], rl["eval_reward_last"]
     return {
         "status": rl["status"],
@@ -139,17 +140,27 @@ def embedded_service(home: Path, *, startup_timeout_s: float = 120.0) -> Iterato
     from worker.procs import free_port, kill_group, spawn
 
     url = f"http://127.0.0.1:{free_port()}"
-    env = {**os.environ, "ASYNCRL_HOME": str(home), "DATABASE_URL": "", "CELERY_BROKER_URL": "",
-           "ASYNCRL_OUTPUT_DIR": str(home / "outputs"), "ASYNCRL_SERVER_URL": url}
+    env = {
+        **os.environ,
+        "ASYNCRL_HOME": str(home),
+        "DATABASE_URL": "",
+        "CELERY_BROKER_URL": "",
+        "ASYNCRL_OUTPUT_DIR": str(home / "outputs"),
+        "ASYNCRL_SERVER_URL": url,
+    }
     cli = [sys.executable, "-m", "worker.cli"]
-    procs = {"server": spawn([*cli, "server", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]],
-                             home / "server.log", env)}
+    procs = {
+        "server": spawn(
+            [*cli, "server", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]], home / "server.log", env
+        )
+    }
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if procs["server"].poll() is not None:
-                raise DemoError(f"asyncrl server exited with code {procs['server'].returncode} "
-                                f"(log: {home / 'server.log'})")
+                raise DemoError(
+                    f"asyncrl server exited with code {procs['server'].returncode} (log: {home / 'server.log'})"
+                )
             try:
                 if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
                     break
@@ -189,8 +200,14 @@ def _stop_run(client: Any, run: dict[str, Any], timeout_s: float = 60.0) -> None
         supervisor.terminate(pid, grace_s=15.0)
 
 
-def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
-               unreachable_s: float = 120.0, local_supervisor: bool = False) -> dict[str, Any]:
+def follow_run(
+    client: Any,
+    run_id: int,
+    max_steps: int,
+    poll_s: float = 2.0,
+    unreachable_s: float = 120.0,
+    local_supervisor: bool = False,
+) -> dict[str, Any]:
     """Poll the run until it ends: a rich progress line with step and reward (``GET .../metrics``), one line per
     status change and eval (``GET .../events``, eval points). Returns the final run (``RunPublic`` JSON).
     With ``local_supervisor`` (the worker runs on this machine) a launched run whose supervisor is gone while the
@@ -206,8 +223,13 @@ def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
 
     seen_events, last_step, evals_seen, reward, gone = 0, -1, -1, float("nan"), 0
     last_ok = time.monotonic()
-    columns = (TextColumn("[demo] RL"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("[demo] RL"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, transient=False) as progress:
         bar = progress.add_task("queued", total=max_steps)
 
@@ -225,9 +247,18 @@ def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
                         line(f"[demo] run {run_id}: {e['from_status'] or '-'} -> {e['to_status']}{reason}")
                     else:
                         line(f"[demo] run {run_id}: {e['kind']} {e['reason']}")
-                series = client.get(f"/api/runs/{run_id}/metrics", params={
-                    "name": "reward_mean", "since_step": min(last_step, evals_seen), "max_points": 1000,
-                }).raise_for_status().json()["series"]
+                series = (
+                    client.get(
+                        f"/api/runs/{run_id}/metrics",
+                        params={
+                            "name": "reward_mean",
+                            "since_step": min(last_step, evals_seen),
+                            "max_points": 1000,
+                        },
+                    )
+                    .raise_for_status()
+                    .json()["series"]
+                )
                 last_ok = time.monotonic()
             except httpx.HTTPError as err:
                 if time.monotonic() - last_ok > unreachable_s:
@@ -246,10 +277,14 @@ def follow_run(client: Any, run_id: int, max_steps: int, poll_s: float = 2.0,
             if run["status"] in TERMINAL:
                 return dict(run)
             home = Path(run["run_dir"]).parent
-            gone = gone + 1 if local_supervisor and run["launcher_handle"] and supervisor.running_pid(home) is None else 0
+            gone = (
+                gone + 1 if local_supervisor and run["launcher_handle"] and supervisor.running_pid(home) is None else 0
+            )
             if gone >= 3:  # it reports the end before it exits: three polls later the server would know
-                raise DemoError(f"run {run_id}: its supervisor (pid {run['launcher_handle']}) exited without "
-                                f"reporting an end (log: {home / 'supervisor.log'})")
+                raise DemoError(
+                    f"run {run_id}: its supervisor (pid {run['launcher_handle']}) exited without "
+                    f"reporting an end (log: {home / 'supervisor.log'})"
+                )
             time.sleep(poll_s)
 
 
@@ -276,8 +311,12 @@ def run_service_demo(
     home = out / "service"
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    with embedded_service(home) as service, httpx.Client(
-            base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=30.0) as client:
+    with (
+        embedded_service(home) as service,
+        httpx.Client(
+            base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=30.0
+        ) as client,
+    ):
         resp = client.post("/api/runs", json=data)
         if resp.status_code != 201:
             raise DemoError(f"POST /api/runs: {resp.status_code} {resp.text[:500]}")
@@ -295,11 +334,20 @@ def run_service_demo(
             signal.signal(signal.SIGTERM, previous)
     rl_summary, summary = Path(run["run_dir"]) / "summary.json", {}
     if rl_summary.exists():
-        summary = _summary(json.loads(rl_summary.read_text()), sft, sft_spec, t0, run["run_dir"],
-                           run_id=run["id"], dashboard_url=dashboard)
+        summary = _summary(
+            json.loads(rl_summary.read_text()),
+            sft,
+            sft_spec,
+            t0,
+            run["run_dir"],
+            run_id=run["id"],
+            dashboard_url=dashboard,
+        )
         summary["status"] = run["status"]
         _write(summary_path, summary)
     if run["status"] != "completed" or not summary:
-        raise DemoError(f"run {run['id']} {run['status']}: {run['status_reason'] or 'no reason given'}"
-                        f" (logs: {run['run_dir']}/logs, {home}/worker.log)")
+        raise DemoError(
+            f"run {run['id']} {run['status']}: {run['status_reason'] or 'no reason given'}"
+            f" (logs: {run['run_dir']}/logs, {home}/worker.log)"
+        )
     return summary

@@ -83,12 +83,15 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
         SpecError: a value the schema refuses; the message starts with the dotted key.
     """
     if not isinstance(changes, dict) or not changes:
-        raise LiveConfigError(f"changes: expected at least one live key, e.g. {{\"trainer.optim.lr\": 5e-05}} "
-                              f"(live keys: {', '.join(LIVE_KEYS)})")
+        raise LiveConfigError(
+            f'changes: expected at least one live key, e.g. {{"trainer.optim.lr": 5e-05}} '
+            f"(live keys: {', '.join(LIVE_KEYS)})"
+        )
     for key in changes:
         if key not in LIVE_KEYS:
-            raise LiveConfigError(f"{key}: not a live key; only these change while a run is live: "
-                                  f"{', '.join(LIVE_KEYS)}")
+            raise LiveConfigError(
+                f"{key}: not a live key; only these change while a run is live: {', '.join(LIVE_KEYS)}"
+            )
         if isinstance(changes[key], bool):  # pydantic would read true as 1
             raise LiveConfigError(f"{key}: expected a number, got {changes[key]!r}")
     resolved = validate_spec("rl", apply_changes(spec, changes))
@@ -170,8 +173,11 @@ class LiveConfig:
         self.run_dir, self.process, self.start_step = Path(run_dir), process, start_step
         self.path = self.run_dir / LIVE_CONFIG_FILE
         self.offset = 0
-        self.covered = {int(a["revision"]) for a in read_jsonl(self.run_dir / ACKS_FILE)
-                        if a.get("process") == process and int(a.get("step", 0)) <= start_step}
+        self.covered = {
+            int(a["revision"])
+            for a in read_jsonl(self.run_dir / ACKS_FILE)
+            if a.get("process") == process and int(a.get("step", 0)) <= start_step
+        }
         """Revisions acknowledged at a step the checkpoint covers: applied again on resume, not acknowledged."""
 
     def new_revisions(self) -> list[dict[str, Any]]:
@@ -216,7 +222,9 @@ class LiveConfig:
             if revision in self.covered:
                 logger.info("live config revision %d re-applied on resume: %s", revision, mine)
                 continue
-            append_jsonl(self.run_dir / ACKS_FILE, {"revision": revision, "process": self.process, "step": step,
-                                                    "time": time.time()})
+            append_jsonl(
+                self.run_dir / ACKS_FILE,
+                {"revision": revision, "process": self.process, "step": step, "time": time.time()},
+            )
             logger.info("live config revision %d in effect from step %d: %s", revision, step, mine)
         return spec, applied

@@ -222,7 +222,12 @@ def check_model_source(name_or_path: str | Path) -> str:
     return s
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

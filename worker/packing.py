@@ -54,8 +54,7 @@ def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
             raise ValueError(f"pack: sample {i} has a negative length {n}")
         if n > seq_len:
             raise ValueError(
-                f"seq_len: sample {i} has {n} tokens, more than seq_len = {seq_len}; "
-                "raise seq_len or lower max_tokens"
+                f"seq_len: sample {i} has {n} tokens, more than seq_len = {seq_len}; raise seq_len or lower max_tokens"
             )
     bins: list[list[int]] = []
     free: list[int] = []  # tokens left in each bin

@@ -97,9 +97,14 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
         )
     read_end, write_end = os.pipe()  # both close-on-exec: only the watchdog gets the read end (pass_fds)
     try:
-        watchdog = subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read_end)], pass_fds=(read_end,),
-                                    process_group=proc.pid, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+        watchdog = subprocess.Popen(
+            [sys.executable, "-S", "-c", WATCHDOG, str(read_end)],
+            pass_fds=(read_end,),
+            process_group=proc.pid,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     except OSError:
         os.close(write_end)
         kill_group(proc)

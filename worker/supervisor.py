@@ -75,8 +75,16 @@ def run_env(run_id: int, token: str, server_url: str) -> dict[str, str]:
     return {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
 
 
-def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_url: str, resume: bool = False,
-          attempt: int | None = None) -> int:
+def start(
+    home: Path,
+    *,
+    run_id: int,
+    spec: dict[str, Any],
+    token: str,
+    server_url: str,
+    resume: bool = False,
+    attempt: int | None = None,
+) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
     complete checkpoint; ``attempt``: see the module docstring); returns its pid (= its process group id). A final
     status spooled by an earlier supervisor of ``home`` is removed first."""
@@ -84,10 +92,18 @@ def start(home: Path, *, run_id: int, spec: dict[str, Any], token: str, server_u
     (home / FINAL_FILE).unlink(missing_ok=True)
     env = {**os.environ, **run_env(run_id, token, server_url)}
     with open(home / "supervisor.log", "ab") as log:
-        argv = [sys.executable, "-m", "worker.supervisor", "--home", str(home), *(["--resume"] if resume else []),
-                *(["--attempt", str(attempt)] if attempt is not None else [])]
-        proc = subprocess.Popen(argv, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "worker.supervisor",
+            "--home",
+            str(home),
+            *(["--resume"] if resume else []),
+            *(["--attempt", str(attempt)] if attempt is not None else []),
+        ]
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
     return proc.pid
 
@@ -107,8 +123,11 @@ def read_final(home: Path, attempt: int | None) -> dict[str, Any] | None:
         final = json.loads((home / FINAL_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(final, dict) or final.get("attempt") != attempt or final.get("status") not in {
-            "completed", "failed", "cancelled"}:
+    if (
+        not isinstance(final, dict)
+        or final.get("attempt") != attempt
+        or final.get("status") not in {"completed", "failed", "cancelled"}
+    ):
         return None
     return final
 
@@ -164,8 +183,15 @@ def rows_to_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name, value in row.items():
             if name in {"source", "step", "time"} or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
-            points.append({"source": row["source"], "step": row["step"], "name": name, "value": float(value),
-                           "time": row.get("time", 0.0)})
+            points.append(
+                {
+                    "source": row["source"],
+                    "step": row["step"],
+                    "name": name,
+                    "value": float(value),
+                    "time": row.get("time", 0.0),
+                }
+            )
     return points
 
 
@@ -193,8 +219,9 @@ class MetricsForwarder:
     """Send new complete lines of ``metrics.jsonl`` to the server; the byte offset sent so far is kept in
     ``offset_path`` so a restarted supervisor resumes where it stopped."""
 
-    def __init__(self, client: httpx.Client, run_id: int, metrics_path: Path, offset_path: Path,
-                 batch_points: int = 5000) -> None:
+    def __init__(
+        self, client: httpx.Client, run_id: int, metrics_path: Path, offset_path: Path, batch_points: int = 5000
+    ) -> None:
         self.client, self.run_id, self.path, self.offset_path = client, run_id, metrics_path, offset_path
         self.batch_points = batch_points
         self.offset = int(offset_path.read_text()) if offset_path.exists() else 0
@@ -208,10 +235,13 @@ class MetricsForwarder:
         rows, new_offset = self.pending()
         points = rows_to_points(rows)
         for i in range(0, len(points), self.batch_points):
-            batch = points[i:i + self.batch_points]
+            batch = points[i : i + self.batch_points]
             # json.dumps writes NaN/Infinity (the server stores them); httpx's json= refuses non-finite floats
-            resp = self.client.post(f"/api/runs/{self.run_id}/metrics", content=json.dumps({"points": batch}),
-                                    headers={"Content-Type": "application/json"})
+            resp = self.client.post(
+                f"/api/runs/{self.run_id}/metrics",
+                content=json.dumps({"points": batch}),
+                headers={"Content-Type": "application/json"},
+            )
             resp.raise_for_status()
         if new_offset != self.offset:
             self.offset = new_offset
@@ -252,10 +282,12 @@ class ConfigBridge:
         with open(acks, "rb") as f:
             f.seek(self.offset)
             chunk = f.read()
-        for line in chunk[:chunk.rfind(b"\n") + 1].splitlines(keepends=True):
+        for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):
             ack = json.loads(line)
-            resp = self.client.post(f"/api/runs/{self.run_id}/config/{ack['revision']}/ack",
-                                    json={"process": ack["process"], "step": ack["step"]})
+            resp = self.client.post(
+                f"/api/runs/{self.run_id}/config/{ack['revision']}/ack",
+                json={"process": ack["process"], "step": ack["step"]},
+            )
             if resp.status_code in (404, 422):
                 logger.warning("config ack %s refused: %s %s", ack, resp.status_code, resp.text[:300])
             else:
@@ -274,8 +306,15 @@ class Reporter(threading.Thread):
     starts).
     """
 
-    def __init__(self, client: httpx.Client, run_id: int, run_dir: Path, home: Path, interval_s: float = 1.0,
-                 attempt: int | None = None) -> None:
+    def __init__(
+        self,
+        client: httpx.Client,
+        run_id: int,
+        run_dir: Path,
+        home: Path,
+        interval_s: float = 1.0,
+        attempt: int | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.client, self.run_id, self.run_dir, self.interval_s = client, run_id, run_dir, interval_s
         self.home, self.attempt = home, attempt
@@ -326,8 +365,12 @@ class Reporter(threading.Thread):
                 backoff = self.interval_s
             except httpx.HTTPError as err:
                 backoff = min(backoff * 2, 30.0)
-                logger.warning("server unreachable (%s); metrics and config acks stay spooled in %s, retry in %.0fs",
-                               err, self.forwarder.path, backoff)
+                logger.warning(
+                    "server unreachable (%s); metrics and config acks stay spooled in %s, retry in %.0fs",
+                    err,
+                    self.forwarder.path,
+                    backoff,
+                )
 
     def finish(self, status: str | None, reason: str, deadline_s: float = REPORT_TIMEOUT_S) -> bool:
         """Spool ``status`` in ``home/final.json``, send what is pending, then report ``status`` (None: report no
@@ -340,8 +383,14 @@ class Reporter(threading.Thread):
         self._done.set()
         if self.is_alive():
             self.join()
-        final = {"status": status, "reason": reason[:2000], "attempt": self.attempt, "pid": os.getpid(),
-                 "time": time.time(), "delivered": False}
+        final = {
+            "status": status,
+            "reason": reason[:2000],
+            "attempt": self.attempt,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "delivered": False,
+        }
         if status is not None:
             write_final(self.home, final)
 
@@ -354,13 +403,23 @@ class Reporter(threading.Thread):
             return self.status(status, reason) if status is not None else False
 
         try:
-            taken = Retrying(stop=stop_after_delay(deadline_s), wait=wait_exponential(multiplier=1, max=10),
-                             retry=retry_if_exception_type(httpx.HTTPError), reraise=True,
-                             before_sleep=lambda rs: logger.warning(
-                                 "final report: %s; retrying", rs.outcome.exception() if rs.outcome else "?"))(report)
+            taken = Retrying(
+                stop=stop_after_delay(deadline_s),
+                wait=wait_exponential(multiplier=1, max=10),
+                retry=retry_if_exception_type(httpx.HTTPError),
+                reraise=True,
+                before_sleep=lambda rs: logger.warning(
+                    "final report: %s; retrying", rs.outcome.exception() if rs.outcome else "?"
+                ),
+            )(report)
         except httpx.HTTPError as err:
-            logger.error("could not report %s to the server within %.0fs (%s); spooled in %s for the worker",
-                         status, deadline_s, err, self.home / FINAL_FILE)
+            logger.error(
+                "could not report %s to the server within %.0fs (%s); spooled in %s for the worker",
+                status,
+                deadline_s,
+                err,
+                self.home / FINAL_FILE,
+            )
             return False
         if taken:
             write_final(self.home, {**final, "delivered": True})
@@ -442,8 +501,12 @@ def _checkpoint_then_requeue(run_dir: Path, wait_s: float) -> None:
     while step not in complete_steps(run) and time.monotonic() < deadline:
         time.sleep(0.5)
     job = os.environ["SLURM_JOB_ID"]
-    logger.info("checkpoint step %d %s; requeueing job %s", step,
-                "complete" if step in complete_steps(run) else "not complete in time", job)
+    logger.info(
+        "checkpoint step %d %s; requeueing job %s",
+        step,
+        "complete" if step in complete_steps(run) else "not complete in time",
+        job,
+    )
     subprocess.run(["scontrol", "requeue", job], check=False)
 
 
@@ -472,22 +535,33 @@ def main(argv: list[str] | None = None) -> int:
     from worker.spec import RLSpec, SpecError, validate_spec
 
     run_id = int(os.environ["ASYNCRL_RUN_ID"])
-    client = httpx.Client(base_url=os.environ["ASYNCRL_SERVER_URL"], timeout=30.0,
-                          headers={"Authorization": f"Bearer {os.environ['ASYNCRL_RUN_TOKEN']}"})
+    client = httpx.Client(
+        base_url=os.environ["ASYNCRL_SERVER_URL"],
+        timeout=30.0,
+        headers={"Authorization": f"Bearer {os.environ['ASYNCRL_RUN_TOKEN']}"},
+    )
     spec = validate_spec("rl", json.loads((args.home / "spec.json").read_text()))
     assert isinstance(spec, RLSpec)
     resume, attempt = args.resume, _slurm_attempt()
     requeue: dict[str, Any] | None = None
     if attempt is not None:
         wait_s = max(10.0, spec.launcher.slurm.signal_before_end_s - 10.0)
-        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(
-            target=_checkpoint_then_requeue, args=(spec.run_dir, wait_s), daemon=True).start())
+        signal.signal(
+            signal.SIGUSR1,
+            lambda *_: threading.Thread(
+                target=_checkpoint_then_requeue, args=(spec.run_dir, wait_s), daemon=True
+            ).start(),
+        )
     if attempt:
         step = _prepare_requeued(spec.run_dir, args.home)
         resume = step is not None
         requeue = {"restarts": attempt, "resume_step": step, "job": os.environ["SLURM_JOB_ID"]}
-        logger.info("Slurm attempt %d of job %s: %s", attempt, os.environ["SLURM_JOB_ID"],
-                    f"resuming from checkpoint step {step}" if resume else "no complete checkpoint, starting over")
+        logger.info(
+            "Slurm attempt %d of job %s: %s",
+            attempt,
+            os.environ["SLURM_JOB_ID"],
+            f"resuming from checkpoint step {step}" if resume else "no complete checkpoint, starting over",
+        )
     # made after _prepare_requeued: what events.jsonl holds now is of earlier attempts
     reporter = Reporter(client, run_id, spec.run_dir, args.home, attempt=args.attempt)
     reporter.requeue = requeue
@@ -506,8 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     if attempt is not None and _terminated.is_set():  # Slurm's SIGTERM: scancel, time limit or requeue
         job = os.environ["SLURM_JOB_ID"]
         requeued = _slurm_requeued(attempt)
-        status, reason = (None, f"Slurm job {job} requeued") if requeued else (
-            "cancelled", f"Slurm job {job} terminated (scancel or time limit)")  # requeued: the next attempt reports
+        status, reason = (
+            (None, f"Slurm job {job} requeued")
+            if requeued
+            else ("cancelled", f"Slurm job {job} terminated (scancel or time limit)")
+        )  # requeued: the next attempt reports
     logger.info("run %d ended %s %s", run_id, status, reason)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     reporter.finish(status, reason, deadline_s)

@@ -57,8 +57,15 @@ def launch(run_id: int) -> str:
             return _adopt_finished(session, run, final)
         if pid is None:
             resume = bool(runs.checkpoint_steps(run))
-            pid = supervisor.start(home, run_id=run_id, spec=run.spec, token=tokens.run_token(run_id),
-                                   server_url=settings.server_url(), resume=resume, attempt=attempt)
+            pid = supervisor.start(
+                home,
+                run_id=run_id,
+                spec=run.spec,
+                token=tokens.run_token(run_id),
+                server_url=settings.server_url(),
+                resume=resume,
+                attempt=attempt,
+            )
         run.launcher, run.launcher_handle = "local", str(pid)
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
@@ -68,8 +75,11 @@ def launch(run_id: int) -> str:
 
 def current_attempt(session: Session, run_id: int) -> int | None:
     """Id of the run event that last moved the run to ``queued`` (see the module docstring), None without one."""
-    return session.exec(select(func.max(RunEvent.id)).where(
-        RunEvent.run_id == run_id, RunEvent.kind == "status", RunEvent.to_status == RunStatus.queued.value)).one()
+    return session.exec(
+        select(func.max(RunEvent.id)).where(
+            RunEvent.run_id == run_id, RunEvent.kind == "status", RunEvent.to_status == RunStatus.queued.value
+        )
+    ).one()
 
 
 def _apply_final(session: Session, run: Run, final: dict[str, Any], **data: Any) -> None:
@@ -167,8 +177,11 @@ def reconcile() -> list[int]:
     from a spool).
     """
     with Session(engine) as session:
-        candidates = session.exec(select(Run.id).where(col(Run.status).in_([s.value for s in LIVE]),
-                                                       col(Run.launcher).in_(["local", "slurm"]))).all()
+        candidates = session.exec(
+            select(Run.id).where(
+                col(Run.status).in_([s.value for s in LIVE]), col(Run.launcher).in_(["local", "slurm"])
+            )
+        ).all()
     failed = []
     for run_id in candidates:
         with Session(engine) as session:
@@ -187,11 +200,19 @@ def reconcile() -> list[int]:
                 points = _ingest_spooled_metrics(session, run, home)
                 _apply_final(session, run, final, pid=pid, by="reconcile")
                 session.commit()
-                logger.info("reconcile: run %s %s from the spool %s (%d metric points it had not sent)", run_id,
-                            final["status"], home / supervisor.FINAL_FILE, points)
+                logger.info(
+                    "reconcile: run %s %s from the spool %s (%d metric points it had not sent)",
+                    run_id,
+                    final["status"],
+                    home / supervisor.FINAL_FILE,
+                    points,
+                )
                 continue
-            context = "\n".join(x for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3),
-                                             _last_lines(home / "supervisor.log", 5)) if x)
+            context = "\n".join(
+                x
+                for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3), _last_lines(home / "supervisor.log", 5))
+                if x
+            )
             reason = f"supervisor {pid} is gone" + (f"; last lines:\n{context}" if context else "")
             runs.transition(session, run, RunStatus.failed, reason=reason[:2000], pid=pid, by="reconcile")
             session.commit()
@@ -235,8 +256,9 @@ def _reconcile_slurm(session: Session, run: Run) -> bool:
         return False
     home = Path(run.run_dir).parent
     attempts = sorted((home / "slurm").glob("attempt-*/job.log"))
-    context = "\n".join(x for x in (_last_lines(home / "supervisor.log", 5),
-                                    _last_lines(attempts[-1], 3) if attempts else "") if x)
+    context = "\n".join(
+        x for x in (_last_lines(home / "supervisor.log", 5), _last_lines(attempts[-1], 3) if attempts else "") if x
+    )
     what = "is gone" if job is None else f"ended {job.state} (reason {job.reason}, exit code {job.exit_code})"
     reason = f"Slurm job {run.launcher_handle} {what}" + (f"; last lines:\n{context}" if context else "")
     to = RunStatus.cancelled if job is not None and job.state == "CANCELLED" else RunStatus.failed

@@ -21,11 +21,15 @@ def current_principal(request: Request, session: SessionDep) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if not header:
-        raise HTTPException(401, "missing token: send 'Authorization: Bearer <token>' (asyncrl token create)",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401,
+            "missing token: send 'Authorization: Bearer <token>' (asyncrl token create)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(401, "malformed Authorization header: expected 'Bearer <token>'",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401, "malformed Authorization header: expected 'Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+        )
     try:
         principal = tokens.authenticate(session, token.strip())
     except tokens.AuthError as err:

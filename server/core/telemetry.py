@@ -22,8 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter("asyncrl_http_requests", "HTTP requests", ["method", "route", "status"], registry=REGISTRY)
-LATENCY = Histogram("asyncrl_http_request_duration_seconds", "HTTP request time in the app", ["method", "route"],
-                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=REGISTRY)
+LATENCY = Histogram(
+    "asyncrl_http_request_duration_seconds",
+    "HTTP request time in the app",
+    ["method", "route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    registry=REGISTRY,
+)
 POINTS_RECEIVED = Counter("asyncrl_metric_points_received", "Metric points received by ingestion", registry=REGISTRY)
 POINTS_INSERTED = Counter("asyncrl_metric_points_inserted", "Metric points stored (new keys)", registry=REGISTRY)
 
@@ -72,8 +77,10 @@ class PrometheusMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 ms = (time.perf_counter() - start) * 1000
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"server-timing", f"app;dur={ms:.2f}".encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"server-timing", f"app;dur={ms:.2f}".encode())],
+                }
             await send(message)
 
         try:

@@ -28,8 +28,11 @@ class RevisionNotFound(RunNotFound):
 
 def revisions(session: Session, run_id: int, *, after: int = 0) -> list[ConfigRevision]:
     """Revisions of ``run_id`` numbered above ``after``, oldest first."""
-    stmt = (select(ConfigRevision).where(ConfigRevision.run_id == run_id, col(ConfigRevision.revision) > after)
-            .order_by(col(ConfigRevision.revision)))
+    stmt = (
+        select(ConfigRevision)
+        .where(ConfigRevision.run_id == run_id, col(ConfigRevision.revision) > after)
+        .order_by(col(ConfigRevision.revision))
+    )
     return list(session.exec(stmt).all())
 
 
@@ -55,8 +58,9 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
     run = runs.get(session, run_id, lock=True)
     status = RunStatus(run.status)
     if status in TERMINAL:
-        raise RunNotLive(f"run {run_id} is {status.value}: config changes only while it is queued, starting, "
-                         "running or paused")
+        raise RunNotLive(
+            f"run {run_id} is {status.value}: config changes only while it is queued, starting, running or paused"
+        )
     existing = revisions(session, run_id)
     spec = run.spec
     for rev in existing:
@@ -65,8 +69,9 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
     number = (existing[-1].revision if existing else 0) + 1
     row = ConfigRevision(run_id=run_id, revision=number, changes=normalised, created_by=by)
     session.add(row)
-    runs.record_event(session, run, "config_revision", reason=f"revision {number} by {by}", revision=number,
-                      changes=normalised)
+    runs.record_event(
+        session, run, "config_revision", reason=f"revision {number} by {by}", revision=number, changes=normalised
+    )
     session.flush()
     return row
 
@@ -83,8 +88,11 @@ def ack(session: Session, run_id: int, revision: int, *, process: str, step: int
         SpecError: ``process`` applies none of the revision's keys.
     """
     run = runs.get(session, run_id)
-    row = session.exec(select(ConfigRevision).where(ConfigRevision.run_id == run_id,
-                                                    ConfigRevision.revision == revision).with_for_update()).first()
+    row = session.exec(
+        select(ConfigRevision)
+        .where(ConfigRevision.run_id == run_id, ConfigRevision.revision == revision)
+        .with_for_update()
+    ).first()
     if row is None:
         raise RevisionNotFound(f"run {run_id} has no config revision {revision}")
     owners = sorted({LIVE_KEYS[k] for k in row.changes if k in LIVE_KEYS})
@@ -94,7 +102,14 @@ def ack(session: Session, run_id: int, revision: int, *, process: str, step: int
         return row
     row.applied = {**row.applied, process: step}  # a new dict: SQLAlchemy sees the change
     session.add(row)
-    runs.record_event(session, run, "config_applied", reason=f"revision {revision} in effect for {process} "
-                      f"from step {step}", revision=revision, process=process, step=step)
+    runs.record_event(
+        session,
+        run,
+        "config_applied",
+        reason=f"revision {revision} in effect for {process} from step {step}",
+        revision=revision,
+        process=process,
+        step=step,
+    )
     session.flush()
     return row

@@ -30,19 +30,34 @@ def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> i
     postgres = session.get_bind().dialect.name == "postgresql"
     received, inserted = len(points), 0
     if postgres and points:
-        columns = {"source": [p.source for p in points], "step": [p.step for p in points],
-                   "name": [p.name for p in points], "value": [p.value for p in points],
-                   "time": [p.time for p in points]}
+        columns = {
+            "source": [p.source for p in points],
+            "step": [p.step for p in points],
+            "name": [p.name for p in points],
+            "value": [p.value for p in points],
+            "time": [p.time for p in points],
+        }
         inserted = session.execute(_PG_INGEST, {"run_id": run_id, **columns}).rowcount  # type: ignore[attr-defined]
         points = []  # done; the loop below is SQLite's
     for i in range(0, len(points), CHUNK):
         # SQLite turns NaN into NULL (refused: NOT NULL); inf also reads back as null, so store NaN as inf there
-        rows = [{"run_id": run_id, "source": p.source, "step": p.step, "name": p.name,
-                 "value": p.value if postgres or not math.isnan(p.value) else math.inf,
-                 "time": p.time} for p in points[i:i + CHUNK]]
-        stmt = (sqlite_insert(Metric).values(rows)
-                .on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
-                .returning(Metric.__table__.c.step))  # type: ignore[attr-defined]
+        rows = [
+            {
+                "run_id": run_id,
+                "source": p.source,
+                "step": p.step,
+                "name": p.name,
+                "value": p.value if postgres or not math.isnan(p.value) else math.inf,
+                "time": p.time,
+            }
+            for p in points[i : i + CHUNK]
+        ]
+        stmt = (
+            sqlite_insert(Metric)
+            .values(rows)
+            .on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
+            .returning(Metric.__table__.c.step)
+        )  # type: ignore[attr-defined]
         inserted += len(session.execute(stmt).all())
     POINTS_RECEIVED.inc(received)
     POINTS_INSERTED.inc(inserted)
@@ -64,15 +79,17 @@ ORDER BY source, step
 """)
 
 
-def series(session: Session, *, run_id: int, name: str, since_step: int = -1,
-           max_points: int = 1000) -> list[MetricSeries]:
+def series(
+    session: Session, *, run_id: int, name: str, since_step: int = -1, max_points: int = 1000
+) -> list[MetricSeries]:
     """One series per source of metric ``name`` after ``since_step``, each at most ``max_points`` long.
 
     Downsampling keeps every k-th point by step, k = ceil(n / (max_points - 1)), plus the last point, so a
     chart always ends at the newest value.
     """
-    rows = session.execute(_SERIES_SQL, {"run_id": run_id, "name": name, "since_step": since_step,
-                                         "max_points": max_points}).all()
+    rows = session.execute(
+        _SERIES_SQL, {"run_id": run_id, "name": name, "since_step": since_step, "max_points": max_points}
+    ).all()
     out: dict[str, MetricSeries] = {}
     for source, step, value, t, n in rows:
         s = out.setdefault(source, MetricSeries(source=source, total=n, step=[], value=[], time=[]))
@@ -96,18 +113,25 @@ ORDER BY step
 """The downsampling of ``_SERIES_SQL`` for one (source, name): the window sorts integer steps only."""
 
 
-def series_of(session: Session, *, run_id: int, keys: Sequence[tuple[str, str]], since_step: int = -1,
-              max_points: int = 1000) -> dict[tuple[str, str], MetricSeries]:
+def series_of(
+    session: Session, *, run_id: int, keys: Sequence[tuple[str, str]], since_step: int = -1, max_points: int = 1000
+) -> dict[tuple[str, str], MetricSeries]:
     """Downsampled series (as :func:`series`) of several ``(source, name)`` keys, one indexed query each (faster
     than one query over all of them: no sort of text keys); keys without points are absent."""
     out = {}
     for source, name in keys:
-        rows = session.execute(_PAIR_SQL, {"run_id": run_id, "name": name, "source": source,
-                                           "since_step": since_step, "max_points": max_points}).all()
+        rows = session.execute(
+            _PAIR_SQL,
+            {"run_id": run_id, "name": name, "source": source, "since_step": since_step, "max_points": max_points},
+        ).all()
         if rows:
-            out[(source, name)] = MetricSeries(source=source, total=rows[0][3], step=[r[0] for r in rows],
-                                               value=[v if math.isfinite(v) else None for _, v, _, _ in rows],
-                                               time=[r[2] for r in rows])
+            out[(source, name)] = MetricSeries(
+                source=source,
+                total=rows[0][3],
+                step=[r[0] for r in rows],
+                value=[v if math.isfinite(v) else None for _, v, _, _ in rows],
+                time=[r[2] for r in rows],
+            )
     return out
 
 
@@ -115,10 +139,15 @@ def latest(session: Session, *, run_ids: Sequence[int], source: str, name: str) 
     """Run id -> (step, value) of the newest point of metric ``name`` from ``source`` (runs without one absent)."""
     if not run_ids:
         return {}
-    newest = (select(Metric.run_id, func.max(Metric.step).label("step"))
-              .where(col(Metric.run_id).in_(run_ids), Metric.source == source, Metric.name == name)
-              .group_by(col(Metric.run_id)).subquery())
-    rows = session.execute(select(Metric.run_id, Metric.step, Metric.value).join(
-        newest, (col(Metric.run_id) == newest.c.run_id) & (col(Metric.step) == newest.c.step))
-        .where(Metric.source == source, Metric.name == name)).all()
+    newest = (
+        select(Metric.run_id, func.max(Metric.step).label("step"))
+        .where(col(Metric.run_id).in_(run_ids), Metric.source == source, Metric.name == name)
+        .group_by(col(Metric.run_id))
+        .subquery()
+    )
+    rows = session.execute(
+        select(Metric.run_id, Metric.step, Metric.value)
+        .join(newest, (col(Metric.run_id) == newest.c.run_id) & (col(Metric.step) == newest.c.step))
+        .where(Metric.source == source, Metric.name == name)
+    ).all()
     return {run_id: (step, value if math.isfinite(value) else None) for run_id, step, value in rows}

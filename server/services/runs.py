@@ -96,8 +96,9 @@ def get(session: Session, run_id: int, *, lock: bool = False) -> Run:
     return run
 
 
-def list_runs(session: Session, *, status: RunStatus | None = None, name: str | None = None,
-              offset: int = 0, limit: int = 50) -> tuple[list[Run], int]:
+def list_runs(
+    session: Session, *, status: RunStatus | None = None, name: str | None = None, offset: int = 0, limit: int = 50
+) -> tuple[list[Run], int]:
     """Runs newest first, filtered by status and by a substring of the name; returns (page, total)."""
     where = []
     if status is not None:
@@ -109,8 +110,9 @@ def list_runs(session: Session, *, status: RunStatus | None = None, name: str | 
     return list(rows), int(total)
 
 
-def transition(session: Session, run: Run, to: RunStatus, *, reason: str = "", _resume: bool = False,
-               **data: Any) -> bool:
+def transition(
+    session: Session, run: Run, to: RunStatus, *, reason: str = "", _resume: bool = False, **data: Any
+) -> bool:
     """Move ``run`` to ``to`` and record the event; a repeat of the current state is a no-op (returns False).
     ``_resume`` (used by ``resume`` only) also allows ``failed | cancelled → queued``.
 
@@ -165,8 +167,9 @@ def request_stop(session: Session, run: Run, *, by: str) -> bool:
 
 def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) -> tuple[list[RunEvent], int]:
     total = session.exec(select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id)).one()
-    rows = session.exec(select(RunEvent).where(RunEvent.run_id == run_id).order_by(col(RunEvent.id))
-                        .offset(offset).limit(limit)).all()
+    rows = session.exec(
+        select(RunEvent).where(RunEvent.run_id == run_id).order_by(col(RunEvent.id)).offset(offset).limit(limit)
+    ).all()
     return list(rows), int(total)
 
 
@@ -223,8 +226,15 @@ def requeued(session: Session, run: Run, *, restarts: int, resume_step: int | No
     after = -1 if resume_step is None else resume_step
     session.execute(delete(Metric).where(col(Metric.run_id) == run.id, col(Metric.step) > after))
     start = f"checkpoint step {resume_step}" if resume_step is not None else "the start (no complete checkpoint)"
-    record_event(session, run, "requeued", reason=f"Slurm job {job} requeued (restart {restarts}); resuming from {start}",
-                 restarts=restarts, resume_step=resume_step, job=job)
+    record_event(
+        session,
+        run,
+        "requeued",
+        reason=f"Slurm job {job} requeued (restart {restarts}); resuming from {start}",
+        restarts=restarts,
+        resume_step=resume_step,
+        job=job,
+    )
     return True
 
 
@@ -245,7 +255,7 @@ def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, An
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise SpecError(f"changes.{dotted}: {'.'.join(parts[:i + 1])} is not a table")
+                raise SpecError(f"changes.{dotted}: {'.'.join(parts[: i + 1])} is not a table")
             node = child
         node[parts[-1]] = value
     return out
@@ -259,8 +269,15 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def fork(session: Session, parent: Run, *, owner: str, changes: dict[str, Any], step: int | None = None,
-         name: str | None = None) -> Run:
+def fork(
+    session: Session,
+    parent: Run,
+    *,
+    owner: str,
+    changes: dict[str, Any],
+    step: int | None = None,
+    name: str | None = None,
+) -> Run:
     """A new queued run: the parent's spec with ``changes``, starting from the parent's checkpoint ``step``
     (default: the newest complete one). The checkpoint is hard-linked (or copied) into the child's run
     directory with the child's ``config.json``, so the child's launch resumes from it: weights, optimizer,
@@ -287,8 +304,10 @@ def fork(session: Session, parent: Run, *, owner: str, changes: dict[str, Any], 
         raise SpecError(f"step: run {parent.id} has no complete checkpoint at step {step} (complete: {steps})")
     child = create(session, data=data, owner=owner)
     if child.spec["max_steps"] <= step:
-        raise SpecError(f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "
-                        "raise it in changes")
+        raise SpecError(
+            f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "
+            "raise it in changes"
+        )
     src, dst = RunDir(parent.run_dir), RunDir(child.run_dir)
     try:
         shutil.copytree(src.checkpoint_dir(step), dst.checkpoint_dir(step), copy_function=_link_or_copy)
@@ -296,10 +315,23 @@ def fork(session: Session, parent: Run, *, owner: str, changes: dict[str, Any], 
     except BaseException:
         shutil.rmtree(Path(child.run_dir).parent, ignore_errors=True)
         raise
-    record_event(session, child, "forked", reason=f"forked by {owner} from run {parent.id} at checkpoint step {step}",
-                 parent_run_id=parent.id, step=step, changes=changes)
-    record_event(session, parent, "fork", reason=f"forked by {owner} into run {child.id} at step {step}",
-                 child_run_id=child.id, step=step)
+    record_event(
+        session,
+        child,
+        "forked",
+        reason=f"forked by {owner} from run {parent.id} at checkpoint step {step}",
+        parent_run_id=parent.id,
+        step=step,
+        changes=changes,
+    )
+    record_event(
+        session,
+        parent,
+        "fork",
+        reason=f"forked by {owner} into run {child.id} at step {step}",
+        child_run_id=child.id,
+        step=step,
+    )
     return child
 
 

@@ -27,11 +27,24 @@ _spec = importlib.util.spec_from_file_location("asyncrl_server_test_fixtures", S
 _fixtures = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_fixtures)  # type: ignore[union-attr]
 client, auth, make_run, live_server, session = (
-    _fixtures.client, _fixtures.auth, _fixtures.make_run, _fixtures.live_server, _fixtures.session)
+    _fixtures.client,
+    _fixtures.auth,
+    _fixtures.make_run,
+    _fixtures.live_server,
+    _fixtures.session,
+)
 
 CHROMIUM = os.environ.get("ASYNCRL_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(os.environ.get("ASYNCRL_ARTIFACTS", "test-artifacts"))
 
 

@@ -23,7 +23,9 @@ def test_runs_list_filters_without_javascript(nojs_page: Any, login: Any, live_s
     page.get_by_role("button", name="Filter").click()
     page.wait_for_url(f"**/runs?status=&q=nojs-{tag}")
     assert page.locator("tr[data-run-id]").evaluate_all("rs => rs.map(r => r.dataset.runId)") == [
-        str(b["id"]), str(a["id"])]
+        str(b["id"]),
+        str(a["id"]),
+    ]
     page.get_by_role("link", name=f"#{a['id']} nojs-{tag}-a").click()
     page.wait_for_url(f"{live_server}/runs/{a['id']}")
     assert page.locator("#status-badge").inner_text() == "queued"
@@ -35,7 +37,8 @@ def test_runs_list_filters_without_javascript(nojs_page: Any, login: Any, live_s
 
 
 def test_read_only_token_sees_no_write_buttons_and_a_forged_post_is_refused(
-        page: Any, login: Any, live_server: str, make_run: Any) -> None:
+    page: Any, login: Any, live_server: str, make_run: Any
+) -> None:
     run = make_run()
     login(page, live_server, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
     page.goto(f"{live_server}/runs/{run['id']}")
@@ -45,15 +48,17 @@ def test_read_only_token_sees_no_write_buttons_and_a_forged_post_is_refused(
     assert page.locator("#config-values").get_by_text("trainer.optim.lr").count() == 1
     assert page.locator("form[method=post]").evaluate_all("fs => fs.map(f => f.getAttribute('action'))") == ["/logout"]
     csrf = page.locator("input[name=csrf]").first.get_attribute("value")
-    status = page.evaluate("""async ([url, csrf]) => (await fetch(url, {method: "POST",
-        body: new URLSearchParams({csrf})})).status""", [f"/runs/{run['id']}/stop", csrf])
+    status = page.evaluate(
+        """async ([url, csrf]) => (await fetch(url, {method: "POST",
+        body: new URLSearchParams({csrf})})).status""",
+        [f"/runs/{run['id']}/stop", csrf],
+    )
     assert status == 403
     page.reload()
     assert page.locator("#status-badge").inner_text() == "queued"
 
 
-def test_read_only_token_gets_an_error_page_instead_of_the_launch_form(
-        page: Any, login: Any, live_server: str) -> None:
+def test_read_only_token_gets_an_error_page_instead_of_the_launch_form(page: Any, login: Any, live_server: str) -> None:
     login(page, live_server, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
     resp = page.goto(f"{live_server}/launch")
     assert resp.status == 403
@@ -108,16 +113,22 @@ def test_launch_form_shows_the_error_at_the_offending_key(page: Any, login: Any,
 
 
 def _chart(page: Any, key: str, expr: str) -> Any:
-    return page.evaluate(f"() => {{ const d = document.getElementById('chart-{key}'); return d && d.data ? {expr} : null }}")
+    return page.evaluate(
+        f"() => {{ const d = document.getElementById('chart-{key}'); return d && d.data ? {expr} : null }}"
+    )
 
 
-def test_run_page_charts_update_live_and_compare_overlays(page: Any, login: Any, live_server: str, make_run: Any,
-                                                          auth: dict[str, str]) -> None:
+def test_run_page_charts_update_live_and_compare_overlays(
+    page: Any, login: Any, live_server: str, make_run: Any, auth: dict[str, str]
+) -> None:
     a, b = make_run(max_steps=50), make_run(max_steps=60)
 
     def post(run: dict[str, Any], steps: range, reward: float) -> None:
-        pts = [{"source": src, "step": s, "name": n, "value": v, "time": time.time()} for s in steps
-               for src, n, v in (("orchestrator", "reward_mean", reward + 0.01 * s), ("trainer", "loss", 1.0 / s))]
+        pts = [
+            {"source": src, "step": s, "name": n, "value": v, "time": time.time()}
+            for s in steps
+            for src, n, v in (("orchestrator", "reward_mean", reward + 0.01 * s), ("trainer", "loss", 1.0 / s))
+        ]
         r = httpx.post(f"{live_server}/api/runs/{run['id']}/metrics", json={"points": pts}, headers=auth)
         assert r.status_code == 200, r.text
 
@@ -137,7 +148,10 @@ def test_run_page_charts_update_live_and_compare_overlays(page: Any, login: Any,
     wait_for(lambda: _chart(page, "reward", "d.data.length") == 2, 10, "two reward lines")
     # the runs in the list's order (newest first)
     assert _chart(page, "reward", "d.data.map(t => [t.name, t.x.length])") == [
-        [f"#{b['id']} {b['name']} train", 5], [f"#{a['id']} {a['name']} train", 8]]
+        [f"#{b['id']} {b['name']} train", 5],
+        [f"#{a['id']} {a['name']} train", 8],
+    ]
     rows = page.locator("#config-diff tbody tr").evaluate_all(
-        "rs => rs.map(r => Array.from(r.children).map(c => c.innerText))")
+        "rs => rs.map(r => Array.from(r.children).map(c => c.innerText))"
+    )
     assert rows == [["max_steps", "60", "50"], ["name", b["name"], a["name"]]]

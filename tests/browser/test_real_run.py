@@ -56,8 +56,9 @@ def kill_run_sessions() -> None:
     """SIGKILL every process of run supervisors' sessions under this test session's output dir (a test that fails
     mid-run leaves its run training: the supervisor has its own session)."""
     procs = processes()
-    sessions = {pid for pid, (sid, cmd) in procs.items() if pid == sid and "worker.supervisor" in cmd
-                and str(STATE) in cmd}
+    sessions = {
+        pid for pid, (sid, cmd) in procs.items() if pid == sid and "worker.supervisor" in cmd and str(STATE) in cmd
+    }
     for pid, (sid, _) in procs.items():
         if sid in sessions:
             with contextlib.suppress(ProcessLookupError):
@@ -65,21 +66,36 @@ def kill_run_sessions() -> None:
 
 
 def spec_toml(model: Path, name: str) -> str:
-    data = load_spec_data([CONFIG], [
-        ("name", name), ("max_steps", "10000"), ("model.name", str(model)), ("orchestrator.batch_size", "4"),
-        ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"), ("orchestrator.eval.interval", "0"),
-        ("orchestrator.eval.num_examples", "8"), ("ckpt.interval", "0"), ("trainer.optim.lr", "1e-4"),
-        ("trainer.scheduler.type", "constant"), ("trainer.scheduler.warmup_steps", "0")])
+    data = load_spec_data(
+        [CONFIG],
+        [
+            ("name", name),
+            ("max_steps", "10000"),
+            ("model.name", str(model)),
+            ("orchestrator.batch_size", "4"),
+            ("orchestrator.group_size", "4"),
+            ("orchestrator.max_tokens", "16"),
+            ("orchestrator.eval.interval", "0"),
+            ("orchestrator.eval.num_examples", "8"),
+            ("ckpt.interval", "0"),
+            ("trainer.optim.lr", "1e-4"),
+            ("trainer.scheduler.type", "constant"),
+            ("trainer.scheduler.warmup_steps", "0"),
+        ],
+    )
     return tomli_w.dumps(data)
 
 
 def chart(page: Any, key: str, expr: str) -> Any:
-    return page.evaluate(f"() => {{ const d = document.getElementById('chart-{key}'); "
-                         f"return d && d.data && d.data.length ? {expr} : null }}")
+    return page.evaluate(
+        f"() => {{ const d = document.getElementById('chart-{key}'); "
+        f"return d && d.data && d.data.length ? {expr} : null }}"
+    )
 
 
-def test_launch_watch_change_lr_stop_and_compare(page: Any, login: Any, service: str, make_run: Any,
-                                                 tmp_path: Path) -> None:
+def test_launch_watch_change_lr_stop_and_compare(
+    page: Any, login: Any, service: str, make_run: Any, tmp_path: Path
+) -> None:
     from worker.models import init_model
 
     model = init_model(tmp_path / "model", size="tiny", seed=0)
@@ -103,11 +119,15 @@ def test_launch_watch_change_lr_stop_and_compare(page: Any, login: Any, service:
     page.get_by_role("button", name="Review change").click()
     row = page.locator("table.diff tbody tr")
     assert row.evaluate_all("rs => rs.map(r => Array.from(r.children).map(c => c.innerText))") == [
-        ["trainer.optim.lr", "0.0001", "5e-05"]]
+        ["trainer.optim.lr", "0.0001", "5e-05"]
+    ]
     page.get_by_role("button", name="Apply").click()
     page.wait_for_url(f"{service}/runs/{run_id}")
-    wait_for(lambda: chart(page, "lr", "d.layout.annotations.map(a => a.text)") == ["r1 trainer"], 180,
-             "the r1 trainer marker on the lr chart")
+    wait_for(
+        lambda: chart(page, "lr", "d.layout.annotations.map(a => a.text)") == ["r1 trainer"],
+        180,
+        "the r1 trainer marker on the lr chart",
+    )
     step = chart(page, "lr", "d.layout.shapes[0].x0")
     wait_for(lambda: max(chart(page, "lr", "d.data[0].x")) >= step, 60, "an lr point at the marker step")
     xs, ys = chart(page, "lr", "[d.data[0].x, d.data[0].y]")  # one read: a poll may redraw between two
@@ -128,7 +148,10 @@ def test_launch_watch_change_lr_stop_and_compare(page: Any, login: Any, service:
     page.goto(f"{service}/compare?run={run_id}&run={other['id']}")
     wait_for(lambda: chart(page, "loss", "d.data.length") == 1, 20, "the compare charts")
     assert chart(page, "loss", "[d.data[0].name, d.data[0].x.length]") == [f"#{run_id} {name} loss", steps]
-    diff = dict(page.locator("#config-diff tbody tr").evaluate_all(
-        "rs => rs.map(r => [r.children[0].innerText, Array.from(r.children).slice(1).map(c => c.innerText)])"))
+    diff = dict(
+        page.locator("#config-diff tbody tr").evaluate_all(
+            "rs => rs.map(r => [r.children[0].innerText, Array.from(r.children).slice(1).map(c => c.innerText)])"
+        )
+    )
     assert diff["model.name"] == [str(model), other["spec"]["model"]["name"]]
     assert diff["max_steps"] == ["10000", "3"] and diff["name"] == [name, "bad-model"]

@@ -136,8 +136,9 @@ def test_health_and_wait_ready_are_bounded(blackhole: BlackHole) -> None:
     assert asyncio.run(go()) < CONNECT_S + 1.0 + CONNECT_S + SLACK_S
 
 
-def test_run_against_a_silent_server_fails_with_the_cause(blackhole: BlackHole, tiny_model: Path,
-                                                          tmp_path: Path) -> None:
+def test_run_against_a_silent_server_fails_with_the_cause(
+    blackhole: BlackHole, tiny_model: Path, tmp_path: Path
+) -> None:
     """The whole run (launcher, trainer, orchestrator) pointed at the black hole: it fails within its startup
     timeout plus process start-up, the orchestrator's ``failed`` event and the run's own reason both name the
     route and the timeout, and no process of the run is left."""
@@ -148,10 +149,23 @@ def test_run_against_a_silent_server_fails_with_the_cause(blackhole: BlackHole, 
     from worker.spec import load_spec_data, validate_spec
 
     configs = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
-    spec = validate_spec("rl", load_spec_data([configs / "rl.toml"], [
-        ("model.name", str(tiny_model)), ("inference.url", blackhole.url), ("output_dir", str(tmp_path)),
-        ("name", "c9"), ("max_steps", "3"), ("inference.startup_timeout_s", "5"), ("inference.connect_timeout_s", "1"),
-        ("inference.read_timeout_s", "1"), ("inference.max_retries", "1")]))
+    spec = validate_spec(
+        "rl",
+        load_spec_data(
+            [configs / "rl.toml"],
+            [
+                ("model.name", str(tiny_model)),
+                ("inference.url", blackhole.url),
+                ("output_dir", str(tmp_path)),
+                ("name", "c9"),
+                ("max_steps", "3"),
+                ("inference.startup_timeout_s", "5"),
+                ("inference.connect_timeout_s", "1"),
+                ("inference.read_timeout_s", "1"),
+                ("inference.max_retries", "1"),
+            ],
+        ),
+    )
     t0 = time.monotonic()
     summary = launch_rl(spec, quiet=True)
     elapsed = time.monotonic() - t0

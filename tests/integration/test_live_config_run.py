@@ -25,15 +25,27 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
 OLD_LR, NEW_LR, OLD_T, NEW_T = 1e-4, 4e-5, 1.0, 1.7
 
 
-def test_lr_and_temperature_change_mid_run_from_the_acked_steps(tiny_model: Path, vllm_server: Any,
-                                                                  tmp_path: Path) -> None:
-    overrides = {"model.name": str(tiny_model), "inference.url": vllm_server.url, "output_dir": str(tmp_path),
-                 "name": "live", "max_steps": "8", "orchestrator.batch_size": "4", "orchestrator.group_size": "4",
-                 "orchestrator.max_tokens": "16", "orchestrator.temperature": str(OLD_T),
-                 "orchestrator.eval.num_examples": "4", "orchestrator.eval.interval": "0",
-                 "orchestrator.drop_zero_advantage": "false", "trainer.optim.lr": str(OLD_LR),
-                 "trainer.scheduler.warmup_steps": "0", "trainer.scheduler.type": "constant",
-                 "ckpt.interval": "0"}
+def test_lr_and_temperature_change_mid_run_from_the_acked_steps(
+    tiny_model: Path, vllm_server: Any, tmp_path: Path
+) -> None:
+    overrides = {
+        "model.name": str(tiny_model),
+        "inference.url": vllm_server.url,
+        "output_dir": str(tmp_path),
+        "name": "live",
+        "max_steps": "8",
+        "orchestrator.batch_size": "4",
+        "orchestrator.group_size": "4",
+        "orchestrator.max_tokens": "16",
+        "orchestrator.temperature": str(OLD_T),
+        "orchestrator.eval.num_examples": "4",
+        "orchestrator.eval.interval": "0",
+        "orchestrator.drop_zero_advantage": "false",
+        "trainer.optim.lr": str(OLD_LR),
+        "trainer.scheduler.warmup_steps": "0",
+        "trainer.scheduler.type": "constant",
+        "ckpt.interval": "0",
+    }
     spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], list(overrides.items())))
     assert isinstance(spec, RLSpec)
     run = RunDir(spec.run_dir)

@@ -60,8 +60,16 @@ def test_real_conversations_keep_vllm_tokens(vllm_server: Any) -> None:
         async with RecordingClient(vllm_server.url) as client:
             for index in range(4):
                 client.returned = []
-                rollout = await run_conversation(client, tok, env, env.task(index), max_tokens=24, temperature=1.0,
-                                                 max_len=512, policy_version=lambda: 0)
+                rollout = await run_conversation(
+                    client,
+                    tok,
+                    env,
+                    env.task(index),
+                    max_tokens=24,
+                    temperature=1.0,
+                    max_len=512,
+                    policy_version=lambda: 0,
+                )
                 out.append((rollout, client.returned))
         return out
 
@@ -81,16 +89,24 @@ def test_real_conversations_keep_vllm_tokens(vllm_server: Any) -> None:
         env_text = tok.decode([t for t, m in zip(rollout.completion_ids, mask, strict=True) if not m])
         assert f"Now reverse this: {task.data.texts[1]}" in env_text
         replies = [tok.decode(c.token_ids, skip_special_tokens=True) for c in returned]
-        expected = sum(lcs_ratio(parse_answer(r, ANSWER_TAG), a) for r, a in zip(replies, task.data.answers,
-                                                                                  strict=True)) / 2
+        expected = (
+            sum(lcs_ratio(parse_answer(r, ANSWER_TAG), a) for r, a in zip(replies, task.data.answers, strict=True)) / 2
+        )
         assert rollout.reward == pytest.approx(expected)
 
 
 def test_rl_run_on_multi_turn_env(vllm_server: Any, tmp_path: Path) -> None:
     overrides = {
-        "model.name": str(vllm_server.model_path), "inference.url": vllm_server.url, "output_dir": str(tmp_path),
-        "name": "multiturn", "max_steps": "3", "env.id": "reverse_twice", "orchestrator.batch_size": "4",
-        "orchestrator.group_size": "4", "orchestrator.max_tokens": "24", "orchestrator.eval.num_examples": "8",
+        "model.name": str(vllm_server.model_path),
+        "inference.url": vllm_server.url,
+        "output_dir": str(tmp_path),
+        "name": "multiturn",
+        "max_steps": "3",
+        "env.id": "reverse_twice",
+        "orchestrator.batch_size": "4",
+        "orchestrator.group_size": "4",
+        "orchestrator.max_tokens": "24",
+        "orchestrator.eval.num_examples": "8",
         "orchestrator.eval.interval": "0",
     }
     spec = validate_spec("rl", load_spec_data([CONFIG], list(overrides.items())))

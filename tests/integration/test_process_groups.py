@@ -85,8 +85,15 @@ def busy(url: str, model: str) -> threading.Thread:
     started = threading.Event()
 
     def generate() -> None:
-        body = {"model": model, "prompt": "reverse this text", "max_tokens": 900, "n": 32, "ignore_eos": True,
-                "stream": True, "temperature": 1.0}
+        body = {
+            "model": model,
+            "prompt": "reverse this text",
+            "max_tokens": 900,
+            "n": 32,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 1.0,
+        }
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(600.0)) as resp:
                 for _ in resp.iter_lines():
@@ -127,8 +134,11 @@ def cleanup(pgids: list[int]) -> None:
 
 def test_kill_9_of_the_parent_ends_the_inference_server_group(tiny_model: Path, tmp_path: Path) -> None:
     port, log = free_port(), tmp_path / "server.log"
-    parent = subprocess.Popen([sys.executable, "-c", SERVER_PARENT, str(tiny_model), str(port), str(log)],
-                              stdout=subprocess.PIPE, start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SERVER_PARENT, str(tiny_model), str(port), str(log)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     pgids: list[int] = []
     try:
         assert parent.stdout is not None
@@ -151,18 +161,35 @@ def test_kill_9_of_launch_rl_ends_inference_trainer_and_orchestrator(tiny_model:
     import json
 
     port = free_port()
-    spec = load_spec_data([CONFIGS / "rl.toml"], [
-        ("name", "orphans"), ("output_dir", str(tmp_path)), ("max_steps", "200"), ("model.name", str(tiny_model)),
-        ("inference.port", str(port)), ("inference.max_model_len", "1024"), ("orchestrator.batch_size", "4"),
-        ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"), ("orchestrator.eval.interval", "0"),
-    ])
-    parent = subprocess.Popen([sys.executable, "-c", LAUNCH_PARENT, json.dumps(spec)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spec = load_spec_data(
+        [CONFIGS / "rl.toml"],
+        [
+            ("name", "orphans"),
+            ("output_dir", str(tmp_path)),
+            ("max_steps", "200"),
+            ("model.name", str(tiny_model)),
+            ("inference.port", str(port)),
+            ("inference.max_model_len", "1024"),
+            ("orchestrator.batch_size", "4"),
+            ("orchestrator.group_size", "4"),
+            ("orchestrator.max_tokens", "16"),
+            ("orchestrator.eval.interval", "0"),
+        ],
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH_PARENT, json.dumps(spec)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     events = tmp_path / "orphans" / "events.jsonl"
     pgids: list[int] = []
     try:
-        running = wait_until(lambda: [e for e in read_jsonl(events) if e["event"] == "running"] or parent.poll() is not None,
-                             300, "the run's three processes")
+        running = wait_until(
+            lambda: [e for e in read_jsonl(events) if e["event"] == "running"] or parent.poll() is not None,
+            300,
+            "the run's three processes",
+        )
         assert parent.poll() is None, read_jsonl(events)
         pgids = [int(p) for p in running[0]["pids"].values()]  # each process leads its own group
         assert len(pgids) == 3
@@ -172,8 +199,10 @@ def test_kill_9_of_launch_rl_ends_inference_trainer_and_orchestrator(tiny_model:
         assert set(members) == set(pgids), members
         busy(f"http://127.0.0.1:{port}", str(tiny_model))
         gone_s = kill_parent_and_time(parent, pgids)
-        print(f"inference, trainer and orchestrator groups ({sum(map(len, members.values()))} processes) gone "  # noqa: T201 - the measurement (-s shows it)
-              f"{gone_s:.2f}s after kill -9 of launch_rl's process")
+        print(
+            f"inference, trainer and orchestrator groups ({sum(map(len, members.values()))} processes) gone "  # noqa: T201 - the measurement (-s shows it)
+            f"{gone_s:.2f}s after kill -9 of launch_rl's process"
+        )
         assert wait_until(lambda: port_free(port), 2.0, f"port {port} free")
     finally:
         parent.kill()

@@ -27,14 +27,38 @@ pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
 
 TRAINER_METRICS = {
-    "loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy", "masked_fraction", "is_ratio", "grad_norm", "lr",
-    "tokens_per_s", "step_time_s", "wait_for_batch_s", "num_samples", "num_loss_tokens", "policy_version",
+    "loss",
+    "entropy",
+    "mismatch_kl",
+    "mismatch_kl_on_policy",
+    "masked_fraction",
+    "is_ratio",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "step_time_s",
+    "wait_for_batch_s",
+    "num_samples",
+    "num_loss_tokens",
+    "policy_version",
 }
 ORCHESTRATOR_METRICS = {
-    "reward_mean", "reward_std", "reward_missing", "advantage_abs_mean", "completion_len_mean", "completion_len_max",
-    "staleness_mean", "staleness_max", "trained_staleness_max", "dropped_stale", "dropped_overlong",
+    "reward_mean",
+    "reward_std",
+    "reward_missing",
+    "advantage_abs_mean",
+    "completion_len_mean",
+    "completion_len_max",
+    "staleness_mean",
+    "staleness_max",
+    "trained_staleness_max",
+    "dropped_stale",
+    "dropped_overlong",
     "dropped_zero_advantage_groups",
-    "wait_for_policy_s", "rollout_tokens", "policy_version", "temperature",
+    "wait_for_policy_s",
+    "rollout_tokens",
+    "policy_version",
+    "temperature",
 }
 LEARN_STEPS = 48
 EVAL_METRICS = {"reward_mean", "pass_at_k", "k", "num_examples"}
@@ -42,8 +66,14 @@ EVAL_METRICS = {"reward_mean", "pass_at_k", "k", "num_examples"}
 
 def rl_spec(model: Path, url: str, out: Path, name: str, **overrides: Any) -> RLSpec:
     """The shipped reverse-text RL config, pointed at ``model`` and the shared server, with overrides."""
-    pairs = [("model.name", str(model)), ("inference.url", url), ("output_dir", str(out)), ("name", name),
-             ("orchestrator.eval.num_examples", "32"), ("orchestrator.eval.interval", "0")]
+    pairs = [
+        ("model.name", str(model)),
+        ("inference.url", url),
+        ("output_dir", str(out)),
+        ("name", name),
+        ("orchestrator.eval.num_examples", "32"),
+        ("orchestrator.eval.interval", "0"),
+    ]
     pairs += [(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in overrides.items()]
     return validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))  # type: ignore[return-value]
 
@@ -58,11 +88,20 @@ def sft_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     from worker.trainer.sft import run_sft
 
     out = tmp_path_factory.mktemp("sft")
-    spec = validate_spec("sft", load_spec_data(
-        [CONFIGS / "sft.toml"],
-        [("model.name", str(tiny_model)), ("output_dir", str(out)), ("name", "sft"), ("max_steps", "100"),
-         ("eval_examples", "16"), ("threads", "1")],
-    ))
+    spec = validate_spec(
+        "sft",
+        load_spec_data(
+            [CONFIGS / "sft.toml"],
+            [
+                ("model.name", str(tiny_model)),
+                ("output_dir", str(out)),
+                ("name", "sft"),
+                ("max_steps", "100"),
+                ("eval_examples", "16"),
+                ("threads", "1"),
+            ],
+        ),
+    )
     assert isinstance(spec, SFTSpec)
     return Path(run_sft(spec)["final"])
 
@@ -77,9 +116,18 @@ def learning_run(sft_model: Path, vllm_server: Any, tmp_path_factory: pytest.Tem
     # (+0.03..+0.07 train reward, +0.04..+0.11 eval with 64 examples, 6 runs) was too close to the noise, and CI
     # failed once at +0.028. 128 eval examples halve the eval's sampling noise (step-0 eval of one model varied
     # 0.22-0.27 over runs with 64).
-    spec = rl_spec(sft_model, vllm_server.url, tmp_path_factory.mktemp("rl"), "learn", max_steps=LEARN_STEPS,
-                   **{"orchestrator.temperature": 1.5, "orchestrator.eval.temperature": 1.5,
-                      "orchestrator.eval.num_examples": 128})
+    spec = rl_spec(
+        sft_model,
+        vllm_server.url,
+        tmp_path_factory.mktemp("rl"),
+        "learn",
+        max_steps=LEARN_STEPS,
+        **{
+            "orchestrator.temperature": 1.5,
+            "orchestrator.eval.temperature": 1.5,
+            "orchestrator.eval.num_examples": 128,
+        },
+    )
     summary = launch_rl(spec, quiet=True)
     assert summary["status"] == "completed", summary
     return RunDir(spec.run_dir)
@@ -145,9 +193,18 @@ def test_on_policy_mismatch_kl_is_tiny_in_fp32(sft_model: Path, vllm_server: Any
 
 
 def test_slow_trainer_drops_stale_rollouts(sft_model: Path, vllm_server: Any, tmp_path: Path) -> None:
-    spec = rl_spec(sft_model, vllm_server.url, tmp_path, "slow", max_steps=6, **{
-        "trainer.slow_step_s": 2.0, "orchestrator.max_async_level": 3, "orchestrator.max_off_policy_steps": 2,
-    })
+    spec = rl_spec(
+        sft_model,
+        vllm_server.url,
+        tmp_path,
+        "slow",
+        max_steps=6,
+        **{
+            "trainer.slow_step_s": 2.0,
+            "orchestrator.max_async_level": 3,
+            "orchestrator.max_off_policy_steps": 2,
+        },
+    )
     summary = launch_rl(spec, quiet=True)
     assert summary["status"] == "completed"
     run = RunDir(spec.run_dir)
@@ -168,8 +225,9 @@ def test_slow_trainer_drops_stale_rollouts(sft_model: Path, vllm_server: Any, tm
 
 
 def _asyncrl(*args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "worker.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
 def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
@@ -184,17 +242,46 @@ def test_kill_trainer_then_resume_at_end_of_pass(sft_model: Path, vllm_server: A
     """kill -9 of the trainer after the step-4 checkpoint (end of the first pass over 16 tasks), then
     --resume with a half-written step_6 lying around: steps 5..8 are trained once each, on the second
     pass (cases C4, C5, C7)."""
-    args = ["rl", "@", str(CONFIGS / "rl.toml"), "--model.name", str(sft_model), "--inference.url", vllm_server.url,
-            "--output_dir", str(tmp_path), "--name", "resume", "--max_steps", "8", "--ckpt.interval", "4",
-            "--env.args.num_train", "16", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
-            "--orchestrator.eval.num_examples", "8", "--orchestrator.eval.interval", "0",
-            "--trainer.slow_step_s", "1.5"]
+    args = [
+        "rl",
+        "@",
+        str(CONFIGS / "rl.toml"),
+        "--model.name",
+        str(sft_model),
+        "--inference.url",
+        vllm_server.url,
+        "--output_dir",
+        str(tmp_path),
+        "--name",
+        "resume",
+        "--max_steps",
+        "8",
+        "--ckpt.interval",
+        "4",
+        "--env.args.num_train",
+        "16",
+        "--orchestrator.batch_size",
+        "4",
+        "--orchestrator.group_size",
+        "4",
+        "--orchestrator.eval.num_examples",
+        "8",
+        "--orchestrator.eval.interval",
+        "0",
+        "--trainer.slow_step_s",
+        "1.5",
+    ]
     run = RunDir(tmp_path / "resume")
     proc = _asyncrl(*args)
     try:
-        _wait_for(lambda: (run.checkpoint_dir(4) / "trainer" / ".complete").exists()
-                  and any(r["source"] == "trainer" and r["step"] >= 5 for r in read_jsonl(run.metrics)),
-                  240, "trainer step 5 after the step-4 checkpoint")
+        _wait_for(
+            lambda: (
+                (run.checkpoint_dir(4) / "trainer" / ".complete").exists()
+                and any(r["source"] == "trainer" and r["step"] >= 5 for r in read_jsonl(run.metrics))
+            ),
+            240,
+            "trainer step 5 after the step-4 checkpoint",
+        )
         pids = next(e["pids"] for e in read_jsonl(run.events) if e["event"] == "running")
         os.kill(pids["trainer"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
@@ -235,8 +322,14 @@ def test_trainer_under_torchrun_two_gloo_ranks_is_on_policy(sft_model: Path, vll
     """``launcher.local.trainer_processes = 2``: the launcher starts the trainer under torchrun (2 FSDP2 ranks over
     gloo on cpu); the sharded trainer computes the logprobs vLLM sampled with (on-policy mismatch_kl tiny in fp32),
     rank 0 alone logs every step once, and the run completes."""
-    spec = rl_spec(sft_model, vllm_server.url, tmp_path, "torchrun", max_steps=3,
-                   **{"orchestrator.max_async_level": 0, "launcher.local.trainer_processes": 2})
+    spec = rl_spec(
+        sft_model,
+        vllm_server.url,
+        tmp_path,
+        "torchrun",
+        max_steps=3,
+        **{"orchestrator.max_async_level": 0, "launcher.local.trainer_processes": 2},
+    )
     summary = launch_rl(spec, quiet=True)
     assert summary["status"] == "completed", summary
     trainer = by_source(RunDir(spec.run_dir), "trainer")

@@ -56,11 +56,18 @@ def tool_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     """A short tool-call warm-up of the tiny model (configs/reverse_tool/sft.toml, fewer steps)."""
     from worker.trainer.sft import run_sft
 
-    spec = validate_spec("sft", load_spec_data(
-        [CONFIGS / "sft.toml"],
-        [("model.name", str(tiny_model)), ("output_dir", str(tmp_path_factory.mktemp("sft"))), ("name", "sft"),
-         ("max_steps", "120")],
-    ))
+    spec = validate_spec(
+        "sft",
+        load_spec_data(
+            [CONFIGS / "sft.toml"],
+            [
+                ("model.name", str(tiny_model)),
+                ("output_dir", str(tmp_path_factory.mktemp("sft"))),
+                ("name", "sft"),
+                ("max_steps", "120"),
+            ],
+        ),
+    )
     assert isinstance(spec, SFTSpec)
     return Path(run_sft(spec)["final"])
 
@@ -82,8 +89,10 @@ def harness_groups(served: Any, tool_model: Path) -> list[tuple[Any, list[Rollou
 
     async def go() -> list[tuple[Any, list[Rollout]]]:
         return [
-            (env.task(i), await runner.run_group(env.task(i), n=4, max_tokens=128, temperature=0.7,
-                                                 policy_version=lambda: 0))
+            (
+                env.task(i),
+                await runner.run_group(env.task(i), n=4, max_tokens=128, temperature=0.7, policy_version=lambda: 0),
+            )
             for i in range(3)
         ]
 
@@ -119,8 +128,10 @@ def test_tool_calls_run_by_verifiers(harness_groups: list[tuple[Any, list[Rollou
     tok = load_tokenizer(tool_model)
     rollouts = [r for _, rs in harness_groups for r in rs]
     called = [r for r in rollouts if tool_calls(r)]
-    print(f"tool calls per rollout: {statistics.fmean(map(tool_calls, rollouts)):.2f}; "  # noqa: T201
-          f"rollouts with a call: {len(called)}/{len(rollouts)}")
+    print(
+        f"tool calls per rollout: {statistics.fmean(map(tool_calls, rollouts)):.2f}; "  # noqa: T201
+        f"rollouts with a call: {len(called)}/{len(rollouts)}"
+    )
     assert called, [r.completion_text for r in rollouts]
     # The tool result inside the record (a branch verifiers split after the call ends at the call; the tool turn
     # then opens the next branch's prompt: see test_sft_tokens_are_the_rollout_tokens).
@@ -128,13 +139,17 @@ def test_tool_calls_run_by_verifiers(harness_groups: list[tuple[Any, list[Rollou
     assert answered, [r.completion_text for r in called]
     for r in called:
         assert all(lp == 0.0 for lp, m in zip(r.completion_logprobs, r.completion_mask, strict=True) if not m)
-        assert all(lp <= 0 and math.isfinite(lp) for lp, m in zip(r.completion_logprobs, r.completion_mask,
-                                                                   strict=True) if m)
+        assert all(
+            lp <= 0 and math.isfinite(lp) for lp, m in zip(r.completion_logprobs, r.completion_mask, strict=True) if m
+        )
     for r in answered:
         shape = runs(r.completion_mask)
         assert len(shape) >= 3 and shape[0][0] == 1, shape  # sampled, gap, sampled
-        gaps = [tok.decode(r.completion_ids[i : i + n]) for i, (k, n) in zip(
-            itertools.accumulate([0] + [n for _, n in shape]), shape, strict=False) if k == 0]
+        gaps = [
+            tok.decode(r.completion_ids[i : i + n])
+            for i, (k, n) in zip(itertools.accumulate([0] + [n for _, n in shape]), shape, strict=False)
+            if k == 0
+        ]
         assert any(TOOL_TURN in g for g in gaps), gaps  # the tool result sits in a loss-mask gap
     # a call the model got right returns the argument reversed: verifiers ran our tool
     first = answered[0]
@@ -160,9 +175,15 @@ def test_rewards_are_the_tasksets(harness_groups: list[tuple[Any, list[Rollout]]
 
 @pytest.fixture(scope="module")
 def tool_run(served: Any, tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    pairs = [("model.name", str(tool_model)), ("inference.url", served.url),
-             ("output_dir", str(tmp_path_factory.mktemp("rl"))), ("name", "tool-rl"), ("max_steps", "3"),
-             ("orchestrator.batch_size", "2"), ("orchestrator.eval.num_examples", "4")]
+    pairs = [
+        ("model.name", str(tool_model)),
+        ("inference.url", served.url),
+        ("output_dir", str(tmp_path_factory.mktemp("rl"))),
+        ("name", "tool-rl"),
+        ("max_steps", "3"),
+        ("orchestrator.batch_size", "2"),
+        ("orchestrator.eval.num_examples", "4"),
+    ]
     spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))
     t0 = time.perf_counter()
     summary = launch_rl(spec, quiet=True)
@@ -182,8 +203,12 @@ def test_rl_run_on_tool_env(tool_run: RunDir, tool_model: Path) -> None:
     assert all({"loss", "mismatch_kl", "grad_norm", "lr", "entropy"} <= r.keys() for r in trainer)
     assert all(math.isfinite(r["loss"]) for r in trainer)
     assert [r["step"] for r in evals] == [0, 3] and all(0.0 <= r["reward_mean"] <= 1.0 for r in evals)
-    print("eval reward before/after:", [round(r["reward_mean"], 3) for r in evals],  # noqa: T201
-          "train reward per step:", [round(r["reward_mean"], 3) for r in orch])
+    print(
+        "eval reward before/after:",
+        [round(r["reward_mean"], 3) for r in evals],  # noqa: T201
+        "train reward per step:",
+        [round(r["reward_mean"], 3) for r in orch],
+    )
     rollouts = [r for step in (1, 2, 3) for r in read_jsonl(tool_run.rollout_file(step))]
     assert len(rollouts) >= 3 * 2 * 4  # one record per trace branch (more if a re-render branched)
     assert any("[tool] " in r["completion"] for r in rollouts)  # verifiers ran at least one tool call
@@ -200,8 +225,18 @@ def test_rl_run_on_tool_env(tool_run: RunDir, tool_model: Path) -> None:
 def test_asyncrl_eval_on_tool_taskset(served: Any, tool_model: Path) -> None:
     from worker.evaluation import run_eval
 
-    result = run_eval(model=None, url=served.url, tokenizer=str(tool_model), env_id="reverse_tool",
-                      env_args=ENV_ARGS, num_examples=4, temperature=1.0, max_tokens=64, pass_k=2, seed=0)
+    result = run_eval(
+        model=None,
+        url=served.url,
+        tokenizer=str(tool_model),
+        env_id="reverse_tool",
+        env_args=ENV_ARGS,
+        num_examples=4,
+        temperature=1.0,
+        max_tokens=64,
+        pass_k=2,
+        seed=0,
+    )
     print("asyncrl eval:", result)  # noqa: T201
     assert result["env"] == "reverse_tool" and result["num_examples"] == 4 and result["k"] == 2
     assert 0.0 <= result["reward_mean"] <= 1.0 and result["reward_missing"] == 0

@@ -29,16 +29,18 @@ PG = os.environ.get("ASYNCRL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:54
 REDIS = os.environ.get("ASYNCRL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 DB_NAME = f"asyncrl_test_{SUFFIX}"
 STATE = Path(tempfile.mkdtemp(prefix=f"asyncrl-test-{SUFFIX}-"))
-os.environ.update({
-    "DATABASE_URL": f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{DB_NAME}",
-    "CELERY_BROKER_URL": REDIS,
-    "CELERY_QUEUE": f"asyncrl-test-{SUFFIX}",
-    "SECRET_KEY": secrets.token_hex(16),
-    "ASYNCRL_HOME": str(STATE / "home"),
-    "ASYNCRL_OUTPUT_DIR": str(STATE / "outputs"),
-    "MAX_BODY_BYTES": str(256 * 1024),
-    "MAX_METRIC_POINTS": "2000",
-})
+os.environ.update(
+    {
+        "DATABASE_URL": f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{DB_NAME}",
+        "CELERY_BROKER_URL": REDIS,
+        "CELERY_QUEUE": f"asyncrl-test-{SUFFIX}",
+        "SECRET_KEY": secrets.token_hex(16),
+        "ASYNCRL_HOME": str(STATE / "home"),
+        "ASYNCRL_OUTPUT_DIR": str(STATE / "outputs"),
+        "MAX_BODY_BYTES": str(256 * 1024),
+        "MAX_METRIC_POINTS": "2000",
+    }
+)
 
 BAD_MODEL = "/nonexistent/asyncrl-test-model"
 """Specs in these tests name a model path that does not exist: a launched run fails in preflight at once."""
@@ -149,7 +151,10 @@ class ApiServer:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         wait_for(lambda: _ready(self.url) or self.proc.poll() is not None, 60, "asyncrl server up")  # type: ignore[union-attr]
         assert self.proc.poll() is None, self.log.read_text()[-2000:]
 
@@ -166,10 +171,26 @@ def start_celery_worker(server_url: str, log: Path, **env: str) -> subprocess.Po
     group, with ``env`` added to the environment; returns once it logged ``ready.``."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=solo", "--loglevel=INFO",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"real-{secrets.token_hex(3)}@%h"],
-            env={**os.environ, "ASYNCRL_SERVER_URL": server_url, **env}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "worker.celery_app",
+                "worker",
+                "--pool=solo",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"real-{secrets.token_hex(3)}@%h",
+            ],
+            env={**os.environ, "ASYNCRL_SERVER_URL": server_url, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     wait_for(lambda: b"ready." in log.read_bytes() or proc.poll() is not None, 60, "celery worker ready")
     assert proc.poll() is None, log.read_text()[-2000:]
     return proc

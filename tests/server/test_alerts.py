@@ -126,18 +126,51 @@ def test_ssrf_allow_list_and_loopback_outside_local_mode(
 # the IPv6 forms that carry an IPv4 address; Teredo's client is stored bit-inverted (RFC 4380 section 4):
 # 2001:0:4136:e378:0:7fff:5601:5601 is server 65.54.227.120, client ~0x5601_5601 = 0xa9fe_a9fe = 169.254.169.254
 EMBEDDED = {
-    "mapped": ("::ffff:{}", {"169.254.169.254": "::ffff:a9fe:a9fe", "169.254.7.7": "::ffff:a9fe:707",
-                              "127.0.0.1": "::ffff:7f00:1", "10.1.2.3": "::ffff:a01:203"}),
-    "nat64": ("64:ff9b::{}", {"169.254.169.254": "64:ff9b::a9fe:a9fe", "169.254.7.7": "64:ff9b::a9fe:707",
-                              "127.0.0.1": "64:ff9b::7f00:1", "10.1.2.3": "64:ff9b::a01:203"}),
-    "6to4": ("{}", {"169.254.169.254": "2002:a9fe:a9fe::1", "169.254.7.7": "2002:a9fe:707::1",
-                    "127.0.0.1": "2002:7f00:1::1", "10.1.2.3": "2002:a01:203::1"}),
-    "teredo": ("{}", {"169.254.169.254": "2001:0:4136:e378:0:7fff:5601:5601",
-                      "169.254.7.7": "2001:0:4136:e378:0:7fff:5601:f8f8",
-                      "127.0.0.1": "2001:0:4136:e378:0:7fff:80ff:fffe",
-                      "10.1.2.3": "2001:0:4136:e378:0:7fff:f5fe:fdfc"}),
-    "compatible": ("::{}", {"169.254.169.254": "::a9fe:a9fe", "169.254.7.7": "::a9fe:707",
-                            "127.0.0.1": "::7f00:1", "10.1.2.3": "::a01:203"}),
+    "mapped": (
+        "::ffff:{}",
+        {
+            "169.254.169.254": "::ffff:a9fe:a9fe",
+            "169.254.7.7": "::ffff:a9fe:707",
+            "127.0.0.1": "::ffff:7f00:1",
+            "10.1.2.3": "::ffff:a01:203",
+        },
+    ),
+    "nat64": (
+        "64:ff9b::{}",
+        {
+            "169.254.169.254": "64:ff9b::a9fe:a9fe",
+            "169.254.7.7": "64:ff9b::a9fe:707",
+            "127.0.0.1": "64:ff9b::7f00:1",
+            "10.1.2.3": "64:ff9b::a01:203",
+        },
+    ),
+    "6to4": (
+        "{}",
+        {
+            "169.254.169.254": "2002:a9fe:a9fe::1",
+            "169.254.7.7": "2002:a9fe:707::1",
+            "127.0.0.1": "2002:7f00:1::1",
+            "10.1.2.3": "2002:a01:203::1",
+        },
+    ),
+    "teredo": (
+        "{}",
+        {
+            "169.254.169.254": "2001:0:4136:e378:0:7fff:5601:5601",
+            "169.254.7.7": "2001:0:4136:e378:0:7fff:5601:f8f8",
+            "127.0.0.1": "2001:0:4136:e378:0:7fff:80ff:fffe",
+            "10.1.2.3": "2001:0:4136:e378:0:7fff:f5fe:fdfc",
+        },
+    ),
+    "compatible": (
+        "::{}",
+        {
+            "169.254.169.254": "::a9fe:a9fe",
+            "169.254.7.7": "::a9fe:707",
+            "127.0.0.1": "::7f00:1",
+            "10.1.2.3": "::a01:203",
+        },
+    ),
 }
 REASONS = {
     "169.254.169.254": "a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)",
@@ -178,8 +211,14 @@ def test_ssrf_guard_lets_public_embedded_ipv4_and_allow_listed_ones_through(monk
 
     monkeypatch.setattr(settings, "LOCAL_MODE", False)
     # 8.8.8.8 inside each form, and a Teredo address whose server and client are both public
-    for literal in ("::ffff:8.8.8.8", "64:ff9b::8.8.8.8", "2002:808:808::1", "::8.8.8.8",
-                    "2001:0:4136:e378:0:7fff:f7f7:f7f7", "2606:4700::1111"):
+    for literal in (
+        "::ffff:8.8.8.8",
+        "64:ff9b::8.8.8.8",
+        "2002:808:808::1",
+        "::8.8.8.8",
+        "2001:0:4136:e378:0:7fff:f7f7:f7f7",
+        "2606:4700::1111",
+    ):
         check_url(f"http://[{literal}]/hook")
     with pytest.raises(UnsafeURL, match="private address"):
         check_url("http://10.1.2.3/hook")  # plain IPv4 is judged the same way

@@ -23,21 +23,30 @@ def episodes(values: list[float | None], threshold: float) -> list[int]:
     return [i for i, h in enumerate(holding) if h and (i == 0 or not holding[i - 1])]
 
 
-def test_live_run_posts_its_alerts(client: Any, auth: dict[str, str], model: Path, api: ApiServer,  # noqa: F811
-                                   tmp_path: Path) -> None:
+def test_live_run_posts_its_alerts(
+    client: Any,
+    auth: dict[str, str],
+    model: Path,
+    api: ApiServer,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     receiver = Receiver().start()
-    hook = client.post("/api/webhooks", json={"url": receiver.url, "events": ["threshold", "status"]},
-                       headers=auth).json()
+    hook = client.post(
+        "/api/webhooks", json={"url": receiver.url, "events": ["threshold", "status"]}, headers=auth
+    ).json()
     worker = start_celery_worker(api.url, tmp_path / "worker.log")
     try:
-        alerts = [{"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": -1.0},
-                  {"kind": "status", "statuses": ["completed", "failed"]}]
+        alerts = [
+            {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": -1.0},
+            {"kind": "status", "statuses": ["completed", "failed"]},
+        ]
         spec = {**real_spec(model, "alerts-live", max_steps=4), "alerts": alerts}
         resp = client.post("/api/runs", json=spec, headers=auth)
         assert resp.status_code == 201, resp.text
         run_id = resp.json()["id"]
-        done = wait_for(lambda: (r := run_of(client, auth, run_id))["status"] in {"completed", "failed"} and r, 400,
-                        "run ended")
+        done = wait_for(
+            lambda: (r := run_of(client, auth, run_id))["status"] in {"completed", "failed"} and r, 400, "run ended"
+        )
         assert done["status"] == "completed", done["status_reason"]
         series = client.get(f"/api/runs/{run_id}/metrics", params={"name": "mismatch_kl"}, headers=auth).json()
         (trainer,) = [s for s in series["series"] if s["source"] == "trainer"]

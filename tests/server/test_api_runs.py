@@ -58,8 +58,13 @@ def test_status_transitions_are_recorded(client: Any, auth: dict[str, str], make
     assert run["status"] == "completed" and run["started_at"] and run["finished_at"]
     events = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
     assert [(e["from_status"], e["to_status"]) for e in events] == [
-        (None, "queued"), ("queued", "starting"), ("starting", "running"), ("running", "paused"),
-        ("paused", "running"), ("running", "completed")]
+        (None, "queued"),
+        ("queued", "starting"),
+        ("starting", "running"),
+        ("running", "paused"),
+        ("paused", "running"),
+        ("running", "completed"),
+    ]
     assert events[-1]["reason"] == "to completed"
     resp = client.post(f"/api/runs/{run_id}/status", json={"status": "running"}, headers=rt)
     assert resp.status_code == 409 and "completed: cannot go to running" in resp.json()["detail"]
@@ -79,38 +84,72 @@ def test_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:
     assert resp.status_code == 404 and resp.json()["detail"] == "run 999999 not found"
 
 
-@pytest.mark.parametrize(("body", "status", "detail"), [
-    pytest.param(spec(trainer={"optim": {"lrr": 1e-4}}), 422,
-                 "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)", id="unknown-key"),
-    pytest.param(spec(max_steps=0), 422, "max_steps: Input should be greater than or equal to 1, got 0", id="bad-value"),
-    pytest.param({"name": "x"}, 422, "model: Field required", id="missing-field"),
-    pytest.param(spec(kind="sft"), 422, "kind: the service launches 'rl' runs, got 'sft'", id="sft-kind"),
-    pytest.param(spec(kind=3), 422, "kind: expected one of ['rl', 'sft'], got '3'", id="kind-not-string"),
-    pytest.param([1, 2], 422, "body: expected a JSON object (the run spec), got list", id="not-an-object"),
-], )
-def test_invalid_spec_is_422_naming_the_field(client: Any, auth: dict[str, str], body: Any, status: int,
-                                              detail: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        pytest.param(
+            spec(trainer={"optim": {"lrr": 1e-4}}),
+            422,
+            "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+            id="unknown-key",
+        ),
+        pytest.param(
+            spec(max_steps=0), 422, "max_steps: Input should be greater than or equal to 1, got 0", id="bad-value"
+        ),
+        pytest.param({"name": "x"}, 422, "model: Field required", id="missing-field"),
+        pytest.param(spec(kind="sft"), 422, "kind: the service launches 'rl' runs, got 'sft'", id="sft-kind"),
+        pytest.param(spec(kind=3), 422, "kind: expected one of ['rl', 'sft'], got '3'", id="kind-not-string"),
+        pytest.param([1, 2], 422, "body: expected a JSON object (the run spec), got list", id="not-an-object"),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field(
+    client: Any, auth: dict[str, str], body: Any, status: int, detail: str
+) -> None:
     before = run_count(client, auth)
     resp = client.post("/api/runs", json=body, headers=auth)
     assert (resp.status_code, resp.json()["detail"]) == (status, detail)
     assert run_count(client, auth) == before
 
 
-@pytest.mark.parametrize(("kwargs", "status", "detail_start"), [
-    pytest.param({"content": b'{"name": ', "headers": {"content-type": "application/json"}}, 400,
-                 "body: not valid JSON", id="malformed-json"),
-    pytest.param({"content": b"\xff\xfe", "headers": {"content-type": "application/json"}}, 400,
-                 "body: not valid JSON", id="not-utf8"),
-    pytest.param({"files": {"file": ("rl.toml", b"name = ", "text/plain")}}, 400, "file: rl.toml is not valid TOML",
-                 id="malformed-toml"),
-    pytest.param({"files": {"other": ("rl.toml", b"", "text/plain")}}, 422, "file: upload the spec", id="no-file"),
-    pytest.param({"content": b"name: x", "headers": {"content-type": "text/yaml"}}, 415, "content-type 'text/yaml'",
-                 id="wrong-type"),
-    pytest.param({"content": json.dumps({"name": "x" * 300_000}).encode(),
-                  "headers": {"content-type": "application/json"}}, 413, "body: larger than", id="oversized"),
-])
-def test_unparsable_body_is_4xx(client: Any, auth: dict[str, str], kwargs: dict[str, Any], status: int,
-                                detail_start: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "status", "detail_start"),
+    [
+        pytest.param(
+            {"content": b'{"name": ', "headers": {"content-type": "application/json"}},
+            400,
+            "body: not valid JSON",
+            id="malformed-json",
+        ),
+        pytest.param(
+            {"content": b"\xff\xfe", "headers": {"content-type": "application/json"}},
+            400,
+            "body: not valid JSON",
+            id="not-utf8",
+        ),
+        pytest.param(
+            {"files": {"file": ("rl.toml", b"name = ", "text/plain")}},
+            400,
+            "file: rl.toml is not valid TOML",
+            id="malformed-toml",
+        ),
+        pytest.param({"files": {"other": ("rl.toml", b"", "text/plain")}}, 422, "file: upload the spec", id="no-file"),
+        pytest.param(
+            {"content": b"name: x", "headers": {"content-type": "text/yaml"}},
+            415,
+            "content-type 'text/yaml'",
+            id="wrong-type",
+        ),
+        pytest.param(
+            {"content": json.dumps({"name": "x" * 300_000}).encode(), "headers": {"content-type": "application/json"}},
+            413,
+            "body: larger than",
+            id="oversized",
+        ),
+    ],
+)
+def test_unparsable_body_is_4xx(
+    client: Any, auth: dict[str, str], kwargs: dict[str, Any], status: int, detail_start: str
+) -> None:
     before = run_count(client, auth)
     headers = {**kwargs.pop("headers", {}), **auth}
     resp = client.post("/api/runs", headers=headers, **kwargs)
@@ -127,14 +166,16 @@ def test_oversized_chunked_body_is_413(client: Any, auth: dict[str, str]) -> Non
     assert resp.status_code == 413
 
 
-@pytest.mark.parametrize(("headers", "detail"), [
-    pytest.param({}, "missing token", id="missing"),
-    pytest.param({"Authorization": "Token abc"}, "malformed Authorization header", id="wrong-scheme"),
-    pytest.param({"Authorization": "Bearer asr_not-a-token"}, "invalid token", id="unknown"),
-    pytest.param({"Authorization": "Bearer asr_run_1_" + "0" * 64}, "invalid token", id="forged-run-token"),
-])
-def test_missing_or_wrong_token_is_401(client: Any, auth: dict[str, str], headers: dict[str, str],
-                                       detail: str) -> None:
+@pytest.mark.parametrize(
+    ("headers", "detail"),
+    [
+        pytest.param({}, "missing token", id="missing"),
+        pytest.param({"Authorization": "Token abc"}, "malformed Authorization header", id="wrong-scheme"),
+        pytest.param({"Authorization": "Bearer asr_not-a-token"}, "invalid token", id="unknown"),
+        pytest.param({"Authorization": "Bearer asr_run_1_" + "0" * 64}, "invalid token", id="forged-run-token"),
+    ],
+)
+def test_missing_or_wrong_token_is_401(client: Any, auth: dict[str, str], headers: dict[str, str], detail: str) -> None:
     before = run_count(client, auth)
     resp = client.post("/api/runs", json=spec(), headers=headers)
     assert resp.status_code == 401 and resp.json()["detail"].startswith(detail)
@@ -166,9 +207,12 @@ def test_read_token_reads_but_every_write_is_403(client: Any, auth: dict[str, st
     before = run_count(client, auth)
     assert client.get("/api/runs", headers=ro).status_code == 200
     assert client.get(f"/api/runs/{run_id}/events", headers=ro).status_code == 200
-    writes = [("post", "/api/runs", {"json": spec()}), ("post", f"/api/runs/{run_id}/stop", {}),
-              ("patch", f"/api/runs/{run_id}/config", {"json": {"changes": {"orchestrator.temperature": 0.9}}}),
-              ("post", f"/api/runs/{run_id}/fork", {"json": {}})]
+    writes = [
+        ("post", "/api/runs", {"json": spec()}),
+        ("post", f"/api/runs/{run_id}/stop", {}),
+        ("patch", f"/api/runs/{run_id}/config", {"json": {"changes": {"orchestrator.temperature": 0.9}}}),
+        ("post", f"/api/runs/{run_id}/fork", {"json": {}}),
+    ]
     for method, url, kw in writes:
         resp = getattr(client, method)(url, headers=ro, **kw)
         assert resp.status_code == 403, (url, resp.text)

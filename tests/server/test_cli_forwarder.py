@@ -19,8 +19,9 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_token_submit_runs(capsys: pytest.CaptureFixture[str], live_server: str, tmp_path: Path,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_token_submit_runs(
+    capsys: pytest.CaptureFixture[str], live_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     code, out, err = cli(capsys, "token", "create", "--name", "cli-user")
     token = out.strip()
     assert code == 0 and token.startswith("asr_") and "not shown again" in err
@@ -73,7 +74,8 @@ def write_rows(path: Path, steps: range) -> int:
 
 
 def test_forwarder_spools_while_the_server_is_down_then_sends_each_point_once(
-        client: Any, make_run: Any, tmp_path: Path) -> None:
+    client: Any, make_run: Any, tmp_path: Path
+) -> None:
     from fastapi.testclient import TestClient
 
     from server.main import app

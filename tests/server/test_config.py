@@ -27,7 +27,8 @@ def stored_rows(client: Any, run_id: int, auth: dict[str, str]) -> tuple[int, in
 
 
 def test_revisions_are_numbered_and_normalised_and_get_after_shows_the_rest(
-        client: Any, auth: dict[str, str], make_run: Any) -> None:
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
     run_id = make_run(trainer={"optim": {"lr": 1e-4}}, orchestrator={"temperature": 1.0, "max_tokens": 32})["id"]
     first = patch(client, run_id, {"trainer.optim.lr": 5e-5, "orchestrator.temperature": "1.5"}, auth)
     assert first.status_code == 201, first.text
@@ -39,16 +40,22 @@ def test_revisions_are_numbered_and_normalised_and_get_after_shows_the_rest(
 
     state = client.get(f"/api/runs/{run_id}/config", headers=auth).json()
     assert state["revision"] == 2 and [r["revision"] for r in state["data"]] == [1, 2]
-    assert state["values"] == {"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.5,
-                               "orchestrator.max_tokens": 40, "orchestrator.max_off_policy_steps": 8,
-                               "orchestrator.eval.interval": 5}
+    assert state["values"] == {
+        "trainer.optim.lr": 5e-5,
+        "orchestrator.temperature": 1.5,
+        "orchestrator.max_tokens": 40,
+        "orchestrator.max_off_policy_steps": 8,
+        "orchestrator.eval.interval": 5,
+    }
     assert state["owners"] == LIVE_KEYS
     after = client.get(f"/api/runs/{run_id}/config", params={"after": 1}, headers=auth).json()
     assert after["revision"] == 2 and [r["revision"] for r in after["data"]] == [2]
     assert client.get(f"/api/runs/{run_id}/config", params={"after": 2}, headers=auth).json()["data"] == []
     events = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
     assert [(e["kind"], e["data"].get("revision")) for e in events if e["kind"] == "config_revision"] == [
-        ("config_revision", 1), ("config_revision", 2)]
+        ("config_revision", 1),
+        ("config_revision", 2),
+    ]
     # numbering is per run
     other = make_run()["id"]
     assert patch(client, other, {"trainer.optim.lr": 2e-5}, auth).json()["revision"] == 1
@@ -68,20 +75,29 @@ def test_concurrent_patches_get_distinct_numbers(live_server: str, auth: dict[st
     assert sorted(numbers) == list(range(1, 9))
 
 
-@pytest.mark.parametrize(("changes", "detail"), [
-    ({"trainer.optim.betas": [0.8, 0.9]},
-     "trainer.optim.betas: not a live key; only these change while a run is live: " + ", ".join(LIVE_KEYS)),
-    ({"trainer.optim.lrr": 1e-5, "trainer.optim.lr": 1e-5}, "trainer.optim.lrr: not a live key"),
-    ({}, "changes: expected at least one live key"),
-    ({"trainer.optim.lr": -1}, "trainer.optim.lr: Input should be greater than 0"),
-    ({"trainer.optim.lr": "fast"}, "trainer.optim.lr: Input should be a valid number"),
-    ({"orchestrator.temperature": 0}, "orchestrator.temperature: Input should be greater than 0"),
-    ({"orchestrator.max_tokens": 512}, "orchestrator.max_tokens: must be below inference.max_model_len (512), got 512"),
-    ({"orchestrator.max_tokens": True}, "orchestrator.max_tokens: expected a number, got True"),
-    ({"orchestrator.eval.interval": -2}, "orchestrator.eval.interval: Input should be greater than or equal to 0"),
-])
-def test_bad_changes_are_422_naming_the_key_and_write_nothing(client: Any, auth: dict[str, str], make_run: Any,
-                                                              changes: dict[str, Any], detail: str) -> None:
+@pytest.mark.parametrize(
+    ("changes", "detail"),
+    [
+        (
+            {"trainer.optim.betas": [0.8, 0.9]},
+            "trainer.optim.betas: not a live key; only these change while a run is live: " + ", ".join(LIVE_KEYS),
+        ),
+        ({"trainer.optim.lrr": 1e-5, "trainer.optim.lr": 1e-5}, "trainer.optim.lrr: not a live key"),
+        ({}, "changes: expected at least one live key"),
+        ({"trainer.optim.lr": -1}, "trainer.optim.lr: Input should be greater than 0"),
+        ({"trainer.optim.lr": "fast"}, "trainer.optim.lr: Input should be a valid number"),
+        ({"orchestrator.temperature": 0}, "orchestrator.temperature: Input should be greater than 0"),
+        (
+            {"orchestrator.max_tokens": 512},
+            "orchestrator.max_tokens: must be below inference.max_model_len (512), got 512",
+        ),
+        ({"orchestrator.max_tokens": True}, "orchestrator.max_tokens: expected a number, got True"),
+        ({"orchestrator.eval.interval": -2}, "orchestrator.eval.interval: Input should be greater than or equal to 0"),
+    ],
+)
+def test_bad_changes_are_422_naming_the_key_and_write_nothing(
+    client: Any, auth: dict[str, str], make_run: Any, changes: dict[str, Any], detail: str
+) -> None:
     run_id = make_run()["id"]
     assert patch(client, run_id, {"orchestrator.max_off_policy_steps": 3}, auth).status_code == 201
     before = stored_rows(client, run_id, auth)
@@ -114,8 +130,9 @@ def test_ended_run_is_409_and_unknown_run_404(client: Any, auth: dict[str, str],
     before = stored_rows(client, run_id, auth)
     resp = patch(client, run_id, {"trainer.optim.lr": 1e-5}, auth)
     assert resp.status_code == 409
-    assert resp.json()["detail"] == (f"run {run_id} is cancelled: config changes only while it is queued, starting, "
-                                     "running or paused")
+    assert resp.json()["detail"] == (
+        f"run {run_id} is cancelled: config changes only while it is queued, starting, running or paused"
+    )
     assert stored_rows(client, run_id, auth) == before
     assert patch(client, 999_999, {"trainer.optim.lr": 1e-5}, auth).status_code == 404
     assert client.get("/api/runs/999999/config", headers=auth).status_code == 404
@@ -151,8 +168,10 @@ def test_ack_is_recorded_once_and_shown(client: Any, auth: dict[str, str], make_
     assert state["data"][0]["applied"] == {"trainer": 12, "orchestrator": 13}
     events = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
     applied = [e for e in events if e["kind"] == "config_applied"]
-    assert [e["data"] for e in applied] == [{"revision": 1, "process": "trainer", "step": 12},
-                                            {"revision": 1, "process": "orchestrator", "step": 13}]
+    assert [e["data"] for e in applied] == [
+        {"revision": 1, "process": "trainer", "step": 12},
+        {"revision": 1, "process": "orchestrator", "step": 13},
+    ]
     assert applied[0]["reason"] == "revision 1 in effect for trainer from step 12"
     # a resumed run that re-did the steps reports the new step: it replaces the old one
     client.post(f"/api/runs/{run_id}/config/1/ack", json={"process": "trainer", "step": 10}, headers=rt)
@@ -162,7 +181,10 @@ def test_ack_is_recorded_once_and_shown(client: Any, auth: dict[str, str], make_
     assert resp.status_code == 404 and resp.json()["detail"] == f"run {run_id} has no config revision 7"
     patch(client, run_id, {"orchestrator.max_tokens": 20}, auth)
     resp = client.post(f"/api/runs/{run_id}/config/2/ack", json={"process": "trainer", "step": 1}, headers=rt)
-    assert resp.status_code == 422 and resp.json()["detail"] == "process: revision 2 is applied by orchestrator, not 'trainer'"
+    assert (
+        resp.status_code == 422
+        and resp.json()["detail"] == "process: revision 2 is applied by orchestrator, not 'trainer'"
+    )
     resp = client.post(f"/api/runs/{run_id}/config/2/ack", json={"process": "orchestrator", "step": -1}, headers=rt)
     assert resp.status_code == 422 and resp.json()["detail"].startswith("body.step")
     assert client.get(f"/api/runs/{run_id}/config", headers=auth).json()["data"][1]["applied"] == {}
@@ -179,7 +201,8 @@ def test_openapi_has_the_config_operations_with_examples(client: Any) -> None:
 
 
 def test_supervisor_bridge_delivers_revisions_and_acks_once_and_survives_the_server_down(
-        live_server: str, auth: dict[str, str], make_run: Any, tmp_path: Path) -> None:
+    live_server: str, auth: dict[str, str], make_run: Any, tmp_path: Path
+) -> None:
     from worker.supervisor import ConfigBridge
 
     run_id = make_run()["id"]
@@ -199,10 +222,12 @@ def test_supervisor_bridge_delivers_revisions_and_acks_once_and_survives_the_ser
     assert [(r["revision"], r["changes"]) for r in read_revisions(run_dir)] == [(1, {"trainer.optim.lr": 5e-5})]
 
     # the server goes down: a new revision waits there, acks wait in the file
-    down = ConfigBridge(httpx.Client(base_url=f"http://127.0.0.1:{free_port()}", timeout=2), run_id, run_dir,
-                        home / "acks.offset")
-    assert user.patch(f"/api/runs/{run_id}/config",
-                      json={"changes": {"orchestrator.temperature": 1.3}}).status_code == 201
+    down = ConfigBridge(
+        httpx.Client(base_url=f"http://127.0.0.1:{free_port()}", timeout=2), run_id, run_dir, home / "acks.offset"
+    )
+    assert (
+        user.patch(f"/api/runs/{run_id}/config", json={"changes": {"orchestrator.temperature": 1.3}}).status_code == 201
+    )
     with (run_dir / ACKS_FILE).open("a") as f:
         f.write(json.dumps({"revision": 1, "process": "trainer", "step": 4, "time": 0}) + "\n")
     with pytest.raises(httpx.ConnectError):

@@ -28,8 +28,9 @@ def events(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, Any
 
 def set_status(client: Any, run_id: int, *statuses: str) -> None:
     for status in statuses:
-        resp = client.post(f"/api/runs/{run_id}/status", json={"status": status, "reason": status},
-                           headers=run_token_headers(run_id))
+        resp = client.post(
+            f"/api/runs/{run_id}/status", json={"status": status, "reason": status}, headers=run_token_headers(run_id)
+        )
         assert resp.status_code == 200, resp.text
 
 
@@ -60,12 +61,14 @@ def server_url(live_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
 # ----------------------------------------------------------------------------- resume
 
 
-def test_resume_requires_failed_or_cancelled_and_a_complete_checkpoint(client: Any, auth: dict[str, str],
-                                                                      make_run: Any) -> None:
+def test_resume_requires_failed_or_cancelled_and_a_complete_checkpoint(
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
     run = make_run()
     resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
     assert resp.status_code == 409 and resp.json()["detail"] == (
-        f"run {run['id']} is queued: only failed or cancelled runs resume")
+        f"run {run['id']} is queued: only failed or cancelled runs resume"
+    )
     set_status(client, run["id"], "starting", "failed")
     checkpoint(run, 2, parts=("trainer",))  # incomplete: no orchestrator part
     resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
@@ -103,8 +106,9 @@ def test_state_machine_resume_edge(session: Any, make_run: Any) -> None:
 
 
 @pytest.mark.usefixtures("server_url")
-def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(client: Any, auth: dict[str, str],
-                                                                   make_run: Any) -> None:
+def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
     from worker.tasks import launch
 
     run = make_run()
@@ -128,8 +132,11 @@ def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(client: Any, 
     assert evs[-1]["reason"].endswith("from checkpoint step 4")
 
     assert launch(run["id"]).startswith(f"launched: run {run['id']} pid")
-    done = wait_for(lambda: (r := client.get(f"/api/runs/{run['id']}", headers=auth).json())["status"] == "failed"
-                    and r, 60, "resumed run failed in preflight")
+    done = wait_for(
+        lambda: (r := client.get(f"/api/runs/{run['id']}", headers=auth).json())["status"] == "failed" and r,
+        60,
+        "resumed run failed in preflight",
+    )
     assert done["status_reason"].startswith("preflight: model.name"), done["status_reason"]
     supervisor_log = (Path(run["run_dir"]).parent / "supervisor.log").read_text()
     assert "run directory" not in done["status_reason"] and supervisor_log.count("ended failed preflight") == 1
@@ -139,8 +146,7 @@ def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(client: Any, 
 
 
 @pytest.mark.usefixtures("server_url")
-def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: dict[str, str],
-                                                             make_run: Any) -> None:
+def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: dict[str, str], make_run: Any) -> None:
     from worker.tasks import launch
 
     parent = make_run(max_steps=8)
@@ -161,8 +167,11 @@ def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: 
     assert not RunDir(child["run_dir"]).checkpoint_dir(4).exists()
     assert json.loads(RunDir(child["run_dir"]).config.read_text()) == child["spec"]
     forked = events(client, auth, child["id"])[-1]
-    assert forked["kind"] == "forked" and forked["data"] == {"parent_run_id": parent["id"], "step": 2,
-                                                            "changes": body["changes"]}
+    assert forked["kind"] == "forked" and forked["data"] == {
+        "parent_run_id": parent["id"],
+        "step": 2,
+        "changes": body["changes"],
+    }
     assert events(client, auth, parent["id"])[-1]["data"] == {"child_run_id": child["id"], "step": 2}
 
     default = client.post(f"/api/runs/{parent['id']}/fork", json={}, headers=auth)
@@ -170,22 +179,33 @@ def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: 
     assert RunDir(default.json()["run_dir"]).checkpoint_dir(4).is_dir()  # newest complete by default
 
     assert launch(child["id"]).startswith("launched")  # resumes from the copied checkpoint
-    done = wait_for(lambda: (r := client.get(f"/api/runs/{child['id']}", headers=auth).json())["status"] == "failed"
-                    and r, 60, "forked run failed in preflight")
+    done = wait_for(
+        lambda: (r := client.get(f"/api/runs/{child['id']}", headers=auth).json())["status"] == "failed" and r,
+        60,
+        "forked run failed in preflight",
+    )
     assert done["status_reason"].startswith("preflight: model.name"), done["status_reason"]
 
 
-@pytest.mark.parametrize(("body", "status", "detail"), [
-    ({"changes": {"trainer.optim.lrr": 1}}, 422, "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"),
-    ({"changes": {"trainer.optim.lr": "fast"}}, 422, "trainer.optim.lr: "),
-    ({"changes": {"max_steps.x": 1}}, 422, "changes.max_steps.x: max_steps is not a table"),
-    ({"changes": {"output_dir": "/tmp"}}, 422, "changes.output_dir: set by the service"),
-    ({"step": 3}, 422, "step: run {id} has no complete checkpoint at step 3 (complete: [2])"),
-    ({"changes": {"max_steps": 2}}, 422, "max_steps: 2 leaves nothing to train after the fork step 2"),
-    ({"chnages": {}}, 422, "body.chnages: Extra inputs are not permitted"),
-])
-def test_fork_bad_input_names_the_field(client: Any, auth: dict[str, str], make_run: Any, body: dict[str, Any],
-                                        status: int, detail: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        (
+            {"changes": {"trainer.optim.lrr": 1}},
+            422,
+            "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+        ),
+        ({"changes": {"trainer.optim.lr": "fast"}}, 422, "trainer.optim.lr: "),
+        ({"changes": {"max_steps.x": 1}}, 422, "changes.max_steps.x: max_steps is not a table"),
+        ({"changes": {"output_dir": "/tmp"}}, 422, "changes.output_dir: set by the service"),
+        ({"step": 3}, 422, "step: run {id} has no complete checkpoint at step 3 (complete: [2])"),
+        ({"changes": {"max_steps": 2}}, 422, "max_steps: 2 leaves nothing to train after the fork step 2"),
+        ({"chnages": {}}, 422, "body.chnages: Extra inputs are not permitted"),
+    ],
+)
+def test_fork_bad_input_names_the_field(
+    client: Any, auth: dict[str, str], make_run: Any, body: dict[str, Any], status: int, detail: str
+) -> None:
     parent = make_run()
     checkpoint(parent, 2)
     before = client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"]
@@ -224,7 +244,8 @@ def test_logs_tail_process_and_access(client: Any, auth: dict[str, str], make_ru
     assert sup.status_code == 200 and sup.json()["lines"] == ["started", "bad byte \ufffd"]
     bad = client.get(url, params={"process": "vllm"}, headers=auth)
     assert bad.status_code == 422 and bad.json()["detail"] == (
-        "query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'")
+        "query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'"
+    )
     assert client.get(url, params={"tail": 5001}, headers=auth).status_code == 422
     assert client.get(url, params={"tail": 0}, headers=auth).status_code == 422
     assert client.get(url, headers=run_token_headers(other["id"])).status_code == 403
@@ -247,7 +268,7 @@ def launched_run(make_run: Any, status: str, pid: int) -> int:
         run = runs.get(s, run_id, lock=True)
         run.launcher, run.launcher_handle = "local", str(pid)
         path = ["starting", "running", "paused"]
-        for to in path[:path.index(status) + 1]:
+        for to in path[: path.index(status) + 1]:
             runs.transition(s, run, RunStatus(to), reason="test")
         s.commit()
     return run_id
@@ -275,27 +296,43 @@ def test_reconcile_fails_runs_whose_supervisor_is_gone(client: Any, auth: dict[s
         assert client.get(f"/api/runs/{paused}", headers=auth).json()["status_reason"] == f"supervisor {gone} is gone"
         assert client.get(f"/api/runs/{healthy}", headers=auth).json()["status"] == "running"
         last = events(client, auth, crashed)[-1]
-        assert (last["from_status"], last["to_status"], last["data"]) == ("running", "failed",
-                                                                          {"pid": gone, "by": "reconcile"})
+        assert (last["from_status"], last["to_status"], last["data"]) == (
+            "running",
+            "failed",
+            {"pid": gone, "by": "reconcile"},
+        )
     finally:
         alive.kill()
         alive.wait()
 
 
-def test_asyncrl_worker_embeds_beat_that_reconciles(client: Any, auth: dict[str, str], make_run: Any,
-                                                    tmp_path: Path) -> None:
+def test_asyncrl_worker_embeds_beat_that_reconciles(
+    client: Any, auth: dict[str, str], make_run: Any, tmp_path: Path
+) -> None:
     """``asyncrl worker`` (beat embedded) on its own queue, reconcile every second: a crashed run turns failed."""
     gone = dead_pid()
     run_id = launched_run(make_run, "starting", gone)
     log = tmp_path / "worker.log"
-    env = {**os.environ, "RECONCILE_INTERVAL_S": "1", "CELERY_QUEUE": f"{os.environ['CELERY_QUEUE']}-beat",
-           "ASYNCRL_HOME": str(tmp_path / "home")}
+    env = {
+        **os.environ,
+        "RECONCILE_INTERVAL_S": "1",
+        "CELERY_QUEUE": f"{os.environ['CELERY_QUEUE']}-beat",
+        "ASYNCRL_HOME": str(tmp_path / "home"),
+    }
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--concurrency", "1"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "worker", "--concurrency", "1"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        run = wait_for(lambda: (r := client.get(f"/api/runs/{run_id}", headers=auth).json())["status"] == "failed"
-                       and r, 60, f"beat reconcile (log: {log.read_text()[-2000:]})")
+        run = wait_for(
+            lambda: (r := client.get(f"/api/runs/{run_id}", headers=auth).json())["status"] == "failed" and r,
+            60,
+            f"beat reconcile (log: {log.read_text()[-2000:]})",
+        )
     finally:
         stop_process_group(proc)
     assert run["status_reason"] == f"supervisor {gone} is gone"
@@ -305,8 +342,14 @@ def test_asyncrl_worker_embeds_beat_that_reconciles(client: Any, auth: dict[str,
 # ----------------------------------------------------------------------------- CLI
 
 
-def test_cli_runs_resume_fork_logs(capsys: pytest.CaptureFixture[str], live_server: str, make_run: Any,
-                                   client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_runs_resume_fork_logs(
+    capsys: pytest.CaptureFixture[str],
+    live_server: str,
+    make_run: Any,
+    client: Any,
+    auth: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker.cli import main
 
     def cli(*argv: str) -> tuple[int, str, str]:
@@ -318,19 +361,33 @@ def test_cli_runs_resume_fork_logs(capsys: pytest.CaptureFixture[str], live_serv
     monkeypatch.setenv("ASYNCRL_TOKEN", auth["Authorization"].split()[1])
     parent = make_run(max_steps=6)
     checkpoint(parent, 3)
-    code, out, _ = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lr=2e-5", "--set",
-                       "orchestrator.group_size=4", "--name", "cli-fork")
+    code, out, _ = cli(
+        "runs",
+        "fork",
+        str(parent["id"]),
+        "--set",
+        "trainer.optim.lr=2e-5",
+        "--set",
+        "orchestrator.group_size=4",
+        "--name",
+        "cli-fork",
+    )
     child = json.loads(out)
     assert code == 0 and child["name"] == "cli-fork" and child["status"] == "queued"
     spec = client.get(f"/api/runs/{child['id']}", headers=auth).json()["spec"]
     assert spec["trainer"]["optim"]["lr"] == 2e-5 and spec["orchestrator"]["group_size"] == 4
     code, _, err = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lr")
-    assert code == 2 and err.strip() == "error: --set: expected key=value such as trainer.optim.lr=5e-5, got 'trainer.optim.lr'"
+    assert (
+        code == 2
+        and err.strip() == "error: --set: expected key=value such as trainer.optim.lr=5e-5, got 'trainer.optim.lr'"
+    )
     code, _, err = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lrr=1")
     assert code == 2 and err.strip() == "error: 422: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
 
     code, _, err = cli("runs", "resume", str(parent["id"]))
-    assert code == 2 and err.strip() == f"error: 409: run {parent['id']} is queued: only failed or cancelled runs resume"
+    assert (
+        code == 2 and err.strip() == f"error: 409: run {parent['id']} is queued: only failed or cancelled runs resume"
+    )
     set_status(client, parent["id"], "cancelled")
     code, out, _ = cli("runs", "resume", str(parent["id"]))
     assert code == 0 and json.loads(out)["status"] == "queued"
@@ -340,14 +397,16 @@ def test_cli_runs_resume_fork_logs(capsys: pytest.CaptureFixture[str], live_serv
     code, out, _ = cli("runs", "logs", str(parent["id"]), "--process", "orchestrator", "--tail", "2")
     assert code == 0 and out == "b\nc\n"
     code, _, err = cli("runs", "logs", str(parent["id"]), "--process", "gpu")
-    assert code == 2 and err.strip() == ("error: 422: query.process: Input should be 'trainer', 'orchestrator', "
-                                         "'inference' or 'supervisor'")
+    assert code == 2 and err.strip() == (
+        "error: 422: query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'"
+    )
     code, _, err = cli("runs", "logs", str(parent["id"]))
     assert code == 2 and err.strip().startswith(f"error: 404: process: run {parent['id']} has no trainer log yet")
 
 
-def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(client: Any, auth: dict[str, str], make_run: Any,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The race a real run showed: stop's terminate() waits for the process group; meanwhile the supervisor reports
     ``cancelled`` and the user resumes. The stop task must then leave the new launch alone."""
     from sqlmodel import Session

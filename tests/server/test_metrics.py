@@ -38,8 +38,9 @@ def test_downsampling_returns_at_most_max_points_and_keeps_the_last(client: Any,
     client.post(f"/api/runs/{run_id}/metrics", json={"points": points(1001)}, headers=rt)
     client.post(f"/api/runs/{run_id}/metrics", json={"points": points(7, source="eval")}, headers=rt)
     for max_points in (1, 2, 3, 10, 100, 999, 1000, 1001, 5000):
-        body = client.get(f"/api/runs/{run_id}/metrics", params={"name": "loss", "max_points": max_points},
-                          headers=rt).json()
+        body = client.get(
+            f"/api/runs/{run_id}/metrics", params={"name": "loss", "max_points": max_points}, headers=rt
+        ).json()
         by_source = {s["source"]: s for s in body["series"]}
         trainer = by_source["trainer"]
         assert trainer["total"] == 1001
@@ -66,22 +67,39 @@ def test_run_token_cannot_write_to_another_run(client: Any, auth: dict[str, str]
     mine, other = make_run()["id"], make_run()["id"]
     resp = client.post(f"/api/runs/{other}/metrics", json={"points": points(3)}, headers=run_token_headers(mine))
     assert resp.status_code == 403 and "belongs to run" in resp.json()["detail"]
-    assert client.get(f"/api/runs/{other}/metrics", params={"name": "loss"}, headers=run_token_headers(mine)
-                      ).status_code == 403
+    assert (
+        client.get(f"/api/runs/{other}/metrics", params={"name": "loss"}, headers=run_token_headers(mine)).status_code
+        == 403
+    )
     assert stored(other) == 0
     assert client.post(f"/api/runs/{other}/metrics", json={"points": points(3)}, headers=auth).json()["inserted"] == 3
 
 
-@pytest.mark.parametrize(("body", "status", "detail"), [
-    pytest.param({"points": [{"source": "trainer", "step": -1, "name": "loss", "value": 1, "time": 0}]}, 422,
-                 "body.points.0.step: Input should be greater than or equal to 0", id="negative-step"),
-    pytest.param({"points": [{"source": "trainer", "step": 1, "name": "loss", "value": "x", "time": 0}]}, 422,
-                 "body.points.0.value: Input should be a valid number", id="value-not-number"),
-    pytest.param({"points": [*points(3), {"source": "a b", "step": 1, "name": "loss", "value": 1, "time": 0}]}, 422,
-                 "body.points.3.source: String should match pattern", id="bad-source"),
-    pytest.param({"rows": []}, 422, "body.points: Field required", id="missing-points"),
-    pytest.param({"points": points(2001)}, 413, "points: 2001 in one batch, at most 2000", id="too-many"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        pytest.param(
+            {"points": [{"source": "trainer", "step": -1, "name": "loss", "value": 1, "time": 0}]},
+            422,
+            "body.points.0.step: Input should be greater than or equal to 0",
+            id="negative-step",
+        ),
+        pytest.param(
+            {"points": [{"source": "trainer", "step": 1, "name": "loss", "value": "x", "time": 0}]},
+            422,
+            "body.points.0.value: Input should be a valid number",
+            id="value-not-number",
+        ),
+        pytest.param(
+            {"points": [*points(3), {"source": "a b", "step": 1, "name": "loss", "value": 1, "time": 0}]},
+            422,
+            "body.points.3.source: String should match pattern",
+            id="bad-source",
+        ),
+        pytest.param({"rows": []}, 422, "body.points: Field required", id="missing-points"),
+        pytest.param({"points": points(2001)}, 413, "points: 2001 in one batch, at most 2000", id="too-many"),
+    ],
+)
 def test_bad_batches_are_rejected_whole(client: Any, make_run: Any, body: Any, status: int, detail: str) -> None:
     run_id = make_run()["id"]
     resp = client.post(f"/api/runs/{run_id}/metrics", json=body, headers=run_token_headers(run_id))
@@ -91,8 +109,11 @@ def test_bad_batches_are_rejected_whole(client: Any, make_run: Any, body: Any, s
 
 def test_malformed_json_is_422_naming_the_body(client: Any, make_run: Any) -> None:
     run_id = make_run()["id"]
-    resp = client.post(f"/api/runs/{run_id}/metrics", content=b'{"points": [',
-                       headers={**run_token_headers(run_id), "content-type": "application/json"})
+    resp = client.post(
+        f"/api/runs/{run_id}/metrics",
+        content=b'{"points": [',
+        headers={**run_token_headers(run_id), "content-type": "application/json"},
+    )
     assert resp.status_code == 422 and resp.json()["detail"].startswith("body: not valid JSON")
 
 

@@ -11,8 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 def scrape(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
 
 
 def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:

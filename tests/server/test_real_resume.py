@@ -26,12 +26,23 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
 
 
 def small_spec(model: Path, name: str, max_steps: int) -> dict[str, Any]:
-    return load_spec_data([CONFIGS / "rl.toml"], [
-        ("name", name), ("max_steps", str(max_steps)), ("model.name", str(model)),
-        ("orchestrator.batch_size", "4"), ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"),
-        ("orchestrator.eval.interval", "0"), ("orchestrator.eval.num_examples", "8"), ("ckpt.interval", "2"),
-        ("trainer.scheduler.warmup_steps", "0"), ("trainer.scheduler.type", "constant"), ("trainer.optim.lr", "1e-4"),
-    ])
+    return load_spec_data(
+        [CONFIGS / "rl.toml"],
+        [
+            ("name", name),
+            ("max_steps", str(max_steps)),
+            ("model.name", str(model)),
+            ("orchestrator.batch_size", "4"),
+            ("orchestrator.group_size", "4"),
+            ("orchestrator.max_tokens", "16"),
+            ("orchestrator.eval.interval", "0"),
+            ("orchestrator.eval.num_examples", "8"),
+            ("ckpt.interval", "2"),
+            ("trainer.scheduler.warmup_steps", "0"),
+            ("trainer.scheduler.type", "constant"),
+            ("trainer.optim.lr", "1e-4"),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +73,11 @@ def trainer_steps(client: Any, auth: dict[str, str], run_id: int) -> list[int]:
 
 
 def ended(client: Any, auth: dict[str, str], run_id: int, timeout: float = 400) -> dict[str, Any]:
-    return wait_for(lambda: (r := run_of(client, auth, run_id))["status"] in {"completed", "failed", "cancelled"}
-                    and r, timeout, f"run {run_id} ended")
+    return wait_for(
+        lambda: (r := run_of(client, auth, run_id))["status"] in {"completed", "failed", "cancelled"} and r,
+        timeout,
+        f"run {run_id} ended",
+    )
 
 
 def test_stop_resume_then_fork_real_runs(client: Any, auth: dict[str, str], service: str) -> None:
@@ -86,7 +100,15 @@ def test_stop_resume_then_fork_real_runs(client: Any, auth: dict[str, str], serv
     assert [e["resume_step"] for e in starts] == [None, ckpt]
     data = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
     assert [e["to_status"] for e in data if e["kind"] == "status"] == [
-        "queued", "starting", "running", "cancelled", "queued", "starting", "running", "completed"]
+        "queued",
+        "starting",
+        "running",
+        "cancelled",
+        "queued",
+        "starting",
+        "running",
+        "completed",
+    ]
     assert [e["data"]["step"] for e in data if e["kind"] == "resumed"] == [ckpt]
 
     assert complete_steps(rd) == [4, 6]  # ckpt.keep = 2
@@ -106,8 +128,9 @@ def test_stop_resume_then_fork_real_runs(client: Any, auth: dict[str, str], serv
     assert {v for s in parent_lrs["series"] if s["source"] == "trainer" for v in s["value"]} == {1e-4}
 
 
-def test_patch_lr_and_temperature_mid_run_take_effect_at_the_acked_steps(client: Any, auth: dict[str, str],
-                                                                        service: str) -> None:
+def test_patch_lr_and_temperature_mid_run_take_effect_at_the_acked_steps(
+    client: Any, auth: dict[str, str], service: str
+) -> None:
     """The whole live-config path on a real run: PATCH → server → supervisor → processes → acks → server."""
     run = client.post("/api/runs", json=small_spec(Path(service), "live", max_steps=14), headers=auth).json()
     rd = RunDir(run["run_dir"])
@@ -124,11 +147,17 @@ def test_patch_lr_and_temperature_mid_run_take_effect_at_the_acked_steps(client:
     t_step, o_step = applied["trainer"], applied["orchestrator"]
     assert 3 <= t_step <= 14 and 3 <= o_step <= 14
     lrs = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "lr"}, headers=auth).json()
-    by_step = {s: v for series in lrs["series"] if series["source"] == "trainer"
-               for s, v in zip(series["step"], series["value"], strict=True)}
+    by_step = {
+        s: v
+        for series in lrs["series"]
+        if series["source"] == "trainer"
+        for s, v in zip(series["step"], series["value"], strict=True)
+    }
     assert by_step == {s: (4e-5 if s >= t_step else 1e-4) for s in range(1, 15)}
     temps = {r["step"]: r["temperature"] for step in range(1, 15) for r in read_jsonl(rd.rollout_file(step))}
     assert temps == {s: (1.7 if s >= o_step else 1.5) for s in range(1, 15)}
     events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
     assert sorted(e["data"].get("process") for e in events if e["kind"] == "config_applied") == [
-        "orchestrator", "trainer"]
+        "orchestrator",
+        "trainer",
+    ]

@@ -64,12 +64,21 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
 
 def real_spec(model: Path, name: str, max_steps: int) -> dict[str, Any]:
     """The shipped reverse-text RL config on the tiny model, small and short."""
-    return load_spec_data([CONFIGS / "rl.toml"], [
-        ("name", name), ("max_steps", str(max_steps)), ("model.name", str(model)),
-        ("orchestrator.batch_size", "4"), ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"),
-        ("orchestrator.eval.interval", "0"), ("orchestrator.eval.num_examples", "8"), ("ckpt.interval", "0"),
-        ("trainer.scheduler.warmup_steps", "0"),
-    ])
+    return load_spec_data(
+        [CONFIGS / "rl.toml"],
+        [
+            ("name", name),
+            ("max_steps", str(max_steps)),
+            ("model.name", str(model)),
+            ("orchestrator.batch_size", "4"),
+            ("orchestrator.group_size", "4"),
+            ("orchestrator.max_tokens", "16"),
+            ("orchestrator.eval.interval", "0"),
+            ("orchestrator.eval.num_examples", "8"),
+            ("ckpt.interval", "0"),
+            ("trainer.scheduler.warmup_steps", "0"),
+        ],
+    )
 
 
 def run_of(client: Any, auth: dict[str, str], run_id: int) -> dict[str, Any]:
@@ -92,7 +101,8 @@ def count(*fragments: str) -> int:
 
 
 def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop_cancels(
-        client: Any, auth: dict[str, str], model: Path, api: ApiServer, tmp_path: Path) -> None:
+    client: Any, auth: dict[str, str], model: Path, api: ApiServer, tmp_path: Path
+) -> None:
     from worker import supervisor
 
     # Submitted while no worker consumes the queue: the launch task waits in Redis.
@@ -133,8 +143,11 @@ def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop
         assert [e["reason"] for e in events if e["to_status"] == "starting"] == ["adopted the running supervisor"]
         assert (tmp_path / "worker2.log").read_text().count(f"'adopted: run {run['id']} pid {sup_pid}'") == 1
 
-        wait_for(lambda: run_of(client, auth, run["id"])["status"] == "running" and stored(run["id"]) > 0,
-                 300, "run running with stored metrics")
+        wait_for(
+            lambda: run_of(client, auth, run["id"])["status"] == "running" and stored(run["id"]) > 0,
+            300,
+            "run running with stored metrics",
+        )
         started = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "running"]
         assert len(started) == 1, started  # one launch_rl in the run directory
         assert count("worker.supervisor", f"--home {home}") == 1
@@ -146,8 +159,9 @@ def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop
 
         resp = client.post(f"/api/runs/{run['id']}/stop", headers=auth)
         assert resp.status_code == 200, resp.text
-        done = wait_for(lambda: (r := run_of(client, auth, run["id"]))["status"] == "cancelled" and r, 90,
-                        "run cancelled")
+        done = wait_for(
+            lambda: (r := run_of(client, auth, run["id"]))["status"] == "cancelled" and r, 90, "run cancelled"
+        )
         assert done["finished_at"] is not None
         assert wait_for(lambda: not session_of(sup_pid), 30, "no process of the run left") is True
         assert not any(pid in processes() for pid in run_pids | {sup_pid})
@@ -159,7 +173,8 @@ def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop
 
 
 def test_server_down_30s_mid_run_loses_and_duplicates_no_metric(
-        client: Any, auth: dict[str, str], model: Path, api: ApiServer, tmp_path: Path) -> None:
+    client: Any, auth: dict[str, str], model: Path, api: ApiServer, tmp_path: Path
+) -> None:
     worker = start_celery_worker(api.url, tmp_path / "worker.log")
     try:
         resp = client.post("/api/runs", json=real_spec(model, "server-down", max_steps=30), headers=auth)
@@ -167,8 +182,11 @@ def test_server_down_30s_mid_run_loses_and_duplicates_no_metric(
         run = resp.json()
         run_dir = Path(run["run_dir"])
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: run_of(client, auth, run["id"])["status"] == "running" and stored(run["id"]) > 0, 300,
-                 "run running with stored metrics")
+        wait_for(
+            lambda: run_of(client, auth, run["id"])["status"] == "running" and stored(run["id"]) > 0,
+            300,
+            "run running with stored metrics",
+        )
 
         api.kill()
         written_at_kill = len(metrics_file_keys(metrics))
@@ -177,8 +195,9 @@ def test_server_down_30s_mid_run_loses_and_duplicates_no_metric(
         assert len(metrics_file_keys(metrics)) > written_at_kill  # the processes kept training meanwhile
         api.start()
 
-        done = wait_for(lambda: (r := run_of(client, auth, run["id"]))["status"] in {"completed", "failed"} and r,
-                        300, "run ended")
+        done = wait_for(
+            lambda: (r := run_of(client, auth, run["id"]))["status"] in {"completed", "failed"} and r, 300, "run ended"
+        )
         assert done["status"] == "completed", done["status_reason"]
         written = read_jsonl(metrics)
         keys = metrics_file_keys(metrics)

@@ -29,7 +29,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
 
 
 def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
-        client: Any, auth: dict[str, str], live_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    client: Any, auth: dict[str, str], live_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sqlmodel import Session
 
     from server.core.config import settings
@@ -41,19 +42,29 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
 
     monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
     model = init_model(tmp_path / "model", size="tiny", seed=0)
-    spec = load_spec_data([CONFIGS / "rl.toml"], [
-        ("name", "redelivered"), ("max_steps", "2"), ("model.name", str(model)), ("orchestrator.batch_size", "4"),
-        ("orchestrator.group_size", "4"), ("orchestrator.max_tokens", "16"), ("orchestrator.eval.interval", "0"),
-        ("orchestrator.eval.num_examples", "8"), ("trainer.scheduler.warmup_steps", "0"),
-    ])
+    spec = load_spec_data(
+        [CONFIGS / "rl.toml"],
+        [
+            ("name", "redelivered"),
+            ("max_steps", "2"),
+            ("model.name", str(model)),
+            ("orchestrator.batch_size", "4"),
+            ("orchestrator.group_size", "4"),
+            ("orchestrator.max_tokens", "16"),
+            ("orchestrator.eval.interval", "0"),
+            ("orchestrator.eval.num_examples", "8"),
+            ("trainer.scheduler.warmup_steps", "0"),
+        ],
+    )
     resp = client.post("/api/runs", json=spec, headers=auth)  # its launch task waits in the queue (no worker here)
     assert resp.status_code == 201, resp.text
     run = resp.json()
     home = Path(run["run_dir"]).parent
     with Session(engine) as s:
         attempt = current_attempt(s, run["id"])
-    pid = supervisor.start(home, run_id=run["id"], spec=run["spec"], token=run_token(run["id"]),
-                           server_url=live_server, attempt=attempt)  # what the killed delivery did
+    pid = supervisor.start(
+        home, run_id=run["id"], spec=run["spec"], token=run_token(run["id"]), server_url=live_server, attempt=attempt
+    )  # what the killed delivery did
     try:
         wait_for(lambda: not _alive(pid), 480, "the supervisor ran the whole run")
     finally:
@@ -71,7 +82,11 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
     assert (done["status"], done["launcher"], done["launcher_handle"]) == ("completed", "local", str(pid))
     data = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
     assert [(e["from_status"], e["to_status"]) for e in data if e["kind"] == "status"] == [
-        (None, "queued"), ("queued", "starting"), ("starting", "running"), ("running", "completed")]
+        (None, "queued"),
+        ("queued", "starting"),
+        ("starting", "running"),
+        ("running", "completed"),
+    ]
     assert (home / "supervisor.log").read_text().count("ended completed") == 1  # no second supervisor
     assert [e["event"] for e in read_jsonl(rd.events)] == ["starting", "running", "completed"]  # untouched
     assert launch(run["id"]).startswith(f"skipped: run {run['id']} is completed")

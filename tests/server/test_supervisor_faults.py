@@ -46,8 +46,8 @@ def supervisors() -> Iterator[list[int]]:
 
 
 def test_server_down_final_report_is_bounded_and_reconcile_delivers_the_spool(
-        client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch,
-        supervisors: list[int]) -> None:
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch, supervisors: list[int]
+) -> None:
     from server.core.config import settings
     from worker.tasks import reconcile
 
@@ -105,16 +105,27 @@ def test_a_spool_of_an_earlier_attempt_is_not_delivered(client: Any, auth: dict[
         attempt = current_attempt(s, run_id)
         s.commit()
     assert isinstance(attempt, int)
-    (home / "final.json").write_text(json.dumps({"status": "cancelled", "reason": "old attempt", "attempt": attempt - 1,
-                                                 "pid": gone, "time": 0, "delivered": True}))
+    (home / "final.json").write_text(
+        json.dumps(
+            {
+                "status": "cancelled",
+                "reason": "old attempt",
+                "attempt": attempt - 1,
+                "pid": gone,
+                "time": 0,
+                "delivered": True,
+            }
+        )
+    )
     from worker.tasks import reconcile
 
     assert run_id in reconcile()
     assert run_of(client, auth, run_id)["status_reason"].startswith(f"supervisor {gone} is gone")
 
 
-def test_resumed_supervisor_reports_running_only_for_this_attempt(client: Any, auth: dict[str, str],
-                                                                 make_run: Any, live_server: str) -> None:
+def test_resumed_supervisor_reports_running_only_for_this_attempt(
+    client: Any, auth: dict[str, str], make_run: Any, live_server: str
+) -> None:
     """events.jsonl keeps the earlier attempt's ``running``: the reporter of the new attempt must wait for its own."""
     import httpx
 
@@ -126,8 +137,9 @@ def test_resumed_supervisor_reports_running_only_for_this_attempt(client: Any, a
     for event in ("starting", "running", "cancelled"):  # the first attempt, as launch_rl logs it
         rd.log_event(event)
     for status in ("starting",):  # the resumed attempt was launched; its processes are not up yet
-        resp = client.post(f"/api/runs/{run['id']}/status", json={"status": status},
-                           headers=run_token_headers(run["id"]))
+        resp = client.post(
+            f"/api/runs/{run['id']}/status", json={"status": status}, headers=run_token_headers(run["id"])
+        )
         assert resp.status_code == 200, resp.text
     with httpx.Client(base_url=live_server, headers=run_token_headers(run["id"]), timeout=10) as http:
         reporter = Reporter(http, run["id"], rd.root, Path(run["run_dir"]).parent, interval_s=0.1)

@@ -53,17 +53,21 @@ def server_url(live_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
 def fake_supervisor(home: Path) -> subprocess.Popen[bytes]:
     """A process that holds the supervisor lock like a real one (as if a killed delivery had started it)."""
     home.mkdir(parents=True, exist_ok=True)
-    code = ("import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
-            "f.truncate(0); f.write(str(os.getpid())); f.flush(); print('locked', flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(home / "supervisor.lock")], stdout=subprocess.PIPE,
-                            start_new_session=True)
+    code = (
+        "import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "f.truncate(0); f.write(str(os.getpid())); f.flush(); print('locked', flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(home / "supervisor.lock")], stdout=subprocess.PIPE, start_new_session=True
+    )
     assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
     return proc
 
 
 @pytest.mark.usefixtures("server_url")
 def test_launch_twice_launches_once_and_the_supervisor_reports_failure(
-        client: Any, auth: dict[str, str], make_run: Any) -> None:
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
     from worker.tasks import launch
 
     run_id = make_run()["id"]
@@ -115,9 +119,25 @@ def celery_worker_proc(live_server: str, tmp_path_factory: pytest.TempPathFactor
     env = {**os.environ, "ASYNCRL_SERVER_URL": live_server}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=solo", "--loglevel=INFO",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"test-{os.getpid()}@%h"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "worker.celery_app",
+                "worker",
+                "--pool=solo",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"test-{os.getpid()}@%h",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         wait_for(lambda: b"ready." in log.read_bytes(), 60, "celery worker ready")
@@ -127,8 +147,9 @@ def celery_worker_proc(live_server: str, tmp_path_factory: pytest.TempPathFactor
         proc.wait(timeout=30)
 
 
-def test_worker_delivers_launch_twice_one_launch(client: Any, auth: dict[str, str], make_run: Any,
-                                                 celery_worker_proc: Path) -> None:
+def test_worker_delivers_launch_twice_one_launch(
+    client: Any, auth: dict[str, str], make_run: Any, celery_worker_proc: Path
+) -> None:
     from worker.tasks import launch_run
 
     run = make_run()  # the API enqueued the first launch after its commit
@@ -182,12 +203,24 @@ def test_kill_9_of_the_worker_takes_its_embedded_beat_and_pool_along(tmp_path: P
     (an orphaned beat beside a restarted worker would send every periodic task twice)."""
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "asyncrl"), "worker", "--concurrency", "2"],
-                                env={**os.environ, "ASYNCRL_HOME": str(tmp_path), "CELERY_QUEUE": f"beat-{os.getpid()}"},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "asyncrl"), "worker", "--concurrency", "2"],
+            env={**os.environ, "ASYNCRL_HOME": str(tmp_path), "CELERY_QUEUE": f"beat-{os.getpid()}"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        kids = wait_for(lambda: (k := _children(proc.pid)) and any("beat" in t for t in k.values())
-                        and sum("ForkPoolWorker" in t for t in k.values()) == 2 and k, 60, "beat and 2 pool workers")
+        kids = wait_for(
+            lambda: (
+                (k := _children(proc.pid))
+                and any("beat" in t for t in k.values())
+                and sum("ForkPoolWorker" in t for t in k.values()) == 2
+                and k
+            ),
+            60,
+            "beat and 2 pool workers",
+        )
         proc.kill()
         proc.wait(timeout=10)
         wait_for(lambda: not any(_alive(p) for p in kids), 20, "beat and pool workers gone")

@@ -25,8 +25,11 @@ def csrf_of(html: str) -> str:
 def login(client: Any, token: str) -> str:
     """Log ``client`` in with ``token``; returns the new session's CSRF token."""
     client.cookies.clear()
-    resp = client.post("/login", data={"csrf": csrf_of(client.get("/login").text), "token": token, "next": "/runs"},
-                       follow_redirects=False)
+    resp = client.post(
+        "/login",
+        data={"csrf": csrf_of(client.get("/login").text), "token": token, "next": "/runs"},
+        follow_redirects=False,
+    )
     assert resp.status_code == 303 and resp.headers["location"] == "/runs", resp.text
     cookie = resp.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie, cookie
@@ -42,10 +45,18 @@ def web(client: Any) -> tuple[Any, str]:
 # ----------------------------------------------------------------------------- pure helpers
 
 
-@pytest.mark.parametrize(("batch", "policy", "verdict"), [
-    (0.60, 0.05, "inference-bound"), (0.05, 0.40, "trainer-bound"), (0.10, 0.20, "balanced"),
-    (0.30, 0.30, "balanced"), (0.25, 0.0, "inference-bound"), (0.0, 0.25, "trainer-bound"), (0.24, 0.0, "balanced"),
-])
+@pytest.mark.parametrize(
+    ("batch", "policy", "verdict"),
+    [
+        (0.60, 0.05, "inference-bound"),
+        (0.05, 0.40, "trainer-bound"),
+        (0.10, 0.20, "balanced"),
+        (0.30, 0.30, "balanced"),
+        (0.25, 0.0, "inference-bound"),
+        (0.0, 0.25, "trainer-bound"),
+        (0.24, 0.0, "balanced"),
+    ],
+)
 def test_bottleneck_verdict_rule(batch: float, policy: float, verdict: str) -> None:
     assert figures.bottleneck_verdict(batch, policy) == verdict
 
@@ -135,8 +146,11 @@ def test_read_token_sees_no_write_buttons_and_its_forged_posts_are_403(client: A
     assert "read-only" in page
     for needle in (f'action="/runs/{run["id"]}/stop"', "Review change", 'href="/launch"', 'id="fork"'):
         assert needle not in page
-    for url, data in ((f"/runs/{run['id']}/stop", {}), ("/launch", {"spec": 'name = "x"'}),
-                      (f"/runs/{run['id']}/config", {"trainer.optim.lr": "0.5"})):
+    for url, data in (
+        (f"/runs/{run['id']}/stop", {}),
+        ("/launch", {"spec": 'name = "x"'}),
+        (f"/runs/{run['id']}/config", {"trainer.optim.lr": "0.5"}),
+    ):
         resp = client.post(url, data={"csrf": csrf, **data})
         assert resp.status_code == 403 and "is read-only" in resp.json()["detail"], (url, resp.text)
     assert 'id="status-badge">queued<' in client.get(f"/runs/{run['id']}").text
@@ -158,21 +172,37 @@ def test_read_token_gets_no_launch_form_and_no_config_form(client: Any, make_run
 
 
 def test_dashboard_errors_are_html_pages_for_browsers_and_json_for_api_clients(
-        client: Any, make_run: Any, auth: dict[str, str]) -> None:
+    client: Any, make_run: Any, auth: dict[str, str]
+) -> None:
     run = make_run()
     csrf = login(client, new_token(f"web-{secrets.token_hex(3)}"))
     html = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
     referer = {"Referer": f"http://testserver/runs/{run['id']}"}
     cases = [  # (method, url, form, status, message)
         ("GET", "/runs/2000000000", None, 404, "run 2000000000 not found"),
-        ("GET", "/runs/abc", None, 422, "path.run_id: Input should be a valid integer, unable to parse string as an "
-                                        "integer"),
+        (
+            "GET",
+            "/runs/abc",
+            None,
+            422,
+            "path.run_id: Input should be a valid integer, unable to parse string as an integer",
+        ),
         ("GET", "/runs?status=nope", None, 422, "status: expected one of queued, "),
         ("GET", "/alerts/webhooks/2000000000", None, 404, "webhook endpoint 2000000000 not found"),
-        ("POST", f"/runs/{run['id']}/stop", {}, 403, "csrf: missing or wrong form token; reload the page and try "
-                                                     "again"),
-        ("POST", "/alerts/rules/2000000000/enabled", {"csrf": csrf, "enabled": "1"}, 404,
-         "alert rule 2000000000 not found"),
+        (
+            "POST",
+            f"/runs/{run['id']}/stop",
+            {},
+            403,
+            "csrf: missing or wrong form token; reload the page and try again",
+        ),
+        (
+            "POST",
+            "/alerts/rules/2000000000/enabled",
+            {"csrf": csrf, "enabled": "1"},
+            404,
+            "alert rule 2000000000 not found",
+        ),
     ]
     for method, url, form, status, message in cases:
         resp = client.request(method, url, data=form, headers={**html, **referer})
@@ -228,8 +258,11 @@ def test_launch_shows_the_spec_error_at_its_line(web: tuple[Any, str]) -> None:
     text = 'name = "bad"\nmax_steps = 3\n[model]\nname = "m"\n[orchestrator]\ngroup_size = 0\n'
     resp = client.post("/launch", data={"csrf": csrf, "spec": text})
     assert resp.status_code == 422
-    bad = re.search(r'<li value="(\d+)" class="bad" id="bad-line"><code>([^<]*)</code>\s*<p class="inline-error" '
-                    r'role="alert" id="spec-error">([^<]*)</p>', resp.text)
+    bad = re.search(
+        r'<li value="(\d+)" class="bad" id="bad-line"><code>([^<]*)</code>\s*<p class="inline-error" '
+        r'role="alert" id="spec-error">([^<]*)</p>',
+        resp.text,
+    )
     assert bad and bad.group(1) == "6" and bad.group(2) == "group_size = 0", resp.text
     assert bad.group(3).startswith("orchestrator.group_size:")
     resp = client.post("/launch", data={"csrf": csrf, "spec": 'name = "x"\nmax_steps = [\n'})
@@ -238,27 +271,49 @@ def test_launch_shows_the_spec_error_at_its_line(web: tuple[Any, str]) -> None:
 
 def _marked(html: str) -> tuple[int, str, str]:
     """(line number, line text, error) of the launch page's marked line."""
-    bad = re.search(r'<li value="(\d+)" class="bad" id="bad-line"><code>([^<]*)</code>\s*<p class="inline-error" '
-                    r'role="alert" id="spec-error">([^<]*)</p>', html)
+    bad = re.search(
+        r'<li value="(\d+)" class="bad" id="bad-line"><code>([^<]*)</code>\s*<p class="inline-error" '
+        r'role="alert" id="spec-error">([^<]*)</p>',
+        html,
+    )
     assert bad, html
     return int(bad.group(1)), bad.group(2), bad.group(3)
 
 
-@pytest.mark.parametrize(("text", "line", "error"), [
-    ('name = "bad"\nmax_steps = 3\n[model]\nname = "m"\n[orchestrator]\nbatch_sise = 8\n', 6,
-     "unknown key &#39;orchestrator.batch_sise&#39; (did you mean &#39;orchestrator.batch_size&#39;?) (line 6)"),
-    ('name = "bad"\nmax_step = 3\n[model]\nname = "m"\n', 2,
-     "unknown key &#39;max_step&#39; (did you mean &#39;max_steps&#39;?) (line 2)"),
-    ('name = "bad"\nmax_steps = 3\ntrainer.optim.lrr = 1e-5\n[model]\nname = "m"\n', 3,
-     "unknown key &#39;trainer.optim.lrr&#39; (did you mean &#39;trainer.optim.lr&#39;?) (line 3)"),
-    ('name = "bad"\nmax_steps = 3\n[orchestrater]\nbatch_size = 8\n', 3,
-     "unknown key &#39;orchestrater&#39; (did you mean &#39;orchestrator&#39;?) (line 3)"),
-    ('name = "bad"\nmax_steps = 3\nbatch size = 8\n', 3,
-     "TOML: Expected &#39;=&#39; after a key in a key/value pair (at line 3, column 7)"),
-    ('name = "bad"\nmax_steps = [\n', 2, "TOML: Invalid value (at end of document)"),
-])
+@pytest.mark.parametrize(
+    ("text", "line", "error"),
+    [
+        (
+            'name = "bad"\nmax_steps = 3\n[model]\nname = "m"\n[orchestrator]\nbatch_sise = 8\n',
+            6,
+            "unknown key &#39;orchestrator.batch_sise&#39; (did you mean &#39;orchestrator.batch_size&#39;?) (line 6)",
+        ),
+        (
+            'name = "bad"\nmax_step = 3\n[model]\nname = "m"\n',
+            2,
+            "unknown key &#39;max_step&#39; (did you mean &#39;max_steps&#39;?) (line 2)",
+        ),
+        (
+            'name = "bad"\nmax_steps = 3\ntrainer.optim.lrr = 1e-5\n[model]\nname = "m"\n',
+            3,
+            "unknown key &#39;trainer.optim.lrr&#39; (did you mean &#39;trainer.optim.lr&#39;?) (line 3)",
+        ),
+        (
+            'name = "bad"\nmax_steps = 3\n[orchestrater]\nbatch_size = 8\n',
+            3,
+            "unknown key &#39;orchestrater&#39; (did you mean &#39;orchestrator&#39;?) (line 3)",
+        ),
+        (
+            'name = "bad"\nmax_steps = 3\nbatch size = 8\n',
+            3,
+            "TOML: Expected &#39;=&#39; after a key in a key/value pair (at line 3, column 7)",
+        ),
+        ('name = "bad"\nmax_steps = [\n', 2, "TOML: Invalid value (at end of document)"),
+    ],
+)
 def test_launch_marks_unknown_keys_and_toml_syntax_errors_at_their_line(
-        web: tuple[Any, str], text: str, line: int, error: str) -> None:
+    web: tuple[Any, str], text: str, line: int, error: str
+) -> None:
     client, csrf = web
     resp = client.post("/launch", data={"csrf": csrf, "spec": text})
     assert resp.status_code == 422
@@ -284,28 +339,40 @@ def test_run_page_figures_marks_rollouts_and_config_diff(web: tuple[Any, str], m
     run = make_run()
     rid = run["id"]
     now = time.time()
-    points = [{"source": src, "step": s, "name": n, "value": v, "time": now} for s in (1, 2, 3) for src, n, v in (
-        ("trainer", "loss", 0.5 / s), ("trainer", "mismatch_kl", 2e-4 * s), ("trainer", "step_time_s", 2.0),
-        ("trainer", "wait_for_batch_s", 1.5), ("orchestrator", "wait_for_policy_s", 0.1),
-        ("orchestrator", "reward_mean", 0.1 * s))]
+    points = [
+        {"source": src, "step": s, "name": n, "value": v, "time": now}
+        for s in (1, 2, 3)
+        for src, n, v in (
+            ("trainer", "loss", 0.5 / s),
+            ("trainer", "mismatch_kl", 2e-4 * s),
+            ("trainer", "step_time_s", 2.0),
+            ("trainer", "wait_for_batch_s", 1.5),
+            ("orchestrator", "wait_for_policy_s", 0.1),
+            ("orchestrator", "reward_mean", 0.1 * s),
+        )
+    ]
     assert client.post(f"/api/runs/{rid}/metrics", json={"points": points}, headers=auth).status_code == 200
     # preview: the diff, nothing stored yet
-    resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "trainer.optim.lr": "5e-5",
-                                                     "orchestrator.temperature": "1.0"})
+    resp = client.post(
+        f"/runs/{rid}/config", data={"csrf": csrf, "trainer.optim.lr": "5e-5", "orchestrator.temperature": "1.0"}
+    )
     assert resp.status_code == 200
-    assert re.search(r"<code>trainer.optim.lr</code></th><td class=\"old\">0.0001</td><td class=\"new\">5e-05</td>",
-                     resp.text), resp.text
+    assert re.search(
+        r"<code>trainer.optim.lr</code></th><td class=\"old\">0.0001</td><td class=\"new\">5e-05</td>", resp.text
+    ), resp.text
     assert client.get(f"/api/runs/{rid}/config", headers=auth).json()["revision"] == 0
     # a bad value: inline at its field
     resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "orchestrator.max_tokens": "-3"})
     assert resp.status_code == 422
     assert re.search(r'id="live-orchestrator-max_tokens-error">orchestrator.max_tokens: ', resp.text), resp.text
     # confirm: applied through the PATCH service; the trainer acks at step 2 -> marker on every chart
-    resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "confirm": "1", "trainer.optim.lr": "5e-05"},
-                       follow_redirects=False)
+    resp = client.post(
+        f"/runs/{rid}/config", data={"csrf": csrf, "confirm": "1", "trainer.optim.lr": "5e-05"}, follow_redirects=False
+    )
     assert resp.status_code == 303
-    ack = client.post(f"/api/runs/{rid}/config/1/ack", json={"process": "trainer", "step": 2},
-                      headers=run_token_headers(rid))
+    ack = client.post(
+        f"/api/runs/{rid}/config/1/ack", json={"process": "trainer", "step": 2}, headers=run_token_headers(rid)
+    )
     assert ack.status_code == 200, ack.text
     html = client.get(f"/runs/{rid}", params={"part": "charts"}).text
     figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
@@ -327,13 +394,15 @@ def test_rollouts_api_and_fragment_read_the_run_dir(web: tuple[Any, str], make_r
     rd.rollouts.mkdir(parents=True)
     for step in (1, 2):
         for i in range(3):
-            append_jsonl(rd.rollout_file(step), {"step": step, "task": f"abc{i}", "completion": f"cba{i}",
-                                                 "reward": 0.25 * i, "advantage": i - 1.0})
+            append_jsonl(
+                rd.rollout_file(step),
+                {"step": step, "task": f"abc{i}", "completion": f"cba{i}", "reward": 0.25 * i, "advantage": i - 1.0},
+            )
     data = client.get(f"/api/runs/{run['id']}/rollouts", params={"limit": 2}, headers=auth).json()
     assert data["step"] == 2 and [r["completion"] for r in data["data"]] == ["cba0", "cba1"]
     assert client.get(f"/api/runs/{run['id']}/rollouts", params={"step": 9}, headers=auth).json()["data"] == []
     html = client.get(f"/runs/{run['id']}", params={"part": "rollouts"}).text
-    assert "Step 2 (first 3)" in html and "<td class=\"num\">0.500</td><td class=\"num\">1.000</td>" in html
+    assert "Step 2 (first 3)" in html and '<td class="num">0.500</td><td class="num">1.000</td>' in html
 
 
 def test_compare_overlays_runs_and_diffs_their_specs(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
@@ -345,10 +414,14 @@ def test_compare_overlays_runs_and_diffs_their_specs(web: tuple[Any, str], make_
     html = client.get("/compare", params=[("run", a["id"]), ("run", b["id"])]).text
     rows = re.findall(r'<tr><th scope="row"><code>([^<]+)</code></th>((?:<td>[^<]*</td>)+)</tr>', html)
     assert [(k, re.findall(r"<td>([^<]*)</td>", v)) for k, v in rows] == [
-        ("max_steps", ["3", "7"]), ("name", [a["name"], b["name"]])]
+        ("max_steps", ["3", "7"]),
+        ("name", [a["name"], b["name"]]),
+    ]
     figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
     assert [(t["name"], t["y"]) for t in figs["reward"]["data"]] == [
-        (f"#{a['id']} {a['name']} train", [0.1]), (f"#{b['id']} {b['name']} train", [0.2])]
+        (f"#{a['id']} {a['name']} train", [0.1]),
+        (f"#{b['id']} {b['name']} train", [0.2]),
+    ]
 
 
 def test_resume_and_fork_errors_show_on_the_run_page(web: tuple[Any, str], make_run: Any) -> None:

@@ -12,9 +12,16 @@ from worker.spec import OrchestratorConfig
 
 def rollout(reward: float | None, v_start: int = 0, n_tokens: int = 3, task: str = "t") -> Rollout:
     return Rollout(
-        task_key=task, prompt_ids=[1, 2], completion_ids=list(range(10, 10 + n_tokens)),
-        completion_logprobs=[-0.5] * n_tokens, completion_text="x", finish_reason="stop",
-        reward=reward, advantage=None, policy_span=(v_start, v_start), temperature=0.7,
+        task_key=task,
+        prompt_ids=[1, 2],
+        completion_ids=list(range(10, 10 + n_tokens)),
+        completion_logprobs=[-0.5] * n_tokens,
+        completion_text="x",
+        finish_reason="stop",
+        reward=reward,
+        advantage=None,
+        policy_span=(v_start, v_start),
+        temperature=0.7,
     )
 
 

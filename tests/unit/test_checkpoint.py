@@ -127,8 +127,14 @@ _KILLED_WRITER = textwrap.dedent("""
 def test_c5_kill_during_checkpoint_write(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("IN_WRITE"), f"writer did not reach the write: {line!r} {proc.stderr.read()!r}"  # type: ignore[union-attr]
@@ -213,7 +219,8 @@ def test_prune_after(run: RunDir) -> None:
     assert sorted(p.name for p in run.weights.iterdir()) == ["step_0", "step_1", "step_2", "step_3"]
     rows = read_jsonl(run.metrics)
     assert [(r["source"], r.get("step")) for r in rows] == [
-        (src, n) for n in range(4) for src in ("trainer", "orchestrator")] + [("eval", None)]
+        (src, n) for n in range(4) for src in ("trainer", "orchestrator")
+    ] + [("eval", None)]
     assert rows[6] == {**rows[6], "loss": 3.0}
     assert json.loads(run.batch(3).read_text()) == {"step": 3}
     assert len(read_jsonl(run.events)) == 1  # events are history, not pruned

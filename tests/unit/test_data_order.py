@@ -29,8 +29,10 @@ def test_c7_resume_at_pass_boundary_continues_second_pass() -> None:
     uninterrupted = [_step_indices(step) for step in range(5, 9)]
     # a resumed orchestrator knows only the checkpointed cursor (step 4 * 4 tasks = 16) and the seed
     cursor = 4 * PER_STEP
-    resumed = [[data_order(p, NUM_TASKS, SEED) for p in range(cursor + k * PER_STEP, cursor + (k + 1) * PER_STEP)]
-               for k in range(4)]
+    resumed = [
+        [data_order(p, NUM_TASKS, SEED) for p in range(cursor + k * PER_STEP, cursor + (k + 1) * PER_STEP)]
+        for k in range(4)
+    ]
     assert resumed == uninterrupted
     # the resumed steps are pass 2, not a repeat of pass 1
     assert [i for s in resumed for i in s] != [i for s in range(1, 5) for i in _step_indices(s)]

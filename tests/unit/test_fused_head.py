@@ -52,16 +52,27 @@ def test_fused_head_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="weight \\[vocab, D\\]"):
         fused_logprob_entropy(torch.zeros(3, 4), torch.zeros(5, 6), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="share a dtype"):
-        fused_logprob_entropy(torch.zeros(3, 4), torch.zeros(5, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.long))
+        fused_logprob_entropy(
+            torch.zeros(3, 4), torch.zeros(5, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match="temps"):
         fused_logprob_entropy(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long), torch.ones(2))
 
 
 def _model(attention: str = "sdpa") -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
-                      attn_implementation=attention)
+    cfg = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attn_implementation=attention,
+    )
     return Qwen3ForCausalLM(cfg).train()
 
 
@@ -69,11 +80,16 @@ def _samples() -> list[dict]:
     gen = torch.Generator().manual_seed(5)
     out = []
     for k, (p, c) in enumerate(((6, 9), (4, 3), (7, 5), (3, 8))):
-        out.append({
-            "input_ids": torch.randint(0, 300, (p + c,), generator=gen).tolist(), "loss_mask": [0] * p + [1] * c,
-            "sampling_logprobs": [0.0] * p + (-torch.rand(c, generator=gen) * 3).tolist(),
-            "advantage": [1.0, -0.5, 2.0, -1.0][k], "temperature": [1.0, 1.0, 0.7, 1.3][k], "policy_span": [0, 0],
-        })
+        out.append(
+            {
+                "input_ids": torch.randint(0, 300, (p + c,), generator=gen).tolist(),
+                "loss_mask": [0] * p + [1] * c,
+                "sampling_logprobs": [0.0] * p + (-torch.rand(c, generator=gen) * 3).tolist(),
+                "advantage": [1.0, -0.5, 2.0, -1.0][k],
+                "temperature": [1.0, 1.0, 0.7, 1.3][k],
+                "policy_span": [0, 0],
+            }
+        )
     return out
 
 
@@ -104,10 +120,15 @@ def test_train_step_equals_each_sample_alone_with_full_logits(attention: str, ch
         logits = model(input_ids=ids).logits[0, :-1] / s["temperature"]
         lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         mask = torch.tensor(s["loss_mask"][1:], dtype=torch.bool)
-        out = compute_sample_loss("dppo_kl", LossInputs(
-            trainer_logprobs=lp, sampling_logprobs=torch.tensor(s["sampling_logprobs"][1:]),
-            advantages=torch.full_like(lp, s["advantage"]), loss_mask=mask,
-        ))
+        out = compute_sample_loss(
+            "dppo_kl",
+            LossInputs(
+                trainer_logprobs=lp,
+                sampling_logprobs=torch.tensor(s["sampling_logprobs"][1:]),
+                advantages=torch.full_like(lp, s["advantage"]),
+                loss_mask=mask,
+            ),
+        )
         (out.loss / n_tokens).backward()
         loss += float(out.loss.detach()) / n_tokens
         probs = torch.softmax(logits.detach(), -1)

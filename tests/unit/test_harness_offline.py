@@ -24,6 +24,11 @@ def test_chat_program_prepares_offline_after_lock() -> None:
     env = {**os.environ, "UV_OFFLINE": "false", "HTTPS_PROXY": closed, "HTTP_PROXY": closed, "ALL_PROXY": closed}
     done = subprocess.run(sync, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    found = subprocess.run([uv, "python", "find", "--script", str(path), "--no-config"], env=env,
-                           capture_output=True, text=True, timeout=60)
+    found = subprocess.run(
+        [uv, "python", "find", "--script", str(path), "--no-config"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert found.returncode == 0 and found.stdout.strip().endswith("/bin/python"), found.stderr

@@ -28,8 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_run_dir(tmp_path: Path, **spec: object) -> tuple[Path, RLSpec]:
-    data = {"model": {"name": "m"}, "orchestrator": {"max_tokens": 32, "temperature": 1.0},
-            "trainer": {"optim": {"lr": 1e-4}}, **spec}
+    data = {
+        "model": {"name": "m"},
+        "orchestrator": {"max_tokens": 32, "temperature": 1.0},
+        "trainer": {"optim": {"lr": 1e-4}},
+        **spec,
+    }
     resolved = validate_spec("rl", data)
     assert isinstance(resolved, RLSpec)
     (tmp_path / "config.json").write_text(resolved.model_dump_json())
@@ -40,8 +44,9 @@ def acks(run_dir: Path) -> list[tuple[int, str, int]]:
     return [(a["revision"], a["process"], a["step"]) for a in read_jsonl(run_dir / ACKS_FILE)]
 
 
-def test_each_process_applies_its_own_keys_once_and_acks_the_step(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_each_process_applies_its_own_keys_once_and_acks_the_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run_dir, spec = make_run_dir(tmp_path)
     trainer, orch = LiveConfig(run_dir, "trainer"), LiveConfig(run_dir, "orchestrator")
     same, changed = trainer.apply(spec, 1)
@@ -68,8 +73,9 @@ def test_each_process_applies_its_own_keys_once_and_acks_the_step(tmp_path: Path
     assert acks(run_dir)[2:] == [(3, "trainer", 6), (2, "orchestrator", 7)]
 
 
-def test_a_half_written_line_waits_and_a_refused_revision_is_skipped(tmp_path: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_half_written_line_waits_and_a_refused_revision_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run_dir, spec = make_run_dir(tmp_path)
     reader = LiveConfig(run_dir, "orchestrator")
     line = json.dumps({"revision": 1, "changes": {"orchestrator.temperature": 0.7}}) + "\n"
@@ -83,8 +89,9 @@ def test_a_half_written_line_waits_and_a_refused_revision_is_skipped(tmp_path: P
         new, changed = reader.apply(spec, 2)
     assert changed == {"orchestrator.temperature": 0.7} and new.orchestrator.max_tokens == 32
     assert acks(run_dir) == [(1, "orchestrator", 2)]
-    assert caplog.messages == ["live config revision 2 refused: orchestrator.max_tokens: must be below "
-                               "inference.max_model_len (512), got 9999"]
+    assert caplog.messages == [
+        "live config revision 2 refused: orchestrator.max_tokens: must be below inference.max_model_len (512), got 9999"
+    ]
 
 
 def test_resume_reapplies_everything_and_acks_only_steps_the_checkpoint_does_not_cover(tmp_path: Path) -> None:
@@ -92,8 +99,12 @@ def test_resume_reapplies_everything_and_acks_only_steps_the_checkpoint_does_not
     append_revision(run_dir, 1, {"trainer.optim.lr": 5e-5})
     append_revision(run_dir, 2, {"trainer.optim.lr": 3e-5})
     # the first life of the run acked revision 1 at step 3 and revision 2 at step 9, then died
-    (run_dir / ACKS_FILE).write_text(json.dumps({"revision": 1, "process": "trainer", "step": 3}) + "\n"
-                                     + json.dumps({"revision": 2, "process": "trainer", "step": 9}) + "\n")
+    (run_dir / ACKS_FILE).write_text(
+        json.dumps({"revision": 1, "process": "trainer", "step": 3})
+        + "\n"
+        + json.dumps({"revision": 2, "process": "trainer", "step": 9})
+        + "\n"
+    )
     resumed = LiveConfig(run_dir, "trainer", start_step=5)  # checkpoint 5: covers step 3, not step 9
     new, changed = resumed.apply(spec, 6)
     assert new.trainer.optim.lr == 3e-5 and changed == {"trainer.optim.lr": 3e-5}
@@ -125,17 +136,22 @@ def test_set_base_lr_continues_the_schedule_from_the_new_base() -> None:
     assert restored.base_lrs == [5e-5]  # a checkpoint keeps the new base
 
 
-def test_config_set_cli_numbers_revisions_and_refuses_bad_input(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_set_cli_numbers_revisions_and_refuses_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir, _ = make_run_dir(tmp_path, inference={"max_model_len": 64})
     assert main(["config", "set", str(run_dir), "trainer.optim.lr=5e-5", "orchestrator.temperature=1.2"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "revision": 1, "changes": {"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.2}}
+        "revision": 1,
+        "changes": {"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.2},
+    }
     assert set_local(run_dir, ["orchestrator.max_tokens=40"])["revision"] == 2
     for argv, line in [
         (["trainer.optim.betas=[0.5, 0.9]"], "error: trainer.optim.betas: not a live key; only these change"),
-        (["orchestrator.max_tokens=40", "orchestrator.max_tokens=64"],
-         "error: orchestrator.max_tokens: must be below inference.max_model_len (64), got 64"),
+        (
+            ["orchestrator.max_tokens=40", "orchestrator.max_tokens=64"],
+            "error: orchestrator.max_tokens: must be below inference.max_model_len (64), got 64",
+        ),
         (["trainer.optim.lr=0"], "error: trainer.optim.lr: Input should be greater than 0"),
         (["trainer.optim.lr"], "error: expected key=value, got 'trainer.optim.lr'"),
     ]:
@@ -144,7 +160,10 @@ def test_config_set_cli_numbers_revisions_and_refuses_bad_input(tmp_path: Path,
         assert len(err) == 1 and err[0].startswith(line), err
     assert [r["revision"] for r in read_revisions(run_dir)] == [1, 2]  # nothing written by the refusals
     assert main(["config", "set", str(tmp_path / "nope"), "trainer.optim.lr=1e-5"]) == 2
-    assert capsys.readouterr().err.strip() == f"error: run directory {tmp_path / 'nope'}: no config.json (start the run first)"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: run directory {tmp_path / 'nope'}: no config.json (start the run first)"
+    )
     assert not (tmp_path / "nope").exists()
 
 

@@ -324,7 +324,7 @@ BAND = "trainer.loss.band: expected [low, high] with 0 < low < 1 < high"
         ("dppo_kl", {"kl_tau": -1e-3}, "trainer.loss.kl_tau: expected a number >= 0, got -0.001"),
         ("ipo", {"epsilon": 0}, "trainer.loss.epsilon: expected a number > 0, got 0"),
         ("aipo", {"max_ratio": 1.0}, "trainer.loss.max_ratio: expected a number > 1, got 1.0"),
-        ("aipo", {"ratio_level": "seq"}, "trainer.loss.ratio_level: expected \"token\" or \"sequence\", got 'seq'"),
+        ("aipo", {"ratio_level": "seq"}, 'trainer.loss.ratio_level: expected "token" or "sequence", got \'seq\''),
         ("ipo", {"band": (0.5, 5)}, "trainer.loss.band: not a parameter of loss 'ipo'"),
         ("ppo", {}, "trainer.loss.type: expected one of ['aipo', 'dppo_kl', 'icepop', 'ipo'], got 'ppo'"),
     ],

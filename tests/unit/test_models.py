@@ -206,7 +206,9 @@ def test_check_model_names_what_is_missing(model_dir: Path, tmp_path: Path) -> N
         with pytest.raises(ValueError, match=f"^{no_chat}: tokenizer has no chat template \\(expected chat_template"):
             load(no_chat)
     no_weights = _broken_copy(model_dir, tmp_path, "no_weights", ["model.safetensors"])
-    with pytest.raises(FileNotFoundError, match=f"^{no_weights}: no model weights \\(expected one of model.safetensors"):
+    with pytest.raises(
+        FileNotFoundError, match=f"^{no_weights}: no model weights \\(expected one of model.safetensors"
+    ):
         check_model(no_weights)
     no_tok = _broken_copy(model_dir, tmp_path, "no_tok", ["tokenizer.json", "tokenizer_config.json"])
     with pytest.raises(FileNotFoundError, match=f"^{no_tok}: no tokenizer files"):
@@ -224,8 +226,11 @@ def test_check_model_names_what_is_missing(model_dir: Path, tmp_path: Path) -> N
     truncated = _broken_copy(model_dir, tmp_path, "truncated", [])
     weights = (model_dir / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    with pytest.raises(ValueError, match=f"^{truncated}: weights file model.safetensors does not load \\("
-                                         "SafetensorError: .*file not fully covered"):
+    with pytest.raises(
+        ValueError,
+        match=f"^{truncated}: weights file model.safetensors does not load \\("
+        "SafetensorError: .*file not fully covered",
+    ):
         check_model(truncated)
     with pytest.raises(ValueError, match=f"^{truncated}: cannot load model \\("):
         load_model(truncated)

@@ -51,8 +51,9 @@ def test_env_turn_ids_follow_the_chat_template(tok: Any) -> None:
     env_ids = env_turn_ids(tok, messages, r.token_ids, "Now: Ef.")
     assert tok.decode(env_ids) == "\n<|im_start|>user\nNow: Ef.<|im_end|>\n<|im_start|>assistant\n"
     full = prompt_ids(tok, messages) + r.token_ids + env_ids
-    expected = prompt_ids(tok, [*messages, {"role": "assistant", "content": ".dc bA"},
-                                {"role": "user", "content": "Now: Ef."}])
+    expected = prompt_ids(
+        tok, [*messages, {"role": "assistant", "content": ".dc bA"}, {"role": "user", "content": "Now: Ef."}]
+    )
     assert full == expected
     # a reply cut at max_tokens has no EOS: the env turn closes it
     cut = reply(tok, ".dc", eos=False)
@@ -66,10 +67,18 @@ def test_conversation_to_train_sample_exact(tok: Any) -> None:
     r1, r2 = reply(tok, a), reply(tok, f"<reversed_text>{b[:-1]}</reversed_text>")
     model = ScriptedModel([r1, r2])
     versions = iter([4, 6])
-    rollout = asyncio.run(run_conversation(
-        model, tok, env, task, max_tokens=200, temperature=1.0, max_len=1000,  # type: ignore[arg-type]
-        policy_version=lambda: next(versions),
-    ))
+    rollout = asyncio.run(
+        run_conversation(
+            model,
+            tok,
+            env,
+            task,
+            max_tokens=200,
+            temperature=1.0,
+            max_len=1000,  # type: ignore[arg-type]
+            policy_version=lambda: next(versions),
+        )
+    )
     p_ids = prompt_ids(tok, env.prompt_messages(task))
     env_ids = env_turn_ids(tok, env.prompt_messages(task), r1.token_ids, FOLLOW_UP.format(text=task.data.texts[1]))
     assert rollout.prompt_ids == p_ids
@@ -100,10 +109,18 @@ def test_conversation_stops_at_max_len(tok: Any) -> None:
     p_ids = prompt_ids(tok, env.prompt_messages(task))
     r1 = reply(tok, task.data.answers[0])
     model = ScriptedModel([r1, r1])
-    rollout = asyncio.run(run_conversation(
-        model, tok, env, task, max_tokens=200, temperature=1.0,  # type: ignore[arg-type]
-        max_len=len(p_ids) + len(r1.token_ids) + 5, policy_version=lambda: 0,
-    ))
+    rollout = asyncio.run(
+        run_conversation(
+            model,
+            tok,
+            env,
+            task,
+            max_tokens=200,
+            temperature=1.0,  # type: ignore[arg-type]
+            max_len=len(p_ids) + len(r1.token_ids) + 5,
+            policy_version=lambda: 0,
+        )
+    )
     assert len(model.prompts) == 1  # the env turn left no room for a second model turn
     assert rollout.finish_reason == "length"
     assert rollout.reward == pytest.approx(0.5)  # the unanswered second turn scores 0

@@ -81,6 +81,7 @@ def test_pack_shared_prompt_keeps_every_index_once_and_fits(samples, prompt):
     bins = pack_shared_prompt(lengths, prefix, groups, seq_len)
     assert sorted(i for b in bins for i in b) == list(range(len(samples)))
     for b in bins:  # the row cost: a sample following one of its group adds only its completion
-        cost = sum(lengths[i] if k == 0 or groups[b[k - 1]] != groups[i] else lengths[i] - prefix[i]
-                   for k, i in enumerate(b))
+        cost = sum(
+            lengths[i] if k == 0 or groups[b[k - 1]] != groups[i] else lengths[i] - prefix[i] for k, i in enumerate(b)
+        )
         assert cost <= seq_len

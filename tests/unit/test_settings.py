@@ -29,8 +29,13 @@ def test_worker_finds_the_server_published_on_its_home(tmp_path: Path, monkeypat
 def _server(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ASYNCRL_HOME": str(home)}
     env.pop("ASYNCRL_SERVER_URL", None)
-    return subprocess.run([str(Path(sys.executable).parent / "asyncrl"), "server", "--no-migrate", *args],
-                          env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "asyncrl"), "server", "--no-migrate", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_server_on_a_busy_port_fails_in_one_line_and_publishes_nothing(tmp_path: Path) -> None:
@@ -63,10 +68,15 @@ def test_embedded_server_on_sqlite_serves_the_dashboard_with_runs(tmp_path: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([exe, "server", "--port", str(port)], env=env, cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [exe, "server", "--port", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        url = (tmp_path / "server_url")
+        url = tmp_path / "server_url"
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             for _ in range(300):
                 try:
@@ -76,8 +86,14 @@ def test_embedded_server_on_sqlite_serves_the_dashboard_with_runs(tmp_path: Path
                     pass
                 time.sleep(0.1)
             assert url.read_text().strip() == f"http://127.0.0.1:{port}"
-            token = subprocess.run([exe, "token", "create", "--name", "me"], env=env, cwd=tmp_path, check=True,
-                                   capture_output=True, text=True).stdout.strip()
+            token = subprocess.run(
+                [exe, "token", "create", "--name", "me"],
+                env=env,
+                cwd=tmp_path,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
             spec = {"name": "embedded", "model": {"name": "/nonexistent/model"}}
             run = client.post("/api/runs", json=spec, headers={"Authorization": f"Bearer {token}"})
             assert run.status_code == 201, run.text

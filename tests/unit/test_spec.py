@@ -72,7 +72,11 @@ def test_reverse_text_rl_values() -> None:
     spec = validate_spec("rl", load_spec_data([REPO / "configs/reverse_text/rl.toml"], []))
     assert isinstance(spec, RLSpec)
     assert (spec.name, spec.max_steps, spec.orchestrator.group_size, spec.orchestrator.max_tokens) == (
-        "reverse-text-rl", 160, 8, 48)
+        "reverse-text-rl",
+        160,
+        8,
+        48,
+    )
     assert spec.orchestrator.eval.temperature == spec.orchestrator.temperature  # evals sample as training does
     assert spec.inference.max_model_len == 256
     assert isinstance(spec.trainer.loss, DppoKlLoss)
@@ -101,8 +105,10 @@ def test_unknown_top_level_key() -> None:
     assert _error("rl", {**MODEL, "max_stepz": 3}) == "unknown key 'max_stepz' (did you mean 'max_steps'?)"
     assert _error("sft", {**MODEL, "seq_lenn": 3}) == "unknown key 'seq_lenn' (did you mean 'seq_len'?)"
     msg = _error("rl", {**MODEL, "zzzzqqq": 3})
-    assert msg == ("unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, launcher, max_steps, "
-                   "model, name, orchestrator, output_dir, seed, trainer)")
+    assert msg == (
+        "unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, launcher, max_steps, "
+        "model, name, orchestrator, output_dir, seed, trainer)"
+    )
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
@@ -120,10 +126,13 @@ def test_non_finite_numbers_are_refused(value: float) -> None:
 def test_later_files_win(tmp_path: Path) -> None:
     a, b = tmp_path / "a.toml", tmp_path / "b.toml"
     a.write_text('max_steps = 5\nseed = 1\n[model]\nname = "m1"\n[trainer.optim]\nlr = 0.1\nweight_decay = 0.5\n')
-    b.write_text('seed = 2\n[trainer.optim]\nlr = 0.2\n')
+    b.write_text("seed = 2\n[trainer.optim]\nlr = 0.2\n")
     data = load_spec_data([a, b], [])
     assert data == {
-        "max_steps": 5, "seed": 2, "model": {"name": "m1"}, "trainer": {"optim": {"lr": 0.2, "weight_decay": 0.5}},
+        "max_steps": 5,
+        "seed": 2,
+        "model": {"name": "m1"},
+        "trainer": {"optim": {"lr": 0.2, "weight_decay": 0.5}},
     }
     data = load_spec_data([b, a], [("trainer.optim.lr", "1e-5"), ("model.name", "m2")])
     assert data["seed"] == 1
@@ -143,8 +152,16 @@ def test_json_file_layer(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1e-5", 1e-5), ("true", True), ("false", False), ("[0.5, 5]", [0.5, 5]), ("abc", "abc"), ("42", 42),
-     ("'quoted'", "quoted"), ("a/b-c", "a/b-c")],
+    [
+        ("1e-5", 1e-5),
+        ("true", True),
+        ("false", False),
+        ("[0.5, 5]", [0.5, 5]),
+        ("abc", "abc"),
+        ("42", 42),
+        ("'quoted'", "quoted"),
+        ("a/b-c", "a/b-c"),
+    ],
 )
 def test_parse_override_value(text: str, value: Any) -> None:
     got = parse_override_value(text)
@@ -172,13 +189,16 @@ def test_unusable_files_and_override_keys(tmp_path: Path) -> None:
     assert _load_error([tmp_path], []) == f"config file {tmp_path} is a directory; expected a TOML file"
     (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
     assert _load_error([tmp_path / "latin1.toml"], []) == (
-        f"{tmp_path / 'latin1.toml'}: not valid TOML: not UTF-8 text (byte 11)")
+        f"{tmp_path / 'latin1.toml'}: not valid TOML: not UTF-8 text (byte 11)"
+    )
     (tmp_path / "list.json").write_text("[1, 2]")
     assert _load_error([tmp_path / "list.json"], []) == (
-        f"{tmp_path / 'list.json'}: expected a JSON object of spec keys, got list")
+        f"{tmp_path / 'list.json'}: expected a JSON object of spec keys, got list"
+    )
     (tmp_path / "bad.json").write_text('{\n  "max_steps": ,\n}')
     assert _load_error([tmp_path / "bad.json"], []) == (
-        f"{tmp_path / 'bad.json'}: not valid JSON: Expecting value: line 2 column 16 (char 17)")
+        f"{tmp_path / 'bad.json'}: not valid JSON: Expecting value: line 2 column 16 (char 17)"
+    )
     for key in ("a..b", "", ".lr", "trainer."):
         assert _load_error([], [(key, "1")]) == f"--{key}: expected a dotted key such as --trainer.optim.lr"
 
@@ -224,7 +244,8 @@ def test_bad_run_name(name: str) -> None:
         msg = _error(kind, {**MODEL, "name": name})
         assert msg == (
             "name: expected 1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' "
-            f"(it names a directory), got {name!r}")
+            f"(it names a directory), got {name!r}"
+        )
 
 
 @pytest.mark.parametrize("name", ["a", "run.v2", "my_run-3", "x" * 100])
@@ -241,7 +262,8 @@ def test_numbers_given_for_text_fields_are_text() -> None:
 def test_other_field_errors_name_the_field() -> None:
     assert _error("rl", {}) == "model: Field required"
     assert _error("rl", {**MODEL, "trainer": {"optim": {"betas": [0.9, 1.0]}}}) == (
-        "trainer.optim.betas: expected two values in [0, 1), got [0.9, 1.0]")
+        "trainer.optim.betas: expected two values in [0, 1), got [0.9, 1.0]"
+    )
     msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "ipo", "epsilon": -1}}})
     assert msg == "trainer.loss.epsilon: Input should be greater than 0, got -1"
     assert _error("rl", {"model": {"name": ""}}) == "model.name: String should have at least 1 character, got ''"
@@ -249,11 +271,14 @@ def test_other_field_errors_name_the_field() -> None:
     assert _error("sft", {**MODEL, "seed": 2**32}) == "seed: Input should be less than 4294967296, got 4294967296"
     assert _error("rl", {**MODEL, "seed": -1}) == "seed: Input should be greater than or equal to 0, got -1"
     assert _error("sft", {**MODEL, "data": {"batch_size": "abc"}}) == (
-        "data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'abc'")
+        "data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'abc'"
+    )
     assert _error("rl", {**MODEL, "orchestrator": "x"}) == (
-        "orchestrator: Input should be a valid dictionary or instance of OrchestratorConfig, got 'x'")
+        "orchestrator: Input should be a valid dictionary or instance of OrchestratorConfig, got 'x'"
+    )
     assert _error("rl", {**MODEL, "model": {"name": "m", "dtype": "fp8"}}) == (
-        "model.dtype: Input should be 'float32' or 'bfloat16', got 'fp8'")
+        "model.dtype: Input should be 'float32' or 'bfloat16', got 'fp8'"
+    )
     assert _error("rl", {**MODEL, "kind": "sft"}) == "kind: this command runs 'rl' specs, got 'sft'"
     assert _error("nope", MODEL) == "kind: expected one of ['rl', 'sft'], got 'nope'"
 
@@ -267,11 +292,14 @@ _unit = st.floats(min_value=0.0, max_value=0.999, allow_nan=False)
 _seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
 _losses = st.one_of(
-    st.builds(DppoKlLoss, mask_low=_pos, mask_high=_pos, kl_tau=_unit,
-              ratio_level=st.sampled_from(["token", "sequence"])),
+    st.builds(
+        DppoKlLoss, mask_low=_pos, mask_high=_pos, kl_tau=_unit, ratio_level=st.sampled_from(["token", "sequence"])
+    ),
     st.builds(IpoLoss, epsilon=_pos),
-    st.builds(IcePopLoss,
-              band=st.tuples(st.floats(min_value=1e-3, max_value=0.999), st.floats(min_value=1.001, max_value=100))),
+    st.builds(
+        IcePopLoss,
+        band=st.tuples(st.floats(min_value=1e-3, max_value=0.999), st.floats(min_value=1.001, max_value=100)),
+    ),
     st.builds(AipoLoss, max_ratio=st.floats(min_value=1.001, max_value=100)),
 )
 _env_args = st.dictionaries(
@@ -285,43 +313,54 @@ _env_args = st.dictionaries(
 def rl_specs(draw: st.DrawFn) -> RLSpec:
     max_model_len = draw(st.integers(16, 4096))
     group_size = draw(st.integers(2, 64))
-    return RLSpec.model_validate({
-        "name": draw(_names),
-        "output_dir": draw(_text),
-        "seed": draw(_seeds),
-        "max_steps": draw(st.integers(1, 10**6)),
-        "model": {"name": draw(_text.filter(bool)), "dtype": draw(st.sampled_from(["float32", "bfloat16"]))},
-        "env": {"id": draw(_text), "args": draw(_env_args)},
-        "inference": {
-            "url": draw(st.none() | st.just("http://127.0.0.1:8000")),
-            "port": draw(st.integers(0, 65535)),
-            "max_model_len": max_model_len,
-            "gpu_memory_utilization": draw(st.floats(min_value=0.01, max_value=1.0)),
-            "extra_args": draw(st.lists(_text, max_size=3)),
-            "read_timeout_s": draw(_pos),
-        },
-        "orchestrator": {
-            "batch_size": draw(st.integers(1, 512)),
-            "group_size": group_size,
-            "max_tokens": draw(st.integers(1, max_model_len - 1)),
-            "temperature": draw(_pos),
-            "seq_len": draw(st.integers(8, 1 << 20)),
-            "max_off_policy_steps": draw(st.integers(0, 100)),
-            "advantage": {"type": draw(st.sampled_from(["grpo", "maxrl"])), "std_normalize": draw(st.booleans()),
-                          "length_penalty": draw(_unit)},
-            "eval": {"interval": draw(st.integers(0, 100)), "temperature": draw(_unit),
-                     "pass_k": draw(st.integers(1, 8))},
-            "drop_zero_advantage": draw(st.booleans()),
-        },
-        "trainer": {
-            "optim": {"lr": draw(_pos), "weight_decay": draw(_unit), "betas": draw(st.tuples(_unit, _unit))},
-            "scheduler": {"type": draw(st.sampled_from(["constant", "cosine", "linear"])),
-                          "warmup_steps": draw(st.integers(0, 100)), "min_lr_ratio": draw(_unit)},
-            "loss": draw(_losses).model_dump(),
-            "threads": draw(st.integers(1, 64)),
-        },
-        "ckpt": {"interval": draw(st.integers(0, 100)), "keep": draw(st.integers(1, 10))},
-    })
+    return RLSpec.model_validate(
+        {
+            "name": draw(_names),
+            "output_dir": draw(_text),
+            "seed": draw(_seeds),
+            "max_steps": draw(st.integers(1, 10**6)),
+            "model": {"name": draw(_text.filter(bool)), "dtype": draw(st.sampled_from(["float32", "bfloat16"]))},
+            "env": {"id": draw(_text), "args": draw(_env_args)},
+            "inference": {
+                "url": draw(st.none() | st.just("http://127.0.0.1:8000")),
+                "port": draw(st.integers(0, 65535)),
+                "max_model_len": max_model_len,
+                "gpu_memory_utilization": draw(st.floats(min_value=0.01, max_value=1.0)),
+                "extra_args": draw(st.lists(_text, max_size=3)),
+                "read_timeout_s": draw(_pos),
+            },
+            "orchestrator": {
+                "batch_size": draw(st.integers(1, 512)),
+                "group_size": group_size,
+                "max_tokens": draw(st.integers(1, max_model_len - 1)),
+                "temperature": draw(_pos),
+                "seq_len": draw(st.integers(8, 1 << 20)),
+                "max_off_policy_steps": draw(st.integers(0, 100)),
+                "advantage": {
+                    "type": draw(st.sampled_from(["grpo", "maxrl"])),
+                    "std_normalize": draw(st.booleans()),
+                    "length_penalty": draw(_unit),
+                },
+                "eval": {
+                    "interval": draw(st.integers(0, 100)),
+                    "temperature": draw(_unit),
+                    "pass_k": draw(st.integers(1, 8)),
+                },
+                "drop_zero_advantage": draw(st.booleans()),
+            },
+            "trainer": {
+                "optim": {"lr": draw(_pos), "weight_decay": draw(_unit), "betas": draw(st.tuples(_unit, _unit))},
+                "scheduler": {
+                    "type": draw(st.sampled_from(["constant", "cosine", "linear"])),
+                    "warmup_steps": draw(st.integers(0, 100)),
+                    "min_lr_ratio": draw(_unit),
+                },
+                "loss": draw(_losses).model_dump(),
+                "threads": draw(st.integers(1, 64)),
+            },
+            "ckpt": {"interval": draw(st.integers(0, 100)), "keep": draw(st.integers(1, 10))},
+        }
+    )
 
 
 def _drop_none(obj: Any) -> Any:
@@ -369,10 +408,14 @@ def test_local_gpu_placement_and_trainer_ranks(tmp_path: Path) -> None:
     )
     assert "launcher.local.inference_gpus" in _error("rl", {**MODEL, "launcher": {"local": {"inference_gpus": [0, 0]}}})
     assert "distinct CUDA device ids >= 0" in _error("rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [-1]}}})
-    assert _error("rl", {**MODEL, "trainer": {"device": "cuda"},
-                         "launcher": {"local": {"trainer_gpus": [0, 1], "trainer_processes": 3}}}) == (
-        "launcher.local.trainer_processes: one rank per trainer GPU (2) or 0, got 3"
-    )
+    assert _error(
+        "rl",
+        {
+            **MODEL,
+            "trainer": {"device": "cuda"},
+            "launcher": {"local": {"trainer_gpus": [0, 1], "trainer_processes": 3}},
+        },
+    ) == ("launcher.local.trainer_processes: one rank per trainer GPU (2) or 0, got 3")
     run = RunDir(tmp_path / "r")
     one = trainer_command(spec(trainer_gpus=[1]), run, [])
     assert one[1:] == ["-m", "worker.trainer", "--run-dir", str(run.root)]

@@ -61,8 +61,9 @@ def test_sampled_call_parses_back_with_the_rollout_parser() -> None:
     assert parsed.content == ""
     # and the prompt before it is the renderer's own rendering of the opening messages with the tools
     messages, tools = ENV.sft_conversation(task)
-    assert ids[:start] == renderer.render_ids(messages[:2 if messages[0]["role"] == "system" else 1], tools=tools,
-                                              add_generation_prompt=True)
+    assert ids[:start] == renderer.render_ids(
+        messages[: 2 if messages[0]["role"] == "system" else 1], tools=tools, add_generation_prompt=True
+    )
 
 
 def test_tasks_without_a_conversation_keep_prompt_answer_sft() -> None:

@@ -14,8 +14,17 @@ from worker.trainer.train import train_step
 
 def _model() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, attn_implementation="sdpa")
+    cfg = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     return Qwen3ForCausalLM(cfg)
 
 
@@ -27,12 +36,18 @@ def _samples() -> list[dict]:
         for k in range(4):
             n = 2 + (k * 3 + g) % 5
             c = torch.randint(0, 300, (n,), generator=gen).tolist()
-            samples.append({
-                "input_ids": prompt + c, "loss_mask": [0] * p_len + [1] * n,
-                "sampling_logprobs": [0.0] * p_len + (-torch.rand(n, generator=gen) * 3).tolist(),
-                "advantage": [-1.0, 0.5, 1.5, -1.0][k], "temperature": [1.0, 1.5][g], "policy_span": [0, 0],
-                "group": g, "prefix_len": p_len,
-            })
+            samples.append(
+                {
+                    "input_ids": prompt + c,
+                    "loss_mask": [0] * p_len + [1] * n,
+                    "sampling_logprobs": [0.0] * p_len + (-torch.rand(n, generator=gen) * 3).tolist(),
+                    "advantage": [-1.0, 0.5, 1.5, -1.0][k],
+                    "temperature": [1.0, 1.5][g],
+                    "policy_span": [0, 0],
+                    "group": g,
+                    "prefix_len": p_len,
+                }
+            )
     return samples
 
 
@@ -42,10 +57,17 @@ def _run(share: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     if not share:  # without group and prefix_len every sample is laid out in full
         samples = [{k: v for k, v in s.items() if k not in ("group", "prefix_len")} for s in samples]
     lengths = [len(s["input_ids"]) for s in samples]
-    bins = pack_shared_prompt(lengths, [s["prefix_len"] for s in samples], [s["group"] for s in samples], 32) \
-        if share else pack(lengths, 32)
-    batch = {"step": 1, "num_samples": len(samples), "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
-             "micro_batches": [[samples[i] for i in b] for b in bins]}
+    bins = (
+        pack_shared_prompt(lengths, [s["prefix_len"] for s in samples], [s["group"] for s in samples], 32)
+        if share
+        else pack(lengths, 32)
+    )
+    batch = {
+        "step": 1,
+        "num_samples": len(samples),
+        "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        "micro_batches": [[samples[i] for i in b] for b in bins],
+    }
     model = _model()
     metrics = train_step(model, batch, spec, step=1)  # type: ignore[arg-type]
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

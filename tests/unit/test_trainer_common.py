@@ -28,8 +28,15 @@ from worker.trainer.common import (
 def tiny_qwen3(seed: int = 0, tie: bool = True) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
         attn_implementation="sdpa",
     )
     return Qwen3ForCausalLM(cfg).eval()
@@ -46,13 +53,16 @@ def run(tmp_path: Path) -> RunDir:
 
 
 def test_packed_attention_mask_two_samples() -> None:
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 0, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     got = packed_attention_mask([2, 3])
     assert got.shape == (1, 1, 5, 5)
     assert got.dtype == torch.bool
@@ -61,10 +71,12 @@ def test_packed_attention_mask_two_samples() -> None:
 
 
 def test_micro_batch_tensors_fields() -> None:
-    t = micro_batch_tensors([
-        {"input_ids": [5, 6], "loss_mask": [0, 1], "sampling_logprobs": [0.0, -0.5]},
-        {"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]},
-    ])
+    t = micro_batch_tensors(
+        [
+            {"input_ids": [5, 6], "loss_mask": [0, 1], "sampling_logprobs": [0.0, -0.5]},
+            {"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]},
+        ]
+    )
     assert t.input_ids.tolist() == [[5, 6, 7, 8, 9]]
     assert t.position_ids.tolist() == [[0, 1, 0, 1, 2]]
     assert t.loss_mask.tolist() == [False, True, False, True, True]
@@ -98,14 +110,23 @@ def test_shared_prompt_row_gives_each_sample_its_own_logits() -> None:
     prompt = torch.randint(0, 300, (6,), generator=gen).tolist()
     completions = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (4, 2, 5)]
     other = torch.randint(0, 300, (7,), generator=gen).tolist()  # another group, laid out in full
-    samples = [{"input_ids": prompt + c, "loss_mask": [0] * 6 + [1] * len(c), "group": 0, "prefix_len": 6}
-               for c in completions]
+    samples = [
+        {"input_ids": prompt + c, "loss_mask": [0] * 6 + [1] * len(c), "group": 0, "prefix_len": 6} for c in completions
+    ]
     samples.append({"input_ids": other, "loss_mask": [0] * 3 + [1] * 4, "group": 1, "prefix_len": 3})
     t = micro_batch_tensors(samples)
     assert t.input_ids.shape == (1, 6 + 4 + 2 + 5 + 7)  # the prompt once
     assert t.position_ids[0].tolist() == [*range(10), 6, 7, 6, 7, 8, 9, 10, *range(7)]
     assert t.spans == [(0, 10), (10, 2), (12, 5), (17, 7)]
-    assert t.rows[1].tolist() == [0, 1, 2, 3, 4, 5, 10]  # tokens 1..7 of sample 1: prompt rows of sample 0, then its own
+    assert t.rows[1].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        10,
+    ]  # tokens 1..7 of sample 1: prompt rows of sample 0, then its own
     packed = model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask).logits[0]
     for s, rows in zip(samples, t.rows, strict=True):
         alone = model(input_ids=torch.tensor([s["input_ids"]])).logits[0]
@@ -191,8 +212,11 @@ def test_scheduler_cosine_with_warmup() -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _train_step(model: Qwen3ForCausalLM, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-                ) -> None:
+def _train_step(
+    model: Qwen3ForCausalLM,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

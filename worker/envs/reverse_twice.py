@@ -77,8 +77,14 @@ class ReverseTwiceTaskset(SplitTaskset[ReverseTwiceTask, ReverseTwiceConfig]):
     def make_task(self, split: Literal["train", "eval"], index: int) -> ReverseTwiceTask:
         """Task `index` of `split`, a function of the config alone."""
         attempts = range(1) if split == "eval" else range(_MAX_REDRAWS)
-        texts = next((t for t in (self._pair(split, index, a) for a in attempts) if split == "eval"
-                      or t[0] not in self._eval_texts), None)
+        texts = next(
+            (
+                t
+                for t in (self._pair(split, index, a) for a in attempts)
+                if split == "eval" or t[0] not in self._eval_texts
+            ),
+            None,
+        )
         if texts is None:
             raise ValueError(f"reverse_twice: no train sentence outside the eval set in {_MAX_REDRAWS} draws")
         data = ReverseTwiceData(

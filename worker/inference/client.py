@@ -238,7 +238,9 @@ class InferenceClient:
         Never retried (a repeated collective call would wait for peers that already left).
         """
         route = "/collective_rpc"
-        r = await self._request("POST", route, json={"method": method, "args": args}, read_timeout_s=timeout_s, retries=0)
+        r = await self._request(
+            "POST", route, json={"method": method, "args": args}, read_timeout_s=timeout_s, retries=0
+        )
         try:
             return r.json()["results"][0]
         except (ValueError, KeyError, IndexError, TypeError) as e:

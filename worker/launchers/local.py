@@ -95,12 +95,17 @@ def check_run_dir(spec: RLSpec | SFTSpec, *, resume: bool = False, overwrite: bo
         if step is None:
             raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
         if step >= spec.max_steps and _completed(run):
-            raise SpecError(f"max_steps: the run completed at step {step} and max_steps is {spec.max_steps}: nothing "
-                            f"to resume (raise --max_steps to train further)")
+            raise SpecError(
+                f"max_steps: the run completed at step {step} and max_steps is {spec.max_steps}: nothing "
+                f"to resume (raise --max_steps to train further)"
+            )
         return step
     if run.root.exists() and not overwrite:
-        hint = "pass --resume to continue it or --overwrite to replace it" if spec.kind == "rl" else (
-            "pass --overwrite to replace it")
+        hint = (
+            "pass --resume to continue it or --overwrite to replace it"
+            if spec.kind == "rl"
+            else ("pass --overwrite to replace it")
+        )
         raise SpecError(f"run directory {run.root} exists: {hint}")
     return None
 
@@ -151,7 +156,9 @@ def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
     trainer = sorted((r for r in rows if r["source"] == "trainer"), key=lambda r: r["step"])
     orch = [r for r in rows if r["source"] == "orchestrator"]
     last3 = [r.get("mismatch_kl", float("nan")) for r in trainer[-3:]]
-    on_policy = [r["mismatch_kl_on_policy"] for r in trainer if not math.isnan(r.get("mismatch_kl_on_policy", math.nan))]
+    on_policy = [
+        r["mismatch_kl_on_policy"] for r in trainer if not math.isnan(r.get("mismatch_kl_on_policy", math.nan))
+    ]
     return {
         "status": status,
         "steps": trainer[-1]["step"] if trainer else 0,
@@ -281,10 +288,17 @@ def _follow(
         for name, proc in procs.items():
             code = proc.poll()
             if code is not None and code != 0:
-                cause = next((e["reason"] for e in reversed(read_jsonl(run.events)) if e.get("process") == name
-                              and e.get("event") == "failed" and e.get("reason")), "")
-                return "failed", (f"{name} exited with code {code}{': ' + cause if cause else ''} "
-                                  f"(log: {run.logs / (name + '.log')})")
+                cause = next(
+                    (
+                        e["reason"]
+                        for e in reversed(read_jsonl(run.events))
+                        if e.get("process") == name and e.get("event") == "failed" and e.get("reason")
+                    ),
+                    "",
+                )
+                return "failed", (
+                    f"{name} exited with code {code}{': ' + cause if cause else ''} (log: {run.logs / (name + '.log')})"
+                )
             if code is not None and name == "inference":
                 return "failed", f"inference exited (log: {run.logs / 'inference.log'})"
         if all(procs[n].poll() == 0 for n in ("trainer", "orchestrator")):

@@ -123,7 +123,8 @@ async def run_conversation(
     )
 
 
-async def run_group(client: InferenceClient, tokenizer: Any, env: Environment, task: EnvTask, *, n: int,
-                    **kwargs: Any) -> list[Rollout]:
+async def run_group(
+    client: InferenceClient, tokenizer: Any, env: Environment, task: EnvTask, *, n: int, **kwargs: Any
+) -> list[Rollout]:
     """`n` concurrent `run_conversation`s of `task` (one rollout group); `kwargs` as for `run_conversation`."""
     return list(await asyncio.gather(*(run_conversation(client, tokenizer, env, task, **kwargs) for _ in range(n))))

@@ -132,14 +132,23 @@ class Orchestrator:
             # no new model turn once a call's context leaves less than max_tokens of seq_len (a longer sample is
             # dropped by build_batch as dropped_overlong)
             return await self.harness.run_group(
-                task, n=orch.group_size, max_tokens=orch.max_tokens, temperature=orch.temperature,
+                task,
+                n=orch.group_size,
+                max_tokens=orch.max_tokens,
+                temperature=orch.temperature,
                 policy_version=lambda: self.policy_version,
                 max_total_tokens=max(1, min(orch.seq_len, self.spec.inference.max_model_len) - orch.max_tokens),
             )
         if self.train_env.is_multi_turn:
             return await run_group(
-                self.client, self.tokenizer, self.train_env, task, n=orch.group_size, max_tokens=orch.max_tokens,
-                temperature=orch.temperature, max_len=min(orch.seq_len, self.spec.inference.max_model_len),
+                self.client,
+                self.tokenizer,
+                self.train_env,
+                task,
+                n=orch.group_size,
+                max_tokens=orch.max_tokens,
+                temperature=orch.temperature,
+                max_len=min(orch.seq_len, self.spec.inference.max_model_len),
                 policy_version=lambda: self.policy_version,
             )
         ids = prompt_ids(self.tokenizer, self.train_env.prompt_messages(task))
@@ -248,7 +257,9 @@ class Orchestrator:
             await self.weight_sync.join(spec.inference.startup_timeout_s, start_step=self.start_step)
         if self.start_step > 0:
             seconds = await self.load_policy(self.run.checkpoint_dir(self.start_step) / "trainer", self.start_step)
-            if not any(r["source"] == "inference" and r["step"] == self.start_step for r in read_jsonl(self.run.metrics)):
+            if not any(
+                r["source"] == "inference" and r["step"] == self.start_step for r in read_jsonl(self.run.metrics)
+            ):
                 # the attempt before stopped ahead of loading it: this load is version start_step's update
                 self.run.log_metrics("inference", self.start_step, {"weight_update_s": seconds})
         elif spec.inference.url is not None and Path(spec.model.name).is_dir():

@@ -39,7 +39,9 @@ def visible(
 @dataclass
 class PackedTensors:
     input_ids: torch.Tensor  # [1, T] long
-    position_ids: torch.Tensor  # [1, T] long, each sample's own positions (a shared-prompt follower starts at its prompt length)
+    position_ids: (
+        torch.Tensor
+    )  # [1, T] long, each sample's own positions (a shared-prompt follower starts at its prompt length)
     loss_mask: torch.Tensor  # [T] bool
     sampling_logprobs: torch.Tensor  # [T] float
     spans: list[tuple[int, int]]  # (start, length) of each sample's own tokens in the row
@@ -97,8 +99,14 @@ FLEX_OR_CAUSAL = "asyncrl_flex_or_causal"
 ``is_causal`` (cuDNN/flash kernels) when the mask is None."""
 
 
-def _flex_or_causal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+def _flex_or_causal(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     """HF attention function ``FLEX_OR_CAUSAL``: q ``[B, H, T, d]``, k/v ``[B, H_kv, T, d]`` -> ``([B, T, H, d], None)``.
 
     Chosen per call from the mask, so an activation-checkpointing recompute takes the same kernel.
@@ -210,7 +218,9 @@ def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
         if _shares_prompt(leader, s):
             p, owner = s["prefix_len"], leader_k
             # tokens 1..p are predicted by the leader's prompt rows, tokens p+1..n-1 by this sample's own rows
-            rows.append(torch.cat([torch.arange(leader_start, leader_start + p), torch.arange(start, start + n - p - 1)]))
+            rows.append(
+                torch.cat([torch.arange(leader_start, leader_start + p), torch.arange(start, start + n - p - 1)])
+            )
         else:
             leader, leader_k, leader_start = s, k, start
             p, owner = 0, k

@@ -134,7 +134,9 @@ def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
     except (FileNotFoundError, ValueError) as err:
         raise SpecError(f"model.name: {err}") from None
     if tokenizer.convert_tokens_to_ids("<|im_end|>") in (None, tokenizer.unk_token_id):
-        raise SpecError(f"model.name: {spec.model.name}: tokenizer has no '<|im_end|>' token (SFT ends answers with it)")
+        raise SpecError(
+            f"model.name: {spec.model.name}: tokenizer has no '<|im_end|>' token (SFT ends answers with it)"
+        )
     try:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
         eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)

@@ -29,9 +29,20 @@ class ConfigChange(BaseModel):
 
 
 class ConfigRevisionPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
-        "revision": 1, "changes": _CHANGES_EXAMPLE, "applied": {"trainer": 12, "orchestrator": 13},
-        "created_by": "me", "created_at": _NOW}]})
+    model_config = ConfigDict(
+        from_attributes=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "revision": 1,
+                    "changes": _CHANGES_EXAMPLE,
+                    "applied": {"trainer": 12, "orchestrator": 13},
+                    "created_by": "me",
+                    "created_at": _NOW,
+                }
+            ]
+        },
+    )
     revision: int
     changes: dict[str, Any]
     applied: dict[str, int]
@@ -41,13 +52,33 @@ class ConfigRevisionPublic(BaseModel):
 
 
 class LiveConfigPublic(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "run_id": 7, "revision": 1, "values": {
-            "trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.2, "orchestrator.max_tokens": 48,
-            "orchestrator.max_off_policy_steps": 8, "orchestrator.eval.interval": 40},
-        "owners": LIVE_KEYS, "data": [{"revision": 1, "changes": _CHANGES_EXAMPLE,
-                                       "applied": {"trainer": 12, "orchestrator": 13}, "created_by": "me",
-                                       "created_at": _NOW}]}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "run_id": 7,
+                    "revision": 1,
+                    "values": {
+                        "trainer.optim.lr": 5e-5,
+                        "orchestrator.temperature": 1.2,
+                        "orchestrator.max_tokens": 48,
+                        "orchestrator.max_off_policy_steps": 8,
+                        "orchestrator.eval.interval": 40,
+                    },
+                    "owners": LIVE_KEYS,
+                    "data": [
+                        {
+                            "revision": 1,
+                            "changes": _CHANGES_EXAMPLE,
+                            "applied": {"trainer": 12, "orchestrator": 13},
+                            "created_by": "me",
+                            "created_at": _NOW,
+                        }
+                    ],
+                }
+            ]
+        }
+    )
     run_id: int
     revision: int
     """Newest revision number (0: none yet)."""
@@ -60,15 +91,20 @@ class LiveConfigPublic(BaseModel):
 
 
 class ConfigAck(BaseModel):
-    model_config = ConfigDict(extra="forbid",
-                              json_schema_extra={"examples": [{"process": "trainer", "step": 12}]})
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"process": "trainer", "step": 12}]})
     process: str = Field(min_length=1, max_length=32)
     step: int = Field(ge=0, le=2**62, description="first step the process ran with the revision's values")
 
 
-@router.patch("/{run_id}/config", status_code=201, response_model=ConfigRevisionPublic,
-              responses={409: {"description": "the run has ended"},
-                         422: {"description": "a key that is not live, or a value the spec refuses"}})
+@router.patch(
+    "/{run_id}/config",
+    status_code=201,
+    response_model=ConfigRevisionPublic,
+    responses={
+        409: {"description": "the run has ended"},
+        422: {"description": "a key that is not live, or a value the spec refuses"},
+    },
+)
 def change_config(run_id: int, body: ConfigChange, session: SessionDep, user: UserDep) -> Any:
     """Change live keys of a queued, starting, running or paused run; the change becomes the run's next
     numbered revision, which the processes apply at their next step boundary."""
@@ -79,18 +115,30 @@ def change_config(run_id: int, body: ConfigChange, session: SessionDep, user: Us
 
 
 @router.get("/{run_id}/config", response_model=LiveConfigPublic)
-def get_config(run_id: int, session: SessionDep, principal: PrincipalDep,
-               after: int = Query(0, ge=0, le=2**62, description="only revisions numbered above this")) -> Any:
+def get_config(
+    run_id: int,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: int = Query(0, ge=0, le=2**62, description="only revisions numbered above this"),
+) -> Any:
     """The live values in effect and the revisions after ``after``, each with the step every process applied
     it at."""
     check_run_access(principal, run_id)
     rows, values = config.current(session, runs.get(session, run_id))
-    return LiveConfigPublic(run_id=run_id, revision=rows[-1].revision if rows else 0, values=values, owners=LIVE_KEYS,
-                            data=[ConfigRevisionPublic.model_validate(r) for r in rows if r.revision > after])
+    return LiveConfigPublic(
+        run_id=run_id,
+        revision=rows[-1].revision if rows else 0,
+        values=values,
+        owners=LIVE_KEYS,
+        data=[ConfigRevisionPublic.model_validate(r) for r in rows if r.revision > after],
+    )
 
 
-@router.post("/{run_id}/config/{revision}/ack", response_model=ConfigRevisionPublic,
-             responses={403: {"description": "not this run's token"}, 404: {"description": "no such revision"}})
+@router.post(
+    "/{run_id}/config/{revision}/ack",
+    response_model=ConfigRevisionPublic,
+    responses={403: {"description": "not this run's token"}, 404: {"description": "no such revision"}},
+)
 def ack_config(run_id: int, revision: int, body: ConfigAck, session: SessionDep, principal: PrincipalDep) -> Any:
     """The run's supervisor reports the step a process started using ``revision`` at (run token only;
     repeating the same report is harmless)."""

@@ -30,12 +30,17 @@ def ingest_metrics(run_id: int, batch: MetricBatch, session: SessionDep, princip
 
 
 @router.get("/{run_id}/metrics", response_model=MetricSeriesPublic)
-def get_metrics(run_id: int, session: SessionDep, principal: PrincipalDep,
-                name: str = Query(..., min_length=1, max_length=128, examples=["reward_mean"]),
-                since_step: int = Query(-1, ge=-1, le=2**62, description="only points with step > since_step"),
-                max_points: int = Query(1000, ge=1, le=100_000, description="per source; the last point is kept"),
-                ) -> Any:
+def get_metrics(
+    run_id: int,
+    session: SessionDep,
+    principal: PrincipalDep,
+    name: str = Query(..., min_length=1, max_length=128, examples=["reward_mean"]),
+    since_step: int = Query(-1, ge=-1, le=2**62, description="only points with step > since_step"),
+    max_points: int = Query(1000, ge=1, le=100_000, description="per source; the last point is kept"),
+) -> Any:
     check_run_access(principal, run_id)
     runs.get(session, run_id)
-    return MetricSeriesPublic(name=name, series=metrics.series(session, run_id=run_id, name=name,
-                                                               since_step=since_step, max_points=max_points))
+    return MetricSeriesPublic(
+        name=name,
+        series=metrics.series(session, run_id=run_id, name=name, since_step=since_step, max_points=max_points),
+    )

@@ -18,15 +18,30 @@ logger = logging.getLogger("asyncrl.api")
 router = APIRouter(prefix="/runs", tags=["runs"])
 
 _SPEC_EXAMPLE = {
-    "name": "reverse-text-rl", "max_steps": 20, "model": {"name": "outputs/reverse-text-sft/final"},
+    "name": "reverse-text-rl",
+    "max_steps": 20,
+    "model": {"name": "outputs/reverse-text-sft/final"},
     "orchestrator": {"batch_size": 8, "group_size": 8, "max_tokens": 48, "seq_len": 256},
-    "inference": {"max_model_len": 256}, "trainer": {"optim": {"lr": 1e-4}},
+    "inference": {"max_model_len": 256},
+    "trainer": {"optim": {"lr": 1e-4}},
 }
-_SUBMIT_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {"type": "object"}, "example": _SPEC_EXAMPLE},
-    "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
-        "file": {"type": "string", "format": "binary", "description": "run spec, .toml or .json"}}}},
-}}}
+_SUBMIT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "object"}, "example": _SPEC_EXAMPLE},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "run spec, .toml or .json"}
+                    },
+                }
+            },
+        },
+    }
+}
 
 
 async def _spec_from_request(request: Request) -> dict[str, Any]:
@@ -55,8 +70,13 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
     return data
 
 
-@router.post("", status_code=201, response_model=RunPublic, openapi_extra=_SUBMIT_BODY,
-             responses={400: {"description": "body does not parse"}, 422: {"description": "invalid spec"}})
+@router.post(
+    "",
+    status_code=201,
+    response_model=RunPublic,
+    openapi_extra=_SUBMIT_BODY,
+    responses={400: {"description": "body does not parse"}, 422: {"description": "invalid spec"}},
+)
 async def create_run(request: Request, session: SessionDep, user: UserDep) -> Any:
     """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
     data = await _spec_from_request(request)
@@ -69,9 +89,14 @@ async def create_run(request: Request, session: SessionDep, user: UserDep) -> An
 
 
 @router.get("", response_model=RunsPublic)
-def list_runs(session: SessionDep, _user: UserDep, status: RunStatus | None = None,
-              name: str | None = Query(None, max_length=128, description="substring of the run name"),
-              offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)) -> Any:
+def list_runs(
+    session: SessionDep,
+    _user: UserDep,
+    status: RunStatus | None = None,
+    name: str | None = Query(None, max_length=128, description="substring of the run name"),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(50, ge=1, le=500),
+) -> Any:
     data, count = runs.list_runs(session, status=status, name=name, offset=offset, limit=limit)
     return RunsPublic(data=[RunPublic.model_validate(r) for r in data], count=count)
 
@@ -127,16 +152,24 @@ def report_requeued(run_id: int, report: RequeueReport, session: SessionDep, pri
 
 
 @router.get("/{run_id}/events", response_model=RunEventsPublic)
-def list_events(run_id: int, session: SessionDep, principal: PrincipalDep,
-                offset: int = Query(0, ge=0), limit: int = Query(500, ge=1, le=5000)) -> Any:
+def list_events(
+    run_id: int,
+    session: SessionDep,
+    principal: PrincipalDep,
+    offset: int = Query(0, ge=0),
+    limit: int = Query(500, ge=1, le=5000),
+) -> Any:
     check_run_access(principal, run_id)
     runs.get(session, run_id)
     data, count = runs.events(session, run_id, offset=offset, limit=limit)
     return {"data": data, "count": count}
 
 
-@router.post("/{run_id}/resume", response_model=RunPublic,
-             responses={409: {"description": "not failed/cancelled, or no complete checkpoint"}})
+@router.post(
+    "/{run_id}/resume",
+    response_model=RunPublic,
+    responses={409: {"description": "not failed/cancelled, or no complete checkpoint"}},
+)
 def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     """Continue a failed or cancelled run from its newest complete checkpoint: same run id, run directory and
     metrics (those after the checkpoint step are dropped); the run is queued and relaunched with ``--resume``."""
@@ -150,8 +183,12 @@ def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     return run
 
 
-@router.post("/{run_id}/fork", status_code=201, response_model=RunPublic,
-             responses={409: {"description": "no complete checkpoint"}, 422: {"description": "invalid change"}})
+@router.post(
+    "/{run_id}/fork",
+    status_code=201,
+    response_model=RunPublic,
+    responses={409: {"description": "no complete checkpoint"}, 422: {"description": "invalid change"}},
+)
 def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep) -> Any:
     """A new queued run from a checkpoint of this one (default the newest) with dotted-key spec ``changes``; it
     starts from that checkpoint's weights, optimizer and data cursor (see ``runs.fork``)."""
@@ -165,9 +202,13 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
 
 
 @router.get("/{run_id}/logs", response_model=RunLogs, responses={404: {"description": "no such run or log yet"}})
-def get_logs(run_id: int, session: SessionDep, principal: PrincipalDep,
-             process: Literal[runs.LOG_PROCESSES] = "trainer",  # type: ignore[valid-type]
-             tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines")) -> Any:
+def get_logs(
+    run_id: int,
+    session: SessionDep,
+    principal: PrincipalDep,
+    process: Literal[runs.LOG_PROCESSES] = "trainer",  # type: ignore[valid-type]
+    tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines"),
+) -> Any:
     """The last ``tail`` lines of one process's log (read-only; user token or this run's token)."""
     check_run_access(principal, run_id)
     run = runs.get(session, run_id)
@@ -188,9 +229,13 @@ class RolloutsPublic(BaseModel):
 
 
 @router.get("/{run_id}/rollouts", response_model=RolloutsPublic)
-def get_rollouts(run_id: int, session: SessionDep, principal: PrincipalDep,
-                 step: int | None = Query(None, ge=0, le=2**62, description="default: the newest step with rollouts"),
-                 limit: int = Query(20, ge=1, le=1000)) -> Any:
+def get_rollouts(
+    run_id: int,
+    session: SessionDep,
+    principal: PrincipalDep,
+    step: int | None = Query(None, ge=0, le=2**62, description="default: the newest step with rollouts"),
+    limit: int = Query(20, ge=1, le=1000),
+) -> Any:
     """Rollout samples of one step, read from the run directory's ``rollouts/step_<n>.jsonl``."""
     check_run_access(principal, run_id)
     shown, data = runs.rollouts(runs.get(session, run_id), step=step, limit=limit)

@@ -70,6 +70,7 @@ def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOut
         raise ValueError(f"trainer.loss.{unknown[0]}: not a parameter of loss {type!r}; expected some of {allowed}")
     return fn(inputs, **params)
 
+
 __all__ = [
     "DEFAULT_LOSS",
     "LOSSES",

@@ -327,7 +327,12 @@ def fused_logprob_entropy(
     Raises:
         ValueError: shapes or dtypes that do not fit together.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+    if (
+        hidden.dim() != 2
+        or weight.dim() != 2
+        or hidden.shape[1] != weight.shape[1]
+        or targets.shape != hidden.shape[:1]
+    ):
         raise ValueError(
             f"expected hidden [N, D], weight [vocab, D], targets [N]; got {list(hidden.shape)}, "
             f"{list(weight.shape)}, {list(targets.shape)}"
