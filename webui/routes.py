@@ -34,7 +34,8 @@ from server.services import config, metrics, runs, tokens
 from server.services.runs import InvalidTransition, RunNotFound
 from server.services.tokens import Principal
 from webui import auth, figures
-from worker.live_config import LIVE_KEYS, apply_changes, validate_changes
+from worker.dotted_keys import flatten, replay
+from worker.live_config import LIVE_KEYS, validate_changes
 from worker.spec import SpecError, parse_override_value
 
 HERE = Path(__file__).resolve().parent
@@ -451,17 +452,6 @@ async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
     return await _act(p, run_id, lambda user: runs_api.resume_run(run_id, db, user).id)
 
 
-def _dotted(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested tables flattened to ``{"a.b": value}``."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 @router.post("/runs/{run_id}/fork")
 async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
     """Fork from a checkpoint; ``changes`` is TOML with dotted keys (``trainer.optim.lr = 5e-5``)."""
@@ -470,7 +460,7 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
 
     def action(user: Principal) -> int:
         try:
-            changes = _dotted(tomllib.loads(str(form.get("changes", ""))))
+            changes = flatten(tomllib.loads(str(form.get("changes", ""))))
         except tomllib.TOMLDecodeError as err:
             raise SpecError(f"changes: not valid TOML ({err})") from None
         step, name = str(form.get("step", "")).strip(), str(form.get("name", "")).strip()
@@ -505,9 +495,7 @@ async def change_config(request: Request, db: SessionDep, run_id: int) -> Respon
     ctx = run_context(db, run)
     if not changes:
         return p.render("run.html", code=422, error="config: no value differs from the current one", **ctx)
-    spec = run.spec
-    for rev in revisions:
-        spec = apply_changes(spec, rev.changes)
+    spec = replay(run.spec, (rev.changes for rev in revisions))
     try:
         normalised = validate_changes(spec, changes)
         if form.get("confirm") == "1":
@@ -537,7 +525,7 @@ def compare(request: Request, db: SessionDep, run: Annotated[list[int] | None, Q
         labelled = [(f"#{r.id} {r.name}", figures.load_series(db, r.id)) for r in chosen]  # type: ignore[arg-type]
         ctx["figures_json"] = figures_json(figures.compare_figures(labelled))
         ctx["charts"] = list(figures.CHARTS)
-        flat = [_dotted({k: v for k, v in r.spec.items() if k != "output_dir"}) for r in chosen]
+        flat = [flatten({k: v for k, v in r.spec.items() if k != "output_dir"}) for r in chosen]
         keys = sorted(set().union(*flat))
         ctx["diff"] = [
             (k, [f.get(k, "—") for f in flat])

@@ -21,7 +21,6 @@ This module imports nothing heavy (no torch, vllm, fastapi): the server validate
 
 from __future__ import annotations
 
-import copy
 import fcntl
 import json
 import logging
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker.dotted_keys import get_key, replay, with_keys
 from worker.rundir import append_jsonl, read_jsonl
 from worker.spec import RLSpec, SpecError, parse_override_value, validate_spec
 
@@ -49,25 +49,6 @@ ACKS_FILE = "config_acks.jsonl"
 
 class LiveConfigError(SpecError):
     """A change that cannot be made live; one line naming the key (a ``SpecError``: HTTP 422, CLI exit 2)."""
-
-
-def get_dotted(data: dict[str, Any], key: str) -> Any:
-    """``data["a"]["b"]`` for ``key = "a.b"``. Raises KeyError for a missing part."""
-    for part in key.split("."):
-        data = data[part]
-    return data
-
-
-def apply_changes(data: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of the spec mapping ``data`` with each dotted key of ``changes`` set (tables created as needed)."""
-    out = copy.deepcopy(data)
-    for key, value in changes.items():
-        cursor = out
-        *parents, last = key.split(".")
-        for part in parents:
-            cursor = cursor.setdefault(part, {})
-        cursor[last] = value
-    return out
 
 
 def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
@@ -94,15 +75,15 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
             )
         if isinstance(changes[key], bool):  # pydantic would read true as 1
             raise LiveConfigError(f"{key}: expected a number, got {changes[key]!r}")
-    resolved = validate_spec("rl", apply_changes(spec, changes))
+    resolved = validate_spec("rl", with_keys(spec, changes))
     data = json.loads(resolved.model_dump_json())
-    return {key: get_dotted(data, key) for key in changes}
+    return {key: get_key(data, key) for key in changes}
 
 
 def live_values(spec: dict[str, Any]) -> dict[str, Any]:
     """The current value of every live key in a resolved spec mapping (missing tables: the schema default)."""
     data = json.loads(validate_spec("rl", spec).model_dump_json())
-    return {key: get_dotted(data, key) for key in LIVE_KEYS}
+    return {key: get_key(data, key) for key in LIVE_KEYS}
 
 
 def read_revisions(run_dir: Path) -> list[dict[str, Any]]:
@@ -138,9 +119,7 @@ def set_local(run_dir: Path, assignments: list[str]) -> dict[str, Any]:
     with open(config) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two writers never pick the same number
         revisions = read_revisions(run_dir)
-        spec = json.loads(config.read_text())
-        for rev in revisions:
-            spec = apply_changes(spec, rev["changes"])
+        spec = replay(json.loads(config.read_text()), (r["changes"] for r in revisions))
         normalised = validate_changes(spec, changes)
         number = max((int(r["revision"]) for r in revisions), default=0) + 1
         append_revision(run_dir, number, normalised)
@@ -213,7 +192,7 @@ class LiveConfig:
             if not mine:
                 continue
             try:
-                spec = validate_spec("rl", apply_changes(json.loads(spec.model_dump_json()), mine))  # type: ignore[assignment]
+                spec = validate_spec("rl", with_keys(json.loads(spec.model_dump_json()), mine))  # type: ignore[assignment]
             except SpecError as err:
                 logger.error("live config revision %s refused: %s", rev.get("revision"), err)
                 continue

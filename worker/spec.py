@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from worker.alert_rules import AlertRule
+from worker.dotted_keys import with_keys
 
 
 class SpecError(ValueError):
@@ -581,13 +582,7 @@ def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) ->
             raise SpecError(f"{path}: expected a JSON object of spec keys, got {type(layer).__name__}")
         data = deep_merge(data, layer)
     for dotted, raw in overrides:
-        layer: dict[str, Any] = {}
-        cursor = layer
-        parts = dotted.split(".")
-        if not all(parts):
+        if not all(dotted.split(".")):
             raise SpecError(f"--{dotted}: expected a dotted key such as --trainer.optim.lr")
-        for part in parts[:-1]:
-            cursor = cursor.setdefault(part, {})
-        cursor[parts[-1]] = parse_override_value(raw)
-        data = deep_merge(data, layer)
+        data = deep_merge(data, with_keys({}, {dotted: parse_override_value(raw)}))
     return data

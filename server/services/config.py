@@ -14,7 +14,8 @@ from sqlmodel import Session, col, select
 from server.models import TERMINAL, ConfigRevision, Run, RunStatus
 from server.services import runs
 from server.services.runs import InvalidTransition, RunNotFound
-from worker.live_config import LIVE_KEYS, apply_changes, live_values, validate_changes
+from worker.dotted_keys import replay
+from worker.live_config import LIVE_KEYS, live_values, validate_changes
 from worker.spec import SpecError
 
 
@@ -39,10 +40,7 @@ def revisions(session: Session, run_id: int, *, after: int = 0) -> list[ConfigRe
 def current(session: Session, run: Run) -> tuple[list[ConfigRevision], dict[str, Any]]:
     """All revisions of ``run`` (oldest first) and every live key's value once they are applied."""
     rows = revisions(session, run.id)  # type: ignore[arg-type]
-    spec = run.spec
-    for rev in rows:
-        spec = apply_changes(spec, rev.changes)
-    return rows, live_values(spec)
+    return rows, live_values(replay(run.spec, (rev.changes for rev in rows)))
 
 
 def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRevision:
@@ -62,10 +60,7 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
             f"run {run_id} is {status.value}: config changes only while it is queued, starting, running or paused"
         )
     existing = revisions(session, run_id)
-    spec = run.spec
-    for rev in existing:
-        spec = apply_changes(spec, rev.changes)
-    normalised = validate_changes(spec, changes)
+    normalised = validate_changes(replay(run.spec, (rev.changes for rev in existing)), changes)
     number = (existing[-1].revision if existing else 0) + 1
     row = ConfigRevision(run_id=run_id, revision=number, changes=normalised, created_by=by)
     session.add(row)

@@ -23,6 +23,7 @@ from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, utcnow
 from worker.checkpoint import complete_steps
+from worker.dotted_keys import DottedKeyError, with_keys
 from worker.rundir import RunDir, atomic_write_json, read_jsonl
 from worker.spec import SpecError, validate_spec
 
@@ -244,21 +245,12 @@ def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, An
     Raises:
         SpecError: a key is empty, names ``output_dir`` (the service sets it), or goes through a non-table value.
     """
-    out = json.loads(json.dumps(spec))
-    for dotted, value in changes.items():
-        parts = dotted.split(".")
-        if not all(parts):
-            raise SpecError(f"changes.{dotted}: expected a dotted key such as trainer.optim.lr")
-        if dotted == "output_dir":
-            raise SpecError("changes.output_dir: set by the service (<ASYNCRL_OUTPUT_DIR>/runs/<id>)")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise SpecError(f"changes.{dotted}: {'.'.join(parts[: i + 1])} is not a table")
-            node = child
-        node[parts[-1]] = value
-    return out
+    if "output_dir" in changes:
+        raise SpecError("changes.output_dir: set by the service (<ASYNCRL_OUTPUT_DIR>/runs/<id>)")
+    try:
+        return with_keys(spec, changes)
+    except DottedKeyError as err:
+        raise SpecError(f"changes.{err.key}: {err}") from None
 
 
 def _link_or_copy(src: str, dst: str) -> None:
