@@ -1,5 +1,5 @@
 """Alembic environment: the URL comes from ``Settings`` (or ``config.attributes["connection"]``), the target is
-``SQLModel.metadata`` as declared in ``server/models.py``."""
+``SQLModel.metadata`` as declared in ``server/models.py`` and ``server/alerts/models.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlmodel import SQLModel
 
-import server.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+import server.alerts.models  # noqa: F401  (registers the alert and webhook tables on SQLModel.metadata)
+import server.models  # noqa: F401  (registers the other tables)
 from server.core.config import settings
 from server.core.db import make_engine
 

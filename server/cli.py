@@ -1,4 +1,4 @@
-"""``asyncrl`` commands of the control plane (joined into ``worker.cli.COMMANDS``).
+"""``asyncrl`` commands of the control plane (``worker.cli`` imports this module when one is used; never the reverse).
 
     asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
     asyncrl worker [--concurrency 2] [--no-beat]
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worker.cli import ArgParser  # argparse errors: one 'error:' line, exit 2
+from worker.cli_parser import ArgParser  # argparse errors: one 'error:' line, exit 2
 from worker.spec import SpecError
 
 

@@ -1,8 +1,9 @@
 """Tables and API shapes of the control plane.
 
-Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens, and the alert tables of
-``server/alerts/models.py`` (imported at the end of this module). Alembic migrations in
-``migrations/`` create them; ``tests/server/test_migrations.py`` fails when these and the migrations drift.
+Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens; the alert and webhook tables
+are in ``server/alerts/models.py``, which imports this module (never the reverse): whoever needs every table on
+``SQLModel.metadata`` imports both (``migrations/env.py``). Alembic migrations in ``migrations/`` create them;
+``tests/server/test_migrations.py`` fails when these and the migrations drift.
 """
 
 from __future__ import annotations
@@ -249,6 +250,3 @@ class ApiToken(SQLModel, table=True):
     """``write`` (read and write) or ``read`` (GET only: dashboards, monitoring)."""
     created_at: datetime = _ts()
     revoked_at: datetime | None = _ts(nullable=True)
-
-
-import server.alerts.models  # noqa: E402, F401  (alert and webhook tables; they use the helpers above)

@@ -34,6 +34,7 @@ from server.services import config, metrics, runs, tokens
 from server.services.runs import InvalidTransition, RunNotFound
 from server.services.tokens import Principal
 from webui import auth, figures
+from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
 from worker.spec import SpecError, parse_override_value
@@ -346,9 +347,7 @@ async def launch(request: Request, db: SessionDep) -> Response:
         line = error_line(text, err)
         return _launch_page(p, text, chosen, 422, f"{err} (line {line})" if line else str(err), line)
     db.commit()
-    from worker.tasks import enqueue_launch
-
-    enqueue_launch(run.id)  # type: ignore[arg-type]
+    enqueue(TaskName.launch_run, run.id)  # type: ignore[arg-type]
     return p.redirect(f"/runs/{run.id}")
 
 

@@ -9,9 +9,14 @@ folder in ASYNCRL_HOME (kombu's filesystem transport): embedded mode needs no Re
 Celery beat enqueues ``asyncrl.reconcile`` every ``RECONCILE_INTERVAL_S``; ``asyncrl worker`` embeds beat
 (``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A worker.celery_app beat``).
 Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALERT_STALL_CHECK_S``.
+
+The server enqueues tasks by name (:class:`TaskName`, :func:`enqueue`), never importing ``worker.tasks``:
+the tasks call the services, so the services must not call the tasks.
 """
 
 from __future__ import annotations
+
+import enum
 
 from celery import Celery
 from celery.signals import beat_embedded_init
@@ -33,6 +38,16 @@ def _transport_options() -> dict[str, object]:
     return {"visibility_timeout": settings.CELERY_VISIBILITY_TIMEOUT_S}
 
 
+class TaskName(enum.StrEnum):
+    """The names the tasks of ``worker/tasks.py`` are registered under (the one place that spells them)."""
+
+    launch_run = "asyncrl.launch_run"
+    stop_run = "asyncrl.stop_run"
+    deliver_webhook = "asyncrl.deliver_webhook"
+    reconcile = "asyncrl.reconcile"
+    check_stalls = "asyncrl.check_stalls"
+
+
 app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["worker.tasks"])
 app.conf.update(
     task_acks_late=True,
@@ -45,12 +60,12 @@ app.conf.update(
     worker_hijack_root_logger=False,
     beat_schedule={
         "reconcile": {
-            "task": "asyncrl.reconcile",
+            "task": TaskName.reconcile.value,
             "schedule": settings.RECONCILE_INTERVAL_S,
             "options": {"expires": settings.RECONCILE_INTERVAL_S},
         },
         "check-stalls": {
-            "task": "asyncrl.check_stalls",
+            "task": TaskName.check_stalls.value,
             "schedule": settings.ALERT_STALL_CHECK_S,
             "options": {"expires": settings.ALERT_STALL_CHECK_S},
         },
@@ -64,3 +79,13 @@ def _beat_dies_with_its_worker(**_: object) -> None:
     """The beat that ``asyncrl worker -B`` forks stops when the worker dies, even by kill -9: a restarted worker
     would otherwise run beside an orphaned beat and every periodic task would be sent twice."""
     die_with_parent()
+
+
+def enqueue(task: TaskName, *args: int) -> None:
+    """Send ``task(*args)`` to the queue by name. Call it only after the commit that wrote the rows the task reads
+    (the worker must find them).
+
+    Raises:
+        kombu.exceptions.OperationalError: the broker cannot be reached.
+    """
+    app.send_task(task.value, args=list(args))

@@ -15,22 +15,16 @@ Bad input exits with code 2 and one line naming the field.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from worker.cli_parser import ArgParser
 from worker.spec import RLSpec, SpecError, load_spec_data, validate_spec
 
 FLAGS = {"--dry-run", "--resume", "--overwrite", "--quiet"}
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors raise :class:`SpecError` (one ``error:`` line, exit 2) instead of printing usage."""
-
-    def error(self, message: str) -> NoReturn:
-        raise SpecError(f"{self.prog}: {message}")
 
 
 def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
@@ -284,13 +278,22 @@ COMMANDS: dict[str, Any] = {
     "demo": _demo_command,
     "config": _config_command,
     "slurm": _slurm_command,
-    # control plane (server/cli.py), imported only when used
-    "server": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["server"](argv),
-    "worker": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["worker"](argv),
-    "token": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["token"](argv),
-    "submit": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["submit"](argv),
-    "runs": lambda argv: __import__("server.cli", fromlist=["COMMANDS"]).COMMANDS["runs"](argv),
 }
+CONTROL_PLANE_COMMANDS = ("server", "worker", "token", "submit", "runs")
+"""Commands of ``server/cli.py``: imported only when used (the engine's commands need no server packages), and
+``server.cli`` never imports this module."""
+
+
+def _control_plane(name: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        from server.cli import COMMANDS as SERVER_COMMANDS
+
+        return int(SERVER_COMMANDS[name](argv))
+
+    return run
+
+
+COMMANDS.update({name: _control_plane(name) for name in CONTROL_PLANE_COMMANDS})
 
 
 def main(argv: list[str] | None = None) -> int:

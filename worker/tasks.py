@@ -24,15 +24,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, Run, RunEvent, RunStatus
-from server.services import runs, tokens
+from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus
+from server.services import metrics, runs, tokens
 from worker import supervisor
-from worker.celery_app import app
+from worker.celery_app import TaskName, app
 from worker.spec import RLSpec, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
@@ -223,11 +225,6 @@ def reconcile() -> list[int]:
 def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
     """Store the points of ``metrics.jsonl`` the supervisor had not forwarded (after ``forwarded.offset``), as the
     metrics route would (idempotent; invalid points are skipped); returns how many were read. Not committed."""
-    from pydantic import ValidationError
-
-    from server.models import MetricPoint
-    from server.services import metrics
-
     offset_path = home / "forwarded.offset"
     offset = int(offset_path.read_text()) if offset_path.exists() else 0
     rows, _ = supervisor.unsent_rows(Path(run.run_dir) / "metrics.jsonl", offset)
@@ -267,7 +264,7 @@ def _reconcile_slurm(session: Session, run: Run) -> bool:
     return True
 
 
-@app.task(name="asyncrl.reconcile")
+@app.task(name=TaskName.reconcile.value)
 def reconcile_runs() -> list[int]:
     failed = reconcile()
     if failed:
@@ -275,26 +272,24 @@ def reconcile_runs() -> list[int]:
     return failed
 
 
-@app.task(name="asyncrl.launch_run")
+@app.task(name=TaskName.launch_run.value)
 def launch_run(run_id: int) -> str:
     result = launch(run_id)
     logger.info(result)
     return result
 
 
-@app.task(name="asyncrl.stop_run")
+@app.task(name=TaskName.stop_run.value)
 def stop_run(run_id: int) -> str:
     result = stop(run_id)
     logger.info(result)
     return result
 
 
-@app.task(name="asyncrl.deliver_webhook", bind=True, max_retries=None)
+@app.task(name=TaskName.deliver_webhook.value, bind=True, max_retries=None)
 def deliver_webhook(self, delivery_id: int) -> str:  # type: ignore[no-untyped-def]
     """One attempt of a webhook delivery (``server.alerts.webhooks.attempt``); a failed one is retried with
     exponential backoff (a new message with a countdown) until ``WEBHOOK_MAX_ATTEMPTS``."""
-    from server.alerts import webhooks
-
     with Session(engine) as session:
         result, retry_in = webhooks.attempt(session, delivery_id)
     logger.info(result)
@@ -303,22 +298,12 @@ def deliver_webhook(self, delivery_id: int) -> str:  # type: ignore[no-untyped-d
     return result
 
 
-@app.task(name="asyncrl.check_stalls")
+@app.task(name=TaskName.check_stalls.value)
 def check_stalls() -> list[tuple[int, int]]:
     """Fire ``stall`` alert rules of running runs and re-enqueue lost webhook deliveries (Celery beat, every
     ``ALERT_STALL_CHECK_S``)."""
-    from server.alerts import rules, webhooks
-
     with Session(engine) as session:
         fired = rules.check_stalls(session)
         webhooks.requeue_stuck(session)
         session.commit()
     return fired
-
-
-def enqueue_launch(run_id: int) -> None:
-    launch_run.delay(run_id)
-
-
-def enqueue_stop(run_id: int) -> None:
-    stop_run.delay(run_id)

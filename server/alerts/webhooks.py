@@ -41,6 +41,7 @@ from sqlmodel import Session, col, select
 from server.alerts.models import AlertEvent, EndpointCreate, EndpointPublic, WebhookDelivery, WebhookEndpoint
 from server.core.config import settings
 from server.models import Run, utcnow
+from worker.celery_app import TaskName, enqueue
 
 logger = logging.getLogger("asyncrl.webhooks")
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.google.internal."})
@@ -281,13 +282,9 @@ def replay(session: Session, delivery_id: int) -> WebhookDelivery:
 @event.listens_for(OrmSession, "after_commit")
 def _enqueue_after_commit(session: OrmSession) -> None:
     ids = session.info.pop("asyncrl_deliveries", [])
-    if not ids:
-        return
-    from worker.tasks import deliver_webhook
-
     for delivery_id in ids:
         try:
-            deliver_webhook.delay(delivery_id)
+            enqueue(TaskName.deliver_webhook, delivery_id)
         except Exception as err:  # the row stays pending; a replay sends it
             logger.error("could not enqueue delivery %s: %s", delivery_id, err)
 

@@ -11,6 +11,7 @@ from alembic.script import ScriptDirectory
 from server_support import PG, migrate, pg_admin
 from sqlmodel import SQLModel
 
+import server.alerts.models  # noqa: F401
 import server.models  # noqa: F401
 
 

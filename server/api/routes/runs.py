@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
 from server.models import ForkRequest, RunEventsPublic, RunLogs, RunPublic, RunsPublic, RunStatus, StatusReport
 from server.services import runs
+from worker.celery_app import TaskName, enqueue
 
 logger = logging.getLogger("asyncrl.api")
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -82,9 +83,7 @@ async def create_run(request: Request, session: SessionDep, user: UserDep) -> An
     data = await _spec_from_request(request)
     run = runs.create(session, data=data, owner=user.name)  # SpecError -> 422 (server/main.py)
     session.commit()
-    from worker.tasks import enqueue_launch
-
-    enqueue_launch(run.id)  # only after the commit: the worker must find the row
+    enqueue(TaskName.launch_run, run.id)  # only after the commit: the worker must find the row
     return run
 
 
@@ -114,9 +113,7 @@ def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     needs_worker = runs.request_stop(session, run, by=user.name)
     session.commit()
     if needs_worker:
-        from worker.tasks import enqueue_stop
-
-        enqueue_stop(run_id)
+        enqueue(TaskName.stop_run, run_id)
     session.refresh(run)
     return run
 
@@ -176,9 +173,7 @@ def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     run = runs.get(session, run_id, lock=True)
     runs.resume(session, run, by=user.name)
     session.commit()
-    from worker.tasks import enqueue_launch
-
-    enqueue_launch(run_id)
+    enqueue(TaskName.launch_run, run_id)
     session.refresh(run)
     return run
 
@@ -195,9 +190,7 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     parent = runs.get(session, run_id)
     child = runs.fork(session, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
     session.commit()
-    from worker.tasks import enqueue_launch
-
-    enqueue_launch(child.id)
+    enqueue(TaskName.launch_run, child.id)
     return child
 
 
