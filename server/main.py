@@ -3,7 +3,7 @@
 Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 400 unparsable body,
 401/403 token problems, 404 unknown run, 409 impossible state change, 413 body too large, 422 invalid
 field (spec errors name the dotted key; a value the database cannot hold, e.g. an integer beyond its
-column, is 422 too).
+column, is 422 too). Domain errors of the services get their status from ``server/errors.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from server.api.main import api_router
 from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
-from server.services.runs import InvalidTransition, RunNotFound
+from server.errors import install as install_error_handlers
 from webui.alerts import router as webui_alerts_router
 from webui.routes import router as webui_router
-from worker.spec import SpecError
 
 
 class BodyTooLarge(HTTPException):
@@ -89,17 +88,7 @@ def create_app() -> FastAPI:
     app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /login
     app.include_router(webui_alerts_router)  # the dashboard's /alerts
 
-    @app.exception_handler(SpecError)
-    async def _spec_error(_request: Request, err: SpecError) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=422)
-
-    @app.exception_handler(RunNotFound)
-    async def _not_found(_request: Request, err: RunNotFound) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=404)
-
-    @app.exception_handler(InvalidTransition)
-    async def _conflict(_request: Request, err: InvalidTransition) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=409)
+    install_error_handlers(app)  # domain errors -> their status (server/errors.py)
 
     @app.exception_handler(DataError)
     async def _bad_value(_request: Request, err: DataError) -> JSONResponse:

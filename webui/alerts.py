@@ -166,7 +166,7 @@ async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> 
     form = await p.form()
     user = p.need_user()
     run_id = _run_id(str(form.get("run", "")))
-    row = alerts_api.found(rules.get, db, rule_id)
+    row = rules.get(db, rule_id)
     try:
         alerts_api.update_rule(change(form, row), db, user, row)
     except ValidationError as err:
@@ -215,11 +215,9 @@ async def add_webhook(request: Request, db: SessionDep) -> Response:
         created = alerts_api.create_webhook(body, db, user)
     except ValidationError as err:
         return _render(p, 422, hook_error=first_error(err)[1], hook_draft=draft)
-    except HTTPException as err:
-        if err.status_code != 422:
-            raise
+    except webhooks.UnsafeURL as err:
         db.rollback()
-        return _render(p, 422, hook_error=str(err.detail), hook_draft=draft)
+        return _render(p, 422, hook_error=str(err), hook_draft=draft)
     return _render(p, 201, created=created)
 
 
@@ -228,7 +226,7 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     """One endpoint's delivery log, newest first, with a Replay button per delivery."""
     p = page(request, db)
     user = p.need_user()
-    row = alerts_api.found(webhooks.get_endpoint, db, endpoint_id)
+    row = webhooks.get_endpoint(db, endpoint_id)
     log = alerts_api.list_deliveries(db, user, row, offset=0, limit=RECENT_DELIVERIES)
     return p.render(
         "alerts_webhook.html", endpoint=alerts_api.get_webhook(user, row), deliveries=log["data"], total=log["count"]

@@ -29,6 +29,7 @@ from server.api.deps import SessionDep
 from server.api.routes import config as config_api
 from server.api.routes import runs as runs_api
 from server.core.db import engine
+from server.errors import DOMAIN_ERRORS, http_status
 from server.models import TERMINAL, ForkRequest, Run, RunStatus, utcnow
 from server.services import config, metrics, runs, tokens
 from server.services.runs import InvalidTransition, RunNotFound
@@ -96,8 +97,7 @@ def error_status(err: Exception) -> tuple[int, str, dict[str, str] | None]:
     if isinstance(err, RequestValidationError):
         first = err.errors()[0]
         return 422, f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}", None
-    code = {RunNotFound: 404, InvalidTransition: 409, SpecError: 422}[type(err)]
-    return code, str(err), None
+    return http_status(err) or 500, str(err), None
 
 
 def error_page(request: Request, code: int, message: str, headers: dict[str, str] | None = None) -> HTMLResponse:
@@ -126,7 +126,7 @@ class HTMLErrorRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)  # type: ignore[no-any-return]
-            except (StarletteHTTPException, RequestValidationError, RunNotFound, InvalidTransition, SpecError) as err:
+            except (StarletteHTTPException, RequestValidationError, *DOMAIN_ERRORS) as err:
                 code, message, headers = error_status(err)
                 if code < 400 or not wants_html(request):
                     raise
@@ -432,8 +432,7 @@ async def _act(p: Page, run_id: int, action: Any) -> Response:
         target = action(user)
     except (InvalidTransition, SpecError) as err:
         p.db.rollback()
-        code = 409 if isinstance(err, InvalidTransition) else 422
-        return p.render("run.html", code=code, error=str(err), **run_context(p.db, _run(p.db, run_id)))
+        return p.render("run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, _run(p.db, run_id)))
     return p.redirect(f"/runs/{target}")
 
 
@@ -503,8 +502,7 @@ async def change_config(request: Request, db: SessionDep, run_id: int) -> Respon
     except (SpecError, InvalidTransition) as err:
         db.rollback()
         key = str(err).split(":", 1)[0]
-        code = 409 if isinstance(err, InvalidTransition) else 422
-        return p.render("run.html", code=code, config_error=(key, str(err)), submitted=changes, **ctx)
+        return p.render("run.html", code=error_status(err)[0], config_error=(key, str(err)), submitted=changes, **ctx)
     diff = [(k, current[k], v) for k, v in normalised.items()]
     return p.render("run.html", diff=diff, **ctx)
 

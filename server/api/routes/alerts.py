@@ -6,13 +6,11 @@ Writes need a user token with write scope (``current_principal`` refuses read to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from pydantic import ConfigDict, RootModel
-from sqlmodel import Session, col, func, select
+from sqlmodel import col, func, select
 
 from server.alerts import rules, webhooks
 from server.alerts.models import (
@@ -44,36 +42,16 @@ class RuleIn(RootModel[AlertRule]):
     )
 
 
-T = TypeVar("T")
 Offset = Annotated[int, Query(ge=0)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
 
-@contextmanager
-def _http_errors() -> Iterator[None]:
-    try:
-        yield
-    except webhooks.NotFound as err:
-        raise HTTPException(404, str(err)) from None
-    except webhooks.UnsafeURL as err:
-        raise HTTPException(422, str(err)) from None
-    except webhooks.StillRetrying as err:
-        raise HTTPException(409, str(err)) from None
-
-
-def found(get: Callable[[Session, int], T], session: Session, key: int) -> T:
-    """``get(session, key)`` (``rules.get``, ``webhooks.get_endpoint``); raises HTTPException(404) naming the
-    missing row when there is none."""
-    with _http_errors():
-        return get(session, key)
-
-
 def _rule(rule_id: int, session: SessionDep, _user: UserDep) -> AlertRuleRow:
-    return found(rules.get, session, rule_id)
+    return rules.get(session, rule_id)
 
 
 def _endpoint(endpoint_id: int, session: SessionDep, _user: UserDep) -> WebhookEndpoint:
-    return found(webhooks.get_endpoint, session, endpoint_id)
+    return webhooks.get_endpoint(session, endpoint_id)
 
 
 RuleDep = Annotated[AlertRuleRow, Depends(_rule)]
@@ -164,8 +142,7 @@ def list_alert_events(
 )
 def create_webhook(body: EndpointCreate, session: SessionDep, user: UserDep) -> Any:
     """Add an endpoint; the response holds its signing secret, which is never shown again."""
-    with _http_errors():
-        row, secret = webhooks.create_endpoint(session, body, by=user.name)
+    row, secret = webhooks.create_endpoint(session, body, by=user.name)
     session.commit()
     session.refresh(row)
     return EndpointCreated(**webhooks.public_endpoint(row, read_only=False).model_dump(), secret=secret)
@@ -213,8 +190,7 @@ def list_deliveries(
 )
 def replay_delivery(delivery_id: int, session: SessionDep, _user: UserDep) -> Any:
     """Send a delivery again: same body and ``Idempotency-Key``, attempts start over."""
-    with _http_errors():
-        row = webhooks.replay(session, delivery_id)
+    row = webhooks.replay(session, delivery_id)
     session.commit()
     session.refresh(row)
     return row

@@ -1,0 +1,46 @@
+"""Domain errors -> HTTP status: the one table the REST API (``install``: FastAPI exception handlers) and the
+dashboard (``webui/errors.py``: HTML error pages and inline errors) both read.
+
+A service raises a domain error with a one-line message naming the problem; the surface answers with the
+status below and ``{"detail": "<message>"}``. A subclass takes its nearest listed base's status
+(``RunNotLive`` is an ``InvalidTransition``: 409; ``RevisionNotFound`` a ``RunNotFound``: 404;
+``LiveConfigError`` a ``SpecError``: 422).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
+from server.services.runs import InvalidTransition, RunNotFound
+from worker.spec import SpecError
+
+HTTP_STATUS: dict[type[Exception], int] = {
+    SpecError: 422,  # an invalid spec, change or argument; the message starts with the dotted key
+    UnsafeURL: 422,  # a webhook URL the SSRF guard refuses
+    RunNotFound: 404,
+    NotFound: 404,  # alert rule, webhook endpoint or delivery
+    InvalidTransition: 409,  # a state change the run's state does not allow
+    StillRetrying: 409,  # a replay of a delivery still being retried
+}
+DOMAIN_ERRORS = tuple(HTTP_STATUS)
+"""The classes of :data:`HTTP_STATUS`, for ``except DOMAIN_ERRORS``."""
+
+
+def http_status(err: BaseException) -> int | None:
+    """The HTTP status of a domain error (its nearest class listed in :data:`HTTP_STATUS`), None for any other."""
+    for cls in type(err).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return None
+
+
+async def _domain_error(_request: Request, err: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=http_status(err) or 500)
+
+
+def install(app: FastAPI) -> None:
+    """Answer every domain error of :data:`HTTP_STATUS` with its status and ``{"detail": str(err)}``."""
+    for cls in HTTP_STATUS:
+        app.add_exception_handler(cls, _domain_error)

@@ -1,0 +1,36 @@
+"""``server/errors.py``: one table maps domain errors to HTTP status; subclasses take their base's status."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
+from server.errors import HTTP_STATUS, http_status
+from server.services.config import RevisionNotFound, RunNotLive
+from server.services.runs import InvalidTransition, RunNotFound
+from worker.live_config import LiveConfigError
+from worker.spec import SpecError
+
+
+@pytest.mark.parametrize(
+    ("err", "status"),
+    [
+        (SpecError("x: bad"), 422),
+        (LiveConfigError("x: bad"), 422),
+        (UnsafeURL("url: bad"), 422),
+        (RunNotFound("run 1 not found"), 404),
+        (RevisionNotFound("no revision"), 404),
+        (NotFound("rule 1 not found"), 404),
+        (InvalidTransition("run 1 is completed"), 409),
+        (RunNotLive("run 1 is completed"), 409),
+        (StillRetrying("pending"), 409),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v),
+)
+def test_domain_errors_map_to_their_status(err: Exception, status: int) -> None:
+    assert http_status(err) == status
+
+
+def test_other_errors_have_no_status() -> None:
+    assert http_status(ValueError("x")) is None and http_status(LookupError("x")) is None
+    assert all(400 <= s < 500 for s in HTTP_STATUS.values())
