@@ -23,8 +23,7 @@ from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
 from server.errors import install as install_error_handlers
-from webui.alerts import router as webui_alerts_router
-from webui.routes import router as webui_router
+from webui.main import router as webui_router
 
 
 class BodyTooLarge(HTTPException):
@@ -85,8 +84,7 @@ def create_app() -> FastAPI:
         description="Experiment service for asynchronous RL post-training of language models.",
     )
     app.include_router(api_router, prefix="/api")
-    app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /login
-    app.include_router(webui_alerts_router)  # the dashboard's /alerts
+    app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /alerts, /login
 
     install_error_handlers(app)  # domain errors -> their status (server/errors.py)
 

@@ -2,7 +2,7 @@
 
 ``/alerts`` (``?run=<id>``: the rules that apply to that run and its events) and ``/alerts/webhooks/{id}`` (one
 endpoint's delivery log). Every write is a POST form with the session's CSRF token and a write token, and calls
-the same route functions as the REST API (``server/api/routes/alerts.py``); read tokens see no forms.
+the same services as the REST API (``server/alerts``); read tokens see no forms.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from pydantic import ValidationError
 from sqlmodel import col, select
 
 from server.alerts import rules, webhooks
-from server.alerts.models import AlertRuleRow, AlertState, EndpointCreate, RuleUpdate, WebhookEndpoint
-from server.api.deps import SessionDep
-from server.api.routes import alerts as alerts_api
+from server.alerts.models import AlertRuleRow, AlertState, EndpointCreate, EndpointCreated, RuleIn, RuleUpdate
 from server.services import runs
 from server.services.runs import RunNotFound
-from webui.routes import HTMLErrorRoute, Page, page
+from webui.errors import HTMLErrorRoute
+from webui.page import Page, SessionDep, page
 from worker.alert_rules import (
     KNOWN_METRICS,
     RULE_KINDS,
@@ -32,6 +31,7 @@ from worker.alert_rules import (
     ThroughputRule,
     describe,
 )
+from worker.spec import SpecError
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
 KIND_FIELDS = {
@@ -99,7 +99,7 @@ def alerts_context(db: Any, run_id: int | None, read_only: bool) -> dict[str, An
         for r in rows
     ]
     events, total = rules.events(db, run_id=run_id, offset=0, limit=RECENT_EVENTS)
-    endpoints = db.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
+    endpoints = webhooks.list_endpoints(db)
     return {
         "rules": shown,
         "events": events,
@@ -143,38 +143,38 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
     values = {"run_id": _run_id(str(form.get("run", ""))), "draft": dict(form)}
     try:
         run_id = _run_id(scope, "scope")
-        rule = alerts_api.RuleIn.model_validate(data)
+        rule = RuleIn.model_validate(data)
     except HTTPException as err:
         return _render(p, 422, field_error={"scope": str(err.detail)}, **values)
     except ValidationError as err:
         field, msg = first_error(err)
         return _render(p, 422, field_error={field: msg}, **values)
     try:
-        if run_id is None:
-            row = alerts_api.create_global_rule(db, user, rule)
-        else:
-            row = alerts_api.create_run_rule(run_id, db, user, rule)
+        if run_id is not None:
+            runs.get(db, run_id)
     except RunNotFound as err:
-        db.rollback()
         return _render(p, 422, field_error={"scope": f"scope: {err}"}, **values)
+    row = rules.add(db, rule.root, run_id=run_id, by=user.name)
+    db.commit()
     return p.redirect(_alerts_url(values["run_id"], row.id))
 
 
 async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> Response:
-    """Apply ``change(form, row) -> RuleUpdate`` through the API's PATCH function; its error is shown on the page."""
+    """Apply ``change(form, row) -> RuleUpdate`` with the service of the API's PATCH; its error is shown on the
+    page."""
     p = page(request, db)
     form = await p.form()
-    user = p.need_user()
+    p.need_user()
     run_id = _run_id(str(form.get("run", "")))
     row = rules.get(db, rule_id)
     try:
-        alerts_api.update_rule(change(form, row), db, user, row)
+        rules.update(db, row, change(form, row))
     except ValidationError as err:
         return _render(p, 422, run_id=run_id, error=f"rule {rule_id}: {first_error(err)[1]}")
-    except HTTPException as err:
-        if err.status_code != 422:
-            raise
-        return _render(p, 422, run_id=run_id, error=str(err.detail))
+    except SpecError as err:
+        db.rollback()
+        return _render(p, 422, run_id=run_id, error=str(err))
+    db.commit()
     return p.redirect(_alerts_url(run_id, rule_id))
 
 
@@ -212,12 +212,15 @@ async def add_webhook(request: Request, db: SessionDep) -> Response:
     }
     try:
         body = EndpointCreate.model_validate({k: v for k, v in draft.items() if v != ""})
-        created = alerts_api.create_webhook(body, db, user)
+        row, secret = webhooks.create_endpoint(db, body, by=user.name)
     except ValidationError as err:
         return _render(p, 422, hook_error=first_error(err)[1], hook_draft=draft)
     except webhooks.UnsafeURL as err:
         db.rollback()
         return _render(p, 422, hook_error=str(err), hook_draft=draft)
+    db.commit()
+    db.refresh(row)
+    created = EndpointCreated(**webhooks.public_endpoint(row, read_only=False).model_dump(), secret=secret)
     return _render(p, 201, created=created)
 
 
@@ -227,9 +230,12 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     p = page(request, db)
     user = p.need_user()
     row = webhooks.get_endpoint(db, endpoint_id)
-    log = alerts_api.list_deliveries(db, user, row, offset=0, limit=RECENT_DELIVERIES)
+    log, total = webhooks.deliveries(db, row, offset=0, limit=RECENT_DELIVERIES)
     return p.render(
-        "alerts_webhook.html", endpoint=alerts_api.get_webhook(user, row), deliveries=log["data"], total=log["count"]
+        "alerts_webhook.html",
+        endpoint=webhooks.public_endpoint(row, read_only=user.read_only),
+        deliveries=log,
+        total=total,
     )
 
 
@@ -238,5 +244,7 @@ async def replay(request: Request, db: SessionDep, delivery_id: int) -> Response
     """Send a delivery again (same body and idempotency key, attempts start over)."""
     p = page(request, db)
     await p.form()
-    row = alerts_api.replay_delivery(delivery_id, db, p.need_user())
+    p.need_user()
+    row = webhooks.replay(db, delivery_id)
+    db.commit()
     return p.redirect(f"/alerts/webhooks/{row.endpoint_id}#delivery-{delivery_id}")

@@ -6,6 +6,7 @@ where each process acknowledged each live config revision (a vertical line and a
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -250,3 +251,8 @@ def bottleneck_figure(bn: Bottleneck, marks: list[tuple[int, str]]) -> dict[str,
     layout = _layout("Waits as share of step time", marks)
     layout["yaxis"] = {"range": [0, 1], "tickformat": ".0%"}
     return {"data": data, "layout": layout}
+
+
+def figures_json(figs: dict[str, Any]) -> str:
+    """Figures as JSON safe inside ``<script type="application/json">`` (no ``</`` can end the element)."""
+    return json.dumps(figs, allow_nan=False, default=str).replace("</", "<\\/")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, UrlConstraints
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, RootModel, UrlConstraints
 from pydantic import Field as PydanticField
 from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, Text
 from sqlmodel import Field, SQLModel
@@ -121,6 +121,17 @@ class _OwnedPublic(_Public):
     enabled: bool
     created_by: str
     created_at: datetime
+
+
+_RULE_EXAMPLE = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.01, "window": 3}
+
+
+class RuleIn(RootModel[AlertRule]):
+    """One rule; ``kind`` picks its fields (``worker/alert_rules.py``)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [_RULE_EXAMPLE, {"kind": "status", "statuses": ["failed"]}]}
+    )
 
 
 class RulePublic(_OwnedPublic):

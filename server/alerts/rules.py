@@ -20,7 +20,7 @@ from sqlalchemy import func, or_
 from sqlmodel import Session, col, select
 
 from server.alerts import webhooks
-from server.alerts.models import AlertEvent, AlertRuleRow, AlertState
+from server.alerts.models import AlertEvent, AlertRuleRow, AlertState, RuleUpdate
 from server.models import Metric, MetricPoint, Run, RunStatus, utcnow
 from worker.alert_rules import (
     AlertRule,
@@ -31,6 +31,7 @@ from worker.alert_rules import (
     default_source,
     describe,
 )
+from worker.spec import SpecError
 
 RULE = TypeAdapter(AlertRule)
 OPS = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
@@ -63,6 +64,24 @@ def get(session: Session, rule_id: int) -> AlertRuleRow:
     row = session.get(AlertRuleRow, rule_id) if 0 < rule_id < 2**31 else None
     if row is None:
         raise webhooks.NotFound(f"alert rule {rule_id} not found")
+    return row
+
+
+def update(session: Session, row: AlertRuleRow, body: RuleUpdate) -> AlertRuleRow:
+    """Enable or disable ``row``, or replace its rule with one of the same kind (its episode state is kept: the
+    next check under the new rule decides whether it still holds). Flushes only.
+
+    Raises:
+        SpecError: the new rule is of another kind (``rule.kind: …``).
+    """
+    if body.rule is not None:
+        if body.rule.kind != row.kind:
+            raise SpecError(f"rule.kind: rule {row.id} is a {row.kind} rule, got {body.rule.kind!r}")
+        row.rule = body.rule.model_dump(mode="json")
+    if body.enabled is not None:
+        row.enabled = body.enabled
+    session.add(row)
+    session.flush()
     return row
 
 

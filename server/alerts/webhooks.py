@@ -36,7 +36,7 @@ import httpx
 from cryptography.fernet import Fernet
 from sqlalchemy import event
 from sqlalchemy.orm import Session as OrmSession
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from server.alerts.models import AlertEvent, EndpointCreate, EndpointPublic, WebhookDelivery, WebhookEndpoint
 from server.core.config import settings
@@ -215,7 +215,24 @@ def get_endpoint(session: Session, endpoint_id: int) -> WebhookEndpoint:
     return row
 
 
+def list_endpoints(session: Session) -> list[WebhookEndpoint]:
+    """Every endpoint, oldest first."""
+    return list(session.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all())
+
+
 # ----------------------------------------------------------------------------- deliveries
+
+
+def deliveries(
+    session: Session, endpoint: WebhookEndpoint, *, offset: int = 0, limit: int = 100
+) -> tuple[list[WebhookDelivery], int]:
+    """The delivery log of ``endpoint``, newest first; returns (page, total)."""
+    where = WebhookDelivery.endpoint_id == endpoint.id
+    total = session.exec(select(func.count()).select_from(WebhookDelivery).where(where)).one()
+    rows = session.exec(
+        select(WebhookDelivery).where(where).order_by(col(WebhookDelivery.id).desc()).offset(offset).limit(limit)
+    ).all()
+    return list(rows), int(total)
 
 
 def _payload(endpoint: WebhookEndpoint, ev: AlertEvent, run: Run, key: str) -> str:

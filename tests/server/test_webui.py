@@ -13,7 +13,7 @@ from server_support import new_token, spec
 
 from server.models import MetricSeries
 from webui import figures
-from webui.routes import error_line, key_line
+from webui.launch import error_line, key_line
 
 
 def csrf_of(html: str) -> str:

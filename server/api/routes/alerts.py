@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Response
-from pydantic import ConfigDict, RootModel
-from sqlmodel import col, func, select
+from fastapi import APIRouter, Depends, Query, Response
 
 from server.alerts import rules, webhooks
 from server.alerts.models import (
@@ -21,27 +19,15 @@ from server.alerts.models import (
     EndpointCreated,
     EndpointPublic,
     Page,
+    RuleIn,
     RulePublic,
     RuleUpdate,
-    WebhookDelivery,
     WebhookEndpoint,
 )
 from server.api.deps import SessionDep, UserDep
 from server.services import runs
-from worker.alert_rules import AlertRule
 
 router = APIRouter(tags=["alerts"])
-_RULE_EXAMPLE = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.01, "window": 3}
-
-
-class RuleIn(RootModel[AlertRule]):
-    """One rule; ``kind`` picks its fields (``worker/alert_rules.py``)."""
-
-    model_config = ConfigDict(
-        json_schema_extra={"examples": [_RULE_EXAMPLE, {"kind": "status", "statuses": ["failed"]}]}
-    )
-
-
 Offset = Annotated[int, Query(ge=0)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
@@ -98,13 +84,7 @@ def list_run_rules(run_id: int, session: SessionDep, _user: UserDep) -> Any:
 def update_rule(body: RuleUpdate, session: SessionDep, _user: UserDep, row: RuleDep) -> Any:
     """Enable or disable a rule, or replace it with one of the same kind (its episode state is kept: the next
     check under the new rule decides whether it still holds)."""
-    if body.rule is not None:
-        if body.rule.kind != row.kind:
-            raise HTTPException(422, f"rule.kind: rule {row.id} is a {row.kind} rule, got {body.rule.kind!r}")
-        row.rule = body.rule.model_dump(mode="json")
-    if body.enabled is not None:
-        row.enabled = body.enabled
-    session.add(row)
+    rules.update(session, row, body)
     session.commit()
     session.refresh(row)
     return row
@@ -151,8 +131,7 @@ def create_webhook(body: EndpointCreate, session: SessionDep, user: UserDep) -> 
 @router.get("/webhooks", response_model=Page[EndpointPublic])
 def list_webhooks(session: SessionDep, user: UserDep) -> Any:
     """Endpoints; a read-only token sees each URL as ``scheme://host[:port]/…`` (the path may be a credential)."""
-    rows = session.exec(select(WebhookEndpoint).order_by(col(WebhookEndpoint.id))).all()
-    data = [webhooks.public_endpoint(r, read_only=user.read_only) for r in rows]
+    data = [webhooks.public_endpoint(r, read_only=user.read_only) for r in webhooks.list_endpoints(session)]
     return {"data": data, "count": len(data)}
 
 
@@ -175,11 +154,7 @@ def list_deliveries(
     session: SessionDep, _user: UserDep, endpoint: EndpointDep, offset: Offset = 0, limit: Limit = 100
 ) -> Any:
     """The endpoint's delivery log, newest first: status, HTTP code, latency, attempts, last error."""
-    where = WebhookDelivery.endpoint_id == endpoint.id
-    count = session.exec(select(func.count()).select_from(WebhookDelivery).where(where)).one()
-    data = session.exec(
-        select(WebhookDelivery).where(where).order_by(col(WebhookDelivery.id).desc()).offset(offset).limit(limit)
-    ).all()
+    data, count = webhooks.deliveries(session, endpoint, offset=offset, limit=limit)
     return {"data": data, "count": count}
 
 

@@ -1,0 +1,120 @@
+"""The launch page (``/launch``): pick a config under ``configs/`` or paste a TOML spec; the run is validated
+by the same service as ``POST /api/runs`` (``runs.create``) and its errors are shown at the offending line."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response
+
+from server.services import runs
+from webui import auth
+from webui.errors import HTMLErrorRoute
+from webui.page import HERE, Page, SessionDep, page
+from worker.celery_app import TaskName, enqueue
+from worker.spec import SpecError
+
+CONFIGS = HERE.parent / "configs"
+router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
+
+
+def config_files() -> list[str]:
+    """TOML run specs under ``configs/``, as paths relative to it."""
+    return sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.toml"))
+
+
+_TABLE = re.compile(r"^\[\s*([^\[\]]+?)\s*\]$")
+
+
+def key_line(toml_text: str, dotted: str) -> int | None:
+    """The 1-based line of ``toml_text`` that sets ``dotted`` (or the table holding it, or its nearest table),
+    None when no line does (e.g. a missing required key at the top level)."""
+    table, best, best_len = "", None, -1
+    for number, raw in enumerate(toml_text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if m := _TABLE.match(line):
+            table = m.group(1).replace(" ", "").replace('"', "")
+            full = table
+        elif "=" in line:
+            key = re.sub(r"\s*\.\s*", ".", line.split("=", 1)[0].strip().replace('"', ""))
+            full = f"{table}.{key}" if table else key
+        else:
+            continue
+        if full == dotted or dotted.startswith(full + "."):
+            if len(full) > best_len or (full == dotted):
+                best, best_len = number, len(full)
+            if full == dotted:
+                return number
+    return best
+
+
+_TOML_AT = re.compile(r"\(at line (\d+), column \d+\)")
+_UNKNOWN_KEY = re.compile(r"^unknown key '([^']+)'")
+
+
+def error_line(toml_text: str, error: SpecError | tomllib.TOMLDecodeError) -> int | None:
+    """The 1-based line of ``toml_text`` an error of the pasted spec points at: the position a TOML syntax error
+    names (``… (at line 3, column 5)``; the last line for ``… (at end of document)``), the key an unknown-key
+    error names (``unknown key 'trainer.optim.lrr' (did you mean …)``) or the key before the first ``:`` of a
+    validation error; None when no line does."""
+    message = str(error)
+    if isinstance(error, tomllib.TOMLDecodeError):
+        lineno = getattr(error, "lineno", None)  # Python >= 3.14; older ones only say it in the message
+        if lineno is None and (found := _TOML_AT.search(message)):
+            lineno = int(found.group(1))
+        if lineno is None and message.endswith("(at end of document)"):
+            lineno = len(toml_text.splitlines()) or None
+        return lineno
+    unknown = _UNKNOWN_KEY.match(message)
+    return key_line(toml_text, unknown.group(1) if unknown else message.split(":", 1)[0].strip())
+
+
+def _launch_page(
+    p: Page, text: str, chosen: str, status: int = 200, error: str | None = None, line: int | None = None
+) -> HTMLResponse:
+    return p.render(
+        "launch.html",
+        code=status,
+        configs=config_files(),
+        chosen=chosen,
+        text=text,
+        spec_error=error,
+        error_line=line,
+        lines=text.splitlines(),
+    )
+
+
+@router.get("/launch", response_class=HTMLResponse)
+def launch_page(request: Request, db: SessionDep, config: str = "") -> HTMLResponse:
+    p = page(request, db)
+    auth.check_write(p.need_user())  # a read token gets a 403 page, not a form whose POST is refused
+    text = ""
+    if config:
+        if config not in config_files():
+            raise HTTPException(404, f"config: no {config!r} under configs/ (have: {', '.join(config_files())})")
+        text = (CONFIGS / config).read_text()
+    return _launch_page(p, text, config)
+
+
+@router.post("/launch")
+async def launch(request: Request, db: SessionDep) -> Response:
+    """Parse the pasted TOML, validate it with the API's spec validation (``runs.create``), queue the run and go to
+    its page; errors come back inline at the offending line."""
+    p = page(request, db)
+    form = await p.form()
+    text, chosen = str(form.get("spec", "")), str(form.get("config", ""))
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        return _launch_page(p, text, chosen, 422, f"TOML: {err}", error_line(text, err))
+    try:
+        run = runs.create(db, data=data, owner=p.need_user().name)
+    except SpecError as err:
+        db.rollback()
+        line = error_line(text, err)
+        return _launch_page(p, text, chosen, 422, f"{err} (line {line})" if line else str(err), line)
+    db.commit()
+    enqueue(TaskName.launch_run, run.id)  # type: ignore[arg-type]
+    return p.redirect(f"/runs/{run.id}")

@@ -1,0 +1,94 @@
+"""What every dashboard page shares: the templates, the ``Page`` of a request (session, web session, user) and
+the dependencies the pages take (``SessionDep``, ``page``). The dashboard's own; it uses no ``server/api``
+module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.templating import Jinja2Templates
+from sqlmodel import Session
+
+from server.core.db import engine
+from server.models import utcnow
+from server.services.tokens import Principal
+from webui import auth
+
+HERE = Path(__file__).resolve().parent
+POLL_S = 3
+"""Seconds between live updates of a page's fragments."""
+
+templates = Jinja2Templates(directory=HERE / "templates")
+
+
+def age(when: datetime) -> str:
+    """How long ago ``when`` was, coarse: ``42s``, ``7m``, ``3h``, ``2d``."""
+    s = max(0, int((utcnow() - when).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+templates.env.filters["age"] = age
+
+
+def db_session() -> Iterator[Session]:
+    """One database session per request."""
+    with Session(engine) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(db_session)]
+
+
+def is_fragment(request: Request) -> bool:
+    """True for an htmx request (it swaps in a fragment, not a whole page)."""
+    return request.headers.get("hx-request") == "true"
+
+
+@dataclass
+class Page:
+    request: Request
+    db: Session
+    web: auth.WebSession
+    user: Principal | None
+
+    def render(self, name: str, code: int = 200, **values: Any) -> HTMLResponse:
+        resp = templates.TemplateResponse(
+            self.request, name, {"user": self.user, "csrf": self.web.csrf, "poll_s": POLL_S, **values}, status_code=code
+        )
+        self.web.save(resp)
+        return resp
+
+    def redirect(self, url: str) -> RedirectResponse:
+        resp = RedirectResponse(url, status_code=303)
+        self.web.save(resp)
+        return resp
+
+    def need_user(self) -> Principal:
+        """The logged-in principal; otherwise a 303 to the login page (which returns here afterwards)."""
+        if self.user is None:
+            target = self.request.url.path + (f"?{self.request.url.query}" if self.request.url.query else "")
+            raise HTTPException(303, "log in first", headers={"Location": "/login?" + urlencode({"next": target})})
+        return self.user
+
+    async def form(self, *, write: bool = True) -> Any:
+        """The POSTed form after the CSRF check (and, for ``write``, the write-scope check). Raises 403."""
+        form = await self.request.form()
+        auth.check_csrf(self.web, form)
+        if write:
+            auth.check_write(self.need_user())
+        return form
+
+
+def page(request: Request, db: SessionDep) -> Page:
+    web = auth.load(request)
+    return Page(request, db, web, auth.principal(db, web))

@@ -1,0 +1,202 @@
+"""The run page (``/runs/{id}``): status, charts with the bottleneck verdict, events, rollouts, logs and live
+config, each a fragment htmx refreshes (``?part=…``); and its writes (stop, resume, fork, live config change),
+which call the same services as the REST API and show their one-line error on the page."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response
+from pydantic import ValidationError
+from sqlmodel import Session
+
+from server.models import TERMINAL, ForkRequest, Run, RunStatus
+from server.services import config, runs
+from server.services.runs import InvalidTransition
+from server.services.tokens import Principal
+from webui import figures
+from webui.errors import HTMLErrorRoute, error_status
+from webui.page import Page, SessionDep, page
+from worker.celery_app import TaskName, enqueue
+from worker.dotted_keys import flatten, replay
+from worker.live_config import LIVE_KEYS, validate_changes
+from worker.spec import SpecError, parse_override_value
+
+router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
+
+
+def _events(db: Session, run_id: int, last: int = 100) -> list[Any]:
+    _, total = runs.events(db, run_id, limit=1)
+    rows, _ = runs.events(db, run_id, offset=max(0, total - last), limit=last)
+    return rows[::-1]
+
+
+def _logs(run: Run, process: str, lines: int = 40) -> list[str]:
+    try:
+        return runs.tail(runs.log_path(run, process), lines)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return []
+
+
+def run_context(db: Session, run: Run, process: str = "trainer", part: str = "") -> dict[str, Any]:
+    """What the run page (``part`` empty) or one of its fragments shows, computed once per request."""
+    revisions, values = config.current(db, run)
+    ctx: dict[str, Any] = {
+        "run": run,
+        "live": RunStatus(run.status) not in TERMINAL,
+        "values": values,
+        "revisions": revisions,
+        "live_keys": LIVE_KEYS,
+        "process": process,
+        "resumable": RunStatus(run.status) in runs.RESUMABLE,
+        "charts": [*figures.CHARTS],
+    }
+    if part in ("", "charts"):
+        marks = figures.revision_marks(revisions)
+        series = figures.load_series(db, run.id)  # type: ignore[arg-type]
+        bn = figures.bottleneck(series)
+        figs = figures.run_figures(series, marks)
+        figs["bottleneck"] = figures.bottleneck_figure(bn, marks)
+        ctx.update(figures_json=figures.figures_json(figs), bottleneck=bn)
+    if part in ("", "events"):
+        ctx["events"] = _events(db, run.id)  # type: ignore[arg-type]
+    if part in ("", "rollouts"):
+        ctx["rollout_step"], ctx["rollouts"] = runs.rollouts(run, limit=16)
+    if part in ("", "logs"):
+        ctx.update(processes=runs.LOG_PROCESSES, logs=_logs(run, process))
+    return ctx
+
+
+PARTS = {
+    "status": "_run_status.html",
+    "charts": "_run_charts.html",
+    "events": "_run_events.html",
+    "rollouts": "_run_rollouts.html",
+    "logs": "_run_logs.html",
+}
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", process: str = "trainer") -> HTMLResponse:
+    """The run page, or one live fragment of it (``part``: status, charts, events, rollouts, logs)."""
+    p = page(request, db)
+    p.need_user()
+    if process not in runs.LOG_PROCESSES:
+        raise HTTPException(422, f"process: expected one of {', '.join(runs.LOG_PROCESSES)}, got {process!r}")
+    if part and part not in PARTS:
+        raise HTTPException(422, f"part: expected one of {', '.join(PARTS)}, got {part!r}")
+    ctx = run_context(db, runs.get(db, run_id), process, part)
+    return p.render(PARTS[part] if part else "run.html", **ctx)
+
+
+async def _act(p: Page, run_id: int, action: Callable[[Principal], int]) -> Response:
+    """Run a write ``action(user)`` (it returns the run id to go to); its one-line error (409/422) is shown on the
+    run page."""
+    user = p.need_user()
+    try:
+        target = action(user)
+    except (InvalidTransition, SpecError) as err:
+        p.db.rollback()
+        return p.render(
+            "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id))
+        )
+    return p.redirect(f"/runs/{target}")
+
+
+@router.post("/runs/{run_id}/stop")
+async def stop(request: Request, db: SessionDep, run_id: int) -> Response:
+    p = page(request, db)
+    await p.form()
+
+    def action(user: Principal) -> int:
+        run = runs.get(db, run_id, lock=True)
+        needs_worker = runs.request_stop(db, run, by=user.name)
+        db.commit()
+        if needs_worker:
+            enqueue(TaskName.stop_run, run_id)
+        return run_id
+
+    return await _act(p, run_id, action)
+
+
+@router.post("/runs/{run_id}/resume")
+async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
+    p = page(request, db)
+    await p.form()
+
+    def action(user: Principal) -> int:
+        runs.resume(db, runs.get(db, run_id, lock=True), by=user.name)
+        db.commit()
+        enqueue(TaskName.launch_run, run_id)  # after the commit: the worker must find the queued run
+        return run_id
+
+    return await _act(p, run_id, action)
+
+
+@router.post("/runs/{run_id}/fork")
+async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
+    """Fork from a checkpoint; ``changes`` is TOML with dotted keys (``trainer.optim.lr = 5e-5``)."""
+    p = page(request, db)
+    form = await p.form()
+
+    def action(user: Principal) -> int:
+        try:
+            changes = flatten(tomllib.loads(str(form.get("changes", ""))))
+        except tomllib.TOMLDecodeError as err:
+            raise SpecError(f"changes: not valid TOML ({err})") from None
+        step, name = str(form.get("step", "")).strip(), str(form.get("name", "")).strip()
+        if step and not (step.isascii() and step.isdigit()):  # "²".isdigit() is True, int("²") fails
+            raise SpecError(f"step: expected a checkpoint step (a whole number), got {step!r}")
+        try:
+            body = ForkRequest(changes=changes, step=int(step) if step else None, name=name or None)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+        parent = runs.get(db, run_id)
+        child = runs.fork(db, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
+        db.commit()
+        assert child.id is not None  # runs.create flushed it
+        enqueue(TaskName.launch_run, child.id)  # after the commit: the worker must find the queued run
+        return child.id
+
+    return await _act(p, run_id, action)
+
+
+@router.post("/runs/{run_id}/config")
+async def change_config(request: Request, db: SessionDep, run_id: int) -> Response:
+    """Live config edit in two steps: the submitted values are validated and shown as a diff against the current
+    values; the confirm form (``confirm=1``) applies them through the same service as ``PATCH …/config``."""
+    p = page(request, db)
+    form = await p.form()
+    user = p.need_user()
+    run = runs.get(db, run_id)
+    revisions, current = config.current(db, run)
+    changes = {}
+    for key in LIVE_KEYS:
+        raw = str(form.get(key, "")).strip()
+        if raw:
+            value = parse_override_value(raw)
+            if value != current[key]:
+                changes[key] = value
+    ctx = run_context(db, run)
+    if not changes:
+        return p.render("run.html", code=422, error="config: no value differs from the current one", **ctx)
+    spec = replay(run.spec, (rev.changes for rev in revisions))
+    try:
+        normalised = validate_changes(spec, changes)
+        if form.get("confirm") == "1":
+            config.create(db, run_id, normalised, by=user.name)
+            db.commit()
+            return p.redirect(f"/runs/{run_id}")
+    except (SpecError, InvalidTransition) as err:
+        db.rollback()
+        key = str(err).split(":", 1)[0]
+        return p.render("run.html", code=error_status(err)[0], config_error=(key, str(err)), submitted=changes, **ctx)
+    diff = [(k, current[k], v) for k, v in normalised.items()]
+    return p.render("run.html", diff=diff, **ctx)
+
+
+# ----------------------------------------------------------------------------- compare

@@ -1,0 +1,71 @@
+"""Site-wide dashboard routes: static files (pinned htmx, Plotly's bundle, the dashboard's own JS and CSS), the
+home redirect, login with an API token and logout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import plotly
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+
+from server.services import tokens
+from webui import auth
+from webui.errors import HTMLErrorRoute
+from webui.page import HERE, SessionDep, page
+
+HTMX_VERSION = "2.0.8"
+"""Pinned in scripts/setup.sh, which unpacks it from the npm package into static/vendor."""
+STATIC = {
+    "htmx.js": HERE / "static" / "vendor" / f"htmx-{HTMX_VERSION}.min.js",
+    "plotly.js": Path(plotly.__file__).parent / "package_data" / "plotly.min.js",  # the bundle the package ships
+    "dashboard.js": HERE / "static" / "dashboard.js",
+    "dashboard.css": HERE / "static" / "dashboard.css",
+}
+
+router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
+
+
+@router.get("/static/{name}")
+def static(name: str) -> FileResponse:
+    path = STATIC.get(name)
+    if path is None or not path.is_file():
+        raise HTTPException(404, f"static: no file {name!r}" + (" (run scripts/setup.sh)" if path else ""))
+    return FileResponse(path, headers={"Cache-Control": "max-age=3600"})
+
+
+@router.get("/")
+def home() -> RedirectResponse:
+    return RedirectResponse("/runs", status_code=303)
+
+
+def _safe_next(target: str | None) -> str:
+    return target if target and target.startswith("/") and not target.startswith("//") else "/runs"
+
+
+@router.get("/login", response_class=HTMLResponse)
+def login_page(request: Request, db: SessionDep, next: str | None = None) -> HTMLResponse:
+    return page(request, db).render("login.html", next=_safe_next(next))
+
+
+@router.post("/login")
+async def login(request: Request, db: SessionDep) -> Response:
+    p = page(request, db)
+    form = await p.form(write=False)
+    token, target = str(form.get("token", "")).strip(), _safe_next(str(form.get("next", "")))
+    try:
+        who = tokens.authenticate(db, token)
+        if who.run_id is not None:
+            raise tokens.AuthError("a run token cannot log in; use a user token (asyncrl token create)")
+    except tokens.AuthError as err:
+        return p.render("login.html", code=401, next=target, error=f"token: {err}")
+    p.web = auth.WebSession(token=tokens.hash_token(token))  # a new CSRF token with the new identity
+    return p.redirect(target)
+
+
+@router.post("/logout")
+async def logout(request: Request, db: SessionDep) -> Response:
+    p = page(request, db)
+    await p.form(write=False)
+    p.web = auth.WebSession()
+    return p.redirect("/login")
