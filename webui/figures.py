@@ -170,7 +170,8 @@ WINDOW = 20
 ADVICE = {
     "inference-bound": [
         "move GPUs from the trainer to inference",
-        "raise orchestrator.max_off_policy_steps (and max_async_level) so inference runs further ahead",
+        "raise orchestrator.max_async_level so inference runs further ahead of the trainer (keep "
+        "orchestrator.max_off_policy_steps >= it, or the older rollouts are dropped as stale)",
         "larger orchestrator.batch_size: more concurrent rollouts keep vLLM busier",
         "lower orchestrator.max_tokens if completions are cut anyway",
     ],

@@ -83,6 +83,15 @@ def test_bottleneck_shares_use_the_last_window_of_steps() -> None:
     assert figures.bottleneck({}).verdict is None
 
 
+def test_inference_bound_advice_names_the_key_that_widens_the_async_window() -> None:
+    """Rollouts for step n start once inference serves version >= n - 1 - max_async_level (worker/spec.py):
+    max_async_level is what lets inference run ahead; max_off_policy_steps only drops what lags further."""
+    advice = figures.ADVICE["inference-bound"]
+    ahead = [a for a in advice if "further ahead" in a]
+    assert len(ahead) == 1 and ahead[0].startswith("raise orchestrator.max_async_level ")
+    assert not any(a.startswith("raise orchestrator.max_off_policy_steps") for a in advice)
+
+
 def test_key_line_finds_the_offending_key() -> None:
     text = 'name = "x"\nmax_steps = 3\n\n[orchestrator]\nbatch_size = 8\ngroup_size = 0  # bad\n\n[env]\nargs = { a = 1 }\n'
     assert key_line(text, "orchestrator.group_size") == 6
