@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from pydantic import Field as PydanticField
@@ -24,6 +24,23 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class _Keyed(Protocol):
+    @property
+    def id(self) -> int | None: ...
+
+
+def stored_id(row: _Keyed) -> int:
+    """The primary key of a table row the database has given one (loaded, or added and flushed). The tables
+    declare ``id: int | None`` because a row has none before its first flush.
+
+    Raises:
+        ValueError: the row was never flushed.
+    """
+    if row.id is None:
+        raise ValueError(f"{type(row).__name__} has no id yet: flush the session first")
+    return row.id
 
 
 def _run_fk() -> Column[int]:
@@ -42,7 +59,7 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 def _ts(nullable: bool = False) -> Any:
-    return Field(default_factory=utcnow if not nullable else lambda: None, sa_type=UTCDateTime(), nullable=nullable)  # type: ignore[call-overload]
+    return Field(default_factory=utcnow if not nullable else lambda: None, sa_type=UTCDateTime(), nullable=nullable)
 
 
 class RunStatus(enum.StrEnum):
@@ -69,7 +86,7 @@ class RunBase(SQLModel):
 class Run(RunBase, table=True):
     __tablename__ = "runs"
     id: int | None = Field(default=None, primary_key=True)
-    status: RunStatus = Field(default=RunStatus.queued, sa_type=String(16), index=True)  # type: ignore[call-overload]
+    status: RunStatus = Field(default=RunStatus.queued, sa_type=String(16), index=True)
     status_reason: str = Field(default="", max_length=2000)
     spec: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
     spec_hash: str = Field(max_length=64)

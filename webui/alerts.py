@@ -16,6 +16,7 @@ from sqlmodel import col, select
 
 from server.alerts import rules, webhooks
 from server.alerts.models import AlertRuleRow, AlertState, EndpointCreate, EndpointCreated, RuleIn, RuleUpdate
+from server.models import stored_id
 from server.services import runs
 from server.services.runs import RunNotFound
 from webui.errors import HTMLErrorRoute
@@ -90,12 +91,12 @@ def alerts_context(db: Any, run_id: int | None, read_only: bool) -> dict[str, An
     else:
         rows = list(db.exec(select(AlertRuleRow).order_by(col(AlertRuleRow.id))).all())
     firing: dict[int, list[int]] = {}
-    ids = [r.id for r in rows]
+    ids = [stored_id(r) for r in rows]
     for state in db.exec(select(AlertState).where(col(AlertState.rule_id).in_(ids), col(AlertState.holding))).all():
         if run_id is None or state.run_id == run_id:
             firing.setdefault(state.rule_id, []).append(state.run_id)
     shown = [
-        {"row": r, "text": describe(rules.RULE.validate_python(r.rule)), "firing": sorted(firing.get(r.id, []))}
+        {"row": r, "text": describe(rules.RULE.validate_python(r.rule)), "firing": sorted(firing.get(stored_id(r), []))}
         for r in rows
     ]
     events, total = rules.events(db, run_id=run_id, offset=0, limit=RECENT_EVENTS)
@@ -140,7 +141,8 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
     form = await p.form()
     user = p.need_user()
     data, scope = rule_from_form(form), str(form.get("scope", "")).strip()
-    values = {"run_id": _run_id(str(form.get("run", ""))), "draft": dict(form)}
+    shown_run = _run_id(str(form.get("run", "")))
+    values: dict[str, Any] = {"run_id": shown_run, "draft": dict(form)}
     try:
         run_id = _run_id(scope, "scope")
         rule = RuleIn.model_validate(data)
@@ -156,7 +158,7 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
         return _render(p, 422, field_error={"scope": f"scope: {err}"}, **values)
     row = rules.add(db, rule.root, run_id=run_id, by=user.name)
     db.commit()
-    return p.redirect(_alerts_url(values["run_id"], row.id))
+    return p.redirect(_alerts_url(shown_run, stored_id(row)))
 
 
 async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> Response:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 
+from server.models import stored_id
 from server.services import runs
 from webui import figures
 from webui.errors import HTMLErrorRoute
@@ -27,7 +28,7 @@ def compare(request: Request, db: SessionDep, run: Annotated[list[int] | None, Q
     recent, _ = runs.list_runs(db, limit=100)
     ctx: dict[str, Any] = {"recent": recent, "chosen": chosen, "chosen_ids": {r.id for r in chosen}}
     if len(chosen) >= 2:
-        labelled = [(f"#{r.id} {r.name}", figures.load_series(db, r.id)) for r in chosen]  # type: ignore[arg-type]
+        labelled = [(f"#{r.id} {r.name}", figures.load_series(db, stored_id(r))) for r in chosen]
         ctx["figures_json"] = figures.figures_json(figures.compare_figures(labelled))
         ctx["charts"] = list(figures.CHARTS)
         flat = [flatten({k: v for k, v in r.spec.items() if k != "output_dir"}) for r in chosen]

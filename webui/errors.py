@@ -60,6 +60,10 @@ def error_page(request: Request, code: int, message: str, headers: dict[str, str
     return resp
 
 
+HTML_ERRORS: tuple[type[Exception], ...] = (StarletteHTTPException, RequestValidationError, *DOMAIN_ERRORS)
+"""What :class:`HTMLErrorRoute` turns into an error page (for a browser)."""
+
+
 class HTMLErrorRoute(APIRoute):
     """A dashboard route whose 4xx errors reach a browser as an HTML page in the site's layout; other clients
     (the TestClient, curl, htmx fragments) keep the API's JSON ``{"detail": …}``."""
@@ -70,7 +74,7 @@ class HTMLErrorRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (StarletteHTTPException, RequestValidationError, *DOMAIN_ERRORS) as err:
+            except HTML_ERRORS as err:
                 code, message, headers = error_status(err)
                 if code < 400 or not wants_html(request):
                     raise

@@ -220,18 +220,14 @@ def bottleneck(series: dict[tuple[str, str], MetricSeries]) -> Bottleneck:
     ``step_time_s`` (capped at 1), and the verdict over the last ``WINDOW`` steps that have all three."""
     cols = [dict(zip(s.step, s.value, strict=True)) if (s := series.get(k)) else {} for k in BOTTLENECK_LINES]
     wfb, step_time, wfp = cols
-    steps = [
-        n
-        for n in sorted(step_time)
-        if n in wfb
-        and n in wfp
-        and step_time[n]
-        and wfb[n] is not None
-        and wfp[n] is not None
-        and math.isfinite(step_time[n] or 0)
+    rows = [
+        (n, batch, time, policy)
+        for n, time in sorted(step_time.items())
+        if time and math.isfinite(time) and (batch := wfb.get(n)) is not None and (policy := wfp.get(n)) is not None
     ]
-    b = [min(1.0, wfb[n] / step_time[n]) for n in steps]  # type: ignore[operator]
-    p = [min(1.0, wfp[n] / step_time[n]) for n in steps]  # type: ignore[operator]
+    steps = [n for n, _, _, _ in rows]
+    b = [min(1.0, batch / time) for _, batch, time, _ in rows]
+    p = [min(1.0, policy / time) for _, _, time, policy in rows]
     if not steps:
         return Bottleneck([], [], [], None)
     mb, mp = sum(b[-WINDOW:]) / len(b[-WINDOW:]), sum(p[-WINDOW:]) / len(p[-WINDOW:])

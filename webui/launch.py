@@ -9,6 +9,7 @@ import tomllib
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
+from server.models import stored_id
 from server.services import runs
 from webui import auth
 from webui.errors import HTMLErrorRoute
@@ -116,5 +117,5 @@ async def launch(request: Request, db: SessionDep) -> Response:
         line = error_line(text, err)
         return _launch_page(p, text, chosen, 422, f"{err} (line {line})" if line else str(err), line)
     db.commit()
-    enqueue(TaskName.launch_run, run.id)  # type: ignore[arg-type]
+    enqueue(TaskName.launch_run, stored_id(run))
     return p.redirect(f"/runs/{run.id}")

@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 from sqlmodel import Session
 
-from server.models import TERMINAL, ForkRequest, Run, RunStatus
+from server.models import TERMINAL, ForkRequest, Run, RunStatus, stored_id
 from server.services import config, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
@@ -56,13 +56,13 @@ def run_context(db: Session, run: Run, process: str = "trainer", part: str = "")
     }
     if part in ("", "charts"):
         marks = figures.revision_marks(revisions)
-        series = figures.load_series(db, run.id)  # type: ignore[arg-type]
+        series = figures.load_series(db, stored_id(run))
         bn = figures.bottleneck(series)
         figs = figures.run_figures(series, marks)
         figs["bottleneck"] = figures.bottleneck_figure(bn, marks)
         ctx.update(figures_json=figures.figures_json(figs), bottleneck=bn)
     if part in ("", "events"):
-        ctx["events"] = _events(db, run.id)  # type: ignore[arg-type]
+        ctx["events"] = _events(db, stored_id(run))
     if part in ("", "rollouts"):
         ctx["rollout_step"], ctx["rollouts"] = runs.rollouts(run, limit=16)
     if part in ("", "logs"):
@@ -158,9 +158,8 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         parent = runs.get(db, run_id)
         child = runs.fork(db, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
         db.commit()
-        assert child.id is not None  # runs.create flushed it
-        enqueue(TaskName.launch_run, child.id)  # after the commit: the worker must find the queued run
-        return child.id
+        enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
+        return stored_id(child)
 
     return await _act(p, run_id, action)
 

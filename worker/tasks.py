@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from celery import Task
 from pydantic import ValidationError
 from sqlalchemy import func
 from sqlmodel import Session, col, select
@@ -31,7 +32,7 @@ from sqlmodel import Session, col, select
 from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus
+from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, stored_id
 from server.services import metrics, runs, tokens
 from worker import supervisor
 from worker.celery_app import TaskName, app
@@ -113,14 +114,14 @@ def _launch_slurm(session: Session, run: Run) -> str:
 
     spec = validate_spec("rl", run.spec)
     assert isinstance(spec, RLSpec)
-    home = Path(run.run_dir).parent
+    home, run_id = Path(run.run_dir).parent, stored_id(run)
     try:
-        job = slurm.find(run.id, home, spec.launcher.slurm.allocation)
+        job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
         if job is None:
             supervisor.write_spec(home, run.spec)
-            env = supervisor.run_env(run.id, tokens.run_token(run.id), settings.server_url())
-            job = slurm.submit(spec, run_id=run.id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
+            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url())
+            job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:
         runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")
         session.commit()
@@ -179,11 +180,15 @@ def reconcile() -> list[int]:
     from a spool).
     """
     with Session(engine) as session:
-        candidates = session.exec(
-            select(Run.id).where(
-                col(Run.status).in_([s.value for s in LIVE]), col(Run.launcher).in_(["local", "slurm"])
-            )
-        ).all()
+        candidates = [
+            run_id
+            for run_id in session.exec(
+                select(Run.id).where(
+                    col(Run.status).in_([s.value for s in LIVE]), col(Run.launcher).in_(["local", "slurm"])
+                )
+            ).all()
+            if run_id is not None
+        ]
     failed = []
     for run_id in candidates:
         with Session(engine) as session:
@@ -192,9 +197,10 @@ def reconcile() -> list[int]:
                 if _reconcile_slurm(session, run):
                     failed.append(run_id)
                 continue
-            if RunStatus(run.status) not in LIVE or not (run.launcher_handle or "").isdigit():
+            handle = run.launcher_handle or ""
+            if RunStatus(run.status) not in LIVE or not handle.isdigit():
                 continue
-            pid, home = int(run.launcher_handle), Path(run.run_dir).parent
+            pid, home = int(handle), Path(run.run_dir).parent
             if supervisor._alive(pid) or supervisor.running_pid(home) is not None:
                 continue
             final = supervisor.read_final(home, current_attempt(session, run_id))
@@ -234,7 +240,7 @@ def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
             points.append(MetricPoint.model_validate(point))
         except ValidationError:
             logger.warning("reconcile: run %s: skipped an invalid metric point %s", run.id, point)
-    metrics.ingest(session, run_id=run.id, points=points)
+    metrics.ingest(session, run_id=stored_id(run), points=points)
     return len(points)
 
 
@@ -287,7 +293,7 @@ def stop_run(run_id: int) -> str:
 
 
 @app.task(name=TaskName.deliver_webhook.value, bind=True, max_retries=None)
-def deliver_webhook(self, delivery_id: int) -> str:  # type: ignore[no-untyped-def]
+def deliver_webhook(self: Task, delivery_id: int) -> str:
     """One attempt of a webhook delivery (``server.alerts.webhooks.attempt``); a failed one is retried with
     exponential backoff (a new message with a countdown) until ``WEBHOOK_MAX_ATTEMPTS``."""
     with Session(engine) as session:

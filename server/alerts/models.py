@@ -15,6 +15,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, RootModel, UrlConstraints
 from pydantic import Field as PydanticField
+from pydantic.config import JsonDict
 from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, Text
 from sqlmodel import Field, SQLModel
 
@@ -123,7 +124,7 @@ class _OwnedPublic(_Public):
     created_at: datetime
 
 
-_RULE_EXAMPLE = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.01, "window": 3}
+_RULE_EXAMPLE: JsonDict = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.01, "window": 3}
 
 
 class RuleIn(RootModel[AlertRule]):
@@ -162,7 +163,7 @@ class AlertEventPublic(_Public):
     time: datetime
 
 
-EventName = Literal[RULE_KINDS]  # type: ignore[valid-type]
+EventName = Literal[RULE_KINDS]  # type: ignore[valid-type]  # mypy takes no Literal from a tuple; pydantic does
 
 
 class EndpointCreate(BaseModel):

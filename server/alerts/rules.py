@@ -21,7 +21,7 @@ from sqlmodel import Session, col, select
 
 from server.alerts import webhooks
 from server.alerts.models import AlertEvent, AlertRuleRow, AlertState, RuleUpdate
-from server.models import Metric, MetricPoint, Run, RunStatus, utcnow
+from server.models import Metric, MetricPoint, Run, RunStatus, stored_id, utcnow
 from worker.alert_rules import (
     AlertRule,
     NonFiniteRule,
@@ -53,7 +53,7 @@ def add_spec_rules(session: Session, run: Run) -> None:
 
 def list_rules(session: Session, *, run_id: int | None = None, applying: bool = False) -> list[AlertRuleRow]:
     """Rules of one run (or the global ones when ``run_id`` is None); with ``applying``, the global ones too."""
-    where = [AlertRuleRow.run_id == run_id] if run_id is not None else [col(AlertRuleRow.run_id).is_(None)]
+    where = [col(AlertRuleRow.run_id) == run_id] if run_id is not None else [col(AlertRuleRow.run_id).is_(None)]
     if applying:
         where = [or_(*where, col(AlertRuleRow.run_id).is_(None))]
     return list(session.exec(select(AlertRuleRow).where(*where).order_by(col(AlertRuleRow.id))).all())
@@ -103,7 +103,7 @@ def _active(session: Session, run_id: int, kinds: Sequence[str]) -> list[tuple[A
         select(AlertRuleRow).where(
             col(AlertRuleRow.enabled),
             col(AlertRuleRow.kind).in_(kinds),
-            or_(AlertRuleRow.run_id == run_id, col(AlertRuleRow.run_id).is_(None)),
+            or_(col(AlertRuleRow.run_id) == run_id, col(AlertRuleRow.run_id).is_(None)),
         )
     ).all()
     return [(r, RULE.validate_python(r.rule)) for r in rows]
@@ -123,7 +123,9 @@ def _states(session: Session, run_id: int, rule_ids: Sequence[int]) -> dict[int,
 def _record(
     session: Session, row: AlertRuleRow, run: Run, state: str, message: str, step: int | None, **data: Any
 ) -> AlertEvent:
-    ev = AlertEvent(rule_id=row.id, run_id=run.id, kind=row.kind, state=state, step=step, message=message, data=data)
+    ev = AlertEvent(
+        rule_id=stored_id(row), run_id=stored_id(run), kind=row.kind, state=state, step=step, message=message, data=data
+    )
     session.add(ev)
     session.flush()
     if state == "fired":
@@ -161,7 +163,7 @@ def on_status(session: Session, run: Run, old: RunStatus | None, new: RunStatus 
     resumed = new == RunStatus.queued and old in (RunStatus.failed, RunStatus.cancelled)
     name = "requeued" if resumed else str(new)
     reason = reason or run.status_reason
-    for row, rule in _active(session, run.id, ["status"]):  # type: ignore[arg-type]
+    for row, rule in _active(session, stored_id(run), ["status"]):
         if isinstance(rule, StatusRule) and name in rule.statuses:
             message = f"{describe(rule)}: run {run.id} is {name}" + (f" ({reason[:300]})" if reason else "")
             _record(session, row, run, "fired", message, None, status=name, previous=old and old.value)
@@ -216,9 +218,9 @@ def on_metrics(session: Session, run_id: int, points: Sequence[MetricPoint]) -> 
         return
     run = session.get(Run, run_id)
     assert run is not None
-    states = _states(session, run_id, [row.id for row, _ in rules])  # type: ignore[misc]
+    states = _states(session, run_id, [stored_id(row) for row, _ in rules])
     for row, rule in rules:
-        state = states[row.id]  # type: ignore[index]
+        state = states[stored_id(row)]
         if isinstance(rule, StallRule):
             _set(session, row, rule, run, state, False, None)
         elif isinstance(rule, NonFiniteRule):
@@ -247,17 +249,18 @@ def check_stalls(session: Session, now: datetime | None = None) -> list[tuple[in
     fired = []
     running = session.exec(select(Run).where(Run.status == RunStatus.running.value)).all()
     for run in running:
-        rules = _active(session, run.id, ["stall"])  # type: ignore[arg-type]
+        run_id = stored_id(run)
+        rules = _active(session, run_id, ["stall"])
         if not rules:
             continue
-        newest = session.exec(select(func.max(Metric.time)).where(Metric.run_id == run.id)).one()
+        newest = session.exec(select(func.max(Metric.time)).where(Metric.run_id == run_id)).one()
         since = max(float(newest or 0.0), run.updated_at.timestamp())
         quiet = now.timestamp() - since
-        states = _states(session, run.id, [row.id for row, _ in rules])  # type: ignore[arg-type,misc]
+        states = _states(session, run_id, [stored_id(row) for row, _ in rules])
         for row, rule in rules:
-            state = states[row.id]  # type: ignore[index]
+            state = states[stored_id(row)]
             if quiet > rule.seconds and not state.holding:
-                fired.append((row.id, run.id))
+                fired.append((stored_id(row), run_id))
             if quiet > rule.seconds:
                 _set(session, row, rule, run, state, True, None, quiet_s=round(quiet, 1))
     session.flush()

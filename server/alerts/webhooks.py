@@ -145,7 +145,8 @@ def check_url(url: str) -> None:
         return
     for info in infos:
         ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        for judged in embedded_ipv4(ip) or [ip]:  # the outer prefix (e.g. 2001::/23) says nothing of the target
+        embedded: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = list(embedded_ipv4(ip))
+        for judged in embedded or [ip]:  # the outer prefix (e.g. 2001::/23) says nothing of the target
             if str(judged) in allowed:
                 continue
             reason = _refusal(judged)
@@ -259,10 +260,12 @@ def fan_out(session: Session, ev: AlertEvent, run: Run) -> list[WebhookDelivery]
     """A pending delivery of fired event ``ev`` to every enabled endpoint whose filter has its kind; each is
     enqueued after the session's next commit. Flushes only."""
     endpoints = session.exec(select(WebhookEndpoint).where(col(WebhookEndpoint.enabled))).all()
+    assert ev.id is not None  # flushed by the caller
     rows = []
     for endpoint in endpoints:
         if ev.kind not in endpoint.events:
             continue
+        assert endpoint.id is not None  # a stored row
         key = uuid.uuid4().hex
         row = WebhookDelivery(
             endpoint_id=endpoint.id, event_id=ev.id, idempotency_key=key, body=_payload(endpoint, ev, run, key)
@@ -319,7 +322,7 @@ def requeue_stuck(session: Session, now: datetime | None = None) -> list[int]:
     stmt = select(WebhookDelivery.id).where(
         WebhookDelivery.status == "pending", col(WebhookDelivery.updated_at) < cutoff
     )
-    ids = [int(i) for i in session.exec(stmt.order_by(col(WebhookDelivery.id)).limit(1000)).all()]
+    ids = [i for i in session.exec(stmt.order_by(col(WebhookDelivery.id)).limit(1000)).all() if i is not None]
     session.info.setdefault("asyncrl_deliveries", []).extend(ids)
     return ids
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,7 +27,7 @@ class Settings(BaseSettings):
     """e.g. ``redis://127.0.0.1:6379/0``; empty = a file-backed transport in ASYNCRL_HOME (no Redis)."""
     CELERY_QUEUE: str = "asyncrl"
     """Queue the server enqueues to and the worker consumes."""
-    CELERY_VISIBILITY_TIMEOUT_S: int = Field(4 * 3600, ge=60)
+    CELERY_VISIBILITY_TIMEOUT_S: Annotated[int, Field(ge=60)] = 4 * 3600
     """Redis redelivers an unacked task after this long; keep it above the longest task (launch: ~1 s)."""
     ASYNCRL_OUTPUT_DIR: Path = Path("outputs")
     """Run directories of service-launched runs go to ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``."""
@@ -34,25 +35,25 @@ class Settings(BaseSettings):
     """Base URL the run processes use to reach this server."""
     SECRET_KEY: str = ""
     """Derives per-run tokens (HMAC); empty = generated once into ASYNCRL_HOME/secret_key."""
-    MAX_BODY_BYTES: int = Field(8 * 1024 * 1024, ge=1024)
+    MAX_BODY_BYTES: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
     """Larger request bodies are refused with 413."""
-    MAX_METRIC_POINTS: int = Field(20_000, ge=1)
+    MAX_METRIC_POINTS: Annotated[int, Field(ge=1)] = 20_000
     """Points per ``POST /api/runs/{id}/metrics`` batch."""
-    RECONCILE_INTERVAL_S: float = Field(30.0, ge=1.0)
+    RECONCILE_INTERVAL_S: Annotated[float, Field(ge=1.0)] = 30.0
     """Celery beat runs ``asyncrl.reconcile`` (fail runs whose supervisor died) this often."""
     LOCAL_MODE: bool = True
     """Server and users share one machine (embedded, compose): webhooks may target loopback and private
     addresses. False on a cluster: loopback and private (RFC 1918, also embedded in IPv6 forms) are refused."""
     WEBHOOK_ALLOW_HOSTS: list[str] = Field(default_factory=list)
     """Hosts or IPs webhooks may target although link-local or cloud metadata (JSON list in the environment)."""
-    WEBHOOK_MAX_ATTEMPTS: int = Field(8, ge=1, le=100)
+    WEBHOOK_MAX_ATTEMPTS: Annotated[int, Field(ge=1, le=100)] = 8
     """Tries of one delivery before it is marked failed (a replay starts over)."""
-    WEBHOOK_BACKOFF_BASE_S: float = Field(2.0, gt=0)
+    WEBHOOK_BACKOFF_BASE_S: Annotated[float, Field(gt=0)] = 2.0
     """Wait before retry n is base * 2**(n-1) seconds, at most WEBHOOK_BACKOFF_MAX_S."""
-    WEBHOOK_BACKOFF_MAX_S: float = Field(600.0, gt=0)
-    WEBHOOK_TIMEOUT_S: float = Field(10.0, gt=0)
+    WEBHOOK_BACKOFF_MAX_S: Annotated[float, Field(gt=0)] = 600.0
+    WEBHOOK_TIMEOUT_S: Annotated[float, Field(gt=0)] = 10.0
     """Per-request timeout of a delivery (connect, read)."""
-    ALERT_STALL_CHECK_S: float = Field(15.0, ge=1.0)
+    ALERT_STALL_CHECK_S: Annotated[float, Field(ge=1.0)] = 15.0
     """Celery beat checks ``stall`` alert rules this often."""
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, event
 from sqlmodel import Session, create_engine
@@ -17,7 +18,7 @@ def make_engine(url: str) -> Engine:
         eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(eng, "connect")
-        def _sqlite_pragmas(conn, _record):  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(conn: Any, _record: Any) -> None:  # a DB-API connection of sqlite3
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA foreign_keys=ON")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from server.models import TERMINAL, ConfigRevision, Run, RunStatus
+from server.models import TERMINAL, ConfigRevision, Run, RunStatus, stored_id
 from server.services import runs
 from server.services.runs import InvalidTransition, RunNotFound
 from worker.dotted_keys import replay
@@ -39,7 +39,7 @@ def revisions(session: Session, run_id: int, *, after: int = 0) -> list[ConfigRe
 
 def current(session: Session, run: Run) -> tuple[list[ConfigRevision], dict[str, Any]]:
     """All revisions of ``run`` (oldest first) and every live key's value once they are applied."""
-    rows = revisions(session, run.id)  # type: ignore[arg-type]
+    rows = revisions(session, stored_id(run))
     return rows, live_values(replay(run.spec, (rev.changes for rev in rows)))
 
 

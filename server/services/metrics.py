@@ -37,7 +37,7 @@ def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> i
             "value": [p.value for p in points],
             "time": [p.time for p in points],
         }
-        inserted = session.execute(_PG_INGEST, {"run_id": run_id, **columns}).rowcount  # type: ignore[attr-defined]
+        inserted = session.execute(_PG_INGEST, {"run_id": run_id, **columns}).rowcount  # type: ignore[attr-defined]  # a text() INSERT gives a CursorResult; Session.execute is typed Result
         points = []  # done; the loop below is SQLite's
     for i in range(0, len(points), CHUNK):
         # SQLite turns NaN into NULL (refused: NOT NULL); inf also reads back as null, so store NaN as inf there
@@ -56,8 +56,8 @@ def ingest(session: Session, *, run_id: int, points: Sequence[MetricPoint]) -> i
             sqlite_insert(Metric)
             .values(rows)
             .on_conflict_do_nothing(index_elements=["run_id", "source", "step", "name"])
-            .returning(Metric.__table__.c.step)
-        )  # type: ignore[attr-defined]
+            .returning(col(Metric.step))
+        )
         inserted += len(session.execute(stmt).all())
     POINTS_RECEIVED.inc(received)
     POINTS_INSERTED.inc(inserted)
@@ -140,14 +140,14 @@ def latest(session: Session, *, run_ids: Sequence[int], source: str, name: str) 
     if not run_ids:
         return {}
     newest = (
-        select(Metric.run_id, func.max(Metric.step).label("step"))
-        .where(col(Metric.run_id).in_(run_ids), Metric.source == source, Metric.name == name)
+        select(col(Metric.run_id), func.max(col(Metric.step)).label("step"))
+        .where(col(Metric.run_id).in_(run_ids), col(Metric.source) == source, col(Metric.name) == name)
         .group_by(col(Metric.run_id))
         .subquery()
     )
     rows = session.execute(
-        select(Metric.run_id, Metric.step, Metric.value)
+        select(col(Metric.run_id), col(Metric.step), col(Metric.value))
         .join(newest, (col(Metric.run_id) == newest.c.run_id) & (col(Metric.step) == newest.c.step))
-        .where(Metric.source == source, Metric.name == name)
+        .where(col(Metric.source) == source, col(Metric.name) == name)
     ).all()
     return {run_id: (step, value if math.isfinite(value) else None) for run_id, step, value in rows}

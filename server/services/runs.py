@@ -14,14 +14,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import delete, func
 from sqlmodel import Session, col, select
 
 from server.alerts import rules as alert_rules
 from server.core.config import settings
-from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, utcnow
+from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, with_keys
 from worker.rundir import RunDir, atomic_write_json, read_jsonl
@@ -41,7 +41,8 @@ MAX_ID = 2**31 - 1
 """Largest run id (a Postgres ``integer`` key)."""
 RESUMABLE = frozenset({S.failed, S.cancelled})
 """States that ``resume`` (and only it) moves back to ``queued``."""
-LOG_PROCESSES = ("trainer", "orchestrator", "inference", "supervisor")
+LogProcess = Literal["trainer", "orchestrator", "inference", "supervisor"]
+LOG_PROCESSES: tuple[LogProcess, ...] = get_args(LogProcess)
 MAX_LOG_LINES = 5000
 
 
@@ -74,7 +75,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     out = Path(settings.ASYNCRL_OUTPUT_DIR) / "runs" / str(run.id)
     resolved = json.loads(spec.model_copy(update={"output_dir": str(out)}).model_dump_json())
     run.spec, run.spec_hash, run.run_dir = resolved, spec_hash(resolved), str(out / spec.name)
-    session.add(RunEvent(run_id=run.id, kind="status", to_status=S.queued, reason=f"submitted by {owner}"))
+    session.add(RunEvent(run_id=stored_id(run), kind="status", to_status=S.queued, reason=f"submitted by {owner}"))
     alert_rules.add_spec_rules(session, run)
     session.flush()
     return run
@@ -136,14 +137,15 @@ def transition(
     if resuming:
         run.finished_at, run.launcher, run.launcher_handle = None, None, None
     session.add(run)
-    session.add(RunEvent(run_id=run.id, kind="status", from_status=current, to_status=to, reason=reason, data=data))
+    event = RunEvent(run_id=stored_id(run), kind="status", from_status=current, to_status=to, reason=reason, data=data)
+    session.add(event)
     session.flush()
     alert_rules.on_status(session, run, current, to)
     return True
 
 
 def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **data: Any) -> None:
-    session.add(RunEvent(run_id=run.id, kind=kind, reason=reason, data=data))
+    session.add(RunEvent(run_id=stored_id(run), kind=kind, reason=reason, data=data))
     session.flush()
     if kind == "requeued":  # the run's Slurm job was requeued
         alert_rules.on_status(session, run, None, "requeued", reason)

@@ -13,7 +13,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from server.core.config import settings
 from server.models import ApiToken, utcnow
@@ -58,7 +58,7 @@ def create(session: Session, *, name: str, scope: str = "write") -> tuple[ApiTok
 
 def revoke(session: Session, *, name: str) -> int:
     """Revoke every live token called ``name``; returns how many."""
-    rows = session.exec(select(ApiToken).where(ApiToken.name == name, ApiToken.revoked_at.is_(None))).all()  # type: ignore[union-attr]
+    rows = session.exec(select(ApiToken).where(ApiToken.name == name, col(ApiToken.revoked_at).is_(None))).all()
     for row in rows:
         row.revoked_at = utcnow()
         session.add(row)

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
 from server.services import config, runs
@@ -19,7 +20,7 @@ from worker.live_config import LIVE_KEYS
 
 router = APIRouter(prefix="/runs", tags=["config"])
 
-_CHANGES_EXAMPLE = {"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.2}
+_CHANGES_EXAMPLE: JsonDict = {"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.2}
 _NOW = "2026-11-30T21:40:00Z"
 
 
@@ -65,7 +66,7 @@ class LiveConfigPublic(BaseModel):
                         "orchestrator.max_off_policy_steps": 8,
                         "orchestrator.eval.interval": 40,
                     },
-                    "owners": LIVE_KEYS,
+                    "owners": {**LIVE_KEYS},
                     "data": [
                         {
                             "revision": 1,

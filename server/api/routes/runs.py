@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 import logging
 import tomllib
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
-from server.models import ForkRequest, RunEventsPublic, RunLogs, RunPublic, RunsPublic, RunStatus, StatusReport
+from server.models import (
+    ForkRequest,
+    RunEventsPublic,
+    RunLogs,
+    RunPublic,
+    RunsPublic,
+    RunStatus,
+    StatusReport,
+    stored_id,
+)
 from server.services import runs
 from worker.celery_app import TaskName, enqueue
 
@@ -83,7 +92,7 @@ async def create_run(request: Request, session: SessionDep, user: UserDep) -> An
     data = await _spec_from_request(request)
     run = runs.create(session, data=data, owner=user.name)  # SpecError -> 422 (server/main.py)
     session.commit()
-    enqueue(TaskName.launch_run, run.id)  # only after the commit: the worker must find the row
+    enqueue(TaskName.launch_run, stored_id(run))  # only after the commit: the worker must find the row
     return run
 
 
@@ -190,7 +199,7 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     parent = runs.get(session, run_id)
     child = runs.fork(session, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
     session.commit()
-    enqueue(TaskName.launch_run, child.id)
+    enqueue(TaskName.launch_run, stored_id(child))
     return child
 
 
@@ -199,7 +208,7 @@ def get_logs(
     run_id: int,
     session: SessionDep,
     principal: PrincipalDep,
-    process: Literal[runs.LOG_PROCESSES] = "trainer",  # type: ignore[valid-type]
+    process: runs.LogProcess = "trainer",
     tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines"),
 ) -> Any:
     """The last ``tail`` lines of one process's log (read-only; user token or this run's token)."""
