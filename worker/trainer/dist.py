@@ -11,6 +11,8 @@ One code path for one CPU process, ``torchrun`` on CPU (gloo) and one or more GP
   FSDP2 averages gradients over ranks; each rank's loss is divided by the step's global loss-token
   count and multiplied by the world size (``loss_scale``), so the average is the batch's gradient.
 - ``flops_per_step``/``peak_flops``: model FLOPs utilisation, see ``flops_per_step``.
+- ``full_state_dict``/``weights_state_dict``: the full HF-named weights gathered from the shards on rank 0
+  (what weight publishing and checkpoints write); ``is_main_rank``: the rank that writes files.
 """
 
 from __future__ import annotations
@@ -166,3 +168,29 @@ def broadcast_from_main(obj: object, info: DistInfo) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def is_main_rank() -> bool:
+    """True in a single process and on rank 0 of a distributed trainer (the rank that writes files)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full HF-named state dict on CPU; with FSDP2 gathered from the shards (a collective).
+
+    Every rank must call it; ranks other than 0 of a sharded model get ``{}``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF-named parameters, cloned and contiguous; a tied ``lm_head.weight`` is left out (it is the embedding).
+
+    A collective with FSDP2 (see ``full_state_dict``): ranks other than 0 get ``{}``.
+    """
+    state = full_state_dict(model)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}

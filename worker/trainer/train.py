@@ -30,17 +30,7 @@ from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
 from worker.rundir import RunDir
 from worker.spec import RLSpec
-from worker.trainer.common import (
-    BackgroundCheckpointer,
-    build_optimizer,
-    build_scheduler,
-    forward_hidden,
-    load_trainer_state,
-    micro_batch_tensors,
-    publish_weights,
-    save_final,
-    weights_state_dict,
-)
+from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
 from worker.trainer.dist import (
     DistInfo,
     all_ranks_max,
@@ -52,10 +42,13 @@ from worker.trainer.dist import (
     peak_memory_gib,
     prepare_model,
     setup,
+    weights_state_dict,
 )
 from worker.trainer.loss import LossInputs, compute_sample_loss
 from worker.trainer.loss.common import fused_logprob_entropy
-from worker.trainer.weight_sync import WeightSender, inference_workers
+from worker.trainer.optim import build_optimizer, build_scheduler
+from worker.trainer.packed import forward_hidden, micro_batch_tensors
+from worker.trainer.weight_sync import WeightSender, inference_workers, publish_weights
 
 logger = logging.getLogger("asyncrl.trainer")
 EMPTY_STEP_METRICS = ("loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy", "is_ratio", "masked_fraction")

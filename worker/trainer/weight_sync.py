@@ -1,5 +1,7 @@
-"""Weight sync over a process group: trainer rank 0 broadcasts a new policy version to the vLLM workers in
-buckets, no disk (``[trainer.weight_sync] kind = "process_group"``); the filesystem route is the fallback.
+"""Weight sync: the trainer publishes each policy version to vLLM, through the filesystem (``publish_weights``,
+``[trainer.weight_sync] kind = "filesystem"``) or over a process group: trainer rank 0 broadcasts it to the
+vLLM workers in buckets, no disk (``kind = "process_group"``, ``WeightSender``); the filesystem route is its
+fallback.
 
 Design (the run directory stays the one place trainer and orchestrator meet; only the tensors move over
 the group):
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from worker.rundir import STABLE_MARKER, RunDir, step_dirs
+from worker.trainer.dist import is_main_rank, weights_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -315,10 +318,29 @@ class WeightSender:
             except Exception as e:  # noqa: BLE001 - fall back, never lose a version
                 self._give_up(str(e).splitlines()[0] if str(e) else type(e).__name__)
                 _write_file(final / WEIGHTS_FILE, state)
-        for n, p in step_dirs(self.run.weights).items():
-            if n <= version - keep_versions:
-                shutil.rmtree(p, ignore_errors=True)
+        _prune_versions(self.run, version, keep_versions)
         return path
+
+
+def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_versions: int) -> Path:
+    """Publish policy ``version`` as ``weights/step_<version>/model.safetensors`` with STABLE written last.
+
+    The filesystem route (``[trainer.weight_sync] kind = "filesystem"``). Versions older than the newest
+    ``keep_versions`` are deleted. With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+    """
+    weights = weights_state_dict(model)
+    if not is_main_rank():
+        return run.weight_dir(version)
+    final = _write_version(run, version, weights, None)
+    _prune_versions(run, version, keep_versions)
+    return final
+
+
+def _prune_versions(run: RunDir, version: int, keep_versions: int) -> None:
+    """Delete the version folders older than the newest ``keep_versions`` (``version`` is the newest)."""
+    for n, p in step_dirs(run.weights).items():
+        if n <= version - keep_versions:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
