@@ -176,7 +176,7 @@ def baseline_cell(ac: bool, warmup: int, steps: int, profile_to: Path | None = N
     import torch
 
     from worker.spec import OptimConfig
-    from worker.trainer.loss.common import selective_log_softmax
+    from worker.trainer.logprobs import selective_log_softmax
     from worker.trainer.optim import build_optimizer
 
     model = build_model("sdpa", torch.bfloat16)

@@ -9,15 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.trainer.loss import (
-    LOSSES,
-    LossInputs,
-    LossOutputs,
-    compute_sample_loss,
-    entropy_from_logits,
-    mismatch_kl_k3,
-    selective_log_softmax,
-)
+from worker.trainer.logprobs import entropy_from_logits, selective_log_softmax
+from worker.trainer.loss import LOSSES, LossInputs, LossOutputs, compute_sample_loss
+from worker.trainer.loss.conventions import mismatch_kl_k3
 
 NAN = float("nan")
 LN = math.log

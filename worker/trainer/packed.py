@@ -126,7 +126,7 @@ def forward_hidden(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> 
     """Final hidden states of one packed row and the output embedding: ``(hidden [T, D], weight [vocab, D])``.
 
     The model runs without its LM head (swapped for an identity during the call, so the ``[T, vocab]``
-    logits are never built; ``worker.trainer.loss.common.fused_logprob_entropy`` takes the head).
+    logits are never built; ``worker.trainer.logprobs.fused_logprob_entropy`` takes the head).
     Both come in the compute dtype: bf16 under ``autocast`` (one CPU process) or FSDP2's bf16 policy,
     else the model's. Under FSDP2 ``weight`` is the root's unsharded parameter, which stays gathered
     from the forward to the backward pass (FSDP2 does not reshard the root after forward).

@@ -28,7 +28,7 @@ from worker.packing import pack
 from worker.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError
 from worker.trainer.checkpointer import save_final
-from worker.trainer.loss.common import selective_log_softmax
+from worker.trainer.logprobs import selective_log_softmax
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import micro_batch_tensors
 

@@ -44,8 +44,8 @@ from worker.trainer.dist import (
     setup,
     weights_state_dict,
 )
+from worker.trainer.logprobs import fused_logprob_entropy
 from worker.trainer.loss import LossInputs, compute_sample_loss
-from worker.trainer.loss.common import fused_logprob_entropy
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import forward_hidden, micro_batch_tensors
 from worker.trainer.weight_sync import WeightSender, inference_workers, publish_weights

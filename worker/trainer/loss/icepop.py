@@ -16,7 +16,7 @@ and only the masked mismatch weight remains. Per loss token t (tensors ``[seq]``
     loss     = -sum_{t kept} r_t * A_t              # gradient -r_t A_t grad log pi_t   (= -M(r) A grad log pi)
 
 With ``ratio_level="sequence"`` one ratio decides for the whole sample: all of its tokens are kept or
-all are masked. No KL term. Masked positions of ``loss_mask`` never enter any arithmetic (``common``).
+all are masked. No KL term. Masked positions of ``loss_mask`` never enter any arithmetic (``conventions``).
 
 Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio``, ``masked``, ``masked_low`` (r < low),
 ``masked_high`` (r > high), ``loss_tokens``.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from worker.trainer.loss.common import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
 
 
 def check_band(band: Sequence[float]) -> tuple[float, float]:
