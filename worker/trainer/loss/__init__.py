@@ -53,8 +53,8 @@ def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOut
         ``LossOutputs``: summed loss and summed metrics of the sample.
 
     Raises:
-        ValueError: unknown ``type``, an unknown parameter, or a parameter out of range,
-            each naming the ``trainer.loss`` field.
+        ValueError: unknown ``type`` or an unknown parameter, naming the ``trainer.loss`` field. Parameter
+            values are not checked here: the spec validates them (``worker/spec.py``).
     """
     fn = LOSSES.get(type)
     if fn is None:

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, check_positive, prepare
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare
 
 
 def aipo(inputs: LossInputs, *, max_ratio: float = 2.0, ratio_level: str = "token") -> LossOutputs:
@@ -42,10 +42,8 @@ def aipo(inputs: LossInputs, *, max_ratio: float = 2.0, ratio_level: str = "toke
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    Raises:
-        ValueError: a parameter out of range, naming ``trainer.loss.<field>``.
+    The parameters are in range (validated by the spec, ``worker/spec.py``).
     """
-    check_positive("max_ratio", max_ratio, above=1.0)
     p = prepare(inputs, ratio_level)
 
     log_r = p.is_log_ratio  # [seq]; 0 off the mask in token mode

@@ -16,6 +16,8 @@ Conventions of every loss here (see ``worker/trainer/loss/__init__.py`` for the 
   ``torch.where`` (never a multiplication: NaN * 0 = NaN) before a ratio is formed, and each loss
   zeroes the log ratio of dropped tokens before ``exp``, so neither the loss, the metrics nor the
   gradient can pick up NaN or inf from a token that does not train.
+- A loss is arithmetic only: its parameters are validated once, by the spec (``worker/spec.py``,
+  ``trainer.loss``, also for live changes), and reach it in range.
 - ``mismatch_kl`` is the k3 estimator ``r - log r - 1`` (Schulman, "Approximating KL divergence",
   2020) of KL(pi_infer || pi_train), token-level, summed over loss tokens.
 
@@ -24,13 +26,10 @@ The trainer log-probabilities a loss receives come from ``worker/trainer/logprob
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclass
@@ -81,22 +80,14 @@ def mismatch_kl_k3(log_ratio: Tensor) -> Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
-def check_ratio_level(ratio_level: str) -> None:
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f'trainer.loss.ratio_level: expected "token" or "sequence", got {ratio_level!r}')
-
-
-def check_positive(name: str, value: float, *, above: float = 0.0, allow_equal: bool = False) -> None:
-    """One-line ValueError naming ``trainer.loss.<name>`` unless ``value`` > ``above`` (>= with allow_equal)."""
-    relation = ">=" if allow_equal else ">"
-    ok = isinstance(value, int | float) and math.isfinite(value) and (value >= above if allow_equal else value > above)
-    if not ok:
-        raise ValueError(f"trainer.loss.{name}: expected a number {relation} {above:g}, got {value!r}")
-
-
 def prepare(inputs: LossInputs, ratio_level: str) -> Prepared:
-    """Neutralise masked positions with ``torch.where``, then form the token and IS log ratios."""
-    check_ratio_level(ratio_level)
+    """Neutralise masked positions with ``torch.where``, then form the token and IS log ratios.
+
+    ``ratio_level`` is ``"token"`` or ``"sequence"`` (checked by the spec, ``worker/spec.py``).
+
+    Raises:
+        ValueError: the four input tensors are not ``[seq]`` of one length.
+    """
     tensors = (inputs.trainer_logprobs, inputs.sampling_logprobs, inputs.advantages, inputs.loss_mask)
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1 or len(next(iter(shapes))) != 1:

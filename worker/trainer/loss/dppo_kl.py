@@ -32,14 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.trainer.loss.conventions import (
-    LossInputs,
-    LossOutputs,
-    base_metrics,
-    check_positive,
-    prepare,
-    ratio_pg_loss,
-)
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
 
 
 def dppo_kl(
@@ -62,12 +55,8 @@ def dppo_kl(
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    Raises:
-        ValueError: a parameter out of range, naming ``trainer.loss.<field>``.
+    The parameters are in range (validated by the spec, ``worker/spec.py``).
     """
-    check_positive("mask_low", mask_low)
-    check_positive("mask_high", mask_high)
-    check_positive("kl_tau", kl_tau, allow_equal=True)
     p = prepare(inputs, ratio_level)
 
     prob_diff = p.trainer_probs - p.sampling_probs  # [seq], detached
