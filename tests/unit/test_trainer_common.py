@@ -1,5 +1,5 @@
 """Trainer components on CPU: packing masks (``worker/trainer/packed.py``), weight publishing
-(``worker/trainer/weight_sync.py``), scheduler (``worker/trainer/optim.py``), checkpoints
+(``worker/weight_sync/publish.py``), scheduler (``worker/trainer/optim.py``), checkpoints
 (``worker/trainer/checkpointer.py``)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from worker.spec import OptimConfig, SchedulerConfig
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import micro_batch_tensors, packed_attention_mask
-from worker.trainer.weight_sync import publish_weights
+from worker.weight_sync.publish import publish_weights
 
 
 def tiny_qwen3(seed: int = 0, tie: bool = True) -> Qwen3ForCausalLM:

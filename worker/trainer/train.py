@@ -3,7 +3,7 @@
 One loop, in reading order (torchtitan's ``Trainer.train`` shape): wait for ``batches/step_n.json``
 (the wait is ``wait_for_batch``), compute trainer logprobs of the sampled tokens at the sampling
 temperature, the configured loss (``worker/trainer/loss``), clip gradients, step, publish policy
-version n to ``weights/step_n`` (or broadcast it to vLLM over a process group, ``worker/trainer/weight_sync.py``),
+version n to ``weights/step_n`` (or broadcast it to vLLM over a process group, ``worker/weight_sync/publish.py``),
 log metrics, checkpoint in the background. Batch n is built by the
 orchestrator from rollouts of policies <= n - 1, so this step trains policy v(n-1) into v(n).
 
@@ -48,7 +48,7 @@ from worker.trainer.logprobs import fused_logprob_entropy
 from worker.trainer.loss import LossInputs, compute_sample_loss
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import forward_hidden, micro_batch_tensors
-from worker.trainer.weight_sync import WeightSender, inference_workers, publish_weights
+from worker.weight_sync.publish import WeightSender, inference_workers, publish_weights
 
 logger = logging.getLogger("asyncrl.trainer")
 EMPTY_STEP_METRICS = ("loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy", "is_ratio", "masked_fraction")

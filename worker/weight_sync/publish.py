@@ -1,7 +1,22 @@
-"""Weight sync: the trainer publishes each policy version to vLLM, through the filesystem (``publish_weights``,
+"""Weight sync, trainer end: publish each policy version for vLLM, through the filesystem (``publish_weights``,
 ``[trainer.weight_sync] kind = "filesystem"``) or over a process group: trainer rank 0 broadcasts it to the
 vLLM workers in buckets, no disk (``kind = "process_group"``, ``WeightSender``); the filesystem route is its
-fallback.
+fallback. The inference end is ``worker/weight_sync/load.py``.
+
+The whole path of policy version n, with the file behind each arrow::
+
+    trainer, end of step n                                      worker/trainer/train.py
+      -> weights/step_n/{model.safetensors, STABLE}             publish_weights (here): filesystem
+         or weights/step_n/{group.json, STABLE}                 WeightSender.publish (here): process group,
+            + buckets broadcast over gloo/NCCL                    buckets and group helpers (here)
+      -> the orchestrator's weight watcher sees version n       worker/orchestrator/orchestrator.py
+      -> pause, load, reset the prefix cache, resume            InferenceClient.publish_weights,
+         (load: POST /collective_rpc)                             worker/inference/client.py
+         group.json: WeightReceiver.load, writes LOADED/FAILED  worker/weight_sync/load.py
+      -> vLLM worker extension reloads the weights in place     WeightUpdateExtension,
+         (receives the buckets, or reads the safetensors)         worker/weight_sync/load.py
+      -> the orchestrator relays version n: policy_version,     worker/orchestrator/orchestrator.py
+         ``weight_update_s`` in metrics, rollouts tagged n
 
 Design (the run directory stays the one place trainer and orchestrator meet; only the tensors move over
 the group):
@@ -378,87 +393,3 @@ def _wait_ack(folder: Path, timeout_s: float, poll_s: float = 0.01) -> str | Non
                 return ack
         time.sleep(poll_s)
     return None
-
-
-# ----------------------------------------------------------------------------- orchestrator side
-
-
-class WeightReceiver:
-    """The orchestrator's part: make the vLLM workers join the group, and load a version sent over it.
-
-    Args:
-        client: the orchestrator's :class:`~worker.inference.client.InferenceClient`.
-        run: the run directory.
-        cfg: ``spec.trainer.weight_sync``.
-    """
-
-    def __init__(self, client: Any, run: RunDir, cfg: Any) -> None:
-        self.client, self.run, self.cfg = client, run, cfg
-        self.joined = False
-
-    async def join(self, wait_s: float, start_step: int = 0) -> bool:
-        """Wait (at most ``wait_s``) for ``weight_sync.json`` of the trainer started after ``start_step``, then
-        ask the workers to join; False on failure (logged; the trainer then falls back to the filesystem)."""
-        import asyncio
-
-        path = self.run.root / GROUP_FILE
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                info = json.loads(path.read_text())
-                if info.get("start_step", 0) == start_step:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                logger.warning("weight sync: no %s of this launch within %.0fs; using the filesystem", path, wait_s)
-                return False
-            await asyncio.sleep(0.1)
-        try:
-            await self.client.collective_rpc(
-                "init_weight_update_group",
-                [info["master_addr"], info["master_port"], 1, info["world_size"], info["backend"], self.cfg.timeout_s],
-                timeout_s=self.cfg.timeout_s + 10,
-            )
-        except Exception as e:  # noqa: BLE001 - the filesystem route remains
-            logger.warning("weight sync: the vLLM workers could not join the group (%s); using the filesystem", e)
-            return False
-        self.joined = True
-        return True
-
-    async def load(self, folder: Path) -> dict[str, Any]:
-        """Load version ``folder`` while generation is paused: over the group when ``group.json`` is there and
-        no ``model.safetensors``, else by path. After a failed group load: ``FAILED`` is written, a warning
-        logged, and the trainer's fallback file is loaded by path.
-
-        Raises:
-            InferenceError: the fallback file did not appear within ``timeout_s`` or the path load failed.
-        """
-        import asyncio
-
-        from worker.inference.client import InferenceError
-
-        meta_path = folder / META_FILE
-        if (folder / WEIGHTS_FILE).exists() or not meta_path.exists():
-            return {**await self.client.update_weights(folder), "route": "filesystem"}
-        try:
-            if not self.joined:
-                raise InferenceError("the vLLM workers are not in the group")
-            meta = json.loads(meta_path.read_text())
-            info = await self.client.collective_rpc(
-                "update_weights_from_group", [meta], timeout_s=self.cfg.timeout_s + 10
-            )
-            (folder / LOADED).write_text("")
-            return {**info, "route": "process_group"}
-        except Exception as e:  # noqa: BLE001 - fall back to the filesystem
-            self.joined = False
-            (folder / FAILED).write_text(str(e))
-            logger.warning(
-                "weight sync over the process group failed for %s (%s); loading it from the filesystem", folder, e
-            )
-        deadline = time.monotonic() + self.cfg.timeout_s + 30
-        while not (folder / WEIGHTS_FILE).exists():
-            if time.monotonic() > deadline:
-                raise InferenceError(f"weight sync: {folder / WEIGHTS_FILE} did not appear after a failed group update")
-            await asyncio.sleep(0.05)
-        return {**await self.client.update_weights(folder), "route": "filesystem"}
