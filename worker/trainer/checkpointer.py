@@ -16,7 +16,7 @@ import random
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,10 +25,13 @@ from worker.checkpoint import prune, write_part
 from worker.rundir import RunDir
 from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 
-def save_final(model: torch.nn.Module, base_name: str, out: Path) -> None:
+def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
     """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path.
 
     With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
@@ -74,10 +77,10 @@ class BackgroundCheckpointer:
         if not is_main_rank():
             return
         # optimizer state tensors are cloned so the next step cannot change them under the writer
-        opt_state = {
+        per_param = cast(dict[str, dict[str, Any]], opt_state["state"])  # parameter name -> its state
+        snapshot = {
             "state": {
-                k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
-                for k, s in opt_state["state"].items()
+                k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()} for k, s in per_param.items()
             },
             "param_groups": opt_state["param_groups"],
         }
@@ -85,7 +88,7 @@ class BackgroundCheckpointer:
 
         def write(folder: Path) -> None:
             save_file(weights, folder / "model.safetensors")
-            torch.save({"optimizer": opt_state, **meta}, folder / "state.pt")
+            torch.save({"optimizer": snapshot, **meta}, folder / "state.pt")
             (folder / "meta.json").write_text(json.dumps({"step": step}))
 
         def job() -> None:
@@ -112,7 +115,7 @@ def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    weights = load_file(folder / "model.safetensors")
+    weights: dict[str, Any] = load_file(folder / "model.safetensors")  # Any: set_model_state_dict's value union
     full = StateDictOptions(full_state_dict=True, strict=False)
     missing, unexpected = set_model_state_dict(model, weights, options=full)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -98,10 +101,12 @@ def _chunk_grad(z: Tensor, targets: Tensor, temps: Tensor | None, lse: Tensor, g
     return g.to(z.dtype)
 
 
-_COMPILED: dict[str, object] = {}
+_StatsFn = Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor, Tensor]]
+_GradFn = Callable[[Tensor, Tensor, Tensor | None, Tensor, Tensor], Tensor]
+_COMPILED: dict[str, Any] = {}
 
 
-def _kernels(compiled: bool) -> tuple[object, object]:
+def _kernels(compiled: bool) -> tuple[_StatsFn, _GradFn]:
     """``_chunk_stats`` and ``_chunk_grad``, through ``torch.compile`` (fused elementwise + reductions) if asked."""
     if not compiled:
         return _chunk_stats, _chunk_grad
@@ -115,8 +120,8 @@ class _FusedLogprobEntropy(torch.autograd.Function):
     """See ``fused_logprob_entropy``; saves only the hidden rows, the weight and one logsumexp per row."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: object,
+    def forward(
+        ctx: Any,  # autograd's context, carrying this function's own attributes too
         hidden: Tensor,
         weight: Tensor,
         targets: Tensor,
@@ -133,27 +138,27 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             e = min(n, s + chunk_size)
             z = hidden[s:e] @ weight.T  # [c, vocab], compute dtype
             t = None if temps is None else temps[s:e]
-            lse[s:e], picked, entropy[s:e] = stats(z, targets[s:e], t)  # type: ignore[operator]
+            lse[s:e], picked, entropy[s:e] = stats(z, targets[s:e], t)
             lp[s:e] = picked - lse[s:e]
-        ctx.save_for_backward(hidden, weight, targets, lse, temps)  # type: ignore[attr-defined]
-        ctx.chunk_size, ctx.compiled = chunk_size, compiled  # type: ignore[attr-defined]
-        ctx.mark_non_differentiable(entropy)  # type: ignore[attr-defined]
+        ctx.save_for_backward(hidden, weight, targets, lse, temps)
+        ctx.chunk_size, ctx.compiled = chunk_size, compiled
+        ctx.mark_non_differentiable(entropy)
         return lp, entropy
 
     @staticmethod
-    def backward(ctx: object, grad_lp: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ARG004
-        hidden, weight, targets, lse, temps = ctx.saved_tensors  # type: ignore[attr-defined]
-        _, grad_fn = _kernels(ctx.compiled)  # type: ignore[attr-defined]
-        n, chunk_size = hidden.shape[0], ctx.chunk_size  # type: ignore[attr-defined]
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # type: ignore[attr-defined]
-        want_w = ctx.needs_input_grad[1]  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad_lp: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ARG004
+        hidden, weight, targets, lse, temps = ctx.saved_tensors
+        _, grad_fn = _kernels(ctx.compiled)
+        n, chunk_size = hidden.shape[0], ctx.chunk_size
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        want_w = ctx.needs_input_grad[1]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_lp = grad_lp.float()
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             z = hidden[s:e] @ weight.T  # [c, vocab], recomputed
             t = None if temps is None else temps[s:e]
-            g = grad_fn(z, targets[s:e], t, lse[s:e], grad_lp[s:e])  # type: ignore[operator]
+            g = grad_fn(z, targets[s:e], t, lse[s:e], grad_lp[s:e])
             del z
             if grad_h is not None:
                 grad_h[s:e] = g @ weight  # [c, D]
@@ -211,4 +216,4 @@ def fused_logprob_entropy(
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty + (hidden.sum() + weight.sum()).float() * 0, empty
-    return _FusedLogprobEntropy.apply(hidden, weight, targets, temps, chunk_size, compiled)  # type: ignore[no-any-return]
+    return _FusedLogprobEntropy.apply(hidden, weight, targets, temps, chunk_size, compiled)

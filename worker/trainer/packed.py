@@ -8,11 +8,15 @@ the model on it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def visible(
@@ -111,7 +115,7 @@ def _flex_or_causal(
     return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _attention_for(model: torch.nn.Module) -> str:
+def _attention_for(model: PreTrainedModel) -> str:
     """The model's attention implementation; a ``flex_attention`` model is switched (in place, once) to ``FLEX_OR_CAUSAL``."""
     impl = model.config._attn_implementation
     if impl == "flex_attention":
@@ -122,7 +126,7 @@ def _attention_for(model: torch.nn.Module) -> str:
     return impl
 
 
-def forward_hidden(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_hidden(model: PreTrainedModel, t: PackedTensors, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of one packed row and the output embedding: ``(hidden [T, D], weight [vocab, D])``.
 
     The model runs without its LM head (swapped for an identity during the call, so the ``[T, vocab]``
@@ -142,7 +146,7 @@ def forward_hidden(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> 
     mask = None if single else t.mask_for("flex_attention" if flex else impl)
     # flex attention picks its decoding kernel (no backward) for rows under 128 tokens unless told otherwise
     extra = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if flex else {}
-    head = model.lm_head
+    head = cast(torch.nn.Linear, model.lm_head)  # a causal LM's output projection
     model.lm_head = torch.nn.Identity()
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -165,7 +169,7 @@ def packed_attention_mask(lengths: list[int]) -> torch.Tensor:
     return (causal & (seg[:, None] == seg[None, :]))[None, None]
 
 
-def _shares_prompt(leader: dict[str, Any] | None, sample: dict[str, Any]) -> bool:
+def _shares_prompt(leader: Mapping[str, Any] | None, sample: Mapping[str, Any]) -> bool:
     """Whether ``sample`` can reuse ``leader``'s prompt tokens: same group, same prompt, a non-empty rest."""
     p = sample.get("prefix_len", 0)
     return (
@@ -183,7 +187,7 @@ def _tensor(values: list[Any], dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
-def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
+def micro_batch_tensors(samples: Sequence[Mapping[str, Any]]) -> PackedTensors:
     """Lay samples (``TrainSample`` dicts, or any with ``input_ids``/``loss_mask``) out in one row.
 
     A sample is laid out in full, except one that follows a sample of its group with the same
@@ -201,7 +205,7 @@ def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
     lps: list[float] = []
     spans: list[tuple[int, int]] = []
     rows: list[torch.Tensor] = []
-    leader: dict[str, Any] | None = None
+    leader: Mapping[str, Any] | None = None
     leader_k = leader_start = 0
     for k, s in enumerate(samples):
         n, start = len(s["input_ids"]), len(ids)

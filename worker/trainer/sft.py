@@ -211,7 +211,8 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
     optimizer = build_optimizer(model, spec.optim)
     scheduler = build_scheduler(optimizer, spec.scheduler, spec.max_steps)
     autocast = spec.model.dtype == "bfloat16"
-    t_start, reward = time.time(), float("nan")
+    t_start = time.time()
+    reward: float | None = float("nan")
     can_eval = not eval_env.needs_harness
     if not can_eval:  # its rollouts call tools: only verifiers' agent harness on a vLLM server can run them
         reward = None
@@ -227,12 +228,12 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
             loss.backward()
             loss_sum += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         dt = time.perf_counter() - t0
-        values = {
+        values: dict[str, float | int | None] = {
             "loss": loss_sum,
             "grad_norm": float(grad_norm),
             "lr": lr,

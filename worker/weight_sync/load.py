@@ -79,7 +79,7 @@ class WeightUpdateExtension:
 
     def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Load HF-named ``(name, tensor)`` pairs in place (layerwise reload, then the tied lm_head fix)."""
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]  # a mixin: vLLM's worker class has model_runner
         names: list[str] = []
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
