@@ -17,7 +17,7 @@ Conventions of every loss here (see ``worker/trainer/loss/__init__.py`` for the 
   zeroes the log ratio of dropped tokens before ``exp``, so neither the loss, the metrics nor the
   gradient can pick up NaN or inf from a token that does not train.
 - A loss is arithmetic only: its parameters are validated once, by the spec (``worker/spec.py``,
-  ``trainer.loss``, also for live changes), and reach it in range.
+  ``trainer.loss``; the trainer reads its spec through it), and reach it in range.
 - ``mismatch_kl`` is the k3 estimator ``r - log r - 1`` (Schulman, "Approximating KL divergence",
   2020) of KL(pi_infer || pi_train), token-level, summed over loss tokens.
 
