@@ -77,7 +77,7 @@ def run_cell(
     import torch
 
     from worker.models import load_model
-    from worker.trainer.common import build_optimizer
+    from worker.trainer.optim import build_optimizer
     from worker.trainer.train import train_step
 
     torch.set_num_threads(threads)

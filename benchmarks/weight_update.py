@@ -57,7 +57,8 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int, bucket_mb
     from worker.inference.client import InferenceClient
     from worker.rundir import STABLE_MARKER, RunDir
     from worker.spec import WeightSyncConfig
-    from worker.trainer.weight_sync import WeightReceiver, WeightSender, _write_version
+    from worker.weight_sync.load import WeightReceiver
+    from worker.weight_sync.publish import WeightSender, _write_version
 
     states = _perturbed_states(model_dir, 2 * (rounds + 1))
     n_bytes = sum(t.numel() * t.element_size() for t in states[0].values())

@@ -45,4 +45,4 @@ def write_batch(path: Path, batch: Batch) -> None:
 
 
 def read_batch(path: Path) -> Batch:
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
+    return json.loads(path.read_text())

@@ -5,6 +5,10 @@ safetensors, optimizer, scheduler, step, RNG) and ``orchestrator/`` (step, data 
 state). Each part is written into a hidden temporary folder, finished with a ``.complete`` marker,
 then renamed into place, so a kill mid-write leaves only a temporary folder that resume ignores and
 removes. A step is complete when both parts are in place with their markers.
+
+This module is the layout and the rules and imports no torch (the server reads it). What needs torch,
+writing and loading the ``trainer`` part (model, optimizer, scheduler, RNG states), is in
+``worker/trainer/checkpointer.py``; the orchestrator writes its part in ``worker/orchestrator``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -63,8 +63,17 @@ description`` after the system message; an assistant turn's ``tool_calls`` follo
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the form renderers' ``qwen3`` parser reads); tool
 results are ``tool`` turns."""
 
+
+class _Size(TypedDict):
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
 # Architecture per size. head_dim is fixed at 64.
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, _Size] = {
     "tiny": {
         "hidden_size": 256,
         "num_hidden_layers": 4,
@@ -194,10 +203,10 @@ def _write_model(out_dir: Path, size: str, seed: int) -> None:
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=None,
         eos_token_id=eos_id,
-        pad_token_id=pad_id,
+        pad_token_id=pad_id,  # type: ignore[arg-type]  # convert_tokens_to_ids is typed int | list[int]; one token gives an int
         **SIZES[size],
     )
     config.dtype = torch.float32

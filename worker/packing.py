@@ -10,7 +10,7 @@
   (Dósa 2007); the trainer concatenates each bin into one packed sequence.
 - ``pack_shared_prompt`` packs the samples of a GRPO group so that their common prompt is in the
   row once: a chunk is ``prompt, completion_1, ..., completion_k`` (each completion attends to the
-  prompt and to itself; ``worker.trainer.common.micro_batch_tensors`` builds that mask), costing
+  prompt and to itself; ``worker.trainer.packed.micro_batch_tensors`` builds that mask), costing
   ``prompt + sum(completion)`` tokens instead of ``k * prompt + sum(completion)``. The logits and the
   gradients are the same as with every sample laid out in full (tested); on reverse-text (a
   ~38-token prompt, ~15-token completions, group 8) the trainer computes ~2.6x fewer tokens.

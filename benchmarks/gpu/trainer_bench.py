@@ -131,8 +131,9 @@ def asyncrl_cell(
     import torch
 
     from worker.spec import validate_spec
-    from worker.trainer.common import build_optimizer, micro_batch_tensors
     from worker.trainer.dist import grad_norm_value, prepare_model
+    from worker.trainer.optim import build_optimizer
+    from worker.trainer.packed import micro_batch_tensors
     from worker.trainer.train import train_step
 
     spec = validate_spec(
@@ -175,8 +176,8 @@ def baseline_cell(ac: bool, warmup: int, steps: int, profile_to: Path | None = N
     import torch
 
     from worker.spec import OptimConfig
-    from worker.trainer.common import build_optimizer
-    from worker.trainer.loss.common import selective_log_softmax
+    from worker.trainer.logprobs import selective_log_softmax
+    from worker.trainer.optim import build_optimizer
 
     model = build_model("sdpa", torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())

@@ -17,7 +17,8 @@ from worker.inference.client import InferenceClient
 from worker.models import load_model
 from worker.rundir import STABLE_MARKER, RunDir
 from worker.spec import WeightSyncConfig
-from worker.trainer.weight_sync import FAILED, LOADED, META_FILE, WEIGHTS_FILE, WeightReceiver, WeightSender
+from worker.weight_sync.load import WeightReceiver
+from worker.weight_sync.publish import FAILED, LOADED, META_FILE, WEIGHTS_FILE, WeightSender
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,8 @@ from test_inference import PROMPT, max_diff
 from worker.inference.client import InferenceClient
 from worker.rundir import STABLE_MARKER, RunDir
 from worker.spec import WeightSyncConfig
-from worker.trainer.weight_sync import LOADED, WEIGHTS_FILE, WeightReceiver, WeightSender
+from worker.weight_sync.load import WeightReceiver
+from worker.weight_sync.publish import LOADED, WEIGHTS_FILE, WeightSender
 
 pytestmark = pytest.mark.gpu
 GPU_TOL = 2e-3  # fp32 on both sides; vLLM's GPU kernels (and TF32 where enabled) differ from CPU transformers

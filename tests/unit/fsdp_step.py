@@ -19,8 +19,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from worker.spec import validate_spec  # noqa: E402
-from worker.trainer.common import build_optimizer, full_state_dict  # noqa: E402
-from worker.trainer.dist import grad_norm_value, prepare_model, setup  # noqa: E402
+from worker.trainer.dist import full_state_dict, grad_norm_value, prepare_model, setup  # noqa: E402
+from worker.trainer.optim import build_optimizer  # noqa: E402
 from worker.trainer.train import train_step  # noqa: E402
 
 VOCAB = 300

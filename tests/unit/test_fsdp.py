@@ -84,7 +84,7 @@ def test_fsdp2_two_gpus_equal_one_gpu(tmp_path: Path) -> None:
 
 def test_attended_pairs_count_the_mask() -> None:
     """MFU's attention term: every token of a packed row (shared prompts too) sees its position + 1 keys."""
-    from worker.trainer.common import micro_batch_tensors
+    from worker.trainer.packed import micro_batch_tensors
 
     samples = [
         {"input_ids": list(range(p + c)), "loss_mask": [0] * p + [1] * c, "group": g, "prefix_len": p}
@@ -172,7 +172,7 @@ def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
 
 
 def test_sample_logits_view_only_for_consecutive_rows() -> None:
-    from worker.trainer.common import PackedTensors
+    from worker.trainer.packed import PackedTensors
 
     x = torch.arange(12.0).reshape(6, 2)
     view = PackedTensors.sample_logits(x, torch.tensor([2, 3, 4]))

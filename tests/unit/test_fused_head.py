@@ -15,8 +15,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from worker.spec import validate_spec
+from worker.trainer.logprobs import entropy_from_logits, fused_logprob_entropy, selective_log_softmax
 from worker.trainer.loss import LossInputs, compute_sample_loss
-from worker.trainer.loss.common import entropy_from_logits, fused_logprob_entropy, selective_log_softmax
 from worker.trainer.train import train_step
 
 

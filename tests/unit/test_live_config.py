@@ -115,7 +115,7 @@ def test_set_base_lr_continues_the_schedule_from_the_new_base() -> None:
     import torch
 
     from worker.spec import SchedulerConfig
-    from worker.trainer.common import build_optimizer, build_scheduler
+    from worker.trainer.optim import build_optimizer, build_scheduler
 
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(model, RLSpec.model_validate({"model": {"name": "m"}}).trainer.optim)

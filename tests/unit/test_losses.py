@@ -9,15 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.trainer.loss import (
-    LOSSES,
-    LossInputs,
-    LossOutputs,
-    compute_sample_loss,
-    entropy_from_logits,
-    mismatch_kl_k3,
-    selective_log_softmax,
-)
+from worker.spec import SpecError, validate_spec
+from worker.trainer.logprobs import entropy_from_logits, selective_log_softmax
+from worker.trainer.loss import LOSSES, LossInputs, LossOutputs, compute_sample_loss
+from worker.trainer.loss.conventions import mismatch_kl_k3
 
 NAN = float("nan")
 LN = math.log
@@ -316,20 +311,34 @@ BAND = "trainer.loss.band: expected [low, high] with 0 < low < 1 < high"
 @pytest.mark.parametrize(
     ("name", "params", "message"),
     [
-        ("icepop", {"band": (1.5, 5)}, f"{BAND}, got [1.5, 5]"),
-        ("icepop", {"band": (0.5, 0.9)}, f"{BAND}, got [0.5, 0.9]"),
-        ("icepop", {"band": (0.5,)}, "trainer.loss.band: expected [low, high]"),
-        ("dppo_kl", {"mask_low": 0.0}, "trainer.loss.mask_low: expected a number > 0, got 0.0"),
-        ("dppo_kl", {"mask_high": -1}, "trainer.loss.mask_high: expected a number > 0, got -1"),
-        ("dppo_kl", {"kl_tau": -1e-3}, "trainer.loss.kl_tau: expected a number >= 0, got -0.001"),
-        ("ipo", {"epsilon": 0}, "trainer.loss.epsilon: expected a number > 0, got 0"),
-        ("aipo", {"max_ratio": 1.0}, "trainer.loss.max_ratio: expected a number > 1, got 1.0"),
-        ("aipo", {"ratio_level": "seq"}, 'trainer.loss.ratio_level: expected "token" or "sequence", got \'seq\''),
+        ("icepop", {"band": [1.5, 5]}, f"{BAND}, got [1.5, 5]"),
+        ("icepop", {"band": [0.5, 0.9]}, f"{BAND}, got [0.5, 0.9]"),
+        ("icepop", {"band": [0.5]}, "trainer.loss.band.1: Field required"),
+        ("icepop", {"band": [0.5, math.inf]}, "trainer.loss.band.1: Input should be a finite number, got inf"),
+        ("dppo_kl", {"mask_low": 0.0}, "trainer.loss.mask_low: Input should be greater than 0, got 0.0"),
+        ("dppo_kl", {"mask_high": -1}, "trainer.loss.mask_high: Input should be greater than 0, got -1"),
+        ("dppo_kl", {"kl_tau": -1e-3}, "trainer.loss.kl_tau: Input should be greater than or equal to 0, got -0.001"),
+        ("dppo_kl", {"kl_tau": math.nan}, "trainer.loss.kl_tau: Input should be a finite number, got nan"),
+        ("ipo", {"epsilon": 0}, "trainer.loss.epsilon: Input should be greater than 0, got 0"),
+        ("aipo", {"max_ratio": 1.0}, "trainer.loss.max_ratio: Input should be greater than 1, got 1.0"),
+        ("aipo", {"ratio_level": "seq"}, "trainer.loss.ratio_level: Input should be 'token' or 'sequence', got 'seq'"),
+    ],
+)
+def test_bad_parameters_are_refused_by_the_spec(name, params, message):
+    """Loss parameters are validated once, by the spec (the losses do arithmetic only)."""
+    with pytest.raises(SpecError) as err:
+        validate_spec("rl", {"model": {"name": "some/model"}, "trainer": {"loss": {"type": name, **params}}})
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
         ("ipo", {"band": (0.5, 5)}, "trainer.loss.band: not a parameter of loss 'ipo'"),
         ("ppo", {}, "trainer.loss.type: expected one of ['aipo', 'dppo_kl', 'icepop', 'ipo'], got 'ppo'"),
     ],
 )
-def test_bad_parameters_name_the_spec_field(name, params, message):
+def test_registry_names_the_spec_field(name, params, message):
     with pytest.raises(ValueError) as err:
         compute_sample_loss(name, make([0.5], [0.5], [1.0]), **params)
     assert str(err.value).startswith(message)

@@ -1,4 +1,6 @@
-"""Trainer components (``worker/trainer/common.py``) on CPU: packing masks, weights, scheduler, checkpoints."""
+"""Trainer components on CPU: packing masks (``worker/trainer/packed.py``), weight publishing
+(``worker/weight_sync/publish.py``), scheduler (``worker/trainer/optim.py``), checkpoints
+(``worker/trainer/checkpointer.py``)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from worker.checkpoint import is_complete, write_part
 from worker.rundir import STABLE_MARKER, RunDir
 from worker.spec import OptimConfig, SchedulerConfig
-from worker.trainer.common import (
-    BackgroundCheckpointer,
-    build_optimizer,
-    build_scheduler,
-    load_trainer_state,
-    micro_batch_tensors,
-    packed_attention_mask,
-    publish_weights,
-)
+from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
+from worker.trainer.optim import build_optimizer, build_scheduler
+from worker.trainer.packed import micro_batch_tensors, packed_attention_mask
+from worker.weight_sync.publish import publish_weights
 
 
 def tiny_qwen3(seed: int = 0, tie: bool = True) -> Qwen3ForCausalLM:

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from worker.trainer.weight_sync import (
+from worker.weight_sync.publish import (
     broadcast,
     bucket_numel,
     flatten_bucket,

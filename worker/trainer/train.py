@@ -3,7 +3,7 @@
 One loop, in reading order (torchtitan's ``Trainer.train`` shape): wait for ``batches/step_n.json``
 (the wait is ``wait_for_batch``), compute trainer logprobs of the sampled tokens at the sampling
 temperature, the configured loss (``worker/trainer/loss``), clip gradients, step, publish policy
-version n to ``weights/step_n`` (or broadcast it to vLLM over a process group, ``worker/trainer/weight_sync.py``),
+version n to ``weights/step_n`` (or broadcast it to vLLM over a process group, ``worker/weight_sync/publish.py``),
 log metrics, checkpoint in the background. Batch n is built by the
 orchestrator from rollouts of policies <= n - 1, so this step trains policy v(n-1) into v(n).
 
@@ -22,6 +22,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -30,17 +31,7 @@ from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
 from worker.rundir import RunDir
 from worker.spec import RLSpec
-from worker.trainer.common import (
-    BackgroundCheckpointer,
-    build_optimizer,
-    build_scheduler,
-    forward_hidden,
-    load_trainer_state,
-    micro_batch_tensors,
-    publish_weights,
-    save_final,
-    weights_state_dict,
-)
+from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
 from worker.trainer.dist import (
     DistInfo,
     all_ranks_max,
@@ -52,10 +43,16 @@ from worker.trainer.dist import (
     peak_memory_gib,
     prepare_model,
     setup,
+    weights_state_dict,
 )
+from worker.trainer.logprobs import fused_logprob_entropy
 from worker.trainer.loss import LossInputs, compute_sample_loss
-from worker.trainer.loss.common import fused_logprob_entropy
-from worker.trainer.weight_sync import WeightSender, inference_workers
+from worker.trainer.optim import build_optimizer, build_scheduler
+from worker.trainer.packed import forward_hidden, micro_batch_tensors
+from worker.weight_sync.publish import WeightSender, inference_workers, publish_weights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger("asyncrl.trainer")
 EMPTY_STEP_METRICS = ("loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy", "is_ratio", "masked_fraction")
@@ -70,7 +67,7 @@ def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch,
 
 
 def train_step(
-    model: torch.nn.Module, batch: Batch, spec: RLSpec, step: int, info: DistInfo | None = None
+    model: PreTrainedModel, batch: Batch, spec: RLSpec, step: int, info: DistInfo | None = None
 ) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches of ``batch``; gradients summed, not applied.
 
@@ -216,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start + 1, spec.max_steps + 1):
         batch, waited = wait_for_batch(run, step)
         # rank 0 reads and acknowledges live revisions; every rank trains with its result
-        spec, changed = broadcast_from_main(live.apply(spec, step) if info.is_main else None, info)  # type: ignore[misc]
+        applied = broadcast_from_main(live.apply(spec, step) if info.is_main else None, info)
+        spec, changed = cast(tuple[RLSpec, dict[str, Any]], applied)  # rank 0's (spec, changes) on every rank
         if "trainer.optim.lr" in changed:  # the schedule continues from the new base lr
             set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         if info.device.type == "cuda":
@@ -242,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # with FSDP2 the other ranks take part in the gather here
             publish_weights(model, run, step, keep_versions=keep_versions)
         step_s = time.perf_counter() - t0
-        n_tok = metrics.pop("trained_tokens", 0)  # tokens in the packed rows (a shared prompt counts once)
-        flops = flops_per_step(model.config, n_params, n_tok, metrics.pop("attended_pairs", 0))
+        n_tok = int(metrics.pop("trained_tokens", 0))  # tokens in the packed rows (a shared prompt counts once)
+        flops = flops_per_step(model.config, n_params, n_tok, int(metrics.pop("attended_pairs", 0)))
         if info.is_main:
             run.log_metrics(
                 "trainer",

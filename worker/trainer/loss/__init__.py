@@ -13,7 +13,8 @@ per-token ``[seq]`` tensors; its keyword parameters are the spec's ``trainer.los
 All take ``ratio_level="token"`` (one ratio per token) or ``"sequence"`` (one per sample, GSPO).
 ``loss`` is a SUM over kept tokens and each metric a SUM over loss tokens: the caller sums over the
 samples of a step and divides by the global loss-token count. Conventions, masking and the
-sequence-level ratio are described in ``common``.
+sequence-level ratio are described in ``conventions``; the log-probabilities a loss receives come
+from ``worker/trainer/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.trainer.loss.aipo import aipo
-from worker.trainer.loss.common import (
-    LossInputs,
-    LossOutputs,
-    entropy_from_logits,
-    mismatch_kl_k3,
-    selective_log_softmax,
-)
+from worker.trainer.loss.conventions import LossInputs, LossOutputs
 from worker.trainer.loss.dppo_kl import dppo_kl
 from worker.trainer.loss.icepop import icepop
 from worker.trainer.loss.ipo import ipo
@@ -58,8 +53,8 @@ def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOut
         ``LossOutputs``: summed loss and summed metrics of the sample.
 
     Raises:
-        ValueError: unknown ``type``, an unknown parameter, or a parameter out of range,
-            each naming the ``trainer.loss`` field.
+        ValueError: unknown ``type`` or an unknown parameter, naming the ``trainer.loss`` field. Parameter
+            values are not checked here: the spec validates them (``worker/spec.py``).
     """
     fn = LOSSES.get(type)
     if fn is None:
@@ -79,9 +74,6 @@ __all__ = [
     "aipo",
     "compute_sample_loss",
     "dppo_kl",
-    "entropy_from_logits",
     "icepop",
     "ipo",
-    "mismatch_kl_k3",
-    "selective_log_softmax",
 ]

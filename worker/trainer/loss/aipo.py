@@ -15,7 +15,7 @@ Per loss token t (tensors ``[seq]``, one sample; r_t = pi_train / pi_infer at ``
 Writing the log-probability as ``pi_t / sg(pi_t)`` (value 1) keeps the loss value the truncated IS
 surrogate ``-sum w A`` instead of ``-sum w A log pi``; the gradient is the same. With
 ``ratio_level="sequence"`` the weight is ``min(s, max_ratio)`` for the sample's geometric-mean ratio s.
-No KL term. Masked positions of ``loss_mask`` never enter any arithmetic (see ``common``).
+No KL term. Masked positions of ``loss_mask`` never enter any arithmetic (see ``conventions``).
 
 Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio`` (before truncation), ``masked``,
 ``masked_low`` and ``masked_high`` (always 0), ``loss_tokens``, and ``truncated`` (tokens with
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from worker.trainer.loss.common import LossInputs, LossOutputs, base_metrics, check_positive, prepare
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare
 
 
 def aipo(inputs: LossInputs, *, max_ratio: float = 2.0, ratio_level: str = "token") -> LossOutputs:
@@ -42,10 +42,8 @@ def aipo(inputs: LossInputs, *, max_ratio: float = 2.0, ratio_level: str = "toke
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    Raises:
-        ValueError: a parameter out of range, naming ``trainer.loss.<field>``.
+    The parameters are in range (validated by the spec, ``worker/spec.py``).
     """
-    check_positive("max_ratio", max_ratio, above=1.0)
     p = prepare(inputs, ratio_level)
 
     log_r = p.is_log_ratio  # [seq]; 0 off the mask in token mode

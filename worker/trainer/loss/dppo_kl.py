@@ -22,7 +22,7 @@ tokens get only the KL gradient. Tokens with ``A_t == 0`` are never masked (they
 gradient). The mask uses token probabilities at both ratio levels; with ``ratio_level="sequence"``
 the importance ratio of the policy-gradient term is the sample's geometric mean (GSPO), while the KL
 term stays per token (it measures per-token engine mismatch). Masked positions of ``loss_mask``
-never enter any arithmetic (see ``common``).
+never enter any arithmetic (see ``conventions``).
 
 Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio``, ``masked``, ``masked_low``,
 ``masked_high``, ``loss_tokens``, and ``kl`` (sum of ``(log r)^2``).
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.trainer.loss.common import LossInputs, LossOutputs, base_metrics, check_positive, prepare, ratio_pg_loss
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
 
 
 def dppo_kl(
@@ -55,12 +55,8 @@ def dppo_kl(
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    Raises:
-        ValueError: a parameter out of range, naming ``trainer.loss.<field>``.
+    The parameters are in range (validated by the spec, ``worker/spec.py``).
     """
-    check_positive("mask_low", mask_low)
-    check_positive("mask_high", mask_high)
-    check_positive("kl_tau", kl_tau, allow_equal=True)
     p = prepare(inputs, ratio_level)
 
     prob_diff = p.trainer_probs - p.sampling_probs  # [seq], detached

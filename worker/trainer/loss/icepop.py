@@ -16,7 +16,7 @@ and only the masked mismatch weight remains. Per loss token t (tensors ``[seq]``
     loss     = -sum_{t kept} r_t * A_t              # gradient -r_t A_t grad log pi_t   (= -M(r) A grad log pi)
 
 With ``ratio_level="sequence"`` one ratio decides for the whole sample: all of its tokens are kept or
-all are masked. No KL term. Masked positions of ``loss_mask`` never enter any arithmetic (``common``).
+all are masked. No KL term. Masked positions of ``loss_mask`` never enter any arithmetic (``conventions``).
 
 Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio``, ``masked``, ``masked_low`` (r < low),
 ``masked_high`` (r > high), ``loss_tokens``.
@@ -25,20 +25,8 @@ Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio``, ``masked``, ``ma
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
-from worker.trainer.loss.common import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
-
-
-def check_band(band: Sequence[float]) -> tuple[float, float]:
-    """``(low, high)`` with ``0 < low < 1 < high``, else a one-line ValueError naming ``trainer.loss.band``."""
-    try:
-        low, high = (float(x) for x in band)
-    except (TypeError, ValueError):
-        raise ValueError(f"trainer.loss.band: expected [low, high] with 0 < low < 1 < high, got {band!r}") from None
-    if not (math.isfinite(high) and 0 < low < 1 < high):
-        raise ValueError(f"trainer.loss.band: expected [low, high] with 0 < low < 1 < high, got [{low:g}, {high:g}]")
-    return low, high
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
 
 
 def icepop(inputs: LossInputs, *, band: tuple[float, float] = (0.5, 5.0), ratio_level: str = "token") -> LossOutputs:
@@ -52,10 +40,9 @@ def icepop(inputs: LossInputs, *, band: tuple[float, float] = (0.5, 5.0), ratio_
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    Raises:
-        ValueError: a parameter out of range, naming ``trainer.loss.<field>``.
+    The parameters are in range (validated by the spec, ``worker/spec.py``).
     """
-    low, high = check_band(band)
+    low, high = band
     p = prepare(inputs, ratio_level)
 
     log_r = p.is_log_ratio.detach()  # [seq]

@@ -16,7 +16,7 @@ Per loss token t (tensors ``[seq]``, one sample; d_t = p_train - p_infer; r_t at
 
 No KL term (the run spec gives IPO no ``kl_tau``; use ``dppo_kl`` for the regularised variant).
 With ``ratio_level="sequence"`` the mask stays per token and the importance ratio is the sample's
-geometric mean (GSPO). Masked positions of ``loss_mask`` never enter any arithmetic (see ``common``).
+geometric mean (GSPO). Masked positions of ``loss_mask`` never enter any arithmetic (see ``conventions``).
 
 Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio``, ``masked``, ``masked_low`` (d < -eps),
 ``masked_high`` (d > eps), ``loss_tokens``.
@@ -24,7 +24,7 @@ Metrics (sums over loss tokens): ``mismatch_kl``, ``is_ratio``, ``masked``, ``ma
 
 from __future__ import annotations
 
-from worker.trainer.loss.common import LossInputs, LossOutputs, base_metrics, check_positive, prepare, ratio_pg_loss
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare, ratio_pg_loss
 
 
 def ipo(inputs: LossInputs, *, epsilon: float = 0.2, ratio_level: str = "token") -> LossOutputs:
@@ -38,10 +38,8 @@ def ipo(inputs: LossInputs, *, epsilon: float = 0.2, ratio_level: str = "token")
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    Raises:
-        ValueError: a parameter out of range, naming ``trainer.loss.<field>``.
+    The parameters are in range (validated by the spec, ``worker/spec.py``).
     """
-    check_positive("epsilon", epsilon)
     p = prepare(inputs, ratio_level)
 
     prob_diff = p.trainer_probs - p.sampling_probs  # [seq], detached

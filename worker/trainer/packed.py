@@ -1,27 +1,22 @@
-"""Trainer components shared by RL and SFT: packed tensors, optimizer, scheduler, weights, checkpoints."""
+"""Packed rows: samples laid out in one row with the attention mask that keeps them apart, and the forward
+pass of such a row up to the final hidden states (the LM head is applied in ``worker/trainer/logprobs.py``).
+
+``micro_batch_tensors`` builds a ``PackedTensors`` row (shared-prompt packing included); ``visible`` is the
+one attention rule behind its dense SDPA mask and its flex attention block mask; ``forward_hidden`` runs
+the model on it.
+"""
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import os
-import random
-import shutil
-import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
-from worker.checkpoint import prune, write_part
-from worker.rundir import STABLE_MARKER, RunDir, step_dirs
-from worker.spec import OptimConfig, SchedulerConfig
-
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def visible(
@@ -120,7 +115,7 @@ def _flex_or_causal(
     return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _attention_for(model: torch.nn.Module) -> str:
+def _attention_for(model: PreTrainedModel) -> str:
     """The model's attention implementation; a ``flex_attention`` model is switched (in place, once) to ``FLEX_OR_CAUSAL``."""
     impl = model.config._attn_implementation
     if impl == "flex_attention":
@@ -131,11 +126,11 @@ def _attention_for(model: torch.nn.Module) -> str:
     return impl
 
 
-def forward_hidden(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_hidden(model: PreTrainedModel, t: PackedTensors, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of one packed row and the output embedding: ``(hidden [T, D], weight [vocab, D])``.
 
     The model runs without its LM head (swapped for an identity during the call, so the ``[T, vocab]``
-    logits are never built; ``worker.trainer.loss.common.fused_logprob_entropy`` takes the head).
+    logits are never built; ``worker.trainer.logprobs.fused_logprob_entropy`` takes the head).
     Both come in the compute dtype: bf16 under ``autocast`` (one CPU process) or FSDP2's bf16 policy,
     else the model's. Under FSDP2 ``weight`` is the root's unsharded parameter, which stays gathered
     from the forward to the backward pass (FSDP2 does not reshard the root after forward).
@@ -151,7 +146,7 @@ def forward_hidden(model: torch.nn.Module, t: PackedTensors, autocast: bool) -> 
     mask = None if single else t.mask_for("flex_attention" if flex else impl)
     # flex attention picks its decoding kernel (no backward) for rows under 128 tokens unless told otherwise
     extra = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if flex else {}
-    head = model.lm_head
+    head = cast(torch.nn.Linear, model.lm_head)  # a causal LM's output projection
     model.lm_head = torch.nn.Identity()
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -174,7 +169,7 @@ def packed_attention_mask(lengths: list[int]) -> torch.Tensor:
     return (causal & (seg[:, None] == seg[None, :]))[None, None]
 
 
-def _shares_prompt(leader: dict[str, Any] | None, sample: dict[str, Any]) -> bool:
+def _shares_prompt(leader: Mapping[str, Any] | None, sample: Mapping[str, Any]) -> bool:
     """Whether ``sample`` can reuse ``leader``'s prompt tokens: same group, same prompt, a non-empty rest."""
     p = sample.get("prefix_len", 0)
     return (
@@ -192,7 +187,7 @@ def _tensor(values: list[Any], dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
-def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
+def micro_batch_tensors(samples: Sequence[Mapping[str, Any]]) -> PackedTensors:
     """Lay samples (``TrainSample`` dicts, or any with ``input_ids``/``loss_mask``) out in one row.
 
     A sample is laid out in full, except one that follows a sample of its group with the same
@@ -210,7 +205,7 @@ def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
     lps: list[float] = []
     spans: list[tuple[int, int]] = []
     rows: list[torch.Tensor] = []
-    leader: dict[str, Any] | None = None
+    leader: Mapping[str, Any] | None = None
     leader_k = leader_start = 0
     for k, s in enumerate(samples):
         n, start = len(s["input_ids"]), len(ids)
@@ -247,172 +242,3 @@ def micro_batch_tensors(samples: list[dict[str, Any]]) -> PackedTensors:
         lead=_tensor(lead, np.int64),
         shared=_tensor(shared, np.bool_),
     )
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warmup_steps``, then constant, linear or cosine decay to ``min_lr_ratio``."""
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.type == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-        shape = 1 - progress if cfg.type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def is_main_rank() -> bool:
-    """True in a single process and on rank 0 of a distributed trainer (the rank that writes files)."""
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full HF-named state dict on CPU; with FSDP2 gathered from the shards (a collective).
-
-    Every rank must call it; ranks other than 0 of a sharded model get ``{}``.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF-named parameters, cloned and contiguous; a tied ``lm_head.weight`` is left out (it is the embedding).
-
-    A collective with FSDP2 (see ``full_state_dict``): ranks other than 0 get ``{}``.
-    """
-    state = full_state_dict(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return {k: v.detach().clone().contiguous() for k, v in state.items()}
-
-
-def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_versions: int) -> Path:
-    """Publish policy ``version`` as ``weights/step_<version>/model.safetensors`` with STABLE written last.
-
-    Versions older than the newest ``keep_versions`` are deleted. With FSDP2 every rank calls it (the
-    weights are gathered) and rank 0 writes.
-    """
-    final = run.weight_dir(version)
-    weights = weights_state_dict(model)
-    if not is_main_rank():
-        return final
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(weights, tmp / "model.safetensors")
-    (tmp / STABLE_MARKER).write_text(str(version))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for n, path in step_dirs(run.weights).items():
-        if n <= version - keep_versions:
-            shutil.rmtree(path, ignore_errors=True)
-    return final
-
-
-def save_final(model: torch.nn.Module, base_name: str, out: Path) -> None:
-    """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path.
-
-    With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
-    """
-    from transformers import AutoTokenizer
-
-    state = full_state_dict(model)
-    if not is_main_rank():
-        return
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state)
-    AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-class BackgroundCheckpointer:
-    """Writes trainer checkpoint parts on a thread so training goes on while files are written.
-
-    The state is copied on the calling thread (a consistent snapshot), then written by the thread.
-    One save at a time: a new save first waits for the previous one. Optimizer state is stored by
-    parameter name (``get_optimizer_state_dict``), so a checkpoint loads with any number of ranks;
-    with FSDP2 every rank calls ``save`` (the state is gathered) and rank 0 writes.
-    """
-
-    def __init__(self, run: RunDir, keep: int) -> None:
-        self.run, self.keep = run, keep
-        self._thread: threading.Thread | None = None
-
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        self.wait()
-        weights = weights_state_dict(model)
-        opt_state = get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if not is_main_rank():
-            return
-        # optimizer state tensors are cloned so the next step cannot change them under the writer
-        opt_state = {
-            "state": {
-                k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
-                for k, s in opt_state["state"].items()
-            },
-            "param_groups": opt_state["param_groups"],
-        }
-        meta = {"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": step}
-
-        def write(folder: Path) -> None:
-            save_file(weights, folder / "model.safetensors")
-            torch.save({"optimizer": opt_state, **meta}, folder / "state.pt")
-            (folder / "meta.json").write_text(json.dumps({"step": step}))
-
-        def job() -> None:
-            write_part(self.run, step, "trainer", write)
-            prune(self.run, self.keep)
-            logger.info("checkpoint step %d written", step)
-
-        self._thread = threading.Thread(target=job, name=f"ckpt-{step}", daemon=False)
-        self._thread.start()
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-
-def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-    """Load a trainer checkpoint part into model, optimizer, scheduler and RNGs; returns its step.
-
-    Works on a plain and on an FSDP2-sharded model (every rank reads the files and keeps its shard).
-
-    Raises:
-        RuntimeError: the checkpoint's tensor names do not match the model.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    weights = load_file(folder / "model.safetensors")
-    full = StateDictOptions(full_state_dict=True, strict=False)
-    missing, unexpected = set_model_state_dict(model, weights, options=full)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
-    state = torch.load(folder / "state.pt", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    return int(state["step"])

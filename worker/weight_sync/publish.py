@@ -1,5 +1,22 @@
-"""Weight sync over a process group: trainer rank 0 broadcasts a new policy version to the vLLM workers in
-buckets, no disk (``[trainer.weight_sync] kind = "process_group"``); the filesystem route is the fallback.
+"""Weight sync, trainer end: publish each policy version for vLLM, through the filesystem (``publish_weights``,
+``[trainer.weight_sync] kind = "filesystem"``) or over a process group: trainer rank 0 broadcasts it to the
+vLLM workers in buckets, no disk (``kind = "process_group"``, ``WeightSender``); the filesystem route is its
+fallback. The inference end is ``worker/weight_sync/load.py``.
+
+The whole path of policy version n, with the file behind each arrow::
+
+    trainer, end of step n                                      worker/trainer/train.py
+      -> weights/step_n/{model.safetensors, STABLE}             publish_weights (here): filesystem
+         or weights/step_n/{group.json, STABLE}                 WeightSender.publish (here): process group,
+            + buckets broadcast over gloo/NCCL                    buckets and group helpers (here)
+      -> the orchestrator's weight watcher sees version n       worker/orchestrator/orchestrator.py
+      -> pause, load, reset the prefix cache, resume            InferenceClient.publish_weights,
+         (load: POST /collective_rpc)                             worker/inference/client.py
+         group.json: WeightReceiver.load, writes LOADED/FAILED  worker/weight_sync/load.py
+      -> vLLM worker extension reloads the weights in place     WeightUpdateExtension,
+         (receives the buckets, or reads the safetensors)         worker/weight_sync/load.py
+      -> the orchestrator relays version n: policy_version,     worker/orchestrator/orchestrator.py
+         ``weight_update_s`` in metrics, rollouts tagged n
 
 Design (the run directory stays the one place trainer and orchestrator meet; only the tensors move over
 the group):
@@ -46,6 +63,7 @@ from typing import Any
 import torch
 
 from worker.rundir import STABLE_MARKER, RunDir, step_dirs
+from worker.trainer.dist import is_main_rank, weights_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -315,10 +333,29 @@ class WeightSender:
             except Exception as e:  # noqa: BLE001 - fall back, never lose a version
                 self._give_up(str(e).splitlines()[0] if str(e) else type(e).__name__)
                 _write_file(final / WEIGHTS_FILE, state)
-        for n, p in step_dirs(self.run.weights).items():
-            if n <= version - keep_versions:
-                shutil.rmtree(p, ignore_errors=True)
+        _prune_versions(self.run, version, keep_versions)
         return path
+
+
+def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_versions: int) -> Path:
+    """Publish policy ``version`` as ``weights/step_<version>/model.safetensors`` with STABLE written last.
+
+    The filesystem route (``[trainer.weight_sync] kind = "filesystem"``). Versions older than the newest
+    ``keep_versions`` are deleted. With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+    """
+    weights = weights_state_dict(model)
+    if not is_main_rank():
+        return run.weight_dir(version)
+    final = _write_version(run, version, weights, None)
+    _prune_versions(run, version, keep_versions)
+    return final
+
+
+def _prune_versions(run: RunDir, version: int, keep_versions: int) -> None:
+    """Delete the version folders older than the newest ``keep_versions`` (``version`` is the newest)."""
+    for n, p in step_dirs(run.weights).items():
+        if n <= version - keep_versions:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -356,87 +393,3 @@ def _wait_ack(folder: Path, timeout_s: float, poll_s: float = 0.01) -> str | Non
                 return ack
         time.sleep(poll_s)
     return None
-
-
-# ----------------------------------------------------------------------------- orchestrator side
-
-
-class WeightReceiver:
-    """The orchestrator's part: make the vLLM workers join the group, and load a version sent over it.
-
-    Args:
-        client: the orchestrator's :class:`~worker.inference.client.InferenceClient`.
-        run: the run directory.
-        cfg: ``spec.trainer.weight_sync``.
-    """
-
-    def __init__(self, client: Any, run: RunDir, cfg: Any) -> None:
-        self.client, self.run, self.cfg = client, run, cfg
-        self.joined = False
-
-    async def join(self, wait_s: float, start_step: int = 0) -> bool:
-        """Wait (at most ``wait_s``) for ``weight_sync.json`` of the trainer started after ``start_step``, then
-        ask the workers to join; False on failure (logged; the trainer then falls back to the filesystem)."""
-        import asyncio
-
-        path = self.run.root / GROUP_FILE
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                info = json.loads(path.read_text())
-                if info.get("start_step", 0) == start_step:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                logger.warning("weight sync: no %s of this launch within %.0fs; using the filesystem", path, wait_s)
-                return False
-            await asyncio.sleep(0.1)
-        try:
-            await self.client.collective_rpc(
-                "init_weight_update_group",
-                [info["master_addr"], info["master_port"], 1, info["world_size"], info["backend"], self.cfg.timeout_s],
-                timeout_s=self.cfg.timeout_s + 10,
-            )
-        except Exception as e:  # noqa: BLE001 - the filesystem route remains
-            logger.warning("weight sync: the vLLM workers could not join the group (%s); using the filesystem", e)
-            return False
-        self.joined = True
-        return True
-
-    async def load(self, folder: Path) -> dict[str, Any]:
-        """Load version ``folder`` while generation is paused: over the group when ``group.json`` is there and
-        no ``model.safetensors``, else by path. After a failed group load: ``FAILED`` is written, a warning
-        logged, and the trainer's fallback file is loaded by path.
-
-        Raises:
-            InferenceError: the fallback file did not appear within ``timeout_s`` or the path load failed.
-        """
-        import asyncio
-
-        from worker.inference.client import InferenceError
-
-        meta_path = folder / META_FILE
-        if (folder / WEIGHTS_FILE).exists() or not meta_path.exists():
-            return {**await self.client.update_weights(folder), "route": "filesystem"}
-        try:
-            if not self.joined:
-                raise InferenceError("the vLLM workers are not in the group")
-            meta = json.loads(meta_path.read_text())
-            info = await self.client.collective_rpc(
-                "update_weights_from_group", [meta], timeout_s=self.cfg.timeout_s + 10
-            )
-            (folder / LOADED).write_text("")
-            return {**info, "route": "process_group"}
-        except Exception as e:  # noqa: BLE001 - fall back to the filesystem
-            self.joined = False
-            (folder / FAILED).write_text(str(e))
-            logger.warning(
-                "weight sync over the process group failed for %s (%s); loading it from the filesystem", folder, e
-            )
-        deadline = time.monotonic() + self.cfg.timeout_s + 30
-        while not (folder / WEIGHTS_FILE).exists():
-            if time.monotonic() > deadline:
-                raise InferenceError(f"weight sync: {folder / WEIGHTS_FILE} did not appear after a failed group update")
-            await asyncio.sleep(0.05)
-        return {**await self.client.update_weights(folder), "route": "filesystem"}

@@ -1,26 +1,50 @@
-"""Worker extension that loads new policy weights into a running vLLM server in place.
+"""Weight sync, inference end: load a new policy version into a running vLLM server in place.
 
-Loaded into vLLM's worker with ``--worker-extension-cls worker.inference.weight_ext.WeightUpdateExtension``
-and called through the dev route ``POST /collective_rpc``:
+Two parts (the trainer end, and the drawing of the whole path, is ``worker/weight_sync/publish.py``):
 
-- ``{"method": "update_weights_from_path", "args": ["/dir/with/safetensors"]}``: the filesystem route.
-- ``{"method": "init_weight_update_group", "args": [addr, port, rank_offset, world_size, backend, timeout_s]}``
-  then ``{"method": "update_weights_from_group", "args": [metadata]}``: the weights broadcast in buckets from
-  trainer rank 0 over a separate process group (``worker/trainer/weight_sync.py``, which also describes the
-  metadata and the handshake).
+- :class:`WeightUpdateExtension`, the worker extension, runs inside vLLM's workers. Loaded with
+  ``--worker-extension-cls worker.weight_sync.load.WeightUpdateExtension`` and called through the dev route
+  ``POST /collective_rpc``:
 
-Both routes feed one loader (:meth:`WeightUpdateExtension._load`: layerwise reload + tied lm_head fix); only
-the source of the ``(name, tensor)`` pairs differs.
+  - ``{"method": "update_weights_from_path", "args": ["/dir/with/safetensors"]}``: the filesystem route.
+  - ``{"method": "init_weight_update_group", "args": [addr, port, rank_offset, world_size, backend, timeout_s]}``
+    then ``{"method": "update_weights_from_group", "args": [metadata]}``: the weights broadcast in buckets from
+    trainer rank 0 over a separate process group (``publish.py`` describes the metadata and the handshake).
+
+  Both routes feed one loader (:meth:`WeightUpdateExtension._load`: layerwise reload + tied lm_head fix); only
+  the source of the ``(name, tensor)`` pairs differs.
+- :class:`WeightReceiver`, in the orchestrator: makes the workers join the trainer's group and loads a version
+  sent over it, through the HTTP calls of ``worker/inference/client.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from worker.inference.client import InferenceError
+from worker.rundir import RunDir
+from worker.weight_sync.publish import (
+    FAILED,
+    GROUP_FILE,
+    LOADED,
+    META_FILE,
+    WEIGHTS_FILE,
+    broadcast,
+    bucket_numel,
+    join_store,
+    new_group,
+    unflatten_bucket,
+)
+
+logger = logging.getLogger(__name__)
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,7 +79,7 @@ class WeightUpdateExtension:
 
     def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Load HF-named ``(name, tensor)`` pairs in place (layerwise reload, then the tied lm_head fix)."""
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]  # a mixin: vLLM's worker class has model_runner
         names: list[str] = []
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -84,8 +108,6 @@ class WeightUpdateExtension:
             ValueError: ``backend`` is not gloo or nccl.
             RuntimeError/DistStoreError: the store or a peer could not be reached in time.
         """
-        from worker.trainer.weight_sync import join_store, new_group
-
         t0 = time.perf_counter()
         rank = rank_offset + int(getattr(self, "rank", 0))
         store = join_store(master_addr, int(master_port), int(world_size), timeout_s)
@@ -99,7 +121,7 @@ class WeightUpdateExtension:
         """Receive the buckets described by ``meta`` from trainer rank 0 and load them in place.
 
         ``meta``: ``{"tensors": [[name, dtype, shape], ...], "buckets": [[start, stop], ...]}`` from
-        ``weight_sync.plan_buckets``. Buckets are received one at a time into a fresh flat tensor and
+        ``publish.plan_buckets``. Buckets are received one at a time into a fresh flat tensor and
         handed to the loader as views, so at most the buckets of the layers being reloaded are held.
         If loading fails part-way, the remaining buckets are still received (the sender's broadcasts
         complete) before the error is raised. Call it while generation is paused.
@@ -108,8 +130,6 @@ class WeightUpdateExtension:
             RuntimeError: no group joined yet (:meth:`init_weight_update_group`), or a broadcast failed or
                 timed out.
         """
-        from worker.trainer.weight_sync import broadcast, bucket_numel, unflatten_bucket
-
         group = getattr(self, "_weight_group", None)
         if group is None:
             raise RuntimeError("update_weights_from_group: no weight-update group; call init_weight_update_group first")
@@ -180,3 +200,78 @@ def _fix_cpu_tied_lm_head(model: torch.nn.Module) -> dict[str, Any]:
         dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
         info["repacked"] = True
     return info
+
+
+class WeightReceiver:
+    """The orchestrator's part: make the vLLM workers join the group, and load a version sent over it.
+
+    Args:
+        client: the orchestrator's :class:`~worker.inference.client.InferenceClient`.
+        run: the run directory.
+        cfg: ``spec.trainer.weight_sync``.
+    """
+
+    def __init__(self, client: Any, run: RunDir, cfg: Any) -> None:
+        self.client, self.run, self.cfg = client, run, cfg
+        self.joined = False
+
+    async def join(self, wait_s: float, start_step: int = 0) -> bool:
+        """Wait (at most ``wait_s``) for ``weight_sync.json`` of the trainer started after ``start_step``, then
+        ask the workers to join; False on failure (logged; the trainer then falls back to the filesystem)."""
+        path = self.run.root / GROUP_FILE
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                info = json.loads(path.read_text())
+                if info.get("start_step", 0) == start_step:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                logger.warning("weight sync: no %s of this launch within %.0fs; using the filesystem", path, wait_s)
+                return False
+            await asyncio.sleep(0.1)
+        try:
+            await self.client.collective_rpc(
+                "init_weight_update_group",
+                [info["master_addr"], info["master_port"], 1, info["world_size"], info["backend"], self.cfg.timeout_s],
+                timeout_s=self.cfg.timeout_s + 10,
+            )
+        except Exception as e:  # noqa: BLE001 - the filesystem route remains
+            logger.warning("weight sync: the vLLM workers could not join the group (%s); using the filesystem", e)
+            return False
+        self.joined = True
+        return True
+
+    async def load(self, folder: Path) -> dict[str, Any]:
+        """Load version ``folder`` while generation is paused: over the group when ``group.json`` is there and
+        no ``model.safetensors``, else by path. After a failed group load: ``FAILED`` is written, a warning
+        logged, and the trainer's fallback file is loaded by path.
+
+        Raises:
+            InferenceError: the fallback file did not appear within ``timeout_s`` or the path load failed.
+        """
+        meta_path = folder / META_FILE
+        if (folder / WEIGHTS_FILE).exists() or not meta_path.exists():
+            return {**await self.client.update_weights(folder), "route": "filesystem"}
+        try:
+            if not self.joined:
+                raise InferenceError("the vLLM workers are not in the group")
+            meta = json.loads(meta_path.read_text())
+            info = await self.client.collective_rpc(
+                "update_weights_from_group", [meta], timeout_s=self.cfg.timeout_s + 10
+            )
+            (folder / LOADED).write_text("")
+            return {**info, "route": "process_group"}
+        except Exception as e:  # noqa: BLE001 - fall back to the filesystem
+            self.joined = False
+            (folder / FAILED).write_text(str(e))
+            logger.warning(
+                "weight sync over the process group failed for %s (%s); loading it from the filesystem", folder, e
+            )
+        deadline = time.monotonic() + self.cfg.timeout_s + 30
+        while not (folder / WEIGHTS_FILE).exists():
+            if time.monotonic() > deadline:
+                raise InferenceError(f"weight sync: {folder / WEIGHTS_FILE} did not appear after a failed group update")
+            await asyncio.sleep(0.05)
+        return {**await self.client.update_weights(folder), "route": "filesystem"}

@@ -1,0 +1,128 @@
+"""The trainer's side of checkpoints (torch): write a ``trainer`` part in the background, resume from one,
+and save the final model.
+
+The layout and rules of checkpoints (atomic parts, completion, pruning, which step to resume, requests)
+live in ``worker/checkpoint.py``, which imports no torch because the server reads it; this module holds
+what needs torch: the ``trainer`` part's files (``model.safetensors``; ``state.pt`` with optimizer,
+scheduler, RNG states and step; ``meta.json``), written through ``worker.checkpoint.write_part``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from worker.checkpoint import prune, write_part
+from worker.rundir import RunDir
+from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+
+def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
+    """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path.
+
+    With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+    """
+    from transformers import AutoTokenizer
+
+    state = full_state_dict(model)
+    if not is_main_rank():
+        return
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state)
+    AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+class BackgroundCheckpointer:
+    """Writes trainer checkpoint parts on a thread so training goes on while files are written.
+
+    The state is copied on the calling thread (a consistent snapshot), then written by the thread.
+    One save at a time: a new save first waits for the previous one. Optimizer state is stored by
+    parameter name (``get_optimizer_state_dict``), so a checkpoint loads with any number of ranks;
+    with FSDP2 every rank calls ``save`` (the state is gathered) and rank 0 writes.
+    """
+
+    def __init__(self, run: RunDir, keep: int) -> None:
+        self.run, self.keep = run, keep
+        self._thread: threading.Thread | None = None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self.wait()
+        weights = weights_state_dict(model)
+        opt_state = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if not is_main_rank():
+            return
+        # optimizer state tensors are cloned so the next step cannot change them under the writer
+        per_param = cast(dict[str, dict[str, Any]], opt_state["state"])  # parameter name -> its state
+        snapshot = {
+            "state": {
+                k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()} for k, s in per_param.items()
+            },
+            "param_groups": opt_state["param_groups"],
+        }
+        meta = {"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": step}
+
+        def write(folder: Path) -> None:
+            save_file(weights, folder / "model.safetensors")
+            torch.save({"optimizer": snapshot, **meta}, folder / "state.pt")
+            (folder / "meta.json").write_text(json.dumps({"step": step}))
+
+        def job() -> None:
+            write_part(self.run, step, "trainer", write)
+            prune(self.run, self.keep)
+            logger.info("checkpoint step %d written", step)
+
+        self._thread = threading.Thread(target=job, name=f"ckpt-{step}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
+    """Load a trainer checkpoint part into model, optimizer, scheduler and RNGs; returns its step.
+
+    Works on a plain and on an FSDP2-sharded model (every rank reads the files and keeps its shard).
+
+    Raises:
+        RuntimeError: the checkpoint's tensor names do not match the model.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    weights: dict[str, Any] = load_file(folder / "model.safetensors")  # Any: set_model_state_dict's value union
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    missing, unexpected = set_model_state_dict(model, weights, options=full)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
+    state = torch.load(folder / "state.pt", weights_only=False)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return int(state["step"])
