@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.rundir import atomic_write_json
+from worker.rundir import SupervisorHome, atomic_write_json
 from worker.spec import SFTSpec, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
@@ -283,7 +283,7 @@ def follow_run(
             if gone >= 3:  # it reports the end before it exits: three polls later the server would know
                 raise DemoError(
                     f"run {run_id}: its supervisor (pid {run['launcher_handle']}) exited without "
-                    f"reporting an end (log: {home / 'supervisor.log'})"
+                    f"reporting an end (log: {SupervisorHome(home).log})"
                 )
             time.sleep(poll_s)
 

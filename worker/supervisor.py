@@ -17,7 +17,8 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
 ``--attempt N`` names the launch attempt (the id of the run event that last queued the run; the launch task passes
 it): the spool records it, so a spool of an earlier attempt (before a resume) is never taken for this one's.
 
-``<home>`` is ``<ASYNCRL_OUTPUT_DIR>/runs/<id>``; the run directory is ``<home>/<name>``.
+``<home>`` is ``<ASYNCRL_OUTPUT_DIR>/runs/<id>``; the run directory is ``<home>/<name>``; the files of the home
+folder are named by :class:`worker.rundir.SupervisorHome`.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from typing import Any
 
 import httpx
 
+from worker.rundir import SupervisorHome
+
 logger = logging.getLogger("asyncrl.supervisor")
-LOCK_FILE = "supervisor.lock"
-FINAL_FILE = "final.json"
 REPORT_TIMEOUT_ENV = "ASYNCRL_REPORT_TIMEOUT_S"
 REPORT_TIMEOUT_S = 60.0
 """Default bound (seconds) on retrying the final report while the server is unreachable."""
@@ -51,7 +52,7 @@ REPORT_TIMEOUT_S = 60.0
 
 def running_pid(home: Path) -> int | None:
     """Pid of the live supervisor holding ``home``'s lock, or None."""
-    path = home / LOCK_FILE
+    path = SupervisorHome(home).lock
     if not path.exists():
         return None
     with open(path) as f:
@@ -62,12 +63,6 @@ def running_pid(home: Path) -> int | None:
             return int(text) if text.isdigit() else None
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
-
-
-def write_spec(home: Path, spec: dict[str, Any]) -> None:
-    """Create ``home`` and write the run's resolved spec as ``home/spec.json`` (the supervisor reads it)."""
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "spec.json").write_text(json.dumps(spec))
 
 
 def run_env(run_id: int, token: str, server_url: str) -> dict[str, str]:
@@ -88,10 +83,11 @@ def start(
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
     complete checkpoint; ``attempt``: see the module docstring); returns its pid (= its process group id). A final
     status spooled by an earlier supervisor of ``home`` is removed first."""
-    write_spec(home, spec)
-    (home / FINAL_FILE).unlink(missing_ok=True)
+    files = SupervisorHome(home)
+    files.write_spec(spec)
+    files.final.unlink(missing_ok=True)
     env = {**os.environ, **run_env(run_id, token, server_url)}
-    with open(home / "supervisor.log", "ab") as log:
+    with open(files.log, "ab") as log:
         argv = [
             sys.executable,
             "-m",
@@ -106,30 +102,6 @@ def start(
         )
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
     return proc.pid
-
-
-def write_final(home: Path, final: dict[str, Any]) -> None:
-    """Write the spool ``home/final.json`` atomically (``{"status", "reason", "attempt", "pid", "time",
-    "delivered"}``)."""
-    from worker.rundir import atomic_write_json
-
-    atomic_write_json(home / FINAL_FILE, final)
-
-
-def read_final(home: Path, attempt: int | None) -> dict[str, Any] | None:
-    """The final status a supervisor of ``home`` spooled for launch attempt ``attempt``, or None (no spool, an
-    unreadable one, or one of another attempt)."""
-    try:
-        final = json.loads((home / FINAL_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if (
-        not isinstance(final, dict)
-        or final.get("attempt") != attempt
-        or final.get("status") not in {"completed", "failed", "cancelled"}
-    ):
-        return None
-    return final
 
 
 def report_timeout_s(environ: dict[str, str] | None = None) -> float:
@@ -311,7 +283,7 @@ class Reporter(threading.Thread):
         client: httpx.Client,
         run_id: int,
         run_dir: Path,
-        home: Path,
+        home: SupervisorHome,
         interval_s: float = 1.0,
         attempt: int | None = None,
     ) -> None:
@@ -320,8 +292,8 @@ class Reporter(threading.Thread):
         self.home, self.attempt = home, attempt
         events = run_dir / "events.jsonl"
         self.events_offset = events.stat().st_size if events.exists() else 0
-        self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home / "forwarded.offset")
-        self.config = ConfigBridge(client, run_id, run_dir, home / "config_acks.offset")
+        self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home.forwarded_offset)
+        self.config = ConfigBridge(client, run_id, run_dir, home.config_acks_offset)
         self.reported_running = False
         self.requeue: dict[str, Any] | None = None
         """A ``requeued`` report still to send (before any metric of the new attempt)."""
@@ -392,7 +364,7 @@ class Reporter(threading.Thread):
             "delivered": False,
         }
         if status is not None:
-            write_final(self.home, final)
+            self.home.write_final(final)
 
         def report() -> bool:
             if status == "completed" and not self.reported_running:
@@ -418,13 +390,13 @@ class Reporter(threading.Thread):
                 status,
                 deadline_s,
                 err,
-                self.home / FINAL_FILE,
+                self.home.final,
             )
             return False
         if taken:
-            write_final(self.home, {**final, "delivered": True})
+            self.home.write_final({**final, "delivered": True})
         elif status is not None:
-            logger.warning("the server refused %s (409); it stays spooled in %s", status, self.home / FINAL_FILE)
+            logger.warning("the server refused %s (409); it stays spooled in %s", status, self.home.final)
         return taken
 
 
@@ -469,7 +441,7 @@ def _slurm_requeued(attempt: int) -> bool:
     return current is not None and current.restarts > attempt
 
 
-def _prepare_requeued(run_dir: Path, home: Path) -> int | None:
+def _prepare_requeued(run_dir: Path, home: SupervisorHome) -> int | None:
     """A requeued attempt: keep the run directory up to its newest complete checkpoint (returned) or, without one,
     start over; the metrics forwarder replays from the start (ingestion is idempotent)."""
     from worker.checkpoint import resume_step
@@ -481,7 +453,7 @@ def _prepare_requeued(run_dir: Path, home: Path) -> int | None:
         shutil.rmtree(run.root, ignore_errors=True)
     else:
         run.prune_after(step)
-    (home / "forwarded.offset").unlink(missing_ok=True)
+    home.forwarded_offset.unlink(missing_ok=True)
     return step
 
 
@@ -521,11 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         deadline_s = report_timeout_s()
     except ValueError as err:
         p.error(str(err))
-    lock = open(args.home / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the process
+    home = SupervisorHome(args.home)
+    lock = open(home.lock, "a+")  # noqa: SIM115 - held open for the life of the process
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        logger.info("another supervisor holds %s; exiting", args.home / LOCK_FILE)
+        logger.info("another supervisor holds %s; exiting", home.lock)
         return 0
     lock.truncate(0)
     lock.write(str(os.getpid()))
@@ -540,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=30.0,
         headers={"Authorization": f"Bearer {os.environ['ASYNCRL_RUN_TOKEN']}"},
     )
-    spec = validate_spec("rl", json.loads((args.home / "spec.json").read_text()))
+    spec = validate_spec("rl", json.loads(home.spec.read_text()))
     assert isinstance(spec, RLSpec)
     resume, attempt = args.resume, _slurm_attempt()
     requeue: dict[str, Any] | None = None
@@ -553,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             ).start(),
         )
     if attempt:
-        step = _prepare_requeued(spec.run_dir, args.home)
+        step = _prepare_requeued(spec.run_dir, home)
         resume = step is not None
         requeue = {"restarts": attempt, "resume_step": step, "job": os.environ["SLURM_JOB_ID"]}
         logger.info(
@@ -563,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             f"resuming from checkpoint step {step}" if resume else "no complete checkpoint, starting over",
         )
     # made after _prepare_requeued: what events.jsonl holds now is of earlier attempts
-    reporter = Reporter(client, run_id, spec.run_dir, args.home, attempt=args.attempt)
+    reporter = Reporter(client, run_id, spec.run_dir, home, attempt=args.attempt)
     reporter.requeue = requeue
     reporter.start()
     try:

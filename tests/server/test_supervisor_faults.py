@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from server_support import free_port, run_token_headers, stored, wait_for
 
-from worker.rundir import RunDir
+from worker.rundir import RunDir, SupervisorHome
 from worker.supervisor import _alive
 
 
@@ -142,7 +142,7 @@ def test_resumed_supervisor_reports_running_only_for_this_attempt(
         )
         assert resp.status_code == 200, resp.text
     with httpx.Client(base_url=live_server, headers=run_token_headers(run["id"]), timeout=10) as http:
-        reporter = Reporter(http, run["id"], rd.root, Path(run["run_dir"]).parent, interval_s=0.1)
+        reporter = Reporter(http, run["id"], rd.root, SupervisorHome(Path(run["run_dir"]).parent), interval_s=0.1)
         reporter.start()  # as the resumed run's supervisor does, before its launcher starts
         try:
             rd.log_event("starting", resume_step=2)
