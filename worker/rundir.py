@@ -40,6 +40,7 @@ they are only appended to, one whole line per ``write``, and readers take comple
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -47,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
 COMPLETE_MARKER = ".complete"
 STABLE_MARKER = "STABLE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -85,6 +87,37 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def read_jsonl_after(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete lines of the JSON-lines file ``path`` after byte ``offset``, parsed, and the byte offset after
+    the last of them (where the next call starts).
+
+    A last line still being written (no newline yet) waits for the next call; a complete line that is not JSON is
+    logged and skipped. A file shorter than ``offset`` was replaced (resume pruned it, a requeued attempt started
+    over): it is read from the start. No file: ``([], offset)``.
+    """
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) < offset:
+                offset = 0
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = chunk.rfind(b"\n") + 1
+    rows = []
+    for line in chunk[:end].splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("%s: skipped a line that is not JSON: %r", path, line[:200])
+    return rows, offset + end
+
+
+def read_offset(path: Path) -> int:
+    """The byte offset a reader of :func:`read_jsonl_after` saved in ``path`` (0 when there is none)."""
+    return int(path.read_text()) if path.exists() else 0
 
 
 def step_dirs(folder: Path) -> dict[int, Path]:

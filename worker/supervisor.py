@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from worker.rundir import SupervisorHome
+from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
 
 logger = logging.getLogger("asyncrl.supervisor")
 REPORT_TIMEOUT_ENV = "ASYNCRL_REPORT_TIMEOUT_S"
@@ -167,26 +167,6 @@ def rows_to_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return points
 
 
-def unsent_rows(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The complete lines of the JSONL file ``path`` after byte ``offset``, parsed (unparsable ones skipped), and
-    the offset after them. A file shorter than ``offset`` was rewritten (resume pruned it): all of it is returned
-    (replays are idempotent)."""
-    if not path.exists():
-        return [], offset
-    data = path.read_bytes()
-    if len(data) < offset:
-        offset = 0
-    chunk = data[offset:]
-    end = chunk.rfind(b"\n") + 1
-    rows = []
-    for line in chunk[:end].splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows, offset + end
-
-
 class MetricsForwarder:
     """Send new complete lines of ``metrics.jsonl`` to the server; the byte offset sent so far is kept in
     ``offset_path`` so a restarted supervisor resumes where it stopped."""
@@ -196,11 +176,11 @@ class MetricsForwarder:
     ) -> None:
         self.client, self.run_id, self.path, self.offset_path = client, run_id, metrics_path, offset_path
         self.batch_points = batch_points
-        self.offset = int(offset_path.read_text()) if offset_path.exists() else 0
+        self.offset = read_offset(offset_path)
 
     def pending(self) -> tuple[list[dict[str, Any]], int]:
         """Rows after the offset (complete lines only) and the offset after them."""
-        return unsent_rows(self.path, self.offset)
+        return read_jsonl_after(self.path, self.offset)
 
     def send_once(self) -> int:
         """Send what is pending; returns points sent. Raises httpx errors (the caller retries later)."""
@@ -226,14 +206,14 @@ class ConfigBridge:
 
     ``sync()`` appends revisions the server has after the newest one in ``live_config.jsonl`` (so none is
     missed or written twice), then posts the new lines of ``config_acks.jsonl``; the byte offset of acks sent is
-    kept in ``offset_path``, like :class:`MetricsForwarder`'s (acks are idempotent, so a replay is harmless). An ack
-    the server refuses with 404/422 (e.g. a revision written by ``asyncrl config set``, unknown to the server) is
-    logged and skipped.
+    kept in ``offset_path``, like :class:`MetricsForwarder`'s, once the new acks are all posted (acks are
+    idempotent, so the replay after a failure part-way is harmless). An ack the server refuses with 404/422 (e.g. a
+    revision written by ``asyncrl config set``, unknown to the server) is logged and skipped.
     """
 
     def __init__(self, client: httpx.Client, run_id: int, run_dir: Path, offset_path: Path) -> None:
         self.client, self.run_id, self.run_dir, self.offset_path = client, run_id, run_dir, offset_path
-        self.offset = int(offset_path.read_text()) if offset_path.exists() else 0
+        self.offset = read_offset(offset_path)
 
     def sync(self) -> None:
         """One round trip each way. Raises httpx errors (the caller retries later; nothing is lost)."""
@@ -246,16 +226,8 @@ class ConfigBridge:
         resp.raise_for_status()
         for rev in resp.json()["data"]:
             append_revision(self.run_dir, rev["revision"], rev["changes"])
-        acks = self.run_dir / ACKS_FILE
-        if not acks.exists():
-            return
-        if acks.stat().st_size < self.offset:  # the file was replaced: replay it all
-            self.offset = 0
-        with open(acks, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):
-            ack = json.loads(line)
+        acks, end = read_jsonl_after(self.run_dir / ACKS_FILE, self.offset)
+        for ack in acks:
             resp = self.client.post(
                 f"/api/runs/{self.run_id}/config/{ack['revision']}/ack",
                 json={"process": ack["process"], "step": ack["step"]},
@@ -264,8 +236,9 @@ class ConfigBridge:
                 logger.warning("config ack %s refused: %s %s", ack, resp.status_code, resp.text[:300])
             else:
                 resp.raise_for_status()
-            self.offset += len(line)
-            self.offset_path.write_text(str(self.offset))
+        if end != self.offset:
+            self.offset = end
+            self.offset_path.write_text(str(end))
 
 
 class Reporter(threading.Thread):
@@ -302,7 +275,7 @@ class Reporter(threading.Thread):
     def attempt_events(self) -> list[dict[str, Any]]:
         """Events of ``events.jsonl`` written since the reporter was made (all of them when the file was replaced by
         a shorter one, e.g. a requeued attempt started over); complete lines only."""
-        return unsent_rows(self.run_dir / "events.jsonl", self.events_offset)[0]
+        return read_jsonl_after(self.run_dir / "events.jsonl", self.events_offset)[0]
 
     def status(self, status: str, reason: str = "") -> bool:
         """Report a status; False when the server refuses the transition (409)."""

@@ -33,7 +33,7 @@ from server.models import TERMINAL, Run, RunEvent, RunStatus
 from server.services import runs, tokens
 from worker import supervisor
 from worker.celery_app import app
-from worker.rundir import SupervisorHome
+from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
 from worker.spec import RLSpec, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
@@ -229,9 +229,8 @@ def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
     from server.models import MetricPoint
     from server.services import metrics
 
-    offset_path = SupervisorHome(home).forwarded_offset
-    offset = int(offset_path.read_text()) if offset_path.exists() else 0
-    rows, _ = supervisor.unsent_rows(Path(run.run_dir) / "metrics.jsonl", offset)
+    offset = read_offset(SupervisorHome(home).forwarded_offset)
+    rows, _ = read_jsonl_after(Path(run.run_dir) / "metrics.jsonl", offset)
     points = []
     for point in supervisor.rows_to_points(rows):
         try:
