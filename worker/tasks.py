@@ -33,6 +33,8 @@ from server.models import TERMINAL, Run, RunEvent, RunStatus
 from server.services import runs, tokens
 from worker import supervisor
 from worker.celery_app import app
+from worker.procs import alive
+from worker.reporter import rows_to_points
 from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
 from worker.spec import RLSpec, validate_spec
 
@@ -194,7 +196,7 @@ def reconcile() -> list[int]:
             if RunStatus(run.status) not in LIVE or not (run.launcher_handle or "").isdigit():
                 continue
             pid, home = int(run.launcher_handle), Path(run.run_dir).parent
-            if supervisor._alive(pid) or supervisor.running_pid(home) is not None:
+            if alive(pid) or supervisor.running_pid(home) is not None:
                 continue
             final = SupervisorHome(home).read_final(current_attempt(session, run_id))
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
@@ -232,7 +234,7 @@ def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
     offset = read_offset(SupervisorHome(home).forwarded_offset)
     rows, _ = read_jsonl_after(Path(run.run_dir) / "metrics.jsonl", offset)
     points = []
-    for point in supervisor.rows_to_points(rows):
+    for point in rows_to_points(rows):
         try:
             points.append(MetricPoint.model_validate(point))
         except ValidationError:
