@@ -70,20 +70,20 @@ def job_name(run_id: int) -> str:
     return f"asyncrl-run-{run_id}"
 
 
-def _run(argv: list[str], **kwargs: object) -> str:
-    """Run a Slurm command; returns stdout.
+def _run(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a Slurm command (with the environment ``env``, default this process's); returns stdout.
 
     Raises:
         SlurmError: non-zero exit, with the command's stderr joined into one line.
     """
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, **kwargs)  # type: ignore[call-overload]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env)
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]}: not found (is Slurm installed on this worker?)") from None
     if proc.returncode != 0:
         message = " ".join(proc.stderr.split()) or f"exit code {proc.returncode}"
         raise SlurmError(message)
-    return str(proc.stdout)
+    return proc.stdout
 
 
 def render(
