@@ -27,14 +27,14 @@ from worker.spec import RLSpec, SpecError, load_spec_data, validate_spec
 FLAGS = {"--dry-run", "--resume", "--overwrite", "--quiet"}
 
 
-def split_spec_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
+def split_spec_args(argv: list[str]) -> tuple[list[str | Path], list[tuple[str, str]], set[str]]:
     """Split ``@ file`` / ``@file`` arguments, ``--dotted.key value`` overrides and flags.
 
     Raises:
         SpecError: an override without a value (none left, or the next argument is a ``--`` option), an ``@``
             without a file, or a stray argument.
     """
-    files: list[str] = []
+    files: list[str | Path] = []
     overrides: list[tuple[str, str]] = []
     flags: set[str] = set()
     i = 0
@@ -97,29 +97,26 @@ def _spec_command(kind: str, argv: list[str]) -> int:
         from worker.launchers.local import check_run_dir
 
         check_run_dir(spec, resume="--resume" in flags, overwrite="--overwrite" in flags)
-        if kind == "rl":
+        if isinstance(spec, RLSpec):
             from worker.launchers.local import preflight
 
-            preflight(spec)  # type: ignore[arg-type]
+            preflight(spec)
         else:
             from worker.trainer.sft import sft_preflight
 
-            sft_preflight(spec)  # type: ignore[arg-type]
+            sft_preflight(spec)
         print(spec.model_dump_json(indent=2))  # noqa: T201
         return 0
-    if kind == "rl":
+    if isinstance(spec, RLSpec):
         from worker.launchers.local import launch_rl
 
         summary = launch_rl(
-            spec,
-            resume="--resume" in flags,
-            overwrite="--overwrite" in flags,  # type: ignore[arg-type]
-            quiet="--quiet" in flags,
+            spec, resume="--resume" in flags, overwrite="--overwrite" in flags, quiet="--quiet" in flags
         )
         return 0 if summary["status"] == "completed" else 1
     from worker.trainer.sft import run_sft
 
-    run_sft(spec, overwrite="--overwrite" in flags)  # type: ignore[arg-type]
+    run_sft(spec, overwrite="--overwrite" in flags)
     return 0
 
 

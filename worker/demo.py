@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.rundir import atomic_write_json
-from worker.spec import SFTSpec, load_spec_data, validate_spec
+from worker.rundir import SupervisorHome, atomic_write_json
+from worker.spec import RLSpec, SFTSpec, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
 TERMINAL = {"completed", "failed", "cancelled"}
@@ -107,7 +107,8 @@ def run_demo(
     sft, sft_spec = _model_and_sft(out, sft_steps)
     data = _rl_data(sft["final"], rl_steps, output_dir=str(out), name="rl")
     rl_spec = validate_spec("rl", data)
-    rl = launch_rl(rl_spec, overwrite=True)  # type: ignore[arg-type]
+    assert isinstance(rl_spec, RLSpec)
+    rl = launch_rl(rl_spec, overwrite=True)
     summary = _summary(rl, sft, sft_spec, t0, str(rl_spec.run_dir))
     _write(summary_path, summary)
     return summary
@@ -283,7 +284,7 @@ def follow_run(
             if gone >= 3:  # it reports the end before it exits: three polls later the server would know
                 raise DemoError(
                     f"run {run_id}: its supervisor (pid {run['launcher_handle']}) exited without "
-                    f"reporting an end (log: {home / 'supervisor.log'})"
+                    f"reporting an end (log: {SupervisorHome(home).log})"
                 )
             time.sleep(poll_s)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.dotted_keys import get_key, replay, with_keys
-from worker.rundir import append_jsonl, read_jsonl
+from worker.rundir import append_jsonl, read_jsonl, read_jsonl_after
 from worker.spec import RLSpec, SpecError, parse_override_value, validate_spec
 
 logger = logging.getLogger("asyncrl.live_config")
@@ -161,20 +161,8 @@ class LiveConfig:
 
     def new_revisions(self) -> list[dict[str, Any]]:
         """Complete lines after the offset (a line still being written waits for the next call)."""
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for line in chunk[:end].splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                logger.warning("live config: skipped a line that is not JSON: %r", line[:200])
-        return out
+        rows, self.offset = read_jsonl_after(self.path, self.offset)
+        return rows
 
     def apply(self, spec: RLSpec, step: int) -> tuple[RLSpec, dict[str, Any]]:
         """At the boundary before ``step``: apply new revisions' keys of this process to ``spec``.

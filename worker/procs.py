@@ -48,6 +48,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie, state ``Z``/``X`` in ``/proc/<pid>/stat``, has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
 def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG, Linux); exits at
     once if the parent (pid ``parent``, default the current one) is already gone. Note: "parent" is the thread

@@ -36,6 +36,9 @@ from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, store
 from server.services import metrics, runs, tokens
 from worker import supervisor
 from worker.celery_app import TaskName, app
+from worker.procs import alive
+from worker.reporter import rows_to_points
+from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
 from worker.spec import RLSpec, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
@@ -56,7 +59,7 @@ def launch(run_id: int) -> str:
         pid = supervisor.running_pid(home)
         adopted = pid is not None
         attempt = current_attempt(session, run_id)
-        if pid is None and (final := supervisor.read_final(home, attempt)) is not None:
+        if pid is None and (final := SupervisorHome(home).read_final(attempt)) is not None:
             return _adopt_finished(session, run, final)
         if pid is None:
             resume = bool(runs.checkpoint_steps(run))
@@ -119,7 +122,7 @@ def _launch_slurm(session: Session, run: Run) -> str:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
         if job is None:
-            supervisor.write_spec(home, run.spec)
+            SupervisorHome(home).write_spec(run.spec)
             env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url())
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:
@@ -201,9 +204,9 @@ def reconcile() -> list[int]:
             if RunStatus(run.status) not in LIVE or not handle.isdigit():
                 continue
             pid, home = int(handle), Path(run.run_dir).parent
-            if supervisor._alive(pid) or supervisor.running_pid(home) is not None:
+            if alive(pid) or supervisor.running_pid(home) is not None:
                 continue
-            final = supervisor.read_final(home, current_attempt(session, run_id))
+            final = SupervisorHome(home).read_final(current_attempt(session, run_id))
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
                 points = _ingest_spooled_metrics(session, run, home)
                 _apply_final(session, run, final, pid=pid, by="reconcile")
@@ -212,13 +215,13 @@ def reconcile() -> list[int]:
                     "reconcile: run %s %s from the spool %s (%d metric points it had not sent)",
                     run_id,
                     final["status"],
-                    home / supervisor.FINAL_FILE,
+                    SupervisorHome(home).final,
                     points,
                 )
                 continue
             context = "\n".join(
                 x
-                for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3), _last_lines(home / "supervisor.log", 5))
+                for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3), _last_lines(SupervisorHome(home).log, 5))
                 if x
             )
             reason = f"supervisor {pid} is gone" + (f"; last lines:\n{context}" if context else "")
@@ -231,11 +234,10 @@ def reconcile() -> list[int]:
 def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
     """Store the points of ``metrics.jsonl`` the supervisor had not forwarded (after ``forwarded.offset``), as the
     metrics route would (idempotent; invalid points are skipped); returns how many were read. Not committed."""
-    offset_path = home / "forwarded.offset"
-    offset = int(offset_path.read_text()) if offset_path.exists() else 0
-    rows, _ = supervisor.unsent_rows(Path(run.run_dir) / "metrics.jsonl", offset)
+    offset = read_offset(SupervisorHome(home).forwarded_offset)
+    rows, _ = read_jsonl_after(Path(run.run_dir) / "metrics.jsonl", offset)
     points = []
-    for point in supervisor.rows_to_points(rows):
+    for point in rows_to_points(rows):
         try:
             points.append(MetricPoint.model_validate(point))
         except ValidationError:
@@ -258,9 +260,9 @@ def _reconcile_slurm(session: Session, run: Run) -> bool:
     if job is not None and job.live:
         return False
     home = Path(run.run_dir).parent
-    attempts = sorted((home / "slurm").glob("attempt-*/job.log"))
+    attempts = SupervisorHome(home).attempt_logs()
     context = "\n".join(
-        x for x in (_last_lines(home / "supervisor.log", 5), _last_lines(attempts[-1], 3) if attempts else "") if x
+        x for x in (_last_lines(SupervisorHome(home).log, 5), _last_lines(attempts[-1], 3) if attempts else "") if x
     )
     what = "is gone" if job is None else f"ended {job.state} (reason {job.reason}, exit code {job.exit_code})"
     reason = f"Slurm job {run.launcher_handle} {what}" + (f"; last lines:\n{context}" if context else "")

@@ -214,8 +214,8 @@ def processes() -> dict[int, tuple[int, str]]:
 def metrics_file_keys(path: Path) -> set[tuple[str, int, str]]:
     """``(source, step, name)`` of every point the run's processes wrote to ``metrics.jsonl`` (what the supervisor
     forwards: numbers, not booleans)."""
+    from worker.reporter import rows_to_points
     from worker.rundir import read_jsonl
-    from worker.supervisor import rows_to_points
 
     return {(p["source"], p["step"], p["name"]) for p in rows_to_points(read_jsonl(path))}
 

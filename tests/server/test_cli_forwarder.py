@@ -79,7 +79,7 @@ def test_forwarder_spools_while_the_server_is_down_then_sends_each_point_once(
     from fastapi.testclient import TestClient
 
     from server.main import app
-    from worker.supervisor import MetricsForwarder
+    from worker.reporter import MetricsForwarder
 
     run_id = make_run()["id"]
     tmp_path.mkdir(exist_ok=True)

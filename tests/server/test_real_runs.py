@@ -35,9 +35,9 @@ from server_support import (
     wait_for,
 )
 
+from worker.reporter import rows_to_points
 from worker.rundir import read_jsonl
 from worker.spec import load_spec_data
-from worker.supervisor import rows_to_points
 
 pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"

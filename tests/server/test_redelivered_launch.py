@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from server_support import wait_for
 
+from worker.procs import alive
 from worker.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data
-from worker.supervisor import _alive
 
 pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
@@ -66,9 +66,9 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
         home, run_id=run["id"], spec=run["spec"], token=run_token(run["id"]), server_url=live_server, attempt=attempt
     )  # what the killed delivery did
     try:
-        wait_for(lambda: not _alive(pid), 480, "the supervisor ran the whole run")
+        wait_for(lambda: not alive(pid), 480, "the supervisor ran the whole run")
     finally:
-        if _alive(pid):
+        if alive(pid):
             os.killpg(pid, signal.SIGKILL)
     rd = RunDir(run["run_dir"])
     assert [e["event"] for e in read_jsonl(rd.events)] == ["starting", "running", "completed"]

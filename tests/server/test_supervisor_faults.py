@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from server_support import free_port, run_token_headers, stored, wait_for
 
-from worker.rundir import RunDir
-from worker.supervisor import _alive
+from worker.procs import alive
+from worker.rundir import RunDir, SupervisorHome
 
 
 def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
@@ -41,7 +41,7 @@ def supervisors() -> Iterator[list[int]]:
     pids: list[int] = []
     yield pids
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             os.killpg(pid, signal.SIGKILL)
 
 
@@ -61,7 +61,7 @@ def test_server_down_final_report_is_bounded_and_reconcile_delivers_the_spool(
     result = launch(run["id"])
     pid = int(result.rsplit(" ", 1)[1])
     supervisors.append(pid)
-    wait_for(lambda: not _alive(pid), 60, "the supervisor gave up reporting to the unreachable server")
+    wait_for(lambda: not alive(pid), 60, "the supervisor gave up reporting to the unreachable server")
     took = time.monotonic() - t0
     print(f"supervisor ended {took:.1f}s after launch with the server down (report timeout 3 s)")  # noqa: T201 - the measurement (-s shows it)
     final = json.loads((home / "final.json").read_text())
@@ -129,7 +129,7 @@ def test_resumed_supervisor_reports_running_only_for_this_attempt(
     """events.jsonl keeps the earlier attempt's ``running``: the reporter of the new attempt must wait for its own."""
     import httpx
 
-    from worker.supervisor import Reporter
+    from worker.reporter import Reporter
 
     run = make_run()
     rd = RunDir(run["run_dir"])
@@ -142,7 +142,7 @@ def test_resumed_supervisor_reports_running_only_for_this_attempt(
         )
         assert resp.status_code == 200, resp.text
     with httpx.Client(base_url=live_server, headers=run_token_headers(run["id"]), timeout=10) as http:
-        reporter = Reporter(http, run["id"], rd.root, Path(run["run_dir"]).parent, interval_s=0.1)
+        reporter = Reporter(http, run["id"], rd.root, SupervisorHome(Path(run["run_dir"]).parent), interval_s=0.1)
         reporter.start()  # as the resumed run's supervisor does, before its launcher starts
         try:
             rd.log_event("starting", resume_step=2)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from server_support import spec, wait_for
 
-from worker.supervisor import _alive
+from worker.procs import alive
 
 
 def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
@@ -223,7 +223,7 @@ def test_kill_9_of_the_worker_takes_its_embedded_beat_and_pool_along(tmp_path: P
         )
         proc.kill()
         proc.wait(timeout=10)
-        wait_for(lambda: not any(_alive(p) for p in kids), 20, "beat and pool workers gone")
+        wait_for(lambda: not any(alive(p) for p in kids), 20, "beat and pool workers gone")
     finally:
-        if _alive(proc.pid):
+        if alive(proc.pid):
             os.killpg(proc.pid, 9)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from worker.demo import TERMINAL, embedded_service, follow_run
-from worker.supervisor import _alive as alive  # the liveness check the service itself uses
+from worker.procs import alive  # the liveness check the service itself uses
 
 BAD_MODEL = "/nonexistent/asyncrl-demo-test-model"
 

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.checkpoint import complete_steps
-from worker.rundir import RunDir
+from worker.rundir import SupervisorHome
 from worker.spec import RLSpec
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
-SCRIPT = "job.sbatch"
 LIVE_STATES = frozenset(
     {
         "PENDING",
@@ -71,20 +70,20 @@ def job_name(run_id: int) -> str:
     return f"asyncrl-run-{run_id}"
 
 
-def _run(argv: list[str], **kwargs: object) -> str:
-    """Run a Slurm command; returns stdout.
+def _run(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a Slurm command (with the environment ``env``, default this process's); returns stdout.
 
     Raises:
         SlurmError: non-zero exit, with the command's stderr joined into one line.
     """
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, **kwargs)  # type: ignore[call-overload]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env)
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]}: not found (is Slurm installed on this worker?)") from None
     if proc.returncode != 0:
         message = " ".join(proc.stderr.split()) or f"exit code {proc.returncode}"
         raise SlurmError(message)
-    return str(proc.stdout)
+    return proc.stdout
 
 
 def render(
@@ -109,15 +108,15 @@ def render(
         autoescape=False,
     )
     env.filters["quote"] = lambda value: shlex.quote(str(value))
-    run_dir = home / spec.name
-    steps = complete_steps(RunDir(run_dir)) if resume else []
+    run = SupervisorHome(home).run_dir(spec.name)
+    steps = complete_steps(run) if resume else []
     return env.get_template(TEMPLATE.name).render(
         spec=spec,
         s=spec.launcher.slurm,
         name=spec.name,
         job_name=name,
         home=home,
-        run_dir=run_dir,
+        run_dir=run.root,
         python=python,
         workdir=workdir or Path.cwd(),
         resume=resume,
@@ -168,7 +167,7 @@ def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume
             f"got {slurm.nodes}; `asyncrl slurm render` shows the {slurm.nodes}-node script"
         )
     home.mkdir(parents=True, exist_ok=True)
-    script = home / SCRIPT
+    script = SupervisorHome(home).job_script
     script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume))
     full_env = {**os.environ, **env}
     if slurm.allocation is None:
@@ -179,7 +178,8 @@ def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume
 def _start_step(allocation: str, run_id: int, home: Path, script: Path, env: dict[str, str]) -> str:
     """Run ``script`` as a step of job ``allocation``; returns ``<job>.<step>`` once Slurm lists the step."""
     name = job_name(run_id)
-    with open(home / "srun.log", "ab") as log:
+    srun_log = SupervisorHome(home).srun_log
+    with open(srun_log, "ab") as log:
         proc = subprocess.Popen(
             [
                 "srun",
@@ -203,7 +203,7 @@ def _start_step(allocation: str, run_id: int, home: Path, script: Path, env: dic
         if (step := _step(allocation, name)) is not None:
             return step
         if proc.poll() is not None:
-            text = (home / "srun.log").read_text(errors="replace").strip().splitlines()
+            text = srun_log.read_text(errors="replace").strip().splitlines()
             raise SlurmError(text[-1] if text else f"srun exited with code {proc.returncode}")
         time.sleep(0.2)
     proc.kill()

@@ -1,0 +1,116 @@
+"""Inside a Slurm job: what the run's supervisor does about time limits, requeues and ``scancel``.
+
+The job script (``deploy/slurm/rl.sbatch.j2``, rendered by :mod:`worker.launchers.slurm`) runs
+``python -m worker.supervisor`` and passes it USR1 and TERM. Then
+
+- USR1 (``--signal=B:USR1@<signal_before_end_s>``: the time limit is near): :func:`on_time_limit` asks trainer and
+  orchestrator for a checkpoint, waits for it, then ``scontrol requeue``s the job;
+- a requeued job starts again with ``SLURM_RESTART_COUNT`` + 1: :func:`start_requeued` keeps the run directory up
+  to its newest complete checkpoint (or starts over without one) and says what to report as ``requeued``;
+- TERM (``scancel``, the time limit, or the requeue itself): :func:`end_status` tells a requeue (the next attempt
+  reports) from a cancel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.checkpoint import complete_steps, request, resume_step
+from worker.launchers.slurm import SlurmError, state
+from worker.rundir import RunDir, SupervisorHome, read_jsonl
+
+logger = logging.getLogger("asyncrl.supervisor")
+
+
+def attempt() -> int | None:
+    """``SLURM_RESTART_COUNT`` (0 on the first attempt) when this supervisor runs as a Slurm job, else None."""
+    if os.environ.get("ASYNCRL_LAUNCHER") != "slurm" or "SLURM_JOB_ID" not in os.environ:
+        return None
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def on_time_limit(run_dir: Path, signal_before_end_s: int) -> None:
+    """Make USR1 start :func:`checkpoint_then_requeue` in a thread, waiting for the checkpoint up to 10 s less
+    than the ``signal_before_end_s`` seconds the time limit leaves (at least 10 s)."""
+    wait_s = max(10.0, signal_before_end_s - 10.0)
+    signal.signal(
+        signal.SIGUSR1,
+        lambda *_: threading.Thread(target=checkpoint_then_requeue, args=(run_dir, wait_s), daemon=True).start(),
+    )
+
+
+def checkpoint_then_requeue(run_dir: Path, wait_s: float) -> None:
+    """USR1 (the job's time limit is near): ask trainer and orchestrator for a checkpoint two steps after the
+    orchestrator's last step, wait up to ``wait_s`` for it to be complete, then ``scontrol requeue`` the job (the
+    next attempt resumes from the newest complete checkpoint)."""
+    run = RunDir(run_dir)
+    last = max((r["step"] for r in read_jsonl(run.metrics) if r.get("source") == "orchestrator"), default=0)
+    step = last + 2  # the orchestrator may be writing step last + 1 already
+    request(run, step)
+    logger.info("USR1: checkpoint requested at step %d", step)
+    deadline = time.monotonic() + wait_s
+    while step not in complete_steps(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    job = os.environ["SLURM_JOB_ID"]
+    logger.info(
+        "checkpoint step %d %s; requeueing job %s",
+        step,
+        "complete" if step in complete_steps(run) else "not complete in time",
+        job,
+    )
+    subprocess.run(["scontrol", "requeue", job], check=False)
+
+
+def prepare_requeued(run_dir: Path, home: SupervisorHome) -> int | None:
+    """A requeued attempt: keep the run directory up to its newest complete checkpoint (returned) or, without one,
+    start over; the metrics forwarder replays from the start (ingestion is idempotent)."""
+    run = RunDir(run_dir)
+    step = resume_step(run) if run.config.exists() else None
+    if step is None:
+        shutil.rmtree(run.root, ignore_errors=True)
+    else:
+        run.prune_after(step)
+    home.forwarded_offset.unlink(missing_ok=True)
+    return step
+
+
+def start_requeued(restarts: int, run_dir: Path, home: SupervisorHome) -> dict[str, Any]:
+    """Attempt ``restarts`` (> 0) of the job: :func:`prepare_requeued`, then the body of the ``requeued`` report
+    (``{"restarts", "resume_step", "job"}``; ``resume_step`` None: the run starts over)."""
+    step = prepare_requeued(run_dir, home)
+    job = os.environ["SLURM_JOB_ID"]
+    logger.info(
+        "Slurm attempt %d of job %s: %s",
+        restarts,
+        job,
+        f"resuming from checkpoint step {step}" if step is not None else "no complete checkpoint, starting over",
+    )
+    return {"restarts": restarts, "resume_step": step, "job": job}
+
+
+def requeued(restarts: int) -> bool:
+    """After SIGTERM: whether Slurm requeued the job (its restart count went past attempt ``restarts``) rather than
+    cancelled it (``scancel`` leaves the count alone)."""
+    try:
+        current = state(os.environ["SLURM_JOB_ID"])
+    except SlurmError as err:
+        logger.warning("cannot ask Slurm whether the job was requeued: %s", err)
+        return False
+    return current is not None and current.restarts > restarts
+
+
+def end_status(restarts: int) -> tuple[str | None, str]:
+    """The status and reason to report after Slurm's SIGTERM in attempt ``restarts``: none when the job was requeued
+    (the next attempt reports), else ``cancelled`` (``scancel`` or the time limit)."""
+    job = os.environ["SLURM_JOB_ID"]
+    if requeued(restarts):
+        return None, f"Slurm job {job} requeued"
+    return "cancelled", f"Slurm job {job} terminated (scancel or time limit)"
