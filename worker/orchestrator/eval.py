@@ -12,18 +12,12 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment
+from worker.orchestrator.multiturn import run_group
+from worker.orchestrator.prompts import prompt_ids
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient
     from worker.orchestrator.harness import HarnessRunner
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Chat-templated prompt token ids with the assistant turn opened (``add_generation_prompt``)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return list(out)
 
 
 async def evaluate(
@@ -65,8 +59,6 @@ async def evaluate(
                 task, n=pass_k, max_tokens=max_tokens, temperature=temperature, policy_version=lambda: 0
             )
         elif env.is_multi_turn:
-            from worker.orchestrator.multiturn import run_group
-
             rollouts = await run_group(
                 client,
                 tokenizer,

@@ -40,9 +40,10 @@ from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import data_order
-from worker.orchestrator.eval import evaluate, prompt_ids
+from worker.orchestrator.eval import evaluate
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.multiturn import run_group
+from worker.orchestrator.prompts import prompt_ids
 from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import RLSpec
