@@ -15,7 +15,17 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from worker.alert_rules import AlertRule
 from worker.dotted_keys import with_keys
@@ -72,13 +82,38 @@ class InferenceConfig(_Strict):
 # ----------------------------------------------------------------------------- orchestrator
 
 
-class AdvantageConfig(_Strict):
-    type: Literal["grpo", "maxrl"] = "grpo"
+class GrpoAdvantage(_Strict):
+    """GRPO: reward minus the group mean, optionally over the group std (``worker/orchestrator/advantages/grpo.py``)."""
+
+    type: Literal["grpo"] = "grpo"
     std_normalize: bool = False
-    """GRPO: divide by the group reward std (floored at ``std_floor``)."""
+    """Divide by the group's population reward std, floored at ``std_floor`` (off: Dr. GRPO's mean-only form)."""
     std_floor: float = Field(1e-2, gt=0)
+    """Lower bound of the std divisor (> 0); bounds the inflation of near-uniform groups."""
     length_penalty: float = Field(0.0, ge=0)
-    """Shaping against longer completions within a group (0 = off)."""
+    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off)."""
+
+
+class MaxRLAdvantage(_Strict):
+    """MaxRL: reward minus the group mean, over the group mean (``worker/orchestrator/advantages/maxrl.py``)."""
+
+    type: Literal["maxrl"] = "maxrl"
+    length_penalty: float = Field(0.0, ge=0)
+    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off)."""
+
+
+def _advantage_type(value: Any) -> str:
+    """The ``type`` of an ``[orchestrator.advantage]`` table; a table without one is GRPO's (the default)."""
+    if isinstance(value, dict):
+        return str(value.get("type", "grpo"))
+    return str(getattr(value, "type", "grpo"))
+
+
+AdvantageConfig = Annotated[
+    Annotated[GrpoAdvantage, Tag("grpo")] | Annotated[MaxRLAdvantage, Tag("maxrl")],
+    Discriminator(_advantage_type),
+]
+"""``[orchestrator.advantage]``: one config class per advantage type, chosen by ``type`` (default ``grpo``)."""
 
 
 class HarnessConfig(_Strict):
@@ -123,7 +158,8 @@ class OrchestratorConfig(_Strict):
     """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level."""
     max_off_policy_steps: int = Field(8, ge=0)
     """A rollout whose generating policy version lags the trainer's (n - 1) by more than this is dropped."""
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
+    """How rollouts are scored against their group (``worker/orchestrator/advantages/``)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero (no learning signal)."""
@@ -159,20 +195,31 @@ class _LossBase(_Strict):
 
 
 class DppoKlLoss(_LossBase):
+    """DPPO trust-region mask by advantage sign plus a squared-log-ratio KL term (``worker/trainer/loss/dppo_kl.py``)."""
+
     type: Literal["dppo_kl"] = "dppo_kl"
     mask_low: float = Field(0.2, gt=0)
+    """A token with negative advantage is masked once ``p_train - p_infer < -mask_low``."""
     mask_high: float = Field(0.2, gt=0)
+    """A token with positive advantage is masked once ``p_train - p_infer > mask_high``."""
     kl_tau: float = Field(1e-3, ge=0)
+    """Weight of the KL term ``kl_tau * sum (log r)^2`` over every loss token (0 = off)."""
 
 
 class IpoLoss(_LossBase):
+    """Symmetric probability-difference trust region (``worker/trainer/loss/ipo.py``)."""
+
     type: Literal["ipo"] = "ipo"
     epsilon: float = Field(0.2, gt=0)
+    """A token is masked once ``abs(p_train - p_infer) > epsilon``, whatever its advantage's sign."""
 
 
 class IcePopLoss(_LossBase):
+    """Drop tokens whose train/infer probability ratio leaves a band (``worker/trainer/loss/icepop.py``)."""
+
     type: Literal["icepop"] = "icepop"
     band: tuple[float, float] = (0.5, 5.0)
+    """``[low, high]`` with ``0 < low < 1 < high``: tokens with ratio ``pi_train / pi_infer`` outside are masked."""
 
     @field_validator("band", mode="wrap")
     @classmethod
@@ -185,8 +232,11 @@ class IcePopLoss(_LossBase):
 
 
 class AipoLoss(_LossBase):
+    """Policy gradient weighted by the truncated importance ratio (``worker/trainer/loss/aipo.py``)."""
+
     type: Literal["aipo"] = "aipo"
     max_ratio: float = Field(2.0, gt=1)
+    """Truncation of the importance weight ``min(r, max_ratio)`` (> 1); nothing is masked."""
 
 
 LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss, Field(discriminator="type")]
@@ -497,15 +547,21 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
             check_unknown_keys(inner, value, prefix=f"{dotted}.")
 
 
+_VARIANT_TAGS = frozenset(
+    str(cls.model_fields["type"].default)
+    for cls in (DppoKlLoss, IpoLoss, IcePopLoss, AipoLoss, GrpoAdvantage, MaxRLAdvantage)
+)
+"""The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
+
+
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    loc = ".".join(
-        str(p) for p in first["loc"] if not (isinstance(p, str) and p in {"dppo_kl", "ipo", "icepop", "aipo"})
-    )
+    loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p in _VARIANT_TAGS))
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "union_tag_invalid":
         ctx = first.get("ctx", {})
         field = str(ctx.get("discriminator", "type")).strip("'")
+        field = field if field.isidentifier() else "type"  # a callable discriminator (advantages) reads `type`
         return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
     given = first.get("input")
     if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):

@@ -67,14 +67,13 @@ def build_batch(
         The training samples and the step's orchestrator metrics (reward, advantage, length,
         staleness and drop statistics).
     """
-    adv_cfg = orch.advantage.model_dump(exclude={"type"})
     samples: list[TrainSample] = []
     stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
     dropped_stale = dropped_overlong = dropped_zero = missing = all_missing_groups = truncated = 0
     for group_index, group in enumerate(groups):
         lags = [rollout_lag(step, r.policy_span) for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
-        result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
+        result = compute_advantages(orch.advantage, [r.reward for r in group], lengths)
         missing += result.reward_missing
         all_missing_groups += int(result.all_missing)
         for r, a in zip(group, result.advantages, strict=True):

@@ -1,4 +1,4 @@
-"""Shared parts of the per-group advantage functions: the result type, missing rewards, length shaping.
+"""One group's bookkeeping for the advantage functions: the result type, missing rewards, length shaping.
 
 An advantage function takes ONE group (the ``group_size`` rollouts of one task) and returns one
 advantage per rollout. Rewards that are ``None`` (the reward function failed or returned nothing) or
@@ -36,12 +36,6 @@ class ScoredGroup:
     """Positions of the present rewards in the group."""
     rewards: list[float]
     lengths: list[int]
-
-
-def check_param(name: str, ok: bool, expected: str, value: object) -> None:
-    """One-line ValueError naming ``orchestrator.advantage.<name>`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"orchestrator.advantage.{name}: expected {expected}, got {value!r}")
 
 
 def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[int]) -> ScoredGroup:
