@@ -1,4 +1,4 @@
-"""Run-spec schema (``worker/spec.py``): slim imports, shipped configs, unknown keys, overrides, errors, round trips."""
+"""Run-spec schema (``worker/spec/``): slim imports, shipped configs, unknown keys, overrides, errors, round trips."""
 
 from __future__ import annotations
 
