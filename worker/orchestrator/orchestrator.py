@@ -5,7 +5,8 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
 - **producer**: for step n, waits until inference serves policy version >= n - 1 - max_async_level
   (the start gate of ``staleness.py``; the wait is ``wait_for_policy``; 0 async levels = on-policy), then
   starts the step's groups by the environment's rollout path (``rollouts.py``).
-  Step n always takes tasks [(n-1)·B, n·B) of the data order, so a resumed run sees the same data.
+  Step n takes the next B = batch_size tasks of the data order after the cursor, which each checkpoint
+  saves (``data.TaskSampler``), so a resumed or forked run continues right after its parent's tasks.
 - **group rollout**: one vLLM request with ``n = group_size`` on the chat-templated prompt ids; the
   completion token ids and sampled-token logprobs come from vLLM (never re-tokenized); rewards come
   from the environment's own reward functions; the request records the policy-version span
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
-import json
 import logging
 import sys
 import time
@@ -40,7 +40,7 @@ from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
-from worker.orchestrator.data import data_order
+from worker.orchestrator.data import TaskSampler
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.rollouts import rollout_group
@@ -75,6 +75,14 @@ class Orchestrator:
             else None
         )
         """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
+        self.sampler = TaskSampler.resume(
+            run.checkpoint_dir(start_step) / "orchestrator",
+            step=start_step,
+            num_tasks=self.train_env.num_tasks,
+            seed=spec.seed,
+            batch_size=spec.orchestrator.batch_size,
+        )
+        """Each step's task indices, from the data cursor of the checkpoint resumed from."""
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
@@ -146,10 +154,7 @@ class Orchestrator:
             max_total_tokens=max(1, max_len - orch.max_tokens),
         )
 
-    async def generate_step(self, step: int) -> list[list[Rollout]]:
-        size = self.spec.orchestrator.batch_size
-        positions = range((step - 1) * size, step * size)
-        indices = [data_order(p, self.train_env.num_tasks, self.spec.seed) for p in positions]
+    async def generate_step(self, indices: list[int]) -> list[list[Rollout]]:
         return list(await asyncio.gather(*(self.rollout_group(i) for i in indices)))
 
     async def produce(self) -> None:
@@ -161,7 +166,8 @@ class Orchestrator:
             self._step_specs[step] = self._spec
             context = contextvars.copy_context()
             context.run(_STEP_SPEC.set, self._spec)
-            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(step), waited), context=context)
+            indices = self.sampler.take(step, self._spec.orchestrator.batch_size)
+            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(indices), waited), context=context)
 
     @staticmethod
     async def _timed(coro: Any, waited: float) -> tuple[Any, float, float]:
@@ -190,13 +196,8 @@ class Orchestrator:
         )
 
     def save_state(self, step: int) -> None:
-        size = self.spec.orchestrator.batch_size
-        state = {"step": step, "data_cursor": step * size, "seed": self.spec.seed}
-
-        def write(folder: Path) -> None:
-            (folder / "state.json").write_text(json.dumps(state))
-
-        write_part(self.run, step, "orchestrator", write)
+        """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``)."""
+        write_part(self.run, step, "orchestrator", lambda folder: self.sampler.write_state(folder, step))
 
     # ------------------------------------------------------------------ evals
 
