@@ -107,7 +107,7 @@ def run_demo(
     sft, sft_spec = _model_and_sft(out, sft_steps)
     data = _rl_data(sft["final"], rl_steps, output_dir=str(out), name="rl")
     rl_spec = validate_spec("rl", data)
-    rl = launch_rl(rl_spec, overwrite=True)  # type: ignore[arg-type]
+    rl = launch_rl(rl_spec, overwrite=True)
     summary = _summary(rl, sft, sft_spec, t0, str(rl_spec.run_dir))
     _write(summary_path, summary)
     return summary

@@ -31,7 +31,7 @@ async def evaluate(
     pass_k: int = 1,
     pass_threshold: float = 1.0,
     harness: HarnessRunner | None = None,
-) -> dict[str, float]:
+) -> dict[str, float | int | None]:
     """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
 
     Each task's samples are one rollout group on the environment's path (``worker.orchestrator.rollouts``): a

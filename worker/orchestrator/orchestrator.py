@@ -201,7 +201,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ evals
 
-    async def run_eval(self) -> dict[str, float]:
+    async def run_eval(self) -> dict[str, float | int | None]:
         ev = self.spec.orchestrator.eval
         version = self.policy_version
         result = await evaluate(

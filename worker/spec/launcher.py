@@ -19,18 +19,18 @@ class SlurmConfig(StrictModel):
     reservation: str | None = None
     time_limit: str | None = None
     """Slurm time format: ``minutes``, ``HH:MM:SS`` or ``D-HH:MM:SS``; None takes the partition's default."""
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(0, ge=0)
-    inference_nodes: int = Field(0, ge=0)
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
+    inference_nodes: int = Field(default=0, ge=0)
     """With ``nodes > 1``: the first k nodes serve inference, the rest train (orchestrator on the first trainer node)."""
     allocation: str | None = None
     """Run inside this existing job id (``srun --jobid=<id> --overlap``) instead of submitting a new job."""
-    signal_before_end_s: int = Field(120, ge=0)
+    signal_before_end_s: int = Field(default=120, ge=0)
     """Seconds before the time limit at which the batch shell gets USR1: checkpoint now, then requeue (0 = off)."""
     requeue: bool = True
-    rdzv_port: int = Field(29500, ge=1, le=65535)
+    rdzv_port: int = Field(default=29500, ge=1, le=65535)
     """Port of the trainer's torchrun c10d rendezvous on the first trainer node."""
-    inference_port: int = Field(8000, ge=1, le=65535)
+    inference_port: int = Field(default=8000, ge=1, le=65535)
     """Port of the vLLM server on the first inference node (multi-node layouts)."""
     extra_sbatch: list[str] = Field(default_factory=list)
     """More ``#SBATCH`` options, each ``--name`` or ``--name=value``."""
@@ -90,7 +90,7 @@ class LocalConfig(StrictModel):
     """CUDA device ids of the vLLM server."""
     trainer_gpus: list[int] = Field(default_factory=list)
     """CUDA device ids of the trainer: with more than one, ``torchrun`` starts one FSDP2 rank per GPU."""
-    trainer_processes: int = Field(0, ge=0, le=1024)
+    trainer_processes: int = Field(default=0, ge=0, le=1024)
     """Trainer ranks under ``torchrun`` (FSDP2; gloo on cpu). 0: one per ``trainer_gpus`` entry, else 1 (a plain
     process)."""
 

@@ -9,7 +9,7 @@ import difflib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from pydantic import BaseModel, ValidationError
 
@@ -84,6 +84,12 @@ def _format_validation_error(err: ValidationError) -> str:
     return f"{loc}: {msg}" if loc else msg
 
 
+@overload
+def validate_spec(kind: Literal["rl"], data: dict[str, Any]) -> RLSpec: ...
+@overload
+def validate_spec(kind: Literal["sft"], data: dict[str, Any]) -> SFTSpec: ...
+@overload
+def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec: ...
 def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
     """Validate a raw mapping into a spec of ``kind`` (``rl`` or ``sft``).
 
@@ -99,7 +105,7 @@ def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
         raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
     check_unknown_keys(model, data)
     try:
-        return model.model_validate(data)  # type: ignore[return-value]
+        return model.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation_error(err)) from None
 

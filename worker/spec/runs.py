@@ -37,18 +37,18 @@ class InferenceConfig(StrictModel):
     url: str | None = None
     """Use an already running vLLM server at this base URL instead of starting one."""
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
+    port: int = Field(default=0, ge=0, le=65535)
     """0 picks a free port."""
-    max_model_len: int = Field(512, ge=16)
+    max_model_len: int = Field(default=512, ge=16)
     """vLLM context length in tokens."""
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     extra_args: list[str] = Field(default_factory=list)
     """Extra ``api_server`` flags, passed through unchanged."""
-    connect_timeout_s: float = Field(5.0, gt=0)
-    read_timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(3, ge=0, le=20)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=120.0, gt=0)
+    max_retries: int = Field(default=3, ge=0, le=20)
     """Retries of one request (exponential backoff) before the run fails."""
-    startup_timeout_s: float = Field(300.0, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -70,9 +70,9 @@ class RLSpec(StrictModel):
     name: str = "rl"
     output_dir: str = "outputs"
     """Run directories are created below this folder, as ``<output_dir>/<name>``."""
-    seed: int = Field(0, ge=0, lt=2**32)
+    seed: int = Field(default=0, ge=0, lt=2**32)
     """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
-    max_steps: int = Field(100, ge=1)
+    max_steps: int = Field(default=100, ge=1)
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -119,9 +119,9 @@ class RLSpec(StrictModel):
 
 
 class SFTDataConfig(StrictModel):
-    num_examples: int = Field(4096, ge=1)
+    num_examples: int = Field(default=4096, ge=1)
     """Generated prompt/completion pairs (from the environment's train split)."""
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(default=32, ge=1)
     """Samples per optimizer step."""
 
 
@@ -129,20 +129,20 @@ class SFTSpec(StrictModel):
     kind: Literal["sft"] = "sft"
     name: str = "sft"
     output_dir: str = "outputs"
-    seed: int = Field(0, ge=0, lt=2**32)
+    seed: int = Field(default=0, ge=0, lt=2**32)
     """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
-    max_steps: int = Field(200, ge=1)
+    max_steps: int = Field(default=200, ge=1)
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
-    seq_len: int = Field(2048, ge=8)
+    seq_len: int = Field(default=2048, ge=8)
     """Packed sequence length in tokens."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    threads: int = Field(2, ge=1)
-    eval_interval: int = Field(0, ge=0)
+    threads: int = Field(default=2, ge=1)
+    eval_interval: int = Field(default=0, ge=0)
     """Greedy held-out eval every this many steps (0 = at the end only)."""
-    eval_examples: int = Field(64, ge=1)
+    eval_examples: int = Field(default=64, ge=1)
     alerts: list[AlertRule] = Field(default_factory=list)
     """Alert rules of this run (``worker/alert_rules.py``)."""
 
@@ -153,4 +153,4 @@ class SFTSpec(StrictModel):
         return Path(self.output_dir) / self.name
 
 
-SPEC_TYPES: dict[str, type[StrictModel]] = {"rl": RLSpec, "sft": SFTSpec}
+SPEC_TYPES: dict[str, type[RLSpec] | type[SFTSpec]] = {"rl": RLSpec, "sft": SFTSpec}

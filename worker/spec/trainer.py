@@ -10,10 +10,10 @@ from worker.spec.strict import StrictModel
 
 
 class OptimConfig(StrictModel):
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
 
     @field_validator("betas")
     @classmethod
@@ -25,8 +25,8 @@ class OptimConfig(StrictModel):
 
 class SchedulerConfig(StrictModel):
     type: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
 
 
 class _LossBase(StrictModel):
@@ -38,11 +38,11 @@ class DppoKlLoss(_LossBase):
     """DPPO trust-region mask by advantage sign plus a squared-log-ratio KL term (``worker/trainer/loss/dppo_kl.py``)."""
 
     type: Literal["dppo_kl"] = "dppo_kl"
-    mask_low: float = Field(0.2, gt=0)
+    mask_low: float = Field(default=0.2, gt=0)
     """A token with negative advantage is masked once ``p_train - p_infer < -mask_low``."""
-    mask_high: float = Field(0.2, gt=0)
+    mask_high: float = Field(default=0.2, gt=0)
     """A token with positive advantage is masked once ``p_train - p_infer > mask_high``."""
-    kl_tau: float = Field(1e-3, ge=0)
+    kl_tau: float = Field(default=1e-3, ge=0)
     """Weight of the KL term ``kl_tau * sum (log r)^2`` over every loss token (0 = off)."""
 
 
@@ -50,7 +50,7 @@ class IpoLoss(_LossBase):
     """Symmetric probability-difference trust region (``worker/trainer/loss/ipo.py``)."""
 
     type: Literal["ipo"] = "ipo"
-    epsilon: float = Field(0.2, gt=0)
+    epsilon: float = Field(default=0.2, gt=0)
     """A token is masked once ``abs(p_train - p_infer) > epsilon``, whatever its advantage's sign."""
 
 
@@ -75,7 +75,7 @@ class AipoLoss(_LossBase):
     """Policy gradient weighted by the truncated importance ratio (``worker/trainer/loss/aipo.py``)."""
 
     type: Literal["aipo"] = "aipo"
-    max_ratio: float = Field(2.0, gt=1)
+    max_ratio: float = Field(default=2.0, gt=1)
     """Truncation of the importance weight ``min(r, max_ratio)`` (> 1); nothing is masked."""
 
 
@@ -93,14 +93,14 @@ class WeightSyncConfig(StrictModel):
     kind: Literal["filesystem", "process_group"] = "filesystem"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``auto``: nccl when the trainer runs on cuda, else gloo."""
-    master_addr: str = Field("127.0.0.1", min_length=1)
+    master_addr: str = Field(default="127.0.0.1", min_length=1)
     """Address of trainer rank 0 as the vLLM workers reach it (the group's TCP store listens there)."""
-    master_port: int = Field(0, ge=0, le=65535)
+    master_port: int = Field(default=0, ge=0, le=65535)
     """Port of the group's TCP store; 0 picks a free port."""
-    bucket_mb: int = Field(256, ge=1, le=16384)
+    bucket_mb: int = Field(default=256, ge=1, le=16384)
     """Upper bound of one broadcast bucket in MiB (tensors of one dtype flattened together; a larger tensor
     goes alone)."""
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(default=120.0, gt=0)
     """Bound on forming the group (after inference is up) and on one update, on both sides; past it the
     update falls back to the filesystem."""
 
@@ -109,7 +109,7 @@ class TrainerConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     loss: LossConfig = Field(default_factory=DppoKlLoss)
-    threads: int = Field(1, ge=1)
+    threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the trainer process (CPU)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer computes. ``cuda``: FSDP2 over the GPUs ``torchrun`` starts one process each for
@@ -121,14 +121,14 @@ class TrainerConfig(StrictModel):
     that skips the blocks across sample boundaries (compiled; GPU)."""
     compile: bool = False
     """``torch.compile`` each decoder block (fuses the elementwise kernels around the matmuls; GPU)."""
-    slow_step_s: float = Field(0.0, ge=0)
+    slow_step_s: float = Field(default=0.0, ge=0)
     """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
 
 
 class CheckpointConfig(StrictModel):
-    interval: int = Field(0, ge=0)
+    interval: int = Field(default=0, ge=0)
     """Save trainer and orchestrator state every this many steps (0 = never)."""
-    keep: int = Field(2, ge=1)
+    keep: int = Field(default=2, ge=1)
     """Complete checkpoints kept on disk."""

@@ -46,11 +46,11 @@ def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[i
         )
     if not rewards:
         raise ValueError("advantages: a group needs at least one rollout, got none")
-    index = [i for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
+    present = [(i, float(r)) for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
     return ScoredGroup(
-        index=index,
-        rewards=[float(rewards[i]) for i in index],  # type: ignore[arg-type]  # None filtered above
-        lengths=[int(completion_lengths[i]) for i in index],
+        index=[i for i, _ in present],
+        rewards=[r for _, r in present],
+        lengths=[int(completion_lengths[i]) for i, _ in present],
     )
 
 
