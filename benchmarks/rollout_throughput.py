@@ -50,7 +50,7 @@ def measure_alone(
     url: str, model: Path, *, rounds: int, offset: int, prompts: int = 8, n: int = 8, max_tokens: int = 48
 ) -> dict:
     from worker.models import load_tokenizer
-    from worker.orchestrator.eval import prompt_ids
+    from worker.orchestrator.prompts import prompt_ids
 
     tok = load_tokenizer(model)
     env = C.bench_env(model)  # the RL run's prompts

@@ -34,7 +34,7 @@ import _common as C  # noqa: E402
 
 
 def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group: int = 8, share: bool = False) -> dict:
-    from worker.orchestrator.eval import prompt_ids
+    from worker.orchestrator.prompts import prompt_ids
     from worker.packing import pack, pack_shared_prompt
 
     rng = random.Random(seed)

@@ -20,7 +20,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-METRICS: dict[str, tuple[str, ...]] = {
+Source = Literal["trainer", "orchestrator", "eval"]
+"""A process that reports metrics to ``metrics.jsonl``."""
+
+METRICS: dict[Source, tuple[str, ...]] = {
     "trainer": (
         "loss",
         "entropy",
@@ -64,7 +67,7 @@ RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")
 """Also the event names a webhook endpoint filters on."""
 
 
-def default_source(metric: str) -> str:
+def default_source(metric: str) -> Source:
     """The first process (trainer, orchestrator, eval) that reports ``metric``."""
     return next(src for src, names in METRICS.items() if metric in names)
 
@@ -83,7 +86,7 @@ class _Rule(BaseModel):
 
 class _MetricRule(_Rule):
     metric: str
-    source: Literal["trainer", "orchestrator", "eval"] | None = None
+    source: Source | None = None
     """Process whose series is watched; default the first that reports ``metric``."""
 
     @field_validator("metric")

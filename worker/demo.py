@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.rundir import SupervisorHome, atomic_write_json
-from worker.spec import RLSpec, SFTSpec, load_spec_data, validate_spec
+from worker.spec import SFTSpec, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
 TERMINAL = {"completed", "failed", "cancelled"}
@@ -107,7 +107,6 @@ def run_demo(
     sft, sft_spec = _model_and_sft(out, sft_steps)
     data = _rl_data(sft["final"], rl_steps, output_dir=str(out), name="rl")
     rl_spec = validate_spec("rl", data)
-    assert isinstance(rl_spec, RLSpec)
     rl = launch_rl(rl_spec, overwrite=True)
     summary = _summary(rl, sft, sft_spec, t0, str(rl_spec.run_dir))
     _write(summary_path, summary)

@@ -180,7 +180,7 @@ class LiveConfig:
             if not mine:
                 continue
             try:
-                spec = validate_spec("rl", with_keys(json.loads(spec.model_dump_json()), mine))  # type: ignore[assignment]
+                spec = validate_spec("rl", with_keys(json.loads(spec.model_dump_json()), mine))
             except SpecError as err:
                 logger.error("live config revision %s refused: %s", rev.get("revision"), err)
                 continue

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.orchestrator.batcher import Rollout, build_batch
+from worker.orchestrator.staleness import admitted, min_start_version, rollout_lag
 from worker.spec import OrchestratorConfig
 
 
@@ -86,3 +87,11 @@ def test_staleness_filter_never_admits_older_than_bound(step: int, max_off: int,
         assert len(samples) + metrics["dropped_stale"] == len(group)
     assert len(stale) <= metrics["dropped_stale"]
     assert metrics["staleness_max"] == max((step - 1) - v for v in starts)
+
+
+def test_staleness_rule_by_hand() -> None:
+    # step 5 trains v4: a rollout started under v1 lags 3; with max_off_policy_steps 3 it is admitted, with 2 not
+    assert rollout_lag(5, (1, 4)) == 3
+    assert admitted(3, 3) and not admitted(3, 2)
+    # max_async_level 0: step 5's rollouts wait for v4 (on-policy); level 2: they may start under v2
+    assert min_start_version(5, 0) == 4 and min_start_version(5, 2) == 2

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 
-from worker.orchestrator.harness import _find_uv, lock_chat_program
+from worker.orchestrator.harness_runtime import find_uv, lock_chat_program
 
 
 def test_chat_program_prepares_offline_after_lock() -> None:
     path = lock_chat_program()
     assert path.is_file() and path.with_name(path.name + ".lock").is_file()
-    uv = _find_uv()
+    uv = find_uv()
     assert uv is not None
     sync = [uv, "sync", "--script", str(path), "-q", "--no-config"]  # verifiers' own command (runtimes/base.py)
     subprocess.run(sync, check=True, timeout=300)  # fills uv's cache on a fresh machine (index reachable once)

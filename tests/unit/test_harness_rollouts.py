@@ -17,7 +17,8 @@ from verifiers.v1.graph import MessageNode
 
 from worker.envs import load_environment
 from worker.orchestrator.batcher import build_batch
-from worker.orchestrator.harness import harness_missing, trace_to_rollouts
+from worker.orchestrator.harness import trace_to_rollouts
+from worker.orchestrator.harness_runtime import harness_missing
 from worker.spec import OrchestratorConfig
 
 ENV = load_environment("reverse_tool", split="eval", seed=0)

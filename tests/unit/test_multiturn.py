@@ -17,8 +17,8 @@ from worker.envs.reverse_twice import FOLLOW_UP
 from worker.inference.client import Completion
 from worker.models import build_tokenizer
 from worker.orchestrator.batcher import build_batch
-from worker.orchestrator.eval import prompt_ids
 from worker.orchestrator.multiturn import env_turn_ids, run_conversation
+from worker.orchestrator.prompts import prompt_ids
 from worker.spec import OrchestratorConfig
 
 

@@ -1,4 +1,4 @@
-"""Run-spec schema (``worker/spec.py``): slim imports, shipped configs, unknown keys, overrides, errors, round trips."""
+"""Run-spec schema (``worker/spec/``): slim imports, shipped configs, unknown keys, overrides, errors, round trips."""
 
 from __future__ import annotations
 
@@ -336,11 +336,12 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
                 "temperature": draw(_pos),
                 "seq_len": draw(st.integers(8, 1 << 20)),
                 "max_off_policy_steps": draw(st.integers(0, 100)),
-                "advantage": {
-                    "type": draw(st.sampled_from(["grpo", "maxrl"])),
-                    "std_normalize": draw(st.booleans()),
-                    "length_penalty": draw(_unit),
-                },
+                "advantage": draw(
+                    st.fixed_dictionaries(
+                        {"type": st.just("grpo"), "std_normalize": st.booleans(), "length_penalty": _unit}
+                    )
+                    | st.fixed_dictionaries({"type": st.just("maxrl"), "length_penalty": _unit})
+                ),
                 "eval": {
                     "interval": draw(st.integers(0, 100)),
                     "temperature": draw(_unit),

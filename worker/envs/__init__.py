@@ -22,6 +22,8 @@ import verifiers.v1 as vf
 from pydantic import Field, ValidationError
 from verifiers.v1.graph import MessageNode
 
+from worker.orchestrator.harness_runtime import harness_missing
+
 logger = logging.getLogger(__name__)
 
 EnvTask = vf.Task
@@ -154,8 +156,6 @@ class Environment:
                 "`Agent.interaction`), which the orchestrator does not drive; give each task a prompt"
             )
         elif self.needs_harness:
-            from worker.orchestrator.harness import harness_missing
-
             missing = harness_missing()
             self.unsupported = f"environment {env_id!r}: its tasks have tools; {missing}" if missing else None
         """Why the orchestrator cannot run this taskset (one line), or None if it can."""

@@ -75,9 +75,10 @@ class ReverseTextTaskset(SplitTaskset[ReverseTextTask, ReverseTextConfig]):
             text = self._sentence("eval", index, 0)
         else:
             draws = (self._sentence("train", index, attempt) for attempt in range(_MAX_REDRAWS))
-            text = next((t for t in draws if t not in self._eval_texts), None)
-            if text is None:
+            found = next((t for t in draws if t not in self._eval_texts), None)
+            if found is None:
                 raise ValueError(f"reverse_text: no train sentence outside the eval set in {_MAX_REDRAWS} draws")
+            text = found
         data = ReverseTextData(
             id=f"{split}/{self.config.seed}/{index}",
             prompt=text,

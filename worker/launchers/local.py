@@ -47,7 +47,7 @@ def preflight(spec: RLSpec) -> None:
         raise SpecError(f"model.name: {err}") from None
 
     from worker.envs import EnvironmentLoadError, env_error_field, load_environment
-    from worker.orchestrator.eval import prompt_ids
+    from worker.orchestrator.prompts import prompt_ids
 
     try:
         env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)

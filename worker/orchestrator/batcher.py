@@ -12,6 +12,7 @@ from typing import Any
 
 from worker.batch import TrainSample
 from worker.orchestrator.advantages import compute_advantages, is_zero_advantage
+from worker.orchestrator.staleness import admitted, rollout_lag
 from worker.packing import completion_length
 from worker.spec import OrchestratorConfig
 
@@ -55,9 +56,8 @@ def build_batch(
 ) -> tuple[list[TrainSample], dict[str, Any]]:
     """Advantages, staleness filter and zero-advantage filter for the groups of trainer step ``step``.
 
-    A rollout's lag is ``(step - 1) - v_start``: batch ``step`` trains policy v(step-1), and the
-    rollout was started under version ``v_start`` (queue time counted). Rollouts with lag above
-    ``orch.max_off_policy_steps`` are dropped and counted in ``dropped_stale``, never trained on;
+    Staleness (``worker.orchestrator.staleness``): a rollout's lag is ``(step - 1) - v_start``; rollouts
+    with lag above ``orch.max_off_policy_steps`` are dropped and counted in ``dropped_stale``, never trained on;
     so are rollouts longer than ``orch.seq_len`` tokens (prompt + completion; a multi-turn rollout whose
     last turn or tool result crossed it), counted in ``dropped_overlong``.
     Rewards that are None get no advantage and are not trained on (case C8); a group whose rewards
@@ -67,14 +67,13 @@ def build_batch(
         The training samples and the step's orchestrator metrics (reward, advantage, length,
         staleness and drop statistics).
     """
-    adv_cfg = orch.advantage.model_dump(exclude={"type"})
     samples: list[TrainSample] = []
     stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
     dropped_stale = dropped_overlong = dropped_zero = missing = all_missing_groups = truncated = 0
     for group_index, group in enumerate(groups):
-        lags = [(step - 1) - r.policy_span[0] for r in group]
+        lags = [rollout_lag(step, r.policy_span) for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
-        result = compute_advantages(orch.advantage.type, [r.reward for r in group], lengths, **adv_cfg)
+        result = compute_advantages(orch.advantage, [r.reward for r in group], lengths)
         missing += result.reward_missing
         all_missing_groups += int(result.all_missing)
         for r, a in zip(group, result.advantages, strict=True):
@@ -91,7 +90,7 @@ def build_batch(
         for r, lag in zip(group, lags, strict=True):
             if r.advantage is None:
                 continue
-            if lag > orch.max_off_policy_steps:
+            if not admitted(lag, orch.max_off_policy_steps):
                 dropped_stale += 1
                 continue
             if len(r.prompt_ids) + len(r.completion_ids) > orch.seq_len:

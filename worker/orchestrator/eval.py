@@ -12,18 +12,11 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment
+from worker.orchestrator.rollouts import rollout_group
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient
     from worker.orchestrator.harness import HarnessRunner
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Chat-templated prompt token ids with the assistant turn opened (``add_generation_prompt``)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return list(out)
 
 
 async def evaluate(
@@ -38,13 +31,14 @@ async def evaluate(
     pass_k: int = 1,
     pass_threshold: float = 1.0,
     harness: HarnessRunner | None = None,
-) -> dict[str, float]:
+) -> dict[str, float | int | None]:
     """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
 
-    A multi-turn environment runs whole conversations (``worker.orchestrator.multiturn``) of at most
-    ``max_len`` tokens (default: unbounded but for ``max_tokens`` per turn); ``completion_len_mean``
-    then counts model-sampled tokens only. A taskset with tools (``env.needs_harness``) runs through ``harness``
-    (verifiers' agent harness, ``worker.orchestrator.harness``).
+    Each task's samples are one rollout group on the environment's path (``worker.orchestrator.rollouts``): a
+    multi-turn environment runs whole conversations (``worker.orchestrator.multiturn``) of at most ``max_len``
+    tokens (default: unbounded but for ``max_tokens`` per turn); ``completion_len_mean`` then counts
+    model-sampled tokens only. A taskset with tools (``env.needs_harness``) runs through ``harness`` (verifiers'
+    agent harness, ``worker.orchestrator.harness``).
 
     Returns:
         ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
@@ -59,33 +53,19 @@ async def evaluate(
     count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
 
     async def one(index: int) -> tuple[list[float | None], list[int]]:
-        task = env.task(index)
-        if harness is not None and env.needs_harness:
-            rollouts = await harness.run_group(
-                task, n=pass_k, max_tokens=max_tokens, temperature=temperature, policy_version=lambda: 0
-            )
-        elif env.is_multi_turn:
-            from worker.orchestrator.multiturn import run_group
-
-            rollouts = await run_group(
-                client,
-                tokenizer,
-                env,
-                task,
-                n=pass_k,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                max_len=max_len if max_len is not None else 1 << 30,
-                policy_version=lambda: 0,
-            )
-        if env.is_multi_turn:
-            return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
-        completions = await client.generate(
-            prompt_ids(tokenizer, env.prompt_messages(task)), n=pass_k, max_tokens=max_tokens, temperature=temperature
+        rollouts = await rollout_group(
+            client,
+            tokenizer,
+            env,
+            index,
+            harness=harness,
+            n=pass_k,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            policy_version=lambda: 0,
+            max_len=max_len,
         )
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        rewards = await asyncio.gather(*(env.score(task, t) for t in texts))
-        return list(rewards), [len(c.token_ids) for c in completions]
+        return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
 
     results = await asyncio.gather(*(one(i) for i in range(count)))
     rewards = [r for rs, _ in results for r in rs if r is not None]

@@ -12,7 +12,8 @@ without a lockfile uv asks the package index on every new runtime and fails with
 holds every wheel. `lock_chat_program` writes the program where verifiers' subprocess runtime keeps it (the
 content-addressed path it computes itself) with a ``uv lock --script`` lockfile beside it; ``uv sync`` then
 installs from the lock and uv's cache without the index. Locking needs the index once, or ``UV_OFFLINE=1`` with a
-cache that holds the packages (any earlier harness run on the machine fills it).
+cache that holds the packages (any earlier harness run on the machine fills it); `uv` and the lockfile are
+`worker.orchestrator.harness_runtime`'s.
 
 `trace_to_rollouts` turns the scored trace into our `Rollout` records: every trainable branch of the trace's
 message graph (`Trace.branches`, one per root-to-leaf path; one for a conversation that only ever appended)
@@ -25,77 +26,21 @@ tokens (tool results and chat-template scaffold are 0) and the logprobs are vLLM
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import verifiers.v1 as vf
 
 from worker.envs import EnvTask, trace_reward
 from worker.orchestrator.batcher import Rollout
+from worker.orchestrator.harness_runtime import ensure_uv_on_path, lock_chat_program
 from worker.spec import HarnessConfig
 
 logger = logging.getLogger(__name__)
 
 _NO_KEY_VAR = "ASYNCRL_INFERENCE_API_KEY"
 """Env var the TrainClient reads its API key from (our vLLM server takes none: unset means "EMPTY")."""
-
-
-def harness_missing() -> str | None:
-    """What the agent harness needs and this machine lacks (one line), or None.
-
-    The null harness prepares its chat program with `uv` (a PEP 723 script); verifiers looks it up on PATH.
-    """
-    if _find_uv() is None:
-        return "the agent harness needs `uv` (pip install uv), which is not on PATH or next to this Python"
-    return None
-
-
-def _find_uv() -> str | None:
-    return shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
-
-
-def _ensure_uv_on_path() -> None:
-    """verifiers' subprocess runtime runs `uv` by name: put the one next to this Python on PATH if needed."""
-    if shutil.which("uv") is None and (uv := _find_uv()) is not None:
-        os.environ["PATH"] = f"{Path(uv).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-
-
-def lock_chat_program() -> Path:
-    """Write verifiers' chat program (the null harness) to the path its subprocess runtime uses and lock its
-    dependencies beside it (``<path>.lock``) unless a lockfile is there already; returns the program's path.
-    A failed lock is logged (verifiers then resolves against the index itself) and not raised.
-
-    Raises:
-        RuntimeError: `uv` is not found (see `harness_missing`).
-    """
-    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
-    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
-
-    data = CHAT_PROGRAM_SOURCE.encode()
-    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
-    lock = path.with_name(path.name + ".lock")
-    if lock.is_file():
-        return path
-    if (uv := _find_uv()) is None:
-        raise RuntimeError(harness_missing())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.is_file():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    result = subprocess.run(
-        [uv, "lock", "--script", str(path), "-q", "--no-config"], capture_output=True, text=True, timeout=300
-    )
-    if result.returncode != 0:
-        logger.warning("uv lock --script %s failed (harness setup will ask the index): %s", path, result.stderr[-500:])
-    return path
 
 
 def agent_config(
@@ -201,7 +146,7 @@ class HarnessRunner:
     `config.max_concurrent` rollouts at once (each may start a subprocess and tool servers)."""
 
     def __init__(self, model: str, inference_url: str, config: HarnessConfig) -> None:
-        _ensure_uv_on_path()
+        ensure_uv_on_path()
         if config.id == "null":
             lock_chat_program()
         self.model, self.inference_url, self.config = model, inference_url, config

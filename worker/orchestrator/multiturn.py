@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment, EnvTask, trace_reward
 from worker.orchestrator.batcher import Rollout
-from worker.orchestrator.eval import prompt_ids
+from worker.orchestrator.prompts import prompt_ids
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient

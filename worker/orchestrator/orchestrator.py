@@ -3,14 +3,16 @@
 One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
 
 - **producer**: for step n, waits until inference serves policy version >= n - 1 - max_async_level
-  (the wait is ``wait_for_policy``; 0 async levels = on-policy), then starts the step's groups.
-  Step n always takes tasks [(n-1)·B, n·B) of the data order, so a resumed run sees the same data.
+  (the start gate of ``staleness.py``; the wait is ``wait_for_policy``; 0 async levels = on-policy), then
+  starts the step's groups by the environment's rollout path (``rollouts.py``).
+  Step n takes the next B = batch_size tasks of the data order after the cursor, which each checkpoint
+  saves (``data.TaskSampler``), so a resumed or forked run continues right after its parent's tasks.
 - **group rollout**: one vLLM request with ``n = group_size`` on the chat-templated prompt ids; the
   completion token ids and sampled-token logprobs come from vLLM (never re-tokenized); rewards come
   from the environment's own reward functions; the request records the policy-version span
   ``[v_start, v_end]`` it ran under.
 - **batcher** (main loop, in step order): drops rollouts whose lag ``(n - 1) - v_start`` exceeds
-  ``max_off_policy_steps`` and groups with zero advantage, packs samples into micro-batches of at
+  ``max_off_policy_steps`` (``staleness.py``) and groups with zero advantage, packs samples into micro-batches of at
   most ``seq_len`` tokens, writes ``batches/step_n.json``, logs metrics and rollouts, checkpoints.
 - **weight watcher**: when the trainer publishes a newer version, pause inference (in-flight
   requests kept), load the weights in place (by path, or received over the weight-sync process group:
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
-import json
 import logging
 import sys
 import time
@@ -39,10 +40,11 @@ from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
-from worker.orchestrator.data import data_order
-from worker.orchestrator.eval import evaluate, prompt_ids
+from worker.orchestrator.data import TaskSampler
+from worker.orchestrator.eval import evaluate
 from worker.orchestrator.harness import HarnessRunner
-from worker.orchestrator.multiturn import run_group
+from worker.orchestrator.rollouts import rollout_group
+from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import RLSpec
@@ -73,6 +75,14 @@ class Orchestrator:
             else None
         )
         """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
+        self.sampler = TaskSampler.resume(
+            run.checkpoint_dir(start_step) / "orchestrator",
+            step=start_step,
+            num_tasks=self.train_env.num_tasks,
+            seed=spec.seed,
+            batch_size=spec.orchestrator.batch_size,
+        )
+        """Each step's task indices, from the data cursor of the checkpoint resumed from."""
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
@@ -127,70 +137,37 @@ class Orchestrator:
 
     async def rollout_group(self, index: int) -> list[Rollout]:
         orch = self.spec.orchestrator
-        task = self.train_env.task(index)
-        if self.harness is not None:
-            # no new model turn once a call's context leaves less than max_tokens of seq_len (a longer sample is
-            # dropped by build_batch as dropped_overlong)
-            return await self.harness.run_group(
-                task,
-                n=orch.group_size,
-                max_tokens=orch.max_tokens,
-                temperature=orch.temperature,
-                policy_version=lambda: self.policy_version,
-                max_total_tokens=max(1, min(orch.seq_len, self.spec.inference.max_model_len) - orch.max_tokens),
-            )
-        if self.train_env.is_multi_turn:
-            return await run_group(
-                self.client,
-                self.tokenizer,
-                self.train_env,
-                task,
-                n=orch.group_size,
-                max_tokens=orch.max_tokens,
-                temperature=orch.temperature,
-                max_len=min(orch.seq_len, self.spec.inference.max_model_len),
-                policy_version=lambda: self.policy_version,
-            )
-        ids = prompt_ids(self.tokenizer, self.train_env.prompt_messages(task))
-        v_start = self.policy_version
-        completions = await self.client.generate(
-            ids, n=orch.group_size, max_tokens=orch.max_tokens, temperature=orch.temperature
+        max_len = min(orch.seq_len, self.spec.inference.max_model_len)
+        return await rollout_group(
+            self.client,
+            self.tokenizer,
+            self.train_env,
+            index,
+            harness=self.harness,
+            n=orch.group_size,
+            max_tokens=orch.max_tokens,
+            temperature=orch.temperature,
+            policy_version=lambda: self.policy_version,
+            max_len=max_len,
+            # harness: no new model turn once a call's context leaves less than max_tokens of max_len (a longer
+            # sample is dropped by build_batch as dropped_overlong)
+            max_total_tokens=max(1, max_len - orch.max_tokens),
         )
-        span = (v_start, self.policy_version)
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        rewards = await asyncio.gather(*(self.train_env.score(task, text) for text in texts))
-        return [
-            Rollout(
-                task_key=str(getattr(task, "key", index)),
-                prompt_ids=ids,
-                completion_ids=c.token_ids,
-                completion_logprobs=c.logprobs,
-                completion_text=text,
-                finish_reason=c.finish_reason,
-                reward=reward,
-                advantage=None,
-                policy_span=span,
-                temperature=orch.temperature,
-            )
-            for c, text, reward in zip(completions, texts, rewards, strict=True)
-        ]
 
-    async def generate_step(self, step: int) -> list[list[Rollout]]:
-        size = self.spec.orchestrator.batch_size
-        positions = range((step - 1) * size, step * size)
-        indices = [data_order(p, self.train_env.num_tasks, self.spec.seed) for p in positions]
+    async def generate_step(self, indices: list[int]) -> list[list[Rollout]]:
         return list(await asyncio.gather(*(self.rollout_group(i) for i in indices)))
 
     async def produce(self) -> None:
         level = self.spec.orchestrator.max_async_level
         for step in range(self.start_step + 1, self.spec.max_steps + 1):
-            waited = await self.wait_for_version(step - 1 - level)
+            waited = await self.wait_for_version(min_start_version(step, level))
             # step boundary: live config revisions apply to every rollout, batch and eval of this step on
             self.spec, _ = self.live.apply(self._spec, step)
             self._step_specs[step] = self._spec
             context = contextvars.copy_context()
             context.run(_STEP_SPEC.set, self._spec)
-            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(step), waited), context=context)
+            indices = self.sampler.take(step, self._spec.orchestrator.batch_size)
+            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(indices), waited), context=context)
 
     @staticmethod
     async def _timed(coro: Any, waited: float) -> tuple[Any, float, float]:
@@ -219,17 +196,12 @@ class Orchestrator:
         )
 
     def save_state(self, step: int) -> None:
-        size = self.spec.orchestrator.batch_size
-        state = {"step": step, "data_cursor": step * size, "seed": self.spec.seed}
-
-        def write(folder: Path) -> None:
-            (folder / "state.json").write_text(json.dumps(state))
-
-        write_part(self.run, step, "orchestrator", write)
+        """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``)."""
+        write_part(self.run, step, "orchestrator", lambda folder: self.sampler.write_state(folder, step))
 
     # ------------------------------------------------------------------ evals
 
-    async def run_eval(self) -> dict[str, float]:
+    async def run_eval(self) -> dict[str, float | int | None]:
         ev = self.spec.orchestrator.eval
         version = self.policy_version
         result = await evaluate(

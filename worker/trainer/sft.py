@@ -35,7 +35,7 @@ import torch
 
 from worker.envs import load_environment
 from worker.orchestrator.data import data_order
-from worker.orchestrator.eval import prompt_ids
+from worker.orchestrator.prompts import prompt_ids
 from worker.packing import pack
 from worker.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError

@@ -1,16 +1,17 @@
 """Advantage functions of the orchestrator: one small module per algorithm, keyed by the spec's type.
 
-``compute_advantages(type, rewards, completion_lengths, **params)`` scores ONE group (the rollouts of
-one task); ``params`` are the other fields of ``[orchestrator.advantage]``.
+``compute_advantages(config, rewards, completion_lengths)`` scores ONE group (the rollouts of one
+task); ``config`` is ``[orchestrator.advantage]``, one config class per type (``worker.spec``), whose
+fields and bounds are checked there and only there.
 
-| type  | advantage of rollout i                                     | module   |
-|-------|------------------------------------------------------------|----------|
-| grpo  | R_i - mean R (optionally / max(std R, std_floor))          | grpo.py  |
-| maxrl | (R_i - mean R) / mean R                                     | maxrl.py |
+| type  | advantage of rollout i                                     | config          | module   |
+|-------|------------------------------------------------------------|-----------------|----------|
+| grpo  | R_i - mean R (optionally / max(std R, std_floor))          | GrpoAdvantage   | grpo.py  |
+| maxrl | (R_i - mean R) / mean R                                     | MaxRLAdvantage  | maxrl.py |
 
-Both accept ``length_penalty`` (a centred length term, see ``grpo``). Missing rewards (``None``,
+Both take ``length_penalty`` (a centred length term, see ``grpo``). Missing rewards (``None``,
 non-finite) are excluded from the statistics and get advantage ``None``; a group with no reward at
-all is flagged ``all_missing`` (case C8).
+all is flagged ``all_missing`` (case C8, ``group.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from worker.orchestrator.advantages.common import AdvantageResult
+from worker.orchestrator.advantages.group import AdvantageResult
 from worker.orchestrator.advantages.grpo import grpo
 from worker.orchestrator.advantages.maxrl import maxrl
+from worker.spec import AdvantageConfig
 
-AdvantageFn = Callable[..., AdvantageResult]
+AdvantageFn = Callable[[Sequence[float | None], Sequence[int], Any], AdvantageResult]
 
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": grpo,
@@ -30,40 +32,25 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 }
 """Advantage functions keyed by the spec's ``orchestrator.advantage.type``."""
 
-DEFAULT_ADVANTAGE = "grpo"
-
 
 def compute_advantages(
-    type: str,
-    rewards: Sequence[float | None],
-    completion_lengths: Sequence[int],
-    **params: Any,
+    config: AdvantageConfig, rewards: Sequence[float | None], completion_lengths: Sequence[int]
 ) -> AdvantageResult:
-    """Advantages of one group with the algorithm named ``type``.
+    """Advantages of one group with the algorithm ``config.type``.
 
     Args:
-        type: a key of ``ADVANTAGES``.
+        config: ``[orchestrator.advantage]`` (``GrpoAdvantage`` or ``MaxRLAdvantage``).
         rewards: one per rollout; ``None`` (or NaN/inf) when the reward function gave none.
         completion_lengths: sampled-token count per rollout (``worker.packing.completion_length``).
-        **params: the algorithm's keyword parameters.
 
     Returns:
         ``AdvantageResult`` with one advantage per rollout (``None`` = do not train).
 
     Raises:
-        ValueError: unknown ``type`` or parameter, or a parameter out of range, naming the
-            ``orchestrator.advantage`` field.
+        ValueError: rewards the algorithm cannot score (``maxrl``: a negative reward), rewards and lengths
+            of different counts, or an empty group.
     """
-    fn = ADVANTAGES.get(type)
-    if fn is None:
-        raise ValueError(f"orchestrator.advantage.type: expected one of {sorted(ADVANTAGES)}, got {type!r}")
-    allowed = sorted(fn.__kwdefaults__ or {})
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"orchestrator.advantage.{unknown[0]}: not a parameter of {type!r}; expected some of {allowed}"
-        )
-    return fn(rewards, completion_lengths, **params)
+    return ADVANTAGES[config.type](rewards, completion_lengths, config)
 
 
 def is_zero_advantage(result: AdvantageResult) -> bool:
@@ -77,7 +64,6 @@ def is_zero_advantage(result: AdvantageResult) -> bool:
 
 __all__ = [
     "ADVANTAGES",
-    "DEFAULT_ADVANTAGE",
     "AdvantageResult",
     "compute_advantages",
     "grpo",

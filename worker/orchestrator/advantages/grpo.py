@@ -19,7 +19,7 @@ to the group's length range:
 L_i is the number of sampled tokens (``worker.packing.completion_length``). The term is centred, so
 advantages still sum to 0 over the group, and it is added after any std normalisation, so its size
 does not depend on the reward spread. Means, stds and lengths use only rollouts with a reward;
-rollouts with a missing reward get ``None`` (case C8, see ``common``). When every present reward is
+rollouts with a missing reward get ``None`` (case C8, see ``group``). When every present reward is
 equal and ``length_penalty`` is 0 the advantages are exactly 0 (the caller drops such groups).
 """
 
@@ -28,43 +28,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from worker.orchestrator.advantages.common import (
-    AdvantageResult,
-    assemble,
-    check_param,
-    length_shaping,
-    mean,
-    split_scored,
-)
+from worker.orchestrator.advantages.group import AdvantageResult, assemble, length_shaping, mean, split_scored
+from worker.spec import GrpoAdvantage
 
 
-def grpo(
-    rewards: Sequence[float | None],
-    completion_lengths: Sequence[int],
-    *,
-    std_normalize: bool = False,
-    std_floor: float = 1e-2,
-    length_penalty: float = 0.0,
-) -> AdvantageResult:
+def grpo(rewards: Sequence[float | None], completion_lengths: Sequence[int], config: GrpoAdvantage) -> AdvantageResult:
     """Group-relative advantages of one group.
 
     Args:
         rewards: one reward per rollout; ``None`` or non-finite means missing.
         completion_lengths: sampled-token count per rollout.
-        std_normalize: divide by ``max(std, std_floor)`` of the present rewards.
-        std_floor: lower bound of the std divisor (> 0).
-        length_penalty: weight of the centred length term (>= 0; 0 = off).
+        config: ``[orchestrator.advantage]`` with ``type = "grpo"`` (``std_normalize``, ``std_floor``,
+            ``length_penalty``; bounds checked by the spec).
 
     Returns:
         ``AdvantageResult``; present advantages sum to 0 (up to rounding).
 
     Raises:
-        ValueError: a parameter out of range (naming ``orchestrator.advantage.<field>``), or
-            rewards and lengths of different counts.
+        ValueError: rewards and lengths of different counts, or an empty group.
     """
-    check_param("std_floor", math.isfinite(std_floor) and std_floor > 0, "a number > 0", std_floor)
-    ok_penalty = math.isfinite(length_penalty) and length_penalty >= 0
-    check_param("length_penalty", ok_penalty, "a number >= 0", length_penalty)
     scored = split_scored(rewards, completion_lengths)
     values = scored.rewards
     if not values:
@@ -75,8 +57,8 @@ def grpo(
     else:
         mu = mean(values)
         centred = [r - mu for r in values]
-        if std_normalize:
+        if config.std_normalize:
             std = math.sqrt(mean([c * c for c in centred]))
-            centred = [c / max(std, std_floor) for c in centred]
-    shaping = length_shaping(scored.lengths, length_penalty)
+            centred = [c / max(std, config.std_floor) for c in centred]
+    shaping = length_shaping(scored.lengths, config.length_penalty)
     return assemble(len(rewards), scored, [c - s for c, s in zip(centred, shaping, strict=True)])

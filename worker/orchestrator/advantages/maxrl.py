@@ -14,54 +14,36 @@ so hard tasks (few successes, small mean) get large advantages: a lone success a
 
 Rewards must be >= 0 (success probabilities or scores in [0, 1]); a group with mean reward 0 (all
 failures) or with all rewards equal gets advantages of exactly 0. Missing rewards (``None``, non-finite)
-are handled as in GRPO (case C8, see ``common``). ``length_penalty`` is the centred length term of
-``grpo``, added after the normalisation. MaxRL has no std normalisation: ``std_normalize`` must stay
-false (the parameter exists because the spec's ``orchestrator.advantage`` table is shared with GRPO).
+are handled as in GRPO (case C8, see ``group``). ``length_penalty`` is the centred length term of
+``grpo``, added after the normalisation. MaxRL has no std normalisation, so its spec table
+(``MaxRLAdvantage``) has no ``std_normalize`` or ``std_floor``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from worker.orchestrator.advantages.common import (
-    AdvantageResult,
-    assemble,
-    check_param,
-    length_shaping,
-    mean,
-    split_scored,
-)
+from worker.orchestrator.advantages.group import AdvantageResult, assemble, length_shaping, mean, split_scored
+from worker.spec import MaxRLAdvantage
 
 
 def maxrl(
-    rewards: Sequence[float | None],
-    completion_lengths: Sequence[int],
-    *,
-    length_penalty: float = 0.0,
-    std_normalize: bool = False,
-    std_floor: float = 1e-2,
+    rewards: Sequence[float | None], completion_lengths: Sequence[int], config: MaxRLAdvantage
 ) -> AdvantageResult:
     """MaxRL advantages of one group: reward minus the group mean, divided by the group mean.
 
     Args:
         rewards: one reward per rollout, each >= 0; ``None`` or non-finite means missing.
         completion_lengths: sampled-token count per rollout.
-        length_penalty: weight of the centred length term (>= 0; 0 = off).
-        std_normalize: must be False (MaxRL normalises by the mean).
-        std_floor: accepted for the shared spec table and checked (> 0); not used.
+        config: ``[orchestrator.advantage]`` with ``type = "maxrl"`` (``length_penalty``; bounds checked by the spec).
 
     Returns:
         ``AdvantageResult``; present advantages sum to 0 (up to rounding).
 
     Raises:
-        ValueError: a negative reward, ``std_normalize`` true, or a parameter out of range, naming
-            the ``orchestrator.advantage`` field.
+        ValueError: a negative reward (naming ``orchestrator.advantage.type``), rewards and lengths of different
+            counts, or an empty group.
     """
-    check_param("std_normalize", not std_normalize, 'false for type = "maxrl" (it divides by the mean)', std_normalize)
-    check_param("std_floor", math.isfinite(std_floor) and std_floor > 0, "a number > 0", std_floor)
-    ok_penalty = math.isfinite(length_penalty) and length_penalty >= 0
-    check_param("length_penalty", ok_penalty, "a number >= 0", length_penalty)
     scored = split_scored(rewards, completion_lengths)
     values = scored.rewards
     if values and min(values) < 0:
@@ -76,5 +58,5 @@ def maxrl(
         normalised = [0.0] * len(values)
     else:
         normalised = [(r - mu) / mu for r in values]
-    shaping = length_shaping(scored.lengths, length_penalty)
+    shaping = length_shaping(scored.lengths, config.length_penalty)
     return assemble(len(rewards), scored, [a - s for a, s in zip(normalised, shaping, strict=True)])

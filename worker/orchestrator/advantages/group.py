@@ -1,4 +1,4 @@
-"""Shared parts of the per-group advantage functions: the result type, missing rewards, length shaping.
+"""One group's bookkeeping for the advantage functions: the result type, missing rewards, length shaping.
 
 An advantage function takes ONE group (the ``group_size`` rollouts of one task) and returns one
 advantage per rollout. Rewards that are ``None`` (the reward function failed or returned nothing) or
@@ -38,12 +38,6 @@ class ScoredGroup:
     lengths: list[int]
 
 
-def check_param(name: str, ok: bool, expected: str, value: object) -> None:
-    """One-line ValueError naming ``orchestrator.advantage.<name>`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"orchestrator.advantage.{name}: expected {expected}, got {value!r}")
-
-
 def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[int]) -> ScoredGroup:
     """Keep the rollouts whose reward is present (not ``None``, finite)."""
     if len(rewards) != len(completion_lengths):
@@ -52,11 +46,11 @@ def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[i
         )
     if not rewards:
         raise ValueError("advantages: a group needs at least one rollout, got none")
-    index = [i for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
+    present = [(i, float(r)) for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
     return ScoredGroup(
-        index=index,
-        rewards=[float(rewards[i]) for i in index],  # type: ignore[arg-type]  # None filtered above
-        lengths=[int(completion_lengths[i]) for i in index],
+        index=[i for i, _ in present],
+        rewards=[r for _, r in present],
+        lengths=[int(completion_lengths[i]) for i, _ in present],
     )
 
 

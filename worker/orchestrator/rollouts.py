@@ -1,0 +1,135 @@
+"""The rollout path choice: one group of rollouts of a task, by the path its environment needs.
+
+| environment                                      | path                                                | module         |
+|--------------------------------------------------|-----------------------------------------------------|----------------|
+| tasks with tools or no prompt (``needs_harness``) | verifiers' agent harness, ``HarnessRunner.run_group`` | ``harness.py``   |
+| tasks that answer the model (``is_multi_turn``)   | one growing token sequence per rollout, ``run_group`` | ``multiturn.py`` |
+| otherwise (single turn)                          | one vLLM request with ``n`` samples, ``single_turn_group`` | here         |
+
+Training (`worker.orchestrator.orchestrator`) and evaluation (`worker.orchestrator.eval`) both call
+`rollout_group`, so a taskset runs the same way in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from worker.envs import Environment, EnvTask
+from worker.orchestrator.batcher import Rollout
+from worker.orchestrator.multiturn import run_group
+from worker.orchestrator.prompts import prompt_ids
+
+if TYPE_CHECKING:
+    from worker.inference.client import InferenceClient
+    from worker.orchestrator.harness import HarnessRunner
+
+
+async def single_turn_group(
+    client: InferenceClient,
+    tokenizer: Any,
+    env: Environment,
+    task: EnvTask,
+    *,
+    task_key: str,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    policy_version: Callable[[], int],
+) -> list[Rollout]:
+    """`n` completions of `task`'s chat-templated prompt in one vLLM request, each scored by the environment.
+
+    The policy span is the inference policy version before the request and after it returned (scoring not
+    counted); completion ids and sampling logprobs are vLLM's (never re-tokenized).
+
+    Raises:
+        InferenceError: the server did not answer within the client's bounded retries.
+    """
+    ids = prompt_ids(tokenizer, env.prompt_messages(task))
+    v_start = policy_version()
+    completions = await client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature)
+    span = (v_start, policy_version())
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    rewards = await asyncio.gather(*(env.score(task, text) for text in texts))
+    return [
+        Rollout(
+            task_key=task_key,
+            prompt_ids=ids,
+            completion_ids=c.token_ids,
+            completion_logprobs=c.logprobs,
+            completion_text=text,
+            finish_reason=c.finish_reason,
+            reward=reward,
+            advantage=None,
+            policy_span=span,
+            temperature=temperature,
+        )
+        for c, text, reward in zip(completions, texts, rewards, strict=True)
+    ]
+
+
+async def rollout_group(
+    client: InferenceClient,
+    tokenizer: Any,
+    env: Environment,
+    index: int,
+    *,
+    harness: HarnessRunner | None,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    policy_version: Callable[[], int],
+    max_len: int | None = None,
+    max_total_tokens: int | None = None,
+) -> list[Rollout]:
+    """The `n` rollouts of task `index` of `env` (one group), by the path the environment needs (module table).
+
+    Args:
+        max_tokens: token budget of each model turn.
+        max_len: multi-turn only: prompt + all turns in tokens at most (None: unbounded).
+        max_total_tokens: harness only: no new model turn once a call's context exceeds this (None: no cap).
+        policy_version: reads the inference policy version (the rollouts' ``policy_span``).
+
+    Returns:
+        The group's rollouts (a harness rollout may give several records, one per trainable branch).
+
+    Raises:
+        ValueError: `env` needs the agent harness and `harness` is None.
+        InferenceError: the server did not answer within the client's bounded retries.
+    """
+    task = env.task(index)
+    if env.needs_harness:
+        if harness is None:
+            raise ValueError(f"environment {env.id!r}: its tasks have tools; running them needs a HarnessRunner")
+        return await harness.run_group(
+            task,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            policy_version=policy_version,
+            max_total_tokens=max_total_tokens,
+        )
+    if env.is_multi_turn:
+        return await run_group(
+            client,
+            tokenizer,
+            env,
+            task,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            max_len=max_len if max_len is not None else 1 << 30,
+            policy_version=policy_version,
+        )
+    return await single_turn_group(
+        client,
+        tokenizer,
+        env,
+        task,
+        task_key=str(getattr(task, "key", index)),
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        policy_version=policy_version,
+    )

@@ -1,0 +1,91 @@
+"""Run-spec schema: the one description of an RL, SFT or eval run.
+
+People write TOML (``asyncrl rl @ base.toml @ override.toml --trainer.optim.lr 1e-5``); the program
+writes the resolved spec as JSON into the run directory and the service stores it in Postgres.
+
+| module            | holds                                                                          |
+|-------------------|--------------------------------------------------------------------------------|
+| ``strict.py``      | ``StrictModel`` (base of every table), ``SpecError``                            |
+| ``runs.py``        | ``RLSpec``, ``SFTSpec``, ``SPEC_TYPES``; model, env and inference tables        |
+| ``orchestrator.py`` | ``[orchestrator]``: advantages (union on ``type``), harness, eval              |
+| ``trainer.py``     | ``[trainer]``, ``[ckpt]``: optimizer, scheduler, losses (union on ``type``), weight sync |
+| ``launcher.py``    | ``[launcher]``: local GPU placement, Slurm                                      |
+| ``loading.py``     | files + ``--dotted.key`` overrides, the unknown-key check, ``validate_spec``     |
+
+The spec is the public schema, so its names are imported from ``worker.spec`` itself. This package
+imports nothing heavy (no torch, vllm, fastapi): the server validates specs with it, and
+``tests/unit/test_spec.py`` checks that in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+from worker.spec.launcher import LauncherConfig, LocalConfig, SlurmConfig
+from worker.spec.loading import check_unknown_keys, deep_merge, load_spec_data, parse_override_value, validate_spec
+from worker.spec.orchestrator import (
+    AdvantageConfig,
+    EvalConfig,
+    GrpoAdvantage,
+    HarnessConfig,
+    MaxRLAdvantage,
+    OrchestratorConfig,
+)
+from worker.spec.runs import (
+    RUN_NAME_RULE,
+    SPEC_TYPES,
+    EnvConfig,
+    InferenceConfig,
+    ModelConfig,
+    RLSpec,
+    SFTDataConfig,
+    SFTSpec,
+)
+from worker.spec.strict import SpecError, StrictModel
+from worker.spec.trainer import (
+    AipoLoss,
+    CheckpointConfig,
+    DppoKlLoss,
+    IcePopLoss,
+    IpoLoss,
+    LossConfig,
+    OptimConfig,
+    SchedulerConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+)
+
+__all__ = [
+    "RUN_NAME_RULE",
+    "SPEC_TYPES",
+    "AdvantageConfig",
+    "AipoLoss",
+    "CheckpointConfig",
+    "DppoKlLoss",
+    "EnvConfig",
+    "EvalConfig",
+    "GrpoAdvantage",
+    "HarnessConfig",
+    "IcePopLoss",
+    "InferenceConfig",
+    "IpoLoss",
+    "LauncherConfig",
+    "LocalConfig",
+    "LossConfig",
+    "MaxRLAdvantage",
+    "ModelConfig",
+    "OptimConfig",
+    "OrchestratorConfig",
+    "RLSpec",
+    "SFTDataConfig",
+    "SFTSpec",
+    "SchedulerConfig",
+    "SlurmConfig",
+    "SpecError",
+    "StrictModel",
+    "TrainerConfig",
+    "WeightSyncConfig",
+    "check_unknown_keys",
+    "deep_merge",
+    "load_spec_data",
+    "parse_override_value",
+    "validate_spec",
+]

@@ -1,0 +1,109 @@
+"""``[launcher]``: where a run's processes run, on this machine's GPUs or as a Slurm job."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from worker.spec.strict import StrictModel
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SlurmConfig(StrictModel):
+    partition: str | None = None
+    account: str | None = None
+    reservation: str | None = None
+    time_limit: str | None = None
+    """Slurm time format: ``minutes``, ``HH:MM:SS`` or ``D-HH:MM:SS``; None takes the partition's default."""
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
+    inference_nodes: int = Field(default=0, ge=0)
+    """With ``nodes > 1``: the first k nodes serve inference, the rest train (orchestrator on the first trainer node)."""
+    allocation: str | None = None
+    """Run inside this existing job id (``srun --jobid=<id> --overlap``) instead of submitting a new job."""
+    signal_before_end_s: int = Field(default=120, ge=0)
+    """Seconds before the time limit at which the batch shell gets USR1: checkpoint now, then requeue (0 = off)."""
+    requeue: bool = True
+    rdzv_port: int = Field(default=29500, ge=1, le=65535)
+    """Port of the trainer's torchrun c10d rendezvous on the first trainer node."""
+    inference_port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the vLLM server on the first inference node (multi-node layouts)."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """More ``#SBATCH`` options, each ``--name`` or ``--name=value``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables exported in the job script."""
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not _SLURM_TIME.match(v):
+            raise ValueError(f"expected minutes, HH:MM:SS or D-HH:MM:SS, got {v!r}")
+        return v
+
+    @field_validator("allocation")
+    @classmethod
+    def _allocation(cls, v: str | None) -> str | None:
+        if v is not None and not v.isdigit():
+            raise ValueError(f"expected a Slurm job id (digits), got {v!r}")
+        return v
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        for opt in v:
+            if not opt.startswith("--") or "\n" in opt:
+                raise ValueError(f"expected options like '--constraint=a100' (one line each), got {opt!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"expected variable names of letters, digits and '_', got {name!r}")
+        return v
+
+    @field_validator("inference_nodes")
+    @classmethod
+    def _layout(cls, v: int, info: ValidationInfo) -> int:
+        nodes = info.data.get("nodes", 1)
+        if nodes == 1 and v:
+            raise ValueError(f"a 1-node job runs every process on its node, so use 0, got {v}")
+        if nodes > 1 and not 1 <= v < nodes:
+            raise ValueError(f"must be between 1 and nodes - 1 ({nodes - 1}) with nodes = {nodes}, got {v}")
+        return v
+
+
+class LocalConfig(StrictModel):
+    """Placement of a local run's processes on this machine's GPUs (``worker/launchers/local.py``).
+
+    Each list becomes the process's ``CUDA_VISIBLE_DEVICES``; an empty list leaves the inherited one (every
+    process sees every GPU, as on a one-GPU machine where vLLM and the trainer share the card). Lists may overlap
+    (colocation); parallelism flags of vLLM over several inference GPUs go in ``inference.extra_args``.
+    """
+
+    inference_gpus: list[int] = Field(default_factory=list)
+    """CUDA device ids of the vLLM server."""
+    trainer_gpus: list[int] = Field(default_factory=list)
+    """CUDA device ids of the trainer: with more than one, ``torchrun`` starts one FSDP2 rank per GPU."""
+    trainer_processes: int = Field(default=0, ge=0, le=1024)
+    """Trainer ranks under ``torchrun`` (FSDP2; gloo on cpu). 0: one per ``trainer_gpus`` entry, else 1 (a plain
+    process)."""
+
+    @field_validator("inference_gpus", "trainer_gpus")
+    @classmethod
+    def _device_ids(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v) or len(set(v)) != len(v):
+            raise ValueError(f"expected distinct CUDA device ids >= 0, got {v}")
+        return v
+
+
+class LauncherConfig(StrictModel):
+    kind: Literal["local", "slurm"] = "local"
+    """Where the service runs the run's processes: on the worker's machine, or as a Slurm job."""
+    local: LocalConfig = Field(default_factory=LocalConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)

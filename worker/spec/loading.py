@@ -1,0 +1,163 @@
+"""Reading specs: TOML/JSON files and ``--dotted.key value`` overrides, the unknown-key check, validation.
+
+Every error is a ``SpecError`` of one line naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, overload
+
+from pydantic import BaseModel, ValidationError
+
+from worker.dotted_keys import with_keys
+from worker.spec.orchestrator import GrpoAdvantage, MaxRLAdvantage
+from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
+from worker.spec.strict import SpecError
+from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
+
+
+def _closest_key(model: type[BaseModel], key: str) -> str | None:
+    matches = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
+    """The pydantic model class a field holds, resolving the loss union by its ``type``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = getattr(annotation, "__args__", ()) or ()
+    for arg in args:
+        inner = _submodel(arg, value)
+        if inner is None:
+            continue
+        type_field = inner.model_fields.get("type")
+        if (
+            type_field is None
+            or not isinstance(value, dict)
+            or value.get("type", type_field.default) == type_field.default
+        ):
+            return inner
+    return None
+
+
+def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> None:
+    """Reject keys the schema does not know, naming the dotted key and the closest valid one.
+
+    Raises:
+        SpecError: ``unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)``.
+    """
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in model.model_fields:
+            hint = _closest_key(model, key)
+            valid = ", ".join(sorted(model.model_fields))
+            suggestion = f"did you mean '{prefix}{hint}'?" if hint else f"valid keys here: {valid}"
+            raise SpecError(f"unknown key '{dotted}' ({suggestion})")
+        inner = _submodel(model.model_fields[key].annotation, value)
+        if inner is not None and isinstance(value, dict):
+            check_unknown_keys(inner, value, prefix=f"{dotted}.")
+
+
+_VARIANT_TAGS = frozenset(
+    str(cls.model_fields["type"].default)
+    for cls in (DppoKlLoss, IpoLoss, IcePopLoss, AipoLoss, GrpoAdvantage, MaxRLAdvantage)
+)
+"""The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p in _VARIANT_TAGS))
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "union_tag_invalid":
+        ctx = first.get("ctx", {})
+        field = str(ctx.get("discriminator", "type")).strip("'")
+        field = field if field.isidentifier() else "type"  # a callable discriminator (advantages) reads `type`
+        return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
+    given = first.get("input")
+    if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):
+        msg = f"{msg}, got {given!r}"  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
+    return f"{loc}: {msg}" if loc else msg
+
+
+@overload
+def validate_spec(kind: Literal["rl"], data: dict[str, Any]) -> RLSpec: ...
+@overload
+def validate_spec(kind: Literal["sft"], data: dict[str, Any]) -> SFTSpec: ...
+@overload
+def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec: ...
+def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
+    """Validate a raw mapping into a spec of ``kind`` (``rl`` or ``sft``).
+
+    Raises:
+        SpecError: one line naming the field and what is allowed.
+    """
+    if kind not in SPEC_TYPES:
+        raise SpecError(f"kind: expected one of {sorted(SPEC_TYPES)}, got {kind!r}")
+    model = SPEC_TYPES[kind]
+    data = dict(data)
+    data.setdefault("kind", kind)
+    if data["kind"] != kind:
+        raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
+    check_unknown_keys(model, data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err)) from None
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``override`` into a copy of ``base``; nested tables merge, other values are replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override_value(text: str) -> Any:
+    """A CLI value as a TOML literal (``1e-5``, ``true``, ``[0.5, 5]``), else as a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) -> dict[str, Any]:
+    """Read TOML/JSON files (later files win) and apply ``--dotted.key value`` overrides.
+
+    Raises:
+        SpecError: a file that is missing, a directory, unreadable, not UTF-8, does not parse (the message
+            gives line and column) or is not a table; an override key with an empty part (``--a..b``).
+    """
+    data: dict[str, Any] = {}
+    for f in files:
+        path = Path(f)
+        fmt = "JSON" if path.suffix == ".json" else "TOML"
+        if path.is_dir():
+            raise SpecError(f"config file {path} is a directory; expected a {fmt} file")
+        if not path.is_file():
+            raise SpecError(f"config file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+            layer = json.loads(text) if fmt == "JSON" else tomllib.loads(text)
+        except OSError as err:
+            raise SpecError(f"config file {path}: cannot read ({err.strerror or type(err).__name__})") from None
+        except UnicodeDecodeError as err:
+            raise SpecError(f"{path}: not valid {fmt}: not UTF-8 text (byte {err.start})") from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            raise SpecError(f"{path}: not valid {fmt}: {err}") from None
+        if not isinstance(layer, dict):
+            raise SpecError(f"{path}: expected a JSON object of spec keys, got {type(layer).__name__}")
+        data = deep_merge(data, layer)
+    for dotted, raw in overrides:
+        if not all(dotted.split(".")):
+            raise SpecError(f"--{dotted}: expected a dotted key such as --trainer.optim.lr")
+        data = deep_merge(data, with_keys({}, {dotted: parse_override_value(raw)}))
+    return data

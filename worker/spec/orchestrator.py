@@ -1,0 +1,93 @@
+"""``[orchestrator]``: rollouts, advantages (a union on ``type``), the staleness bounds, evals, the agent harness."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from worker.spec.strict import StrictModel
+
+
+class GrpoAdvantage(StrictModel):
+    """GRPO: reward minus the group mean, optionally over the group std (``worker/orchestrator/advantages/grpo.py``)."""
+
+    type: Literal["grpo"] = "grpo"
+    std_normalize: bool = False
+    """Divide by the group's population reward std, floored at ``std_floor`` (off: Dr. GRPO's mean-only form)."""
+    std_floor: float = Field(default=1e-2, gt=0)
+    """Lower bound of the std divisor (> 0); bounds the inflation of near-uniform groups."""
+    length_penalty: float = Field(default=0.0, ge=0)
+    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off)."""
+
+
+class MaxRLAdvantage(StrictModel):
+    """MaxRL: reward minus the group mean, over the group mean (``worker/orchestrator/advantages/maxrl.py``)."""
+
+    type: Literal["maxrl"] = "maxrl"
+    length_penalty: float = Field(default=0.0, ge=0)
+    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off)."""
+
+
+def _advantage_type(value: Any) -> str:
+    """The ``type`` of an ``[orchestrator.advantage]`` table; a table without one is GRPO's (the default)."""
+    if isinstance(value, dict):
+        return str(value.get("type", "grpo"))
+    return str(getattr(value, "type", "grpo"))
+
+
+AdvantageConfig = Annotated[
+    Annotated[GrpoAdvantage, Tag("grpo")] | Annotated[MaxRLAdvantage, Tag("maxrl")],
+    Discriminator(_advantage_type),
+]
+"""``[orchestrator.advantage]``: one config class per advantage type, chosen by ``type`` (default ``grpo``)."""
+
+
+class HarnessConfig(StrictModel):
+    """Rollouts of tasksets with tools, run through verifiers' agent harness (``worker.orchestrator.harness``)."""
+
+    id: str = "null"
+    """verifiers harness id (``null``: verifiers' chat program, a subprocess per rollout, needs ``uv``)."""
+    tool_parser: str | None = "qwen3"
+    """``renderers`` parser that reads tool calls from sampled token ids (``qwen3``: ``<tool_call>{json}</tool_call>``)."""
+    max_concurrent: int = Field(default=8, ge=1)
+    """Agent rollouts running at once (each may start a subprocess and tool servers)."""
+    max_turns: int = Field(default=8, ge=1)
+    """Model turns per rollout at most."""
+
+
+class EvalConfig(StrictModel):
+    interval: int = Field(default=0, ge=0)
+    """Run an online eval every this many steps (0 = only at the start and the end)."""
+    num_examples: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature of evals (0 = greedy)."""
+    pass_k: int = Field(default=1, ge=1)
+    """Samples per eval task; reports mean reward and pass@k (reward >= ``pass_threshold``)."""
+    pass_threshold: float = Field(default=1.0, ge=0, le=1)
+
+
+class OrchestratorConfig(StrictModel):
+    batch_size: int = Field(default=8, ge=1)
+    """Tasks (groups) per step."""
+    group_size: int = Field(default=8, ge=1)
+    """Rollouts per task."""
+    max_tokens: int = Field(default=64, ge=1)
+    """Completion token budget per rollout."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature; the trainer scales its logits by the same value."""
+    seq_len: int = Field(default=2048, ge=8)
+    """Micro-batch size in tokens: samples are packed into sequences of at most this length."""
+    share_prompt: bool = True
+    """Pack a group's samples next to each other so that the trainer lays their common prompt out once
+    (same logits and gradients, fewer tokens: ``worker.packing.pack_shared_prompt``)."""
+    max_async_level: int = Field(default=1, ge=0)
+    """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level."""
+    max_off_policy_steps: int = Field(default=8, ge=0)
+    """A rollout whose generating policy version lags the trainer's (n - 1) by more than this is dropped."""
+    advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
+    """How rollouts are scored against their group (``worker/orchestrator/advantages/``)."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    drop_zero_advantage: bool = True
+    """Drop groups whose advantages are all zero (no learning signal)."""
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)

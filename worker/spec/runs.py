@@ -1,0 +1,156 @@
+"""The run specs (``RLSpec``, ``SFTSpec``) and the tables they share: the model, the environment, inference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from worker.alert_rules import AlertRule
+from worker.spec.launcher import LauncherConfig
+from worker.spec.orchestrator import OrchestratorConfig
+from worker.spec.strict import StrictModel
+from worker.spec.trainer import CheckpointConfig, OptimConfig, SchedulerConfig, TrainerConfig
+
+# ----------------------------------------------------------------------------- model / env
+
+
+class ModelConfig(StrictModel):
+    name: str = Field(min_length=1)
+    """HF model id or local path (a directory written by ``save_pretrained``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and compute dtype of the trainer and of vLLM."""
+
+
+class EnvConfig(StrictModel):
+    id: str = "reverse_text"
+    """Built-in environment (``reverse_text``, ``arithmetic``) or ``package.module:function`` returning a Taskset."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment loader (e.g. ``num_train``, ``max_chars``)."""
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+class InferenceConfig(StrictModel):
+    url: str | None = None
+    """Use an already running vLLM server at this base URL instead of starting one."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    """0 picks a free port."""
+    max_model_len: int = Field(default=512, ge=16)
+    """vLLM context length in tokens."""
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra ``api_server`` flags, passed through unchanged."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=120.0, gt=0)
+    max_retries: int = Field(default=3, ge=0, le=20)
+    """Retries of one request (exponential backoff) before the run fails."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+RUN_NAME_RULE = "1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' (it names a directory)"
+
+
+def _check_run_name(cls: type, v: str) -> str:  # noqa: ARG001 - pydantic passes the class by this name
+    """Run names become directory names: 1-100 ASCII letters, digits, '-', '_', '.' (not leading)."""
+    ok = 0 < len(v) <= 100 and not v.startswith(".") and all(c.isascii() and (c.isalnum() or c in "-_.") for c in v)
+    if not ok:
+        raise ValueError(f"expected {RUN_NAME_RULE}, got {v!r}")
+    return v
+
+
+class RLSpec(StrictModel):
+    kind: Literal["rl"] = "rl"
+    name: str = "rl"
+    output_dir: str = "outputs"
+    """Run directories are created below this folder, as ``<output_dir>/<name>``."""
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
+    max_steps: int = Field(default=100, ge=1)
+    model: ModelConfig
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    alerts: list[AlertRule] = Field(default_factory=list)
+    """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission."""
+
+    _name = field_validator("name")(_check_run_name)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RLSpec:
+        adv, orch = self.orchestrator.advantage, self.orchestrator
+        if adv.type == "grpo" and orch.group_size < 2:
+            raise ValueError(
+                f"orchestrator.group_size: GRPO needs at least 2 rollouts per group, got {orch.group_size}"
+            )
+        if orch.max_tokens >= self.inference.max_model_len:
+            raise ValueError(
+                f"orchestrator.max_tokens: must be below inference.max_model_len ({self.inference.max_model_len}), "
+                f"got {orch.max_tokens}"
+            )
+        local = self.launcher.local
+        if local.trainer_gpus and self.trainer.device != "cuda":
+            raise ValueError("launcher.local.trainer_gpus: needs trainer.device = 'cuda'")
+        if local.trainer_gpus and local.trainer_processes not in (0, len(local.trainer_gpus)):
+            raise ValueError(
+                f"launcher.local.trainer_processes: one rank per trainer GPU ({len(local.trainer_gpus)}) or 0, "
+                f"got {local.trainer_processes}"
+            )
+        return self
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Trainer processes a local launch starts (``launcher.local``): 1 means a plain process, no torchrun."""
+        local = self.launcher.local
+        return local.trainer_processes or max(len(local.trainer_gpus), 1)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+class SFTDataConfig(StrictModel):
+    num_examples: int = Field(default=4096, ge=1)
+    """Generated prompt/completion pairs (from the environment's train split)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Samples per optimizer step."""
+
+
+class SFTSpec(StrictModel):
+    kind: Literal["sft"] = "sft"
+    name: str = "sft"
+    output_dir: str = "outputs"
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
+    max_steps: int = Field(default=200, ge=1)
+    model: ModelConfig
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    seq_len: int = Field(default=2048, ge=8)
+    """Packed sequence length in tokens."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    threads: int = Field(default=2, ge=1)
+    eval_interval: int = Field(default=0, ge=0)
+    """Greedy held-out eval every this many steps (0 = at the end only)."""
+    eval_examples: int = Field(default=64, ge=1)
+    alerts: list[AlertRule] = Field(default_factory=list)
+    """Alert rules of this run (``worker/alert_rules.py``)."""
+
+    _name = field_validator("name")(_check_run_name)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+SPEC_TYPES: dict[str, type[RLSpec] | type[SFTSpec]] = {"rl": RLSpec, "sft": SFTSpec}

@@ -1,0 +1,134 @@
+"""``[trainer]`` and ``[ckpt]``: optimizer, scheduler, losses (a union on ``type``), weight sync, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from worker.spec.strict import StrictModel
+
+
+class OptimConfig(StrictModel):
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"expected two values in [0, 1), got {list(v)}")
+        return v
+
+
+class SchedulerConfig(StrictModel):
+    type: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+
+
+class _LossBase(StrictModel):
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per sample (geometric mean over its loss tokens)."""
+
+
+class DppoKlLoss(_LossBase):
+    """DPPO trust-region mask by advantage sign plus a squared-log-ratio KL term (``worker/trainer/loss/dppo_kl.py``)."""
+
+    type: Literal["dppo_kl"] = "dppo_kl"
+    mask_low: float = Field(default=0.2, gt=0)
+    """A token with negative advantage is masked once ``p_train - p_infer < -mask_low``."""
+    mask_high: float = Field(default=0.2, gt=0)
+    """A token with positive advantage is masked once ``p_train - p_infer > mask_high``."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the KL term ``kl_tau * sum (log r)^2`` over every loss token (0 = off)."""
+
+
+class IpoLoss(_LossBase):
+    """Symmetric probability-difference trust region (``worker/trainer/loss/ipo.py``)."""
+
+    type: Literal["ipo"] = "ipo"
+    epsilon: float = Field(default=0.2, gt=0)
+    """A token is masked once ``abs(p_train - p_infer) > epsilon``, whatever its advantage's sign."""
+
+
+class IcePopLoss(_LossBase):
+    """Drop tokens whose train/infer probability ratio leaves a band (``worker/trainer/loss/icepop.py``)."""
+
+    type: Literal["icepop"] = "icepop"
+    band: tuple[float, float] = (0.5, 5.0)
+    """``[low, high]`` with ``0 < low < 1 < high``: tokens with ratio ``pi_train / pi_infer`` outside are masked."""
+
+    @field_validator("band", mode="wrap")
+    @classmethod
+    def _band(cls, v: Any, handler: Any) -> tuple[float, float]:
+        band: tuple[float, float] = handler(v)
+        if not 0 < band[0] < 1 < band[1]:
+            shown = list(v) if isinstance(v, list | tuple) else list(band)  # as written: [1.5, 5], not [1.5, 5.0]
+            raise ValueError(f"expected [low, high] with 0 < low < 1 < high, got {shown}")
+        return band
+
+
+class AipoLoss(_LossBase):
+    """Policy gradient weighted by the truncated importance ratio (``worker/trainer/loss/aipo.py``)."""
+
+    type: Literal["aipo"] = "aipo"
+    max_ratio: float = Field(default=2.0, gt=1)
+    """Truncation of the importance weight ``min(r, max_ratio)`` (> 1); nothing is masked."""
+
+
+LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss, Field(discriminator="type")]
+
+
+class WeightSyncConfig(StrictModel):
+    """How the trainer hands a new policy version to vLLM (``worker/weight_sync/``: publish.py, load.py).
+
+    ``filesystem``: safetensors in ``weights/step_n`` loaded by path. ``process_group``: the weights are
+    broadcast in buckets from trainer rank 0 to the vLLM workers over a separate process group (NCCL on
+    cuda, gloo on cpu), no disk; any failure falls back to the filesystem route with a logged warning.
+    """
+
+    kind: Literal["filesystem", "process_group"] = "filesystem"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto``: nccl when the trainer runs on cuda, else gloo."""
+    master_addr: str = Field(default="127.0.0.1", min_length=1)
+    """Address of trainer rank 0 as the vLLM workers reach it (the group's TCP store listens there)."""
+    master_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the group's TCP store; 0 picks a free port."""
+    bucket_mb: int = Field(default=256, ge=1, le=16384)
+    """Upper bound of one broadcast bucket in MiB (tensors of one dtype flattened together; a larger tensor
+    goes alone)."""
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on forming the group (after inference is up) and on one update, on both sides; past it the
+    update falls back to the filesystem."""
+
+
+class TrainerConfig(StrictModel):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    loss: LossConfig = Field(default_factory=DppoKlLoss)
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the trainer process (CPU)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer computes. ``cuda``: FSDP2 over the GPUs ``torchrun`` starts one process each for
+    (one GPU without torchrun); ``cpu``: one plain process, or FSDP2 over gloo under ``torchrun``."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    attention: Literal["sdpa", "flex_attention"] = "sdpa"
+    """Attention kernel of the trainer: SDPA with a dense packed mask, or flex attention with a block mask
+    that skips the blocks across sample boundaries (compiled; GPU)."""
+    compile: bool = False
+    """``torch.compile`` each decoder block (fuses the elementwise kernels around the matmuls; GPU)."""
+    slow_step_s: float = Field(default=0.0, ge=0)
+    """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
+
+
+class CheckpointConfig(StrictModel):
+    interval: int = Field(default=0, ge=0)
+    """Save trainer and orchestrator state every this many steps (0 = never)."""
+    keep: int = Field(default=2, ge=1)
+    """Complete checkpoints kept on disk."""
