@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.envs import load_environment
-from worker.orchestrator.data import TaskSampler, data_order
+from worker.orchestrator.data import TaskSampler, data_order, request_seed
 from worker.orchestrator.orchestrator import Orchestrator
 from worker.rundir import RunDir
 
@@ -121,3 +121,10 @@ def test_c7_sampler_resumed_at_pass_boundary_equals_uninterrupted_run(tmp_path) 
     first.write_state(tmp_path, 4)
     resumed = TaskSampler.resume(tmp_path, step=4, num_tasks=NUM_TASKS, seed=SEED, batch_size=PER_STEP)
     assert [resumed.take(step, PER_STEP) for step in range(5, 9)] == uninterrupted[4:]
+
+
+def test_request_seed_is_fixed_by_its_place_and_differs_between_places() -> None:
+    assert request_seed(0, 3, 1) == request_seed(0, 3, 1)
+    seeds = {request_seed(seed, step, slot) for seed in (0, 1) for step in (-1, 1, 2) for slot in range(8)}
+    assert len(seeds) == 2 * 3 * 8  # no two places of two runs share a seed
+    assert all(0 <= s < 2**31 for s in seeds)

@@ -17,6 +17,7 @@ from worker.envs.reverse_twice import FOLLOW_UP
 from worker.inference.client import Completion
 from worker.models import build_tokenizer
 from worker.orchestrator.batcher import build_batch
+from worker.orchestrator.data import request_seed
 from worker.orchestrator.multiturn import env_turn_ids, run_conversation
 from worker.orchestrator.prompts import prompt_ids
 from worker.spec import OrchestratorConfig
@@ -31,11 +32,14 @@ class ScriptedModel:
     """`InferenceClient.generate` returning the given replies in order; records the prompts it got."""
 
     def __init__(self, replies: list[Completion]) -> None:
-        self.replies, self.prompts = list(replies), []
+        self.replies, self.prompts, self.seeds = list(replies), [], []
 
-    async def generate(self, ids: list[int], *, n: int, max_tokens: int, temperature: float) -> list[Completion]:
+    async def generate(
+        self, ids: list[int], *, n: int, max_tokens: int, temperature: float, seed: int | None = None
+    ) -> list[Completion]:
         assert n == 1
         self.prompts.append(list(ids))
+        self.seeds.append(seed)
         reply = self.replies.pop(0)
         return [Completion(reply.token_ids[:max_tokens], reply.logprobs[:max_tokens], reply.finish_reason)]
 
@@ -77,6 +81,7 @@ def test_conversation_to_train_sample_exact(tok: Any) -> None:
             temperature=1.0,
             max_len=1000,  # type: ignore[arg-type]
             policy_version=lambda: next(versions),
+            seed=7,
         )
     )
     p_ids = prompt_ids(tok, env.prompt_messages(task))
@@ -87,6 +92,8 @@ def test_conversation_to_train_sample_exact(tok: Any) -> None:
     assert rollout.completion_logprobs == r1.logprobs + [0.0] * len(env_ids) + r2.logprobs
     assert model.prompts == [p_ids, p_ids + r1.token_ids + env_ids]  # turn 2 extends turn 1's exact tokens
     assert rollout.policy_span == (4, 6)
+    assert model.seeds == [request_seed(7, 0), request_seed(7, 1)]  # each turn's request seeded by the turn
+    assert len(set(model.seeds)) == 2
     assert rollout.finish_reason == "stop"
     from worker.envs.reverse_text import lcs_ratio
 
@@ -122,6 +129,7 @@ def test_conversation_stops_at_max_len(tok: Any) -> None:
         )
     )
     assert len(model.prompts) == 1  # the env turn left no room for a second model turn
+    assert model.seeds == [None]  # no seed given: vLLM samples unseeded
     assert rollout.finish_reason == "length"
     assert rollout.reward == pytest.approx(0.5)  # the unanswered second turn scores 0
 

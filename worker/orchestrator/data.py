@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from functools import lru_cache
@@ -14,6 +15,20 @@ def _pass_order(num_tasks: int, seed: int, epoch: int) -> tuple[int, ...]:
     order = list(range(num_tasks))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     return tuple(order)
+
+
+def request_seed(seed: int, *parts: int) -> int:
+    """The vLLM sampling seed of one request, from the run's ``seed`` and where the request stands
+    (e.g. ``(step, slot in the batch)``, ``(eval step, task index)``, then rollout and turn).
+
+    Seeded requests make a run repeatable: vLLM draws each seeded request's samples from its own generator,
+    so they do not depend on which other requests share a batch (unseeded requests share one generator and do).
+
+    Returns:
+        An integer in ``[0, 2**31)`` (vLLM accepts any int; 31 bits fit every backend's generator).
+    """
+    digest = hashlib.blake2b(repr((seed, *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 def data_order(position: int, num_tasks: int | None, seed: int) -> int:

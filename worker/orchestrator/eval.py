@@ -12,6 +12,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment
+from worker.orchestrator.data import request_seed
 from worker.orchestrator.rollouts import rollout_group
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ async def evaluate(
     pass_k: int = 1,
     pass_threshold: float = 1.0,
     harness: HarnessRunner | None = None,
+    seed: int | None = None,
 ) -> dict[str, float | int | None]:
     """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
 
@@ -39,6 +41,8 @@ async def evaluate(
     tokens (default: unbounded but for ``max_tokens`` per turn); ``completion_len_mean`` then counts
     model-sampled tokens only. A taskset with tools (``env.needs_harness``) runs through ``harness`` (verifiers'
     agent harness, ``worker.orchestrator.harness``).
+
+    ``seed`` (None: unseeded) seeds task i's requests with ``request_seed(seed, i)``.
 
     Returns:
         ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
@@ -64,6 +68,7 @@ async def evaluate(
             temperature=temperature,
             policy_version=lambda: 0,
             max_len=max_len,
+            seed=None if seed is None else request_seed(seed, index),
         )
         return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment, EnvTask, trace_reward
 from worker.orchestrator.batcher import Rollout
+from worker.orchestrator.data import request_seed
 from worker.orchestrator.prompts import prompt_ids
 
 if TYPE_CHECKING:
@@ -67,10 +68,12 @@ async def run_conversation(
     max_len: int,
     policy_version: Callable[[], int],
     max_turns: int = MAX_TURNS,
+    seed: int | None = None,
 ) -> Rollout:
     """One multi-turn rollout of `task` (see the module docstring).
 
-    `max_tokens` bounds each model turn (tokens); `max_len` the whole sequence (prompt + all turns, tokens).
+    `max_tokens` bounds each model turn (tokens); `max_len` the whole sequence (prompt + all turns, tokens);
+    `seed` (None: unseeded) seeds turn t's request with ``request_seed(seed, t)``.
     The returned rollout's `completion_ids` hold every token after the prompt (model and environment turns),
     `completion_mask` 1 on model-sampled tokens and 0 on environment tokens, `completion_logprobs` vLLM's
     sampling logprob on sampled tokens and 0.0 elsewhere; `reward` is the environment's (None if unscored).
@@ -86,12 +89,13 @@ async def run_conversation(
     turns: list[dict[str, Any]] = []
     v_start = policy_version()
     finish_reason = "length"
-    for _ in range(max_turns):
+    for turn in range(max_turns):
         budget = min(max_tokens, max_len - len(ids))
         if budget <= 0:
             finish_reason = "length"
             break
-        (completion,) = await client.generate(ids, n=1, max_tokens=budget, temperature=temperature)
+        turn_seed = None if seed is None else request_seed(seed, turn)
+        (completion,) = await client.generate(ids, n=1, max_tokens=budget, temperature=temperature, seed=turn_seed)
         finish_reason = completion.finish_reason
         ids += completion.token_ids
         mask += [1] * len(completion.token_ids)
@@ -124,7 +128,18 @@ async def run_conversation(
 
 
 async def run_group(
-    client: InferenceClient, tokenizer: Any, env: Environment, task: EnvTask, *, n: int, **kwargs: Any
+    client: InferenceClient,
+    tokenizer: Any,
+    env: Environment,
+    task: EnvTask,
+    *,
+    n: int,
+    seed: int | None = None,
+    **kwargs: Any,
 ) -> list[Rollout]:
-    """`n` concurrent `run_conversation`s of `task` (one rollout group); `kwargs` as for `run_conversation`."""
-    return list(await asyncio.gather(*(run_conversation(client, tokenizer, env, task, **kwargs) for _ in range(n))))
+    """`n` concurrent `run_conversation`s of `task` (one rollout group); rollout i is seeded with
+    ``request_seed(seed, i)`` (None: unseeded); `kwargs` as for `run_conversation`."""
+    seeds = [None if seed is None else request_seed(seed, i) for i in range(n)]
+    return list(
+        await asyncio.gather(*(run_conversation(client, tokenizer, env, task, seed=s, **kwargs) for s in seeds))
+    )

@@ -40,7 +40,7 @@ from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
-from worker.orchestrator.data import TaskSampler
+from worker.orchestrator.data import TaskSampler, request_seed
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.rollouts import rollout_group
@@ -135,7 +135,11 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ rollouts
 
-    async def rollout_group(self, index: int) -> list[Rollout]:
+    def _seed(self, *where: int) -> int | None:
+        """The request seed of a place in the run (``data.request_seed``), None with ``seeded_sampling`` off."""
+        return request_seed(self.spec.seed, *where) if self.spec.orchestrator.seeded_sampling else None
+
+    async def rollout_group(self, index: int, seed: int | None) -> list[Rollout]:
         orch = self.spec.orchestrator
         max_len = min(orch.seq_len, self.spec.inference.max_model_len)
         return await rollout_group(
@@ -152,10 +156,12 @@ class Orchestrator:
             # harness: no new model turn once a call's context leaves less than max_tokens of max_len (a longer
             # sample is dropped by build_batch as dropped_overlong)
             max_total_tokens=max(1, max_len - orch.max_tokens),
+            seed=seed,
         )
 
-    async def generate_step(self, indices: list[int]) -> list[list[Rollout]]:
-        return list(await asyncio.gather(*(self.rollout_group(i) for i in indices)))
+    async def generate_step(self, step: int, indices: list[int]) -> list[list[Rollout]]:
+        groups = (self.rollout_group(index, self._seed(step, slot)) for slot, index in enumerate(indices))
+        return list(await asyncio.gather(*groups))
 
     async def produce(self) -> None:
         level = self.spec.orchestrator.max_async_level
@@ -167,7 +173,9 @@ class Orchestrator:
             context = contextvars.copy_context()
             context.run(_STEP_SPEC.set, self._spec)
             indices = self.sampler.take(step, self._spec.orchestrator.batch_size)
-            self._steps[step] = asyncio.create_task(self._timed(self.generate_step(indices), waited), context=context)
+            self._steps[step] = asyncio.create_task(
+                self._timed(self.generate_step(step, indices), waited), context=context
+            )
 
     @staticmethod
     async def _timed(coro: Any, waited: float) -> tuple[Any, float, float]:
@@ -215,6 +223,7 @@ class Orchestrator:
             pass_k=ev.pass_k,
             pass_threshold=ev.pass_threshold,
             harness=self.harness,
+            seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
         )
         self.run.log_metrics("eval", version, result)
         logger.info("eval at policy version %d: %s", version, result)

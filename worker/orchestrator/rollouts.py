@@ -37,6 +37,7 @@ async def single_turn_group(
     max_tokens: int,
     temperature: float,
     policy_version: Callable[[], int],
+    seed: int | None = None,
 ) -> list[Rollout]:
     """`n` completions of `task`'s chat-templated prompt in one vLLM request, each scored by the environment.
 
@@ -48,7 +49,7 @@ async def single_turn_group(
     """
     ids = prompt_ids(tokenizer, env.prompt_messages(task))
     v_start = policy_version()
-    completions = await client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature)
+    completions = await client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
     span = (v_start, policy_version())
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     rewards = await asyncio.gather(*(env.score(task, text) for text in texts))
@@ -82,6 +83,7 @@ async def rollout_group(
     policy_version: Callable[[], int],
     max_len: int | None = None,
     max_total_tokens: int | None = None,
+    seed: int | None = None,
 ) -> list[Rollout]:
     """The `n` rollouts of task `index` of `env` (one group), by the path the environment needs (module table).
 
@@ -90,6 +92,8 @@ async def rollout_group(
         max_len: multi-turn only: prompt + all turns in tokens at most (None: unbounded).
         max_total_tokens: harness only: no new model turn once a call's context exceeds this (None: no cap).
         policy_version: reads the inference policy version (the rollouts' ``policy_span``).
+        seed: vLLM sampling seed of the group (``data.request_seed``); None: unseeded. Single-turn and multi-turn
+            paths seed every request from it; the harness path (verifiers makes the requests) is not seeded.
 
     Returns:
         The group's rollouts (a harness rollout may give several records, one per trainable branch).
@@ -121,6 +125,7 @@ async def rollout_group(
             temperature=temperature,
             max_len=max_len if max_len is not None else 1 << 30,
             policy_version=policy_version,
+            seed=seed,
         )
     return await single_turn_group(
         client,
@@ -132,4 +137,5 @@ async def rollout_group(
         max_tokens=max_tokens,
         temperature=temperature,
         policy_version=policy_version,
+        seed=seed,
     )

@@ -90,4 +90,9 @@ class OrchestratorConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero (no learning signal)."""
+    seeded_sampling: bool = True
+    """Seed every vLLM request from the run's ``seed`` and its place (step, slot, rollout, turn), so that a run with
+    the same spec samples the same tokens (``worker.orchestrator.data.request_seed``; the tool harness path is not
+    seeded). vLLM draws seeded requests from per-request generators, which costs sampling time at thousands of
+    concurrent requests: set false there if repeatability matters less than throughput."""
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
