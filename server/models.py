@@ -3,7 +3,7 @@
 Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens; the alert and webhook tables
 are in ``server/alerts/models.py``, which imports this module (never the reverse): whoever needs every table on
 ``SQLModel.metadata`` imports both (``migrations/env.py``). Alembic migrations in ``migrations/`` create them;
-``tests/server/test_migrations.py`` fails when these and the migrations drift.
+``tests/service/test_migrations.py`` fails when these and the migrations drift.
 """
 
 from __future__ import annotations

@@ -1,38 +1,22 @@
 """Browser tests of the dashboard: Debian's headless Chromium driven by Playwright against a real server on Postgres.
 
-The database, Redis queue and server fixtures are the control-plane tests' (``tests/server``): its helpers are
-imported and its fixtures re-exported here. The test database is package-scoped here (created and dropped around
-this folder), so a session that also runs ``tests/server`` creates it again there under the same name.
+The database, Redis queue and server fixtures are the ones of ``tests/conftest.py`` (helpers: ``tests.support``).
+The test database is package-scoped here (created and dropped around this folder), so a session that also runs
+``tests/service`` creates it again there under the same name.
 Every test leaves a full-page screenshot in ``$ASYNCRL_ARTIFACTS`` (default ``test-artifacts/``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SERVER_TESTS = Path(__file__).resolve().parents[1] / "server"
-sys.path.insert(0, str(SERVER_TESTS))
-
-import server_support  # noqa: E402  (sets the test database/queue environment before any server import)
-
-_spec = importlib.util.spec_from_file_location("asyncrl_server_test_fixtures", SERVER_TESTS / "conftest.py")
-_fixtures = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(_fixtures)  # type: ignore[union-attr]
-client, auth, make_run, live_server, session = (
-    _fixtures.client,
-    _fixtures.auth,
-    _fixtures.make_run,
-    _fixtures.live_server,
-    _fixtures.session,
-)
+from tests.support.server import fresh_database
 
 CHROMIUM = os.environ.get("ASYNCRL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -50,7 +34,7 @@ ARTIFACTS = Path(os.environ.get("ASYNCRL_ARTIFACTS", "test-artifacts"))
 
 @pytest.fixture(scope="package", autouse=True)
 def database() -> Iterator[str]:
-    yield from _fixtures.fresh_database(remove_state=False)  # the state dir stays for a later tests/server
+    yield from fresh_database(remove_state=False)  # the state dir stays for a later tests/service
 
 
 @pytest.fixture(scope="package")
@@ -99,6 +83,3 @@ def _login(page: Any, base: str, token: str) -> None:
 def login() -> Any:
     """``login(page, base_url, token)``: log in through the form, keyboard only."""
     return _login
-
-
-__all__ = ["server_support", "client", "auth", "make_run", "live_server", "session"]

@@ -8,8 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
-from alerts_support import new_run
-from server_support import new_token
+
+from tests.support.alerts import new_run
+from tests.support.server import new_token
 
 pytestmark = pytest.mark.browser
 

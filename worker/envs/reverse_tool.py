@@ -51,7 +51,7 @@ TOOL_SPEC: dict[str, Any] = {
     },
 }
 """The `reverse` tool as the chat template sees it (the template renders its name, parameter names and
-description; tests/integration/test_tool_rl.py checks the SFT prompt tokens equal a real rollout's)."""
+description; tests/e2e/test_tool_rl.py checks the SFT prompt tokens equal a real rollout's)."""
 
 
 class ReverseToolTaskConfig(vf.TaskConfig):

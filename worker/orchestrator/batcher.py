@@ -1,7 +1,7 @@
 """The batcher: one step's rollout groups -> advantages -> filtered training samples + metrics.
 
 Pure functions (no I/O), so the staleness bound and the reward/advantage bookkeeping are tested
-directly (``tests/unit/test_batcher.py``).
+directly (``tests/unit/worker/orchestrator/test_batcher.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ writes the resolved spec as JSON into the run directory and the service stores i
 
 The spec is the public schema, so its names are imported from ``worker.spec`` itself. This package
 imports nothing heavy (no torch, vllm, fastapi): the server validates specs with it, and
-``tests/unit/test_spec.py`` checks that in a fresh interpreter.
+``tests/unit/worker/test_spec.py`` checks that in a fresh interpreter.
 """
 
 from __future__ import annotations

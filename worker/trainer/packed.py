@@ -161,7 +161,7 @@ def packed_attention_mask(lengths: list[int]) -> torch.Tensor:
     """Block-diagonal causal mask ``[1, 1, T, T]`` (True = may attend) for samples packed in one row.
 
     With SDPA this keeps attention inside each sample, so a packed row gives the same logits as the
-    samples run one by one (checked in ``tests/unit/test_trainer_common.py``).
+    samples run one by one (checked in ``tests/unit/worker/trainer/test_packed.py``).
     """
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [T]
     total = int(seg.numel())
@@ -194,7 +194,7 @@ def micro_batch_tensors(samples: Sequence[Mapping[str, Any]]) -> PackedTensors:
     ``prefix_len`` prompt (``worker.packing.pack_shared_prompt`` puts them next to each other): it
     contributes only its tokens after the prompt, which attend to the first sample's prompt tokens
     and causally to themselves, at their own positions. The logits of every sample are then those of
-    the sample run alone (``tests/unit/test_trainer_common.py``); ``rows[i]`` says where they are.
+    the sample run alone (``tests/unit/worker/trainer/test_packed.py``); ``rows[i]`` says where they are.
     """
     ids: list[int] = []
     pos: list[int] = []

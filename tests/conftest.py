@@ -1,0 +1,79 @@
+"""Fixtures shared by the tests that talk to the control plane (``service/``, ``e2e/service/``, ``browser/``).
+
+``tests.support.server`` is imported first: it points the settings (test database, Celery queue, state
+directory) at this session's throw-away resources before any ``server`` module is imported, by any test folder.
+The ``database`` fixture creates and migrates that database; the folders that need it use it ``autouse``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.server import free_port, fresh_database, new_token, spec
+
+
+@pytest.fixture(scope="session")
+def database() -> Iterator[str]:
+    """The migrated test database's URL; dropped, with the test queue and state directory, at the session's end."""
+    yield from fresh_database(remove_state=True)
+
+
+@pytest.fixture
+def session() -> Iterator[Any]:
+    from sqlmodel import Session
+
+    from server.core.db import engine
+
+    with Session(engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    from fastapi.testclient import TestClient
+
+    from server.main import app
+
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {new_token(f'user-{secrets.token_hex(3)}')}"}
+
+
+@pytest.fixture
+def make_run(client: Any, auth: dict[str, str]) -> Callable[..., dict[str, Any]]:
+    def make(**overrides: Any) -> dict[str, Any]:
+        resp = client.post("/api/runs", json=spec(**overrides), headers=auth)
+        assert resp.status_code == 201, resp.text
+        return dict(resp.json())
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def live_server() -> Iterator[str]:
+    """The app served by uvicorn on a free port in a thread (for processes that call the API)."""
+    import uvicorn
+
+    from server.main import app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)

@@ -1,0 +1,290 @@
+"""Runs as Slurm jobs on the real single-node Slurm (``deploy/slurm/local-cluster.sh start``), through the REST API
+and a real Celery worker: a run requeued twice (``scontrol requeue``, then USR1 as before a time limit) resumes from
+its checkpoints and completes with every step stored once; ``scancel`` cancels a run; Slurm's refusal of a job fails
+the run with Slurm's message and queues nothing; a run inside an existing allocation runs as a step of it.
+
+The tiny random-init model and the short spec of ``test_real_resume.py`` (the ``service`` fixture of this folder's
+``conftest.py``: API server and Celery worker). Slurm 22.05 holds a requeued job for about two minutes before it may start again; the tests let it
+start at once with ``scontrol update jobid=<id> StartTime=now``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.models import RunStatus
+from tests.support.runs import ended, run_of, small_spec, trainer_steps
+from tests.support.server import BAD_MODEL, points, processes, run_token_headers, spec, stored, wait_for
+from worker.checkpoint import complete_steps
+from worker.launchers import slurm
+from worker.rundir import RunDir, read_jsonl
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+
+
+def slurm_spec(model: str, name: str, max_steps: int, **slurm_options: Any) -> dict[str, Any]:
+    spec = small_spec(Path(model), name, max_steps)
+    spec["launcher"] = {"kind": "slurm", "slurm": {"time_limit": "30:00", "signal_before_end_s": 60, **slurm_options}}
+    return spec
+
+
+def submit(client: Any, auth: dict[str, str], spec: dict[str, Any]) -> dict[str, Any]:
+    resp = client.post("/api/runs", json=spec, headers=auth)
+    assert resp.status_code == 201, resp.text
+    run_id = resp.json()["id"]
+    return dict(wait_for(lambda: (r := run_of(client, auth, run_id))["status"] != "queued" and r, 60, "launch"))
+
+
+def events(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, Any]]:
+    return list(client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"])
+
+
+def queued_jobs(run_id: int) -> list[str]:
+    """Ids of the jobs of this run that Slurm still lists as pending or running."""
+    return subprocess.run(
+        ["squeue", "-h", "-n", slurm.job_name(run_id), "-o", "%i"], capture_output=True, text=True, check=True
+    ).stdout.split()
+
+
+def start_requeued_now(job: str, restarts: int) -> None:
+    """Wait until Slurm has requeued ``job`` for the ``restarts``-th time, then let it start without the delay."""
+    wait_for(
+        lambda: (s := slurm.state(job)) is not None and s.restarts == restarts and s.state == "PENDING",
+        120,
+        f"job {job} requeued ({restarts})",
+    )
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
+
+
+def test_requeue_and_usr1_preemption_resume_from_checkpoints_and_complete(
+    client: Any, auth: dict[str, str], service: str
+) -> None:
+    spec = slurm_spec(service, "slurm-requeue", max_steps=16)
+    spec["ckpt"]["interval"] = 4
+    # >= 0.5 s a step, so the 0.1 s polls below see every step (the random-init tiny model's 16-token rollouts made
+    # steps fast enough that the orchestrator passed 7 and 11 between two polls; CI waited 400 s for them)
+    spec["trainer"]["slow_step_s"] = 0.5
+    run = submit(client, auth, spec)
+    job, rd = run["launcher_handle"], RunDir(run["run_dir"])
+    assert run["launcher"] == "slurm" and job.isdigit(), run
+    assert queued_jobs(run["id"]) == [job]
+
+    # 1. an operator (or a preempting job) requeues it after its first checkpoint
+    first = wait_for(lambda: complete_steps(rd), 400, "first checkpoint")[-1]
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    start_requeued_now(job, 1)
+    wait_for(lambda: any(e["kind"] == "requeued" for e in events(client, auth, run["id"])), 120, "requeued event")
+
+    # 2. USR1 to the batch shell, as --signal=B:USR1@<s> before the time limit: checkpoint now, then requeue itself.
+    # Sent when the orchestrator's last step is 7, 8, 11 or 12: the step asked for (2 ahead, 3 if the orchestrator
+    # moves on meanwhile) is not one of the periodic checkpoints (every 4)
+    def orchestrator_step() -> int:
+        return max((r["step"] for r in read_jsonl(rd.metrics) if r["source"] == "orchestrator"), default=0)
+
+    wait_for(lambda: orchestrator_step() in (7, 8, 11, 12), 400, "orchestrator at step 7, 8, 11 or 12")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    start_requeued_now(job, 2)
+
+    done = ended(client, auth, run["id"])
+    assert done["status"] == "completed", done["status_reason"]
+    assert (done["launcher"], done["launcher_handle"], done["run_dir"]) == ("slurm", job, run["run_dir"])
+    requeues = [e["data"] for e in events(client, auth, run["id"]) if e["kind"] == "requeued"]
+    assert [(r["restarts"], r["job"]) for r in requeues] == [(1, job), (2, job)]
+    assert requeues[0]["resume_step"] == first
+    preempt_step = requeues[1]["resume_step"]  # the checkpoint USR1 asked for was complete before the requeue
+    assert preempt_step == json.loads((rd.root / "checkpoint_request.json").read_text())["step"] > first
+    assert first == 4 and preempt_step in (9, 10, 11, 13, 14, 15)  # a requested checkpoint, not a periodic one
+    starts = [e["resume_step"] for e in read_jsonl(rd.events) if e["event"] == "starting"]
+    assert starts == [None, first, preempt_step]
+    # every step trained once in the run's record: the steps after a checkpoint were pruned and trained again
+    trainer_rows = [r for r in read_jsonl(rd.metrics) if r["source"] == "trainer"]
+    assert [r["step"] for r in trainer_rows] == list(range(1, 17))
+    assert trainer_steps(client, auth, run["id"]) == list(range(1, 17))
+    loss = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "loss"}, headers=auth).json()
+    stored = [v for s in loss["series"] if s["source"] == "trainer" for v in s["value"]]
+    assert stored == pytest.approx([r["loss"] for r in trainer_rows], nan_ok=True)  # the values of the final attempts
+    assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == [
+        "queued",
+        "starting",
+        "running",
+        "completed",
+    ]
+    home = rd.root.parent
+    assert sorted(p.name for p in (home / "slurm").iterdir()) == ["attempt-0", "attempt-1", "attempt-2"]
+    assert "DUE TO JOB REQUEUE" in (home / f"slurm-{job}.out").read_text()
+    assert wait_for(lambda: queued_jobs(run["id"]) == [], 60, "job gone from squeue")  # it ends after its report
+
+
+def test_scancel_cancels_the_run_and_leaves_no_process(client: Any, auth: dict[str, str], service: str) -> None:
+    run = submit(client, auth, slurm_spec(service, "slurm-scancel", max_steps=10_000))
+    wait_for(
+        lambda: run_of(client, auth, run["id"])["status"] == "running" and trainer_steps(client, auth, run["id"]),
+        400,
+        "run running with stored metrics",
+    )
+    subprocess.run(["scancel", run["launcher_handle"]], check=True)
+    done = ended(client, auth, run["id"], 120)
+    job = run["launcher_handle"]
+    assert (done["status"], done["status_reason"]) == (
+        "cancelled",
+        f"Slurm job {job} terminated (scancel or time limit)",
+    )
+    assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == [
+        "queued",
+        "starting",
+        "running",
+        "cancelled",
+    ]
+    assert wait_for(lambda: queued_jobs(run["id"]) == [], 60, "job gone from squeue")
+    assert wait_for(lambda: not any(run["run_dir"] in cmd for _, cmd in processes().values()), 60, "no process left")
+
+
+def test_api_stop_scancels_the_job(client: Any, auth: dict[str, str], service: str) -> None:
+    run = submit(client, auth, slurm_spec(service, "slurm-stop", max_steps=2, extra_sbatch=["--hold"]))
+    job = run["launcher_handle"]
+    assert (run["status"], queued_jobs(run["id"])) == ("starting", [job])  # held: it waits in the queue
+    assert client.post(f"/api/runs/{run['id']}/stop", headers=auth).status_code == 200
+    done = ended(client, auth, run["id"], 60)
+    assert (done["status"], done["status_reason"]) == ("cancelled", "stopped")
+    assert slurm.state(job).state == "CANCELLED" and queued_jobs(run["id"]) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"partition": "nope"}, "invalid partition specified: nope"),
+        ({"gpus_per_node": 4}, "Invalid generic resource (gres) specification"),  # this node has no GPUs
+    ],
+)
+def test_slurm_refusal_fails_the_run_with_slurms_message(
+    client: Any,
+    auth: dict[str, str],
+    service: str,
+    options: dict[str, Any],
+    message: str,
+) -> None:
+    run = submit(client, auth, slurm_spec(service, "slurm-refused", max_steps=2, **options))
+    assert run["status"] == "failed" and run["launcher_handle"] is None, run
+    assert run["status_reason"].startswith("slurm: sbatch: error: ") and message in run["status_reason"], run
+    assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == ["queued", "failed"]
+    assert queued_jobs(run["id"]) == []
+
+
+def test_redelivered_launch_adopts_the_job_an_earlier_delivery_submitted(session: Any) -> None:
+    from server.services import runs
+    from worker import tasks
+    from worker.spec import validate_spec
+
+    data = spec(launcher={"kind": "slurm", "slurm": {"extra_sbatch": ["--hold"]}})  # held: it never starts
+    run = runs.create(session, data=data, owner="test")
+    session.commit()
+    home = Path(run.run_dir).parent
+    # the first delivery submitted the job, then its worker died before the commit: the run is still queued
+    job = slurm.submit(validate_spec("rl", run.spec), run_id=run.id, home=home, env={})
+    try:
+        assert tasks.launch(run.id) == f"adopted: run {run.id} slurm job {job}"
+        session.refresh(run)
+        assert (run.status, run.launcher, run.launcher_handle) == ("starting", "slurm", job)
+        assert queued_jobs(run.id) == [job]  # one job of this run
+        assert tasks.launch(run.id) == f"skipped: run {run.id} is starting (handle {job})"
+    finally:
+        subprocess.run(["scancel", job], check=True)
+
+
+def test_reconcile_ends_runs_whose_job_ended_or_is_gone(session: Any) -> None:
+    from server.services import runs
+    from worker import tasks
+
+    cancelled = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--wrap", "true"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    subprocess.run(["scancel", cancelled], check=True)
+    wait_for(lambda: slurm.state(cancelled).state == "CANCELLED", 30, "job cancelled")
+    live = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--wrap", "true"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    made = {}
+    for handle in (cancelled, "99999999", live):
+        run = runs.create(session, data=spec(launcher={"kind": "slurm"}), owner="test")
+        run.launcher, run.launcher_handle = "slurm", handle
+        runs.transition(session, run, RunStatus.starting, reason="submitted to Slurm")
+        made[handle] = run.id
+    session.commit()
+    try:
+        assert sorted(set(tasks.reconcile()) & set(made.values())) == [made[cancelled], made["99999999"]]
+        session.expire_all()
+        gone, ended_run, alive = (runs.get(session, made[h]) for h in ("99999999", cancelled, live))
+        assert (gone.status, gone.status_reason) == ("failed", "Slurm job 99999999 is gone")
+        assert ended_run.status == "cancelled"
+        assert ended_run.status_reason == f"Slurm job {cancelled} ended CANCELLED (reason JobHeldUser, exit code 0:0)"
+        assert alive.status == "starting"  # pending (held): still live
+    finally:
+        subprocess.run(["scancel", live], check=True)
+
+
+def test_requeued_report_drops_later_metrics_once_and_not_for_an_ended_run(client: Any, session: Any) -> None:
+    from server.services import runs
+
+    run = runs.create(session, data=spec(), owner="test")
+    runs.transition(session, run, RunStatus.starting, reason="submitted to Slurm")
+    session.commit()
+    rt = run_token_headers(run.id)
+    assert client.post(f"/api/runs/{run.id}/metrics", json={"points": points(9, start=1)}, headers=rt).json() == {
+        "received": 8,
+        "inserted": 8,
+    }
+    report = {"restarts": 1, "resume_step": 4, "job": "77"}
+    assert client.post(f"/api/runs/{run.id}/requeued", json=report, headers=rt).status_code == 200
+    assert stored(run.id) == 4  # steps 1-4 kept, 5-8 are trained again by the new attempt
+    assert client.post(f"/api/runs/{run.id}/metrics", json={"points": points(7, start=5)}, headers=rt).json() == {
+        "received": 2,
+        "inserted": 2,
+    }
+    assert client.post(f"/api/runs/{run.id}/requeued", json=report, headers=rt).status_code == 200  # a retry
+    assert stored(run.id) == 6  # the retried report of the same attempt deleted nothing
+    data = client.get(f"/api/runs/{run.id}/events", headers=rt).json()["data"]
+    assert [(e["reason"], e["data"]) for e in data if e["kind"] == "requeued"] == [
+        ("Slurm job 77 requeued (restart 1); resuming from checkpoint step 4", report)
+    ]
+    bad = client.post(f"/api/runs/{run.id}/requeued", json={**report, "restarts": 0}, headers=rt)
+    assert bad.status_code == 422 and "restarts" in bad.text
+    runs.transition(session, run, RunStatus.cancelled, reason="stopped")
+    session.commit()
+    resp = client.post(f"/api/runs/{run.id}/requeued", json={**report, "restarts": 2}, headers=rt)
+    assert resp.status_code == 409, resp.text
+    assert stored(run.id) == 6
+
+
+def test_run_inside_an_existing_allocation_is_a_step_of_it(
+    client: Any,
+    auth: dict[str, str],
+    service: str,
+    tmp_path: Path,
+) -> None:
+    alloc = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=asyncrl-test-allocation", f"--chdir={tmp_path}", "--wrap", "sleep 600"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        wait_for(lambda: (s := slurm.state(alloc)) is not None and s.state == "RUNNING", 60, "allocation running")
+        spec = slurm_spec(service, "slurm-allocation", max_steps=2, allocation=alloc)
+        spec["model"]["name"] = BAD_MODEL  # fails in the supervisor's preflight: the step runs and reports, briefly
+        run = submit(client, auth, spec)
+        assert run["launcher"] == "slurm" and run["launcher_handle"].startswith(f"{alloc}."), run
+        done = ended(client, auth, run["id"], 120)
+        assert done["status"] == "failed" and done["status_reason"].startswith("preflight: model.name: "), done
+        assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == [
+            "queued",
+            "starting",
+            "failed",
+        ]
+        assert slurm.state(alloc).state == "RUNNING"  # the allocation itself goes on
+    finally:
+        subprocess.run(["scancel", alloc], check=True)

@@ -1,0 +1,245 @@
+"""REST API: submit, list, show, stop, status reports, events, and bad input (4xx JSON, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.support.server import BAD_MODEL, new_token, run_token_headers, spec
+
+
+def run_count(client: Any, auth: dict[str, str]) -> int:
+    return int(client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"])
+
+
+def test_healthz(client: Any) -> None:
+    assert client.get("/healthz").json() == {"status": "ok", "database": "postgresql"}
+
+
+def test_submit_json_returns_queued_run(client: Any, auth: dict[str, str]) -> None:
+    body = spec(trainer={"optim": {"lr": 3e-5}})
+    resp = client.post("/api/runs", json=body, headers=auth)
+    assert resp.status_code == 201, resp.text
+    run = resp.json()
+    assert run["status"] == "queued" and run["name"] == body["name"] and run["kind"] == "rl"
+    assert run["spec"]["trainer"]["optim"]["lr"] == 3e-5 and len(run["spec_hash"]) == 64
+    assert run["run_dir"].endswith(f"runs/{run['id']}/{body['name']}")
+    assert client.get(f"/api/runs/{run['id']}", headers=auth).json()["spec_hash"] == run["spec_hash"]
+    events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()
+    assert [(e["from_status"], e["to_status"]) for e in events["data"]] == [(None, "queued")]
+
+
+def test_submit_toml_upload(client: Any, auth: dict[str, str]) -> None:
+    toml = f'name = "toml-run"\nmax_steps = 5\n[model]\nname = "{BAD_MODEL}"\n[orchestrator]\ngroup_size = 4\n'
+    resp = client.post("/api/runs", files={"file": ("rl.toml", toml.encode(), "application/toml")}, headers=auth)
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["spec"]["orchestrator"]["group_size"] == 4
+
+
+def test_list_filters_and_paginates(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    made = [make_run(name=f"page-{i}") for i in range(3)]
+    page = client.get("/api/runs", params={"name": "page-", "limit": 2}, headers=auth).json()
+    assert page["count"] == 3 and [r["id"] for r in page["data"]] == [made[2]["id"], made[1]["id"]]
+    rest = client.get("/api/runs", params={"name": "page-", "limit": 2, "offset": 2}, headers=auth).json()
+    assert [r["id"] for r in rest["data"]] == [made[0]["id"]]
+    client.post(f"/api/runs/{made[0]['id']}/stop", headers=auth)
+    cancelled = client.get("/api/runs", params={"name": "page-", "status": "cancelled"}, headers=auth).json()
+    assert [r["id"] for r in cancelled["data"]] == [made[0]["id"]]
+
+
+def test_status_transitions_are_recorded(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    run_id = make_run()["id"]
+    rt = run_token_headers(run_id)
+    for status in ("starting", "running", "paused", "running", "completed"):
+        resp = client.post(f"/api/runs/{run_id}/status", json={"status": status, "reason": f"to {status}"}, headers=rt)
+        assert resp.status_code == 200, resp.text
+    run = client.get(f"/api/runs/{run_id}", headers=auth).json()
+    assert run["status"] == "completed" and run["started_at"] and run["finished_at"]
+    events = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
+    assert [(e["from_status"], e["to_status"]) for e in events] == [
+        (None, "queued"),
+        ("queued", "starting"),
+        ("starting", "running"),
+        ("running", "paused"),
+        ("paused", "running"),
+        ("running", "completed"),
+    ]
+    assert events[-1]["reason"] == "to completed"
+    resp = client.post(f"/api/runs/{run_id}/status", json={"status": "running"}, headers=rt)
+    assert resp.status_code == 409 and "completed: cannot go to running" in resp.json()["detail"]
+    assert len(client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]) == 6
+
+
+def test_stop_queued_run_cancels_it(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    run_id = make_run()["id"]
+    resp = client.post(f"/api/runs/{run_id}/stop", headers=auth)
+    assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
+    again = client.post(f"/api/runs/{run_id}/stop", headers=auth)
+    assert again.status_code == 409 and "cancelled" in again.json()["detail"]
+
+
+def test_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:
+    resp = client.get("/api/runs/999999", headers=auth)
+    assert resp.status_code == 404 and resp.json()["detail"] == "run 999999 not found"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        pytest.param(
+            spec(trainer={"optim": {"lrr": 1e-4}}),
+            422,
+            "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+            id="unknown-key",
+        ),
+        pytest.param(
+            spec(max_steps=0), 422, "max_steps: Input should be greater than or equal to 1, got 0", id="bad-value"
+        ),
+        pytest.param({"name": "x"}, 422, "model: Field required", id="missing-field"),
+        pytest.param(spec(kind="sft"), 422, "kind: the service launches 'rl' runs, got 'sft'", id="sft-kind"),
+        pytest.param(spec(kind=3), 422, "kind: expected one of ['rl', 'sft'], got '3'", id="kind-not-string"),
+        pytest.param([1, 2], 422, "body: expected a JSON object (the run spec), got list", id="not-an-object"),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field(
+    client: Any, auth: dict[str, str], body: Any, status: int, detail: str
+) -> None:
+    before = run_count(client, auth)
+    resp = client.post("/api/runs", json=body, headers=auth)
+    assert (resp.status_code, resp.json()["detail"]) == (status, detail)
+    assert run_count(client, auth) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "detail_start"),
+    [
+        pytest.param(
+            {"content": b'{"name": ', "headers": {"content-type": "application/json"}},
+            400,
+            "body: not valid JSON",
+            id="malformed-json",
+        ),
+        pytest.param(
+            {"content": b"\xff\xfe", "headers": {"content-type": "application/json"}},
+            400,
+            "body: not valid JSON",
+            id="not-utf8",
+        ),
+        pytest.param(
+            {"files": {"file": ("rl.toml", b"name = ", "text/plain")}},
+            400,
+            "file: rl.toml is not valid TOML",
+            id="malformed-toml",
+        ),
+        pytest.param({"files": {"other": ("rl.toml", b"", "text/plain")}}, 422, "file: upload the spec", id="no-file"),
+        pytest.param(
+            {"content": b"name: x", "headers": {"content-type": "text/yaml"}},
+            415,
+            "content-type 'text/yaml'",
+            id="wrong-type",
+        ),
+        pytest.param(
+            {"content": json.dumps({"name": "x" * 300_000}).encode(), "headers": {"content-type": "application/json"}},
+            413,
+            "body: larger than",
+            id="oversized",
+        ),
+    ],
+)
+def test_unparsable_body_is_4xx(
+    client: Any, auth: dict[str, str], kwargs: dict[str, Any], status: int, detail_start: str
+) -> None:
+    before = run_count(client, auth)
+    headers = {**kwargs.pop("headers", {}), **auth}
+    resp = client.post("/api/runs", headers=headers, **kwargs)
+    assert resp.status_code == status and resp.json()["detail"].startswith(detail_start), resp.text
+    assert run_count(client, auth) == before
+
+
+def test_oversized_chunked_body_is_413(client: Any, auth: dict[str, str]) -> None:
+    def chunks() -> Any:
+        for _ in range(40):
+            yield b" " * 10_000
+
+    resp = client.post("/api/runs", content=chunks(), headers={**auth, "content-type": "application/json"})
+    assert resp.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("headers", "detail"),
+    [
+        pytest.param({}, "missing token", id="missing"),
+        pytest.param({"Authorization": "Token abc"}, "malformed Authorization header", id="wrong-scheme"),
+        pytest.param({"Authorization": "Bearer asr_not-a-token"}, "invalid token", id="unknown"),
+        pytest.param({"Authorization": "Bearer asr_run_1_" + "0" * 64}, "invalid token", id="forged-run-token"),
+    ],
+)
+def test_missing_or_wrong_token_is_401(client: Any, auth: dict[str, str], headers: dict[str, str], detail: str) -> None:
+    before = run_count(client, auth)
+    resp = client.post("/api/runs", json=spec(), headers=headers)
+    assert resp.status_code == 401 and resp.json()["detail"].startswith(detail)
+    assert client.get("/api/runs", headers=headers).status_code == 401
+    assert run_count(client, auth) == before
+
+
+def test_revoked_token_is_401(client: Any) -> None:
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.services import tokens
+
+    plain = new_token("to-revoke")
+    headers = {"Authorization": f"Bearer {plain}"}
+    assert client.get("/api/runs", headers=headers).status_code == 200
+    with Session(engine) as s:
+        assert tokens.revoke(s, name="to-revoke") == 1
+        s.commit()
+        stored = [t.token_hash for t in s.exec(tokens.select(tokens.ApiToken)).all()]
+    assert plain not in stored and tokens.hash_token(plain) in stored  # hashed at rest
+    resp = client.get("/api/runs", headers=headers)
+    assert resp.status_code == 401 and resp.json()["detail"] == "token 'to-revoke' was revoked"
+
+
+def test_read_token_reads_but_every_write_is_403(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    run_id = make_run()["id"]
+    ro = {"Authorization": f"Bearer {new_token('viewer', scope='read')}"}
+    before = run_count(client, auth)
+    assert client.get("/api/runs", headers=ro).status_code == 200
+    assert client.get(f"/api/runs/{run_id}/events", headers=ro).status_code == 200
+    writes = [
+        ("post", "/api/runs", {"json": spec()}),
+        ("post", f"/api/runs/{run_id}/stop", {}),
+        ("patch", f"/api/runs/{run_id}/config", {"json": {"changes": {"orchestrator.temperature": 0.9}}}),
+        ("post", f"/api/runs/{run_id}/fork", {"json": {}}),
+    ]
+    for method, url, kw in writes:
+        resp = getattr(client, method)(url, headers=ro, **kw)
+        assert resp.status_code == 403, (url, resp.text)
+        assert resp.json()["detail"] == "token 'viewer' is read-only: it may only read (GET)"
+    assert run_count(client, auth) == before
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["status"] == "queued"
+
+
+def test_token_scope_must_be_known() -> None:
+    with pytest.raises(ValueError, match="scope: expected one of write, read, got 'admin'"):
+        new_token("bad-scope", scope="admin")
+
+
+def test_run_token_reaches_only_its_run(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    mine, other = make_run()["id"], make_run()["id"]
+    rt = run_token_headers(mine)
+    assert client.get(f"/api/runs/{mine}", headers=rt).status_code == 200
+    resp = client.post(f"/api/runs/{other}/status", json={"status": "starting"}, headers=rt)
+    assert resp.status_code == 403 and resp.json()["detail"] == f"this run token belongs to run {mine}, not run {other}"
+    assert client.get(f"/api/runs/{other}/events", headers=rt).status_code == 403
+    assert client.post("/api/runs", json=spec(), headers=rt).status_code == 403
+    assert client.post(f"/api/runs/{mine}/stop", headers=rt).status_code == 403
+    assert client.get("/api/runs", headers=rt).status_code == 403
+    assert client.get(f"/api/runs/{other}", headers=auth).json()["status"] == "queued"
+
+
+def test_openapi_names_operations_by_tag(client: Any) -> None:
+    ops = {op["operationId"] for path in client.get("/openapi.json").json()["paths"].values() for op in path.values()}
+    assert {"runs-create_run", "runs-list_runs", "metrics-ingest_metrics", "metrics-get_metrics"} <= ops

@@ -1,0 +1,104 @@
+"""``asyncrl token|submit|runs`` against a live server, and the supervisor's metrics forwarder (spool + replay)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.server import BAD_MODEL, free_port, run_token_headers, stored
+from worker.cli import main
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_token_submit_runs(
+    capsys: pytest.CaptureFixture[str], live_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = cli(capsys, "token", "create", "--name", "cli-user")
+    token = out.strip()
+    assert code == 0 and token.startswith("asr_") and "not shown again" in err
+    monkeypatch.setenv("ASYNCRL_URL", live_server)
+    monkeypatch.setenv("ASYNCRL_TOKEN", token)
+    spec = tmp_path / "rl.toml"
+    spec.write_text(f'name = "cli-run"\nmax_steps = 2\n[model]\nname = "{BAD_MODEL}"\n')
+    code, out, _ = cli(capsys, "submit", str(spec))
+    run = json.loads(out)
+    assert code == 0 and run["name"] == "cli-run" and run["status"] == "queued"
+    code, out, _ = cli(capsys, "runs", "ls", "--name", "cli-run")
+    assert code == 0 and f"{run['id']:>6}  queued" in out and "1 of 1 runs" in out
+    code, out, _ = cli(capsys, "runs", "stop", str(run["id"]))
+    assert code == 0 and json.loads(out)["status"] == "cancelled"
+    code, out, _ = cli(capsys, "runs", "show", str(run["id"]))
+    assert code == 0 and json.loads(out)["status"] == "cancelled"
+
+    spec.write_text(f'name = "cli-run"\n[model]\nname = "{BAD_MODEL}"\n[trainer.optim]\nlrr = 1\n')
+    code, _, err = cli(capsys, "submit", str(spec))
+    assert code == 2 and err.strip() == "error: 422: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
+    code, _, err = cli(capsys, "runs", "show", "999999", "--token", "asr_wrong")
+    assert code == 2 and err.strip() == "error: 401: invalid token"
+
+    code, out, _ = cli(capsys, "token", "create", "--name", "cli-viewer", "--read-only")
+    viewer = out.strip()
+    code, out, _ = cli(capsys, "runs", "ls", "--token", viewer)
+    assert code == 0 and "cli-run" in out
+    code, _, err = cli(capsys, "runs", "stop", str(run["id"]), "--token", viewer)
+    assert code == 2 and err.strip() == "error: 403: token 'cli-viewer' is read-only: it may only read (GET)"
+
+    code, out, _ = cli(capsys, "token", "revoke", "--name", "cli-user")
+    assert code == 0 and "revoked 1" in out
+    code, _, err = cli(capsys, "runs", "ls")
+    assert code == 2 and "revoked" in err
+    code, _, err = cli(capsys, "token", "revoke", "--name", "cli-user")
+    assert code == 2 and "no live token called 'cli-user'" in err
+
+
+def write_rows(path: Path, steps: range) -> int:
+    """Append trainer + orchestrator rows like the run processes do; returns the number of points."""
+    from worker.rundir import RunDir
+
+    run = RunDir(path)
+    n = 0
+    for step in steps:
+        run.log_metrics("trainer", step, {"loss": 1 / (step + 1), "lr": 1e-4, "grad_norm": None})
+        run.log_metrics("orchestrator", step, {"reward_mean": step / 10, "dropped_stale": 0})
+        n += 4
+    return n
+
+
+def test_forwarder_spools_while_the_server_is_down_then_sends_each_point_once(
+    client: Any, make_run: Any, tmp_path: Path
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from server.main import app
+    from worker.reporter import MetricsForwarder
+
+    run_id = make_run()["id"]
+    tmp_path.mkdir(exist_ok=True)
+    emitted = write_rows(tmp_path, range(1, 6))
+    down = httpx.Client(base_url=f"http://127.0.0.1:{free_port()}", timeout=2)
+    spooled = MetricsForwarder(down, run_id, tmp_path / "metrics.jsonl", tmp_path / "offset", batch_points=3)
+    with pytest.raises(httpx.ConnectError):
+        spooled.send_once()
+    assert spooled.offset == 0 and not (tmp_path / "offset").exists()
+
+    emitted += write_rows(tmp_path, range(6, 9))  # training goes on meanwhile
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"source": "trainer", "step": 9, "lo')  # a torn line is left for the next pass
+    with TestClient(app, headers=run_token_headers(run_id)) as up:
+        fwd = MetricsForwarder(up, run_id, tmp_path / "metrics.jsonl", tmp_path / "offset", batch_points=3)
+        assert fwd.send_once() == emitted and fwd.send_once() == 0
+        (tmp_path / "offset").unlink()  # a replay from the start (e.g. a restarted supervisor that lost its offset)
+        replay = MetricsForwarder(up, run_id, tmp_path / "metrics.jsonl", tmp_path / "offset")
+        assert replay.send_once() == emitted
+    body = client.get(f"/api/runs/{run_id}/metrics", params={"name": "loss"}, headers=run_token_headers(run_id)).json()
+    assert body["series"][0]["step"] == list(range(1, 9))
+    assert stored(run_id) == emitted

@@ -1,0 +1,435 @@
+"""Resume, fork, logs and reconcile: REST routes, the launch they lead to, the CLI, and Celery beat.
+
+Checkpoints here are written with ``worker.checkpoint.write_part`` (the trainer's own atomic writer) holding
+small stand-in files; the launched supervisors then fail in preflight on the test model path, which comes
+*after* the run-directory check: a reason ``preflight: model.name`` (not "run directory exists") shows the
+supervisor was started with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.server import run_token_headers, stop_process_group, stored, wait_for
+from worker.checkpoint import write_part
+from worker.rundir import RunDir
+
+
+def events(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, Any]]:
+    return list(client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"])
+
+
+def set_status(client: Any, run_id: int, *statuses: str) -> None:
+    for status in statuses:
+        resp = client.post(
+            f"/api/runs/{run_id}/status", json={"status": status, "reason": status}, headers=run_token_headers(run_id)
+        )
+        assert resp.status_code == 200, resp.text
+
+
+def checkpoint(run: dict[str, Any], step: int, *, parts: tuple[str, ...] = ("trainer", "orchestrator")) -> None:
+    """A checkpoint of ``step`` in the run's directory (parts written by the real writer) plus its config.json."""
+    rd = RunDir(run["run_dir"])
+    rd.create()
+    rd.config.write_text(json.dumps(run["spec"]))
+    for part in parts:
+        write_part(rd, step, part, lambda d, p=part: (d / "state.bin").write_bytes(f"{p}-{step}".encode()))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["sleep", "60"])
+    proc.kill()
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def server_url(live_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    from server.core.config import settings
+
+    monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
+    return live_server
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_resume_requires_failed_or_cancelled_and_a_complete_checkpoint(
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
+    run = make_run()
+    resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
+    assert resp.status_code == 409 and resp.json()["detail"] == (
+        f"run {run['id']} is queued: only failed or cancelled runs resume"
+    )
+    set_status(client, run["id"], "starting", "failed")
+    checkpoint(run, 2, parts=("trainer",))  # incomplete: no orchestrator part
+    resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
+    ckpts = Path(run["run_dir"]) / "checkpoints"
+    assert resp.status_code == 409 and resp.json()["detail"] == f"run {run['id']}: no complete checkpoint in {ckpts}"
+    done = make_run()
+    set_status(client, done["id"], "starting", "running", "completed")
+    checkpoint(done, 1)
+    resp = client.post(f"/api/runs/{done['id']}/resume", headers=auth)
+    assert resp.status_code == 409 and "is completed: only failed or cancelled runs resume" in resp.json()["detail"]
+    rt = client.post(f"/api/runs/{done['id']}/resume", headers=run_token_headers(done["id"]))
+    assert rt.status_code == 403
+    # resume is the only way back: a status report cannot move a failed run to queued
+    back = client.post(f"/api/runs/{run['id']}/status", json={"status": "queued"}, headers=run_token_headers(run["id"]))
+    assert back.status_code == 409 and "failed: cannot go to queued" in back.json()["detail"]
+
+
+def test_state_machine_resume_edge(session: Any, make_run: Any) -> None:
+    from server.models import RunStatus as S
+    from server.services import runs
+
+    failed, done = runs.get(session, make_run()["id"]), runs.get(session, make_run()["id"])
+    runs.transition(session, failed, S.failed, reason="crash")
+    for to in (S.starting, S.running, S.completed):
+        runs.transition(session, done, to)
+    with pytest.raises(runs.InvalidTransition, match="is failed: cannot go to queued"):
+        runs.transition(session, failed, S.queued)
+    with pytest.raises(runs.InvalidTransition, match="is completed: cannot go to queued"):
+        runs.transition(session, done, S.queued, _resume=True)
+    with pytest.raises(runs.InvalidTransition, match="is failed: cannot go to running"):
+        runs.transition(session, failed, S.running, _resume=True)
+    assert runs.transition(session, failed, S.queued, _resume=True) and failed.status == S.queued
+    assert failed.finished_at is None and runs.RESUMABLE == {S.failed, S.cancelled}
+    session.rollback()
+
+
+@pytest.mark.usefixtures("server_url")
+def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
+    from worker.tasks import launch
+
+    run = make_run()
+    set_status(client, run["id"], "starting", "running", "failed")
+    for step in (2, 4):
+        checkpoint(run, step)
+    checkpoint(run, 6, parts=("trainer",))  # newer but incomplete: ignored
+    points = [{"source": "trainer", "step": s, "name": "loss", "value": 1.0 / s, "time": 1.0} for s in range(1, 7)]
+    ingest = client.post(f"/api/runs/{run['id']}/metrics", json={"points": points}, headers=auth)
+    assert ingest.json()["inserted"] == 6
+
+    resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert (body["id"], body["run_dir"], body["status"]) == (run["id"], run["run_dir"], "queued")
+    assert body["launcher_handle"] is None and body["finished_at"] is None
+    assert stored(run["id"]) == 4  # steps 5 and 6 are measured again by the resumed run
+    evs = events(client, auth, run["id"])
+    assert (evs[-2]["from_status"], evs[-2]["to_status"]) == ("failed", "queued")
+    assert evs[-1]["kind"] == "resumed" and evs[-1]["data"]["step"] == 4
+    assert evs[-1]["reason"].endswith("from checkpoint step 4")
+
+    assert launch(run["id"]).startswith(f"launched: run {run['id']} pid")
+    done = wait_for(
+        lambda: (r := client.get(f"/api/runs/{run['id']}", headers=auth).json())["status"] == "failed" and r,
+        60,
+        "resumed run failed in preflight",
+    )
+    assert done["status_reason"].startswith("preflight: model.name"), done["status_reason"]
+    supervisor_log = (Path(run["run_dir"]).parent / "supervisor.log").read_text()
+    assert "run directory" not in done["status_reason"] and supervisor_log.count("ended failed preflight") == 1
+
+
+# ----------------------------------------------------------------------------- fork
+
+
+@pytest.mark.usefixtures("server_url")
+def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    from worker.tasks import launch
+
+    parent = make_run(max_steps=8)
+    for step in (2, 4):
+        checkpoint(parent, step)
+    body = {"step": 2, "changes": {"trainer.optim.lr": 5e-5, "max_steps": 12}, "name": "forked"}
+    resp = client.post(f"/api/runs/{parent['id']}/fork", json=body, headers=auth)
+    assert resp.status_code == 201, resp.text
+    child = resp.json()
+    assert child["id"] != parent["id"] and child["status"] == "queued" and child["name"] == "forked"
+    assert child["spec"]["trainer"]["optim"]["lr"] == 5e-5 and child["spec"]["max_steps"] == 12
+    assert child["spec"]["orchestrator"] == parent["spec"]["orchestrator"]
+    assert child["run_dir"].endswith(f"runs/{child['id']}/forked")
+    src, dst = RunDir(parent["run_dir"]).checkpoint_dir(2), RunDir(child["run_dir"]).checkpoint_dir(2)
+    for part in ("trainer", "orchestrator"):
+        assert (dst / part / "state.bin").read_bytes() == f"{part}-2".encode()
+        assert (dst / part / "state.bin").stat().st_ino == (src / part / "state.bin").stat().st_ino  # hard link
+    assert not RunDir(child["run_dir"]).checkpoint_dir(4).exists()
+    assert json.loads(RunDir(child["run_dir"]).config.read_text()) == child["spec"]
+    forked = events(client, auth, child["id"])[-1]
+    assert forked["kind"] == "forked" and forked["data"] == {
+        "parent_run_id": parent["id"],
+        "step": 2,
+        "changes": body["changes"],
+    }
+    assert events(client, auth, parent["id"])[-1]["data"] == {"child_run_id": child["id"], "step": 2}
+
+    default = client.post(f"/api/runs/{parent['id']}/fork", json={}, headers=auth)
+    assert default.status_code == 201 and default.json()["name"] == parent["name"]
+    assert RunDir(default.json()["run_dir"]).checkpoint_dir(4).is_dir()  # newest complete by default
+
+    assert launch(child["id"]).startswith("launched")  # resumes from the copied checkpoint
+    done = wait_for(
+        lambda: (r := client.get(f"/api/runs/{child['id']}", headers=auth).json())["status"] == "failed" and r,
+        60,
+        "forked run failed in preflight",
+    )
+    assert done["status_reason"].startswith("preflight: model.name"), done["status_reason"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        (
+            {"changes": {"trainer.optim.lrr": 1}},
+            422,
+            "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+        ),
+        ({"changes": {"trainer.optim.lr": "fast"}}, 422, "trainer.optim.lr: "),
+        ({"changes": {"max_steps.x": 1}}, 422, "changes.max_steps.x: max_steps is not a table"),
+        ({"changes": {"output_dir": "/tmp"}}, 422, "changes.output_dir: set by the service"),
+        ({"step": 3}, 422, "step: run {id} has no complete checkpoint at step 3 (complete: [2])"),
+        ({"changes": {"max_steps": 2}}, 422, "max_steps: 2 leaves nothing to train after the fork step 2"),
+        ({"chnages": {}}, 422, "body.chnages: Extra inputs are not permitted"),
+    ],
+)
+def test_fork_bad_input_names_the_field(
+    client: Any, auth: dict[str, str], make_run: Any, body: dict[str, Any], status: int, detail: str
+) -> None:
+    parent = make_run()
+    checkpoint(parent, 2)
+    before = client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"]
+    resp = client.post(f"/api/runs/{parent['id']}/fork", json=body, headers=auth)
+    assert resp.status_code == status and resp.json()["detail"].startswith(detail.format(id=parent["id"])), resp.text
+    assert client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"] == before
+
+
+def test_fork_without_checkpoint_is_409(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    parent = make_run()
+    resp = client.post(f"/api/runs/{parent['id']}/fork", json={}, headers=auth)
+    assert resp.status_code == 409 and resp.json()["detail"].startswith(f"run {parent['id']}: no complete checkpoint")
+    # a bad key is named first, with or without a checkpoint (the request itself is wrong)
+    resp = client.post(f"/api/runs/{parent['id']}/fork", json={"changes": {"trainer.optim.lrr": 1}}, headers=auth)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"] == "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
+
+
+# ----------------------------------------------------------------------------- logs
+
+
+def test_logs_tail_process_and_access(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    run, other = make_run(), make_run()
+    url = f"/api/runs/{run['id']}/logs"
+    resp = client.get(url, params={"process": "trainer"}, headers=auth)
+    assert resp.status_code == 404 and resp.json()["detail"].startswith(f"process: run {run['id']} has no trainer log")
+    logs = RunDir(run["run_dir"]).logs
+    logs.mkdir(parents=True)
+    (logs / "trainer.log").write_text("".join(f"line {i}\n" for i in range(100_000)))
+    (Path(run["run_dir"]).parent / "supervisor.log").write_bytes(b"started\nbad byte \xff\n")
+    resp = client.get(url, params={"tail": 3}, headers=auth)
+    assert resp.status_code == 200 and resp.json()["lines"] == ["line 99997", "line 99998", "line 99999"]
+    assert resp.json()["process"] == "trainer" and resp.json()["path"] == str(logs / "trainer.log")
+    assert len(client.get(url, params={"tail": 5000}, headers=auth).json()["lines"]) == 5000
+    sup = client.get(url, params={"process": "supervisor"}, headers=run_token_headers(run["id"]))
+    assert sup.status_code == 200 and sup.json()["lines"] == ["started", "bad byte \ufffd"]
+    bad = client.get(url, params={"process": "vllm"}, headers=auth)
+    assert bad.status_code == 422 and bad.json()["detail"] == (
+        "query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'"
+    )
+    assert client.get(url, params={"tail": 5001}, headers=auth).status_code == 422
+    assert client.get(url, params={"tail": 0}, headers=auth).status_code == 422
+    assert client.get(url, headers=run_token_headers(other["id"])).status_code == 403
+    assert client.get("/api/runs/999999/logs", headers=auth).status_code == 404
+
+
+# ----------------------------------------------------------------------------- reconcile
+
+
+def launched_run(make_run: Any, status: str, pid: int) -> int:
+    """A run in ``status`` that a local launch recorded with supervisor ``pid``."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunStatus
+    from server.services import runs
+
+    run_id = make_run()["id"]
+    with Session(engine) as s:
+        run = runs.get(s, run_id, lock=True)
+        run.launcher, run.launcher_handle = "local", str(pid)
+        path = ["starting", "running", "paused"]
+        for to in path[: path.index(status) + 1]:
+            runs.transition(s, run, RunStatus(to), reason="test")
+        s.commit()
+    return run_id
+
+
+def test_reconcile_fails_runs_whose_supervisor_is_gone(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    from worker.tasks import reconcile
+
+    gone = dead_pid()
+    crashed = launched_run(make_run, "running", gone)
+    paused = launched_run(make_run, "paused", gone)
+    run_dir = Path(client.get(f"/api/runs/{crashed}", headers=auth).json()["run_dir"])
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text('{"event": "starting"}\n{"event": "running", "pids": {}}\n')
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        healthy = launched_run(make_run, "running", alive.pid)
+        first = reconcile()
+        assert crashed in first and paused in first and healthy not in first
+        assert reconcile() == []  # idempotent
+        run = client.get(f"/api/runs/{crashed}", headers=auth).json()
+        assert run["status"] == "failed" and run["finished_at"]
+        assert run["status_reason"].startswith(f"supervisor {gone} is gone; last lines:\n")
+        assert '{"event": "running", "pids": {}}' in run["status_reason"]
+        assert client.get(f"/api/runs/{paused}", headers=auth).json()["status_reason"] == f"supervisor {gone} is gone"
+        assert client.get(f"/api/runs/{healthy}", headers=auth).json()["status"] == "running"
+        last = events(client, auth, crashed)[-1]
+        assert (last["from_status"], last["to_status"], last["data"]) == (
+            "running",
+            "failed",
+            {"pid": gone, "by": "reconcile"},
+        )
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_asyncrl_worker_embeds_beat_that_reconciles(
+    client: Any, auth: dict[str, str], make_run: Any, tmp_path: Path
+) -> None:
+    """``asyncrl worker`` (beat embedded) on its own queue, reconcile every second: a crashed run turns failed."""
+    gone = dead_pid()
+    run_id = launched_run(make_run, "starting", gone)
+    log = tmp_path / "worker.log"
+    env = {
+        **os.environ,
+        "RECONCILE_INTERVAL_S": "1",
+        "CELERY_QUEUE": f"{os.environ['CELERY_QUEUE']}-beat",
+        "ASYNCRL_HOME": str(tmp_path / "home"),
+    }
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "worker", "--concurrency", "1"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        run = wait_for(
+            lambda: (r := client.get(f"/api/runs/{run_id}", headers=auth).json())["status"] == "failed" and r,
+            60,
+            f"beat reconcile (log: {log.read_text()[-2000:]})",
+        )
+    finally:
+        stop_process_group(proc)
+    assert run["status_reason"] == f"supervisor {gone} is gone"
+    assert "asyncrl.reconcile" in log.read_text() and any((tmp_path / "home").glob("celerybeat-schedule*"))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_runs_resume_fork_logs(
+    capsys: pytest.CaptureFixture[str],
+    live_server: str,
+    make_run: Any,
+    client: Any,
+    auth: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker.cli import main
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    monkeypatch.setenv("ASYNCRL_URL", live_server)
+    monkeypatch.setenv("ASYNCRL_TOKEN", auth["Authorization"].split()[1])
+    parent = make_run(max_steps=6)
+    checkpoint(parent, 3)
+    code, out, _ = cli(
+        "runs",
+        "fork",
+        str(parent["id"]),
+        "--set",
+        "trainer.optim.lr=2e-5",
+        "--set",
+        "orchestrator.group_size=4",
+        "--name",
+        "cli-fork",
+    )
+    child = json.loads(out)
+    assert code == 0 and child["name"] == "cli-fork" and child["status"] == "queued"
+    spec = client.get(f"/api/runs/{child['id']}", headers=auth).json()["spec"]
+    assert spec["trainer"]["optim"]["lr"] == 2e-5 and spec["orchestrator"]["group_size"] == 4
+    code, _, err = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lr")
+    assert (
+        code == 2
+        and err.strip() == "error: --set: expected key=value such as trainer.optim.lr=5e-5, got 'trainer.optim.lr'"
+    )
+    code, _, err = cli("runs", "fork", str(parent["id"]), "--set", "trainer.optim.lrr=1")
+    assert code == 2 and err.strip() == "error: 422: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
+
+    code, _, err = cli("runs", "resume", str(parent["id"]))
+    assert (
+        code == 2 and err.strip() == f"error: 409: run {parent['id']} is queued: only failed or cancelled runs resume"
+    )
+    set_status(client, parent["id"], "cancelled")
+    code, out, _ = cli("runs", "resume", str(parent["id"]))
+    assert code == 0 and json.loads(out)["status"] == "queued"
+
+    logs = RunDir(parent["run_dir"]).logs
+    (logs / "orchestrator.log").write_text("a\nb\nc\n")
+    code, out, _ = cli("runs", "logs", str(parent["id"]), "--process", "orchestrator", "--tail", "2")
+    assert code == 0 and out == "b\nc\n"
+    code, _, err = cli("runs", "logs", str(parent["id"]), "--process", "gpu")
+    assert code == 2 and err.strip() == (
+        "error: 422: query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'"
+    )
+    code, _, err = cli("runs", "logs", str(parent["id"]))
+    assert code == 2 and err.strip().startswith(f"error: 404: process: run {parent['id']} has no trainer log yet")
+
+
+def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race a real run showed: stop's terminate() waits for the process group; meanwhile the supervisor reports
+    ``cancelled`` and the user resumes. The stop task must then leave the new launch alone."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunStatus
+    from server.services import runs
+    from worker import tasks
+
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    run_id = launched_run(make_run, "running", sleeper.pid)
+    run = client.get(f"/api/runs/{run_id}", headers=auth).json()
+    checkpoint(run, 2)
+
+    def terminate_then_resume(pid: int, grace_s: float) -> None:  # noqa: ARG001 - terminate's signature
+        sleeper.kill()
+        sleeper.wait()
+        with Session(engine) as s:
+            row = runs.get(s, run_id, lock=True)
+            runs.transition(s, row, RunStatus.cancelled, reason="terminated")  # the supervisor's own report
+            runs.resume(s, row, by="user")
+            s.commit()
+
+    monkeypatch.setattr(tasks.supervisor, "terminate", terminate_then_resume)
+    assert tasks.stop(run_id) == f"stopped: run {run_id} was relaunched (handle None)"
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["status"] == "queued"

@@ -1,0 +1,155 @@
+"""Supervisor faults, with real supervisors, the real API (uvicorn on 127.0.0.1) and the real Postgres:
+
+- the server is down when the supervisor ends: the final report gives up after ``ASYNCRL_REPORT_TIMEOUT_S`` and the
+  status spooled in ``<home>/final.json`` is delivered by ``reconcile`` (not "supervisor gone"), with the metric
+  points still unsent in ``metrics.jsonl``;
+- a resumed run's supervisor does not report ``running`` from the ``running`` event of the earlier attempt;
+- a launch redelivered after its supervisor already ran the whole run adopts the finished run (its spooled status)
+  instead of starting it again into an existing run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.server import free_port, run_token_headers, stored, wait_for
+from worker.procs import alive
+from worker.rundir import RunDir, SupervisorHome
+
+
+def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
+    data = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
+    return [(e["from_status"], e["to_status"]) for e in data if e["kind"] == "status"]
+
+
+def run_of(client: Any, auth: dict[str, str], run_id: int) -> dict[str, Any]:
+    return dict(client.get(f"/api/runs/{run_id}", headers=auth).json())
+
+
+@pytest.fixture
+def supervisors() -> Iterator[list[int]]:
+    """Pids of supervisors a test started; any still alive at the end is killed (its own process group)."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_server_down_final_report_is_bounded_and_reconcile_delivers_the_spool(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch, supervisors: list[int]
+) -> None:
+    from server.core.config import settings
+    from worker.tasks import reconcile
+
+    monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("ASYNCRL_REPORT_TIMEOUT_S", "3")
+    from worker.tasks import launch
+
+    run = make_run()
+    home = Path(run["run_dir"]).parent
+    t0 = time.monotonic()
+    result = launch(run["id"])
+    pid = int(result.rsplit(" ", 1)[1])
+    supervisors.append(pid)
+    wait_for(lambda: not alive(pid), 60, "the supervisor gave up reporting to the unreachable server")
+    took = time.monotonic() - t0
+    print(f"supervisor ended {took:.1f}s after launch with the server down (report timeout 3 s)")  # noqa: T201 - the measurement (-s shows it)
+    final = json.loads((home / "final.json").read_text())
+    assert (final["status"], final["delivered"], final["pid"]) == ("failed", False, pid)
+    assert final["reason"].startswith("preflight: model.name")
+    assert "could not report failed to the server within 3s" in (home / "supervisor.log").read_text()
+    assert run_of(client, auth, run["id"])["status"] == "starting"  # the server never heard of the end
+
+    rd = RunDir(run["run_dir"])  # points the run's processes wrote while the server was down (none here: preflight)
+    rd.create()
+    rd.log_metrics("trainer", 1, {"loss": 0.5, "lr": 1e-4})
+    rd.log_metrics("orchestrator", 1, {"reward_mean": 0.25})
+    assert run["id"] not in reconcile()  # not "supervisor gone": the spooled status is delivered
+    assert stored(run["id"]) == 3  # with the points the supervisor could not send
+    done = run_of(client, auth, run["id"])
+    assert done["status"] == "failed" and done["status_reason"] == final["reason"]
+    assert status_events(client, auth, run["id"])[-1] == ("starting", "failed")
+    assert reconcile() == [] and run_of(client, auth, run["id"])["status_reason"] == final["reason"]
+
+
+def test_a_spool_of_an_earlier_attempt_is_not_delivered(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    """A crashed supervisor of the current attempt leaves no spool; the earlier attempt's must not stand in."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunStatus
+    from server.services import runs
+    from worker.tasks import current_attempt
+
+    proc = subprocess.Popen(["sleep", "60"])
+    proc.kill()
+    proc.wait()
+    gone = proc.pid
+    run = make_run()
+    run_id, home = run["id"], Path(run["run_dir"]).parent
+    home.mkdir(parents=True, exist_ok=True)
+    with Session(engine) as s:
+        row = runs.get(s, run_id, lock=True)
+        row.launcher, row.launcher_handle = "local", str(gone)
+        runs.transition(s, row, RunStatus.starting, reason="test")
+        attempt = current_attempt(s, run_id)
+        s.commit()
+    assert isinstance(attempt, int)
+    (home / "final.json").write_text(
+        json.dumps(
+            {
+                "status": "cancelled",
+                "reason": "old attempt",
+                "attempt": attempt - 1,
+                "pid": gone,
+                "time": 0,
+                "delivered": True,
+            }
+        )
+    )
+    from worker.tasks import reconcile
+
+    assert run_id in reconcile()
+    assert run_of(client, auth, run_id)["status_reason"].startswith(f"supervisor {gone} is gone")
+
+
+def test_resumed_supervisor_reports_running_only_for_this_attempt(
+    client: Any, auth: dict[str, str], make_run: Any, live_server: str
+) -> None:
+    """events.jsonl keeps the earlier attempt's ``running``: the reporter of the new attempt must wait for its own."""
+    import httpx
+
+    from worker.reporter import Reporter
+
+    run = make_run()
+    rd = RunDir(run["run_dir"])
+    rd.create()
+    for event in ("starting", "running", "cancelled"):  # the first attempt, as launch_rl logs it
+        rd.log_event(event)
+    for status in ("starting",):  # the resumed attempt was launched; its processes are not up yet
+        resp = client.post(
+            f"/api/runs/{run['id']}/status", json={"status": status}, headers=run_token_headers(run["id"])
+        )
+        assert resp.status_code == 200, resp.text
+    with httpx.Client(base_url=live_server, headers=run_token_headers(run["id"]), timeout=10) as http:
+        reporter = Reporter(http, run["id"], rd.root, SupervisorHome(Path(run["run_dir"]).parent), interval_s=0.1)
+        reporter.start()  # as the resumed run's supervisor does, before its launcher starts
+        try:
+            rd.log_event("starting", resume_step=2)
+            time.sleep(1.5)  # ~15 ticks
+            assert run_of(client, auth, run["id"])["status"] == "starting"
+            rd.log_event("running", pids={})  # this attempt's processes are up
+            wait_for(lambda: run_of(client, auth, run["id"])["status"] == "running", 10, "running reported")
+        finally:
+            reporter.finish(None, "")
+    assert status_events(client, auth, run["id"])[-2:] == [("queued", "starting"), ("starting", "running")]

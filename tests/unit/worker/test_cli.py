@@ -1,0 +1,644 @@
+"""``asyncrl`` command line (``worker/cli.py``): exit code 2 and one ``error:`` line for bad input, nothing on disk."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from worker.cli import COMMANDS, main
+
+REPO = Path(__file__).resolve().parents[3]
+RL_TOML = str(REPO / "configs/reverse_text/rl.toml")
+SFT_TOML = str(REPO / "configs/reverse_text/sft.toml")
+
+
+def _fails(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run ``main(argv)``, expect exit 2 and exactly one ``error:`` line on stderr; return that line."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert out == ""
+    return lines[0]
+
+
+def _nothing_under(path: Path) -> bool:
+    return not path.exists() or not any(path.iterdir())
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    return tmp_path / "outputs"
+
+
+# ----------------------------------------------------------------------------- spec errors (no heavy imports)
+
+
+def test_unknown_key(capsys: pytest.CaptureFixture[str], out_dir: Path) -> None:
+    line = _fails(capsys, ["rl", "@", RL_TOML, "--trainer.optim.lrr", "1e-5", "--output_dir", str(out_dir)])
+    assert line == "error: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
+    assert _nothing_under(out_dir)
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, out_dir: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    line = _fails(capsys, ["rl", "@", str(missing), "--output_dir", str(out_dir)])
+    assert line == f"error: config file not found: {missing}"
+    assert _nothing_under(out_dir)
+
+
+def test_invalid_toml(capsys: pytest.CaptureFixture[str], tmp_path: Path, out_dir: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[trainer\n')
+    line = _fails(capsys, ["sft", f"@{bad}", "--output_dir", str(out_dir)])
+    assert line.startswith(f"error: {bad}: not valid TOML")
+    assert _nothing_under(out_dir)
+
+
+def test_override_missing_value(capsys: pytest.CaptureFixture[str], out_dir: Path) -> None:
+    line = _fails(capsys, ["rl", "@", RL_TOML, "--output_dir", str(out_dir), "--max_steps"])
+    assert line == "error: --max_steps: missing value"
+    assert _nothing_under(out_dir)
+
+
+def test_group_size_one(capsys: pytest.CaptureFixture[str], out_dir: Path) -> None:
+    line = _fails(capsys, ["rl", "@", RL_TOML, "--orchestrator.group_size", "1", "--output_dir", str(out_dir)])
+    assert line == "error: orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1"
+    assert _nothing_under(out_dir)
+
+
+def test_stray_argument_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _fails(capsys, ["rl", "@", RL_TOML, "stray"])
+    assert "unexpected argument 'stray'" in line
+    line = _fails(capsys, ["frobnicate"])
+    assert line == f"error: unknown command 'frobnicate' (expected one of {', '.join(COMMANDS)}; -h for help)"
+
+
+def test_dry_run_prints_resolved_json(capsys: pytest.CaptureFixture[str], out_dir: Path, model_dir: Path) -> None:
+    code = main(
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            str(model_dir),
+            "--trainer.optim.lr",
+            "1e-5",
+            "--orchestrator.group-size",
+            "4",
+            "--trainer.loss.type=icepop",
+            "--trainer.loss.band",
+            "[0.5, 4]",
+            "--output_dir",
+            str(out_dir),
+            "--dry-run",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["trainer"]["optim"]["lr"] == 1e-5  # override
+    assert spec["orchestrator"]["group_size"] == 4  # override, dashes become underscores
+    assert spec["trainer"]["loss"] == {"ratio_level": "token", "type": "icepop", "band": [0.5, 4.0]}
+    assert spec["orchestrator"]["batch_size"] == 8  # from the file
+    assert spec["max_steps"] == tomllib.loads(Path(RL_TOML).read_text())["max_steps"]  # from the file
+    assert spec["trainer"]["optim"]["weight_decay"] == 0.0  # default
+    assert spec["output_dir"] == str(out_dir)
+    assert spec["kind"] == "rl"
+    assert _nothing_under(out_dir)
+
+
+def test_dry_run_later_file_wins(capsys: pytest.CaptureFixture[str], tmp_path: Path, model_dir: Path) -> None:
+    extra = tmp_path / "more.toml"
+    extra.write_text("max_steps = 7\n[optim]\nlr = 0.5\n[data]\nnum_examples = 64\n")
+    argv = [
+        "sft",
+        "@",
+        SFT_TOML,
+        "@",
+        str(extra),
+        "--max_steps",
+        "9",
+        "--model.name",
+        str(model_dir),
+        "--output_dir",
+        str(tmp_path / "outputs"),
+        "--dry-run",
+    ]
+    assert main(argv) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert (spec["max_steps"], spec["optim"]["lr"], spec["seq_len"], spec["data"]["num_examples"]) == (9, 0.5, 256, 64)
+    assert not (tmp_path / "outputs").exists()
+
+
+# ----------------------------------------------------------------------------- preflight (launcher)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "m")
+
+
+@pytest.fixture(scope="module")
+def broken_models(model_dir: Path) -> dict[str, Path]:
+    """Copies of the tiny model with one part missing: no chat template, no weights, weights cut short."""
+    out = {}
+    for name, missing in (("nochat", "chat_template.jinja"), ("noweights", "model.safetensors")):
+        out[name] = model_dir.parent / name
+        shutil.copytree(model_dir, out[name])
+        (out[name] / missing).unlink()
+    out["truncated"] = model_dir.parent / "truncated"
+    shutil.copytree(model_dir, out["truncated"])
+    weights = (model_dir / "model.safetensors").read_bytes()
+    (out["truncated"] / "model.safetensors").write_bytes(weights[:1000])
+    return out
+
+
+def test_rl_missing_model_path(capsys: pytest.CaptureFixture[str], tmp_path: Path, out_dir: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    line = _fails(capsys, ["rl", "@", RL_TOML, "--model.name", str(missing), "--output_dir", str(out_dir)])
+    assert line.startswith("error: model.name: ")
+    assert str(missing) in line
+    assert _nothing_under(out_dir)
+
+
+def test_rl_bad_env_id(capsys: pytest.CaptureFixture[str], model_dir: Path, out_dir: Path) -> None:
+    line = _fails(
+        capsys,
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            str(model_dir),
+            "--env.id",
+            "nope.module:thing",
+            "--output_dir",
+            str(out_dir),
+        ],
+    )
+    assert line.startswith("error: env.id: ")
+    assert "nope.module:thing" in line
+    assert _nothing_under(out_dir)
+
+
+def test_rl_seq_len_too_small(capsys: pytest.CaptureFixture[str], model_dir: Path, out_dir: Path) -> None:
+    line = _fails(
+        capsys,
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            str(model_dir),
+            "--orchestrator.seq_len",
+            "50",
+            "--output_dir",
+            str(out_dir),
+            "--name",
+            "short",
+        ],
+    )
+    assert line.startswith("error: orchestrator.seq_len: 50 tokens cannot hold a ")
+    assert "max_tokens 48" in line
+    assert not (out_dir / "short").exists()
+    assert _nothing_under(out_dir)
+
+
+# ----------------------------------------------------------------------------- bad input of every kind: exit 2, one line, nothing made
+
+NAME_RULE = "expected 1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' (it names a directory)"
+NO_CHAT = "tokenizer has no chat template (expected chat_template.jinja or 'chat_template' in tokenizer_config.json)"
+SMALL_SFT = ["--data.num_examples", "16"]  # sft preflight tokenizes every example: keep the tests fast
+
+# (argv, the expected error line). Placeholders: {tmp} the test folder (see _bad_inputs), {out} its outputs/ folder,
+# {model} a working tiny model, {nochat} / {noweights} broken copies. A line starting with "re:" is a regex.
+BAD_INPUTS: dict[str, tuple[list[str], str]] = {
+    # argument syntax
+    "override-eats-next-flag": (
+        ["rl", "@", RL_TOML, "--trainer.optim.lr", "--dry-run"],
+        "error: --trainer.optim.lr: missing value (next is '--dry-run'; "
+        "write --trainer.optim.lr=VALUE for a value starting with '--')",
+    ),
+    "sft-override-eats-next-flag": (
+        ["sft", "@", SFT_TOML, "--max_steps", "--overwrite"],
+        "error: --max_steps: missing value (next is '--overwrite'; "
+        "write --max_steps=VALUE for a value starting with '--')",
+    ),
+    "at-without-file": (["rl", "@", "--dry-run"], "error: '@' must be followed by a config file, got '--dry-run'"),
+    "at-at-end": (["sft", "@"], "error: '@' must be followed by a config file"),
+    "no-spec": (["rl", "--dry-run"], "error: no spec given: asyncrl rl @ SPEC.toml [--key value ...] (-h for help)"),
+    "seed-out-of-range": (
+        ["sft", "@", SFT_TOML, "--seed", "-1", "--dry-run"],
+        "error: seed: Input should be greater than or equal to 0, got -1",
+    ),
+    "empty-key-part": (
+        ["rl", "@", RL_TOML, "--trainer..lr", "1"],
+        "error: --trainer..lr: expected a dotted key such as --trainer.optim.lr",
+    ),
+    # config files
+    "at-missing-file": (["rl", "@", "{tmp}/nope.toml", "--dry-run"], "error: config file not found: {tmp}/nope.toml"),
+    "at-directory": (
+        ["rl", "@{tmp}/folder", "--dry-run"],
+        "error: config file {tmp}/folder is a directory; expected a TOML file",
+    ),
+    "toml-syntax-line-column": (
+        ["rl", "@", "{tmp}/bad.toml"],
+        "error: {tmp}/bad.toml: not valid TOML: Expected ']' at the end of a table declaration (at line 2, column 9)",
+    ),
+    "toml-not-utf8": (
+        ["sft", "@", "{tmp}/latin1.toml"],
+        "error: {tmp}/latin1.toml: not valid TOML: not UTF-8 text (byte 11)",
+    ),
+    "json-not-object": (
+        ["rl", "@", "{tmp}/list.json"],
+        "error: {tmp}/list.json: expected a JSON object of spec keys, got list",
+    ),
+    # values
+    "negative-steps": (
+        ["rl", "@", RL_TOML, "--max_steps", "-1", "--dry-run"],
+        "error: max_steps: Input should be greater than or equal to 1, got -1",
+    ),
+    "wrong-type": (
+        ["sft", "@", SFT_TOML, "--data.batch_size", "many", "--dry-run"],
+        "error: data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'many'",
+    ),
+    "table-as-value": (
+        ["rl", "@", RL_TOML, "--orchestrator", "8"],
+        "error: orchestrator: Input should be a valid dictionary or instance of OrchestratorConfig, got 8",
+    ),
+    "grpo-group-size-1": (
+        ["rl", "@", RL_TOML, "--orchestrator.group_size", "1", "--dry-run"],
+        "error: orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1",
+    ),
+    "unknown-key": (
+        ["sft", "@", SFT_TOML, "--optim.lrr", "1", "--dry-run"],
+        "error: unknown key 'optim.lrr' (did you mean 'optim.lr'?)",
+    ),
+    **{
+        f"{kind}-name-{label}": (
+            [kind, "@", RL_TOML if kind == "rl" else SFT_TOML, "--name", name, "--dry-run"],
+            f"error: name: {NAME_RULE}, got {name!r}",
+        )
+        for kind in ("rl", "sft")
+        for label, name in (
+            ("dot", "."),
+            ("dotdot", ".."),
+            ("slash", "/"),
+            ("empty", ""),
+            ("space", "a b"),
+            ("parent", "../x"),
+        )
+    },
+    # run directory state (checked before the model: these name a model that does not exist)
+    "output-dir-is-file": (
+        ["rl", "@", RL_TOML, "--output_dir", "{tmp}/file.txt", "--dry-run"],
+        "error: output_dir: {tmp}/file.txt is a file, not a directory",
+    ),
+    "sft-output-dir-below-file": (
+        ["sft", "@", SFT_TOML, "--output_dir", "{tmp}/file.txt/runs"],
+        "error: output_dir: {tmp}/file.txt is a file, not a directory",
+    ),
+    "rl-run-dir-exists": (
+        ["rl", "@", RL_TOML, "--output_dir", "{out}", "--name", "old", "--dry-run"],
+        "error: run directory {out}/old exists: pass --resume to continue it or --overwrite to replace it",
+    ),
+    "sft-run-dir-exists-before-model-load": (
+        ["sft", "@", SFT_TOML, "--output_dir", "{out}", "--name", "old"],
+        "error: run directory {out}/old exists: pass --overwrite to replace it",
+    ),
+    "rl-resume-nothing": (
+        ["rl", "@", RL_TOML, "--output_dir", "{out}", "--resume", "--dry-run"],
+        "error: --resume: no run config at {out}/reverse-text-rl/config.json (start it without --resume)",
+    ),
+    "sft-resume": (
+        ["sft", "@", SFT_TOML, "--resume"],
+        "error: --resume: sft runs do not resume; pass --overwrite to start over",
+    ),
+    # the model (dry-run runs the launch's preflight)
+    "rl-dry-run-missing-model": (
+        ["rl", "@", RL_TOML, "--model.name", "{tmp}/no-model", "--output_dir", "{out}", "--dry-run"],
+        "error: model.name: {tmp}/no-model: model path does not exist",
+    ),
+    "sft-dry-run-missing-model": (
+        ["sft", "@", SFT_TOML, "--model.name", "{tmp}/no-model", "--output_dir", "{out}", "--dry-run"],
+        "error: model.name: {tmp}/no-model: model path does not exist",
+    ),
+    "rl-dry-run-not-a-model": (
+        ["rl", "@", RL_TOML, "--model.name", "{tmp}/folder", "--output_dir", "{out}", "--dry-run"],
+        "error: model.name: {tmp}/folder: not a model directory (no config.json)",
+    ),
+    "rl-dry-run-no-chat-template": (
+        ["rl", "@", RL_TOML, "--model.name", "{nochat}", "--output_dir", "{out}", "--dry-run"],
+        f"error: model.name: {{nochat}}: {NO_CHAT}; prompts are built with it",
+    ),
+    "rl-no-chat-template": (
+        ["rl", "@", RL_TOML, "--model.name", "{nochat}", "--output_dir", "{out}"],
+        f"error: model.name: {{nochat}}: {NO_CHAT}; prompts are built with it",
+    ),
+    "sft-dry-run-no-chat-template": (
+        ["sft", "@", SFT_TOML, "--model.name", "{nochat}", "--output_dir", "{out}", "--dry-run"],
+        f"error: model.name: {{nochat}}: {NO_CHAT}; prompts are built with it",
+    ),
+    "sft-no-chat-template": (
+        ["sft", "@", SFT_TOML, "--model.name", "{nochat}", "--output_dir", "{out}"],
+        f"error: model.name: {{nochat}}: {NO_CHAT}; prompts are built with it",
+    ),
+    "rl-dry-run-no-weights": (
+        ["rl", "@", RL_TOML, "--model.name", "{noweights}", "--output_dir", "{out}", "--dry-run"],
+        "error: model.name: {noweights}: no model weights (expected one of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)",
+    ),
+    "sft-no-weights": (
+        ["sft", "@", SFT_TOML, "--model.name", "{noweights}", "--output_dir", "{out}", *SMALL_SFT],
+        "error: model.name: {noweights}: no model weights (expected one of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)",
+    ),
+    "rl-dry-run-truncated-weights": (
+        ["rl", "@", RL_TOML, "--model.name", "{truncated}", "--output_dir", "{out}", "--dry-run"],
+        "re:error: model\\.name: {truncated}: weights file model\\.safetensors does not load \\(SafetensorError: .*\\)",
+    ),
+    "sft-truncated-weights": (
+        ["sft", "@", SFT_TOML, "--model.name", "{truncated}", "--output_dir", "{out}", *SMALL_SFT],
+        "re:error: model\\.name: {truncated}: weights file model\\.safetensors does not load \\(SafetensorError: .*\\)",
+    ),
+    "eval-truncated-weights": (
+        ["eval", "--model", "{truncated}"],
+        "re:error: --model: {truncated}: weights file model\\.safetensors does not load \\(SafetensorError: .*\\)",
+    ),
+    # environment and lengths
+    "rl-dry-run-env-does-not-import": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--env.id",
+            "nope.module:make",
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "re:error: env.id: .*'nope\\.module:make'.*",
+    ),
+    "sft-dry-run-env-bad-arg": (
+        [
+            "sft",
+            "@",
+            SFT_TOML,
+            "--model.name",
+            "{model}",
+            "--env.args.bogus",
+            "1",
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+            *SMALL_SFT,
+        ],
+        "re:error: env.args: environment 'reverse_text' has no argument 'bogus'; valid: .*max_chars.*",
+    ),
+    "rl-dry-run-seq-len-below-prompt": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--orchestrator.seq_len",
+            "50",
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "re:error: orchestrator\\.seq_len: 50 tokens cannot hold a \\d+-token prompt "
+        "plus max_tokens 48; use at least \\d+",
+    ),
+    "sft-dry-run-seq-len-below-example": (
+        [
+            "sft",
+            "@",
+            SFT_TOML,
+            "--model.name",
+            "{model}",
+            "--seq_len",
+            "20",
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+            *SMALL_SFT,
+        ],
+        "re:error: seq_len: 20 tokens cannot hold a \\d+-token example; use at least \\d+",
+    ),
+    "sft-seq-len-below-example": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--seq_len", "20", "--output_dir", "{out}", *SMALL_SFT],
+        "re:error: seq_len: 20 tokens cannot hold a \\d+-token example; use at least \\d+",
+    ),
+    # asyncrl model init
+    "model-init-out-not-empty": (
+        ["model", "init", "--out", "{tmp}/folder"],
+        "error: --out: {tmp}/folder exists and is not empty; pass --overwrite to replace it",
+    ),
+    "model-init-overwrite-not-a-model": (
+        ["model", "init", "--out", "{tmp}/folder", "--overwrite"],
+        "error: --out: {tmp}/folder exists and is not a model directory (no config.json)",
+    ),
+    "model-init-out-is-file": (
+        ["model", "init", "--out", "{tmp}/file.txt", "--overwrite"],
+        "error: --out: {tmp}/file.txt exists and is not a directory",
+    ),
+    "model-init-below-file": (
+        ["model", "init", "--out", "{tmp}/file.txt/m"],
+        "error: --out: {tmp}/file.txt is a file, so {tmp}/file.txt/m cannot be created",
+    ),
+    "model-init-bad-size": (
+        ["model", "init", "--out", "{tmp}/m", "--size", "huge"],
+        "error: asyncrl model init: argument --size: invalid choice: 'huge' (choose from 'tiny', 'small')",
+    ),
+    "model-no-action": (["model"], "error: asyncrl model: the following arguments are required: action"),
+    # control-plane commands (server/cli.py): argument errors before any connection
+    "submit-directory": (
+        ["submit", "{tmp}/folder"],
+        "error: config file {tmp}/folder is a directory; expected a .toml or .json run spec",
+    ),
+    "submit-missing": (["submit", "{tmp}/nope.toml"], "error: config file not found: {tmp}/nope.toml"),
+    "runs-show-not-an-id": (["runs", "show", "abc"], "error: asyncrl runs show: argument id: invalid int value: 'abc'"),
+    "token-create-no-name": (
+        ["token", "create"],
+        "error: asyncrl token create: the following arguments are required: --name",
+    ),
+    # asyncrl eval
+    "eval-no-source": (["eval"], "error: asyncrl eval: one of the arguments --model --url is required"),
+    "eval-not-an-int": (
+        ["eval", "--model", "{model}", "--num-examples", "many"],
+        "error: asyncrl eval: argument --num-examples: invalid int value: 'many'",
+    ),
+    "eval-zero-examples": (
+        ["eval", "--model", "{model}", "--num-examples", "0"],
+        "error: --num-examples: expected an integer >= 1, got 0",
+    ),
+    "eval-url-without-scheme": (
+        ["eval", "--url", "localhost:8000"],
+        "error: --url: expected http://HOST:PORT, got 'localhost:8000'",
+    ),
+    "eval-out-is-directory": (
+        ["eval", "--model", "{model}", "--out", "{tmp}/folder"],
+        "error: --out: expected a file path for the result JSON; {tmp}/folder is a directory",
+    ),
+    "eval-missing-model": (
+        ["eval", "--model", "{tmp}/no-model"],
+        "error: --model: {tmp}/no-model: model path does not exist",
+    ),
+    "eval-no-chat-template": (
+        ["eval", "--model", "{nochat}"],
+        f"error: --model: {{nochat}}: {NO_CHAT}; prompts are built with it",
+    ),
+    "eval-tokenizer-no-chat-template": (
+        ["eval", "--url", "http://127.0.0.1:9", "--tokenizer", "{nochat}"],
+        f"error: --tokenizer: {{nochat}}: {NO_CHAT}; prompts are built with it",
+    ),
+    "eval-env-does-not-import": (
+        ["eval", "--model", "{model}", "--env", "nope"],
+        "re:error: --env: unknown environment 'nope'; allowed: .*",
+    ),
+}
+
+
+def _snapshot(root: Path) -> list[tuple[str, int, float]]:
+    return sorted((p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_one_line_exit_2_nothing_made(
+    case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, model_dir: Path, broken_models: dict[str, Path]
+) -> None:
+    argv, expected = BAD_INPUTS[case]
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.txt").write_text("keep me")
+    (tmp_path / "file.txt").write_text("keep me too")
+    (tmp_path / "bad.toml").write_text('name = "x"\n[trainer\n')
+    (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "outputs" / "old").mkdir(parents=True)
+    (tmp_path / "outputs" / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
+    places = {
+        "tmp": str(tmp_path),
+        "out": str(tmp_path / "outputs"),
+        "model": str(model_dir),
+        **{k: str(v) for k, v in broken_models.items()},
+    }
+
+    def fill(text: str) -> str:
+        return re.sub(r"\{(\w+)\}", lambda m: places[m.group(1)], text)
+
+    before = _snapshot(tmp_path)
+    line = _fails(capsys, [fill(a) for a in argv])
+    if expected.startswith("re:"):
+        assert re.fullmatch(fill(expected[3:]), line), line
+    else:
+        assert line == fill(expected)
+    assert _snapshot(tmp_path) == before  # nothing created, changed or removed
+
+
+def test_resume_of_a_completed_run_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_dir: Path
+) -> None:
+    """--resume of a run that completed all max_steps: one line naming max_steps, nothing relaunched or changed
+    (it used to start the three processes again and log a second final eval)."""
+    from worker.checkpoint import write_part
+    from worker.rundir import RunDir, atomic_write_json
+
+    run = RunDir(tmp_path / "outputs" / "done")
+    run.create()
+    (run.root / "config.json").write_text("{}")
+    for part in ("trainer", "orchestrator"):
+        write_part(run, 4, part, lambda folder: (folder / "state.json").write_text("{}"))
+    atomic_write_json(run.summary, {"status": "completed", "steps": 4})
+    run.metrics.write_text('{"source": "eval", "step": 4, "reward_mean": 0.5}\n')
+    before = _snapshot(tmp_path)
+    argv = [
+        "rl",
+        "@",
+        RL_TOML,
+        "--model.name",
+        str(model_dir),
+        "--output_dir",
+        str(tmp_path / "outputs"),
+        "--name",
+        "done",
+        "--resume",
+    ]
+    line = _fails(capsys, [*argv, "--max_steps", "4"])
+    assert line == (
+        "error: max_steps: the run completed at step 4 and max_steps is 4: nothing to resume "
+        "(raise --max_steps to train further)"
+    )
+    assert _snapshot(tmp_path) == before
+    assert main([*argv, "--max_steps", "6", "--dry-run"]) == 0  # more steps: a resume to train further
+    capsys.readouterr()
+    atomic_write_json(run.summary, {"status": "failed", "steps": 4})  # stopped after its last checkpoint
+    assert main([*argv, "--max_steps", "4", "--dry-run"]) == 0
+
+
+# ----------------------------------------------------------------------------- dry-run and model init that work
+
+
+def test_dry_run_checks_but_touches_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_dir: Path
+) -> None:
+    """--dry-run --overwrite on an existing run passes the checks and leaves the run as it was."""
+    old = tmp_path / "outputs" / "reverse-text-rl"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _snapshot(tmp_path)
+    argv = ["rl", "@", RL_TOML, "--model.name", str(model_dir), "--output_dir", str(tmp_path / "outputs")]
+    assert main([*argv, "--overwrite", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == str(model_dir)
+    assert _snapshot(tmp_path) == before
+    assert main(["sft", "@", SFT_TOML, *argv[3:], "--name", "new-sft", *SMALL_SFT, "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "new-sft"
+    assert _snapshot(tmp_path) == before
+
+
+def test_model_init_refuses_then_overwrites(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    assert main(["model", "init", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"model written to {out}"
+    weights = (out / "model.safetensors").read_bytes()
+    line = _fails(capsys, ["model", "init", "--out", str(out), "--seed", "1"])
+    assert line == f"error: --out: {out} exists and is not empty; pass --overwrite to replace it"
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert main(["model", "init", "--out", str(out), "--seed", "1", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert (out / "model.safetensors").read_bytes() != weights
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_token_create_on_an_unmigrated_database_is_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    env["ASYNCRL_HOME"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "token", "create", "--name", "me"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: database sqlite:///{tmp_path}/asyncrl.db has no tables yet: start "
+        "`asyncrl server` once (it migrates) or run `alembic upgrade head`"
+    )

@@ -1,0 +1,99 @@
+"""The service half of ``asyncrl demo``: a real ``asyncrl server`` + ``asyncrl worker`` in embedded mode (SQLite,
+file broker), a run submitted over REST and followed to its end, and no server or worker left behind (also on
+Ctrl-C). The run names a model path that does not exist, so it fails in preflight at once: no model, no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from worker.demo import TERMINAL, embedded_service, follow_run
+from worker.procs import alive  # the liveness check the service itself uses
+
+BAD_MODEL = "/nonexistent/asyncrl-demo-test-model"
+
+
+def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with (
+        embedded_service(tmp_path / "home") as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as client,
+    ):
+        assert service.token.startswith("asr_") and set(service.pids) == {"server", "worker"}
+        assert all(alive(pid) for pid in service.pids.values())
+        assert client.get("/healthz").json() == {"status": "ok", "database": "sqlite"}
+        resp = client.post("/api/runs", json={"name": "demo-test", "max_steps": 2, "model": {"name": BAD_MODEL}})
+        assert resp.status_code == 201, resp.text
+        run = follow_run(client, resp.json()["id"], max_steps=2, poll_s=0.2, local_supervisor=True)
+        pids = service.pids
+        # SQLite stores no NaN; a NaN point (mismatch_kl_on_policy off-policy) must still be accepted and read back
+        body = (
+            '{"points": [{"source": "trainer", "step": 1, "name": "kl", "value": NaN, "time": 1.0},'
+            ' {"source": "trainer", "step": 2, "name": "kl", "value": 0.5, "time": 2.0}]}'
+        )
+        resp = client.post(f"/api/runs/{run['id']}/metrics", content=body, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 200 and resp.json() == {"received": 2, "inserted": 2}, resp.text
+        kl = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "kl"}).json()["series"]
+        assert [(s["step"], s["value"]) for s in kl] == [([1, 2], [None, 0.5])]
+    assert run["status"] == "failed" and run["status"] in TERMINAL
+    assert run["status_reason"].startswith(f"preflight: model.name: {BAD_MODEL}")
+    assert run["run_dir"].startswith(str(tmp_path / "home" / "outputs" / "runs"))
+    out = capsys.readouterr().out
+    assert f"run {run['id']}: - -> queued" in out and f"run {run['id']}: starting -> failed (preflight" in out
+    assert not any(alive(pid) for pid in pids.values())
+    assert (tmp_path / "home" / "asyncrl.db").exists() and (tmp_path / "home" / "broker").is_dir()
+
+
+def test_server_and_worker_die_with_the_demo_on_ctrl_c(tmp_path: Path) -> None:
+    # SIGINT handled as in a terminal (a shell's background job would inherit it ignored)
+    code = (
+        "import json, signal, sys, time; from pathlib import Path; from worker.demo import embedded_service\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "with embedded_service(Path(sys.argv[1])) as s:\n"
+        "    print(json.dumps(s.pids), flush=True); time.sleep(300)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "home")],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[3],
+        env={**os.environ},
+    )
+    try:
+        assert proc.stdout is not None
+        pids = json.loads(proc.stdout.readline())
+        assert all(alive(pid) for pid in pids.values())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids.values()), pids
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rl-steps", "0"], "error: --rl-steps: expected an integer >= 1, got 0"),
+        (["--sft-steps", "-3", "--local"], "error: --sft-steps: expected an integer >= 1, got -3"),
+        (["--bogus"], "error: asyncrl demo: unrecognized arguments: --bogus"),
+        (["--summary", "/"], "error: --summary: expected a .json file path such as outputs/demo/summary.json, got /"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_doing_anything(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker.cli import main
+
+    assert main(["demo", "--summary", str(tmp_path / "s.json"), *argv]) == 2
+    assert capsys.readouterr().err.strip() == message
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,427 @@
+"""Run-spec schema (``worker/spec/``): slim imports, shipped configs, unknown keys, overrides, errors, round trips."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from worker.spec import (
+    AipoLoss,
+    DppoKlLoss,
+    IcePopLoss,
+    IpoLoss,
+    RLSpec,
+    SFTSpec,
+    SpecError,
+    load_spec_data,
+    parse_override_value,
+    validate_spec,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
+MODEL = {"model": {"name": "some/model"}}
+
+
+def _error(kind: str, data: dict[str, Any]) -> str:
+    with pytest.raises(SpecError) as info:
+        validate_spec(kind, data)
+    msg = str(info.value)
+    assert "\n" not in msg, f"error must be one line: {msg!r}"
+    return msg
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def test_import_is_slim() -> None:
+    code = (
+        "import sys, json, worker.spec\n"
+        "print(json.dumps([m for m in ('torch', 'vllm', 'fastapi', 'transformers') if m in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# ----------------------------------------------------------------------------- shipped configs
+
+
+def test_configs_found() -> None:
+    names = {p.relative_to(REPO / "configs").as_posix() for p in CONFIGS}
+    assert {"reverse_text/rl.toml", "reverse_text/sft.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.relative_to(REPO).as_posix() for p in CONFIGS])
+def test_config_parses(path: Path) -> None:
+    kind = "rl" if "rl" in path.stem else "sft" if "sft" in path.stem else None
+    assert kind is not None, f"{path.name}: name should say rl or sft"
+    spec = validate_spec(kind, load_spec_data([path], []))
+    assert spec.kind == kind
+    assert isinstance(spec, RLSpec if kind == "rl" else SFTSpec)
+
+
+def test_reverse_text_rl_values() -> None:
+    spec = validate_spec("rl", load_spec_data([REPO / "configs/reverse_text/rl.toml"], []))
+    assert isinstance(spec, RLSpec)
+    assert (spec.name, spec.max_steps, spec.orchestrator.group_size, spec.orchestrator.max_tokens) == (
+        "reverse-text-rl",
+        160,
+        8,
+        48,
+    )
+    assert spec.orchestrator.eval.temperature == spec.orchestrator.temperature  # evals sample as training does
+    assert spec.inference.max_model_len == 256
+    assert isinstance(spec.trainer.loss, DppoKlLoss)
+    assert spec.run_dir == Path("outputs/reverse-text-rl")
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+
+def test_unknown_nested_key_suggests_closest() -> None:
+    msg = _error("rl", {**MODEL, "trainer": {"optim": {"lrr": 1e-5}}})
+    assert msg == "unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
+
+
+def test_unknown_key_inside_loss_union() -> None:
+    msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "icepop", "bandd": [0.5, 5]}}})
+    assert msg == "unknown key 'trainer.loss.bandd' (did you mean 'trainer.loss.band'?)"
+    # the same key with the default loss type (dppo_kl) is checked against dppo_kl's fields
+    msg = _error("rl", {**MODEL, "trainer": {"loss": {"mask_loww": 0.1}}})
+    assert msg == "unknown key 'trainer.loss.mask_loww' (did you mean 'trainer.loss.mask_low'?)"
+    msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "aipo", "max_ratioo": 3}}})
+    assert msg == "unknown key 'trainer.loss.max_ratioo' (did you mean 'trainer.loss.max_ratio'?)"
+
+
+def test_unknown_top_level_key() -> None:
+    assert _error("rl", {**MODEL, "max_stepz": 3}) == "unknown key 'max_stepz' (did you mean 'max_steps'?)"
+    assert _error("sft", {**MODEL, "seq_lenn": 3}) == "unknown key 'seq_lenn' (did you mean 'seq_len'?)"
+    msg = _error("rl", {**MODEL, "zzzzqqq": 3})
+    assert msg == (
+        "unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, launcher, max_steps, "
+        "model, name, orchestrator, output_dir, seed, trainer)"
+    )
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_numbers_are_refused(value: float) -> None:
+    """JSON has no inf/nan: stored specs would hold null and the run would fail later with a traceback."""
+    msg = _error("rl", {**MODEL, "trainer": {"optim": {"lr": value}}})
+    assert msg == f"trainer.optim.lr: Input should be a finite number, got {value}"
+    msg = _error("rl", {**MODEL, "orchestrator": {"temperature": value}})
+    assert msg == f"orchestrator.temperature: Input should be a finite number, got {value}"
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def test_later_files_win(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text('max_steps = 5\nseed = 1\n[model]\nname = "m1"\n[trainer.optim]\nlr = 0.1\nweight_decay = 0.5\n')
+    b.write_text("seed = 2\n[trainer.optim]\nlr = 0.2\n")
+    data = load_spec_data([a, b], [])
+    assert data == {
+        "max_steps": 5,
+        "seed": 2,
+        "model": {"name": "m1"},
+        "trainer": {"optim": {"lr": 0.2, "weight_decay": 0.5}},
+    }
+    data = load_spec_data([b, a], [("trainer.optim.lr", "1e-5"), ("model.name", "m2")])
+    assert data["seed"] == 1
+    assert data["trainer"]["optim"] == {"lr": 1e-5, "weight_decay": 0.5}
+    assert data["model"] == {"name": "m2"}
+    spec = validate_spec("rl", data)
+    assert spec.trainer.optim.lr == 1e-5
+
+
+def test_json_file_layer(tmp_path: Path) -> None:
+    base, over = tmp_path / "base.toml", tmp_path / "over.json"
+    base.write_text('[model]\nname = "m"\n[orchestrator]\nbatch_size = 4\n')
+    over.write_text(json.dumps({"orchestrator": {"group_size": 3}}))
+    spec = validate_spec("rl", load_spec_data([base, over], []))
+    assert (spec.orchestrator.batch_size, spec.orchestrator.group_size) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1e-5", 1e-5),
+        ("true", True),
+        ("false", False),
+        ("[0.5, 5]", [0.5, 5]),
+        ("abc", "abc"),
+        ("42", 42),
+        ("'quoted'", "quoted"),
+        ("a/b-c", "a/b-c"),
+    ],
+)
+def test_parse_override_value(text: str, value: Any) -> None:
+    got = parse_override_value(text)
+    assert got == value
+    assert type(got) is type(value)
+
+
+def test_missing_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="config file not found"):
+        load_spec_data([tmp_path / "nope.toml"], [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_steps = = 3\n")
+    with pytest.raises(SpecError, match=r"bad\.toml: not valid TOML: .*\(at line 1, column 13\)$"):
+        load_spec_data([bad], [])
+
+
+def _load_error(files: list[Path], overrides: list[tuple[str, str]]) -> str:
+    with pytest.raises(SpecError) as info:
+        load_spec_data(files, overrides)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_unusable_files_and_override_keys(tmp_path: Path) -> None:
+    assert _load_error([tmp_path], []) == f"config file {tmp_path} is a directory; expected a TOML file"
+    (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    assert _load_error([tmp_path / "latin1.toml"], []) == (
+        f"{tmp_path / 'latin1.toml'}: not valid TOML: not UTF-8 text (byte 11)"
+    )
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert _load_error([tmp_path / "list.json"], []) == (
+        f"{tmp_path / 'list.json'}: expected a JSON object of spec keys, got list"
+    )
+    (tmp_path / "bad.json").write_text('{\n  "max_steps": ,\n}')
+    assert _load_error([tmp_path / "bad.json"], []) == (
+        f"{tmp_path / 'bad.json'}: not valid JSON: Expecting value: line 2 column 16 (char 17)"
+    )
+    for key in ("a..b", "", ".lr", "trainer."):
+        assert _load_error([], [(key, "1")]) == f"--{key}: expected a dotted key such as --trainer.optim.lr"
+
+
+# ----------------------------------------------------------------------------- bad values
+
+
+def test_group_size_one_with_grpo() -> None:
+    msg = _error("rl", {**MODEL, "orchestrator": {"group_size": 1}})
+    assert msg == "orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1"
+    # maxrl has no such requirement
+    assert validate_spec("rl", {**MODEL, "orchestrator": {"group_size": 1, "advantage": {"type": "maxrl"}}})
+
+
+def test_icepop_band_message_exactly_as_style() -> None:
+    msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "icepop", "band": [1.5, 5]}}})
+    assert msg == "trainer.loss.band: expected [low, high] with 0 < low < 1 < high, got [1.5, 5]"
+    spec = validate_spec("rl", {**MODEL, "trainer": {"loss": {"type": "icepop", "band": [0.25, 4]}}})
+    assert isinstance(spec.trainer.loss, IcePopLoss)
+    assert spec.trainer.loss.band == (0.25, 4.0)
+
+
+def test_unknown_loss_type() -> None:
+    msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "foo"}}})
+    assert msg.startswith("trainer.loss.type: expected one of ")
+    assert msg.endswith("got 'foo'")
+    for t in ("dppo_kl", "ipo", "icepop", "aipo"):
+        assert f"'{t}'" in msg
+
+
+def test_max_tokens_must_be_below_max_model_len() -> None:
+    msg = _error("rl", {**MODEL, "orchestrator": {"max_tokens": 512}})
+    assert msg == "orchestrator.max_tokens: must be below inference.max_model_len (512), got 512"
+    msg = _error("rl", {**MODEL, "orchestrator": {"max_tokens": 200}, "inference": {"max_model_len": 100}})
+    assert msg == "orchestrator.max_tokens: must be below inference.max_model_len (100), got 200"
+    spec = validate_spec("rl", {**MODEL, "orchestrator": {"max_tokens": 99}, "inference": {"max_model_len": 100}})
+    assert spec.orchestrator.max_tokens == 99
+
+
+@pytest.mark.parametrize("name", ["../x", ".hidden", "a/b", "", "a b", ".", "..", "/", "run\u00e9", "x" * 101])
+def test_bad_run_name(name: str) -> None:
+    for kind in ("rl", "sft"):
+        msg = _error(kind, {**MODEL, "name": name})
+        assert msg == (
+            "name: expected 1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' "
+            f"(it names a directory), got {name!r}"
+        )
+
+
+@pytest.mark.parametrize("name", ["a", "run.v2", "my_run-3", "x" * 100])
+def test_good_run_name(name: str) -> None:
+    assert validate_spec("rl", {**MODEL, "name": name}).name == name
+
+
+def test_numbers_given_for_text_fields_are_text() -> None:
+    """``--name 123`` / ``--model.name 2024`` parse as TOML numbers; text fields keep them as text."""
+    spec = validate_spec("rl", load_spec_data([], [("name", "123"), ("model.name", "2024")]))
+    assert (spec.name, spec.model.name) == ("123", "2024")
+
+
+def test_other_field_errors_name_the_field() -> None:
+    assert _error("rl", {}) == "model: Field required"
+    assert _error("rl", {**MODEL, "trainer": {"optim": {"betas": [0.9, 1.0]}}}) == (
+        "trainer.optim.betas: expected two values in [0, 1), got [0.9, 1.0]"
+    )
+    msg = _error("rl", {**MODEL, "trainer": {"loss": {"type": "ipo", "epsilon": -1}}})
+    assert msg == "trainer.loss.epsilon: Input should be greater than 0, got -1"
+    assert _error("rl", {"model": {"name": ""}}) == "model.name: String should have at least 1 character, got ''"
+    assert _error("rl", {**MODEL, "max_steps": -1}) == "max_steps: Input should be greater than or equal to 1, got -1"
+    assert _error("sft", {**MODEL, "seed": 2**32}) == "seed: Input should be less than 4294967296, got 4294967296"
+    assert _error("rl", {**MODEL, "seed": -1}) == "seed: Input should be greater than or equal to 0, got -1"
+    assert _error("sft", {**MODEL, "data": {"batch_size": "abc"}}) == (
+        "data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'abc'"
+    )
+    assert _error("rl", {**MODEL, "orchestrator": "x"}) == (
+        "orchestrator: Input should be a valid dictionary or instance of OrchestratorConfig, got 'x'"
+    )
+    assert _error("rl", {**MODEL, "model": {"name": "m", "dtype": "fp8"}}) == (
+        "model.dtype: Input should be 'float32' or 'bfloat16', got 'fp8'"
+    )
+    assert _error("rl", {**MODEL, "kind": "sft"}) == "kind: this command runs 'rl' specs, got 'sft'"
+    assert _error("nope", MODEL) == "kind: expected one of ['rl', 'sft'], got 'nope'"
+
+
+# ----------------------------------------------------------------------------- round trips
+
+_names = st.text(alphabet="abcXYZ019-_.", min_size=1, max_size=12).filter(lambda s: not s.startswith("."))
+_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=16)
+_pos = st.floats(min_value=1e-6, max_value=1e3, allow_nan=False, allow_infinity=False)
+_unit = st.floats(min_value=0.0, max_value=0.999, allow_nan=False)
+_seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+_losses = st.one_of(
+    st.builds(
+        DppoKlLoss, mask_low=_pos, mask_high=_pos, kl_tau=_unit, ratio_level=st.sampled_from(["token", "sequence"])
+    ),
+    st.builds(IpoLoss, epsilon=_pos),
+    st.builds(
+        IcePopLoss,
+        band=st.tuples(st.floats(min_value=1e-3, max_value=0.999), st.floats(min_value=1.001, max_value=100)),
+    ),
+    st.builds(AipoLoss, max_ratio=st.floats(min_value=1.001, max_value=100)),
+)
+_env_args = st.dictionaries(
+    st.text(alphabet="abcdefgh_", min_size=1, max_size=6),
+    st.one_of(st.integers(-1000, 1000), st.booleans(), _text, st.lists(st.integers(0, 9), max_size=3)),
+    max_size=3,
+)
+
+
+@st.composite
+def rl_specs(draw: st.DrawFn) -> RLSpec:
+    max_model_len = draw(st.integers(16, 4096))
+    group_size = draw(st.integers(2, 64))
+    return RLSpec.model_validate(
+        {
+            "name": draw(_names),
+            "output_dir": draw(_text),
+            "seed": draw(_seeds),
+            "max_steps": draw(st.integers(1, 10**6)),
+            "model": {"name": draw(_text.filter(bool)), "dtype": draw(st.sampled_from(["float32", "bfloat16"]))},
+            "env": {"id": draw(_text), "args": draw(_env_args)},
+            "inference": {
+                "url": draw(st.none() | st.just("http://127.0.0.1:8000")),
+                "port": draw(st.integers(0, 65535)),
+                "max_model_len": max_model_len,
+                "gpu_memory_utilization": draw(st.floats(min_value=0.01, max_value=1.0)),
+                "extra_args": draw(st.lists(_text, max_size=3)),
+                "read_timeout_s": draw(_pos),
+            },
+            "orchestrator": {
+                "batch_size": draw(st.integers(1, 512)),
+                "group_size": group_size,
+                "max_tokens": draw(st.integers(1, max_model_len - 1)),
+                "temperature": draw(_pos),
+                "seq_len": draw(st.integers(8, 1 << 20)),
+                "max_off_policy_steps": draw(st.integers(0, 100)),
+                "advantage": draw(
+                    st.fixed_dictionaries(
+                        {"type": st.just("grpo"), "std_normalize": st.booleans(), "length_penalty": _unit}
+                    )
+                    | st.fixed_dictionaries({"type": st.just("maxrl"), "length_penalty": _unit})
+                ),
+                "eval": {
+                    "interval": draw(st.integers(0, 100)),
+                    "temperature": draw(_unit),
+                    "pass_k": draw(st.integers(1, 8)),
+                },
+                "drop_zero_advantage": draw(st.booleans()),
+            },
+            "trainer": {
+                "optim": {"lr": draw(_pos), "weight_decay": draw(_unit), "betas": draw(st.tuples(_unit, _unit))},
+                "scheduler": {
+                    "type": draw(st.sampled_from(["constant", "cosine", "linear"])),
+                    "warmup_steps": draw(st.integers(0, 100)),
+                    "min_lr_ratio": draw(_unit),
+                },
+                "loss": draw(_losses).model_dump(),
+                "threads": draw(st.integers(1, 64)),
+            },
+            "ckpt": {"interval": draw(st.integers(0, 100)), "keep": draw(st.integers(1, 10))},
+        }
+    )
+
+
+def _drop_none(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list | tuple):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rl_specs())
+def test_round_trip_json_and_toml(spec: RLSpec) -> None:
+    assert RLSpec.model_validate_json(spec.model_dump_json()) == spec
+    text = tomli_w.dumps(_drop_none(spec.model_dump()))
+    import tomllib
+
+    again = validate_spec("rl", tomllib.loads(text))
+    assert again == spec
+
+
+def test_round_trip_default_sft() -> None:
+    spec = validate_spec("sft", MODEL)
+    assert SFTSpec.model_validate_json(spec.model_dump_json()) == spec
+    assert spec.optim.lr == 1e-3
+
+
+def test_local_gpu_placement_and_trainer_ranks(tmp_path: Path) -> None:
+    """``launcher.local``: device lists checked; trainer GPUs need a cuda trainer; ranks follow the GPU list; the
+    trainer argv is torchrun only with more than one rank; placement becomes CUDA_VISIBLE_DEVICES."""
+    from worker.launchers.local import gpu_env, trainer_command
+    from worker.rundir import RunDir
+
+    def spec(**local: Any) -> RLSpec:
+        data = {**MODEL, "trainer": {"device": "cuda"}, "launcher": {"local": local}}
+        s = validate_spec("rl", data)
+        assert isinstance(s, RLSpec)
+        return s
+
+    assert spec().trainer_ranks == 1
+    assert spec(trainer_gpus=[1, 2, 3]).trainer_ranks == 3
+    assert spec(trainer_processes=2).trainer_ranks == 2
+    assert _error("rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [1]}}}) == (
+        "launcher.local.trainer_gpus: needs trainer.device = 'cuda'"
+    )
+    assert "launcher.local.inference_gpus" in _error("rl", {**MODEL, "launcher": {"local": {"inference_gpus": [0, 0]}}})
+    assert "distinct CUDA device ids >= 0" in _error("rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [-1]}}})
+    assert _error(
+        "rl",
+        {
+            **MODEL,
+            "trainer": {"device": "cuda"},
+            "launcher": {"local": {"trainer_gpus": [0, 1], "trainer_processes": 3}},
+        },
+    ) == ("launcher.local.trainer_processes: one rank per trainer GPU (2) or 0, got 3")
+    run = RunDir(tmp_path / "r")
+    one = trainer_command(spec(trainer_gpus=[1]), run, [])
+    assert one[1:] == ["-m", "worker.trainer", "--run-dir", str(run.root)]
+    many = trainer_command(spec(trainer_gpus=[1, 2]), run, ["--resume-step", "4"])
+    assert many[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert many[-4:] == ["--run-dir", str(run.root), "--resume-step", "4"]
+    assert gpu_env([]) is None
+    assert gpu_env([2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"  # type: ignore[index]

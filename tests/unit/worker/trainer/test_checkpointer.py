@@ -1,0 +1,100 @@
+"""Trainer checkpoints (``worker/trainer/checkpointer.py``): round trip and snapshot at save."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3ForCausalLM
+
+from tests.support.models import tiny_qwen3
+from worker.checkpoint import is_complete, write_part
+from worker.rundir import RunDir
+from worker.spec import OptimConfig, SchedulerConfig
+from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
+from worker.trainer.optim import build_optimizer, build_scheduler
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _train_step(
+    model: Qwen3ForCausalLM,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+def test_checkpoint_round_trip(run: RunDir) -> None:
+    model = tiny_qwen3(seed=0)
+    model.train()
+    opt = build_optimizer(model, OptimConfig(lr=1e-2))
+    sched = build_scheduler(opt, SchedulerConfig(type="cosine", warmup_steps=2), max_steps=10)
+    _train_step(model, opt, sched)
+    torch.manual_seed(1234)
+    random.seed(99)
+    ckpt = BackgroundCheckpointer(run, keep=2)
+    ckpt.save(1, model, opt, sched)
+    expected_rand = torch.rand(4)
+    expected_py = random.random()
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = opt.state_dict()
+    expected_lr = opt.param_groups[0]["lr"]
+    ckpt.wait()
+    write_part(run, 1, "orchestrator", lambda folder: (folder / "state.json").write_text("{}"))
+    assert is_complete(run.checkpoint_dir(1))
+    folder = run.checkpoint_dir(1) / "trainer"
+    assert {"model.safetensors", "state.pt", "meta.json"} <= {p.name for p in folder.iterdir()}
+
+    # a fresh model (other seed) with fresh optimizer and scheduler, and another RNG state
+    model2 = tiny_qwen3(seed=7)
+    model2.train()
+    opt2 = build_optimizer(model2, OptimConfig(lr=1e-2))
+    sched2 = build_scheduler(opt2, SchedulerConfig(type="cosine", warmup_steps=2), max_steps=10)
+    torch.manual_seed(0)
+    random.seed(0)
+    assert not torch.equal(model2.model.embed_tokens.weight, expected_state["model.embed_tokens.weight"])
+
+    assert load_trainer_state(folder, model2, opt2, sched2) == 1
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected_state[k]), k
+    assert model2.lm_head.weight.data_ptr() == model2.model.embed_tokens.weight.data_ptr()  # still tied
+    got_opt = opt2.state_dict()
+    assert len(got_opt["state"]) == len(expected_opt["state"]) > 0
+    for idx, s in expected_opt["state"].items():
+        assert torch.equal(got_opt["state"][idx]["step"], s["step"])
+        assert torch.equal(got_opt["state"][idx]["exp_avg"], s["exp_avg"])
+        assert torch.equal(got_opt["state"][idx]["exp_avg_sq"], s["exp_avg_sq"])
+    assert sched2.last_epoch == sched.last_epoch == 1
+    assert opt2.param_groups[0]["lr"] == pytest.approx(expected_lr) and expected_lr == pytest.approx(1e-2)
+    assert torch.equal(torch.rand(4), expected_rand)
+    assert random.random() == expected_py
+
+    # both continue identically from here
+    _train_step(model, opt, sched)
+    _train_step(model2, opt2, sched2)
+    for (k, v), v2 in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
+        assert torch.equal(v, v2), k
+
+
+def test_checkpointer_snapshot_is_taken_at_save(run: RunDir) -> None:
+    """Training on after ``save`` must not change what is written (the state is copied first)."""
+    model = tiny_qwen3()
+    opt = build_optimizer(model, OptimConfig(lr=1e-2))
+    sched = build_scheduler(opt, SchedulerConfig(), max_steps=10)
+    _train_step(model, opt, sched)
+    before = model.model.embed_tokens.weight.detach().clone()
+    ckpt = BackgroundCheckpointer(run, keep=1)
+    ckpt.save(2, model, opt, sched)
+    _train_step(model, opt, sched)  # may overlap the writer thread
+    ckpt.wait()
+    saved = load_file(run.checkpoint_dir(2) / "trainer" / "model.safetensors")
+    assert torch.equal(saved["model.embed_tokens.weight"], before)
+    assert not torch.equal(model.model.embed_tokens.weight, before)
