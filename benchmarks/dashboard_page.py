@@ -1,6 +1,6 @@
 """Dashboard run page with 100,000 stored points: server time of the HTML and of each live fragment.
 
-1. A scratch database (``_common.scratch_database``), a user token and one run; 100,000 metric points stored
+1. A scratch database (``bench_support.scratch_database``), a user token and one run; 100,000 metric points stored
    for the run, spread evenly over every (source, metric) the run page draws (``webui.figures``), so each chart
    series is ~6,700 steps long and is downsampled to ``figures.MAX_POINTS``; one live config revision acknowledged
    by the trainer (a marker on every chart) and 64 rollout records of the newest step in the run directory.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 PARTS = ("", "status", "charts", "events", "rollouts", "logs")
 

@@ -1,6 +1,6 @@
 """Rollout tokens/s of one vLLM server alone vs the same server inside an RL run.
 
-1. Build (or reuse) the tiny model SFT'd for 60 steps on reverse-text (``_common.sft_model``), so
+1. Build (or reuse) the tiny model SFT'd for 60 steps on reverse-text (``bench_support.sft_model``), so
    completions stop at a realistic length instead of running to ``max_tokens``.
 2. Start one vLLM server on it (``worker.inference.server.start_server``, 1 OMP thread, as runs do).
 3. **Alone**: 8 reverse-text prompts x 8 samples x ``max_tokens`` 48 at T=1, sent the way the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 
 async def _alone_round(url: str, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:

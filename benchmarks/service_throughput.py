@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 NAMES = [f"bench/m{i}" for i in range(10)]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 
 def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group: int = 8, share: bool = False) -> dict:

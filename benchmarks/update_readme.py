@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 README = C.ROOT / "benchmarks" / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"

@@ -1,6 +1,6 @@
 """RL samples/s: asyncrl vs TRL's ``GRPOTrainer`` on the same model, machine, task and step shape.
 
-Both sides: the tiny Qwen3 SFT'd 60 steps on reverse-text (``_common.sft_model``), 8 prompts x 8
+Both sides: the tiny Qwen3 SFT'd 60 steps on reverse-text (``bench_support.sft_model``), 8 prompts x 8
 samples (group size 8) per optimizer step, ``max_tokens`` / ``max_completion_length`` 48, T = 1,
 lr 1e-4 constant, AdamW betas (0.9, 0.99), grad clip 1.0, fp32, no reference model (TRL
 ``beta = 0``), one optimizer step per batch, the reverse-text LCS reward
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 48, 1e-4
 

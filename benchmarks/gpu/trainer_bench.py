@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import _common as C  # noqa: E402
+import bench_support as C  # noqa: E402
 
 QWEN3_0_6B = {
     "vocab_size": 151936,
