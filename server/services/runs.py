@@ -24,7 +24,7 @@ from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, with_keys
-from worker.rundir import RunDir, atomic_write_json, read_jsonl
+from worker.rundir import RunDir, SupervisorHome, atomic_write_json, read_jsonl
 from worker.spec import SpecError, validate_spec
 
 S = RunStatus
@@ -332,7 +332,7 @@ def fork(
 def log_path(run: Run, process: str) -> Path:
     """``<run_dir>/logs/<process>.log``; the supervisor's log is ``<run_dir>/../supervisor.log``."""
     if process == "supervisor":
-        return Path(run.run_dir).parent / "supervisor.log"
+        return SupervisorHome(Path(run.run_dir).parent).log
     return RunDir(run.run_dir).logs / f"{process}.log"
 
 
