@@ -1,7 +1,7 @@
 """Alert rule schema: what a run spec's ``alerts`` list and ``POST /api/alerts/rules`` accept.
 
 Imports nothing heavy (the server and the spec validate rules with it). The known metric names live here,
-once: ``METRICS`` maps each process (``source``) to the names it reports every step.
+once: ``METRICS`` maps each process (``source``) to every name it writes to ``metrics.jsonl``.
 
 Kinds (``kind`` picks one; each fires once when it starts holding and again only after it cleared):
 
@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Source = Literal["trainer", "orchestrator", "eval"]
+Source = Literal["trainer", "orchestrator", "eval", "inference"]
 """A process that reports metrics to ``metrics.jsonl``."""
 
 METRICS: dict[Source, tuple[str, ...]] = {
@@ -39,6 +39,12 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "num_samples",
         "num_loss_tokens",
         "policy_version",
+        "kl",
+        "masked_low",
+        "masked_high",
+        "mfu",
+        "peak_memory_gib",
+        "trainer_ranks",
     ),
     "orchestrator": (
         "reward_mean",
@@ -57,10 +63,19 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "rollout_tokens",
         "policy_version",
         "temperature",
+        "truncated_fraction",
+        "num_samples",
+        "groups_all_missing",
+        "generation_s",
+        "batch_wait_s",
+        "rollout_tokens_per_s",
     ),
-    "eval": ("reward_mean", "pass_at_k", "k", "num_examples"),
+    "eval": ("reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"),
+    "inference": ("weight_update_s",),
 }
-"""Process -> metric names it reports every step (an RL run's ``metrics.jsonl``)."""
+"""Process -> every metric name it writes to an RL run's ``metrics.jsonl`` (some only on some machines: ``mfu`` and
+``peak_memory_gib``), so every logged metric can be used in an alert rule. ``tests/e2e/test_rl.py`` fails on a
+logged name missing here."""
 KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
 STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued")
 RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.runs import by_source, rl_spec
+from worker.alert_rules import METRICS
 from worker.launchers.local import launch_rl
 from worker.orchestrator.data import data_order
 from worker.rundir import RunDir, read_jsonl
@@ -141,6 +142,20 @@ def test_every_metric_is_logged_every_step(learning_run: RunDir) -> None:
     assert [r["step"] for r in evals] == [0, LEARN_STEPS]  # start (SFT model) and last policy version
     for r in evals:
         assert EVAL_METRICS <= r.keys()
+    for r in read_jsonl(learning_run.metrics):  # every logged metric can be used in an alert rule
+        assert r.keys() - {"source", "step", "time"} <= set(METRICS[r["source"]]), r.keys() - set(METRICS[r["source"]])
+
+
+def test_c24_every_completion_clipped_is_said(sft_model: Path, vllm_server: Any, tmp_path: Path) -> None:
+    """orchestrator.max_tokens = 2 on reverse-text: every rollout stops at the budget; the orchestrator logs
+    truncated_fraction 1.0 and writes one ``truncated`` event naming the key (console warning alike)."""
+    spec = rl_spec(sft_model, vllm_server.url, tmp_path, "clipped", max_steps=2, **{"orchestrator.max_tokens": 2})
+    assert launch_rl(spec, quiet=True)["status"] == "completed"
+    run = RunDir(spec.run_dir)
+    assert [r["truncated_fraction"] for r in by_source(run, "orchestrator")] == [1.0, 1.0]
+    events = [e for e in read_jsonl(run.events) if e["event"] == "truncated"]
+    assert [(e["step"], e["max_tokens"]) for e in events] == [(1, 2)]
+    assert "orchestrator.max_tokens = 2" in events[0]["reason"]
 
 
 def test_async_staleness_within_bound(learning_run: RunDir) -> None:

@@ -150,12 +150,14 @@ def _step_line(step: int, max_steps: int, orch: dict[str, Any], trainer: dict[st
 
 
 def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
-    """Run summary from ``metrics.jsonl``: first/last eval, last-3 mean ``mismatch_kl``, steps."""
+    """Run summary from ``metrics.jsonl``: first/last eval, mean ``mismatch_kl`` of the last 3 steps that trained
+    something (NaN steps left out), steps."""
     rows = read_jsonl(run.metrics)
     evals = sorted((r for r in rows if r["source"] == "eval"), key=lambda r: r["step"])
     trainer = sorted((r for r in rows if r["source"] == "trainer"), key=lambda r: r["step"])
     orch = [r for r in rows if r["source"] == "orchestrator"]
-    last3 = [r.get("mismatch_kl", float("nan")) for r in trainer[-3:]]
+    # the last 3 steps that trained something (a step whose samples were all dropped logs NaN)
+    last3 = [r["mismatch_kl"] for r in trainer if math.isfinite(r.get("mismatch_kl", math.nan))][-3:]
     on_policy = [
         r["mismatch_kl_on_policy"] for r in trainer if not math.isnan(r.get("mismatch_kl_on_policy", math.nan))
     ]

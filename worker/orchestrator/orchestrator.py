@@ -30,8 +30,9 @@ import contextvars
 import logging
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from worker.batch import TrainSample, write_batch
 from worker.checkpoint import due as checkpoint_due
@@ -49,6 +50,9 @@ from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import RLSpec
 
+T = TypeVar("T")
+TRUNCATED_WARN_FRACTION = 0.5
+"""Above this fraction of a step's rollouts stopped at ``max_tokens``, the orchestrator warns (case C24)."""
 logger = logging.getLogger("asyncrl.orchestrator")
 _STEP_SPEC: contextvars.ContextVar[RLSpec] = contextvars.ContextVar("asyncrl_step_spec")
 """The spec a step's rollout tasks were requested with (set in the context of each step's task)."""
@@ -87,6 +91,12 @@ class Orchestrator:
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
         self._step_specs: dict[int, RLSpec] = {}
+        self._evaluated = {
+            r["step"] for r in read_jsonl(run.metrics) if r["source"] == "eval" and r["step"] <= start_step
+        }
+        """Policy versions already evaluated: a second eval of the same weights is skipped (its metric key would
+        collide with the first's, and with seeded sampling it would give the same numbers)."""
+        self._truncation_warned = False
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
         self.weight_sync = None
         """Loads versions the trainer sends over the weight-sync process group (None: filesystem only)."""
@@ -207,11 +217,34 @@ class Orchestrator:
         """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``)."""
         write_part(self.run, step, "orchestrator", lambda folder: self.sampler.write_state(folder, step))
 
+    def warn_truncated(self, step: int, fraction: float, max_tokens: int) -> None:
+        """Case C24: when more than ``TRUNCATED_WARN_FRACTION`` of a step's rollouts hit ``max_tokens``, a console
+        warning and a ``truncated`` event in ``events.jsonl``; once, and again only after it fell back below. (An
+        alert rule on ``truncated_fraction`` does the same for the service.)"""
+        if fraction <= TRUNCATED_WARN_FRACTION:
+            self._truncation_warned = False
+            return
+        if self._truncation_warned:
+            return
+        self._truncation_warned = True
+        reason = (
+            f"step {step}: {fraction:.0%} of the rollouts stopped at orchestrator.max_tokens = {max_tokens} "
+            f"(above {TRUNCATED_WARN_FRACTION:.0%}): their answers are cut; raise max_tokens"
+        )
+        logger.warning("%s", reason)
+        self.run.log_event("truncated", step=step, fraction=fraction, max_tokens=max_tokens, reason=reason)
+
     # ------------------------------------------------------------------ evals
 
-    async def run_eval(self) -> dict[str, float | int | None]:
+    async def run_eval(self) -> dict[str, float | int | None] | None:
+        """Evaluate the policy version inference serves now (``eval`` metrics at that version); None when that
+        version was evaluated already."""
         ev = self.spec.orchestrator.eval
         version = self.policy_version
+        if version in self._evaluated:
+            logger.info("eval at policy version %d: done already, skipped", version)
+            return None
+        self._evaluated.add(version)
         result = await evaluate(
             self.client,
             self.eval_env,
@@ -253,10 +286,9 @@ class Orchestrator:
             for step in range(self.start_step + 1, spec.max_steps + 1):
                 while step not in self._steps:
                     await asyncio.sleep(0.01)
-                    if producer.done():
-                        producer.result()
+                    raise_failed(producer, watcher)
                 t0 = time.perf_counter()
-                groups, wait_for_policy, generation_s = await self._steps.pop(step)
+                groups, wait_for_policy, generation_s = await until(self._steps.pop(step), watcher)
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
                 samples, metrics = build_batch(step, groups, step_spec.orchestrator)
@@ -279,17 +311,44 @@ class Orchestrator:
                         "temperature": step_spec.orchestrator.temperature,
                     },
                 )
+                self.warn_truncated(step, metrics["truncated_fraction"], step_spec.orchestrator.max_tokens)
                 if checkpoint_due(self.run, step, spec.ckpt.interval):
                     self.save_state(step)
                 ev = step_spec.orchestrator.eval
                 if ev.interval and step % ev.interval == 0 and step < spec.max_steps:
                     await self.run_eval()
-            await self.wait_for_version(spec.max_steps)
+            await until(self.wait_for_version(spec.max_steps), watcher)
             await self.run_eval()
         finally:
             for task in (watcher, producer, *self._steps.values()):
                 task.cancel()
             await self.client.aclose()
+
+
+def raise_failed(*tasks: asyncio.Task[Any]) -> None:
+    """Raise the error of the first of ``tasks`` that ended with one (a task that ended cleanly is fine)."""
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]  # checked not None on the line above
+
+
+async def until(aw: Awaitable[T], *watched: asyncio.Task[Any]) -> T:
+    """``await aw``, unless one of the ``watched`` background tasks (the weight watcher) fails first: then its error
+    is raised here and ``aw`` is cancelled, so a failed weight update ends the run instead of hanging it.
+
+    Raises:
+        Exception: the first error of a watched task, or of ``aw``.
+    """
+    main = asyncio.ensure_future(aw)
+    pending: set[asyncio.Future[Any]] = {main, *watched}
+    while True:
+        raise_failed(*watched)
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if main in done:
+            return main.result()
+        if any(t.exception() is not None for t in done if not t.cancelled()):
+            main.cancel()
+            raise_failed(*watched)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,23 @@
+"""Alert rule schema (``worker/alert_rules.py``): every metric a process logs can be watched."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import TypeAdapter
+
+from worker.alert_rules import METRICS, AlertRule
+
+RULE = TypeAdapter(AlertRule)
+
+
+@pytest.mark.parametrize(("source", "metric"), [(s, m) for s, names in METRICS.items() for m in names])
+def test_every_logged_metric_takes_a_threshold_rule(source: str, metric: str) -> None:
+    rule = RULE.validate_python({"kind": "threshold", "metric": metric, "source": source, "op": ">", "value": 0.5})
+    assert (rule.source, rule.metric) == (source, metric)
+
+
+def test_c24_truncated_fraction_rule_defaults_to_the_orchestrator() -> None:
+    rule = RULE.validate_python({"kind": "threshold", "metric": "truncated_fraction", "op": ">", "value": 0.5})
+    assert rule.source == "orchestrator"
+    inference = RULE.validate_python({"kind": "threshold", "metric": "weight_update_s", "op": ">", "value": 5})
+    assert inference.source == "inference"
