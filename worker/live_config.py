@@ -43,6 +43,9 @@ LIVE_KEYS: dict[str, str] = {
 }
 """Dotted spec key -> the process that applies it (at its next step boundary)."""
 
+ENDED = ("completed", "failed", "cancelled")
+LIFECYCLE_EVENTS = ("starting", "running", *ENDED)
+"""Events of ``events.jsonl`` that say where a run's lifecycle stands (the last one counts)."""
 LIVE_CONFIG_FILE = "live_config.jsonl"
 ACKS_FILE = "config_acks.jsonl"
 
@@ -104,12 +107,19 @@ def set_local(run_dir: Path, assignments: list[str]) -> dict[str, Any]:
         The revision line written (``{"revision", "changes", "time"}``).
 
     Raises:
-        SpecError: no run config in ``run_dir``, an assignment without ``=``, a non-live key or a bad value.
+        SpecError: no run config in ``run_dir``, a run that ended (its last lifecycle event in ``events.jsonl`` is
+            completed, failed or cancelled), an assignment without ``=``, a non-live key or a bad value.
     """
     run_dir = Path(run_dir)
     config = run_dir / "config.json"
     if not config.is_file():
         raise SpecError(f"run directory {run_dir}: no config.json (start the run first)")
+    lifecycle = [e["event"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") in LIFECYCLE_EVENTS]
+    if lifecycle and lifecycle[-1] in ENDED:
+        raise SpecError(
+            f"run directory {run_dir}: the run is {lifecycle[-1]}: config changes only while it runs "
+            "(resume it first: asyncrl rl ... --resume)"
+        )
     changes: dict[str, Any] = {}
     for item in assignments:
         key, sep, raw = item.partition("=")

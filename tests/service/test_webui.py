@@ -58,7 +58,7 @@ def test_bottleneck_shares_use_the_last_window_of_steps() -> None:
 
 
 def test_inference_bound_advice_names_the_key_that_widens_the_async_window() -> None:
-    """Rollouts for step n start once inference serves version >= n - 1 - max_async_level (worker/spec.py):
+    """Rollouts for step n start once inference serves version >= n - 1 - max_async_level (worker/spec/orchestrator.py):
     max_async_level is what lets inference run ahead; max_off_policy_steps only drops what lags further."""
     advice = figures.ADVICE["inference-bound"]
     ahead = [a for a in advice if "further ahead" in a]

@@ -21,7 +21,7 @@ from worker.live_config import (
     set_base_lr,
     set_local,
 )
-from worker.rundir import read_jsonl
+from worker.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, SpecError, validate_spec
 
 REPO = Path(__file__).resolve().parents[3]
@@ -172,6 +172,22 @@ def test_set_local_checks_values_against_earlier_revisions(tmp_path: Path) -> No
     set_local(run_dir, ["orchestrator.max_tokens=50"])
     with pytest.raises(SpecError, match="orchestrator.max_tokens: must be below"):
         set_local(run_dir, ["orchestrator.max_tokens=64"])
+
+
+def test_config_set_refuses_a_run_that_ended_and_takes_it_again_once_resumed(tmp_path: Path) -> None:
+    run_dir, _ = make_run_dir(tmp_path, inference={"max_model_len": 64})
+    events = RunDir(run_dir)
+    for kind in ("starting", "running", "truncated", "completed"):
+        events.log_event(kind)
+    with pytest.raises(SpecError) as err:
+        set_local(run_dir, ["trainer.optim.lr=1e-5"])
+    assert str(err.value) == (
+        f"run directory {run_dir}: the run is completed: config changes only while it runs "
+        "(resume it first: asyncrl rl ... --resume)"
+    )
+    assert read_revisions(run_dir) == []
+    events.log_event("starting", resume_step=4)
+    assert set_local(run_dir, ["trainer.optim.lr=1e-5"])["revision"] == 1
 
 
 def test_imports_nothing_heavy() -> None:

@@ -54,7 +54,7 @@ def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOut
 
     Raises:
         ValueError: unknown ``type`` or an unknown parameter, naming the ``trainer.loss`` field. Parameter
-            values are not checked here: the spec validates them (``worker/spec.py``).
+            values are not checked here: the spec validates them (``worker/spec/trainer.py``).
     """
     fn = LOSSES.get(type)
     if fn is None:

@@ -42,7 +42,7 @@ def aipo(inputs: LossInputs, *, max_ratio: float = 2.0, ratio_level: str = "toke
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    The parameters are in range (validated by the spec, ``worker/spec.py``).
+    The parameters are in range (validated by the spec, ``worker/spec/trainer.py``).
     """
     p = prepare(inputs, ratio_level)
 

@@ -16,7 +16,7 @@ Conventions of every loss here (see ``worker/trainer/loss/__init__.py`` for the 
   ``torch.where`` (never a multiplication: NaN * 0 = NaN) before a ratio is formed, and each loss
   zeroes the log ratio of dropped tokens before ``exp``, so neither the loss, the metrics nor the
   gradient can pick up NaN or inf from a token that does not train.
-- A loss is arithmetic only: its parameters are validated once, by the spec (``worker/spec.py``,
+- A loss is arithmetic only: its parameters are validated once, by the spec (``worker/spec/trainer.py``,
   ``trainer.loss``; the trainer reads its spec through it), and reach it in range.
 - ``mismatch_kl`` is the k3 estimator ``r - log r - 1`` (Schulman, "Approximating KL divergence",
   2020) of KL(pi_infer || pi_train), token-level, summed over loss tokens.
@@ -83,7 +83,7 @@ def mismatch_kl_k3(log_ratio: Tensor) -> Tensor:
 def prepare(inputs: LossInputs, ratio_level: str) -> Prepared:
     """Neutralise masked positions with ``torch.where``, then form the token and IS log ratios.
 
-    ``ratio_level`` is ``"token"`` or ``"sequence"`` (checked by the spec, ``worker/spec.py``).
+    ``ratio_level`` is ``"token"`` or ``"sequence"`` (checked by the spec, ``worker/spec/trainer.py``).
 
     Raises:
         ValueError: the four input tensors are not ``[seq]`` of one length.

@@ -55,7 +55,7 @@ def dppo_kl(
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    The parameters are in range (validated by the spec, ``worker/spec.py``).
+    The parameters are in range (validated by the spec, ``worker/spec/trainer.py``).
     """
     p = prepare(inputs, ratio_level)
 

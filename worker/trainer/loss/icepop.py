@@ -40,7 +40,7 @@ def icepop(inputs: LossInputs, *, band: tuple[float, float] = (0.5, 5.0), ratio_
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    The parameters are in range (validated by the spec, ``worker/spec.py``).
+    The parameters are in range (validated by the spec, ``worker/spec/trainer.py``).
     """
     low, high = band
     p = prepare(inputs, ratio_level)

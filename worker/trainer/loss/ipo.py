@@ -38,7 +38,7 @@ def ipo(inputs: LossInputs, *, epsilon: float = 0.2, ratio_level: str = "token")
     Returns:
         ``LossOutputs`` with the summed loss and summed metrics.
 
-    The parameters are in range (validated by the spec, ``worker/spec.py``).
+    The parameters are in range (validated by the spec, ``worker/spec/trainer.py``).
     """
     p = prepare(inputs, ratio_level)
 
