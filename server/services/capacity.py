@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import socket
+from typing import Any
 
 from sqlalchemy import func, text
 from sqlmodel import Session, col, select
@@ -88,7 +89,18 @@ def lock_launches(session: Session) -> None:
 
 def wait_reason(session: Session, run: Run, *, worker: str | None) -> str | None:
     """Why ``run`` may not start now (``waiting for a slot: ...``), None when a slot is free. ``worker``: the
-    launching worker for a local run (None for Slurm, whose processes do not run on the worker)."""
+    launching worker for a local run (None for Slurm, whose processes do not run on the worker). An owner's runs
+    start in submission order: a run waits while an older one of the same owner waits."""
+    reason = _limit_reason(session, run, worker)
+    if reason is not None:
+        return reason
+    older = select(func.min(Run.id)).where(*_waiting(), Run.owner == run.owner, col(Run.id) < run.id)
+    if (first := session.exec(older).one()) is not None:
+        return f"{WAITING}run {first} of {run.owner} waits for one first"
+    return None
+
+
+def _limit_reason(session: Session, run: Run, worker: str | None) -> str | None:
     live = [s.value for s in LIVE]
     launched = col(Run.launcher).is_not(None)
     mine = select(func.count()).select_from(Run).where(col(Run.status).in_(live), launched, Run.owner == run.owner)
@@ -108,15 +120,16 @@ def wait_reason(session: Session, run: Run, *, worker: str | None) -> str | None
     return None
 
 
+def _waiting() -> tuple[Any, ...]:
+    """Where-clauses of the queued runs held back by a limit."""
+    return (
+        col(Run.status) == RunStatus.queued.value,
+        col(Run.launcher_handle).is_(None),
+        col(Run.status_reason).startswith(WAITING),
+    )
+
+
 def waiting_runs(session: Session) -> list[int]:
     """Ids of queued runs held back by a limit, oldest first."""
-    stmt = (
-        select(Run.id)
-        .where(
-            Run.status == RunStatus.queued.value,
-            col(Run.launcher_handle).is_(None),
-            col(Run.status_reason).startswith(WAITING),
-        )
-        .order_by(col(Run.id))
-    )
+    stmt = select(Run.id).where(*_waiting()).order_by(col(Run.id))
     return [i for i in session.exec(stmt).all() if i is not None]

@@ -295,10 +295,14 @@ def server_url(live_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture
-def limits(monkeypatch: pytest.MonkeyPatch) -> Any:
+def limits(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Lower the concurrency limits for this test, under a worker name of its own (other tests' live runs do not
     count)."""
+    from sqlmodel import Session
+
     from server.core.config import settings
+    from server.core.db import engine
+    from server.services import capacity, runs
 
     monkeypatch.setattr(settings, "WORKER_NAME", f"limits-{secrets.token_hex(3)}")
 
@@ -306,7 +310,11 @@ def limits(monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setattr(settings, "MAX_RUNS_PER_USER", per_user)
         monkeypatch.setattr(settings, "MAX_RUNS_PER_WORKER", per_worker)
 
-    return set_limits
+    yield set_limits
+    with Session(engine) as s:  # a failed test leaves no waiting run for later launches to start
+        for run_id in capacity.waiting_runs(s):
+            runs.request_stop(s, runs.get(s, run_id, lock=True), by="test teardown")
+        s.commit()
 
 
 def user_auth() -> tuple[str, dict[str, str]]:
@@ -349,6 +357,9 @@ def test_runs_beyond_the_user_limit_wait_with_the_reason_and_start_when_a_slot_f
     assert web and reason in client.get(f"/runs/{ids[1]}").text  # the dashboard shows it too
 
     wait_for(lambda: ended(client, auth, ids[0]), 60, "the first run to fail in preflight")
+    behind = f"waiting for a slot: run {ids[1]} of {user} waits for one first"
+    assert launch(ids[2]) == f"waiting: run {ids[2]}: {behind}"  # the slot is free, but the older run goes first
+    assert run_of(client, auth, ids[2])["status_reason"] == behind
     second, third = start_waiting()  # what the end of a run and every reconcile call
     assert second.startswith(f"launched: run {ids[1]} pid") and third == f"waiting: run {ids[2]}: {reason}"
     wait_for(lambda: ended(client, auth, ids[1]), 60, "the second run to fail in preflight")
