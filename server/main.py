@@ -3,11 +3,12 @@
 Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 400 unparsable body,
 401/403 token problems, 404 unknown run, 409 impossible state change, 413 body too large, 422 invalid
 field (spec errors name the dotted key; a value the database cannot hold, e.g. an integer beyond its
-column, is 422 too). Domain errors of the services get their status from ``server/errors.py``.
+column, is 422 too; so is a JSON body nested deeper than 32 levels, ``LimitJsonDepth``). Domain errors of the services get their status from ``server/errors.py``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -24,6 +25,7 @@ from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
 from server.errors import install as install_error_handlers
 from webui.main import router as webui_router
+from worker.spec import MAX_DEPTH
 
 
 class BodyTooLarge(HTTPException):
@@ -66,6 +68,57 @@ class LimitBodySize:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = JSONResponse({"detail": self._detail()}, status_code=413)
         await response(scope, receive, send)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of ``[`` and ``{`` in a JSON text, brackets inside strings skipped, without parsing it
+    (linear time, no recursion)."""
+    depth = deepest = 0
+    for b in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKET):
+        depth += 1 if b in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+class LimitJsonDepth:
+    """Refuse JSON request bodies (``application/json``, ``*+json`` or no content type) nested deeper than
+    ``max_depth`` with 422 ``body: nested deeper than 32 levels``, before a route parses them: Python's JSON parser
+    runs out of recursion on deeply nested input. Sits inside :class:`LimitBodySize` (the body is bounded)."""
+
+    def __init__(self, app: ASGIApp, max_depth: int) -> None:
+        self.app, self.max_depth = app, max_depth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ctype = dict(scope.get("headers", [])).get(b"content-type", b"").split(b";")[0].strip().lower()
+        is_json = not ctype or ctype == b"application/json" or ctype.endswith(b"+json")
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH") or not is_json:
+            await self.app(scope, receive, send)
+            return
+        chunks, message = [], await receive()
+        while message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+            message = await receive()
+        body = b"".join(chunks)
+        if json_depth(body) > self.max_depth:
+            detail = f"body: nested deeper than {self.max_depth} levels"
+            await JSONResponse({"detail": detail}, status_code=422)(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def _route_id(route: APIRoute) -> str:
@@ -115,6 +168,7 @@ def create_app() -> FastAPI:
         """Prometheus scrape endpoint (see ``server.core.telemetry``)."""
         return Response(exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.add_middleware(LimitJsonDepth, max_depth=MAX_DEPTH)  # inside LimitBodySize: reads a bounded body
     app.add_middleware(LimitBodySize, max_bytes=settings.MAX_BODY_BYTES)
     app.add_middleware(PrometheusMiddleware)  # outermost: counts 413s too
     return app

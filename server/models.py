@@ -1,6 +1,6 @@
 """Tables and API shapes of the control plane.
 
-Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens; the alert and webhook tables
+Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens, worker_capacity; the alert and webhook tables
 are in ``server/alerts/models.py``, which imports this module (never the reverse): whoever needs every table on
 ``SQLModel.metadata`` imports both (``migrations/env.py``). Alembic migrations in ``migrations/`` create them;
 ``tests/service/test_migrations.py`` fails when these and the migrations drift.
@@ -96,6 +96,9 @@ class Run(RunBase, table=True):
     launcher: str | None = Field(default=None, max_length=16)
     launcher_handle: str | None = Field(default=None, max_length=256)
     """Local: pid (= process group) of the run's supervisor; Slurm: job id."""
+    worker: str | None = Field(default=None, max_length=255)
+    """Name of the worker that launched the run (``server.services.capacity.worker_name``): its live local runs
+    count against ``MAX_RUNS_PER_WORKER``."""
     run_dir: str = Field(max_length=1024)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
@@ -112,6 +115,7 @@ class RunPublic(RunBase):
     owner: str
     launcher: str | None
     launcher_handle: str | None
+    worker: str | None
     run_dir: str
     created_at: datetime
     updated_at: datetime
@@ -149,6 +153,18 @@ class StatusReport(SQLModel):
 
     status: RunStatus
     reason: str = Field(default="", max_length=2000)
+
+
+class WorkerCapacity(SQLModel, table=True):
+    """The capacity a worker declared when it started (``worker/capacity.py``); submitted specs must fit one."""
+
+    __tablename__ = "worker_capacity"
+    name: str = Field(primary_key=True, max_length=255)
+    """The worker's name (``WORKER_NAME``, default its host name)."""
+    cores: int
+    memory_gib: float
+    gpus: int
+    updated_at: datetime = _ts()
 
 
 # ----------------------------------------------------------------------------- events

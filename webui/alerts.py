@@ -156,7 +156,11 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
             runs.get(db, run_id)
     except RunNotFound as err:
         return _render(p, 422, field_error={"scope": f"scope: {err}"}, **values)
-    row = rules.add(db, rule.root, run_id=run_id, by=user.name)
+    try:
+        row = rules.add(db, rule.root, run_id=run_id, by=user.name)
+    except SpecError as err:  # the run's or the user's cap of rules
+        db.rollback()
+        return _render(p, 422, error=str(err), **values)
     db.commit()
     return p.redirect(_alerts_url(shown_run, stored_id(row)))
 

@@ -15,7 +15,7 @@ from webui import auth
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
-from worker.spec import SpecError
+from worker.spec import SpecError, parse_text
 
 CONFIGS = HERE.parent / "configs"
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
@@ -107,9 +107,11 @@ async def launch(request: Request, db: SessionDep) -> Response:
     form = await p.form()
     text, chosen = str(form.get("spec", "")), str(form.get("config", ""))
     try:
-        data = tomllib.loads(text)
+        data = parse_text(text, "TOML")
     except tomllib.TOMLDecodeError as err:
         return _launch_page(p, text, chosen, 422, f"TOML: {err}", error_line(text, err))
+    except SpecError as err:  # nested deeper than the spec allows
+        return _launch_page(p, text, chosen, 422, str(err))
     try:
         run = runs.create(db, data=data, owner=p.need_user().name)
     except SpecError as err:

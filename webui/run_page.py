@@ -23,7 +23,7 @@ from webui.page import Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
-from worker.spec import SpecError, parse_override_value
+from worker.spec import SpecError, parse_override_value, parse_text
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
 
@@ -144,7 +144,7 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
 
     def action(user: Principal) -> int:
         try:
-            changes = flatten(tomllib.loads(str(form.get("changes", ""))))
+            changes = flatten(parse_text(str(form.get("changes", "")), "TOML", "changes"))
         except tomllib.TOMLDecodeError as err:
             raise SpecError(f"changes: not valid TOML ({err})") from None
         step, name = str(form.get("step", "")).strip(), str(form.get("name", "")).strip()

@@ -78,6 +78,11 @@ METRICS: dict[Source, tuple[str, ...]] = {
 logged name missing here."""
 KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
 STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued")
+MAX_RULES_PER_RUN = 100
+"""Alert rules of one run at most (its spec's ``alerts`` and those added through the API): each metrics upload
+checks every rule of its run, and 10,000 rules made an upload take seconds."""
+MAX_GLOBAL_RULES_PER_USER = 100
+"""Rules for every run (``POST /api/alerts/rules``) one user may add: they are checked for every run's uploads."""
 RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")
 """Also the event names a webhook endpoint filters on."""
 
@@ -127,10 +132,11 @@ class ThresholdRule(_MetricRule):
     kind: Literal["threshold"]
     op: Literal[">", ">=", "<", "<="]
     value: float = Field(allow_inf_nan=False)
+    """The threshold: any finite number (metrics have no common scale)."""
     window: int = Field(1, ge=1, le=10_000)
     """Consecutive steps the comparison must hold."""
-    after_step: int = Field(0, ge=0)
-    """Steps before this one are not checked."""
+    after_step: int = Field(0, ge=0, le=1_000_000)
+    """Steps before this one are not checked (at most 1,000,000, the largest ``max_steps``)."""
 
 
 class StallRule(_Rule):

@@ -46,6 +46,7 @@ class TaskName(enum.StrEnum):
     deliver_webhook = "asyncrl.deliver_webhook"
     reconcile = "asyncrl.reconcile"
     check_stalls = "asyncrl.check_stalls"
+    start_waiting = "asyncrl.start_waiting"
 
 
 app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["worker.tasks"])

@@ -14,6 +14,11 @@ the run is still ``queued``) adopts the finished run: it records the status the 
 starting/running/paused local run whose supervisor is gone gets the final status the supervisor spooled for this
 attempt (it could not reach the server), or else is marked ``failed`` with the reason.
 
+A launch that would start a run beyond ``MAX_RUNS_PER_USER`` (launched live runs of its owner) or
+``MAX_RUNS_PER_WORKER`` (live local runs of this worker) leaves it ``queued`` with the reason
+(``server/services/capacity.py``); ``start_waiting`` launches such runs, oldest first, when a run ends (the API
+enqueues it after a final status report, ``stop`` calls it) and after every reconcile.
+
 An *attempt* is identified by the id of the run event that last moved the run to ``queued`` (its creation, or a
 resume): every delivery of one launch sees the same id, and a resume makes a new one.
 """
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Task
+from celery.signals import worker_ready
 from pydantic import ValidationError
 from sqlalchemy import func
 from sqlmodel import Session, col, select
@@ -33,7 +39,7 @@ from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
 from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, stored_id
-from server.services import metrics, runs, tokens
+from server.services import capacity, metrics, runs, tokens
 from worker import supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive
@@ -62,6 +68,8 @@ def launch(run_id: int) -> str:
         if pid is None and (final := SupervisorHome(home).read_final(attempt)) is not None:
             return _adopt_finished(session, run, final)
         if pid is None:
+            if (waiting := _hold_for_slot(session, run, worker=capacity.worker_name())) is not None:
+                return waiting
             resume = bool(runs.checkpoint_steps(run))
             pid = supervisor.start(
                 home,
@@ -72,11 +80,31 @@ def launch(run_id: int) -> str:
                 resume=resume,
                 attempt=attempt,
             )
-        run.launcher, run.launcher_handle = "local", str(pid)
+        run.launcher, run.launcher_handle, run.worker = "local", str(pid), capacity.worker_name()
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
         session.commit()
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
+
+
+def _hold_for_slot(session: Session, run: Run, *, worker: str | None) -> str | None:
+    """Keep the locked queued ``run`` waiting (and commit) when a concurrency limit is reached; returns what happened,
+    None when a slot is free (the caller launches; the launch lock stays held until its commit)."""
+    capacity.lock_launches(session)
+    reason = capacity.wait_reason(session, run, worker=worker)
+    if reason is None:
+        return None
+    runs.hold(session, run, reason)
+    session.commit()
+    return f"waiting: run {run.id}: {reason}"
+
+
+def start_waiting() -> list[str]:
+    """Launch the runs a concurrency limit held back, oldest first (each one re-checks the limits: those still
+    beyond one keep waiting). Called when a run ends and on every reconcile; returns what each launch did."""
+    with Session(engine) as session:
+        waiting = capacity.waiting_runs(session)
+    return [launch(run_id) for run_id in waiting]
 
 
 def current_attempt(session: Session, run_id: int) -> int | None:
@@ -122,6 +150,8 @@ def _launch_slurm(session: Session, run: Run) -> str:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
         if job is None:
+            if (waiting := _hold_for_slot(session, run, worker=None)) is not None:
+                return waiting
             SupervisorHome(home).write_spec(run.spec)
             env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url())
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
@@ -161,6 +191,7 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
             return f"stopped: run {run_id} was relaunched (handle {run.launcher_handle})"
         runs.transition(session, run, RunStatus.cancelled, reason="stopped", pid=handle)
         session.commit()
+    start_waiting()  # its slot is free
     return f"stopped: run {run_id}"
 
 
@@ -277,7 +308,30 @@ def reconcile_runs() -> list[int]:
     failed = reconcile()
     if failed:
         logger.warning("reconcile: marked runs %s failed (supervisor gone)", failed)
+    for result in start_waiting():
+        logger.info(result)
     return failed
+
+
+@app.task(name=TaskName.start_waiting.value)
+def start_waiting_runs() -> list[str]:
+    """Enqueued by the API when a run ends: its slot may let a waiting run start."""
+    results = start_waiting()
+    for result in results:
+        logger.info(result)
+    return results
+
+
+@worker_ready.connect
+def _declare_capacity(**_: object) -> None:
+    """On start, record this worker's capacity (``server.services.capacity.publish``) for the submit checks."""
+    try:
+        with Session(engine) as session:
+            capacity.publish(session, capacity.worker_name(), cap := capacity.local())
+            session.commit()
+        logger.info("declared capacity of worker %s: %s", capacity.worker_name(), cap)
+    except Exception:  # the worker still runs; submits are checked against the server's own machine meanwhile
+        logger.exception("could not declare this worker's capacity")
 
 
 @app.task(name=TaskName.launch_run.value)

@@ -23,6 +23,8 @@ from server.alerts import webhooks
 from server.alerts.models import AlertEvent, AlertRuleRow, AlertState, RuleUpdate
 from server.models import Metric, MetricPoint, Run, RunStatus, stored_id, utcnow
 from worker.alert_rules import (
+    MAX_GLOBAL_RULES_PER_USER,
+    MAX_RULES_PER_RUN,
     AlertRule,
     NonFiniteRule,
     StallRule,
@@ -38,11 +40,36 @@ OPS = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__l
 
 
 def add(session: Session, rule: Any, *, run_id: int | None, by: str, origin: str = "api") -> AlertRuleRow:
-    """Store a validated rule for run ``run_id`` (None: every run). Flushes only."""
+    """Store a validated rule for run ``run_id`` (None: every run). Flushes only.
+
+    Raises:
+        SpecError: the run has ``MAX_RULES_PER_RUN`` rules already, or ``by`` has ``MAX_GLOBAL_RULES_PER_USER``
+            global ones (a spec's own rules are bounded by the spec: ``origin="spec"`` is not counted here).
+    """
+    if origin != "spec":
+        _check_room(session, run_id=run_id, by=by)
     row = AlertRuleRow(run_id=run_id, kind=rule.kind, rule=rule.model_dump(mode="json"), origin=origin, created_by=by)
     session.add(row)
     session.flush()
     return row
+
+
+def _check_room(session: Session, *, run_id: int | None, by: str) -> None:
+    where = (
+        [col(AlertRuleRow.run_id) == run_id]
+        if run_id is not None
+        else [
+            col(AlertRuleRow.run_id).is_(None),
+            col(AlertRuleRow.created_by) == by,
+        ]
+    )
+    n = int(session.exec(select(func.count()).select_from(AlertRuleRow).where(*where)).one())
+    if run_id is not None and n >= MAX_RULES_PER_RUN:
+        raise SpecError(f"alerts: run {run_id} has {n} alert rules, the most one run may have ({MAX_RULES_PER_RUN})")
+    if run_id is None and n >= MAX_GLOBAL_RULES_PER_USER:
+        raise SpecError(
+            f"alerts: {by} has {n} global alert rules, the most one user may add ({MAX_GLOBAL_RULES_PER_USER})"
+        )
 
 
 def add_spec_rules(session: Session, run: Run) -> None:

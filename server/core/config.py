@@ -56,6 +56,21 @@ class Settings(BaseSettings):
     ALERT_STALL_CHECK_S: Annotated[float, Field(ge=1.0)] = 15.0
     """Celery beat checks ``stall`` alert rules this often."""
 
+    # -- limits: concurrent runs and the capacity a worker declares (server/services/capacity.py)
+    MAX_RUNS_PER_USER: Annotated[int, Field(ge=1)] = 4
+    """Launched runs (starting, running, paused) one owner may have at once; later ones wait in ``queued`` with
+    the reason and start, oldest first, when one of them ends."""
+    MAX_RUNS_PER_WORKER: Annotated[int, Field(ge=1)] = 2
+    """Local runs one worker machine runs at once; later ones wait in ``queued`` like MAX_RUNS_PER_USER."""
+    WORKER_NAME: str = ""
+    """Name under which a worker declares its capacity and launches runs; empty = the host name."""
+    WORKER_CORES: Annotated[int, Field(ge=1)] | None = None
+    """Cores the worker declares; unset = its CPU affinity mask."""
+    WORKER_MEMORY_GIB: Annotated[float, Field(gt=0)] | None = None
+    """Memory (GiB) the worker declares; unset = MemTotal."""
+    WORKER_GPUS: Annotated[int, Field(ge=0)] | None = None
+    """GPUs the worker declares; unset = those ``nvidia-smi -L`` lists."""
+
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
         if not self.DATABASE_URL:

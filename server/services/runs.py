@@ -1,7 +1,8 @@
 """Run lifecycle: create, list, transition, stop, resume, fork, logs.
 
 States: ``queued → starting → running ⇄ paused → completed | failed | cancelled``. Any live state may also
-end in ``failed`` or ``cancelled``. Every transition writes a ``run_events`` row with its time and reason.
+end in ``failed`` or ``cancelled``. A queued run held back by a concurrency limit stays ``queued`` with a
+``waiting for a slot: ...`` reason and a ``waiting`` event (``hold``; ``server/services/capacity.py``). Every transition writes a ``run_events`` row with its time and reason.
 ``completed`` is final. ``failed`` and ``cancelled`` go back to ``queued`` only through ``resume`` (the
 ``RESUMABLE`` edge, never through a status report), keeping the run id, run directory and metrics.
 """
@@ -22,6 +23,7 @@ from sqlmodel import Session, col, select
 from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
+from server.services import capacity
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, with_keys
 from worker.rundir import RunDir, SupervisorHome, atomic_write_json, read_jsonl
@@ -63,12 +65,14 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
 
     Raises:
-        SpecError: the spec is invalid (one line naming the field).
+        SpecError: the spec is invalid (one line naming the field), or no worker can hold it (the key, the value
+            and the worker's declared capacity: ``server.services.capacity.check_fits``).
     """
     kind = data.get("kind", "rl")
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
     if spec.kind != "rl":
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
+    capacity.check_fits(session, spec)
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
     session.flush()  # assigns the id
@@ -149,6 +153,17 @@ def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **d
     session.flush()
     if kind == "requeued":  # the run's Slurm job was requeued
         alert_rules.on_status(session, run, None, "requeued", reason)
+
+
+def hold(session: Session, run: Run, reason: str) -> bool:
+    """Keep a queued run waiting (a concurrency limit, ``server.services.capacity.wait_reason``): the reason becomes
+    its ``status_reason`` and, when it is new, a ``waiting`` event. Returns whether the reason changed."""
+    if run.status_reason == reason:
+        return False
+    run.status_reason, run.updated_at = reason, utcnow()
+    session.add(run)
+    record_event(session, run, "waiting", reason=reason)
+    return True
 
 
 def request_stop(session: Session, run: Run, *, by: str) -> bool:

@@ -41,6 +41,8 @@ os.environ.update(
         "ASYNCRL_OUTPUT_DIR": str(STATE / "outputs"),
         "MAX_BODY_BYTES": str(256 * 1024),
         "MAX_METRIC_POINTS": "2000",
+        "MAX_RUNS_PER_USER": "1000",  # tests/service/test_limits.py lowers them to see runs wait
+        "MAX_RUNS_PER_WORKER": "1000",
     }
 )
 

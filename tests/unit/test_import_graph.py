@@ -35,6 +35,7 @@ ENGINE = (
     "worker.dotted_keys",
     "worker.live_config",
     "worker.alert_rules",
+    "worker.capacity",
 )
 """Module prefixes of the engine; ``x`` matches ``x`` and ``x.*``, ``x*`` every module whose name starts with ``x``."""
 VAGUE_NAMES = frozenset({"common", "utils", "helpers", "misc"})

@@ -10,7 +10,7 @@ writes the resolved spec as JSON into the run directory and the service stores i
 | ``orchestrator.py`` | ``[orchestrator]``: advantages (union on ``type``), harness, eval              |
 | ``trainer.py``     | ``[trainer]``, ``[ckpt]``: optimizer, scheduler, losses (union on ``type``), weight sync |
 | ``launcher.py``    | ``[launcher]``: local GPU placement, Slurm                                      |
-| ``loading.py``     | files + ``--dotted.key`` overrides, the unknown-key check, ``validate_spec``     |
+| ``loading.py``     | files + ``--dotted.key`` overrides, the unknown-key and depth checks, ``validate_spec`` |
 
 The spec is the public schema, so its names are imported from ``worker.spec`` itself. This package
 imports nothing heavy (no torch, vllm, fastapi): the server validates specs with it, and
@@ -20,7 +20,17 @@ imports nothing heavy (no torch, vllm, fastapi): the server validates specs with
 from __future__ import annotations
 
 from worker.spec.launcher import LauncherConfig, LocalConfig, SlurmConfig
-from worker.spec.loading import check_unknown_keys, deep_merge, load_spec_data, parse_override_value, validate_spec
+from worker.spec.loading import (
+    MAX_DEPTH,
+    check_depth,
+    check_unknown_keys,
+    deep_merge,
+    load_spec_data,
+    nesting_depth,
+    parse_override_value,
+    parse_text,
+    validate_spec,
+)
 from worker.spec.orchestrator import (
     AdvantageConfig,
     EvalConfig,
@@ -30,6 +40,7 @@ from worker.spec.orchestrator import (
     OrchestratorConfig,
 )
 from worker.spec.runs import (
+    MAX_STEPS,
     RUN_NAME_RULE,
     SPEC_TYPES,
     EnvConfig,
@@ -54,6 +65,8 @@ from worker.spec.trainer import (
 )
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_STEPS",
     "RUN_NAME_RULE",
     "SPEC_TYPES",
     "AdvantageConfig",
@@ -83,9 +96,12 @@ __all__ = [
     "StrictModel",
     "TrainerConfig",
     "WeightSyncConfig",
+    "check_depth",
     "check_unknown_keys",
     "deep_merge",
     "load_spec_data",
+    "nesting_depth",
     "parse_override_value",
+    "parse_text",
     "validate_spec",
 ]

@@ -11,6 +11,9 @@ from worker.spec.strict import StrictModel
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_DEVICE_ID = 255
+"""Largest CUDA device id of ``launcher.local`` (and trainer ranks <= 256): no machine has more GPUs; at submit the
+ids must also be below the worker's declared GPU count (``worker/capacity.py``)."""
 
 
 class SlurmConfig(StrictModel):
@@ -19,14 +22,17 @@ class SlurmConfig(StrictModel):
     reservation: str | None = None
     time_limit: str | None = None
     """Slurm time format: ``minutes``, ``HH:MM:SS`` or ``D-HH:MM:SS``; None takes the partition's default."""
-    nodes: int = Field(default=1, ge=1)
-    gpus_per_node: int = Field(default=0, ge=0)
-    inference_nodes: int = Field(default=0, ge=0)
+    nodes: int = Field(default=1, ge=1, le=1024)
+    """Nodes of the job (at most 1024)."""
+    gpus_per_node: int = Field(default=0, ge=0, le=64)
+    """GPUs requested per node (at most 64: no node has more)."""
+    inference_nodes: int = Field(default=0, ge=0, le=1023)
     """With ``nodes > 1``: the first k nodes serve inference, the rest train (orchestrator on the first trainer node)."""
     allocation: str | None = None
     """Run inside this existing job id (``srun --jobid=<id> --overlap``) instead of submitting a new job."""
-    signal_before_end_s: int = Field(default=120, ge=0)
-    """Seconds before the time limit at which the batch shell gets USR1: checkpoint now, then requeue (0 = off)."""
+    signal_before_end_s: int = Field(default=120, ge=0, le=86_400)
+    """Seconds before the time limit at which the batch shell gets USR1: checkpoint now, then requeue (0 = off; at
+    most a day)."""
     requeue: bool = True
     rdzv_port: int = Field(default=29500, ge=1, le=65535)
     """Port of the trainer's torchrun c10d rendezvous on the first trainer node."""
@@ -90,15 +96,15 @@ class LocalConfig(StrictModel):
     """CUDA device ids of the vLLM server."""
     trainer_gpus: list[int] = Field(default_factory=list)
     """CUDA device ids of the trainer: with more than one, ``torchrun`` starts one FSDP2 rank per GPU."""
-    trainer_processes: int = Field(default=0, ge=0, le=1024)
+    trainer_processes: int = Field(default=0, ge=0, le=MAX_DEVICE_ID + 1)
     """Trainer ranks under ``torchrun`` (FSDP2; gloo on cpu). 0: one per ``trainer_gpus`` entry, else 1 (a plain
-    process)."""
+    process). At most 256 here; at submit also at most the worker's declared cores (``worker/capacity.py``)."""
 
     @field_validator("inference_gpus", "trainer_gpus")
     @classmethod
     def _device_ids(cls, v: list[int]) -> list[int]:
-        if any(i < 0 for i in v) or len(set(v)) != len(v):
-            raise ValueError(f"expected distinct CUDA device ids >= 0, got {v}")
+        if any(not 0 <= i <= MAX_DEVICE_ID for i in v) or len(set(v)) != len(v):
+            raise ValueError(f"expected distinct CUDA device ids from 0 to {MAX_DEVICE_ID}, got {v}")
         return v
 
 

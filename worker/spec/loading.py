@@ -19,6 +19,50 @@ from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
 
+MAX_DEPTH = 32
+"""Deepest nesting of tables and lists a spec (or a JSON request body) may have; the spec itself needs 4 (e.g.
+``launcher.slurm.env``), the rest is room for ``env.args``. Deeper input would exhaust the parsers' recursion."""
+
+
+def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """Levels of dicts and lists in ``value`` (a scalar is 0, ``{"a": [1]}`` is 2), counted without recursion;
+    stops counting once past ``limit`` (returns ``limit + 1``)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > limit:
+            return limit + 1
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_depth(data: Any, where: str = "spec") -> None:
+    """Raises:
+    SpecError: ``spec: nested deeper than 32 levels``."""
+    if nesting_depth(data) > MAX_DEPTH:
+        raise SpecError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+
+
+def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "spec") -> Any:
+    """Parse JSON or TOML text (bytes: UTF-8) whose nesting is at most ``MAX_DEPTH`` levels.
+
+    Raises:
+        SpecError: nested deeper (``<where>: nested deeper than 32 levels``), also when the parser runs out of
+            recursion on it.
+        json.JSONDecodeError, tomllib.TOMLDecodeError: the text does not parse.
+        UnicodeDecodeError: bytes that are not UTF-8 (TOML).
+    """
+    try:
+        data = json.loads(text) if fmt == "JSON" else tomllib.loads(text if isinstance(text, str) else text.decode())
+    except RecursionError:
+        raise SpecError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+    check_depth(data, where)
+    return data
+
 
 def _closest_key(model: type[BaseModel], key: str) -> str | None:
     matches = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
@@ -103,6 +147,7 @@ def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
     data.setdefault("kind", kind)
     if data["kind"] != kind:
         raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
+    check_depth(data)
     check_unknown_keys(model, data)
     try:
         return model.model_validate(data)
@@ -122,9 +167,13 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 
 
 def parse_override_value(text: str) -> Any:
-    """A CLI value as a TOML literal (``1e-5``, ``true``, ``[0.5, 5]``), else as a plain string."""
+    """A CLI value as a TOML literal (``1e-5``, ``true``, ``[0.5, 5]``), else as a plain string.
+
+    Raises:
+        SpecError: the literal is nested deeper than ``MAX_DEPTH`` levels.
+    """
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        return parse_text(f"v = {text}", "TOML", "value")["v"]
     except tomllib.TOMLDecodeError:
         return text
 
@@ -134,19 +183,20 @@ def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) ->
 
     Raises:
         SpecError: a file that is missing, a directory, unreadable, not UTF-8, does not parse (the message
-            gives line and column) or is not a table; an override key with an empty part (``--a..b``).
+            gives line and column), is nested deeper than ``MAX_DEPTH`` levels or is not a table; an override key
+            with an empty part (``--a..b``).
     """
     data: dict[str, Any] = {}
     for f in files:
         path = Path(f)
-        fmt = "JSON" if path.suffix == ".json" else "TOML"
+        fmt: Literal["JSON", "TOML"] = "JSON" if path.suffix == ".json" else "TOML"
         if path.is_dir():
             raise SpecError(f"config file {path} is a directory; expected a {fmt} file")
         if not path.is_file():
             raise SpecError(f"config file not found: {path}")
         try:
             text = path.read_text(encoding="utf-8")
-            layer = json.loads(text) if fmt == "JSON" else tomllib.loads(text)
+            layer = parse_text(text, fmt, str(path))
         except OSError as err:
             raise SpecError(f"config file {path}: cannot read ({err.strerror or type(err).__name__})") from None
         except UnicodeDecodeError as err:
@@ -159,5 +209,7 @@ def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) ->
     for dotted, raw in overrides:
         if not all(dotted.split(".")):
             raise SpecError(f"--{dotted}: expected a dotted key such as --trainer.optim.lr")
+        if dotted.count(".") >= MAX_DEPTH:
+            raise SpecError(f"--{dotted.split('.')[0]}...: nested deeper than {MAX_DEPTH} levels")
         data = deep_merge(data, with_keys({}, {dotted: parse_override_value(raw)}))
     return data

@@ -15,18 +15,21 @@ class GrpoAdvantage(StrictModel):
     type: Literal["grpo"] = "grpo"
     std_normalize: bool = False
     """Divide by the group's population reward std, floored at ``std_floor`` (off: Dr. GRPO's mean-only form)."""
-    std_floor: float = Field(default=1e-2, gt=0)
-    """Lower bound of the std divisor (> 0); bounds the inflation of near-uniform groups."""
-    length_penalty: float = Field(default=0.0, ge=0)
-    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off)."""
+    std_floor: float = Field(default=1e-2, gt=0, le=1000)
+    """Lower bound of the std divisor (> 0); bounds the inflation of near-uniform groups (above 1000 it only
+    shrinks every advantage to nothing)."""
+    length_penalty: float = Field(default=0.0, ge=0, le=100)
+    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off; the
+    term is in [-1, 1], so above 100 it is all the advantage)."""
 
 
 class MaxRLAdvantage(StrictModel):
     """MaxRL: reward minus the group mean, over the group mean (``worker/orchestrator/advantages/maxrl.py``)."""
 
     type: Literal["maxrl"] = "maxrl"
-    length_penalty: float = Field(default=0.0, ge=0)
-    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off)."""
+    length_penalty: float = Field(default=0.0, ge=0, le=100)
+    """Weight of the centred length term ``(L_i - mean L) / max L`` subtracted from each advantage (0 = off; the
+    term is in [-1, 1], so above 100 it is all the advantage)."""
 
 
 def _advantage_type(value: Any) -> str:
@@ -50,41 +53,48 @@ class HarnessConfig(StrictModel):
     """verifiers harness id (``null``: verifiers' chat program, a subprocess per rollout, needs ``uv``)."""
     tool_parser: str | None = "qwen3"
     """``renderers`` parser that reads tool calls from sampled token ids (``qwen3``: ``<tool_call>{json}</tool_call>``)."""
-    max_concurrent: int = Field(default=8, ge=1)
-    """Agent rollouts running at once (each may start a subprocess and tool servers)."""
-    max_turns: int = Field(default=8, ge=1)
-    """Model turns per rollout at most."""
+    max_concurrent: int = Field(default=8, ge=1, le=1024)
+    """Agent rollouts running at once (each may start a subprocess and tool servers: at most 1024 processes)."""
+    max_turns: int = Field(default=8, ge=1, le=1000)
+    """Model turns per rollout at most (1000: far past any context length)."""
 
 
 class EvalConfig(StrictModel):
-    interval: int = Field(default=0, ge=0)
-    """Run an online eval every this many steps (0 = only at the start and the end)."""
-    num_examples: int = Field(default=64, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature of evals (0 = greedy)."""
-    pass_k: int = Field(default=1, ge=1)
-    """Samples per eval task; reports mean reward and pass@k (reward >= ``pass_threshold``)."""
+    interval: int = Field(default=0, ge=0, le=1_000_000)
+    """Run an online eval every this many steps (0 = only at the start and the end); bounded like ``max_steps``."""
+    num_examples: int = Field(default=64, ge=1, le=100_000)
+    """Eval tasks per eval (each eval's rollouts are held in memory at once: at most 100,000)."""
+    temperature: float = Field(default=1.0, ge=0, le=10)
+    """Sampling temperature of evals (0 = greedy; above 10 sampling is uniform noise)."""
+    pass_k: int = Field(default=1, ge=1, le=1024)
+    """Samples per eval task; reports mean reward and pass@k (reward >= ``pass_threshold``); at most 1024."""
     pass_threshold: float = Field(default=1.0, ge=0, le=1)
+    """Reward at which an eval sample counts as passed (rewards are in [0, 1])."""
 
 
 class OrchestratorConfig(StrictModel):
-    batch_size: int = Field(default=8, ge=1)
-    """Tasks (groups) per step."""
-    group_size: int = Field(default=8, ge=1)
-    """Rollouts per task."""
-    max_tokens: int = Field(default=64, ge=1)
-    """Completion token budget per rollout."""
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature; the trainer scales its logits by the same value."""
-    seq_len: int = Field(default=2048, ge=8)
-    """Micro-batch size in tokens: samples are packed into sequences of at most this length."""
+    batch_size: int = Field(default=8, ge=1, le=65_536)
+    """Tasks (groups) per step (at most 65,536; at submit ``batch_size * group_size * inference.max_model_len``
+    tokens must also fit the worker's declared memory, ``worker/capacity.py``)."""
+    group_size: int = Field(default=8, ge=1, le=1024)
+    """Rollouts per task (at most 1024: a group's rollouts are scored together in memory)."""
+    max_tokens: int = Field(default=64, ge=1, le=1_048_576)
+    """Completion token budget per rollout (below ``inference.max_model_len``, itself at most 2**20)."""
+    temperature: float = Field(default=1.0, gt=0, le=10)
+    """Sampling temperature; the trainer scales its logits by the same value (above 10 sampling is uniform
+    noise)."""
+    seq_len: int = Field(default=2048, ge=8, le=1_048_576)
+    """Micro-batch size in tokens: samples are packed into sequences of at most this length (at most 2**20: the
+    trainer holds a sequence's logits, ``seq_len * vocab`` floats, at once)."""
     share_prompt: bool = True
     """Pack a group's samples next to each other so that the trainer lays their common prompt out once
     (same logits and gradients, fewer tokens: ``worker.packing.pack_shared_prompt``)."""
-    max_async_level: int = Field(default=1, ge=0)
-    """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level."""
-    max_off_policy_steps: int = Field(default=8, ge=0)
-    """A rollout whose generating policy version lags the trainer's (n - 1) by more than this is dropped."""
+    max_async_level: int = Field(default=1, ge=0, le=1000)
+    """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level (at most 1000:
+    each level keeps a step of rollouts in flight)."""
+    max_off_policy_steps: int = Field(default=8, ge=0, le=1_000_000)
+    """A rollout whose generating policy version lags the trainer's (n - 1) by more than this is dropped (bounded
+    like ``max_steps``)."""
     advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
     """How rollouts are scored against their group (``worker/orchestrator/advantages/``)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)

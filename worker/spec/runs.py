@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from worker.alert_rules import AlertRule
+from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
 from worker.spec.launcher import LauncherConfig
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
@@ -39,22 +39,37 @@ class InferenceConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     """0 picks a free port."""
-    max_model_len: int = Field(default=512, ge=16)
-    """vLLM context length in tokens."""
+    max_model_len: int = Field(default=512, ge=16, le=1_048_576)
+    """vLLM context length in tokens (at most 2**20, past every released model's context)."""
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
+    """Share of each inference GPU's memory vLLM may take (a fraction: at most 1)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra ``api_server`` flags, passed through unchanged."""
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    read_timeout_s: float = Field(default=120.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds to connect to vLLM (at most an hour: a longer wait is a hung run)."""
+    read_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    """Seconds to wait for one response (at most a day)."""
     max_retries: int = Field(default=3, ge=0, le=20)
     """Retries of one request (exponential backoff) before the run fails."""
-    startup_timeout_s: float = Field(default=300.0, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
+    """Seconds vLLM may take to come up (at most a day)."""
 
 
 # ----------------------------------------------------------------------------- runs
 
 
 RUN_NAME_RULE = "1-100 characters: letters, digits, '-', '_' or '.', not starting with '.' (it names a directory)"
+
+
+MAX_STEPS = 1_000_000
+"""Largest ``max_steps`` (and every step count of a spec): a million optimizer steps is years of a real run."""
+
+
+def _check_alert_count(cls: type, v: Any) -> Any:  # noqa: ARG001 - pydantic passes the class by this name
+    """At most ``MAX_RULES_PER_RUN`` rules, counted before each is validated (10,000 rules cost seconds)."""
+    if isinstance(v, list | tuple) and len(v) > MAX_RULES_PER_RUN:
+        raise ValueError(f"at most {MAX_RULES_PER_RUN} alert rules per run, got {len(v)}")
+    return v
 
 
 def _check_run_name(cls: type, v: str) -> str:  # noqa: ARG001 - pydantic passes the class by this name
@@ -72,7 +87,8 @@ class RLSpec(StrictModel):
     """Run directories are created below this folder, as ``<output_dir>/<name>``."""
     seed: int = Field(default=0, ge=0, lt=2**32)
     """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
-    max_steps: int = Field(default=100, ge=1)
+    max_steps: int = Field(default=100, ge=1, le=MAX_STEPS)
+    """Optimizer steps (at most ``MAX_STEPS``)."""
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -81,9 +97,11 @@ class RLSpec(StrictModel):
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     alerts: list[AlertRule] = Field(default_factory=list)
-    """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission."""
+    """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission. At
+    most ``MAX_RULES_PER_RUN``: every metrics upload checks each rule."""
 
     _name = field_validator("name")(_check_run_name)
+    _alerts = field_validator("alerts", mode="before")(_check_alert_count)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLSpec:
@@ -119,10 +137,10 @@ class RLSpec(StrictModel):
 
 
 class SFTDataConfig(StrictModel):
-    num_examples: int = Field(default=4096, ge=1)
-    """Generated prompt/completion pairs (from the environment's train split)."""
-    batch_size: int = Field(default=32, ge=1)
-    """Samples per optimizer step."""
+    num_examples: int = Field(default=4096, ge=1, le=10_000_000)
+    """Generated prompt/completion pairs (from the environment's train split; held in memory: at most 10**7)."""
+    batch_size: int = Field(default=32, ge=1, le=65_536)
+    """Samples per optimizer step (at most 65,536)."""
 
 
 class SFTSpec(StrictModel):
@@ -131,22 +149,26 @@ class SFTSpec(StrictModel):
     output_dir: str = "outputs"
     seed: int = Field(default=0, ge=0, lt=2**32)
     """Seeds data order, torch and vLLM (which seeds numpy with it: 0 <= seed < 2**32)."""
-    max_steps: int = Field(default=200, ge=1)
+    max_steps: int = Field(default=200, ge=1, le=MAX_STEPS)
+    """Optimizer steps (at most ``MAX_STEPS``)."""
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
-    seq_len: int = Field(default=2048, ge=8)
-    """Packed sequence length in tokens."""
+    seq_len: int = Field(default=2048, ge=8, le=1_048_576)
+    """Packed sequence length in tokens (at most 2**20, as ``orchestrator.seq_len``)."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    threads: int = Field(default=2, ge=1)
-    eval_interval: int = Field(default=0, ge=0)
+    threads: int = Field(default=2, ge=1, le=1024)
+    """torch intra-op threads (at most 1024; at submit also at most the worker's declared cores)."""
+    eval_interval: int = Field(default=0, ge=0, le=MAX_STEPS)
     """Greedy held-out eval every this many steps (0 = at the end only)."""
-    eval_examples: int = Field(default=64, ge=1)
+    eval_examples: int = Field(default=64, ge=1, le=100_000)
+    """Held-out examples of each eval (at most 100,000, as ``orchestrator.eval.num_examples``)."""
     alerts: list[AlertRule] = Field(default_factory=list)
-    """Alert rules of this run (``worker/alert_rules.py``)."""
+    """Alert rules of this run (``worker/alert_rules.py``), at most ``MAX_RULES_PER_RUN``."""
 
     _name = field_validator("name")(_check_run_name)
+    _alerts = field_validator("alerts", mode="before")(_check_alert_count)
 
     @property
     def run_dir(self) -> Path:

@@ -10,10 +10,13 @@ from worker.spec.strict import StrictModel
 
 
 class OptimConfig(StrictModel):
-    lr: float = Field(default=1e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    lr: float = Field(default=1e-4, gt=0, le=1)
+    """Peak learning rate; AdamW diverges long before 1, so a larger value is a typo (``1e-5`` written ``1e5``)."""
+    weight_decay: float = Field(default=0.0, ge=0, le=1)
+    """Decoupled weight decay; above 1 a step would more than erase the weights."""
     betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = Field(default=1.0, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0, le=1e6)
+    """Gradient clipping norm; 1e6 is already "no clipping", larger values only hide a typo."""
 
     @field_validator("betas")
     @classmethod
@@ -25,8 +28,14 @@ class OptimConfig(StrictModel):
 
 class SchedulerConfig(StrictModel):
     type: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=1_000_000)
+    """Linear warmup steps; bounded like ``max_steps`` (a longer warmup never ends)."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the decayed learning rate as a fraction of ``lr`` (at most 1: no decay)."""
+
+
+MAX_RATIO = 1e6
+"""Largest importance-ratio bound of a loss: ``exp(14) ~ 1.2e6``, past which float32 log-ratios carry no signal."""
 
 
 class _LossBase(StrictModel):
@@ -38,20 +47,24 @@ class DppoKlLoss(_LossBase):
     """DPPO trust-region mask by advantage sign plus a squared-log-ratio KL term (``worker/trainer/loss/dppo_kl.py``)."""
 
     type: Literal["dppo_kl"] = "dppo_kl"
-    mask_low: float = Field(default=0.2, gt=0)
-    """A token with negative advantage is masked once ``p_train - p_infer < -mask_low``."""
-    mask_high: float = Field(default=0.2, gt=0)
-    """A token with positive advantage is masked once ``p_train - p_infer > mask_high``."""
-    kl_tau: float = Field(default=1e-3, ge=0)
-    """Weight of the KL term ``kl_tau * sum (log r)^2`` over every loss token (0 = off)."""
+    mask_low: float = Field(default=0.2, gt=0, le=1)
+    """A token with negative advantage is masked once ``p_train - p_infer < -mask_low`` (a probability
+    difference: at most 1, where nothing is ever masked)."""
+    mask_high: float = Field(default=0.2, gt=0, le=1)
+    """A token with positive advantage is masked once ``p_train - p_infer > mask_high`` (at most 1, as
+    ``mask_low``)."""
+    kl_tau: float = Field(default=1e-3, ge=0, le=100)
+    """Weight of the KL term ``kl_tau * sum (log r)^2`` over every loss token (0 = off); above 100 the KL term
+    drowns the policy gradient."""
 
 
 class IpoLoss(_LossBase):
     """Symmetric probability-difference trust region (``worker/trainer/loss/ipo.py``)."""
 
     type: Literal["ipo"] = "ipo"
-    epsilon: float = Field(default=0.2, gt=0)
-    """A token is masked once ``abs(p_train - p_infer) > epsilon``, whatever its advantage's sign."""
+    epsilon: float = Field(default=0.2, gt=0, le=1)
+    """A token is masked once ``abs(p_train - p_infer) > epsilon``, whatever its advantage's sign (a probability
+    difference: at most 1)."""
 
 
 class IcePopLoss(_LossBase):
@@ -65,9 +78,11 @@ class IcePopLoss(_LossBase):
     @classmethod
     def _band(cls, v: Any, handler: Any) -> tuple[float, float]:
         band: tuple[float, float] = handler(v)
+        shown = list(v) if isinstance(v, list | tuple) else list(band)  # as written: [1.5, 5], not [1.5, 5.0]
         if not 0 < band[0] < 1 < band[1]:
-            shown = list(v) if isinstance(v, list | tuple) else list(band)  # as written: [1.5, 5], not [1.5, 5.0]
             raise ValueError(f"expected [low, high] with 0 < low < 1 < high, got {shown}")
+        if band[1] > MAX_RATIO:
+            raise ValueError(f"high must be at most {MAX_RATIO:g} (a ratio beyond it masks nothing), got {shown}")
         return band
 
 
@@ -75,8 +90,8 @@ class AipoLoss(_LossBase):
     """Policy gradient weighted by the truncated importance ratio (``worker/trainer/loss/aipo.py``)."""
 
     type: Literal["aipo"] = "aipo"
-    max_ratio: float = Field(default=2.0, gt=1)
-    """Truncation of the importance weight ``min(r, max_ratio)`` (> 1); nothing is masked."""
+    max_ratio: float = Field(default=2.0, gt=1, le=MAX_RATIO)
+    """Truncation of the importance weight ``min(r, max_ratio)`` (> 1, at most ``MAX_RATIO``); nothing is masked."""
 
 
 LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss, Field(discriminator="type")]
@@ -100,8 +115,8 @@ class WeightSyncConfig(StrictModel):
     bucket_mb: int = Field(default=256, ge=1, le=16384)
     """Upper bound of one broadcast bucket in MiB (tensors of one dtype flattened together; a larger tensor
     goes alone)."""
-    timeout_s: float = Field(default=120.0, gt=0)
-    """Bound on forming the group (after inference is up) and on one update, on both sides; past it the
+    timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    """Bound (at most a day: a longer wait is a hung run) on forming the group (after inference is up) and on one update, on both sides; past it the
     update falls back to the filesystem."""
 
 
@@ -109,8 +124,9 @@ class TrainerConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     loss: LossConfig = Field(default_factory=DppoKlLoss)
-    threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the trainer process (CPU)."""
+    threads: int = Field(default=1, ge=1, le=1024)
+    """torch intra-op threads of the trainer process (CPU). At most 1024 here; at submit also at most the cores the
+    worker declares (``worker/capacity.py``): more threads than cores only thrash."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer computes. ``cuda``: FSDP2 over the GPUs ``torchrun`` starts one process each for
     (one GPU without torchrun); ``cpu``: one plain process, or FSDP2 over gloo under ``torchrun``."""
@@ -121,14 +137,14 @@ class TrainerConfig(StrictModel):
     that skips the blocks across sample boundaries (compiled; GPU)."""
     compile: bool = False
     """``torch.compile`` each decoder block (fuses the elementwise kernels around the matmuls; GPU)."""
-    slow_step_s: float = Field(default=0.0, ge=0)
-    """Testing aid: sleep this long after every step to make the trainer the bottleneck."""
+    slow_step_s: float = Field(default=0.0, ge=0, le=3600)
+    """Testing aid: sleep this long after every step to make the trainer the bottleneck (at most an hour)."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
 
 
 class CheckpointConfig(StrictModel):
-    interval: int = Field(default=0, ge=0)
-    """Save trainer and orchestrator state every this many steps (0 = never)."""
-    keep: int = Field(default=2, ge=1)
-    """Complete checkpoints kept on disk."""
+    interval: int = Field(default=0, ge=0, le=1_000_000)
+    """Save trainer and orchestrator state every this many steps (0 = never); bounded like ``max_steps``."""
+    keep: int = Field(default=2, ge=1, le=1000)
+    """Complete checkpoints kept on disk (each a full copy of weights and optimizer: 1000 already fills disks)."""

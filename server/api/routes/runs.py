@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import tomllib
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
 from server.models import (
+    TERMINAL,
     ForkRequest,
     RunEventsPublic,
     RunLogs,
@@ -23,6 +24,7 @@ from server.models import (
 )
 from server.services import runs
 from worker.celery_app import TaskName, enqueue
+from worker.spec import parse_text
 
 logger = logging.getLogger("asyncrl.api")
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -62,15 +64,14 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
         if upload is None or isinstance(upload, str):
             raise HTTPException(422, "file: upload the spec as a form field named 'file' (.toml or .json)")
         raw, filename = await upload.read(), upload.filename or "spec.toml"
+        fmt: Literal["JSON", "TOML"] = "JSON" if filename.endswith(".json") else "TOML"
         try:
-            text = raw.decode()
-            data = json.loads(text) if filename.endswith(".json") else tomllib.loads(text)
+            data = parse_text(raw.decode(), fmt, "file")  # SpecError (nested too deep) -> 422
         except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-            fmt = "JSON" if filename.endswith(".json") else "TOML"
             raise HTTPException(400, f"file: {filename} is not valid {fmt}: {err}") from None
     elif ctype.startswith("application/json") or not ctype:
         try:
-            data = json.loads(await request.body())
+            data = parse_text(await request.body(), "JSON", "body")
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise HTTPException(400, f"body: not valid JSON: {err}") from None
     else:
@@ -134,6 +135,8 @@ def report_status(run_id: int, report: StatusReport, session: SessionDep, princi
     run = runs.get(session, run_id, lock=True)
     runs.transition(session, run, report.status, reason=report.reason, by=principal.name)
     session.commit()
+    if report.status in TERMINAL:  # its slot is free: runs waiting for one may start
+        enqueue(TaskName.start_waiting)
     session.refresh(run)
     return run
 

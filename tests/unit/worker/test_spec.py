@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from worker.spec import (
+    MAX_DEPTH,
     AipoLoss,
     DppoKlLoss,
     IcePopLoss,
@@ -22,7 +25,9 @@ from worker.spec import (
     SFTSpec,
     SpecError,
     load_spec_data,
+    nesting_depth,
     parse_override_value,
+    parse_text,
     validate_spec,
 )
 
@@ -283,19 +288,172 @@ def test_other_field_errors_name_the_field() -> None:
     assert _error("nope", MODEL) == "kind: expected one of ['rl', 'sft'], got 'nope'"
 
 
+# ----------------------------------------------------------------------------- limits
+
+
+def _numeric_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, FieldInfo) of every int/float field of ``model`` and the tables below it (union members too)."""
+    out = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if typing.get_origin(ann) in (tuple, list, dict):  # betas, band, device ids: bounded by their validators
+            continue
+        members = [
+            typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in typing.get_args(ann)
+        ]
+        members = [a for a in members or [ann] if isinstance(a, type)]
+        for member in members:
+            if issubclass(member, BaseModel):
+                out += _numeric_fields(member, f"{prefix}{name}.")
+            elif member in (int, float):
+                out.append((f"{prefix}{name}", info))
+    return out
+
+
+def test_every_numeric_field_has_an_upper_bound() -> None:
+    from annotated_types import Le, Lt
+
+    fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
+    keys = [key for key, _ in fields]
+    assert len(keys) == 63 and {"orchestrator.advantage.std_floor", "trainer.loss.max_ratio", "threads"} <= set(keys)
+    unbounded = [key for key, info in fields if not any(isinstance(m, Le | Lt) for m in info.metadata)]
+    assert unbounded == []
+    undocumented = [key for key, info in fields if not info.description and not _has_docstring(key)]
+    assert undocumented == []
+
+
+def _has_docstring(key: str) -> bool:
+    """Whether the field's attribute has a docstring in the spec sources (pydantic keeps those as descriptions only
+    with ``use_attribute_docstrings``; the spec writes them for people)."""
+    leaf = key.rsplit(".", 1)[-1]
+    sources = "".join((REPO / "worker" / "spec" / f).read_text() for f in ("runs.py", "orchestrator.py", "trainer.py"))
+    sources += (REPO / "worker" / "spec" / "launcher.py").read_text()
+    for i, line in enumerate(lines := sources.splitlines()):
+        if line.strip().startswith(f"{leaf}:") and i + 1 < len(lines) and lines[i + 1].strip().startswith('"""'):
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "message"),
+    [
+        (
+            "rl",
+            {"orchestrator": {"group_size": 10**9}},
+            "orchestrator.group_size: Input should be less than or equal to 1024, got 1000000000",
+        ),
+        ("rl", {"max_steps": 10**12}, "max_steps: Input should be less than or equal to 1000000, got 1000000000000"),
+        ("sft", {"max_steps": 10**12}, "max_steps: Input should be less than or equal to 1000000, got 1000000000000"),
+        (
+            "rl",
+            {"trainer": {"optim": {"lr": 1e9}}},
+            "trainer.optim.lr: Input should be less than or equal to 1, got 1000000000.0",
+        ),
+        (
+            "rl",
+            {"trainer": {"threads": 10**6}},
+            "trainer.threads: Input should be less than or equal to 1024, got 1000000",
+        ),
+        ("sft", {"threads": 10**6}, "threads: Input should be less than or equal to 1024, got 1000000"),
+        (
+            "rl",
+            {"launcher": {"local": {"trainer_processes": 1024}}},
+            "launcher.local.trainer_processes: Input should be less than or equal to 256, got 1024",
+        ),
+        (
+            "rl",
+            {"launcher": {"local": {"trainer_gpus": [0, 256]}}},
+            "launcher.local.trainer_gpus: expected distinct CUDA device ids from 0 to 255, got [0, 256]",
+        ),
+        (
+            "rl",
+            {"orchestrator": {"batch_size": 10**6}},
+            "orchestrator.batch_size: Input should be less than or equal to 65536, got 1000000",
+        ),
+        (
+            "rl",
+            {"inference": {"max_model_len": 2**21}},
+            "inference.max_model_len: Input should be less than or equal to 1048576, got 2097152",
+        ),
+        ("rl", {"ckpt": {"keep": 10**5}}, "ckpt.keep: Input should be less than or equal to 1000, got 100000"),
+        (
+            "rl",
+            {"launcher": {"slurm": {"nodes": 10**5}}},
+            "launcher.slurm.nodes: Input should be less than or equal to 1024, got 100000",
+        ),
+        (
+            "rl",
+            {"trainer": {"loss": {"type": "icepop", "band": [0.5, 1e9]}}},
+            "trainer.loss.band: high must be at most 1e+06 (a ratio beyond it masks nothing), got [0.5, 1000000000.0]",
+        ),
+        (
+            "rl",
+            {"alerts": [{"kind": "threshold", "metric": "loss", "op": ">", "value": 1, "after_step": 10**9}]},
+            "alerts.0.threshold.after_step: Input should be less than or equal to 1000000, got 1000000000",
+        ),
+    ],
+)
+def test_absurd_values_name_the_bound(kind: str, data: dict[str, Any], message: str) -> None:
+    assert _error(kind, {**MODEL, **data}) == message
+
+
+@pytest.mark.parametrize("kind", ["rl", "sft"])
+def test_alert_rules_per_run_are_capped(kind: str) -> None:
+    rule = {"kind": "status"}
+    assert len(validate_spec(kind, {**MODEL, "alerts": [rule] * 100}).alerts) == 100
+    assert _error(kind, {**MODEL, "alerts": [rule] * 101}) == "alerts: at most 100 alert rules per run, got 101"
+    assert _error(kind, {**MODEL, "alerts": [{"kind": "nope"}] * 10_000}) == (
+        "alerts: at most 100 alert rules per run, got 10000"  # counted before 10,000 rules are validated
+    )
+
+
+def _nested(depth: int, fmt: str) -> str:
+    if fmt == "JSON":
+        return '{"a": ' * depth + "1" + "}" * depth
+    return "a = " + "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("fmt", ["JSON", "TOML"])
+@pytest.mark.parametrize("depth", [33, 10_000])
+def test_deeply_nested_text_is_refused(fmt: Literal["JSON", "TOML"], depth: int) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_text(_nested(depth, fmt), fmt)
+    assert str(info.value) == "spec: nested deeper than 32 levels"
+    assert parse_text(_nested(31, fmt), fmt) is not None  # 31 tables/lists + the document's own = 32
+
+
+def test_nesting_depth() -> None:
+    assert [nesting_depth(v) for v in (1, {}, {"a": [1]}, [[[]]], {"a": {"b": 1}, "c": 2})] == [0, 1, 2, 3, 2]
+    deep: Any = 1
+    for _ in range(10_000):
+        deep = [deep]
+    assert nesting_depth(deep) == MAX_DEPTH + 1  # counting stops past the limit; no recursion
+    assert _error("rl", {**MODEL, "env": {"args": {"x": deep}}}) == "spec: nested deeper than 32 levels"
+
+
+def test_deeply_nested_files_and_overrides(tmp_path: Path) -> None:
+    for fmt, suffix in (("JSON", "json"), ("TOML", "toml")):
+        path = tmp_path / f"deep.{suffix}"
+        path.write_text(_nested(10_000, fmt))
+        assert _load_error([path], []) == f"{path}: nested deeper than 32 levels"
+    assert _load_error([], [("env.args.x", "[" * 10_000 + "]" * 10_000)]) == "value: nested deeper than 32 levels"
+    assert _load_error([], [(".".join(["a"] * 10_000), "1")]) == "--a...: nested deeper than 32 levels"
+
+
 # ----------------------------------------------------------------------------- round trips
 
 _names = st.text(alphabet="abcXYZ019-_.", min_size=1, max_size=12).filter(lambda s: not s.startswith("."))
 _text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=16)
 _pos = st.floats(min_value=1e-6, max_value=1e3, allow_nan=False, allow_infinity=False)
 _unit = st.floats(min_value=0.0, max_value=0.999, allow_nan=False)
+_prob = st.floats(min_value=1e-6, max_value=1.0, allow_nan=False)  # probability differences, learning rates
 _seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
 _losses = st.one_of(
     st.builds(
-        DppoKlLoss, mask_low=_pos, mask_high=_pos, kl_tau=_unit, ratio_level=st.sampled_from(["token", "sequence"])
+        DppoKlLoss, mask_low=_prob, mask_high=_prob, kl_tau=_unit, ratio_level=st.sampled_from(["token", "sequence"])
     ),
-    st.builds(IpoLoss, epsilon=_pos),
+    st.builds(IpoLoss, epsilon=_prob),
     st.builds(
         IcePopLoss,
         band=st.tuples(st.floats(min_value=1e-3, max_value=0.999), st.floats(min_value=1.001, max_value=100)),
@@ -333,7 +491,7 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
                 "batch_size": draw(st.integers(1, 512)),
                 "group_size": group_size,
                 "max_tokens": draw(st.integers(1, max_model_len - 1)),
-                "temperature": draw(_pos),
+                "temperature": draw(st.floats(min_value=1e-3, max_value=10.0)),
                 "seq_len": draw(st.integers(8, 1 << 20)),
                 "max_off_policy_steps": draw(st.integers(0, 100)),
                 "advantage": draw(
@@ -350,7 +508,7 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
                 "drop_zero_advantage": draw(st.booleans()),
             },
             "trainer": {
-                "optim": {"lr": draw(_pos), "weight_decay": draw(_unit), "betas": draw(st.tuples(_unit, _unit))},
+                "optim": {"lr": draw(_prob), "weight_decay": draw(_unit), "betas": draw(st.tuples(_unit, _unit))},
                 "scheduler": {
                     "type": draw(st.sampled_from(["constant", "cosine", "linear"])),
                     "warmup_steps": draw(st.integers(0, 100)),
@@ -408,7 +566,9 @@ def test_local_gpu_placement_and_trainer_ranks(tmp_path: Path) -> None:
         "launcher.local.trainer_gpus: needs trainer.device = 'cuda'"
     )
     assert "launcher.local.inference_gpus" in _error("rl", {**MODEL, "launcher": {"local": {"inference_gpus": [0, 0]}}})
-    assert "distinct CUDA device ids >= 0" in _error("rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [-1]}}})
+    assert "distinct CUDA device ids from 0 to 255" in _error(
+        "rl", {**MODEL, "launcher": {"local": {"trainer_gpus": [-1]}}}
+    )
     assert _error(
         "rl",
         {

@@ -1,0 +1,116 @@
+"""What a worker machine can hold (cores, memory, GPUs), and whether a spec fits it.
+
+A worker declares its capacity (``server/services/capacity.py`` stores it: the Celery worker on start, embedded mode
+from the settings); the service checks each submitted spec against it (``check``), so a spec that would exhaust
+the machine (a million trainer threads, 1024 trainer processes, a GPU it does not have) is refused at submit with
+a one-line error naming the key, the value and the capacity. The static maxima of the spec (``worker/spec/``) hold
+whatever the machine. Imports nothing heavy (no torch: GPUs are counted with ``nvidia-smi``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.spec import RLSpec, SFTSpec, SpecError
+
+ROLLOUT_TOKEN_BYTES = 256
+"""Host memory one rollout token may take, all processes together (a rough upper bound): the token id, its
+log-prob, mask and advantage as Python objects in the orchestrator and as text in ``batches/step_n.json``, and the
+trainer's packed tensors. A step holds ``batch_size * group_size * max_model_len`` such tokens at most."""
+MEMORY_SHARE = 0.5
+"""Share of the declared memory one step's rollout tokens may take (the rest: model, optimizer, vLLM, the OS)."""
+
+
+class Capacity(BaseModel):
+    """A worker's declared capacity."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cores: int = Field(ge=1)
+    """CPU cores the worker may use (its affinity mask)."""
+    memory_gib: float = Field(gt=0)
+    """Host memory in GiB."""
+    gpus: int = Field(ge=0)
+    """CUDA devices (ids ``0 .. gpus - 1``)."""
+
+    def __str__(self) -> str:
+        return f"{self.cores} cores, {self.memory_gib:g} GiB, {self.gpus} GPUs"
+
+
+def _memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return round(pages * size / 2**30, 1)
+
+
+def _gpus() -> int:
+    """CUDA devices ``nvidia-smi -L`` lists (restricted by ``CUDA_VISIBLE_DEVICES`` when set), 0 without it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    found = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    if visible is not None:
+        return min(found, len([d for d in visible.split(",") if d.strip()]))
+    return found
+
+
+def detect() -> Capacity:
+    """This machine's capacity: cores of the process's affinity mask, ``MemTotal``, GPUs ``nvidia-smi`` lists."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return Capacity(cores=max(cores, 1), memory_gib=max(_memory_gib(), 0.1), gpus=_gpus())
+
+
+def check(spec: RLSpec | SFTSpec, cap: Capacity) -> None:
+    """Refuse a spec whose local run would not fit ``cap``. A Slurm run's processes run on the cluster, not on the
+    worker: only the static bounds of the spec apply to it.
+
+    Raises:
+        SpecError: ``trainer.threads: 64 exceeds the worker's capacity (2 cores, 7.7 GiB, 0 GPUs): at most 2``.
+    """
+
+    def refuse(key: str, value: object, what: str) -> SpecError:
+        return SpecError(f"{key}: {value} exceeds the worker's capacity ({cap}): {what}")
+
+    if isinstance(spec, SFTSpec):
+        if spec.threads > cap.cores:
+            raise refuse("threads", spec.threads, f"at most {cap.cores}")
+        return
+    if spec.launcher.kind != "local":
+        return
+    if spec.trainer.threads > cap.cores:
+        raise refuse("trainer.threads", spec.trainer.threads, f"at most {cap.cores}")
+    local = spec.launcher.local
+    if local.trainer_processes > cap.cores:
+        raise refuse("launcher.local.trainer_processes", local.trainer_processes, f"at most {cap.cores}")
+    for key, ids in (("inference_gpus", local.inference_gpus), ("trainer_gpus", local.trainer_gpus)):
+        if ids and max(ids) >= cap.gpus:
+            raise refuse(f"launcher.local.{key}", ids, f"device ids below {cap.gpus}")
+    if spec.trainer.device == "cuda" and cap.gpus == 0:
+        raise refuse("trainer.device", "'cuda'", "no GPU")
+    orch = spec.orchestrator
+    tokens = orch.batch_size * orch.group_size * spec.inference.max_model_len
+    limit = int(cap.memory_gib * 2**30 * MEMORY_SHARE / ROLLOUT_TOKEN_BYTES)
+    if tokens > limit:
+        raise refuse(
+            "orchestrator.batch_size",
+            f"{orch.batch_size} (x group_size {orch.group_size} x inference.max_model_len "
+            f"{spec.inference.max_model_len} = {tokens} rollout tokens per step)",
+            f"at most {limit} tokens ({ROLLOUT_TOKEN_BYTES} bytes each in {MEMORY_SHARE:g} of the memory)",
+        )
