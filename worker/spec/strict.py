@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class SpecError(ValueError):
@@ -15,3 +17,19 @@ class StrictModel(BaseModel):
     # coerce_numbers_to_str: ``--name 123`` or ``--model.name 2024`` parse as TOML numbers; text fields take them as text
     # allow_inf_nan=False: `lr = inf` or `--trainer.optim.lr nan` is refused naming the key (JSON would store null)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, data: Any) -> Any:
+        """``true`` is not a number, though pydantic reads it as 1 (``--orchestrator.batch_size true``): it is passed
+        on as the text ``"true"``, which the number field refuses naming its key."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None:
+                kinds = set(get_args(field.annotation)) or {field.annotation}
+                if bool not in kinds and kinds & {int, float}:
+                    out[name] = str(value).lower()
+        return out

@@ -585,3 +585,24 @@ def test_local_gpu_placement_and_trainer_ranks(tmp_path: Path) -> None:
     assert many[-4:] == ["--run-dir", str(run.root), "--resume-step", "4"]
     assert gpu_env([]) is None
     assert gpu_env([2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "message"),
+    [
+        (
+            "orchestrator",
+            "batch_size",
+            "orchestrator.batch_size: Input should be a valid integer, unable to parse string",
+        ),
+        ("trainer", "threads", "trainer.threads: Input should be a valid integer, unable to parse string"),
+    ],
+)
+def test_true_is_not_a_number(table: str, key: str, message: str) -> None:
+    """pydantic reads true as 1; a spec's number fields refuse it, naming the key (a bool field still takes it)."""
+    for value in (True, False):
+        with pytest.raises(SpecError) as err:
+            validate_spec("rl", {"model": {"name": "m"}, table: {key: value}})
+        assert str(err.value).startswith(message), str(err.value)
+    spec = validate_spec("rl", {"model": {"name": "m"}, "orchestrator": {"share_prompt": False}})
+    assert spec.orchestrator.share_prompt is False
