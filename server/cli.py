@@ -2,7 +2,8 @@
 
     asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
     asyncrl worker [--concurrency 2] [--no-beat]
-    asyncrl token create --name NAME [--read-only] | revoke --name NAME
+    asyncrl token create --name NAME [--role admin|member|viewer] [--read-only] | revoke --name NAME
+    asyncrl token role --name NAME --role admin|member|viewer
     asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
     asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID
     asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
@@ -97,13 +98,23 @@ def worker_command(argv: list[str]) -> int:
 
 
 def token_command(argv: list[str]) -> int:
-    p = ArgParser(prog="asyncrl token", description="create or revoke API tokens")
+    from server.models import Role
+
+    roles = [r.value for r in Role]
+    p = ArgParser(prog="asyncrl token", description="create or revoke API tokens, set a user's role")
     sub = p.add_subparsers(dest="action", required=True)
-    for action in ("create", "revoke"):
+    for action in ("create", "revoke", "role"):
         sub.add_parser(action).add_argument("--name", required=True)
+    sub.choices["create"].add_argument(
+        "--role",
+        choices=roles,
+        help="role of a new user (default: admin for the installation's first user, member after that); an "
+        "existing user keeps theirs (change it with 'asyncrl token role')",
+    )
     sub.choices["create"].add_argument(
         "--read-only", action="store_true", help="a read token: GET only (dashboards, monitoring)"
     )
+    sub.choices["role"].add_argument("--role", choices=roles, required=True)
     args = p.parse_args(argv)
     from sqlalchemy import inspect
     from sqlmodel import Session
@@ -111,26 +122,42 @@ def token_command(argv: list[str]) -> int:
     from server.core.db import engine
     from server.services import tokens
 
+    db = engine.url.render_as_string(hide_password=True)
     if not inspect(engine).has_table("api_tokens"):
         raise SpecError(
-            f"database {engine.url.render_as_string(hide_password=True)} has no tables yet: start "
-            "`asyncrl server` once (it migrates) or run `alembic upgrade head`"
+            f"database {db} has no tables yet: start `asyncrl server` once (it migrates) or run `alembic upgrade head`"
         )
+    if not inspect(engine).has_table("users"):
+        raise SpecError(f"database {db} has an older schema (no users): run `alembic upgrade head`")
     with Session(engine) as session:
+        try:
+            if args.action == "create":
+                _, plain = tokens.create(
+                    session, name=args.name, scope="read" if args.read_only else "write", role=args.role
+                )
+            elif args.action == "role":
+                tokens.set_role(session, name=args.name, role=args.role)
+        except ValueError as err:
+            raise SpecError(f"--{err}") from None
         if args.action == "create":
-            _, plain = tokens.create(session, name=args.name, scope="read" if args.read_only else "write")
+            role = tokens.user(session, args.name)
             session.commit()
             print(plain)  # noqa: T201 - shown once; only its hash is stored
             print(
-                f"token '{args.name}' created; it is not shown again (export ASYNCRL_TOKEN=...)",  # noqa: T201
+                f"token '{args.name}' ({role.role if role else '?'}) created; it is not shown again "  # noqa: T201
+                "(export ASYNCRL_TOKEN=...)",
                 file=sys.stderr,
             )
+            return 0
+        if args.action == "role":
+            session.commit()
+            print(f"user '{args.name}' is now {args.role}")  # noqa: T201
             return 0
         count = tokens.revoke(session, name=args.name)
         session.commit()
     if not count:
         raise SpecError(f"--name: no live token called {args.name!r}")
-    print(f"revoked {count} token(s) called '{args.name}'")  # noqa: T201
+    print(f"revoked {count} token(s) called '{args.name}' and ended their dashboard sessions")  # noqa: T201
     return 0
 
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from server.models import TERMINAL, ForkRequest, Run, RunStatus, stored_id
-from server.services import config, runs
+from server.services import config, permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
 from webui import figures
@@ -41,11 +41,15 @@ def _logs(run: Run, process: str, lines: int = 40) -> list[str]:
         return []
 
 
-def run_context(db: Session, run: Run, process: str = "trainer", part: str = "") -> dict[str, Any]:
-    """What the run page (``part`` empty) or one of its fragments shows, computed once per request."""
+def run_context(
+    db: Session, run: Run, user: Principal | None, process: str = "trainer", part: str = ""
+) -> dict[str, Any]:
+    """What the run page (``part`` empty) or one of its fragments shows to ``user``, computed once per request
+    (``can_change``: whether it shows the write forms, ``permissions.may_change``)."""
     revisions, values = config.current(db, run)
     ctx: dict[str, Any] = {
         "run": run,
+        "can_change": permissions.may_change(user, run),
         "live": RunStatus(run.status) not in TERMINAL,
         "values": values,
         "revisions": revisions,
@@ -88,7 +92,7 @@ def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", proc
         raise HTTPException(422, f"process: expected one of {', '.join(runs.LOG_PROCESSES)}, got {process!r}")
     if part and part not in PARTS:
         raise HTTPException(422, f"part: expected one of {', '.join(PARTS)}, got {part!r}")
-    ctx = run_context(db, runs.get(db, run_id), process, part)
+    ctx = run_context(db, runs.get(db, run_id), p.user, process, part)
     return p.render(PARTS[part] if part else "run.html", **ctx)
 
 
@@ -101,7 +105,7 @@ async def _act(p: Page, run_id: int, action: Callable[[Principal], int]) -> Resp
     except (InvalidTransition, SpecError) as err:
         p.db.rollback()
         return p.render(
-            "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id))
+            "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id), user)
         )
     return p.redirect(f"/runs/{target}")
 
@@ -113,6 +117,7 @@ async def stop(request: Request, db: SessionDep, run_id: int) -> Response:
 
     def action(user: Principal) -> int:
         run = runs.get(db, run_id, lock=True)
+        permissions.require_run(user, run, "stop")
         needs_worker = runs.request_stop(db, run, by=user.name)
         db.commit()
         if needs_worker:
@@ -128,7 +133,9 @@ async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
     await p.form()
 
     def action(user: Principal) -> int:
-        runs.resume(db, runs.get(db, run_id, lock=True), by=user.name)
+        run = runs.get(db, run_id, lock=True)
+        permissions.require_run(user, run, "resume")
+        runs.resume(db, run, by=user.name)
         db.commit()
         enqueue(TaskName.launch_run, run_id)  # after the commit: the worker must find the queued run
         return run_id
@@ -143,6 +150,8 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
     form = await p.form()
 
     def action(user: Principal) -> int:
+        parent = runs.get(db, run_id)
+        permissions.require_run(user, parent, "fork")
         try:
             changes = flatten(tomllib.loads(str(form.get("changes", ""))))
         except tomllib.TOMLDecodeError as err:
@@ -155,7 +164,6 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         except ValidationError as err:
             first = err.errors()[0]
             raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
-        parent = runs.get(db, run_id)
         child = runs.fork(db, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
         db.commit()
         enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
@@ -172,6 +180,7 @@ async def change_config(request: Request, db: SessionDep, run_id: int) -> Respon
     form = await p.form()
     user = p.need_user()
     run = runs.get(db, run_id)
+    permissions.require_run(user, run, "config")
     revisions, current = config.current(db, run)
     changes = {}
     for key in LIVE_KEYS:
@@ -180,7 +189,7 @@ async def change_config(request: Request, db: SessionDep, run_id: int) -> Respon
             value = parse_override_value(raw)
             if value != current[key]:
                 changes[key] = value
-    ctx = run_context(db, run)
+    ctx = run_context(db, run, user)
     if not changes:
         return p.render("run.html", code=422, error="config: no value differs from the current one", **ctx)
     spec = replay(run.spec, (rev.changes for rev in revisions))
