@@ -5,7 +5,7 @@
     asyncrl token create --name NAME [--role admin|member|viewer] [--read-only] | revoke --name NAME
     asyncrl token role --name NAME --role admin|member|viewer
     asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
-    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID
+    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID | delete ID
     asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
     asyncrl runs logs ID [--process trainer|orchestrator|inference|supervisor] [--tail 200]
 
@@ -186,7 +186,7 @@ def _call(client: Any, method: str, path: str, **kwargs: Any) -> Any:
         except ValueError:
             detail = resp.text
         raise SpecError(f"{resp.status_code}: {detail}")
-    return resp.json()
+    return resp.json() if resp.content else None  # 204: no body
 
 
 def _api_args(p: argparse.ArgumentParser) -> None:
@@ -231,15 +231,15 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 
 
 def runs_command(argv: list[str]) -> int:
-    p = ArgParser(prog="asyncrl runs", description="list, show, stop, resume, fork runs; read logs")
+    p = ArgParser(prog="asyncrl runs", description="list, show, stop, resume, fork, delete runs; read logs")
     sub = p.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("ls")
     ls.add_argument("--status")
     ls.add_argument("--name")
     ls.add_argument("--limit", type=int, default=50)
     _api_args(ls)
-    for action in ("show", "stop", "resume"):
-        sp = sub.add_parser(action)
+    for action in ("show", "stop", "resume", "delete"):
+        sp = sub.add_parser(action, help="delete an ended run (its directory stays)" if action == "delete" else None)
         sp.add_argument("id", type=int)
         _api_args(sp)
     fork = sub.add_parser("fork", help="new run from a checkpoint of ID with spec changes")
@@ -268,6 +268,11 @@ def runs_command(argv: list[str]) -> int:
                 client, "POST", f"/api/runs/{args.id}/fork", json={k: v for k, v in body.items() if v is not None}
             )
         print(json.dumps({k: run[k] for k in ("id", "name", "status", "run_dir")}))  # noqa: T201
+        return 0
+    if args.action == "delete":
+        with _client(args.url, args.token) as client:
+            _call(client, "DELETE", f"/api/runs/{args.id}")
+        print(json.dumps({"deleted": args.id}))  # noqa: T201
         return 0
     if args.action == "logs":
         with _client(args.url, args.token) as client:

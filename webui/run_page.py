@@ -1,6 +1,6 @@
 """The run page (``/runs/{id}``): status, charts with the bottleneck verdict, events, rollouts, logs and live
-config, each a fragment htmx refreshes (``?part=…``); and its writes (stop, resume, fork, live config change),
-which call the same services as the REST API and show their one-line error on the page."""
+config, each a fragment htmx refreshes (``?part=…``); and its writes (stop, resume, fork, live config change,
+delete), which call the same services as the REST API and show their one-line error on the page."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", proc
     return p.render(PARTS[part] if part else "run.html", **ctx)
 
 
-async def _act(p: Page, run_id: int, action: Callable[[Principal], int]) -> Response:
-    """Run a write ``action(user)`` (it returns the run id to go to); its one-line error (409/422) is shown on the
-    run page."""
+async def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
+    """Run a write ``action(user)`` (it returns the page to go to); its one-line error (409/422) is shown on the
+    run page; a refusal (``permissions``: 403) is an error page."""
     user = p.need_user()
     try:
         target = action(user)
@@ -107,7 +107,7 @@ async def _act(p: Page, run_id: int, action: Callable[[Principal], int]) -> Resp
         return p.render(
             "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id), user)
         )
-    return p.redirect(f"/runs/{target}")
+    return p.redirect(target)
 
 
 @router.post("/runs/{run_id}/stop")
@@ -115,14 +115,14 @@ async def stop(request: Request, db: SessionDep, run_id: int) -> Response:
     p = page(request, db)
     await p.form()
 
-    def action(user: Principal) -> int:
+    def action(user: Principal) -> str:
         run = runs.get(db, run_id, lock=True)
         permissions.require_run(user, run, "stop")
         needs_worker = runs.request_stop(db, run, by=user.name)
         db.commit()
         if needs_worker:
             enqueue(TaskName.stop_run, run_id)
-        return run_id
+        return f"/runs/{run_id}"
 
     return await _act(p, run_id, action)
 
@@ -132,13 +132,29 @@ async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
     p = page(request, db)
     await p.form()
 
-    def action(user: Principal) -> int:
+    def action(user: Principal) -> str:
         run = runs.get(db, run_id, lock=True)
         permissions.require_run(user, run, "resume")
         runs.resume(db, run, by=user.name)
         db.commit()
         enqueue(TaskName.launch_run, run_id)  # after the commit: the worker must find the queued run
-        return run_id
+        return f"/runs/{run_id}"
+
+    return await _act(p, run_id, action)
+
+
+@router.post("/runs/{run_id}/delete")
+async def delete(request: Request, db: SessionDep, run_id: int) -> Response:
+    """Delete an ended run (as ``DELETE /api/runs/{id}``) and go back to the runs list."""
+    p = page(request, db)
+    await p.form()
+
+    def action(user: Principal) -> str:
+        run = runs.get(db, run_id, lock=True)
+        permissions.require_run(user, run, "delete")
+        runs.delete_run(db, run)
+        db.commit()
+        return "/runs"
 
     return await _act(p, run_id, action)
 
@@ -149,7 +165,7 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
     p = page(request, db)
     form = await p.form()
 
-    def action(user: Principal) -> int:
+    def action(user: Principal) -> str:
         parent = runs.get(db, run_id)
         permissions.require_run(user, parent, "fork")
         try:
@@ -167,7 +183,7 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         child = runs.fork(db, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
         db.commit()
         enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
-        return stored_id(child)
+        return f"/runs/{stored_id(child)}"
 
     return await _act(p, run_id, action)
 

@@ -56,6 +56,7 @@ def _run_writes(run_id: int, rule_id: int) -> list[tuple[str, str, dict[str, Any
     """(method, path, JSON body, verb of the refusal) of every API write on one run."""
     return [
         ("POST", f"/api/runs/{run_id}/stop", None, "stop it"),
+        ("DELETE", f"/api/runs/{run_id}", None, "delete it"),
         ("POST", f"/api/runs/{run_id}/resume", None, "resume it"),
         ("POST", f"/api/runs/{run_id}/fork", {"changes": {"max_steps": 4}}, "fork from it"),
         ("PATCH", f"/api/runs/{run_id}/config", {"changes": {"trainer.optim.lr": 5e-5}}, "change its live config"),
@@ -119,6 +120,31 @@ def test_the_owner_and_an_admin_can(client: Any, alice: Any, admin: Any) -> None
         resp = client.post(f"/api/runs/{run['id']}/resume", headers=h)
         assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
         assert resp.json()["owner"] == owner
+
+
+def test_the_owner_or_an_admin_deletes_an_ended_run(client: Any, alice: Any, bob: Any, admin: Any) -> None:
+    owner, alice_h = alice
+    for h in (alice_h, admin[1]):
+        run = _run(client, alice_h, "starting", "running")
+        resp = client.delete(f"/api/runs/{run['id']}", headers=h)
+        assert resp.status_code == 409 and resp.json() == {
+            "detail": f"run {run['id']} is running: only completed, failed or cancelled runs are deleted; stop it first"
+        }
+        point = {"source": "trainer", "step": 1, "name": "loss", "value": 1.0, "time": 1.0}
+        rt = run_token_headers(run["id"])
+        assert client.post(f"/api/runs/{run['id']}/metrics", json={"points": [point]}, headers=rt).is_success
+        set_status(client, run["id"], "completed")
+        assert client.delete(f"/api/runs/{run['id']}", headers=bob[1]).status_code == 403
+        assert client.delete(f"/api/runs/{run['id']}", headers=h).status_code == 204
+        assert client.get(f"/api/runs/{run['id']}", headers=h).status_code == 404
+        assert client.get(f"/api/runs/{run['id']}/metrics", params={"name": "loss"}, headers=h).status_code == 404
+    # and through the dashboard, back to the runs list
+    run = _run(client, alice_h, "starting", "running", "failed")
+    csrf = login(client, new_token(owner, role="member"))
+    assert 'id="delete"' in client.get(f"/runs/{run['id']}").text
+    resp = client.post(f"/runs/{run['id']}/delete", data={"csrf": csrf}, follow_redirects=False)
+    assert resp.status_code == 303 and resp.headers["location"] == "/runs"
+    assert client.get(f"/api/runs/{run['id']}", headers=alice_h).status_code == 404
 
 
 def test_a_viewer_gets_403_on_every_write_and_reads(client: Any, alice: Any, viewer: Any) -> None:
@@ -216,6 +242,7 @@ def _forms(run_id: int) -> list[tuple[str, dict[str, str]]]:
         (f"/runs/{run_id}/resume", {}),
         (f"/runs/{run_id}/fork", {"changes": "max_steps = 4"}),
         (f"/runs/{run_id}/config", {"trainer.optim.lr": "0.5", "confirm": "1"}),
+        (f"/runs/{run_id}/delete", {}),
     ]
 
 
@@ -227,7 +254,7 @@ def test_dashboard_forms_of_anothers_run_are_403_and_hidden(client: Any, alice: 
     for needle in ('id="stop"', 'id="fork"', 'id="config-form"', "Review change"):
         assert needle not in page, needle
     assert f"only the owner {owner} or an admin changes them" in page
-    verbs = ["stop it", "resume it", "fork from it", "change its live config"]
+    verbs = ["stop it", "resume it", "fork from it", "change its live config", "delete it"]
     for (url, data), verb in zip(_forms(run["id"]), verbs, strict=True):
         resp = client.post(url, data={"csrf": csrf, **data})
         assert resp.status_code == 403, (url, resp.text)

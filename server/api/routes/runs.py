@@ -1,4 +1,4 @@
-"""``/api/runs``: submit, list, show, stop, resume, fork, status reports, events and logs."""
+"""``/api/runs``: submit, list, show, stop, resume, fork, delete, status reports, events and logs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import tomllib
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
@@ -126,6 +126,17 @@ def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
         enqueue(TaskName.stop_run, run_id)
     session.refresh(run)
     return run
+
+
+@router.delete("/{run_id}", status_code=204, responses={409: {"description": "the run has not ended"}})
+def delete_run(run_id: int, session: SessionDep, user: UserDep) -> Response:
+    """Delete an ended run (its owner or an admin) with its events, metrics, config revisions and alert rules; its
+    run directory stays on disk."""
+    run = runs.get(session, run_id, lock=True)
+    permissions.require_run(user, run, "delete")
+    runs.delete_run(session, run)
+    session.commit()
+    return Response(status_code=204)
 
 
 @router.post("/{run_id}/status", response_model=RunPublic)
