@@ -167,6 +167,8 @@ def test_a_viewer_gets_403_on_every_write_and_reads(client: Any, alice: Any, vie
         assert resp.json() == {"detail": f"user '{name}' is a viewer: viewers may only read"}, (method, path)
     for path in (f"/api/runs/{run['id']}", "/api/runs", "/api/alerts/rules", f"/api/runs/{run['id']}/config"):
         assert client.get(path, headers=viewer_h).status_code == 200, path
+    # a global rule left behind would apply to later modules' runs
+    assert client.delete(f"/api/alerts/rules/{rule['id']}", headers=alice_h).status_code == 204
 
 
 def test_global_rules_and_webhooks_belong_to_who_added_them(
