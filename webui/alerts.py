@@ -99,7 +99,7 @@ def allowed(check: Callable[[], None]) -> bool:
 
 def alerts_context(db: Any, run_id: int | None, user: Principal) -> dict[str, Any]:
     """Rules with their descriptions, firing runs and whether ``user`` may edit them, recent events and webhook
-    endpoints (of ``run_id``'s view; URLs redacted for a read-only token)."""
+    endpoints (of ``run_id``'s view; URLs redacted but for their owner and admins)."""
     if run_id is not None:
         rows = rules.list_rules(db, run_id=run_id, applying=True)
     else:
@@ -124,7 +124,9 @@ def alerts_context(db: Any, run_id: int | None, user: Principal) -> dict[str, An
         "rules": shown,
         "events": events,
         "events_total": total,
-        "webhooks": [webhooks.public_endpoint(e, read_only=user.read_only) for e in endpoints],
+        "webhooks": [
+            webhooks.public_endpoint(e, read_only=not permissions.owns(user, e.created_by)) for e in endpoints
+        ],
         "run_id": run_id,
         "kinds": KIND_FIELDS,
         "metrics": KNOWN_METRICS,
@@ -256,7 +258,7 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     return p.render(
         "alerts_webhook.html",
         can_replay=allowed(lambda: permissions.require_endpoint(user, row, "replay its deliveries")),
-        endpoint=webhooks.public_endpoint(row, read_only=user.read_only),
+        endpoint=webhooks.public_endpoint(row, read_only=not permissions.owns(user, row.created_by)),
         deliveries=log,
         total=total,
     )

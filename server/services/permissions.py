@@ -94,6 +94,12 @@ def require_run(who: Principal, run: Run, action: RunAction) -> None:
         raise Forbidden(f"run {run.id} belongs to {run.owner}: only its owner or an admin may {VERBS[action]}")
 
 
+def owns(who: Principal, owner: str) -> bool:
+    """Whether ``who`` may change what ``owner`` added: that user (with a write token) or an admin. Webhook URLs are
+    shown whole only then (their path may be a credential)."""
+    return who.run_id is None and not who.read_only and (who.role == Role.admin or who.name == owner)
+
+
 def require_owner(who: Principal, owner: str, what: str, verb: str) -> None:
     """``who`` may change ``what`` (e.g. ``"webhook endpoint 3"``), which ``owner`` added: its owner or an admin.
 
@@ -101,7 +107,7 @@ def require_owner(who: Principal, owner: str, what: str, verb: str) -> None:
         Forbidden: a viewer, a read token, a run token, or another member.
     """
     require_write(who)
-    if who.run_id is not None or (who.role != Role.admin and who.name != owner):
+    if not owns(who, owner):
         raise Forbidden(f"{what} belongs to {owner}: only its owner or an admin may {verb}")
 
 

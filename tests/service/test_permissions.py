@@ -190,6 +190,11 @@ def test_global_rules_and_webhooks_belong_to_who_added_them(
         ("DELETE", f"/api/alerts/rules/{rules[0]}", None, f"global alert rule {rules[0]}", "delete it"),
         ("DELETE", f"/api/webhooks/{hooks[0]}", None, f"webhook endpoint {hooks[0]}", "delete it"),
     ]
+    shown = {w["id"]: w["url"] for w in client.get("/api/webhooks", headers=bob_h).json()["data"]}
+    assert shown[hooks[0]] == "http://127.0.0.1:9/…"  # another's URL path may be a credential
+    assert client.get(f"/api/webhooks/{hooks[0]}", headers=bob_h).json()["url"] == "http://127.0.0.1:9/…"
+    for h in (alice_h, admin_h):
+        assert client.get(f"/api/webhooks/{hooks[0]}", headers=h).json()["url"] == "http://127.0.0.1:9/hook"
     for method, path, body, what, verb in refusals:
         resp = client.request(method, path, json=body, headers=bob_h)
         assert resp.status_code == 403, (path, resp.text)

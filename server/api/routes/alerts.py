@@ -134,15 +134,19 @@ def create_webhook(body: EndpointCreate, session: SessionDep, user: UserDep) -> 
 
 @router.get("/webhooks", response_model=Page[EndpointPublic])
 def list_webhooks(session: SessionDep, user: UserDep) -> Any:
-    """Endpoints; a read-only token sees each URL as ``scheme://host[:port]/…`` (the path may be a credential)."""
-    data = [webhooks.public_endpoint(r, read_only=user.read_only) for r in webhooks.list_endpoints(session)]
+    """Endpoints; each URL is shown as ``scheme://host[:port]/…`` (the path may be a credential) except to the user
+    that added it (with a write token) and admins."""
+    data = [
+        webhooks.public_endpoint(r, read_only=not permissions.owns(user, r.created_by))
+        for r in webhooks.list_endpoints(session)
+    ]
     return {"data": data, "count": len(data)}
 
 
 @router.get("/webhooks/{endpoint_id}", response_model=EndpointPublic)
 def get_webhook(user: UserDep, endpoint: EndpointDep) -> Any:
-    """One endpoint; URL redacted for read-only tokens as in the list."""
-    return webhooks.public_endpoint(endpoint, read_only=user.read_only)
+    """One endpoint; URL redacted as in the list."""
+    return webhooks.public_endpoint(endpoint, read_only=not permissions.owns(user, endpoint.created_by))
 
 
 @router.delete("/webhooks/{endpoint_id}", status_code=204)
