@@ -2,9 +2,10 @@
 
     asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
     asyncrl worker [--concurrency 2] [--no-beat]
-    asyncrl token create --name NAME [--read-only] | revoke --name NAME
+    asyncrl token create --name NAME [--role admin|member|viewer] [--read-only] | revoke --name NAME
+    asyncrl token role --name NAME --role admin|member|viewer
     asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
-    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID
+    asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID | delete ID
     asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
     asyncrl runs logs ID [--process trainer|orchestrator|inference|supervisor] [--tail 200]
 
@@ -97,13 +98,23 @@ def worker_command(argv: list[str]) -> int:
 
 
 def token_command(argv: list[str]) -> int:
-    p = ArgParser(prog="asyncrl token", description="create or revoke API tokens")
+    from server.models import Role
+
+    roles = [r.value for r in Role]
+    p = ArgParser(prog="asyncrl token", description="create or revoke API tokens, set a user's role")
     sub = p.add_subparsers(dest="action", required=True)
-    for action in ("create", "revoke"):
+    for action in ("create", "revoke", "role"):
         sub.add_parser(action).add_argument("--name", required=True)
+    sub.choices["create"].add_argument(
+        "--role",
+        choices=roles,
+        help="role of a new user (default: admin for the installation's first user, member after that); an "
+        "existing user keeps theirs (change it with 'asyncrl token role')",
+    )
     sub.choices["create"].add_argument(
         "--read-only", action="store_true", help="a read token: GET only (dashboards, monitoring)"
     )
+    sub.choices["role"].add_argument("--role", choices=roles, required=True)
     args = p.parse_args(argv)
     from sqlalchemy import inspect
     from sqlmodel import Session
@@ -111,26 +122,42 @@ def token_command(argv: list[str]) -> int:
     from server.core.db import engine
     from server.services import tokens
 
+    db = engine.url.render_as_string(hide_password=True)
     if not inspect(engine).has_table("api_tokens"):
         raise SpecError(
-            f"database {engine.url.render_as_string(hide_password=True)} has no tables yet: start "
-            "`asyncrl server` once (it migrates) or run `alembic upgrade head`"
+            f"database {db} has no tables yet: start `asyncrl server` once (it migrates) or run `alembic upgrade head`"
         )
+    if not inspect(engine).has_table("users"):
+        raise SpecError(f"database {db} has an older schema (no users): run `alembic upgrade head`")
     with Session(engine) as session:
+        try:
+            if args.action == "create":
+                _, plain = tokens.create(
+                    session, name=args.name, scope="read" if args.read_only else "write", role=args.role
+                )
+            elif args.action == "role":
+                tokens.set_role(session, name=args.name, role=args.role)
+        except ValueError as err:
+            raise SpecError(f"--{err}") from None
         if args.action == "create":
-            _, plain = tokens.create(session, name=args.name, scope="read" if args.read_only else "write")
+            role = tokens.user(session, args.name)
             session.commit()
             print(plain)  # noqa: T201 - shown once; only its hash is stored
             print(
-                f"token '{args.name}' created; it is not shown again (export ASYNCRL_TOKEN=...)",  # noqa: T201
+                f"token '{args.name}' ({role.role if role else '?'}) created; it is not shown again "  # noqa: T201
+                "(export ASYNCRL_TOKEN=...)",
                 file=sys.stderr,
             )
+            return 0
+        if args.action == "role":
+            session.commit()
+            print(f"user '{args.name}' is now {args.role}")  # noqa: T201
             return 0
         count = tokens.revoke(session, name=args.name)
         session.commit()
     if not count:
         raise SpecError(f"--name: no live token called {args.name!r}")
-    print(f"revoked {count} token(s) called '{args.name}'")  # noqa: T201
+    print(f"revoked {count} token(s) called '{args.name}' and ended their dashboard sessions")  # noqa: T201
     return 0
 
 
@@ -159,7 +186,7 @@ def _call(client: Any, method: str, path: str, **kwargs: Any) -> Any:
         except ValueError:
             detail = resp.text
         raise SpecError(f"{resp.status_code}: {detail}")
-    return resp.json()
+    return resp.json() if resp.content else None  # 204: no body
 
 
 def _api_args(p: argparse.ArgumentParser) -> None:
@@ -204,15 +231,15 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 
 
 def runs_command(argv: list[str]) -> int:
-    p = ArgParser(prog="asyncrl runs", description="list, show, stop, resume, fork runs; read logs")
+    p = ArgParser(prog="asyncrl runs", description="list, show, stop, resume, fork, delete runs; read logs")
     sub = p.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("ls")
     ls.add_argument("--status")
     ls.add_argument("--name")
     ls.add_argument("--limit", type=int, default=50)
     _api_args(ls)
-    for action in ("show", "stop", "resume"):
-        sp = sub.add_parser(action)
+    for action in ("show", "stop", "resume", "delete"):
+        sp = sub.add_parser(action, help="delete an ended run (its directory stays)" if action == "delete" else None)
         sp.add_argument("id", type=int)
         _api_args(sp)
     fork = sub.add_parser("fork", help="new run from a checkpoint of ID with spec changes")
@@ -241,6 +268,11 @@ def runs_command(argv: list[str]) -> int:
                 client, "POST", f"/api/runs/{args.id}/fork", json={k: v for k, v in body.items() if v is not None}
             )
         print(json.dumps({k: run[k] for k in ("id", "name", "status", "run_dir")}))  # noqa: T201
+        return 0
+    if args.action == "delete":
+        with _client(args.url, args.token) as client:
+            _call(client, "DELETE", f"/api/runs/{args.id}")
+        print(json.dumps({"deleted": args.id}))  # noqa: T201
         return 0
     if args.action == "logs":
         with _client(args.url, args.token) as client:

@@ -13,12 +13,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
+from server.services.permissions import Forbidden, RunTokenExpired
 from server.services.runs import InvalidTransition, RunNotFound
 from worker.spec import SpecError
 
 HTTP_STATUS: dict[type[Exception], int] = {
     SpecError: 422,  # an invalid spec, change or argument; the message starts with the dotted key
     UnsafeURL: 422,  # a webhook URL the SSRF guard refuses
+    RunTokenExpired: 401,  # a run token writing after its run ended
+    Forbidden: 403,  # not the run's owner or an admin, a viewer's write (server/services/permissions.py)
     RunNotFound: 404,
     NotFound: 404,  # alert rule, webhook endpoint or delivery
     InvalidTransition: 409,  # a state change the run's state does not allow

@@ -1,6 +1,7 @@
 """Tables and API shapes of the control plane.
 
-Tables (``table=True``): runs, run_events, metrics, config_revisions, api_tokens, worker_capacity; the alert and webhook tables
+Tables (``table=True``): runs, run_events, metrics, config_revisions, users, api_tokens, dashboard_sessions,
+worker_capacity; the alert and webhook tables
 are in ``server/alerts/models.py``, which imports this module (never the reverse): whoever needs every table on
 ``SQLModel.metadata`` imports both (``migrations/env.py``). Alembic migrations in ``migrations/`` create them;
 ``tests/service/test_migrations.py`` fails when these and the migrations drift.
@@ -267,7 +268,27 @@ class ConfigRevision(SQLModel, table=True):
     created_at: datetime = _ts()
 
 
-# ----------------------------------------------------------------------------- tokens
+# ----------------------------------------------------------------------------- users, tokens, sessions
+
+
+class Role(enum.StrEnum):
+    """What a user may do (``server/services/permissions.py``): an admin changes every run, a member submits runs
+    and changes its own, a viewer reads."""
+
+    admin = "admin"
+    member = "member"
+    viewer = "viewer"
+
+
+class User(SQLModel, table=True):
+    """A person (or service account) the tokens called ``name`` stand for; runs name it as their ``owner``."""
+
+    __tablename__ = "users"
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128, unique=True)
+    role: str = Field(default=Role.member, max_length=8)
+    """A :class:`Role` value."""
+    created_at: datetime = _ts()
 
 
 class ApiToken(SQLModel, table=True):
@@ -276,6 +297,7 @@ class ApiToken(SQLModel, table=True):
     __tablename__ = "api_tokens"
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=128, index=True)
+    """The user (``users.name``) the token stands for."""
     token_hash: str = Field(max_length=64, unique=True)
     prefix: str = Field(max_length=16)
     """First characters of the token, to tell tokens apart in listings."""
@@ -283,3 +305,16 @@ class ApiToken(SQLModel, table=True):
     """``write`` (read and write) or ``read`` (GET only: dashboards, monitoring)."""
     created_at: datetime = _ts()
     revoked_at: datetime | None = _ts(nullable=True)
+
+
+class DashboardSession(SQLModel, table=True):
+    """A logged-in dashboard session: the cookie carries a random id, only its sha256 is stored here. Logout deletes
+    the row, revoking the token deletes the token's rows: the cookie then opens nothing."""
+
+    __tablename__ = "dashboard_sessions"
+    id_hash: str = Field(max_length=64, primary_key=True)
+    token_id: int = Field(
+        sa_column=Column(Integer, ForeignKey("api_tokens.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    created_at: datetime = _ts()
+    expires_at: datetime = Field(sa_type=UTCDateTime(), nullable=False)

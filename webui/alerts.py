@@ -1,12 +1,15 @@
 """Dashboard pages for alerts: rules (global and per run), alert events, webhook endpoints, delivery logs, replay.
 
 ``/alerts`` (``?run=<id>``: the rules that apply to that run and its events) and ``/alerts/webhooks/{id}`` (one
-endpoint's delivery log). Every write is a POST form with the session's CSRF token and a write token, and calls
-the same services as the REST API (``server/alerts``); read tokens see no forms.
+endpoint's delivery log). Every write is a POST form with the session's CSRF token and a write token, checked by
+``server/services/permissions.py`` as the REST API's, and calls the same services (``server/alerts``); viewers and
+read tokens see no forms, members see the edit forms of what they may change only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -17,8 +20,10 @@ from sqlmodel import col, select
 from server.alerts import rules, webhooks
 from server.alerts.models import AlertRuleRow, AlertState, EndpointCreate, EndpointCreated, RuleIn, RuleUpdate
 from server.models import stored_id
-from server.services import runs
+from server.services import permissions, runs
+from server.services.permissions import Forbidden
 from server.services.runs import RunNotFound
+from server.services.tokens import Principal
 from webui.errors import HTMLErrorRoute
 from webui.page import Page, SessionDep, page
 from worker.alert_rules import (
@@ -83,9 +88,18 @@ def _run_id(text: str, field: str = "run") -> int | None:
     return int(text)
 
 
-def alerts_context(db: Any, run_id: int | None, read_only: bool) -> dict[str, Any]:
-    """Rules with their descriptions and firing runs, recent events and webhook endpoints (of ``run_id``'s view;
-    URLs redacted for a read-only token)."""
+def allowed(check: Callable[[], None]) -> bool:
+    """Whether a ``permissions`` check passes (the page then shows the form it guards)."""
+    try:
+        check()
+    except Forbidden:
+        return False
+    return True
+
+
+def alerts_context(db: Any, run_id: int | None, user: Principal) -> dict[str, Any]:
+    """Rules with their descriptions, firing runs and whether ``user`` may edit them, recent events and webhook
+    endpoints (of ``run_id``'s view; URLs redacted but for their owner and admins)."""
     if run_id is not None:
         rows = rules.list_rules(db, run_id=run_id, applying=True)
     else:
@@ -96,7 +110,12 @@ def alerts_context(db: Any, run_id: int | None, read_only: bool) -> dict[str, An
         if run_id is None or state.run_id == run_id:
             firing.setdefault(state.rule_id, []).append(state.run_id)
     shown = [
-        {"row": r, "text": describe(rules.RULE.validate_python(r.rule)), "firing": sorted(firing.get(stored_id(r), []))}
+        {
+            "row": r,
+            "text": describe(rules.RULE.validate_python(r.rule)),
+            "firing": sorted(firing.get(stored_id(r), [])),
+            "editable": allowed(partial(permissions.require_rule, db, user, r, "change it")),
+        }
         for r in rows
     ]
     events, total = rules.events(db, run_id=run_id, offset=0, limit=RECENT_EVENTS)
@@ -105,7 +124,9 @@ def alerts_context(db: Any, run_id: int | None, read_only: bool) -> dict[str, An
         "rules": shown,
         "events": events,
         "events_total": total,
-        "webhooks": [webhooks.public_endpoint(e, read_only=read_only) for e in endpoints],
+        "webhooks": [
+            webhooks.public_endpoint(e, read_only=not permissions.owns(user, e.created_by)) for e in endpoints
+        ],
         "run_id": run_id,
         "kinds": KIND_FIELDS,
         "metrics": KNOWN_METRICS,
@@ -120,7 +141,7 @@ def _alerts_url(run_id: int | None, rule_id: int) -> str:
 
 def _render(p: Page, code: int = 200, **values: Any) -> HTMLResponse:
     run_id = values.pop("run_id", None)
-    return p.render("alerts.html", code=code, **{**alerts_context(p.db, run_id, p.need_user().read_only), **values})
+    return p.render("alerts.html", code=code, **{**alerts_context(p.db, run_id, p.need_user()), **values})
 
 
 @router.get("/alerts", response_class=HTMLResponse)
@@ -153,7 +174,7 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
         return _render(p, 422, field_error={field: msg}, **values)
     try:
         if run_id is not None:
-            runs.get(db, run_id)
+            permissions.require_run(user, runs.get(db, run_id), "alerts")
     except RunNotFound as err:
         return _render(p, 422, field_error={"scope": f"scope: {err}"}, **values)
     try:
@@ -170,9 +191,10 @@ async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> 
     page."""
     p = page(request, db)
     form = await p.form()
-    p.need_user()
+    user = p.need_user()
     run_id = _run_id(str(form.get("run", "")))
     row = rules.get(db, rule_id)
+    permissions.require_rule(db, user, row, "change it")
     try:
         rules.update(db, row, change(form, row))
     except ValidationError as err:
@@ -239,7 +261,8 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     log, total = webhooks.deliveries(db, row, offset=0, limit=RECENT_DELIVERIES)
     return p.render(
         "alerts_webhook.html",
-        endpoint=webhooks.public_endpoint(row, read_only=user.read_only),
+        can_replay=allowed(lambda: permissions.require_endpoint(user, row, "replay its deliveries")),
+        endpoint=webhooks.public_endpoint(row, read_only=not permissions.owns(user, row.created_by)),
         deliveries=log,
         total=total,
     )
@@ -250,7 +273,7 @@ async def replay(request: Request, db: SessionDep, delivery_id: int) -> Response
     """Send a delivery again (same body and idempotency key, attempts start over)."""
     p = page(request, db)
     await p.form()
-    p.need_user()
+    permissions.require_replay(db, p.need_user(), delivery_id)
     row = webhooks.replay(db, delivery_id)
     db.commit()
     return p.redirect(f"/alerts/webhooks/{row.endpoint_id}#delivery-{delivery_id}")

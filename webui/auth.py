@@ -1,10 +1,12 @@
 """Dashboard sessions: log in with an API token, a signed cookie, CSRF tokens on every form.
 
 The session cookie (``asyncrl_session``: httponly, ``SameSite=Strict``) holds an itsdangerous-signed mapping
-``{"csrf": <random>, "token": <sha256 of the API token>}``; the plain token is never stored. Every request
-re-checks the hash against ``api_tokens`` (a revoked token logs the browser out). Every POST form carries the
-session's CSRF token in the field ``csrf``; :func:`check_csrf` refuses a POST whose field is missing or differs
-(403). Read tokens (scope ``read``) see pages without write buttons and every write is refused with 403.
+``{"csrf": <random>, "sid": <random session id>}``; the server stores only the session id's sha256
+(``dashboard_sessions``, ``server/services/tokens.py``) and looks it up on every request: logout deletes it and
+revoking the token deletes its sessions, so the same cookie, replayed, gets the login page at once. Every POST form
+carries the session's CSRF token in the field ``csrf``; :func:`check_csrf` refuses a POST whose field is missing or
+differs (403). Who may write what: ``server/services/permissions.py`` (viewers and read tokens see pages without
+write buttons and every write is refused with 403).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any
 
 from fastapi import HTTPException, Request, Response
 from itsdangerous import BadSignature, URLSafeTimedSerializer
-from sqlmodel import Session, select
+from sqlmodel import Session
 
 from server.core.config import settings
-from server.models import ApiToken
+from server.services import tokens
 from server.services.tokens import Principal
 
 COOKIE = "asyncrl_session"
@@ -32,17 +34,17 @@ def _serializer() -> URLSafeTimedSerializer:
 
 @dataclass
 class WebSession:
-    """The browser's session: its CSRF token and, once logged in, the API token's hash."""
+    """The browser's session: its CSRF token and, once logged in, the session id (``dashboard_sessions``)."""
 
     csrf: str = field(default_factory=lambda: secrets.token_urlsafe(24))
-    token: str | None = None
+    sid: str | None = None
     dirty: bool = True
     """True when the cookie must be (re)sent."""
 
     def save(self, response: Response) -> None:
         """Set the cookie on ``response`` if the session is new or changed."""
         if self.dirty:
-            value = _serializer().dumps({"csrf": self.csrf, "token": self.token})
+            value = _serializer().dumps({"csrf": self.csrf, "sid": self.sid})
             response.set_cookie(
                 COOKIE, value, max_age=MAX_AGE_S, httponly=True, samesite="strict", secure=False, path="/"
             )
@@ -54,20 +56,16 @@ def load(request: Request) -> WebSession:
     if raw:
         try:
             data: Any = _serializer().loads(raw, max_age=MAX_AGE_S)
-            return WebSession(csrf=str(data["csrf"]), token=data.get("token"), dirty=False)
-        except (BadSignature, KeyError, TypeError):
+            sid = data.get("sid")
+            return WebSession(csrf=str(data["csrf"]), sid=sid if isinstance(sid, str) else None, dirty=False)
+        except (BadSignature, KeyError, TypeError, AttributeError):
             pass
     return WebSession()
 
 
 def principal(session: Session, web: WebSession) -> Principal | None:
-    """The logged-in principal, or None (not logged in, or the token was revoked/deleted)."""
-    if not web.token:
-        return None
-    row = session.exec(select(ApiToken).where(ApiToken.token_hash == web.token)).first()
-    if row is None or row.revoked_at is not None:
-        return None
-    return Principal(name=row.name, read_only=row.scope == "read")
+    """The logged-in principal, or None (not logged in, logged out, expired, or the token was revoked)."""
+    return tokens.session_principal(session, web.sid) if web.sid else None
 
 
 def check_csrf(web: WebSession, form: Any) -> None:
@@ -75,9 +73,3 @@ def check_csrf(web: WebSession, form: Any) -> None:
     sent = form.get("csrf")
     if not isinstance(sent, str) or not secrets.compare_digest(sent, web.csrf):
         raise HTTPException(403, "csrf: missing or wrong form token; reload the page and try again")
-
-
-def check_write(user: Principal) -> None:
-    """Raises HTTPException(403) for a read-only token."""
-    if user.read_only:
-        raise HTTPException(403, f"token '{user.name}' is read-only: it may only read")

@@ -10,8 +10,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
 from server.models import stored_id
-from server.services import runs
-from webui import auth
+from server.services import permissions, runs
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
@@ -90,7 +89,7 @@ def _launch_page(
 @router.get("/launch", response_class=HTMLResponse)
 def launch_page(request: Request, db: SessionDep, config: str = "") -> HTMLResponse:
     p = page(request, db)
-    auth.check_write(p.need_user())  # a read token gets a 403 page, not a form whose POST is refused
+    permissions.require_write(p.need_user())  # a viewer gets a 403 page, not a form whose POST is refused
     text = ""
     if config:
         if config not in config_files():

@@ -18,6 +18,7 @@ from sqlmodel import Session
 
 from server.core.db import engine
 from server.models import utcnow
+from server.services import permissions
 from server.services.tokens import Principal
 from webui import auth
 
@@ -81,11 +82,11 @@ class Page:
         return self.user
 
     async def form(self, *, write: bool = True) -> Any:
-        """The POSTed form after the CSRF check (and, for ``write``, the write-scope check). Raises 403."""
+        """The POSTed form after the CSRF check (and, for ``write``, ``permissions.require_write``). Raises 403."""
         form = await self.request.form()
         auth.check_csrf(self.web, form)
         if write:
-            auth.check_write(self.need_user())
+            permissions.require_write(self.need_user())
         return form
 
 

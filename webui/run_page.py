@@ -1,6 +1,6 @@
 """The run page (``/runs/{id}``): status, charts with the bottleneck verdict, events, rollouts, logs and live
-config, each a fragment htmx refreshes (``?part=…``); and its writes (stop, resume, fork, live config change),
-which call the same services as the REST API and show their one-line error on the page."""
+config, each a fragment htmx refreshes (``?part=…``); and its writes (stop, resume, fork, live config change,
+delete), which call the same services as the REST API and show their one-line error on the page."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from server.models import TERMINAL, ForkRequest, Run, RunStatus, stored_id
-from server.services import config, runs
+from server.services import config, permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
 from webui import figures
@@ -41,11 +41,15 @@ def _logs(run: Run, process: str, lines: int = 40) -> list[str]:
         return []
 
 
-def run_context(db: Session, run: Run, process: str = "trainer", part: str = "") -> dict[str, Any]:
-    """What the run page (``part`` empty) or one of its fragments shows, computed once per request."""
+def run_context(
+    db: Session, run: Run, user: Principal | None, process: str = "trainer", part: str = ""
+) -> dict[str, Any]:
+    """What the run page (``part`` empty) or one of its fragments shows to ``user``, computed once per request
+    (``can_change``: whether it shows the write forms, ``permissions.may_change``)."""
     revisions, values = config.current(db, run)
     ctx: dict[str, Any] = {
         "run": run,
+        "can_change": permissions.may_change(user, run),
         "live": RunStatus(run.status) not in TERMINAL,
         "values": values,
         "revisions": revisions,
@@ -88,22 +92,22 @@ def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", proc
         raise HTTPException(422, f"process: expected one of {', '.join(runs.LOG_PROCESSES)}, got {process!r}")
     if part and part not in PARTS:
         raise HTTPException(422, f"part: expected one of {', '.join(PARTS)}, got {part!r}")
-    ctx = run_context(db, runs.get(db, run_id), process, part)
+    ctx = run_context(db, runs.get(db, run_id), p.user, process, part)
     return p.render(PARTS[part] if part else "run.html", **ctx)
 
 
-async def _act(p: Page, run_id: int, action: Callable[[Principal], int]) -> Response:
-    """Run a write ``action(user)`` (it returns the run id to go to); its one-line error (409/422) is shown on the
-    run page."""
+async def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
+    """Run a write ``action(user)`` (it returns the page to go to); its one-line error (409/422) is shown on the
+    run page; a refusal (``permissions``: 403) is an error page."""
     user = p.need_user()
     try:
         target = action(user)
     except (InvalidTransition, SpecError) as err:
         p.db.rollback()
         return p.render(
-            "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id))
+            "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id), user)
         )
-    return p.redirect(f"/runs/{target}")
+    return p.redirect(target)
 
 
 @router.post("/runs/{run_id}/stop")
@@ -111,13 +115,14 @@ async def stop(request: Request, db: SessionDep, run_id: int) -> Response:
     p = page(request, db)
     await p.form()
 
-    def action(user: Principal) -> int:
+    def action(user: Principal) -> str:
         run = runs.get(db, run_id, lock=True)
+        permissions.require_run(user, run, "stop")
         needs_worker = runs.request_stop(db, run, by=user.name)
         db.commit()
         if needs_worker:
             enqueue(TaskName.stop_run, run_id)
-        return run_id
+        return f"/runs/{run_id}"
 
     return await _act(p, run_id, action)
 
@@ -127,11 +132,29 @@ async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
     p = page(request, db)
     await p.form()
 
-    def action(user: Principal) -> int:
-        runs.resume(db, runs.get(db, run_id, lock=True), by=user.name)
+    def action(user: Principal) -> str:
+        run = runs.get(db, run_id, lock=True)
+        permissions.require_run(user, run, "resume")
+        runs.resume(db, run, by=user.name)
         db.commit()
         enqueue(TaskName.launch_run, run_id)  # after the commit: the worker must find the queued run
-        return run_id
+        return f"/runs/{run_id}"
+
+    return await _act(p, run_id, action)
+
+
+@router.post("/runs/{run_id}/delete")
+async def delete(request: Request, db: SessionDep, run_id: int) -> Response:
+    """Delete an ended run (as ``DELETE /api/runs/{id}``) and go back to the runs list."""
+    p = page(request, db)
+    await p.form()
+
+    def action(user: Principal) -> str:
+        run = runs.get(db, run_id, lock=True)
+        permissions.require_run(user, run, "delete")
+        runs.delete_run(db, run)
+        db.commit()
+        return "/runs"
 
     return await _act(p, run_id, action)
 
@@ -142,7 +165,9 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
     p = page(request, db)
     form = await p.form()
 
-    def action(user: Principal) -> int:
+    def action(user: Principal) -> str:
+        parent = runs.get(db, run_id)
+        permissions.require_run(user, parent, "fork")
         try:
             changes = flatten(parse_text(str(form.get("changes", "")), "TOML", "changes"))
         except tomllib.TOMLDecodeError as err:
@@ -155,11 +180,10 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         except ValidationError as err:
             first = err.errors()[0]
             raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
-        parent = runs.get(db, run_id)
         child = runs.fork(db, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
         db.commit()
         enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
-        return stored_id(child)
+        return f"/runs/{stored_id(child)}"
 
     return await _act(p, run_id, action)
 
@@ -172,6 +196,7 @@ async def change_config(request: Request, db: SessionDep, run_id: int) -> Respon
     form = await p.form()
     user = p.need_user()
     run = runs.get(db, run_id)
+    permissions.require_run(user, run, "config")
     revisions, current = config.current(db, run)
     changes = {}
     for key in LIVE_KEYS:
@@ -180,7 +205,7 @@ async def change_config(request: Request, db: SessionDep, run_id: int) -> Respon
             value = parse_override_value(raw)
             if value != current[key]:
                 changes[key] = value
-    ctx = run_context(db, run)
+    ctx = run_context(db, run, user)
     if not changes:
         return p.render("run.html", code=422, error="config: no value differs from the current one", **ctx)
     spec = replay(run.spec, (rev.changes for rev in revisions))

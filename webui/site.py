@@ -1,5 +1,5 @@
 """Site-wide dashboard routes: static files (pinned htmx, Plotly's bundle, the dashboard's own JS and CSS), the
-home redirect, login with an API token and logout."""
+home redirect, login with an API token and logout (which ends the session on the server)."""
 
 from __future__ import annotations
 
@@ -54,12 +54,14 @@ async def login(request: Request, db: SessionDep) -> Response:
     form = await p.form(write=False)
     token, target = str(form.get("token", "")).strip(), _safe_next(str(form.get("next", "")))
     try:
-        who = tokens.authenticate(db, token)
-        if who.run_id is not None:
-            raise tokens.AuthError("a run token cannot log in; use a user token (asyncrl token create)")
+        _, sid = tokens.start_session(db, token, max_age_s=auth.MAX_AGE_S)
     except tokens.AuthError as err:
         return p.render("login.html", code=401, next=target, error=f"token: {err}")
-    p.web = auth.WebSession(token=tokens.hash_token(token))  # a new CSRF token with the new identity
+    db.commit()
+    if p.web.sid:  # logging in again over a live session ends that one
+        tokens.end_session(db, p.web.sid)
+        db.commit()
+    p.web = auth.WebSession(sid=sid)  # a new CSRF token with the new identity
     return p.redirect(target)
 
 
@@ -67,5 +69,8 @@ async def login(request: Request, db: SessionDep) -> Response:
 async def logout(request: Request, db: SessionDep) -> Response:
     p = page(request, db)
     await p.form(write=False)
+    if p.web.sid:  # the session ends on the server: the same cookie, replayed, gets the login page
+        tokens.end_session(db, p.web.sid)
+        db.commit()
     p.web = auth.WebSession()
     return p.redirect("/login")

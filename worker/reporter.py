@@ -181,8 +181,12 @@ class Reporter(threading.Thread):
         return read_jsonl_after(self.run_dir / "events.jsonl", self.events_offset)[0]
 
     def status(self, status: str, reason: str = "") -> bool:
-        """Report a status; False when the server refuses the transition (409)."""
+        """Report a status; False when the server refuses the transition (409), or the run token because the
+        run has ended (401, e.g. it was stopped: its token no longer writes)."""
         resp = self.client.post(f"/api/runs/{self.run_id}/status", json={"status": status, "reason": reason[:2000]})
+        if resp.status_code == 401:  # the run has ended (its token no longer writes): retrying cannot help
+            logger.warning("status %s refused: %s", status, resp.text[:300])
+            return False
         if resp.status_code == 409:  # a later state (e.g. cancelled by stop), or still queued (launch not committed)
             return False
         resp.raise_for_status()

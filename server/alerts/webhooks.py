@@ -76,7 +76,8 @@ def redact_url(url: str) -> str:
 
 
 def public_endpoint(row: WebhookEndpoint, *, read_only: bool) -> EndpointPublic:
-    """The endpoint as shown to a principal: URL redacted for read-only ones, secret prefix at most 4 characters."""
+    """The endpoint as shown to a principal: URL redacted for ``read_only`` (all but its owner and admins:
+    ``permissions.owns``), secret prefix at most 4 characters."""
     shown = EndpointPublic.model_validate(row)
     shown.secret_prefix = shown.secret_prefix[:SECRET_PREFIX_CHARS]
     if read_only:

@@ -1,4 +1,5 @@
-"""Shared route dependencies: one DB session per request and the authenticated principal."""
+"""Shared route dependencies: one DB session per request and the authenticated principal (a viewer's or read token's
+write is refused here; who may change what: ``server/services/permissions.py``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from fastapi import Depends, HTTPException, Request
 from sqlmodel import Session
 
 from server.core.db import get_session
-from server.services import tokens
+from server.services import permissions, tokens
 from server.services.tokens import Principal
 
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-"""The only methods a read token may use; every other route is a write."""
+"""The only methods a viewer or a read token may use; every other route is a write."""
 
 SessionDep = Annotated[Session, Depends(get_session)]
 
@@ -34,8 +35,8 @@ def current_principal(request: Request, session: SessionDep) -> Principal:
         principal = tokens.authenticate(session, token.strip())
     except tokens.AuthError as err:
         raise HTTPException(401, str(err), headers={"WWW-Authenticate": "Bearer"}) from None
-    if principal.read_only and request.method not in READ_METHODS:
-        raise HTTPException(403, f"token '{principal.name}' is read-only: it may only read (GET)")
+    if request.method not in READ_METHODS:
+        permissions.require_write(principal)  # Forbidden -> 403 (server/errors.py)
     return principal
 
 
@@ -47,9 +48,3 @@ def current_user(principal: Annotated[Principal, Depends(current_principal)]) ->
 
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 UserDep = Annotated[Principal, Depends(current_user)]
-
-
-def check_run_access(principal: Principal, run_id: int) -> None:
-    """Run tokens reach only their own run."""
-    if principal.run_id is not None and principal.run_id != run_id:
-        raise HTTPException(403, f"this run token belongs to run {principal.run_id}, not run {run_id}")

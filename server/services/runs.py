@@ -183,6 +183,23 @@ def request_stop(session: Session, run: Run, *, by: str) -> bool:
     return True
 
 
+def delete_run(session: Session, run: Run) -> None:
+    """Delete an ended run's row with its events, metrics, config revisions and alert rules, states and events (the
+    database cascades); its run directory stays on disk (checkpoints and logs are the user's to remove). The caller
+    commits.
+
+    Raises:
+        InvalidTransition: the run has not ended.
+    """
+    current = RunStatus(run.status)
+    if current not in TERMINAL:
+        raise InvalidTransition(
+            f"run {run.id} is {current.value}: only completed, failed or cancelled runs are deleted; stop it first"
+        )
+    session.delete(run)
+    session.flush()
+
+
 def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) -> tuple[list[RunEvent], int]:
     total = session.exec(select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id)).one()
     rows = session.exec(

@@ -63,7 +63,7 @@ def test_read_only_token_gets_an_error_page_instead_of_the_launch_form(page: Any
     login(page, live_server, new_token(f"reader-{secrets.token_hex(3)}", scope="read"))
     resp = page.goto(f"{live_server}/launch")
     assert resp.status == 403
-    assert page.locator("#page-error").inner_text().endswith("is read-only: it may only read")
+    assert page.locator("#page-error").inner_text().endswith("is read-only: it may only read (GET)")
     assert page.locator("textarea").count() == 0 and page.locator("form[action='/launch']").count() == 0
     page.get_by_role("link", name="Back").click()
     page.wait_for_url(f"{live_server}/runs")

@@ -68,6 +68,11 @@ def test_status_transitions_are_recorded(client: Any, auth: dict[str, str], make
     ]
     assert events[-1]["reason"] == "to completed"
     resp = client.post(f"/api/runs/{run_id}/status", json={"status": "running"}, headers=rt)
+    assert resp.status_code == 401
+    assert resp.json()["detail"] == f"run {run_id} has ended (completed): its run token no longer writes"
+    resp = client.post(f"/api/runs/{run_id}/status", json={"status": "completed"}, headers=rt)
+    assert resp.status_code == 200 and resp.json()["status"] == "completed"  # the final report's retry: a no-op
+    resp = client.post(f"/api/runs/{run_id}/status", json={"status": "running"}, headers=auth)
     assert resp.status_code == 409 and "completed: cannot go to running" in resp.json()["detail"]
     assert len(client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]) == 6
 

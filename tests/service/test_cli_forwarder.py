@@ -52,6 +52,13 @@ def test_token_submit_runs(
     code, _, err = cli(capsys, "runs", "stop", str(run["id"]), "--token", viewer)
     assert code == 2 and err.strip() == "error: 403: token 'cli-viewer' is read-only: it may only read (GET)"
 
+    code, _, err = cli(capsys, "runs", "delete", str(run["id"]), "--token", viewer)
+    assert code == 2 and err.strip() == "error: 403: token 'cli-viewer' is read-only: it may only read (GET)"
+    code, out, _ = cli(capsys, "runs", "delete", str(run["id"]))
+    assert code == 0 and json.loads(out) == {"deleted": run["id"]}
+    code, _, err = cli(capsys, "runs", "show", str(run["id"]))
+    assert code == 2 and err.strip() == f"error: 404: run {run['id']} not found"
+
     code, out, _ = cli(capsys, "token", "revoke", "--name", "cli-user")
     assert code == 0 and "revoked 1" in out
     code, _, err = cli(capsys, "runs", "ls")

@@ -82,8 +82,10 @@ def test_resume_requires_failed_or_cancelled_and_a_complete_checkpoint(
     rt = client.post(f"/api/runs/{done['id']}/resume", headers=run_token_headers(done["id"]))
     assert rt.status_code == 403
     # resume is the only way back: a status report cannot move a failed run to queued
-    back = client.post(f"/api/runs/{run['id']}/status", json={"status": "queued"}, headers=run_token_headers(run["id"]))
+    back = client.post(f"/api/runs/{run['id']}/status", json={"status": "queued"}, headers=auth)
     assert back.status_code == 409 and "failed: cannot go to queued" in back.json()["detail"]
+    back = client.post(f"/api/runs/{run['id']}/status", json={"status": "queued"}, headers=run_token_headers(run["id"]))
+    assert back.status_code == 401  # and the run's own token no longer writes at all
 
 
 def test_state_machine_resume_edge(session: Any, make_run: Any) -> None:

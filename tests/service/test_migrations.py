@@ -38,3 +38,43 @@ def test_downgrade_then_upgrade_on_a_fresh_database() -> None:
         migrate(url)
     finally:
         pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_existing_tokens_become_users_with_roles() -> None:
+    """0005_users_roles: the user of the oldest write token is admin, other writers members, read-only ones
+    viewers; their tokens keep working with those roles."""
+    import sqlalchemy as sa
+
+    from server.core.db import make_engine
+
+    name = f"asyncrl_test_mig_{secrets.token_hex(4)}"
+    url = f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{name}"
+    pg_admin(f'CREATE DATABASE "{name}"')
+    try:
+        migrate(url, "0004_limits")
+        eng = make_engine(url)
+        rows = [  # (name, scope, created_at, revoked)
+            ("reader", "read", "2026-11-01", False),
+            ("ops", "write", "2026-11-02", False),
+            ("alice", "write", "2026-11-03", False),
+            ("alice", "read", "2026-11-04", False),
+            ("gone", "write", "2026-11-05", True),
+        ]
+        with eng.begin() as conn:
+            for i, (user, scope, created, revoked) in enumerate(rows):
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO api_tokens (name, token_hash, prefix, scope, created_at, revoked_at) "
+                        "VALUES (:n, :h, 'asr_x', :s, :c, :r)"
+                    ),
+                    {"n": user, "h": f"{i:064d}", "s": scope, "c": created, "r": created if revoked else None},
+                )
+        migrate(url)
+        with eng.connect() as conn:
+            roles = {r[0]: r[1] for r in conn.execute(sa.text("SELECT name, role FROM users"))}
+        eng.dispose()
+        assert roles == {"reader": "viewer", "ops": "admin", "alice": "member", "gone": "member"}
+        migrate(url, "0004_limits", down=True)
+        migrate(url)
+    finally:
+        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

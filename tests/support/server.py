@@ -96,14 +96,16 @@ def fresh_database(*, remove_state: bool) -> Iterator[str]:
             shutil.rmtree(STATE, ignore_errors=True)
 
 
-def new_token(name: str, scope: str = "write") -> str:
+def new_token(name: str, scope: str = "write", role: str = "admin") -> str:
+    """A new token of the user ``name`` (created with ``role`` if new: ``admin`` by default, so that tests about
+    something else may act on each other's runs; the permission tests pass ``member`` or ``viewer``)."""
     from sqlmodel import Session
 
     from server.core.db import engine
     from server.services import tokens
 
     with Session(engine) as s:
-        _, plain = tokens.create(s, name=name, scope=scope)
+        _, plain = tokens.create(s, name=name, scope=scope, role=role)
         s.commit()
     return plain
 

@@ -1,7 +1,9 @@
 """Alert rules (``/api/alerts/rules``, ``/api/runs/{id}/alerts/rules``), alert events, webhook endpoints
 (``/api/webhooks``), their delivery logs and replays (``/api/deliveries/{id}/replay``).
 
-Writes need a user token with write scope (``current_principal`` refuses read tokens on non-GET requests).
+Writes need a user token with write scope (``current_principal`` refuses viewers and read tokens on non-GET
+requests); a run's rules are changed by its owner or an admin, a global rule or a webhook endpoint by the user that
+added it or an admin (``server/services/permissions.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from server.alerts.models import (
     WebhookEndpoint,
 )
 from server.api.deps import SessionDep, UserDep
-from server.services import runs
+from server.services import permissions, runs
 
 router = APIRouter(tags=["alerts"])
 Offset = Annotated[int, Query(ge=0)]
@@ -67,8 +69,8 @@ def list_global_rules(session: SessionDep, _user: UserDep) -> Any:
 
 @router.post("/runs/{run_id}/alerts/rules", status_code=201, response_model=RulePublic)
 def create_run_rule(run_id: int, session: SessionDep, user: UserDep, rule: RuleIn) -> Any:
-    """A rule checked for this run only."""
-    runs.get(session, run_id)
+    """A rule checked for this run only (its owner or an admin)."""
+    permissions.require_run(user, runs.get(session, run_id), "alerts")
     return _add_rule(session, rule, run_id, user.name)
 
 
@@ -81,9 +83,10 @@ def list_run_rules(run_id: int, session: SessionDep, _user: UserDep) -> Any:
 
 
 @router.patch("/alerts/rules/{rule_id}", response_model=RulePublic)
-def update_rule(body: RuleUpdate, session: SessionDep, _user: UserDep, row: RuleDep) -> Any:
+def update_rule(body: RuleUpdate, session: SessionDep, user: UserDep, row: RuleDep) -> Any:
     """Enable or disable a rule, or replace it with one of the same kind (its episode state is kept: the next
     check under the new rule decides whether it still holds)."""
+    permissions.require_rule(session, user, row, "change it")
     rules.update(session, row, body)
     session.commit()
     session.refresh(row)
@@ -91,8 +94,9 @@ def update_rule(body: RuleUpdate, session: SessionDep, _user: UserDep, row: Rule
 
 
 @router.delete("/alerts/rules/{rule_id}", status_code=204)
-def delete_rule(session: SessionDep, _user: UserDep, row: RuleDep) -> Response:
+def delete_rule(session: SessionDep, user: UserDep, row: RuleDep) -> Response:
     """Delete a rule with its states and events (their deliveries too)."""
+    permissions.require_rule(session, user, row, "delete it")
     session.delete(row)
     session.commit()
     return Response(status_code=204)
@@ -130,20 +134,25 @@ def create_webhook(body: EndpointCreate, session: SessionDep, user: UserDep) -> 
 
 @router.get("/webhooks", response_model=Page[EndpointPublic])
 def list_webhooks(session: SessionDep, user: UserDep) -> Any:
-    """Endpoints; a read-only token sees each URL as ``scheme://host[:port]/…`` (the path may be a credential)."""
-    data = [webhooks.public_endpoint(r, read_only=user.read_only) for r in webhooks.list_endpoints(session)]
+    """Endpoints; each URL is shown as ``scheme://host[:port]/…`` (the path may be a credential) except to the user
+    that added it (with a write token) and admins."""
+    data = [
+        webhooks.public_endpoint(r, read_only=not permissions.owns(user, r.created_by))
+        for r in webhooks.list_endpoints(session)
+    ]
     return {"data": data, "count": len(data)}
 
 
 @router.get("/webhooks/{endpoint_id}", response_model=EndpointPublic)
 def get_webhook(user: UserDep, endpoint: EndpointDep) -> Any:
-    """One endpoint; URL redacted for read-only tokens as in the list."""
-    return webhooks.public_endpoint(endpoint, read_only=user.read_only)
+    """One endpoint; URL redacted as in the list."""
+    return webhooks.public_endpoint(endpoint, read_only=not permissions.owns(user, endpoint.created_by))
 
 
 @router.delete("/webhooks/{endpoint_id}", status_code=204)
-def delete_webhook(session: SessionDep, _user: UserDep, endpoint: EndpointDep) -> Response:
-    """Delete an endpoint and its delivery log."""
+def delete_webhook(session: SessionDep, user: UserDep, endpoint: EndpointDep) -> Response:
+    """Delete an endpoint and its delivery log (the user that added it, or an admin)."""
+    permissions.require_endpoint(user, endpoint, "delete it")
     session.delete(endpoint)
     session.commit()
     return Response(status_code=204)
@@ -163,8 +172,10 @@ def list_deliveries(
     response_model=DeliveryPublic,
     responses={409: {"description": "the delivery is still pending (being retried)"}},
 )
-def replay_delivery(delivery_id: int, session: SessionDep, _user: UserDep) -> Any:
-    """Send a delivery again: same body and ``Idempotency-Key``, attempts start over."""
+def replay_delivery(delivery_id: int, session: SessionDep, user: UserDep) -> Any:
+    """Send a delivery again: same body and ``Idempotency-Key``, attempts start over (the user that added its
+    endpoint, or an admin)."""
+    permissions.require_replay(session, user, delivery_id)
     row = webhooks.replay(session, delivery_id)
     session.commit()
     session.refresh(row)

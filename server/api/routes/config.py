@@ -14,8 +14,8 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
-from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
-from server.services import config, runs
+from server.api.deps import PrincipalDep, SessionDep, UserDep
+from server.services import config, permissions, runs
 from worker.live_config import LIVE_KEYS
 
 router = APIRouter(prefix="/runs", tags=["config"])
@@ -108,7 +108,8 @@ class ConfigAck(BaseModel):
 )
 def change_config(run_id: int, body: ConfigChange, session: SessionDep, user: UserDep) -> Any:
     """Change live keys of a queued, starting, running or paused run; the change becomes the run's next
-    numbered revision, which the processes apply at their next step boundary."""
+    numbered revision, which the processes apply at their next step boundary. Its owner or an admin."""
+    permissions.require_run(user, runs.get(session, run_id), "config")
     row = config.create(session, run_id, body.changes, by=user.name)
     session.commit()
     session.refresh(row)
@@ -124,7 +125,7 @@ def get_config(
 ) -> Any:
     """The live values in effect and the revisions after ``after``, each with the step every process applied
     it at."""
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
     rows, values = config.current(session, runs.get(session, run_id))
     return LiveConfigPublic(
         run_id=run_id,
@@ -141,11 +142,12 @@ def get_config(
     responses={403: {"description": "not this run's token"}, 404: {"description": "no such revision"}},
 )
 def ack_config(run_id: int, revision: int, body: ConfigAck, session: SessionDep, principal: PrincipalDep) -> Any:
-    """The run's supervisor reports the step a process started using ``revision`` at (run token only;
-    repeating the same report is harmless)."""
+    """The run's supervisor reports the step a process started using ``revision`` at (run token only, while the run
+    is live; repeating the same report is harmless)."""
     if principal.run_id is None:
         raise HTTPException(403, "only the run's own token acknowledges config revisions")
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
+    permissions.require_run(principal, runs.get(session, run_id), "config")
     row = config.ack(session, run_id, revision, process=body.process, step=body.step)
     session.commit()
     session.refresh(row)

@@ -1,4 +1,4 @@
-"""``/api/runs``: submit, list, show, stop, resume, fork, status reports, events and logs."""
+"""``/api/runs``: submit, list, show, stop, resume, fork, delete, status reports, events and logs."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 import tomllib
 from typing import Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from server.api.deps import PrincipalDep, SessionDep, UserDep, check_run_access
+from server.api.deps import PrincipalDep, SessionDep, UserDep
 from server.models import (
     TERMINAL,
     ForkRequest,
@@ -22,7 +22,7 @@ from server.models import (
     StatusReport,
     stored_id,
 )
-from server.services import runs
+from server.services import permissions, runs
 from worker.celery_app import TaskName, enqueue
 from worker.spec import parse_text
 
@@ -112,7 +112,7 @@ def list_runs(
 
 @router.get("/{run_id}", response_model=RunPublic)
 def get_run(run_id: int, session: SessionDep, principal: PrincipalDep) -> Any:
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
     return runs.get(session, run_id)
 
 
@@ -120,6 +120,7 @@ def get_run(run_id: int, session: SessionDep, principal: PrincipalDep) -> Any:
 def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     """Cancel a queued run at once, or ask the worker to stop a launched one (status becomes ``cancelled``)."""
     run = runs.get(session, run_id, lock=True)
+    permissions.require_run(user, run, "stop")
     needs_worker = runs.request_stop(session, run, by=user.name)
     session.commit()
     if needs_worker:
@@ -128,11 +129,27 @@ def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     return run
 
 
+@router.delete("/{run_id}", status_code=204, responses={409: {"description": "the run has not ended"}})
+def delete_run(run_id: int, session: SessionDep, user: UserDep) -> Response:
+    """Delete an ended run (its owner or an admin) with its events, metrics, config revisions and alert rules; its
+    run directory stays on disk."""
+    run = runs.get(session, run_id, lock=True)
+    permissions.require_run(user, run, "delete")
+    runs.delete_run(session, run)
+    session.commit()
+    return Response(status_code=204)
+
+
 @router.post("/{run_id}/status", response_model=RunPublic)
 def report_status(run_id: int, report: StatusReport, session: SessionDep, principal: PrincipalDep) -> Any:
-    """A status change reported by the run's supervisor (run token) or an operator."""
-    check_run_access(principal, run_id)
+    """A status change reported by the run's supervisor (run token, while the run is live) or its owner or an admin.
+    The run token's repeat of the final status it already reported is answered as before (nothing is written): a
+    supervisor whose report was taken but whose answer was lost retries it."""
+    permissions.check_run_access(principal, run_id)
     run = runs.get(session, run_id, lock=True)
+    if principal.run_id is not None and report.status == run.status:
+        return run
+    permissions.require_run(principal, run, "status")
     runs.transition(session, run, report.status, reason=report.reason, by=principal.name)
     session.commit()
     if report.status in TERMINAL:  # its slot is free: runs waiting for one may start
@@ -152,8 +169,9 @@ class RequeueReport(BaseModel):
 @router.post("/{run_id}/requeued", response_model=RunPublic, responses={409: {"description": "the run has ended"}})
 def report_requeued(run_id: int, report: RequeueReport, session: SessionDep, principal: PrincipalDep) -> Any:
     """A requeued Slurm job of the run started again: a ``requeued`` event; metrics after the resume step go."""
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
     run = runs.get(session, run_id, lock=True)
+    permissions.require_run(principal, run, "status")
     runs.requeued(session, run, **report.model_dump())
     session.commit()
     session.refresh(run)
@@ -168,7 +186,7 @@ def list_events(
     offset: int = Query(0, ge=0),
     limit: int = Query(500, ge=1, le=5000),
 ) -> Any:
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
     runs.get(session, run_id)
     data, count = runs.events(session, run_id, offset=offset, limit=limit)
     return {"data": data, "count": count}
@@ -183,6 +201,7 @@ def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     """Continue a failed or cancelled run from its newest complete checkpoint: same run id, run directory and
     metrics (those after the checkpoint step are dropped); the run is queued and relaunched with ``--resume``."""
     run = runs.get(session, run_id, lock=True)
+    permissions.require_run(user, run, "resume")
     runs.resume(session, run, by=user.name)
     session.commit()
     enqueue(TaskName.launch_run, run_id)
@@ -200,6 +219,7 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     """A new queued run from a checkpoint of this one (default the newest) with dotted-key spec ``changes``; it
     starts from that checkpoint's weights, optimizer and data cursor (see ``runs.fork``)."""
     parent = runs.get(session, run_id)
+    permissions.require_run(user, parent, "fork")
     child = runs.fork(session, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
     session.commit()
     enqueue(TaskName.launch_run, stored_id(child))
@@ -215,7 +235,7 @@ def get_logs(
     tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines"),
 ) -> Any:
     """The last ``tail`` lines of one process's log (read-only; user token or this run's token)."""
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
     run = runs.get(session, run_id)
     path = runs.log_path(run, process)
     try:
@@ -242,6 +262,6 @@ def get_rollouts(
     limit: int = Query(20, ge=1, le=1000),
 ) -> Any:
     """Rollout samples of one step, read from the run directory's ``rollouts/step_<n>.jsonl``."""
-    check_run_access(principal, run_id)
+    permissions.check_run_access(principal, run_id)
     shown, data = runs.rollouts(runs.get(session, run_id), step=step, limit=limit)
     return RolloutsPublic(run_id=run_id, step=shown, data=data)

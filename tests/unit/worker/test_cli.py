@@ -642,3 +642,38 @@ def test_token_create_on_an_unmigrated_database_is_one_line(tmp_path: Path) -> N
         f"error: database sqlite:///{tmp_path}/asyncrl.db has no tables yet: start "
         "`asyncrl server` once (it migrates) or run `alembic upgrade head`"
     )
+
+
+def test_token_roles_on_a_fresh_install(tmp_path: Path) -> None:
+    """The first user of a fresh install is admin (the quick start's token can do everything), later ones members;
+    ``--role`` picks one, ``token role`` changes it; a conflicting ``--role`` is one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    env["ASYNCRL_HOME"] = str(tmp_path)
+    up = [sys.executable, "-c", "from server.cli import migrate; migrate()"]  # what `asyncrl server` does first
+    assert subprocess.run(up, env=env, capture_output=True, timeout=120).returncode == 0
+    assert (tmp_path / "asyncrl.db").is_file()
+
+    def token(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "worker.cli", "token", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    first = token("create", "--name", "me")
+    assert first.returncode == 0 and first.stdout.startswith("asr_"), first.stderr
+    assert first.stderr.strip() == "token 'me' (admin) created; it is not shown again (export ASYNCRL_TOKEN=...)"
+    assert "(member) created" in token("create", "--name", "alice").stderr
+    assert "(viewer) created" in token("create", "--name", "carol", "--role", "viewer").stderr
+    clash = token("create", "--name", "carol", "--role", "member")
+    assert clash.returncode == 2 and clash.stderr.strip() == (
+        "error: --role: user 'carol' is already viewer; change a role with "
+        "`asyncrl token role --name carol --role member`"
+    )
+    changed = token("role", "--name", "carol", "--role", "member")
+    assert changed.returncode == 0 and changed.stdout.strip() == "user 'carol' is now member"
+    missing = token("role", "--name", "nobody", "--role", "admin")
+    assert missing.returncode == 2 and missing.stderr.strip() == "error: --name: no user called 'nobody'"
+    bad = token("create", "--name", "x", "--role", "root")
+    assert bad.returncode == 2 and "argument --role: invalid choice: 'root'" in bad.stderr
