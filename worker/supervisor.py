@@ -4,8 +4,10 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
 
 - holds an exclusive ``flock`` on ``<home>/supervisor.lock`` for its whole life, so at most one supervisor
   (and one set of run processes) exists per run, and a redelivered launch finds and adopts it;
-- runs the run with the local launcher (``worker.launchers.local.launch_rl``), whose processes inherit
-  ``ASYNCRL_RUN_ID``, ``ASYNCRL_RUN_TOKEN`` and ``ASYNCRL_SERVER_URL``;
+- runs the run with the local launcher (``worker.launchers.local.launch_rl``), whose processes inherit its
+  environment: ``ASYNCRL_RUN_ID``, ``ASYNCRL_RUN_TOKEN``, ``ASYNCRL_SERVER_URL`` and the worker's variables that
+  :func:`worker.procs.run_environ` lets through (never the database or broker URL, the server's secret or
+  another run's token);
 - talks to the server over HTTP only, through :class:`worker.reporter.Reporter`: metrics, live config, status
   changes, and the final status, spooled in ``<home>/final.json`` before it is reported;
 - turns SIGTERM (``asyncrl runs stop``) into a clean cancel: the launcher tears its processes down;
@@ -31,13 +33,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from worker.launchers import slurm_job
-from worker.procs import alive
+from worker.procs import alive, run_environ
 from worker.reporter import Reporter, report_timeout_s
 from worker.rundir import SupervisorHome, read_jsonl
 
@@ -62,9 +65,23 @@ def running_pid(home: Path) -> int | None:
     return None
 
 
-def run_env(run_id: int, token: str, server_url: str) -> dict[str, str]:
-    """The variables a supervisor needs: run id, run token (never logged) and the server's URL."""
-    return {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+def run_env(run_id: int, token: str, server_url: str, allow: Collection[str] = ()) -> dict[str, str]:
+    """The whole environment of a run's supervisor (and so of its processes): this process's variables that
+    :func:`worker.procs.run_environ` lets through (``allow``: the worker's ``RUN_ENV_ALLOW``), plus the run id,
+    the run token (never logged) and the server's URL."""
+    ids = {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+    return {**run_environ(os.environ, allow), **ids}
+
+
+def detach(argv: list[str], env: dict[str, str], log: Path) -> int:
+    """Start ``argv`` in its own session (process group) with exactly ``env``, output appended to ``log``; returns
+    its pid (= its process group id). The way a supervisor is started."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
+    return proc.pid
 
 
 def start(
@@ -76,29 +93,25 @@ def start(
     server_url: str,
     resume: bool = False,
     attempt: int | None = None,
+    allow_env: Collection[str] = (),
 ) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
-    complete checkpoint; ``attempt``: see the module docstring); returns its pid (= its process group id). A final
-    status spooled by an earlier supervisor of ``home`` is removed first."""
+    complete checkpoint; ``attempt``: see the module docstring; ``allow_env``: see :func:`run_env`) with the
+    environment :func:`run_env`; returns its pid (= its process group id). A final status spooled by an earlier
+    supervisor of ``home`` is removed first."""
     files = SupervisorHome(home)
     files.write_spec(spec)
     files.final.unlink(missing_ok=True)
-    env = {**os.environ, **run_env(run_id, token, server_url)}
-    with open(files.log, "ab") as log:
-        argv = [
-            sys.executable,
-            "-m",
-            "worker.supervisor",
-            "--home",
-            str(home),
-            *(["--resume"] if resume else []),
-            *(["--attempt", str(attempt)] if attempt is not None else []),
-        ]
-        proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
-    return proc.pid
+    argv = [
+        sys.executable,
+        "-m",
+        "worker.supervisor",
+        "--home",
+        str(home),
+        *(["--resume"] if resume else []),
+        *(["--attempt", str(attempt)] if attempt is not None else []),
+    ]
+    return detach(argv, run_env(run_id, token, server_url, allow_env), files.log)
 
 
 def terminate(pid: int, grace_s: float = 30.0) -> None:

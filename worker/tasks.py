@@ -33,13 +33,13 @@ from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
 from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, stored_id
-from server.services import metrics, runs, tokens
+from server.services import metrics, runs, spec_policy, tokens
 from worker import supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive
 from worker.reporter import rows_to_points
 from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
-from worker.spec import RLSpec, validate_spec
+from worker.spec import RLSpec, SpecError, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
 
@@ -53,6 +53,10 @@ def launch(run_id: int) -> str:
             return f"skipped: run {run_id} does not exist"
         if run.status != RunStatus.queued or run.launcher_handle:
             return f"skipped: run {run_id} is {run.status} (handle {run.launcher_handle})"
+        if (refused := _refusal(run)) is not None:
+            runs.transition(session, run, RunStatus.failed, reason=refused[:2000])
+            session.commit()
+            return f"failed: run {run_id}: {refused}"
         if run.spec.get("launcher", {}).get("kind") == "slurm":
             return _launch_slurm(session, run)
         home = Path(run.run_dir).parent
@@ -71,12 +75,23 @@ def launch(run_id: int) -> str:
                 server_url=settings.server_url(),
                 resume=resume,
                 attempt=attempt,
+                allow_env=settings.RUN_ENV_ALLOW,
             )
         run.launcher, run.launcher_handle = "local", str(pid)
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
         session.commit()
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
+
+
+def _refusal(run: Run) -> str | None:
+    """Why the stored spec may not be launched now (it no longer validates, or names code or an address the service
+    does not allow: a spec stored before a rule or a setting changed), None when it may."""
+    try:
+        spec_policy.check(validate_spec("rl", run.spec))
+    except SpecError as err:
+        return f"refused at launch: {err}"
+    return None
 
 
 def current_attempt(session: Session, run_id: int) -> int | None:
@@ -123,7 +138,7 @@ def _launch_slurm(session: Session, run: Run) -> str:
         adopted = job is not None
         if job is None:
             SupervisorHome(home).write_spec(run.spec)
-            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url())
+            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url(), settings.RUN_ENV_ALLOW)
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:
         runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")

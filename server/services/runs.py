@@ -22,6 +22,7 @@ from sqlmodel import Session, col, select
 from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
+from server.services import spec_policy
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, with_keys
 from worker.rundir import RunDir, SupervisorHome, atomic_write_json, read_jsonl
@@ -63,12 +64,14 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
 
     Raises:
-        SpecError: the spec is invalid (one line naming the field).
+        SpecError: the spec is invalid (one line naming the field), or names code or an address the service does
+            not allow (``spec_policy.check``: ``CodeNotAllowed``, ``AddressNotAllowed``).
     """
     kind = data.get("kind", "rl")
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
     if spec.kind != "rl":
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
+    spec_policy.check(spec)
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
     session.flush()  # assigns the id
