@@ -291,7 +291,7 @@ def fork(
     data.pop("output_dir", None)
     if name is not None:
         data["name"] = name
-    validate_spec("rl", data)  # a bad key or value is named before the checkpoint is looked for
+    spec_policy.check(validate_spec("rl", data))  # a bad key, value or code is named before the checkpoint
     steps = checkpoint_steps(parent)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {RunDir(parent.run_dir).checkpoints}")
