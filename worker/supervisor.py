@@ -28,12 +28,14 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +75,61 @@ def run_env(run_id: int, token: str, server_url: str, allow: Collection[str] = (
     return {**run_environ(os.environ, allow), **ids}
 
 
-def detach(argv: list[str], env: dict[str, str], log: Path) -> int:
-    """Start ``argv`` in its own session (process group) with exactly ``env``, output appended to ``log``; returns
-    its pid (= its process group id). The way a supervisor is started."""
+@dataclass(frozen=True)
+class RunUser:
+    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+def run_user(name: str) -> RunUser | None:
+    """The account ``name`` (None for ``""``: the worker's own user).
+
+    Raises:
+        ValueError: no such account, it is root, or this process is not root (only root may switch users).
+    """
+    if not name:
+        return None
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise ValueError(f"RUN_USER: no user {name!r} on this worker") from None
+    if entry.pw_uid == 0:
+        raise ValueError(f"RUN_USER: {name!r} is root; name an unprivileged user")
+    if os.geteuid() != 0:
+        raise ValueError(f"RUN_USER: the worker runs as uid {os.geteuid()}, not root: it cannot start runs as {name!r}")
+    return RunUser(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+def give_home(home: Path, user: RunUser) -> None:
+    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's."""
+    for path in (home, *home.rglob("*")):
+        os.lchown(path, user.uid, user.gid)
+
+
+def detach(argv: list[str], env: dict[str, str], log: Path, user: RunUser | None = None) -> int:
+    """Start ``argv`` in its own session (process group) with exactly ``env``, output appended to ``log``, as
+    ``user`` when given (its uid, gid and no supplementary groups; ``HOME``, ``USER``, ``LOGNAME`` its own); returns
+    its pid (= its process group id). The way a supervisor is started.
+
+    Raises:
+        OSError: ``argv`` cannot be started (e.g. ``user`` may not run the interpreter).
+    """
+    if user is not None:
+        env = {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
+    switch: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **switch,
         )
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
     return proc.pid
@@ -94,14 +145,23 @@ def start(
     resume: bool = False,
     attempt: int | None = None,
     allow_env: Collection[str] = (),
+    user: RunUser | None = None,
 ) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
-    complete checkpoint; ``attempt``: see the module docstring; ``allow_env``: see :func:`run_env`) with the
-    environment :func:`run_env`; returns its pid (= its process group id). A final status spooled by an earlier
-    supervisor of ``home`` is removed first."""
+    complete checkpoint; ``attempt``: see the module docstring; ``allow_env``: see :func:`run_env`; ``user``: run
+    it, and so the run's processes, as that account, which then owns ``home``) with the environment
+    :func:`run_env`; returns its pid (= its process group id). A final status spooled by an earlier supervisor of
+    ``home`` is removed first.
+
+    Raises:
+        OSError: the supervisor cannot be started (e.g. ``user`` may not run this Python).
+    """
     files = SupervisorHome(home)
     files.write_spec(spec)
     files.final.unlink(missing_ok=True)
+    if user is not None:
+        files.log.touch()
+        give_home(home, user)
     argv = [
         sys.executable,
         "-m",
@@ -111,7 +171,7 @@ def start(
         *(["--resume"] if resume else []),
         *(["--attempt", str(attempt)] if attempt is not None else []),
     ]
-    return detach(argv, run_env(run_id, token, server_url, allow_env), files.log)
+    return detach(argv, run_env(run_id, token, server_url, allow_env), files.log, user)
 
 
 def terminate(pid: int, grace_s: float = 30.0) -> None:

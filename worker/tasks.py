@@ -67,16 +67,23 @@ def launch(run_id: int) -> str:
             return _adopt_finished(session, run, final)
         if pid is None:
             resume = bool(runs.checkpoint_steps(run))
-            pid = supervisor.start(
-                home,
-                run_id=run_id,
-                spec=run.spec,
-                token=tokens.run_token(run_id),
-                server_url=settings.server_url(),
-                resume=resume,
-                attempt=attempt,
-                allow_env=settings.RUN_ENV_ALLOW,
-            )
+            try:
+                pid = supervisor.start(
+                    home,
+                    run_id=run_id,
+                    spec=run.spec,
+                    token=tokens.run_token(run_id),
+                    server_url=settings.server_url(),
+                    resume=resume,
+                    attempt=attempt,
+                    allow_env=settings.RUN_ENV_ALLOW,
+                    user=supervisor.run_user(settings.RUN_USER),
+                )
+            except (ValueError, OSError) as err:  # RUN_USER unusable, or the supervisor cannot start
+                reason = f"launch: {err}"
+                runs.transition(session, run, RunStatus.failed, reason=reason[:2000])
+                session.commit()
+                return f"failed: run {run_id}: {reason}"
         run.launcher, run.launcher_handle = "local", str(pid)
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     """Worker variables passed to a run's processes besides ``worker.procs.run_environ``'s list (e.g.
     ``HF_TOKEN``); never the database or broker URL, the secret key, ``ASYNCRL_HOME`` or a run token."""
 
+    RUN_USER: str = ""
+    """Account a root worker starts each run's supervisor, and so its processes, as (e.g. ``asyncrl-run``): it
+    cannot read the secret key file (0600), the database or files of the worker's user. Empty = the worker's own
+    user. That account must be able to run the worker's Python and read the code and models (a Python under
+    ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
+
     @field_validator("ALLOWED_CODE_PACKAGES", "INFERENCE_ALLOW_HOSTS", "RUN_ENV_ALLOW", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:

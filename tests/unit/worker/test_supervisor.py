@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,3 +91,61 @@ def test_a_run_process_started_as_runs_are_cannot_read_the_database_url(tmp_path
         assert "ASYNCRL_HOME" not in seen and "HF_TOKEN" not in seen, name
         assert (seen["ASYNCRL_RUN_TOKEN"], seen["ASYNCRL_RUN_ID"], seen["OMP_NUM_THREADS"]) == ("rt_own", "7", "2")
     assert os.environ["DATABASE_URL"] == SECRETS["DATABASE_URL"]  # the worker's own environment is unchanged
+
+
+def test_run_user_is_checked() -> None:
+    assert supervisor.run_user("") is None
+    with pytest.raises(ValueError, match=r"^RUN_USER: no user 'no-such-user-x' on this worker$"):
+        supervisor.run_user("no-such-user-x")
+    with pytest.raises(ValueError, match=r"^RUN_USER: 'root' is root; name an unprivileged user$"):
+        supervisor.run_user("root")
+
+
+def test_a_run_started_as_run_user_cannot_read_the_secret_key_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root worker with ``RUN_USER = nobody``: the detached process runs as nobody (no supplementary groups, its
+    own HOME), writes in the home folder given to it, and cannot read the server's generated secret key file. A
+    shell stands in for the supervisor: this machine's Python lives under /root, which nobody may not enter."""
+    if os.geteuid() != 0:
+        with pytest.raises(ValueError, match="not root: it cannot start runs as 'nobody'"):
+            supervisor.run_user("nobody")
+        return
+    from server.core.config import Settings
+
+    user = supervisor.run_user("nobody")
+    assert user is not None
+    base = Path(tempfile.mkdtemp(prefix="asyncrl-run-user-"))
+    try:
+        base.chmod(0o755)  # like an output folder: the run user may enter it
+        monkeypatch.setenv("ASYNCRL_HOME", str(base / "state"))
+        monkeypatch.delenv("SECRET_KEY", raising=False)
+        Settings().secret_key()  # the real code path: <ASYNCRL_HOME>/secret_key, 0600
+        secret = base / "state" / "secret_key"
+        home = base / "runs" / "7"
+        home.mkdir(parents=True)
+        (home / "spec.json").write_text("{}")
+        supervisor.give_home(home, user)
+        script = (
+            'cd "$1"; id -u > uid; id -G > groups; echo "$HOME" > home; '
+            'cat "$2" > read 2> err; echo "${DATABASE_URL:-unset}" > db; touch done'
+        )
+        supervisor.detach(
+            ["/bin/sh", "-c", script, "sh", str(home), str(secret)],
+            supervisor.run_env(7, "rt_own", "http://s"),
+            home / "supervisor.log",
+            user,
+        )
+        deadline = time.monotonic() + 30
+        while not (home / "done").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = {name: (home / name).read_text().strip() for name in ("uid", "groups", "home", "read", "err", "db")}
+        assert got == {
+            "uid": str(user.uid),
+            "groups": str(user.gid),
+            "home": user.home,
+            "read": "",
+            "err": f"cat: {secret}: Permission denied",
+            "db": "unset",
+        }
+        assert (home / "spec.json").stat().st_uid == user.uid and (home / "done").stat().st_uid == user.uid
+    finally:
+        shutil.rmtree(base)
