@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     environments and those registered under the ``asyncrl.environments`` entry points are always allowed."""
     INFERENCE_ALLOW_HOSTS: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Hosts a submitted spec's ``inference.url`` may name besides loopback (the run sends weight updates there)."""
+    INFERENCE_ALLOW_FLAGS: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """vLLM flags a submitted spec may pass in ``inference.extra_args`` besides the tuning ones
+    (``server/services/spec_policy.py`` ``VLLM_FLAGS``), e.g. ``--trust-remote-code``."""
     RUN_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Worker variables passed to a run's processes besides ``worker.procs.run_environ``'s list (e.g.
     ``HF_TOKEN``); never the database or broker URL, the secret key, ``ASYNCRL_HOME`` or a run token."""
@@ -73,7 +76,9 @@ class Settings(BaseSettings):
     user. That account must be able to run the worker's Python and read the code and models (a Python under
     ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
 
-    @field_validator("ALLOWED_CODE_PACKAGES", "INFERENCE_ALLOW_HOSTS", "RUN_ENV_ALLOW", mode="before")
+    @field_validator(
+        "ALLOWED_CODE_PACKAGES", "INFERENCE_ALLOW_HOSTS", "INFERENCE_ALLOW_FLAGS", "RUN_ENV_ALLOW", mode="before"
+    )
     @classmethod
     def _comma_list(cls, value: object) -> object:
         if isinstance(value, str):

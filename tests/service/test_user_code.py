@@ -70,6 +70,34 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
             id="metadata-url",
         ),
         pytest.param({"inference": {"url": "file:///etc/passwd"}}, refused_url("file:///etc/passwd"), id="not-http"),
+        pytest.param(
+            {"inference": {"extra_args": ["--max-num-seqs", "8", "--worker-extension-cls=evil.Extension"]}},
+            "inference.extra_args: '--worker-extension-cls' is not allowed in a run submitted to the service (vLLM "
+            "flags that load code or files are not); allowed: --block-size, ",
+            id="vllm-extension-cls",
+        ),
+        pytest.param(
+            {"inference": {"extra_args": ["--middle", "os.system"]}},  # argparse would expand the abbreviation
+            "inference.extra_args: '--middle' is not allowed in a run submitted to the service",
+            id="vllm-middleware-abbreviated",
+        ),
+        pytest.param(
+            {"launcher": {"slurm": {"extra_sbatch": ["--constraint=a100", "--output=/etc/cron.d/x"]}}},
+            "launcher.slurm.extra_sbatch: '--output' is not allowed in a run submitted to the service (options that "
+            "write files or change the job's user or environment are not); allowed: --begin, ",
+            id="sbatch-output",
+        ),
+        pytest.param(
+            {"launcher": {"slurm": {"env": {"NCCL_DEBUG": "INFO", "LD_PRELOAD": "/tmp/x.so"}}}},
+            "launcher.slurm.env: 'LD_PRELOAD' is not allowed in a run submitted to the service; allowed: variables "
+            "other than PATH, HOME, SHELL, ENV, BASH_ENV, LD_*, PYTHON*, ASYNCRL_*, CELERY_*, DATABASE_URL",
+            id="job-env-ld-preload",
+        ),
+        pytest.param(
+            {"launcher": {"slurm": {"env": {"ASYNCRL_SERVER_URL": "http://evil.example"}}}},
+            "launcher.slurm.env: 'ASYNCRL_SERVER_URL' is not allowed",
+            id="job-env-report-elsewhere",
+        ),
     ],
 )
 def test_submit_refuses_code_and_addresses_naming_the_key(
@@ -95,7 +123,10 @@ def test_upload_refuses_os_system(client: Any, auth: dict[str, str]) -> None:
 def test_allowed_package_and_host_pass(client: Any, auth: dict[str, str], allow: Any) -> None:
     allow("ALLOWED_CODE_PACKAGES", ["mypkg"])
     allow("INFERENCE_ALLOW_HOSTS", ["vllm.internal"])
+    allow("INFERENCE_ALLOW_FLAGS", ["--trust-remote-code"])
     for overrides in (
+        {"inference": {"extra_args": ["-tp", "1", "--max-num-seqs=8", "--trust-remote-code"]}},
+        {"launcher": {"slurm": {"extra_sbatch": ["--constraint=a100", "--hold"], "env": {"NCCL_DEBUG": "INFO"}}}},
         {"env": {"id": "mypkg.envs:make"}},
         {"env": {"id": "reverse_tool"}},
         {"orchestrator": {"harness": {"id": "bash"}}},
@@ -158,3 +189,16 @@ def test_launch_of_a_stored_spec_no_longer_allowed_fails_and_starts_nothing(
         (None, "queued"),
         ("queued", "failed"),
     ]
+
+
+def test_asyncrl_submit_exits_2_naming_env_id(
+    capsys: pytest.CaptureFixture[str], live_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.cli import main
+
+    monkeypatch.setenv("ASYNCRL_URL", live_server)
+    monkeypatch.setenv("ASYNCRL_TOKEN", new_token("cli-code"))
+    path = tmp_path / "evil.toml"
+    path.write_text('name = "evil"\nmax_steps = 2\n[model]\nname = "m"\n[env]\nid = "os:system"\n')
+    assert main(["submit", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: 422: {refused_env('os:system')}"
