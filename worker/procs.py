@@ -55,13 +55,13 @@ RUN_ENV_NAMES = frozenset(
             "NUMEXPR_NUM_THREADS",
             "TOKENIZERS_PARALLELISM",
         ),
-        *("ASYNCRL_REPORT_TIMEOUT_S", "ASYNCRL_INFERENCE_API_KEY", "ASYNCRL_LAUNCHER"),
+        *("ASYNCRL_REPORT_TIMEOUT_S", "ASYNCRL_INFERENCE_API_KEY", "ASYNCRL_LAUNCHER", "CC", "CXX"),
     }
 )
 """Variables a run's processes get from the worker's environment by name (see :func:`run_environ`)."""
 RUN_ENV_PREFIXES = (
     *("LC_", "VLLM_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "OMP_"),
-    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TRITON_", "UV_", "SLURM_"),
+    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TRITON_", "UV_", "SLURM_", "CCL_", "ONEDNN_", "DNNL_", "XLA_"),
 )
 """Variables with these prefixes pass too (threading, vLLM, torch, CUDA/NCCL, the Hugging Face cache, uv, Slurm),
 unless their name looks like a credential (:data:`SECRET_MARKS`)."""

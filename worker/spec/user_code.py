@@ -94,8 +94,9 @@ class ImportPath:
 
 ENV_ID = ImportPath("environment", builtins=lambda: BUILTIN_ENVS, entry_points=ENV_ENTRY_POINTS)
 """``env.id``."""
-HARNESS_ID = ImportPath("harness", builtins=verifiers_harnesses, form="module")
-"""``orchestrator.harness.id``: verifiers imports ``verifiers.v1.harnesses.<id>``, else the module ``<id>``."""
+HARNESS_ID = ImportPath("harness", builtins=lambda: {"null", *verifiers_harnesses()}, form="module")
+"""``orchestrator.harness.id``: verifiers imports ``verifiers.v1.harnesses.<id>``, else the module ``<id>``. The
+default ``null`` is always allowed (a server without verifiers installed still takes default specs)."""
 
 
 def check_import_path(key: str, value: str, allowed: Collection[str], kind: ImportPath | None = None) -> None:
