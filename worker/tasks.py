@@ -53,10 +53,6 @@ def launch(run_id: int) -> str:
             return f"skipped: run {run_id} does not exist"
         if run.status != RunStatus.queued or run.launcher_handle:
             return f"skipped: run {run_id} is {run.status} (handle {run.launcher_handle})"
-        if (refused := _refusal(run)) is not None:
-            runs.transition(session, run, RunStatus.failed, reason=refused[:2000])
-            session.commit()
-            return f"failed: run {run_id}: {refused}"
         if run.spec.get("launcher", {}).get("kind") == "slurm":
             return _launch_slurm(session, run)
         home = Path(run.run_dir).parent
@@ -65,6 +61,8 @@ def launch(run_id: int) -> str:
         attempt = current_attempt(session, run_id)
         if pid is None and (final := SupervisorHome(home).read_final(attempt)) is not None:
             return _adopt_finished(session, run, final)
+        if pid is None and (refused := _refusal(run)) is not None:  # checked before anything of it starts
+            return _fail_launch(session, run, refused)
         if pid is None:
             resume = bool(runs.checkpoint_steps(run))
             try:
@@ -80,10 +78,7 @@ def launch(run_id: int) -> str:
                     user=supervisor.run_user(settings.RUN_USER),
                 )
             except (ValueError, OSError) as err:  # RUN_USER unusable, or the supervisor cannot start
-                reason = f"launch: {err}"
-                runs.transition(session, run, RunStatus.failed, reason=reason[:2000])
-                session.commit()
-                return f"failed: run {run_id}: {reason}"
+                return _fail_launch(session, run, f"launch: {err}")
         run.launcher, run.launcher_handle = "local", str(pid)
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
@@ -93,12 +88,20 @@ def launch(run_id: int) -> str:
 
 def _refusal(run: Run) -> str | None:
     """Why the stored spec may not be launched now (it no longer validates, or names code or an address the service
-    does not allow: a spec stored before a rule or a setting changed), None when it may."""
+    does not allow: a spec stored before a rule or a setting changed), None when it may. Checked only before a
+    supervisor or Slurm job is started, never against one an earlier delivery already started."""
     try:
         spec_policy.check(validate_spec("rl", run.spec))
     except SpecError as err:
         return f"refused at launch: {err}"
     return None
+
+
+def _fail_launch(session: Session, run: Run, reason: str) -> str:
+    """Mark the locked queued ``run`` failed with ``reason`` (nothing of it was started) and commit."""
+    runs.transition(session, run, RunStatus.failed, reason=reason[:2000])
+    session.commit()
+    return f"failed: run {run.id}: {reason}"
 
 
 def current_attempt(session: Session, run_id: int) -> int | None:
@@ -137,12 +140,17 @@ def _launch_slurm(session: Session, run: Run) -> str:
     run is ``failed`` with Slurm's own message and nothing is queued."""
     from worker.launchers import slurm
 
-    spec = validate_spec("rl", run.spec)
+    try:
+        spec = validate_spec("rl", run.spec)
+    except SpecError as err:  # stored before a rule changed: nothing can be started from it
+        return _fail_launch(session, run, f"refused at launch: {err}")
     assert isinstance(spec, RLSpec)
     home, run_id = Path(run.run_dir).parent, stored_id(run)
     try:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
+        if job is None and (refused := _refusal(run)) is not None:
+            return _fail_launch(session, run, refused)
         if job is None:
             SupervisorHome(home).write_spec(run.spec)
             env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url(), settings.RUN_ENV_ALLOW)

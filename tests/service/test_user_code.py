@@ -202,3 +202,24 @@ def test_asyncrl_submit_exits_2_naming_env_id(
     path.write_text('name = "evil"\nmax_steps = 2\n[model]\nname = "m"\n[env]\nid = "os:system"\n')
     assert main(["submit", str(path)]) == 2
     assert capsys.readouterr().err.strip() == f"error: 422: {refused_env('os:system')}"
+
+
+def test_a_supervisor_an_earlier_delivery_started_is_adopted_not_refused(
+    client: Any, auth: dict[str, str], make_run: Any, allow: Any
+) -> None:
+    """The launch check guards starting; a supervisor already running (its delivery was killed before the commit)
+    is adopted and can be stopped, not left running behind a run marked failed."""
+    from tests.service.test_tasks import fake_supervisor
+    from worker.tasks import launch, stop
+
+    allow("ALLOWED_CODE_PACKAGES", ["mypkg"])
+    run = make_run(env={"id": "mypkg.envs:make"})
+    allow("ALLOWED_CODE_PACKAGES", [])
+    proc = fake_supervisor(Path(run["run_dir"]).parent)
+    try:
+        assert launch(run["id"]) == f"adopted: run {run['id']} pid {proc.pid}"
+        assert stop(run["id"], grace_s=5) == f"stopped: run {run['id']}"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert client.get(f"/api/runs/{run['id']}", headers=auth).json()["status"] == "cancelled"
