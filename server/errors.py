@@ -15,10 +15,14 @@ from fastapi.responses import JSONResponse
 from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
 from server.services.permissions import Forbidden, RunTokenExpired
 from server.services.runs import InvalidTransition, RunNotFound
+from server.services.spec_policy import AddressNotAllowed
 from worker.spec import SpecError
+from worker.spec.user_code import CodeNotAllowed
 
 HTTP_STATUS: dict[type[Exception], int] = {
     SpecError: 422,  # an invalid spec, change or argument; the message starts with the dotted key
+    CodeNotAllowed: 422,  # a submitted spec names code the admin does not allow (env.id, harness id, import paths)
+    AddressNotAllowed: 422,  # a submitted spec's inference.url is not loopback or an allowed host
     UnsafeURL: 422,  # a webhook URL the SSRF guard refuses
     RunTokenExpired: 401,  # a run token writing after its run ended
     Forbidden: 403,  # not the run's owner or an admin, a viewer's write (server/services/permissions.py)

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -39,6 +40,56 @@ WATCHDOG = (
 _watchdogs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
 """Leader pid -> (its watchdog, the write end of the watchdog's pipe held by this process)."""
 _lock = threading.Lock()
+
+
+RUN_ENV_NAMES = frozenset(
+    {
+        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "XDG_CACHE_HOME"),
+        *("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV"),
+        *("LD_LIBRARY_PATH", "LD_PRELOAD", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
+        *("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"),
+        *(
+            "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "OPENBLAS_NUM_THREADS",
+            "NUMEXPR_NUM_THREADS",
+            "TOKENIZERS_PARALLELISM",
+        ),
+        *("ASYNCRL_REPORT_TIMEOUT_S", "ASYNCRL_INFERENCE_API_KEY", "ASYNCRL_LAUNCHER", "CC", "CXX"),
+    }
+)
+"""Variables a run's processes get from the worker's environment by name (see :func:`run_environ`)."""
+RUN_ENV_PREFIXES = (
+    *("LC_", "VLLM_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "OMP_"),
+    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TRITON_", "UV_", "SLURM_", "CCL_", "ONEDNN_", "DNNL_", "XLA_"),
+)
+"""Variables with these prefixes pass too (threading, vLLM, torch, CUDA/NCCL, the Hugging Face cache, uv, Slurm),
+unless their name looks like a credential (:data:`SECRET_MARKS`)."""
+SECRET_MARKS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "CREDENTIAL", "_KEY")
+"""A prefix-matched name containing one of these (``HF_TOKEN``) does not pass unless listed by name."""
+NEVER_PASSED = frozenset(
+    {
+        *("DATABASE_URL", "CELERY_BROKER_URL", "SECRET_KEY", "ASYNCRL_HOME"),
+        *("ASYNCRL_RUN_ID", "ASYNCRL_RUN_TOKEN", "ASYNCRL_SERVER_URL"),
+    }
+)
+"""The service's database and broker URLs, its secret (and ``ASYNCRL_HOME``, where its generated secret file lies)
+and any run's identity: never passed, whatever is allowed; the launcher sets the run's own identity itself."""
+
+
+def run_environ(environ: Mapping[str, str], allow: Collection[str] = ()) -> dict[str, str]:
+    """The part of ``environ`` a service-launched run's processes may see: :data:`RUN_ENV_NAMES`, names with a
+    :data:`RUN_ENV_PREFIXES` prefix that do not look like a credential, and the names in ``allow`` (the
+    worker's ``RUN_ENV_ALLOW``); never :data:`NEVER_PASSED`."""
+
+    def passes(name: str) -> bool:
+        if name in NEVER_PASSED:
+            return False
+        if name in RUN_ENV_NAMES or name in allow:
+            return True
+        return name.startswith(RUN_ENV_PREFIXES) and not any(mark in name.upper() for mark in SECRET_MARKS)
+
+    return {name: value for name, value in environ.items() if passes(name)}
 
 
 def free_port() -> int:

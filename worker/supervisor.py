@@ -4,8 +4,10 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
 
 - holds an exclusive ``flock`` on ``<home>/supervisor.lock`` for its whole life, so at most one supervisor
   (and one set of run processes) exists per run, and a redelivered launch finds and adopts it;
-- runs the run with the local launcher (``worker.launchers.local.launch_rl``), whose processes inherit
-  ``ASYNCRL_RUN_ID``, ``ASYNCRL_RUN_TOKEN`` and ``ASYNCRL_SERVER_URL``;
+- runs the run with the local launcher (``worker.launchers.local.launch_rl``), whose processes inherit its
+  environment: ``ASYNCRL_RUN_ID``, ``ASYNCRL_RUN_TOKEN``, ``ASYNCRL_SERVER_URL`` and the worker's variables that
+  :func:`worker.procs.run_environ` lets through (never the database or broker URL, the server's secret or
+  another run's token);
 - talks to the server over HTTP only, through :class:`worker.reporter.Reporter`: metrics, live config, status
   changes, and the final status, spooled in ``<home>/final.json`` before it is reported;
 - turns SIGTERM (``asyncrl runs stop``) into a clean cancel: the launcher tears its processes down;
@@ -26,18 +28,21 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from worker.launchers import slurm_job
-from worker.procs import alive
+from worker.procs import alive, run_environ
 from worker.reporter import Reporter, report_timeout_s
 from worker.rundir import SupervisorHome, read_jsonl
 
@@ -62,9 +67,72 @@ def running_pid(home: Path) -> int | None:
     return None
 
 
-def run_env(run_id: int, token: str, server_url: str) -> dict[str, str]:
-    """The variables a supervisor needs: run id, run token (never logged) and the server's URL."""
-    return {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+def run_env(run_id: int, token: str, server_url: str, allow: Collection[str] = ()) -> dict[str, str]:
+    """The whole environment of a run's supervisor (and so of its processes): this process's variables that
+    :func:`worker.procs.run_environ` lets through (``allow``: the worker's ``RUN_ENV_ALLOW``), plus the run id,
+    the run token (never logged) and the server's URL."""
+    ids = {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
+    return {**run_environ(os.environ, allow), **ids}
+
+
+@dataclass(frozen=True)
+class RunUser:
+    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+def run_user(name: str) -> RunUser | None:
+    """The account ``name`` (None for ``""``: the worker's own user).
+
+    Raises:
+        ValueError: no such account, it is root, or this process is not root (only root may switch users).
+    """
+    if not name:
+        return None
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise ValueError(f"RUN_USER: no user {name!r} on this worker") from None
+    if entry.pw_uid == 0:
+        raise ValueError(f"RUN_USER: {name!r} is root; name an unprivileged user")
+    if os.geteuid() != 0:
+        raise ValueError(f"RUN_USER: the worker runs as uid {os.geteuid()}, not root: it cannot start runs as {name!r}")
+    return RunUser(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+def give_home(home: Path, user: RunUser) -> None:
+    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's."""
+    for path in (home, *home.rglob("*")):
+        os.lchown(path, user.uid, user.gid)
+
+
+def detach(argv: list[str], env: dict[str, str], log: Path, user: RunUser | None = None) -> int:
+    """Start ``argv`` in its own session (process group) with exactly ``env``, output appended to ``log``, as
+    ``user`` when given (its uid, gid and no supplementary groups; ``HOME``, ``USER``, ``LOGNAME`` its own); returns
+    its pid (= its process group id). The way a supervisor is started.
+
+    Raises:
+        OSError: ``argv`` cannot be started (e.g. ``user`` may not run the interpreter).
+    """
+    if user is not None:
+        env = {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
+    switch: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **switch,
+        )
+    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
+    return proc.pid
 
 
 def start(
@@ -76,29 +144,34 @@ def start(
     server_url: str,
     resume: bool = False,
     attempt: int | None = None,
+    allow_env: Collection[str] = (),
+    user: RunUser | None = None,
 ) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
-    complete checkpoint; ``attempt``: see the module docstring); returns its pid (= its process group id). A final
-    status spooled by an earlier supervisor of ``home`` is removed first."""
+    complete checkpoint; ``attempt``: see the module docstring; ``allow_env``: see :func:`run_env`; ``user``: run
+    it, and so the run's processes, as that account, which then owns ``home``) with the environment
+    :func:`run_env`; returns its pid (= its process group id). A final status spooled by an earlier supervisor of
+    ``home`` is removed first.
+
+    Raises:
+        OSError: the supervisor cannot be started (e.g. ``user`` may not run this Python).
+    """
     files = SupervisorHome(home)
     files.write_spec(spec)
     files.final.unlink(missing_ok=True)
-    env = {**os.environ, **run_env(run_id, token, server_url)}
-    with open(files.log, "ab") as log:
-        argv = [
-            sys.executable,
-            "-m",
-            "worker.supervisor",
-            "--home",
-            str(home),
-            *(["--resume"] if resume else []),
-            *(["--attempt", str(attempt)] if attempt is not None else []),
-        ]
-        proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
-    return proc.pid
+    if user is not None:
+        files.log.touch()
+        give_home(home, user)
+    argv = [
+        sys.executable,
+        "-m",
+        "worker.supervisor",
+        "--home",
+        str(home),
+        *(["--resume"] if resume else []),
+        *(["--attempt", str(attempt)] if attempt is not None else []),
+    ]
+    return detach(argv, run_env(run_id, token, server_url, allow_env), files.log, user)
 
 
 def terminate(pid: int, grace_s: float = 30.0) -> None:

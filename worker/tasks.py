@@ -39,13 +39,13 @@ from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
 from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, stored_id
-from server.services import capacity, metrics, runs, tokens
+from server.services import capacity, metrics, runs, spec_policy, tokens
 from worker import supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive
 from worker.reporter import rows_to_points
 from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
-from worker.spec import RLSpec, validate_spec
+from worker.spec import RLSpec, SpecError, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
 
@@ -67,19 +67,26 @@ def launch(run_id: int) -> str:
         attempt = current_attempt(session, run_id)
         if pid is None and (final := SupervisorHome(home).read_final(attempt)) is not None:
             return _adopt_finished(session, run, final)
+        if pid is None and (refused := _refusal(run)) is not None:  # checked before anything of it starts
+            return _fail_launch(session, run, refused)
         if pid is None:
             if (waiting := _hold_for_slot(session, run, worker=capacity.worker_name())) is not None:
                 return waiting
             resume = bool(runs.checkpoint_steps(run))
-            pid = supervisor.start(
-                home,
-                run_id=run_id,
-                spec=run.spec,
-                token=tokens.run_token(run_id),
-                server_url=settings.server_url(),
-                resume=resume,
-                attempt=attempt,
-            )
+            try:
+                pid = supervisor.start(
+                    home,
+                    run_id=run_id,
+                    spec=run.spec,
+                    token=tokens.run_token(run_id),
+                    server_url=settings.server_url(),
+                    resume=resume,
+                    attempt=attempt,
+                    allow_env=settings.RUN_ENV_ALLOW,
+                    user=supervisor.run_user(settings.RUN_USER),
+                )
+            except (ValueError, OSError) as err:  # RUN_USER unusable, or the supervisor cannot start
+                return _fail_launch(session, run, f"launch: {err}")
         run.launcher, run.launcher_handle, run.worker = "local", str(pid), capacity.worker_name()
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
@@ -105,6 +112,24 @@ def start_waiting() -> list[str]:
     with Session(engine) as session:
         waiting = capacity.waiting_runs(session)
     return [launch(run_id) for run_id in waiting]
+
+
+def _refusal(run: Run) -> str | None:
+    """Why the stored spec may not be launched now (it no longer validates, or names code or an address the service
+    does not allow: a spec stored before a rule or a setting changed), None when it may. Checked only before a
+    supervisor or Slurm job is started, never against one an earlier delivery already started."""
+    try:
+        spec_policy.check(validate_spec("rl", run.spec))
+    except SpecError as err:
+        return f"refused at launch: {err}"
+    return None
+
+
+def _fail_launch(session: Session, run: Run, reason: str) -> str:
+    """Mark the locked queued ``run`` failed with ``reason`` (nothing of it was started) and commit."""
+    runs.transition(session, run, RunStatus.failed, reason=reason[:2000])
+    session.commit()
+    return f"failed: run {run.id}: {reason}"
 
 
 def current_attempt(session: Session, run_id: int) -> int | None:
@@ -143,17 +168,22 @@ def _launch_slurm(session: Session, run: Run) -> str:
     run is ``failed`` with Slurm's own message and nothing is queued."""
     from worker.launchers import slurm
 
-    spec = validate_spec("rl", run.spec)
+    try:
+        spec = validate_spec("rl", run.spec)
+    except SpecError as err:  # stored before a rule changed: nothing can be started from it
+        return _fail_launch(session, run, f"refused at launch: {err}")
     assert isinstance(spec, RLSpec)
     home, run_id = Path(run.run_dir).parent, stored_id(run)
     try:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
+        if job is None and (refused := _refusal(run)) is not None:
+            return _fail_launch(session, run, refused)
         if job is None:
             if (waiting := _hold_for_slot(session, run, worker=None)) is not None:
                 return waiting
             SupervisorHome(home).write_spec(run.spec)
-            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url())
+            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url(), settings.RUN_ENV_ALLOW)
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:
         runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")

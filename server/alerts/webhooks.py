@@ -2,8 +2,8 @@
 
 - **SSRF guard** (``check_url``): the URL's host is resolved and every address checked, at creation and again
   before each attempt. Link-local (169.254/16, fe80::/10) and cloud metadata (169.254.169.254, fd00:ec2::254,
-  metadata.google.internal) are refused unless listed in ``WEBHOOK_ALLOW_HOSTS``; loopback and private
-  addresses only in ``LOCAL_MODE``. IPv6 forms that embed an IPv4 address (IPv4-mapped, NAT64, 6to4, Teredo,
+  100.100.100.200, metadata.google.internal) are refused unless listed in ``WEBHOOK_ALLOW_HOSTS``; loopback,
+  private and shared-address-space (100.64.0.0/10) addresses only in ``LOCAL_MODE``. IPv6 forms that embed an IPv4 address (IPv4-mapped, NAT64, 6to4, Teredo,
   IPv4-compatible) are judged by that address too. Redirects are not followed.
 - **Secret**: stored encrypted (Fernet, key derived from SECRET_KEY) because the server must sign with it; the
   API shows it once, at creation, and a prefix after. It is never logged.
@@ -45,7 +45,15 @@ from worker.celery_app import TaskName, enqueue
 
 logger = logging.getLogger("asyncrl.webhooks")
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.google.internal."})
-METADATA_IPS = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+METADATA_IPS = frozenset(
+    {
+        ipaddress.ip_address("169.254.169.254"),
+        ipaddress.ip_address("fd00:ec2::254"),
+        ipaddress.ip_address("100.100.100.200"),  # Alibaba Cloud, in the shared address space below
+    }
+)
+SHARED_ADDRESS_SPACE = ipaddress.ip_network("100.64.0.0/10")
+"""RFC 6598 carrier-grade NAT space (neither private nor global to ``ipaddress``): internal to a provider."""
 SIGNATURE_HEADER = "X-Asyncrl-Signature"
 
 
@@ -116,6 +124,8 @@ def _refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
         return "a loopback address (allowed only with LOCAL_MODE)"
     if ip.is_private:
         return "a private address (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
+    if ip in SHARED_ADDRESS_SPACE:
+        return "a shared address space address, 100.64.0.0/10 (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
     return None
 
 

@@ -12,8 +12,8 @@ import secrets
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -71,6 +71,35 @@ class Settings(BaseSettings):
     WORKER_GPUS: Annotated[int, Field(ge=0)] | None = None
     """GPUs the worker declares; unset = those ``nvidia-smi -L`` lists."""
 
+    # -- user code and run processes (issue 16: running user code is a permission). Comma-separated lists.
+    ALLOWED_CODE_PACKAGES: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Top-level packages (installed on the workers) whose code a submitted spec may name in ``env.id``,
+    ``orchestrator.harness.id`` and every other import path (``worker/spec/user_code.py``); asyncrl's built-in
+    environments and those registered under the ``asyncrl.environments`` entry points are always allowed."""
+    INFERENCE_ALLOW_HOSTS: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Hosts a submitted spec's ``inference.url`` may name besides loopback (the run sends weight updates there)."""
+    INFERENCE_ALLOW_FLAGS: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """vLLM flags a submitted spec may pass in ``inference.extra_args`` besides the tuning ones
+    (``server/services/spec_policy.py`` ``VLLM_FLAGS``), e.g. ``--trust-remote-code``."""
+    RUN_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Worker variables passed to a run's processes besides ``worker.procs.run_environ``'s list (e.g.
+    ``HF_TOKEN``); never the database or broker URL, the secret key, ``ASYNCRL_HOME`` or a run token."""
+
+    RUN_USER: str = ""
+    """Account a root worker starts each run's supervisor, and so its processes, as (e.g. ``asyncrl-run``): it
+    cannot read the secret key file (0600), the database or files of the worker's user. Empty = the worker's own
+    user. That account must be able to run the worker's Python and read the code and models (a Python under
+    ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
+
+    @field_validator(
+        "ALLOWED_CODE_PACKAGES", "INFERENCE_ALLOW_HOSTS", "INFERENCE_ALLOW_FLAGS", "RUN_ENV_ALLOW", mode="before"
+    )
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
         if not self.DATABASE_URL:
@@ -102,14 +131,25 @@ class Settings(BaseSettings):
         return url
 
     def secret_key(self) -> str:
-        """SECRET_KEY, or the one generated into ASYNCRL_HOME on first use (mode 0600)."""
+        """SECRET_KEY, or the one generated into ASYNCRL_HOME on first use. The file is created with mode 0600 (no
+        moment when another user may read it) and an existing one is set back to 0600."""
         if self.SECRET_KEY:
             return self.SECRET_KEY
         path = self.ASYNCRL_HOME / "secret_key"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o600)
-            path.write_text(secrets.token_hex(32))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():  # written whole under a temporary name, then linked: never seen empty or readable
+            tmp = path.with_name(f".secret_key.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another process made it first: use that one
+                pass
+            finally:
+                tmp.unlink()
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
         return path.read_text().strip()
 
 

@@ -23,7 +23,7 @@ from sqlmodel import Session, col, select
 from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
-from server.services import capacity
+from server.services import capacity, spec_policy
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, with_keys
 from worker.rundir import RunDir, SupervisorHome, atomic_write_json, read_jsonl
@@ -65,13 +65,15 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
 
     Raises:
-        SpecError: the spec is invalid (one line naming the field), or no worker can hold it (the key, the value
-            and the worker's declared capacity: ``server.services.capacity.check_fits``).
+        SpecError: the spec is invalid (one line naming the field), names code or an address the service does
+            not allow (``spec_policy.check``: ``CodeNotAllowed``, ``AddressNotAllowed``), or no worker can hold it (the
+            key, the value and the worker's declared capacity: ``server.services.capacity.check_fits``).
     """
     kind = data.get("kind", "rl")
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
     if spec.kind != "rl":
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
+    spec_policy.check(spec)
     capacity.check_fits(session, spec)
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
@@ -320,7 +322,7 @@ def fork(
     data.pop("output_dir", None)
     if name is not None:
         data["name"] = name
-    validate_spec("rl", data)  # a bad key or value is named before the checkpoint is looked for
+    spec_policy.check(validate_spec("rl", data))  # a bad key, value or code is named before the checkpoint
     steps = checkpoint_steps(parent)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {RunDir(parent.run_dir).checkpoints}")

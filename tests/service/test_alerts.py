@@ -92,6 +92,10 @@ def test_bad_rules_are_422_naming_the_field(
         ),
         ({"url": "http://[fd00:ec2::254]/x"}, "url: fd00:ec2::254 resolves to fd00:ec2::254, a cloud metadata address"),
         (
+            {"url": "http://100.100.100.200/latest/meta-data"},
+            "url: 100.100.100.200 resolves to 100.100.100.200, a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)",
+        ),
+        (
             {"url": "http://metadata.google.internal/computeMetadata/v1/"},
             "url: metadata.google.internal is a cloud metadata service",
         ),
@@ -122,6 +126,26 @@ def test_ssrf_allow_list_and_loopback_outside_local_mode(
     assert resp.status_code == 422
     assert resp.json()["detail"].startswith("url: localhost resolves to "), resp.text
     assert resp.json()["detail"].endswith("a loopback address (allowed only with LOCAL_MODE)")
+
+
+@pytest.mark.parametrize("host", ["100.64.0.1", "100.127.255.254", "[::ffff:100.64.0.1]"])
+def test_shared_address_space_is_refused_outside_local_mode(
+    client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    from server.core.config import settings
+
+    before = client.get("/api/webhooks", headers=auth).json()["count"]
+    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    resp = client.post("/api/webhooks", json={"url": f"http://{host}/hook"}, headers=auth)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"].endswith(
+        "a shared address space address, 100.64.0.0/10 (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
+    )
+    assert client.get("/api/webhooks", headers=auth).json()["count"] == before
+    monkeypatch.setattr(settings, "LOCAL_MODE", True)  # on one machine (compose) a CGNAT address may be a neighbour
+    ok = client.post("/api/webhooks", json={"url": f"http://{host}/hook"}, headers=auth)
+    assert ok.status_code == 201, ok.text
+    client.delete(f"/api/webhooks/{ok.json()['id']}", headers=auth)
 
 
 # the IPv6 forms that carry an IPv4 address; Teredo's client is stored bit-inverted (RFC 4380 section 4):

@@ -107,6 +107,23 @@ def test_launch_of_a_run_that_is_not_queued_returns_at_once(client: Any, auth: d
     assert launch(999999) == "skipped: run 999999 does not exist"
 
 
+def test_launch_with_an_unusable_run_user_fails_the_run_and_starts_nothing(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.core.config import settings
+    from worker import supervisor
+    from worker.tasks import launch
+
+    monkeypatch.setattr(settings, "RUN_USER", "no-such-user-x")
+    run = make_run()
+    reason = "launch: RUN_USER: no user 'no-such-user-x' on this worker"
+    assert launch(run["id"]) == f"failed: run {run['id']}: {reason}"
+    done = run_of(client, auth, run["id"])
+    assert (done["status"], done["status_reason"], done["launcher_handle"]) == ("failed", reason, None)
+    assert supervisor.running_pid(Path(run["run_dir"]).parent) is None
+    assert status_events(client, auth, run["id"]) == [(None, "queued"), ("queued", "failed")]
+
+
 # ----------------------------------------------------------------------------- a real Celery worker
 
 

@@ -23,19 +23,12 @@ from pydantic import Field, ValidationError
 from verifiers.v1.graph import MessageNode
 
 from worker.orchestrator.harness_runtime import harness_missing
+from worker.spec.user_code import BUILTIN_ENVS, ENV_ID
 
 logger = logging.getLogger(__name__)
 
 EnvTask = vf.Task
 """A task of an environment: a verifiers `Task` (its data on `task.data`)."""
-
-BUILTINS = {
-    "arithmetic": "worker.envs.arithmetic:ArithmeticTaskset",
-    "reverse_text": "worker.envs.reverse_text:ReverseTextTaskset",
-    "reverse_twice": "worker.envs.reverse_twice:ReverseTwiceTaskset",
-    "reverse_tool": "worker.envs.reverse_tool:ReverseToolTaskset",
-}
-"""Built-in environment ids and the Taskset class each names."""
 
 _LOAD_ARGS = {"split", "seed"}
 """Config fields set by `load_environment` itself, not by `**args`."""
@@ -273,12 +266,15 @@ def _message(message: dict[str, Any]) -> vf.Message:
 def load_environment(env_id: str, *, split: Literal["train", "eval"], seed: int, **args: Any) -> Environment:
     """The `split` of environment `env_id` under `seed`.
 
-    `env_id` is a built-in id (see `BUILTINS`) or `"package.module:attr"`, where `attr` is a
-    verifiers `Taskset` class (built from its config class with `split`, `seed` and `args`) or a
-    function returning a Taskset (called with `args`, plus `split` and `seed` if it takes them).
+    `env_id` is a built-in id (see `BUILTIN_ENVS`), the name of an `asyncrl.environments` entry point, or
+    `"package.module:attr"`, where `attr` is a verifiers `Taskset` class (built from its config class with
+    `split`, `seed` and `args`) or a function defined in that package returning a Taskset (called with `args`,
+    plus `split` and `seed` if it takes them). `args` are data: nothing here imports what they name. Which ids a
+    service-launched run may use is decided before (`worker.spec.user_code`), not here.
 
     Raises:
-        EnvironmentLoadError: `env_id` does not import, or `args` has a name the taskset does not take.
+        EnvironmentLoadError: `env_id` does not import, names a function another package defines (re-exported),
+            or `args` has a name the taskset does not take.
     """
     if split not in ("train", "eval"):
         raise EnvironmentLoadError(f"environment {env_id!r}: split must be 'train' or 'eval', got {split!r}")
@@ -295,8 +291,11 @@ def load_environment(env_id: str, *, split: Literal["train", "eval"], seed: int,
 
 
 def _resolve(env_id: str) -> Any:
-    allowed = f"allowed: a built-in ({', '.join(sorted(BUILTINS))}) or 'package.module:function' returning a Taskset"
-    module_name, sep, attr = BUILTINS.get(env_id, env_id).partition(":")
+    allowed = (
+        f"allowed: a built-in ({', '.join(sorted(BUILTIN_ENVS))}) or 'package.module:function' returning a Taskset"
+    )
+    target = BUILTIN_ENVS.get(env_id) or ENV_ID.registered().get(env_id) or env_id
+    module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise EnvironmentLoadError(f"unknown environment {env_id!r}; {allowed}")
     try:
@@ -305,7 +304,16 @@ def _resolve(env_id: str) -> Any:
         raise EnvironmentLoadError(f"environment {env_id!r} does not import ({e}); {allowed}") from e
     if not hasattr(module, attr):
         raise EnvironmentLoadError(f"environment {env_id!r}: module {module_name!r} has no {attr!r}; {allowed}")
-    return getattr(module, attr)
+    found = getattr(module, attr)
+    defined_in = str(getattr(found, "__module__", "") or "")
+    is_taskset = isinstance(found, type) and issubclass(found, vf.Taskset)
+    if not is_taskset and defined_in.split(".")[0] != module_name.split(".")[0]:
+        # e.g. "pkg:run" where pkg did `from subprocess import run`: the allowed package is pkg, not subprocess
+        raise EnvironmentLoadError(
+            f"environment {env_id!r} names {defined_in or '?'}.{attr}, defined outside {module_name.split('.')[0]!r}; "
+            f"name the module that defines it"
+        )
+    return found
 
 
 def _build_from_class(env_id: str, cls: type[vf.Taskset], split: str, seed: int, args: dict) -> vf.Taskset:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.checkpoint import complete_steps
+from worker.procs import run_environ
 from worker.rundir import SupervisorHome
 from worker.spec import RLSpec
 
@@ -153,8 +154,9 @@ def _step(allocation: str, name: str) -> str | None:
 
 def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume: bool = False) -> str:
     """Write ``<home>/job.sbatch`` and submit it; returns the launcher handle (``<job>``, or ``<job>.<step>``
-    inside an ``allocation``). ``env`` is added to the job's environment (run id, token, server URL): it is
-    not written into the script.
+    inside an ``allocation``). The job's environment is ``env`` (``worker.supervisor.run_env``: run id, token,
+    server URL) over the variables of this process that ``worker.procs.run_environ`` lets through (no database or
+    broker URL, no server secret); it is not written into the script.
 
     Raises:
         SlurmError: Slurm refused it (e.g. ``sbatch: error: invalid partition specified: nope``); nothing is queued.
@@ -169,7 +171,7 @@ def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume
     home.mkdir(parents=True, exist_ok=True)
     script = SupervisorHome(home).job_script
     script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume))
-    full_env = {**os.environ, **env}
+    full_env = {**run_environ(os.environ), **env}
     if slurm.allocation is None:
         return _run(["sbatch", "--parsable", str(script)], env=full_env).strip().split(";")[0]
     return _start_step(slurm.allocation, run_id, home, script, full_env)

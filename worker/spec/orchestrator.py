@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from worker.spec.strict import StrictModel
+from worker.spec.user_code import HARNESS_ID
 
 
 class GrpoAdvantage(StrictModel):
@@ -49,8 +50,10 @@ AdvantageConfig = Annotated[
 class HarnessConfig(StrictModel):
     """Rollouts of tasksets with tools, run through verifiers' agent harness (``worker.orchestrator.harness``)."""
 
-    id: str = "null"
-    """verifiers harness id (``null``: verifiers' chat program, a subprocess per rollout, needs ``uv``)."""
+    id: Annotated[str, HARNESS_ID] = "null"
+    """verifiers harness id (``null``: verifiers' chat program, a subprocess per rollout, needs ``uv``); verifiers
+    imports a module of that name when it is not one of its own, so the service allows only its own or an allowed
+    package's (``worker/spec/user_code.py``)."""
     tool_parser: str | None = "qwen3"
     """``renderers`` parser that reads tool calls from sampled token ids (``qwen3``: ``<tool_call>{json}</tool_call>``)."""
     max_concurrent: int = Field(default=8, ge=1, le=1024)

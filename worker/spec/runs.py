@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,6 +12,7 @@ from worker.spec.launcher import LauncherConfig
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
 from worker.spec.trainer import CheckpointConfig, OptimConfig, SchedulerConfig, TrainerConfig
+from worker.spec.user_code import ENV_ID
 
 # ----------------------------------------------------------------------------- model / env
 
@@ -24,8 +25,10 @@ class ModelConfig(StrictModel):
 
 
 class EnvConfig(StrictModel):
-    id: str = "reverse_text"
-    """Built-in environment (``reverse_text``, ``arithmetic``) or ``package.module:function`` returning a Taskset."""
+    id: Annotated[str, ENV_ID] = "reverse_text"
+    """Built-in environment (``reverse_text``, ``arithmetic``), one an installed package registers (entry point group
+    ``asyncrl.environments``) or ``package.module:function`` returning a Taskset; a run submitted to the service may
+    name only allowed code (``worker/spec/user_code.py``)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment loader (e.g. ``num_train``, ``max_chars``)."""
 

@@ -50,7 +50,7 @@ def _error(kind: str, data: dict[str, Any]) -> str:
 def test_import_is_slim() -> None:
     code = (
         "import sys, json, worker.spec\n"
-        "print(json.dumps([m for m in ('torch', 'vllm', 'fastapi', 'transformers') if m in sys.modules]))\n"
+        "print(json.dumps([m for m in ('torch', 'vllm', 'fastapi', 'transformers', 'verifiers') if m in sys.modules]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -107,3 +107,33 @@ def test_embedded_server_on_sqlite_serves_the_dashboard_with_runs(tmp_path: Path
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_generated_secret_key_file_is_0600_and_a_lax_one_is_tightened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SECRET_KEY", raising=False)
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
+    old = os.umask(0o000)  # the most permissive umask: the mode must not depend on it
+    try:
+        key = Settings().secret_key()
+    finally:
+        os.umask(old)
+    path = tmp_path / "secret_key"
+    assert (path.stat().st_mode & 0o777, len(key)) == (0o600, 64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret_key"]  # no temporary file left
+    assert Settings().secret_key() == key  # generated once
+    path.chmod(0o644)  # written by an older version
+    assert Settings().secret_key() == key and path.stat().st_mode & 0o777 == 0o600
+
+
+def test_code_and_run_env_settings_are_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ALLOWED_CODE_PACKAGES", "mypkg, other_pkg,")
+    monkeypatch.setenv("INFERENCE_ALLOW_HOSTS", "vllm.internal")
+    monkeypatch.setenv("RUN_ENV_ALLOW", "")
+    s = Settings()
+    assert (s.ALLOWED_CODE_PACKAGES, s.INFERENCE_ALLOW_HOSTS, s.RUN_ENV_ALLOW) == (
+        ["mypkg", "other_pkg"],
+        ["vllm.internal"],
+        [],
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import verifiers.v1 as vf
@@ -258,3 +259,32 @@ def test_unknown_arg_error_names_arg_and_valid_ones(env_id, valid):
 def test_invalid_arg_value_is_a_load_error():
     with pytest.raises(EnvironmentLoadError, match="max_chars"):
         load_environment("reverse_text", split="train", seed=0, min_chars=10, max_chars=5)
+
+
+def test_entry_point_environment_loads_by_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit.worker.spec.test_user_code import fake_distribution
+
+    fake_distribution(tmp_path, "[asyncrl.environments]\nfake_reverse = fakeenvs:make\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = load_environment("fake_reverse", split="eval", seed=0)
+    assert env.num_tasks == 3
+    assert env.task(2).data == load_environment("reverse_text", split="eval", seed=0, num_eval=3).task(2).data
+
+
+def test_a_function_re_exported_from_another_package_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fakeenvs:run`` is ``subprocess.run`` (``from subprocess import run``): allowing ``fakeenvs`` does not allow
+    it, and ``env.args`` never reach it."""
+    from tests.unit.worker.spec.test_user_code import fake_distribution
+
+    fake_distribution(tmp_path, "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "ran"
+    with pytest.raises(EnvironmentLoadError) as info:
+        load_environment("fakeenvs:run", split="train", seed=0, args=["touch", str(marker)])
+    assert str(info.value) == (
+        "environment 'fakeenvs:run' names subprocess.run, defined outside 'fakeenvs'; name the module that defines it"
+    )
+    assert not marker.exists()
+    assert load_environment("fakeenvs:make", split="eval", seed=0).num_tasks == 3  # its own function loads

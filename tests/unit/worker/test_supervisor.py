@@ -1,0 +1,151 @@
+"""The environment of a service-launched run (``worker.supervisor.run_env``, ``worker.procs.run_environ``): the
+run's processes see their own token and what they need, never the service's database or broker URL, its secret or
+another run's token; checked on real processes started as runs start theirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from worker import supervisor
+
+SECRETS = {
+    "DATABASE_URL": "postgresql+psycopg://asyncrl:hunter2@127.0.0.1:5432/asyncrl",
+    "CELERY_BROKER_URL": "redis://:hunter2@127.0.0.1:6379/0",
+    "SECRET_KEY": "server-secret",
+    "ASYNCRL_HOME": "/srv/asyncrl",  # its secret_key file
+    "ASYNCRL_RUN_TOKEN": "rt_other_run",
+    "ASYNCRL_RUN_ID": "999",
+    "HF_TOKEN": "hf_admin",
+    "AWS_SECRET_ACCESS_KEY": "aws",
+    "PGPASSWORD": "hunter2",
+    "NCCL_SECRET_KEY": "x",  # a passing prefix does not carry a credential
+}
+NEEDED = {"OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCH_HOME": "/tmp/th", "LC_ALL": "C.UTF-8"}
+
+
+@pytest.fixture
+def worker_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {**SECRETS, **NEEDED}.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.usefixtures("worker_environ")
+def test_run_env_passes_what_runs_need_and_no_secret() -> None:
+    env = supervisor.run_env(7, "rt_own", "http://127.0.0.1:8000")
+    assert (set(SECRETS) - {"ASYNCRL_RUN_TOKEN", "ASYNCRL_RUN_ID"}) & set(env) == set()
+    assert {k: env.get(k) for k in SECRETS} == {
+        **dict.fromkeys(SECRETS),
+        "ASYNCRL_RUN_TOKEN": "rt_own",
+        "ASYNCRL_RUN_ID": "7",
+    }
+    assert {k: env[k] for k in NEEDED} == NEEDED
+    assert env["PATH"] == os.environ["PATH"] and env["ASYNCRL_SERVER_URL"] == "http://127.0.0.1:8000"
+    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    assert not any(v in "\n".join(env.values()) for v in ("hunter2", "server-secret", "rt_other_run", "hf_admin"))
+
+
+@pytest.mark.usefixtures("worker_environ")
+def test_allow_lets_an_admin_listed_variable_through_but_never_the_service_secrets() -> None:
+    env = supervisor.run_env(7, "rt_own", "http://s", allow=["HF_TOKEN", "DATABASE_URL", "SECRET_KEY"])
+    assert env["HF_TOKEN"] == "hf_admin"
+    assert "DATABASE_URL" not in env and "SECRET_KEY" not in env
+
+
+CHILD = """
+import json, os, sys, time
+from pathlib import Path
+from worker.procs import spawn
+out = Path(sys.argv[1])
+(out / "supervisor.json").write_text(json.dumps(dict(os.environ)))
+code = "import json, os, sys; open(sys.argv[1], 'w').write(json.dumps(dict(os.environ)))"
+proc = spawn([sys.executable, "-c", code, str(out / "trainer.json")], out / "trainer.log")
+proc.wait()
+"""
+
+
+@pytest.mark.usefixtures("worker_environ")
+def test_a_run_process_started_as_runs_are_cannot_read_the_database_url(tmp_path: Path) -> None:
+    """A supervisor is started with ``supervisor.detach`` and ``run_env`` (as ``supervisor.start`` does) and starts
+    a run process with ``worker.procs.spawn`` (as the local launcher does); both print their whole environment."""
+    pid = supervisor.detach(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        supervisor.run_env(7, "rt_own", "http://127.0.0.1:8000"),
+        tmp_path / "supervisor.log",
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "trainer.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid > 0 and (tmp_path / "trainer.json").exists(), (tmp_path / "supervisor.log").read_text()
+    time.sleep(0.2)  # the file is written in one call; let it close
+    for name in ("supervisor.json", "trainer.json"):
+        seen = json.loads((tmp_path / name).read_text())
+        assert "DATABASE_URL" not in seen and "CELERY_BROKER_URL" not in seen and "SECRET_KEY" not in seen, name
+        assert "ASYNCRL_HOME" not in seen and "HF_TOKEN" not in seen, name
+        assert (seen["ASYNCRL_RUN_TOKEN"], seen["ASYNCRL_RUN_ID"], seen["OMP_NUM_THREADS"]) == ("rt_own", "7", "2")
+    assert os.environ["DATABASE_URL"] == SECRETS["DATABASE_URL"]  # the worker's own environment is unchanged
+
+
+def test_run_user_is_checked() -> None:
+    assert supervisor.run_user("") is None
+    with pytest.raises(ValueError, match=r"^RUN_USER: no user 'no-such-user-x' on this worker$"):
+        supervisor.run_user("no-such-user-x")
+    with pytest.raises(ValueError, match=r"^RUN_USER: 'root' is root; name an unprivileged user$"):
+        supervisor.run_user("root")
+
+
+def test_a_run_started_as_run_user_cannot_read_the_secret_key_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root worker with ``RUN_USER = nobody``: the detached process runs as nobody (no supplementary groups, its
+    own HOME), writes in the home folder given to it, and cannot read the server's generated secret key file. A
+    shell stands in for the supervisor: this machine's Python lives under /root, which nobody may not enter."""
+    if os.geteuid() != 0:
+        with pytest.raises(ValueError, match="not root: it cannot start runs as 'nobody'"):
+            supervisor.run_user("nobody")
+        return
+    from server.core.config import Settings
+
+    user = supervisor.run_user("nobody")
+    assert user is not None
+    base = Path(tempfile.mkdtemp(prefix="asyncrl-run-user-"))
+    try:
+        base.chmod(0o755)  # like an output folder: the run user may enter it
+        monkeypatch.setenv("ASYNCRL_HOME", str(base / "state"))
+        monkeypatch.delenv("SECRET_KEY", raising=False)
+        Settings().secret_key()  # the real code path: <ASYNCRL_HOME>/secret_key, 0600
+        secret = base / "state" / "secret_key"
+        home = base / "runs" / "7"
+        home.mkdir(parents=True)
+        (home / "spec.json").write_text("{}")
+        supervisor.give_home(home, user)
+        script = (
+            'cd "$1"; id -u > uid; id -G > groups; echo "$HOME" > home; '
+            'cat "$2" > read 2> err; echo "${DATABASE_URL:-unset}" > db; touch done'
+        )
+        supervisor.detach(
+            ["/bin/sh", "-c", script, "sh", str(home), str(secret)],
+            supervisor.run_env(7, "rt_own", "http://s"),
+            home / "supervisor.log",
+            user,
+        )
+        deadline = time.monotonic() + 30
+        while not (home / "done").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = {name: (home / name).read_text().strip() for name in ("uid", "groups", "home", "read", "err", "db")}
+        assert got == {
+            "uid": str(user.uid),
+            "groups": str(user.gid),
+            "home": user.home,
+            "read": "",
+            "err": f"cat: {secret}: Permission denied",
+            "db": "unset",
+        }
+        assert (home / "spec.json").stat().st_uid == user.uid and (home / "done").stat().st_uid == user.uid
+    finally:
+        shutil.rmtree(base)
