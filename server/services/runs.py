@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -218,6 +219,11 @@ def checkpoint_steps(run: Run) -> list[int]:
     return complete_steps(RunDir(run.run_dir))
 
 
+SUPERVISOR_EXIT_WAIT_S = 10.0
+"""How long a resume waits for the supervisor of a failed/cancelled run to exit: it reports its final status first,
+then stops its reporter and exits (a second or two with the run's modules loaded)."""
+
+
 def resume(session: Session, run: Run, *, by: str) -> int:
     """Put a failed or cancelled run back to ``queued`` to continue from its newest complete checkpoint; returns
     that step. Metrics of later steps are deleted (the resumed run measures them again, as ``--resume`` prunes
@@ -232,7 +238,10 @@ def resume(session: Session, run: Run, *, by: str) -> int:
     current = RunStatus(run.status)
     if current not in RESUMABLE:
         raise InvalidTransition(f"run {run.id} is {current.value}: only failed or cancelled runs resume")
-    pid = running_pid(Path(run.run_dir).parent)
+    home = Path(run.run_dir).parent
+    deadline = time.monotonic() + SUPERVISOR_EXIT_WAIT_S  # it reported its final status and is exiting
+    while (pid := running_pid(home)) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
     if pid is not None:
         raise InvalidTransition(f"run {run.id}: its supervisor (pid {pid}) is still running; wait for it to end")
     steps = checkpoint_steps(run)

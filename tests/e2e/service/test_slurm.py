@@ -256,7 +256,8 @@ def test_requeued_report_drops_later_metrics_once_and_not_for_an_ended_run(clien
     runs.transition(session, run, RunStatus.cancelled, reason="stopped")
     session.commit()
     resp = client.post(f"/api/runs/{run.id}/requeued", json={**report, "restarts": 2}, headers=rt)
-    assert resp.status_code == 409, resp.text
+    assert resp.status_code == 401, resp.text  # an ended run's token no longer writes (issue 16)
+    assert resp.json()["detail"] == f"run {run.id} has ended (cancelled): its run token no longer writes"
     assert stored(run.id) == 6
 
 
