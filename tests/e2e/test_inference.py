@@ -119,6 +119,10 @@ def test_update_weights_bad_path_raises(vllm_server, tmp_path: Path) -> None:
                 await client.update_weights(tmp_path / "missing")
             await client.wait_ready(timeout_s=60)  # still serving (a loaded CI box can be slow to answer)
             assert await client.served_model() == str(vllm_server.model_path)
+            # and still generates: a lazy path check used to fail inside vLLM's reload, after the layers had been
+            # moved to the meta device, and the engine died at the next forward
+            (out,) = await client.generate(PROMPT, n=1, max_tokens=4, temperature=1.0, seed=0)
+            assert len(out.token_ids) >= 1
 
     asyncio.run(go())
 

@@ -48,13 +48,23 @@ logger = logging.getLogger(__name__)
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every ``*.safetensors`` file in directory ``path``."""
-    from safetensors import safe_open
+    """(name, tensor) for every tensor of every ``*.safetensors`` file in directory ``path``.
 
+    Raises:
+        FileNotFoundError: at once, before anything is read: ``path`` holds no ``*.safetensors`` file. (A lazy check
+            would fire inside vLLM's layerwise reload, after it moved the layers to the meta device: the engine then
+            dies at its next forward.)
+    """
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not p.exists() or not files:
         raise FileNotFoundError(f"{p}: no *.safetensors files")
+    return _tensors(files)
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
