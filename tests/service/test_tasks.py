@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.server import spec, wait_for
+from tests.support.server import spec, start_celery_worker, stop_process_group, wait_for
 from worker.procs import alive
 
 
@@ -133,35 +133,11 @@ def celery_worker_proc(live_server: str, tmp_path_factory: pytest.TempPathFactor
 
     app.control.purge()  # launches queued by earlier tests in this session
     log = tmp_path_factory.mktemp("celery") / "worker.log"
-    env = {**os.environ, "ASYNCRL_SERVER_URL": live_server}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "worker.celery_app",
-                "worker",
-                "--pool=solo",
-                "--loglevel=INFO",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-n",
-                f"test-{os.getpid()}@%h",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_celery_worker(live_server, log)
     try:
-        wait_for(lambda: b"ready." in log.read_bytes(), 60, "celery worker ready")
         yield log
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_process_group(proc)
 
 
 def test_worker_delivers_launch_twice_one_launch(
