@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.support.models import tiny_qwen3  # noqa: E402
 from worker.spec import validate_spec  # noqa: E402
 from worker.trainer.dist import full_state_dict, grad_norm_value, prepare_model, setup  # noqa: E402
 from worker.trainer.optim import build_optimizer  # noqa: E402
@@ -66,21 +66,7 @@ def one_step(
             "trainer": {"device": device, "optim": {"lr": 1e-3, "max_grad_norm": 0.01}},
         },
     )
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        attn_implementation=attention,
-    )
-    model = Qwen3ForCausalLM(cfg)
-    model.train()
+    model = tiny_qwen3(attention=attention).train()
     prepare_model(
         model, info, bf16=dtype == "bfloat16", activation_checkpointing=activation_checkpointing, compile=compile
     )

@@ -6,7 +6,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 
-def tiny_qwen3(seed: int = 0, tie: bool = True) -> Qwen3ForCausalLM:
+def tiny_qwen3(seed: int = 0, tie: bool = True, attention: str = "sdpa") -> Qwen3ForCausalLM:
+    """A 2-layer Qwen3 (vocab 300, hidden 64, 4 heads of 16, 2 KV heads) initialised from ``seed``, in eval mode
+    (call ``.train()`` for dropout-free training: the config has no dropout); ``tie`` ties the LM head to the
+    embeddings; ``attention`` is the ``attn_implementation`` (``sdpa``, ``eager``, ``flex_attention``)."""
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=300,
@@ -18,6 +21,6 @@ def tiny_qwen3(seed: int = 0, tie: bool = True) -> Qwen3ForCausalLM:
         head_dim=16,
         max_position_embeddings=128,
         tie_word_embeddings=tie,
-        attn_implementation="sdpa",
+        attn_implementation=attention,
     )
     return Qwen3ForCausalLM(cfg).eval()

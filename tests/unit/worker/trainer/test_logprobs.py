@@ -12,8 +12,9 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from tests.support.models import tiny_qwen3
 from worker.spec import validate_spec
 from worker.trainer.logprobs import entropy_from_logits, fused_logprob_entropy, selective_log_softmax
 from worker.trainer.loss import LossInputs, compute_sample_loss
@@ -60,20 +61,7 @@ def test_fused_head_rejects_bad_shapes() -> None:
 
 
 def _model(attention: str = "sdpa") -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        attn_implementation=attention,
-    )
-    return Qwen3ForCausalLM(cfg).train()
+    return tiny_qwen3(attention=attention).train()
 
 
 def _samples() -> list[dict]:

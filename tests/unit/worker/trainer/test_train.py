@@ -5,27 +5,16 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from tests.support.models import tiny_qwen3
 from worker.packing import pack, pack_shared_prompt
 from worker.spec import validate_spec
 from worker.trainer.train import train_step
 
 
 def _model() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(cfg)
+    return tiny_qwen3(tie=False).train()
 
 
 def _samples() -> list[dict]:
