@@ -38,49 +38,6 @@ def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "outputs"
 
 
-# ----------------------------------------------------------------------------- spec errors (no heavy imports)
-
-
-def test_unknown_key(capsys: pytest.CaptureFixture[str], out_dir: Path) -> None:
-    line = _fails(capsys, ["rl", "@", RL_TOML, "--trainer.optim.lrr", "1e-5", "--output_dir", str(out_dir)])
-    assert line == "error: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
-    assert _nothing_under(out_dir)
-
-
-def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, out_dir: Path) -> None:
-    missing = tmp_path / "nope.toml"
-    line = _fails(capsys, ["rl", "@", str(missing), "--output_dir", str(out_dir)])
-    assert line == f"error: config file not found: {missing}"
-    assert _nothing_under(out_dir)
-
-
-def test_invalid_toml(capsys: pytest.CaptureFixture[str], tmp_path: Path, out_dir: Path) -> None:
-    bad = tmp_path / "bad.toml"
-    bad.write_text('name = "x"\n[trainer\n')
-    line = _fails(capsys, ["sft", f"@{bad}", "--output_dir", str(out_dir)])
-    assert line.startswith(f"error: {bad}: not valid TOML")
-    assert _nothing_under(out_dir)
-
-
-def test_override_missing_value(capsys: pytest.CaptureFixture[str], out_dir: Path) -> None:
-    line = _fails(capsys, ["rl", "@", RL_TOML, "--output_dir", str(out_dir), "--max_steps"])
-    assert line == "error: --max_steps: missing value"
-    assert _nothing_under(out_dir)
-
-
-def test_group_size_one(capsys: pytest.CaptureFixture[str], out_dir: Path) -> None:
-    line = _fails(capsys, ["rl", "@", RL_TOML, "--orchestrator.group_size", "1", "--output_dir", str(out_dir)])
-    assert line == "error: orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1"
-    assert _nothing_under(out_dir)
-
-
-def test_stray_argument_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    line = _fails(capsys, ["rl", "@", RL_TOML, "stray"])
-    assert "unexpected argument 'stray'" in line
-    line = _fails(capsys, ["frobnicate"])
-    assert line == f"error: unknown command 'frobnicate' (expected one of {', '.join(COMMANDS)}; -h for help)"
-
-
 def test_dry_run_prints_resolved_json(capsys: pytest.CaptureFixture[str], out_dir: Path, model_dir: Path) -> None:
     code = main(
         [
@@ -161,57 +118,6 @@ def broken_models(model_dir: Path) -> dict[str, Path]:
     weights = (model_dir / "model.safetensors").read_bytes()
     (out["truncated"] / "model.safetensors").write_bytes(weights[:1000])
     return out
-
-
-def test_rl_missing_model_path(capsys: pytest.CaptureFixture[str], tmp_path: Path, out_dir: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    line = _fails(capsys, ["rl", "@", RL_TOML, "--model.name", str(missing), "--output_dir", str(out_dir)])
-    assert line.startswith("error: model.name: ")
-    assert str(missing) in line
-    assert _nothing_under(out_dir)
-
-
-def test_rl_bad_env_id(capsys: pytest.CaptureFixture[str], model_dir: Path, out_dir: Path) -> None:
-    line = _fails(
-        capsys,
-        [
-            "rl",
-            "@",
-            RL_TOML,
-            "--model.name",
-            str(model_dir),
-            "--env.id",
-            "nope.module:thing",
-            "--output_dir",
-            str(out_dir),
-        ],
-    )
-    assert line.startswith("error: env.id: ")
-    assert "nope.module:thing" in line
-    assert _nothing_under(out_dir)
-
-
-def test_rl_seq_len_too_small(capsys: pytest.CaptureFixture[str], model_dir: Path, out_dir: Path) -> None:
-    line = _fails(
-        capsys,
-        [
-            "rl",
-            "@",
-            RL_TOML,
-            "--model.name",
-            str(model_dir),
-            "--orchestrator.seq_len",
-            "50",
-            "--output_dir",
-            str(out_dir),
-            "--name",
-            "short",
-        ],
-    )
-    assert line.startswith("error: orchestrator.seq_len: 50 tokens cannot hold a ")
-    assert "max_tokens 48" in line
-    assert not (out_dir / "short").exists()
-    assert _nothing_under(out_dir)
 
 
 # ----------------------------------------------------------------------------- bad input of every kind: exit 2, one line, nothing made
@@ -465,6 +371,40 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: asyncrl model init: argument --size: invalid choice: 'huge' (choose from 'tiny', 'small')",
     ),
     "model-no-action": (["model"], "error: asyncrl model: the following arguments are required: action"),
+    # the same errors on the launch path (no --dry-run): still nothing made
+    "unknown-command": (
+        ["frobnicate"],
+        f"error: unknown command 'frobnicate' (expected one of {', '.join(COMMANDS)}; -h for help)",
+    ),
+    "stray-argument": (["rl", "@", RL_TOML, "stray"], "re:error: .*unexpected argument 'stray'.*"),
+    "override-missing-value-at-end": (
+        ["rl", "@", RL_TOML, "--output_dir", "{out}", "--max_steps"],
+        "error: --max_steps: missing value",
+    ),
+    "rl-unknown-key-launch": (
+        ["rl", "@", RL_TOML, "--trainer.optim.lrr", "1e-5", "--output_dir", "{out}"],
+        "error: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+    ),
+    "sft-toml-syntax-launch": (
+        ["sft", "@{tmp}/bad.toml", "--output_dir", "{out}"],
+        "re:error: {tmp}/bad.toml: not valid TOML.*",
+    ),
+    "rl-group-size-1-launch": (
+        ["rl", "@", RL_TOML, "--orchestrator.group_size", "1", "--output_dir", "{out}"],
+        "error: orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1",
+    ),
+    "rl-missing-model-launch": (
+        ["rl", "@", RL_TOML, "--model.name", "{tmp}/no-model", "--output_dir", "{out}"],
+        "error: model.name: {tmp}/no-model: model path does not exist",
+    ),
+    "rl-env-does-not-import-launch": (
+        ["rl", "@", RL_TOML, "--model.name", "{model}", "--env.id", "nope.module:thing", "--output_dir", "{out}"],
+        "re:error: env.id: .*'nope\\.module:thing'.*",
+    ),
+    "rl-seq-len-too-small-launch": (
+        ["rl", "@", RL_TOML, "--model.name", "{model}", "--orchestrator.seq_len", "50", "--output_dir", "{out}"],
+        "re:error: orchestrator.seq_len: 50 tokens cannot hold a .*max_tokens 48.*",
+    ),
     # control-plane commands (server/cli.py): argument errors before any connection
     "submit-directory": (
         ["submit", "{tmp}/folder"],
