@@ -104,7 +104,11 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
         ok = not os.path.lexists(name) or _under(os.path.realpath(name), real)  # a local folder by that name
     else:
         path = os.path.normpath(os.path.join(cwd, name)) if plain else ""
-        ok = bool(path) and _under(path, absolute) and (not os.path.lexists(path) or _under(os.path.realpath(path), real))
+        ok = (
+            bool(path)
+            and _under(path, absolute)
+            and (not os.path.lexists(path) or _under(os.path.realpath(path), real))
+        )
     if not ok:
         raise SpecError(
             f"model.name: {name!r} is not allowed in a run submitted to the service; allowed: a hub id (org/name) or "

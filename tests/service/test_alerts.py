@@ -125,7 +125,9 @@ def test_ssrf_allow_list_and_loopback_without_allow_private(
     resp = client.post("/api/webhooks", json={"url": "http://localhost:8080/hook"}, headers=auth)
     assert resp.status_code == 422
     assert resp.json()["detail"].startswith("url: localhost resolves to "), resp.text
-    assert resp.json()["detail"].endswith("a loopback address (allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS)")
+    assert resp.json()["detail"].endswith(
+        "a loopback address (allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS)"
+    )
 
 
 @pytest.mark.parametrize("host", ["100.64.0.1", "100.127.255.254", "[::ffff:100.64.0.1]"])
@@ -222,7 +224,9 @@ def test_ssrf_guard_judges_ipv6_by_the_ipv4_it_embeds(form: str, v4: str, monkey
     with pytest.raises(UnsafeURL) as err:
         check_url(f"http://[{literal}]:8080/hook")
     assert str(err.value) == f"url: {literal} resolves to {ip6} (IPv4 {v4}), {REASONS[v4]}"  # the host as written
-    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", True)  # loopback and private pass when an admin allows them, the rest never
+    monkeypatch.setattr(
+        settings, "WEBHOOK_ALLOW_PRIVATE", True
+    )  # loopback and private pass when an admin allows them, the rest never
     if v4.startswith("169.254."):
         with pytest.raises(UnsafeURL, match="IPv4 169.254"):
             check_url(f"http://[{literal}]:8080/hook")

@@ -50,7 +50,9 @@ class SlurmConfig(StrictModel):
     @classmethod
     def _name(cls, v: str | None) -> str | None:
         if v is not None and not _SLURM_NAME.match(v):
-            raise ValueError(f"expected a Slurm name of letters, digits, '_', '.', '+', '-' (comma-separated), got {v!r}")
+            raise ValueError(
+                f"expected a Slurm name of letters, digits, '_', '.', '+', '-' (comma-separated), got {v!r}"
+            )
         return v
 
     @field_validator("time_limit")
