@@ -112,8 +112,10 @@ def redact_error(error: str) -> str:
         return error.split(":", 1)[0].split(" (", 1)[0]
     if error.startswith("url: "):
         return "refused by the SSRF guard"
-    head = error.split(":", 1)[0]
-    return head if head.isidentifier() else ("" if not error else "error")
+    head, colon, _ = error.partition(":")
+    if not colon:  # a fixed message of ours, e.g. "endpoint disabled"
+        return error
+    return head if head.isidentifier() else "error"
 
 
 def public_delivery(row: WebhookDelivery, *, read_only: bool) -> DeliveryPublic:

@@ -106,7 +106,7 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
         path = os.path.normpath(os.path.join(cwd, name)) if plain else ""
         ok = (
             bool(path)
-            and _under(path, absolute)
+            and (_under(path, absolute) or _under(path, real))
             and (not os.path.lexists(path) or _under(os.path.realpath(path), real))
         )
     if not ok:
