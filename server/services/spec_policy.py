@@ -8,6 +8,13 @@ shared worker, so it may name only
   setting ``ALLOWED_CODE_PACKAGES``;
 - an ``inference.url`` on the worker itself (loopback) or a host in ``INFERENCE_ALLOW_HOSTS``: the run sends
   weight updates and requests there;
+- an ``inference.host`` (where vLLM listens) and a ``trainer.weight_sync.master_addr`` (where the trainer's store
+  listens and vLLM connects) on loopback or a node of the run's own Slurm ``--nodelist``
+  (:func:`check_run_host`): vLLM's weight-loading routes have no authentication, so it never listens elsewhere;
+- a ``model.name`` that is a hub id (``org/name``) or a path under an admin's ``MODEL_ROOTS``
+  (:func:`check_model_name`): not ``/etc``, ``/proc/self/...``, ``~`` or ``..`` out of a root, nor a symlink out
+  of one. ``output_dir`` is set by the service; the spec has no other path (data is generated, a fork's
+  checkpoint is the parent's);
 - ``inference.extra_args`` flags from :data:`VLLM_FLAGS` (tuning and parallelism) or ``INFERENCE_ALLOW_FLAGS``:
   others load code (``--worker-extension-cls``, ``--middleware``, ``--trust-remote-code``, ``--tool-parser-plugin``)
   or files;
@@ -22,6 +29,7 @@ shared worker, so it may name only
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Collection
 from urllib.parse import urlsplit
@@ -67,6 +75,82 @@ def check_inference_url(url: str | None, allowed_hosts: Collection[str]) -> None
     raise AddressNotAllowed(
         f"inference.url: {url!r} is not allowed in a run submitted to the service; allowed: an http(s) URL of a "
         f"loopback address (127.0.0.1, localhost, ::1) or of a host in INFERENCE_ALLOW_HOSTS ({listed})"
+    )
+
+
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+"""A model hub id: ``name`` or ``org/name`` of letters, digits, ``-``, ``_``, ``.`` (not leading, no ``..``)."""
+
+
+def _under(path: str, roots: Collection[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def check_model_name(name: str, roots: Collection[str]) -> None:
+    """Refuse a ``model.name`` that is neither a hub id (:data:`HUB_ID`, and no local path outside ``roots`` by that
+    name) nor a path under one of ``roots`` (relative ones from this process's working folder). A path is judged
+    as written (``..`` refused) and, where it exists here, with its symlinks resolved.
+
+    Raises:
+        SpecError: ``model.name: '/etc' is not allowed in a run submitted to the service; allowed: a hub id
+            (org/name) or a path under MODEL_ROOTS (/srv/asyncrl/outputs)``.
+    """
+    cwd = os.getcwd()
+    absolute = [os.path.normpath(os.path.join(cwd, r)) for r in roots]
+    real = [os.path.realpath(r) for r in absolute]
+    parts = name.replace("\\", "/").split("/")
+    plain = "\0" not in name and ".." not in parts and not name.startswith("~")
+    if plain and HUB_ID.match(name) and ".." not in name:
+        ok = not os.path.lexists(name) or _under(os.path.realpath(name), real)  # a local folder by that name
+    else:
+        path = os.path.normpath(os.path.join(cwd, name)) if plain else ""
+        ok = (
+            bool(path)
+            and (_under(path, absolute) or _under(path, real))
+            and (not os.path.lexists(path) or _under(os.path.realpath(path), real))
+        )
+    if not ok:
+        raise SpecError(
+            f"model.name: {name!r} is not allowed in a run submitted to the service; allowed: a hub id (org/name) or "
+            f"a path under MODEL_ROOTS ({', '.join(absolute) or 'none'}), without '..' or '~'"
+        )
+
+
+def nodelist(spec: RLSpec) -> set[str]:
+    """Host names of the run's own Slurm ``--nodelist`` / ``-w`` option (``launcher.slurm.extra_sbatch``), with
+    ``node[1-3,5]`` ranges expanded; empty for a local run."""
+    if spec.launcher.kind != "slurm":
+        return set()
+    names: set[str] = set()
+    for opt in spec.launcher.slurm.extra_sbatch:
+        flag, _, value = opt.partition("=")
+        if flag not in {"--nodelist", "-w"}:
+            continue
+        for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?", value):
+            prefix, ranges = m.group(1), m.group(2)
+            if ranges is None:
+                names.add(prefix)
+                continue
+            for part in ranges.split(","):
+                lo, _, hi = part.partition("-")
+                if lo.isdigit() and (not hi or hi.isdigit()) and int(hi or lo) - int(lo) < 4096:
+                    names.update(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1))
+    return {n.lower() for n in names if n}
+
+
+def check_run_host(key: str, host: str, nodes: Collection[str]) -> None:
+    """Refuse an address a run listens on or connects to inside itself (``inference.host``,
+    ``trainer.weight_sync.master_addr``) unless it is loopback or one of ``nodes`` (:func:`nodelist`).
+
+    Raises:
+        AddressNotAllowed: ``inference.host: '0.0.0.0' is not allowed in a run submitted to the service; allowed: a
+            loopback address (127.0.0.1, localhost, ::1) or a node of the run's Slurm --nodelist (none)``.
+    """
+    if _loopback(host.lower()) or host.lower() in nodes:
+        return
+    raise AddressNotAllowed(
+        f"{key}: {host!r} is not allowed in a run submitted to the service; allowed: a loopback address (127.0.0.1, "
+        f"localhost, ::1) or a node of the run's Slurm --nodelist ({', '.join(sorted(nodes)) or 'none'})"
     )
 
 
@@ -133,14 +217,20 @@ def check(spec: RLSpec | SFTSpec) -> None:
 
     Raises:
         CodeNotAllowed: an import path not allowed (names its key).
-        AddressNotAllowed: ``inference.url`` not loopback or allowed.
+        AddressNotAllowed: ``inference.url`` not loopback or allowed; ``inference.host`` or
+            ``trainer.weight_sync.master_addr`` not loopback or a node of the run.
+        SpecError: ``model.name`` neither a hub id nor under ``MODEL_ROOTS``.
         SpecError: an ``inference.extra_args`` flag, ``launcher.slurm.extra_sbatch`` option or ``launcher.slurm.env``
             name not allowed (names the key).
     """
     check_spec_code(spec, settings.ALLOWED_CODE_PACKAGES)
+    check_model_name(spec.model.name, settings.MODEL_ROOTS)
     if not isinstance(spec, RLSpec):
         return
     check_inference_url(spec.inference.url, settings.INFERENCE_ALLOW_HOSTS)
+    nodes = nodelist(spec)
+    check_run_host("inference.host", spec.inference.host, nodes)
+    check_run_host("trainer.weight_sync.master_addr", spec.trainer.weight_sync.master_addr, nodes)
     flags = VLLM_FLAGS | set(settings.INFERENCE_ALLOW_FLAGS)
     check_flags(
         "inference.extra_args",

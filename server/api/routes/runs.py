@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
+from server.errors import is_json_type
 from server.models import (
     TERMINAL,
     ForkRequest,
@@ -69,13 +70,17 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
             data = parse_text(raw.decode(), fmt, "file")  # SpecError (nested too deep) -> 422
         except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
             raise HTTPException(400, f"file: {filename} is not valid {fmt}: {err}") from None
-    elif ctype.startswith("application/json") or not ctype:
+    elif is_json_type(ctype):
+        raw = await request.body()
+        if not raw.strip():
+            raise HTTPException(400, "body: empty: send a JSON object (the run spec)")
         try:
-            data = parse_text(await request.body(), "JSON", "body")
+            data = parse_text(raw, "JSON", "body")
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise HTTPException(400, f"body: not valid JSON: {err}") from None
+            raise HTTPException(400, f"body: not valid JSON ({err})") from None
     else:
-        raise HTTPException(415, f"content-type {ctype!r}: send application/json or a multipart/form-data 'file'")
+        shown = ctype.split(";")[0].strip()
+        raise HTTPException(415, f"content-type {shown!r}: send application/json or a multipart/form-data 'file'")
     if not isinstance(data, dict):
         raise HTTPException(422, f"body: expected a JSON object (the run spec), got {type(data).__name__}")
     return data
@@ -86,7 +91,11 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
     status_code=201,
     response_model=RunPublic,
     openapi_extra=_SUBMIT_BODY,
-    responses={400: {"description": "body does not parse"}, 422: {"description": "invalid spec"}},
+    responses={
+        400: {"description": "body empty or does not parse"},
+        415: {"description": "not JSON or a multipart file"},
+        422: {"description": "invalid spec"},
+    },
 )
 async def create_run(request: Request, session: SessionDep, user: UserDep) -> Any:
     """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
