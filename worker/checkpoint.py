@@ -46,7 +46,7 @@ def write_part(run: RunDir, step: int, part: str, write: Callable[[Path], None])
     tmp = step_dir / f".{part}.tmp-{os.getpid()}"
     what = f"checkpoint step {step} ({part} part)"
     try:
-        with writing(what, tmp, partial=tmp):
+        with writing(what, step_dir / part, partial=tmp):
             step_dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()

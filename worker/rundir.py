@@ -54,6 +54,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,11 +148,25 @@ def remove_path(path: Path) -> None:
             pass
 
 
+def _clear_frames(err: BaseException) -> None:
+    """Clear the local variables of the finished frames in the tracebacks of ``err`` and the errors it chains."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 @contextmanager
 def writing(what: str, path: Path, *, partial: Path | None = None) -> Iterator[None]:
     """The body writes ``what`` at ``path``. When it raises, ``partial`` (the temporary file or folder it was
     filling) is removed, and an error of a full filesystem (:func:`is_disk_full`) is raised as :class:`DiskFull`
-    naming ``what`` (and the innermost path, when a nested ``writing`` raised it first); other errors pass unchanged.
+    naming ``what`` and ``path`` (or the path a nested ``writing`` named, unless that is inside ``partial``); other
+    errors pass unchanged.
 
     Raises:
         DiskFull: the filesystem is full.
@@ -164,11 +179,16 @@ def writing(what: str, path: Path, *, partial: Path | None = None) -> Iterator[N
             free, total = (err.free, err.total) if isinstance(err, DiskFull) else disk_space(path) if full else (0, 0)
         except OSError:
             free, total = 0, 0
+        if full:  # a library's half-written file may still be open in a frame of the error (torch.save's writer):
+            _clear_frames(err)  # close it, so that removing it gives its space back now
         if partial is not None:
             remove_path(partial)
         if not full:
             raise
-        raise DiskFull(what, err.path if isinstance(err, DiskFull) else path, free, total) from err
+        inner = err.path if isinstance(err, DiskFull) else path
+        if partial is not None and inner.is_relative_to(partial):  # inside the temporary folder: name the real place
+            inner = path
+        raise DiskFull(what, inner, free, total) from err
 
 
 LAUNCH_MIN_FREE_BYTES = 2**20

@@ -45,7 +45,7 @@ def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
     if not is_main_rank():
         return
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with writing("the final model", tmp, partial=tmp):
+    with writing("the final model", out, partial=tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=state)
         AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)

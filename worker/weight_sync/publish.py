@@ -385,7 +385,7 @@ def _write_version(
     """
     final = run.weight_dir(version)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    with writing(f"policy version {version}", tmp, partial=tmp):
+    with writing(f"policy version {version}", final, partial=tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if state is not None:
