@@ -104,9 +104,10 @@ def _launch_error(err: Exception, home: Path) -> str:
     """One line for what stopped a launch: an ``OSError`` of the run's ``home``, a path in it or a folder above it
     (preparing it: a full disk, a read-only or unwritable output folder) by its cause and path (``worker.rundir.describe_os_error``); any
     other error as it is."""
-    where = Path(str(err.filename)) if isinstance(err, OSError) and err.filename else None
-    if where is not None and (where.is_relative_to(home) or home.is_relative_to(where)):
-        return describe_os_error(err)
+    if isinstance(err, OSError) and err.filename:
+        where = Path(str(err.filename))
+        if where.is_relative_to(home) or home.is_relative_to(where):
+            return describe_os_error(err)
     return str(err)
 
 
