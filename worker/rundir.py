@@ -46,6 +46,7 @@ the launcher's failure reason carries that event's reason.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import logging
@@ -123,10 +124,12 @@ class DiskFull(OSError):
 
 def is_disk_full(err: BaseException, path: Path) -> bool:
     """Whether ``err``, raised by a write at ``path``, means the filesystem is full: an ``OSError`` with ``ENOSPC`` or
-    ``EDQUOT``, an error whose message says so (safetensors), or any error while less than
-    :data:`DISK_FULL_FREE_BYTES` are free there (``torch.save``)."""
-    if isinstance(err, DiskFull) or (isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS):
+    ``EDQUOT`` (one with another ``errno`` is not), an error whose message says so (safetensors), or any other error
+    while less than :data:`DISK_FULL_FREE_BYTES` are free there (``torch.save``)."""
+    if isinstance(err, DiskFull):
         return True
+    if isinstance(err, OSError) and err.errno is not None:  # the kernel said why: EACCES, EROFS, ... are not space
+        return err.errno in _DISK_FULL_ERRNOS
     if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: not a write error
         return False
     if any(text in str(err).lower() for text in _DISK_FULL_TEXT):
@@ -454,8 +457,6 @@ def run_process(process: str, main: Callable[[], int], argv: list[str] | None = 
     """Run the ``main`` of run process ``process`` (``trainer``, ``orchestrator``) and return its exit code; a
     :class:`DiskFull` it raises ends it with exit code 1 after :func:`record_disk_full` in the run directory named by
     ``--run-dir`` in ``argv`` (default ``sys.argv[1:]``), instead of a traceback."""
-    import argparse
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--run-dir", type=Path)
     known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)

@@ -19,6 +19,7 @@ from worker.rundir import (
     atomic_write_text,
     describe_os_error,
     human_bytes,
+    is_disk_full,
     launch_space,
     read_jsonl,
     read_jsonl_after,
@@ -168,3 +169,19 @@ def test_read_offset_of_a_cut_short_file_starts_over(tmp_path: Path) -> None:
     assert read_offset(path) == 0
     path.write_text("4096")
     assert read_offset(path) == 4096
+
+
+def test_is_disk_full_believes_the_kernel_then_the_message_then_the_free_space(disk: Path, tmp_path: Path) -> None:
+    fill(disk)
+    with mounted(tmp_path / "ro", "1m", read_only=True) as ro:
+        with pytest.raises(OSError) as read_only:
+            (ro / "x").write_text("x")
+    assert read_only.value.errno == errno.EROFS and not is_disk_full(read_only.value, disk)  # even on a full disk
+    with pytest.raises(OSError) as no_space:
+        (disk / "x").write_text("x" * 10_000)
+    assert no_space.value.errno == errno.ENOSPC and is_disk_full(no_space.value, tmp_path)
+    saved = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")  # safetensors
+    assert is_disk_full(saved, tmp_path)
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert is_disk_full(torch_save, disk) and not is_disk_full(torch_save, tmp_path)  # the free space decides
+    assert not is_disk_full(KeyboardInterrupt(), disk)
