@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -156,6 +157,27 @@ def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **d
     session.flush()
     if kind == "requeued":  # the run's Slurm job was requeued
         alert_rules.on_status(session, run, None, "requeued", reason)
+
+
+def record_engine_events(session: Session, run: Run, events: list[dict[str, Any]]) -> int:
+    """Record events of the run's processes (``{"event", "time", "reason", "process", "data"}``, kinds of
+    ``worker.rundir.ENGINE_EVENTS``) as run events of their kind, at the time they were written, each once: one
+    whose kind and time the run already has is skipped (a supervisor that resends after a restart adds nothing).
+    Returns how many were new. Flushes only."""
+    kinds = sorted({e["event"] for e in events})
+    rows = session.exec(select(RunEvent).where(RunEvent.run_id == run.id, col(RunEvent.kind).in_(kinds))).all()
+    seen = {(r.kind, r.data.get("time")) for r in rows}
+    new = 0
+    for e in events:
+        if (e["event"], e["time"]) in seen:
+            continue
+        seen.add((e["event"], e["time"]))
+        data = {**e["data"], "time": e["time"], "process": e["process"]}
+        when = datetime.fromtimestamp(e["time"], UTC)
+        session.add(RunEvent(run_id=stored_id(run), time=when, kind=e["event"], reason=e["reason"], data=data))
+        new += 1
+    session.flush()
+    return new
 
 
 def hold(session: Session, run: Run, reason: str) -> bool:

@@ -8,7 +8,7 @@ import tomllib
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
 from server.errors import is_json_type
@@ -25,6 +25,7 @@ from server.models import (
 )
 from server.services import permissions, runs
 from worker.celery_app import TaskName, enqueue
+from worker.rundir import EngineEventKind
 from worker.spec import parse_text
 
 logger = logging.getLogger("asyncrl.api")
@@ -185,6 +186,54 @@ def report_requeued(run_id: int, report: RequeueReport, session: SessionDep, pri
     session.commit()
     session.refresh(run)
     return run
+
+
+class EngineEvent(BaseModel):
+    """One event a run's process wrote into ``events.jsonl`` (``worker.reporter.EventsForwarder`` sends them)."""
+
+    event: EngineEventKind
+    time: float = Field(ge=0, le=1e11, allow_inf_nan=False)
+    """Unix seconds when the process wrote it; with ``event`` the key that records it once."""
+    reason: str = Field("", max_length=2000)
+    process: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
+    data: dict[str, Any] = Field(default_factory=dict)
+    """The event's other fields (``step``, ``path``, ``free``, ...): JSON without NaN or infinities."""
+
+    @field_validator("data")
+    @classmethod
+    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError("data: NaN and infinities are not JSON; send null") from None
+        if len(text) > 8192:
+            raise ValueError(f"data: at most 8192 bytes of JSON, got {len(text)}")
+        return value
+
+
+class EngineEvents(BaseModel):
+    events: list[EngineEvent] = Field(max_length=500)
+
+
+class EngineEventsResult(BaseModel):
+    recorded: int
+    """Events new to the server (one it already had is not recorded again)."""
+
+
+@router.post(
+    "/{run_id}/events",
+    response_model=EngineEventsResult,
+    responses={401: {"description": "the run has ended (run token)"}, 422: {"description": "invalid event"}},
+)
+def report_events(run_id: int, body: EngineEvents, session: SessionDep, principal: PrincipalDep) -> Any:
+    """Events of the run's processes (``disk_full``, ``truncated``) sent by its supervisor (run token, while the run
+    is live) or its owner or an admin; each is recorded once as a run event of its kind (a repeat is skipped)."""
+    permissions.check_run_access(principal, run_id)
+    run = runs.get(session, run_id, lock=True)
+    permissions.require_run(principal, run, "status")
+    recorded = runs.record_engine_events(session, run, [e.model_dump() for e in body.events])
+    session.commit()
+    return EngineEventsResult(recorded=recorded)
 
 
 @router.get("/{run_id}/events", response_model=RunEventsPublic)
