@@ -42,8 +42,9 @@ from sqlmodel import Session, col, select
 from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, stored_id
+from server.models import TERMINAL, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
 from server.services import capacity, metrics, runs, spec_policy, tokens
+from server.services.permissions import Forbidden
 from worker import supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive
@@ -71,7 +72,7 @@ def launch(run_id: int) -> str:
         attempt = current_attempt(session, run_id)
         if pid is None and (final := SupervisorHome(home).read_final(attempt)) is not None:
             return _adopt_finished(session, run, final)
-        if pid is None and (refused := _refusal(run)) is not None:  # checked before anything of it starts
+        if pid is None and (refused := _refusal(session, run)) is not None:  # checked before anything of it starts
             return _fail_launch(session, run, refused)
         if pid is None and (full := space_refusal(home, str(run.spec["model"]["name"]))) is not None:
             return _fail_launch(session, run, full)
@@ -131,13 +132,15 @@ def start_waiting() -> list[str]:
     return [launch(run_id) for run_id in waiting]
 
 
-def _refusal(run: Run) -> str | None:
+def _refusal(session: Session, run: Run) -> str | None:
     """Why the stored spec may not be launched now (it no longer validates, or names code or an address the service
-    does not allow: a spec stored before a rule or a setting changed), None when it may. Checked only before a
-    supervisor or Slurm job is started, never against one an earlier delivery already started."""
+    does not allow, or something only an admin may use and the owner is not one: a spec stored before a rule, a
+    setting or the owner's role changed), None when it may. Checked only before a supervisor or Slurm job is
+    started, never against one an earlier delivery already started."""
+    owner = tokens.user(session, run.owner)
     try:
-        spec_policy.check(validate_spec("rl", run.spec))
-    except SpecError as err:
+        spec_policy.check(validate_spec("rl", run.spec), admin=owner is not None and owner.role == Role.admin)
+    except (SpecError, Forbidden) as err:
         return f"refused at launch: {err}"
     return None
 
@@ -194,7 +197,7 @@ def _launch_slurm(session: Session, run: Run) -> str:
     try:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
-        if job is None and (refused := _refusal(run)) is not None:
+        if job is None and (refused := _refusal(session, run)) is not None:
             return _fail_launch(session, run, refused)
         if job is None:
             if (waiting := _hold_for_slot(session, run, worker=None)) is not None:

@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     INFERENCE_ALLOW_FLAGS: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """vLLM flags a submitted spec may pass in ``inference.extra_args`` besides the tuning ones
     (``server/services/spec_policy.py`` ``VLLM_FLAGS``), e.g. ``--trust-remote-code``."""
+    JOB_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``launcher.slurm.env`` names a submitted spec may set besides the safe ones
+    (``server/services/spec_policy.py`` ``JOB_ENV_NAMES``), comma-separated."""
     MODEL_ROOTS: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Folders a submitted spec's ``model.name`` may name a path under (besides a hub id ``org/name``); empty =
     ``ASYNCRL_OUTPUT_DIR`` (where SFT runs and ``asyncrl model init`` write models). Relative entries are taken from
@@ -101,6 +104,7 @@ class Settings(BaseSettings):
         "ALLOWED_CODE_PACKAGES",
         "INFERENCE_ALLOW_HOSTS",
         "INFERENCE_ALLOW_FLAGS",
+        "JOB_ENV_ALLOW",
         "MODEL_ROOTS",
         "RUN_ENV_ALLOW",
         mode="before",

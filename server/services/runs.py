@@ -62,8 +62,9 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
-    """Validate a raw spec mapping and add a ``queued`` run. The run directory is
+def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = False) -> Run:
+    """Validate a raw spec mapping and add a ``queued`` run for ``owner`` (``admin``: an admin's, who may use what
+    ``spec_policy.check`` keeps from members). The run directory is
     ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
 
     Raises:
@@ -75,7 +76,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
     if spec.kind != "rl":
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
-    spec_policy.check(spec)
+    spec_policy.check(spec, admin=admin)
     capacity.check_fits(session, spec)
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
@@ -336,6 +337,7 @@ def fork(
     changes: dict[str, Any],
     step: int | None = None,
     name: str | None = None,
+    admin: bool = False,
 ) -> Run:
     """A new queued run: the parent's spec with ``changes``, starting from the parent's checkpoint ``step``
     (default: the newest complete one). The checkpoint is hard-linked (or copied) into the child's run
@@ -353,7 +355,7 @@ def fork(
     data.pop("output_dir", None)
     if name is not None:
         data["name"] = name
-    spec_policy.check(validate_spec("rl", data))  # a bad key, value or code is named before the checkpoint
+    spec_policy.check(validate_spec("rl", data), admin=admin)  # a bad key, value or code: named before the copy
     steps = checkpoint_steps(parent)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {RunDir(parent.run_dir).checkpoints}")
@@ -361,7 +363,7 @@ def fork(
         step = steps[-1]
     elif step not in steps:
         raise SpecError(f"step: run {parent.id} has no complete checkpoint at step {step} (complete: {steps})")
-    child = create(session, data=data, owner=owner)
+    child = create(session, data=data, owner=owner, admin=admin)
     if child.spec["max_steps"] <= step:
         raise SpecError(
             f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "

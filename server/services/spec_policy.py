@@ -20,7 +20,9 @@ shared worker, so it may name only
   or files;
 - ``launcher.slurm.extra_sbatch`` options from :data:`SBATCH_OPTIONS` (``--output=/etc/...`` would write a file
   anywhere as the submitting user) and ``launcher.slurm.env`` names that do not change what code loads or where
-  the run reports (:data:`JOB_ENV_REFUSED`).
+  the run reports: an allowlist, :data:`JOB_ENV_NAMES` and the setting ``JOB_ENV_ALLOW``;
+- ``launcher.slurm.allocation`` (run inside an existing job) only from an admin: the worker's Slurm user owns every
+  user's jobs.
 
 :func:`check` runs at submit (``runs.create``: the API, the dashboard's launch form, fork) and again at launch
 (``worker.tasks.launch``: a spec stored before a rule or a setting changed).
@@ -35,6 +37,7 @@ from collections.abc import Collection
 from urllib.parse import urlsplit
 
 from server.core.config import settings
+from server.services.permissions import Forbidden
 from worker.spec import RLSpec, SFTSpec, SpecError
 from worker.spec.user_code import check_spec_code
 
@@ -172,8 +175,39 @@ SBATCH_OPTIONS = frozenset(
     }
 )
 """``#SBATCH`` options a submitted spec may add in ``launcher.slurm.extra_sbatch``: placement and resources."""
-JOB_ENV_REFUSED = re.compile(r"^(ASYNCRL_\w*|LD_\w*|PYTHON\w*|PATH|BASH_ENV|ENV|HOME|SHELL|DATABASE_URL|CELERY_\w*)$")
-"""``launcher.slurm.env`` names a submitted spec may not set: what code loads, where the run reports, secrets."""
+JOB_ENV_NAMES = frozenset(
+    {
+        *("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM", "TZ"),
+        *(
+            "NCCL_DEBUG",
+            "NCCL_DEBUG_SUBSYS",
+            "NCCL_SOCKET_IFNAME",
+            "NCCL_IB_DISABLE",
+            "NCCL_IB_HCA",
+            "NCCL_P2P_DISABLE",
+        ),
+        *(
+            "NCCL_P2P_LEVEL",
+            "NCCL_ALGO",
+            "NCCL_PROTO",
+            "NCCL_NVLS_ENABLE",
+            "GLOO_SOCKET_IFNAME",
+            "CUDA_LAUNCH_BLOCKING",
+        ),
+        *(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_BLOCKING_WAIT",
+            "TORCH_DISTRIBUTED_DEBUG",
+            "TORCH_CPP_LOG_LEVEL",
+        ),
+        *("PYTORCH_CUDA_ALLOC_CONF", "VLLM_ATTENTION_BACKEND", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE"),
+        *("VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"),
+    }
+)
+"""``launcher.slurm.env`` names a submitted spec may set (more in the setting ``JOB_ENV_ALLOW``): threads, NCCL/gloo
+transport and debugging, the CUDA allocator, vLLM's backend and logging, offline switches. An allowlist, not a
+denylist: ``NCCL_NET_PLUGIN``, ``GCONV_PATH``, ``VLLM_PLUGINS`` and the like load shared libraries or code,
+``HTTP_PROXY`` moves traffic, ``SLURM_CONF`` another cluster's controller."""
 
 
 def _flag(arg: str) -> str | None:
@@ -198,21 +232,25 @@ def check_flags(key: str, args: list[str], allowed: Collection[str], what: str, 
             )
 
 
-def check_job_env(names: Collection[str]) -> None:
-    """Refuse a ``launcher.slurm.env`` name of :data:`JOB_ENV_REFUSED`.
+def check_job_env(names: Collection[str], allowed: Collection[str]) -> None:
+    """Refuse a ``launcher.slurm.env`` name not in :data:`JOB_ENV_NAMES` or ``allowed`` (``JOB_ENV_ALLOW``).
 
     Raises:
         SpecError: ``launcher.slurm.env: 'LD_PRELOAD' is not allowed in a run submitted to the service ...``.
     """
     for name in names:
-        if JOB_ENV_REFUSED.match(name):
+        if name not in JOB_ENV_NAMES and name not in allowed:
             raise SpecError(
-                f"launcher.slurm.env: {name!r} is not allowed in a run submitted to the service; allowed: variables "
-                "other than PATH, HOME, SHELL, ENV, BASH_ENV, LD_*, PYTHON*, ASYNCRL_*, CELERY_*, DATABASE_URL"
+                f"launcher.slurm.env: {name!r} is not allowed in a run submitted to the service; allowed: "
+                f"{', '.join(sorted(JOB_ENV_NAMES | set(allowed)))} (more in JOB_ENV_ALLOW)"
             )
 
 
-def check(spec: RLSpec | SFTSpec) -> None:
+class AllocationNotAllowed(Forbidden):
+    """A member's spec runs inside an existing Slurm allocation (403)."""
+
+
+def check(spec: RLSpec | SFTSpec, *, admin: bool) -> None:
     """Refuse a validated spec that names code or an address the service does not allow (see the module docstring).
 
     Raises:
@@ -222,6 +260,8 @@ def check(spec: RLSpec | SFTSpec) -> None:
         SpecError: ``model.name`` neither a hub id nor under ``MODEL_ROOTS``.
         SpecError: an ``inference.extra_args`` flag, ``launcher.slurm.extra_sbatch`` option or ``launcher.slurm.env``
             name not allowed (names the key).
+        AllocationNotAllowed: ``launcher.slurm.allocation`` in the spec of a non-admin (``admin`` false): every job of
+            the worker's Slurm user is one, another user's run's included.
     """
     check_spec_code(spec, settings.ALLOWED_CODE_PACKAGES)
     check_model_name(spec.model.name, settings.MODEL_ROOTS)
@@ -246,4 +286,9 @@ def check(spec: RLSpec | SFTSpec) -> None:
         SBATCH_OPTIONS,
         "options that write files or change the job's user or environment are not",
     )
-    check_job_env(slurm.env)
+    check_job_env(slurm.env, settings.JOB_ENV_ALLOW)
+    if slurm.allocation is not None and not admin:
+        raise AllocationNotAllowed(
+            f"launcher.slurm.allocation: only an admin may run inside an existing allocation (job {slurm.allocation}): "
+            "the worker's Slurm jobs include other users' runs"
+        )

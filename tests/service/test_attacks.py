@@ -376,6 +376,48 @@ CODE = [
         submit(**{"launcher.slurm.env": {"LD_PRELOAD": "/tmp/x.so"}}),
     ),
     Attack(
+        "launcher.slurm.env NCCL_NET_PLUGIN (loads a shared library)",
+        "POST /api/runs",
+        422,
+        "launcher.slurm.env: 'NCCL_NET_PLUGIN' " + NOT_ALLOWED,
+        submit(**{"launcher.slurm.env": {"NCCL_NET_PLUGIN": "/tmp/x.so"}}),
+    ),
+    Attack(
+        "launcher.slurm.extra_sbatch hides --output after an allowed option",
+        "POST /api/runs",
+        422,
+        "launcher.slurm.extra_sbatch: expected one option per entry like '--constraint=a100'",
+        submit(**{"launcher.slurm.extra_sbatch": ["--qos=normal --output=/tmp/x"]}),
+    ),
+    Attack(
+        "launcher.slurm.allocation: a member runs inside another job",
+        "POST /api/runs",
+        403,
+        "launcher.slurm.allocation: only an admin may run inside an existing allocation (job 7)",
+        submit(**{"launcher.slurm.allocation": "7"}),
+    ),
+    Attack(
+        "model.name of 5000 characters",
+        "POST /api/runs",
+        422,
+        "model.name: String should have at most 4096 characters",
+        submit(**{"model.name": "m" * 5000}),
+    ),
+    Attack(
+        "env.args of 300 KB (every run list carries the spec)",
+        "POST /api/runs",
+        413,
+        "body: larger than 262144 bytes",
+        submit(**{"env.args": {"system_prompt": "s" * 300_000}}),
+    ),
+    Attack(
+        "a JSON number of 4301 digits",
+        "POST /api/runs",
+        422,
+        "body: a number has more than 4300 digits",
+        raw("POST", "/api/runs", b'{"max_steps": ' + b"1" * 4301 + b"}", "application/json"),
+    ),
+    Attack(
         "launcher.slurm.partition with a newline (shell line in the job script)",
         "POST /api/runs",
         422,
@@ -743,6 +785,13 @@ API_WRITES = [  # (method, route as listed, path, body, verb): every write on so
         "report its status",
     ),
     ("POST", "/api/runs/{run_id}/metrics", "/api/runs/{run}/metrics", METRIC, "write its metrics"),
+    (
+        "POST",
+        "/api/runs/{run_id}/events",
+        "/api/runs/{run}/events",
+        {"events": [{"event": "truncated", "time": 1.0, "reason": "90% of completions truncated"}]},
+        "report its status",
+    ),
 ]
 OWNED_WRITES = [  # writes on alice's global rule, webhook endpoint and delivery
     (

@@ -72,9 +72,12 @@ class SlurmConfig(StrictModel):
     @field_validator("extra_sbatch")
     @classmethod
     def _extra(cls, v: list[str]) -> list[str]:
-        for opt in v:
-            if not opt.startswith("--") or "\n" in opt:
-                raise ValueError(f"expected options like '--constraint=a100' (one line each), got {opt!r}")
+        for opt in v:  # sbatch reads several options from one "#SBATCH" line: one entry, one option, no spaces
+            if not opt.startswith("--") or re.search(r"[\s\x00-\x1f\x7f]", opt):
+                raise ValueError(
+                    f"expected one option per entry like '--constraint=a100' (no spaces or control characters), "
+                    f"got {opt!r}"
+                )
         return v
 
     @field_validator("env")

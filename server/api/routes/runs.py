@@ -15,6 +15,7 @@ from server.errors import is_json_type
 from server.models import (
     TERMINAL,
     ForkRequest,
+    Role,
     RunEventsPublic,
     RunLogs,
     RunPublic,
@@ -101,7 +102,7 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
 async def create_run(request: Request, session: SessionDep, user: UserDep) -> Any:
     """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
     data = await _spec_from_request(request)
-    run = runs.create(session, data=data, owner=user.name)  # SpecError -> 422 (server/main.py)
+    run = runs.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
     session.commit()
     enqueue(TaskName.launch_run, stored_id(run))  # only after the commit: the worker must find the row
     return run
@@ -278,7 +279,15 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     starts from that checkpoint's weights, optimizer and data cursor (see ``runs.fork``)."""
     parent = runs.get(session, run_id)
     permissions.require_run(user, parent, "fork")
-    child = runs.fork(session, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
+    child = runs.fork(
+        session,
+        parent,
+        owner=user.name,
+        changes=body.changes,
+        step=body.step,
+        name=body.name,
+        admin=user.role == Role.admin,
+    )
     session.commit()
     enqueue(TaskName.launch_run, stored_id(child))
     return child
