@@ -16,6 +16,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 from sqlmodel import col, select
+from starlette.datastructures import FormData
 
 from server.alerts import rules, webhooks
 from server.alerts.models import AlertRuleRow, AlertState, EndpointCreate, EndpointCreated, RuleIn, RuleUpdate
@@ -25,7 +26,7 @@ from server.services.permissions import Forbidden
 from server.services.runs import RunNotFound
 from server.services.tokens import Principal
 from webui.errors import HTMLErrorRoute
-from webui.page import Page, SessionDep, page
+from webui.page import FormDep, Page, SessionDep, page
 from worker.alert_rules import (
     KNOWN_METRICS,
     RULE_KINDS,
@@ -156,10 +157,10 @@ def alerts_page(request: Request, db: SessionDep, run: str = "") -> HTMLResponse
 
 
 @router.post("/alerts/rules")
-async def add_rule(request: Request, db: SessionDep) -> Response:
+def add_rule(request: Request, db: SessionDep, form: FormDep) -> Response:
     """Add a rule from the form (``scope``: empty for every run, else a run id); errors are shown at the field."""
     p = page(request, db)
-    form = await p.form()
+    p.form(form)
     user = p.need_user()
     data, scope = rule_from_form(form), str(form.get("scope", "")).strip()
     shown_run = _run_id(str(form.get("run", "")))
@@ -186,11 +187,11 @@ async def add_rule(request: Request, db: SessionDep) -> Response:
     return p.redirect(_alerts_url(shown_run, stored_id(row)))
 
 
-async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> Response:
+def _update_rule(request: Request, db: Any, form: FormData, rule_id: int, change: Any) -> Response:
     """Apply ``change(form, row) -> RuleUpdate`` with the service of the API's PATCH; its error is shown on the
     page."""
     p = page(request, db)
-    form = await p.form()
+    p.form(form)
     user = p.need_user()
     run_id = _run_id(str(form.get("run", "")))
     row = rules.get(db, rule_id)
@@ -207,30 +208,30 @@ async def _update_rule(request: Request, db: Any, rule_id: int, change: Any) -> 
 
 
 @router.post("/alerts/rules/{rule_id}/enabled")
-async def set_enabled(request: Request, db: SessionDep, rule_id: int) -> Response:
+def set_enabled(request: Request, db: SessionDep, rule_id: int, form: FormDep) -> Response:
     """Enable (``enabled=1``) or disable (``enabled=0``) a rule."""
 
     def change(form: Any, _row: AlertRuleRow) -> RuleUpdate:
         return RuleUpdate.model_validate({"enabled": str(form.get("enabled", ""))})
 
-    return await _update_rule(request, db, rule_id, change)
+    return _update_rule(request, db, form, rule_id, change)
 
 
 @router.post("/alerts/rules/{rule_id}/threshold")
-async def set_threshold(request: Request, db: SessionDep, rule_id: int) -> Response:
+def set_threshold(request: Request, db: SessionDep, rule_id: int, form: FormDep) -> Response:
     """Replace a threshold rule's ``value`` (the rest of the rule is kept)."""
 
     def change(form: Any, row: AlertRuleRow) -> RuleUpdate:
         return RuleUpdate.model_validate({"rule": {**row.rule, "value": str(form.get("value", "")).strip()}})
 
-    return await _update_rule(request, db, rule_id, change)
+    return _update_rule(request, db, form, rule_id, change)
 
 
 @router.post("/alerts/webhooks")
-async def add_webhook(request: Request, db: SessionDep) -> Response:
+def add_webhook(request: Request, db: SessionDep, form: FormDep) -> Response:
     """Add a webhook endpoint; the page shows its signing secret once."""
     p = page(request, db)
-    form = await p.form()
+    p.form(form)
     user = p.need_user()
     draft = {
         "url": str(form.get("url", "")).strip(),
@@ -270,10 +271,10 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
 
 
 @router.post("/alerts/deliveries/{delivery_id}/replay")
-async def replay(request: Request, db: SessionDep, delivery_id: int) -> Response:
+def replay(request: Request, db: SessionDep, delivery_id: int, form: FormDep) -> Response:
     """Send a delivery again (same body and idempotency key, attempts start over)."""
     p = page(request, db)
-    await p.form()
+    p.form(form)
     permissions.require_replay(db, p.need_user(), delivery_id)
     row = webhooks.replay(db, delivery_id)
     db.commit()

@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse, Response
 from server.models import Role, stored_id
 from server.services import permissions, runs
 from webui.errors import HTMLErrorRoute
-from webui.page import HERE, Page, SessionDep, page
+from webui.page import HERE, FormDep, Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
 from worker.spec import SpecError, parse_text
 
@@ -99,11 +99,11 @@ def launch_page(request: Request, db: SessionDep, config: str = "") -> HTMLRespo
 
 
 @router.post("/launch")
-async def launch(request: Request, db: SessionDep) -> Response:
+def launch(request: Request, db: SessionDep, form: FormDep) -> Response:
     """Parse the pasted TOML, validate it with the API's spec validation (``runs.create``), queue the run and go to
     its page; errors come back inline at the offending line."""
     p = page(request, db)
-    form = await p.form()
+    p.form(form)
     text, chosen = str(form.get("spec", "")), str(form.get("config", ""))
     try:
         data = parse_text(text, "TOML")

@@ -15,6 +15,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from sqlmodel import Session
+from starlette.datastructures import FormData
 
 from server.core.db import engine
 from server.models import utcnow
@@ -81,13 +82,24 @@ class Page:
             raise HTTPException(303, "log in first", headers={"Location": "/login?" + urlencode({"next": target})})
         return self.user
 
-    async def form(self, *, write: bool = True) -> Any:
-        """The POSTed form after the CSRF check (and, for ``write``, ``permissions.require_write``). Raises 403."""
-        form = await self.request.form()
-        auth.check_csrf(self.web, form)
+    def form(self, posted: FormData, *, write: bool = True) -> FormData:
+        """The POSTed form (``FormDep``) after the CSRF check (and, for ``write``, ``permissions.require_write``).
+        Raises 403."""
+        auth.check_csrf(self.web, posted)
         if write:
             permissions.require_write(self.need_user())
-        return form
+        return posted
+
+
+async def posted_form(request: Request) -> FormData:
+    """The request's form, read on the event loop; the handler that takes it (``FormDep``) is a plain ``def``,
+    which FastAPI runs in its thread pool. A form handler must not be ``async``: its database calls would block the
+    event loop, and a request waiting there for a lock (``server.core.db.serialize``) would stall every other
+    request, the one holding the lock included."""
+    return await request.form()
+
+
+FormDep = Annotated[FormData, Depends(posted_form)]
 
 
 def page(request: Request, db: SessionDep) -> Page:

@@ -19,7 +19,7 @@ from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
 from webui import figures
 from webui.errors import HTMLErrorRoute, error_status
-from webui.page import Page, SessionDep, page
+from webui.page import FormDep, Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
@@ -96,7 +96,7 @@ def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", proc
     return p.render(PARTS[part] if part else "run.html", **ctx)
 
 
-async def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
+def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
     """Run a write ``action(user)`` (it returns the page to go to); its one-line error (409/422) is shown on the
     run page; a refusal (``permissions``: 403) is an error page."""
     user = p.need_user()
@@ -111,9 +111,9 @@ async def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Resp
 
 
 @router.post("/runs/{run_id}/stop")
-async def stop(request: Request, db: SessionDep, run_id: int) -> Response:
+def stop(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     p = page(request, db)
-    await p.form()
+    p.form(form)
 
     def action(user: Principal) -> str:
         run = runs.get(db, run_id, lock=True)
@@ -124,13 +124,13 @@ async def stop(request: Request, db: SessionDep, run_id: int) -> Response:
             enqueue(TaskName.stop_run, run_id)
         return f"/runs/{run_id}"
 
-    return await _act(p, run_id, action)
+    return _act(p, run_id, action)
 
 
 @router.post("/runs/{run_id}/resume")
-async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
+def resume(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     p = page(request, db)
-    await p.form()
+    p.form(form)
 
     def action(user: Principal) -> str:
         run = runs.get(db, run_id, lock=True)
@@ -140,14 +140,14 @@ async def resume(request: Request, db: SessionDep, run_id: int) -> Response:
         enqueue(TaskName.launch_run, run_id)  # after the commit: the worker must find the queued run
         return f"/runs/{run_id}"
 
-    return await _act(p, run_id, action)
+    return _act(p, run_id, action)
 
 
 @router.post("/runs/{run_id}/delete")
-async def delete(request: Request, db: SessionDep, run_id: int) -> Response:
+def delete(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     """Delete an ended run (as ``DELETE /api/runs/{id}``) and go back to the runs list."""
     p = page(request, db)
-    await p.form()
+    p.form(form)
 
     def action(user: Principal) -> str:
         run = runs.get(db, run_id, lock=True)
@@ -156,14 +156,14 @@ async def delete(request: Request, db: SessionDep, run_id: int) -> Response:
         db.commit()
         return "/runs"
 
-    return await _act(p, run_id, action)
+    return _act(p, run_id, action)
 
 
 @router.post("/runs/{run_id}/fork")
-async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
+def fork(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     """Fork from a checkpoint; ``changes`` is TOML with dotted keys (``trainer.optim.lr = 5e-5``)."""
     p = page(request, db)
-    form = await p.form()
+    p.form(form)
 
     def action(user: Principal) -> str:
         parent = runs.get(db, run_id)
@@ -193,15 +193,15 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
         return f"/runs/{stored_id(child)}"
 
-    return await _act(p, run_id, action)
+    return _act(p, run_id, action)
 
 
 @router.post("/runs/{run_id}/config")
-async def change_config(request: Request, db: SessionDep, run_id: int) -> Response:
+def change_config(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     """Live config edit in two steps: the submitted values are validated and shown as a diff against the current
     values; the confirm form (``confirm=1``) applies them through the same service as ``PATCH …/config``."""
     p = page(request, db)
-    form = await p.form()
+    p.form(form)
     user = p.need_user()
     run = runs.get(db, run_id)
     permissions.require_run(user, run, "config")

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from server.services import tokens
 from webui import auth
 from webui.errors import HTMLErrorRoute
-from webui.page import HERE, SessionDep, page
+from webui.page import HERE, FormDep, SessionDep, page
 
 HTMX_VERSION = "2.0.8"
 """Pinned in scripts/setup.sh, which unpacks it from the npm package into static/vendor."""
@@ -49,9 +49,9 @@ def login_page(request: Request, db: SessionDep, next: str | None = None) -> HTM
 
 
 @router.post("/login")
-async def login(request: Request, db: SessionDep) -> Response:
+def login(request: Request, db: SessionDep, form: FormDep) -> Response:
     p = page(request, db)
-    form = await p.form(write=False)
+    p.form(form, write=False)
     token, target = str(form.get("token", "")).strip(), _safe_next(str(form.get("next", "")))
     try:
         _, sid = tokens.start_session(db, token, max_age_s=auth.MAX_AGE_S)
@@ -66,9 +66,9 @@ async def login(request: Request, db: SessionDep) -> Response:
 
 
 @router.post("/logout")
-async def logout(request: Request, db: SessionDep) -> Response:
+def logout(request: Request, db: SessionDep, form: FormDep) -> Response:
     p = page(request, db)
-    await p.form(write=False)
+    p.form(form, write=False)
     if p.web.sid:  # the session ends on the server: the same cookie, replayed, gets the login page
         tokens.end_session(db, p.web.sid)
         db.commit()

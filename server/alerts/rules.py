@@ -21,6 +21,7 @@ from sqlmodel import Session, col, select
 
 from server.alerts import webhooks
 from server.alerts.models import AlertEvent, AlertRuleRow, AlertState, RuleUpdate
+from server.core.db import serialize
 from server.models import Metric, MetricPoint, Run, RunStatus, stored_id, utcnow
 from worker.alert_rules import (
     MAX_GLOBAL_RULES_PER_USER,
@@ -55,6 +56,7 @@ def add(session: Session, rule: Any, *, run_id: int | None, by: str, origin: str
 
 
 def _check_room(session: Session, *, run_id: int | None, by: str) -> None:
+    serialize(session, f"asyncrl:alert-rules:{run_id if run_id is not None else 'user:' + by}")  # count, then add
     where = (
         [col(AlertRuleRow.run_id) == run_id]
         if run_id is not None

@@ -52,8 +52,10 @@ from server.alerts.models import (
     WebhookEndpoint,
 )
 from server.core.config import settings
+from server.core.db import serialize
 from server.models import Run, utcnow
 from worker.celery_app import TaskName, enqueue
+from worker.spec import SpecError
 
 logger = logging.getLogger("asyncrl.webhooks")
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.google.internal."})
@@ -67,6 +69,10 @@ METADATA_IPS = frozenset(
 SHARED_ADDRESS_SPACE = ipaddress.ip_network("100.64.0.0/10")
 """RFC 6598 carrier-grade NAT space (neither private nor global to ``ipaddress``): internal to a provider."""
 SIGNATURE_HEADER = "X-Asyncrl-Signature"
+
+
+MAX_ENDPOINTS_PER_USER = 20
+"""Webhook endpoints one user may add: every alert event is posted to each endpoint whose filter matches."""
 
 
 class UnsafeURL(ValueError):
@@ -246,9 +252,18 @@ def create_endpoint(session: Session, body: EndpointCreate, *, by: str) -> tuple
 
     Raises:
         UnsafeURL: the SSRF guard refuses the URL.
+        SpecError: ``by`` has ``MAX_ENDPOINTS_PER_USER`` endpoints already (every alert is posted to each).
     """
     url = str(body.url)
     check_url(url)
+    serialize(session, f"asyncrl:webhook-endpoints:{by}")
+    n = int(
+        session.exec(select(func.count()).select_from(WebhookEndpoint).where(WebhookEndpoint.created_by == by)).one()
+    )
+    if n >= MAX_ENDPOINTS_PER_USER:
+        raise SpecError(
+            f"webhooks: {by} has {n} webhook endpoints, the most one user may add ({MAX_ENDPOINTS_PER_USER})"
+        )
     secret = body.secret or f"whsec_{secrets.token_urlsafe(24)}"
     row = WebhookEndpoint(
         name=body.name or urlsplit(url).hostname or "",

@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     MAX_RUNS_PER_USER: Annotated[int, Field(ge=1)] = 4
     """Launched runs (starting, running, paused) one owner may have at once; later ones wait in ``queued`` with
     the reason and start, oldest first, when one of them ends."""
+    MAX_QUEUED_RUNS_PER_USER: Annotated[int, Field(ge=1)] = 100
+    """Runs one owner may have waiting in ``queued`` at once; a submission beyond it is refused (422)."""
     MAX_RUNS_PER_WORKER: Annotated[int, Field(ge=1)] = 2
     """Local runs one worker machine runs at once; later ones wait in ``queued`` like MAX_RUNS_PER_USER."""
     WORKER_NAME: str = ""

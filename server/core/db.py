@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, text
 from sqlmodel import Session, create_engine
 
 from server.core.config import settings
@@ -32,3 +32,12 @@ engine = make_engine(settings.DATABASE_URL)
 def get_session() -> Iterator[Session]:
     with Session(engine) as session:
         yield session
+
+
+def serialize(session: Session, name: str) -> None:
+    """Hold the lock ``name`` until ``session``'s transaction ends, so that a check and the write it allows (count the
+    rows, then add one) happen one transaction at a time: a Postgres advisory transaction lock keyed by the name's
+    hash. SQLite (embedded, one user) takes no lock here; its writes are serialized already, though two checks may
+    still read the same count."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})

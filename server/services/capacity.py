@@ -16,10 +16,11 @@ import functools
 import socket
 from typing import Any
 
-from sqlalchemy import func, text
+from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from server.core.config import settings
+from server.core.db import serialize
 from server.models import Run, RunStatus, WorkerCapacity, utcnow
 from worker.capacity import Capacity, check, detect
 from worker.spec import RLSpec, SFTSpec, SpecError
@@ -27,7 +28,6 @@ from worker.spec import RLSpec, SFTSpec, SpecError
 LIVE = (RunStatus.starting, RunStatus.running, RunStatus.paused)
 WAITING = "waiting for a slot: "
 """Start of the ``status_reason`` of a queued run held back by a concurrency limit."""
-_LAUNCH_LOCK = 0x61737972  # "asyr": the Postgres advisory lock that serializes launch decisions
 
 
 def worker_name() -> str:
@@ -83,8 +83,7 @@ def check_fits(session: Session, spec: RLSpec | SFTSpec) -> None:
 def lock_launches(session: Session) -> None:
     """Serialize launch decisions until the transaction ends (Postgres advisory lock; SQLite writes one at a time),
     so that two workers launching at once cannot both take the last slot."""
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LAUNCH_LOCK})
+    serialize(session, "asyncrl:launches")
 
 
 def wait_reason(session: Session, run: Run, *, worker: str | None) -> str | None:

@@ -24,6 +24,7 @@ from sqlmodel import Session, col, select
 
 from server.alerts import rules as alert_rules
 from server.core.config import settings
+from server.core.db import serialize
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
 from server.services import capacity, spec_policy
 from worker.checkpoint import complete_steps
@@ -68,7 +69,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
 
     Raises:
-        SpecError: the spec is invalid (one line naming the field), names code or an address the service does
+        SpecError: ``owner`` has ``MAX_QUEUED_RUNS_PER_USER`` queued runs; the spec is invalid (one line naming the field), names code or an address the service does
             not allow (``spec_policy.check``: ``CodeNotAllowed``, ``AddressNotAllowed``), or no worker can hold it (the
             key, the value and the worker's declared capacity: ``server.services.capacity.check_fits``).
     """
@@ -78,6 +79,13 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
     spec_policy.check(spec, admin=admin)
     capacity.check_fits(session, spec)
+    serialize(session, f"asyncrl:submit:{owner}")  # count, then add
+    waiting = select(func.count()).select_from(Run).where(Run.owner == owner, Run.status == S.queued)
+    if (n := int(session.exec(waiting).one())) >= settings.MAX_QUEUED_RUNS_PER_USER:
+        raise SpecError(
+            f"queued: {owner} has {n} runs waiting to start, the most one user may queue "
+            f"({settings.MAX_QUEUED_RUNS_PER_USER}); stop or delete some first"
+        )
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
     session.flush()  # assigns the id

@@ -207,6 +207,69 @@ def test_alert_rules_are_capped_per_run_and_per_user(client: Any, session: Any) 
         session.commit()
 
 
+def _at_once(n: int, send: Any) -> list[Any]:
+    """Call ``send()`` from ``n`` threads released together; the answers."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    start = Barrier(n)
+
+    def one(_: int) -> Any:
+        start.wait()
+        return send()
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_caps_hold_under_concurrent_requests(live_server: str, session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count-then-add runs one request at a time per user (a Postgres advisory lock): 20 concurrent rule posts by a
+    user with 90 rules add exactly 10; 25 concurrent webhook endpoints add exactly 20; with
+    MAX_QUEUED_RUNS_PER_USER 3, 8 concurrent submissions queue exactly 3."""
+    import httpx
+    from sqlmodel import col, delete, func, select
+
+    from server.alerts import rules, webhooks
+    from server.alerts.models import AlertRuleRow, WebhookEndpoint
+    from server.core.config import settings
+    from server.models import Run
+
+    user = f"race-{secrets.token_hex(3)}"
+    auth = {"Authorization": f"Bearer {new_token(user, role='member')}"}
+    rule = {"kind": "threshold", "metric": "loss", "op": ">", "value": 1e6, "after_step": 1_000_000}
+    for _ in range(90):
+        rules.add(session, rules.RULE.validate_python(rule), run_id=None, by=user)
+    session.commit()
+    monkeypatch.setattr(settings, "MAX_QUEUED_RUNS_PER_USER", 3)
+    try:
+        with httpx.Client(base_url=live_server, headers=auth, timeout=60) as api:
+            codes = [r.status_code for r in _at_once(20, lambda: api.post("/api/alerts/rules", json=rule))]
+            assert (codes.count(201), codes.count(422)) == (10, 10)
+            hook = {"url": "http://127.0.0.1:9/hook", "events": ["status"]}
+            answers = _at_once(25, lambda: api.post("/api/webhooks", json=hook))
+            assert sorted(r.status_code for r in answers) == [201] * 20 + [422] * 5
+            refused = next(r for r in answers if r.status_code == 422).json()["detail"]
+            assert refused == f"webhooks: {user} has 20 webhook endpoints, the most one user may add (20)"
+            answers = _at_once(8, lambda: api.post("/api/runs", json=spec()))
+            assert sorted(r.status_code for r in answers) == [201] * 3 + [422] * 5
+            refused = next(r for r in answers if r.status_code == 422).json()["detail"]
+            assert refused == f"queued: {user} has 3 runs waiting to start, the most one user may queue (3); " + (
+                "stop or delete some first"
+            )
+        n_rules = select(func.count()).select_from(AlertRuleRow).where(AlertRuleRow.created_by == user)
+        assert session.exec(n_rules).one() == 100
+        assert session.exec(select(func.count()).select_from(Run).where(Run.owner == user)).one() == 3
+        assert webhooks.MAX_ENDPOINTS_PER_USER == 20
+    finally:
+        session.rollback()
+        session.exec(delete(AlertRuleRow).where(col(AlertRuleRow.created_by) == user))
+        session.exec(delete(WebhookEndpoint).where(col(WebhookEndpoint.created_by) == user))
+        session.commit()
+        for run in session.exec(select(Run).where(Run.owner == user)).all():
+            run.status = "cancelled"
+        session.commit()
+
+
 def test_the_dashboard_shows_the_rule_cap(client: Any) -> None:
     user = f"web-rules-{secrets.token_hex(3)}"
     csrf = login(client, new_token(user))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import tomllib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field, field_validator
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
@@ -60,6 +60,8 @@ _SUBMIT_BODY = {
 
 
 async def _spec_from_request(request: Request) -> dict[str, Any]:
+    """The submitted spec, read on the event loop (``SubmittedSpec``): the route that takes it is a plain ``def``
+    (run in the thread pool), since its database calls, a lock wait included, must not block the event loop."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
         form = await request.form()
@@ -88,6 +90,9 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
     return data
 
 
+SubmittedSpec = Annotated[dict[str, Any], Depends(_spec_from_request)]
+
+
 @router.post(
     "",
     status_code=201,
@@ -99,9 +104,8 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
         422: {"description": "invalid spec"},
     },
 )
-async def create_run(request: Request, session: SessionDep, user: UserDep) -> Any:
+def create_run(session: SessionDep, user: UserDep, data: SubmittedSpec) -> Any:
     """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
-    data = await _spec_from_request(request)
     run = runs.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
     session.commit()
     enqueue(TaskName.launch_run, stored_id(run))  # only after the commit: the worker must find the row
