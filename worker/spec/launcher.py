@@ -11,6 +11,8 @@ from worker.spec.strict import StrictModel
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_MEMORY_GIB = 65_536
+"""Largest ``launcher.memory_limit_gib`` (64 TiB): no worker has more; at submit it must also fit the worker."""
 MAX_DEVICE_ID = 255
 """Largest CUDA device id of ``launcher.local`` (and trainer ranks <= 256): no machine has more GPUs; at submit the
 ids must also be below the worker's declared GPU count (``worker/capacity.py``)."""
@@ -113,3 +115,9 @@ class LauncherConfig(StrictModel):
     """Where the service runs the run's processes: on the worker's machine, or as a Slurm job."""
     local: LocalConfig = Field(default_factory=LocalConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    memory_limit_gib: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GIB)
+    """Host memory all processes of a service-launched local run may use together, in GiB (its cgroup's limit,
+    ``worker/cgroups.py``): beyond it the kernel kills one of them and the run fails saying ``out of memory``. None:
+    no limit of its own. At most 65536 here; at submit also at most the worker's declared memory
+    (``worker/capacity.py``). Not enforced where the worker cannot make cgroups (a run event says so); not used by
+    Slurm runs (use ``slurm.extra_sbatch = ["--mem=..."]``)."""
