@@ -192,13 +192,16 @@ class RunCgroup:
             return _read_int(memory / "memory.events", "oom_kill") or 0
         return _read_int(memory / "memory.oom_control", "oom_kill") or 0
 
-    def kill(self, *, exclude: Collection[int] = (), timeout_s: float = 10.0) -> set[int]:
-        """SIGKILL every process in it but ``exclude`` (v1: frozen first, so none forks meanwhile; v2:
-        ``cgroup.kill`` when nothing is excluded) until none is left or ``timeout_s`` has passed; returns the pids
-        it signalled."""
+    def kill(
+        self, *, exclude: Collection[int] = (), started_before: float | None = None, timeout_s: float = 10.0
+    ) -> set[int]:
+        """SIGKILL every process in it but ``exclude`` and those that started after ``started_before`` (seconds
+        since the epoch; None: all) until none is left or ``timeout_s`` has passed (v1: frozen first, so none forks
+        meanwhile; v2: ``cgroup.kill``; both only when none is spared); returns the pids it signalled."""
         killed: set[int] = set()
+        spare = bool(exclude) or started_before is not None
         freezer = next((d for d, r in zip(self.dirs, self.layout.roots, strict=True) if r.name == "freezer"), None)
-        if self.layout.version == 2 and not exclude and (self.dirs[0] / "cgroup.kill").exists():
+        if self.layout.version == 2 and not spare and (self.dirs[0] / "cgroup.kill").exists():
             killed |= self.pids()
             try:
                 (self.dirs[0] / "cgroup.kill").write_text("1")
@@ -206,10 +209,16 @@ class RunCgroup:
                 pass
         deadline = time.monotonic() + timeout_s
         while True:
-            targets = {p for p in self.pids() if p not in exclude and alive(p)}
+            targets = {
+                p
+                for p in self.pids()
+                if p not in exclude
+                and alive(p)
+                and (started_before is None or ((t := started_at(p)) is not None and t <= started_before))
+            }
             if not targets or time.monotonic() > deadline:
                 return killed
-            frozen = freezer is not None and not exclude and _set_freezer(freezer, "FROZEN")
+            frozen = freezer is not None and not spare and _set_freezer(freezer, "FROZEN")
             for pid in targets:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -320,17 +329,24 @@ def end_run(
     *,
     started_before: float | None,
     exclude: Collection[int] = (),
+    guard_cgroup: bool = False,
     remove: bool = True,
     timeout_s: float = 10.0,
 ) -> set[int]:
-    """SIGKILL every process of a run (:func:`leftovers`) but ``exclude`` and, with ``remove``, remove its cgroup;
-    returns the pids signalled. Processes in ``cgroup`` are killed whatever their start time (nothing else may
-    enter a run's cgroup); the time guard applies to session members."""
+    """SIGKILL every process of a run (:func:`leftovers`) but ``exclude`` and, with ``remove``, remove its cgroup
+    once it is empty; returns the pids signalled. The time guard ``started_before`` applies to session members, and
+    with ``guard_cgroup`` to members of ``cgroup`` too: a caller that does not hold the run's row lock (the
+    supervisor's reaper, ``stop``) must spare the supervisor of a new attempt that a resume may have started in the
+    same cgroup meanwhile."""
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while True:
         if cgroup is not None:
-            killed |= cgroup.kill(exclude=exclude, timeout_s=max(0.0, deadline - time.monotonic()))
+            killed |= cgroup.kill(
+                exclude=exclude,
+                started_before=started_before if guard_cgroup else None,
+                timeout_s=max(0.0, deadline - time.monotonic()),
+            )
         rest = leftovers(None, session, started_before=started_before) - set(exclude)
         for pid in rest:
             try:
@@ -341,7 +357,7 @@ def end_run(
         if not rest or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    if remove and cgroup is not None and not exclude:
+    if remove and cgroup is not None and not exclude and not {p for p in cgroup.pids() if alive(p)}:
         cgroup.remove()
     return killed
 

@@ -214,7 +214,7 @@ def after_exit(home: Path, pid: int, cgroup: cgroups.RunCgroup | None) -> set[in
     another supervisor holds ``home`` (a second start that found the lock taken exits at once)."""
     if running_pid(home) is not None:
         return set()
-    killed = cgroups.end_run(cgroup, pid, started_before=time.time())
+    killed = cgroups.end_run(cgroup, pid, started_before=time.time(), guard_cgroup=True)
     if killed:
         logger.warning("supervisor %d ended; killed %d processes it left: %s", pid, len(killed), sorted(killed))
     return killed
@@ -237,7 +237,7 @@ def terminate(pid: int, grace_s: float = 30.0, cgroup: cgroups.RunCgroup | None 
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return cgroups.end_run(cgroup, pid, started_before=t0)
+    return cgroups.end_run(cgroup, pid, started_before=t0, guard_cgroup=True)
 
 
 # ----------------------------------------------------------------------------- main
