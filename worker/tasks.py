@@ -12,7 +12,10 @@ the run is still ``queued``) adopts the finished run: it records the status the 
 
 ``reconcile()`` runs every ``RECONCILE_INTERVAL_S`` from Celery beat (``asyncrl worker`` embeds it): a
 starting/running/paused local run whose supervisor is gone gets the final status the supervisor spooled for this
-attempt (it could not reach the server), or else is marked ``failed`` with the reason.
+attempt (it could not reach the server), or else is marked ``failed`` with the reason (``out of memory: ...`` first
+when the run's cgroup saw an OOM kill); what is left of its processes is killed first. Then ``kill_leftovers`` kills
+what ended runs of this worker left behind (``worker/cgroups.py``) and records a ``leftovers`` event with the count.
+A launch makes the run's cgroup (``worker.cgroups.prepare``) and records a ``processes`` event naming the unit.
 
 A launch that would start a run beyond ``MAX_RUNS_PER_USER`` (launched live runs of its owner) or
 ``MAX_RUNS_PER_WORKER`` (live local runs of this worker) leaves it ``queued`` with the reason
