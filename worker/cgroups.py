@@ -64,8 +64,9 @@ class Layout:
     """v1: the mounted hierarchies of :data:`V1_HIERARCHIES` (``/sys/fs/cgroup/memory`` ...); v2: the mount."""
 
 
-def layout(mount: Path = MOUNT) -> Layout:
-    """The hierarchies a run's cgroup is made in.
+def layout(mount: Path = MOUNT, *, writable: bool = True) -> Layout:
+    """The hierarchies a run's cgroup is made in (``writable`` False: those a run's own processes read theirs from,
+    whoever they run as).
 
     Raises:
         Unavailable: no v1 ``memory``/``pids`` hierarchy and no v2 mount under ``mount``, or not writable by this
@@ -78,7 +79,7 @@ def layout(mount: Path = MOUNT) -> Layout:
         found = Layout(2, (mount,))
     else:
         raise Unavailable(f"cgroups: no cgroup v1 memory or pids hierarchy and no cgroup v2 mount at {mount}")
-    for root in found.roots:
+    for root in found.roots if writable else ():
         parent = root / PARENT
         if not os.access(parent if parent.is_dir() else root, os.W_OK):
             raise Unavailable(f"cgroups: {parent if parent.is_dir() else root} is not writable by uid {os.geteuid()}")
@@ -297,7 +298,7 @@ def of_process(pid: int | str = "self", mount: Path = MOUNT) -> RunCgroup | None
     """The run cgroup process ``pid`` is in (read from ``/proc/<pid>/cgroup``), None when it is in none (or the
     process is gone, or this machine has no usable hierarchy)."""
     try:
-        found = layout(mount)
+        found = layout(mount, writable=False)
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except (Unavailable, OSError):
         return None

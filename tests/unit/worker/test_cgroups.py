@@ -160,3 +160,29 @@ def test_the_leftover_finder_leaves_a_process_that_started_after_the_run_ended()
     finally:
         os.killpg(later.pid, signal.SIGKILL)
         later.wait()
+
+
+def test_a_run_process_that_dropped_root_still_finds_and_reads_its_cgroup(tmp_path: Path, made: list) -> None:
+    """The supervisor runs as ``RUN_USER``: it reads its cgroup (members, OOM kills, limit) without write access."""
+    import pwd
+
+    cg, _ = cgroups.prepare(new_run_id(), tmp_path, 0.5)
+    assert cg is not None
+    made.append(cg)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            cg.join()
+            os.setgid(pwd.getpwnam("nobody").pw_gid)
+            os.setuid(pwd.getpwnam("nobody").pw_uid)
+            found = cgroups.of_process()
+            seen = (found == cg, os.getpid() in found.pids() if found else False, found and found.memory_limit())
+            os.write(write_end, repr((os.geteuid(), *seen, found and found.oom_kills())).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        got = f.read()
+    os.waitpid(child, 0)
+    assert got == repr((pwd.getpwnam("nobody").pw_uid, True, True, 2**29, 0))
