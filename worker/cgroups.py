@@ -48,6 +48,9 @@ V1_HIERARCHIES = ("memory", "pids", "freezer")
 """The v1 hierarchies a run's cgroup is made in (those mounted); ``memory`` or ``pids`` must be among them."""
 _NAME = re.compile(r"^run-(\d+)-([0-9a-f]{8})$")
 GIB = 2**30
+START_SLACK_S = 0.05
+"""Error of a process start time (:func:`worker.procs.started_at`: ``/proc/uptime`` and start ticks are in 1/100 s):
+a process counts as started before a time when its estimate is at most this much later."""
 
 
 class Unavailable(RuntimeError):
@@ -215,7 +218,9 @@ class RunCgroup:
                 for p in self.pids()
                 if p not in exclude
                 and alive(p)
-                and (started_before is None or ((t := started_at(p)) is not None and t <= started_before))
+                and (
+                    started_before is None or ((t := started_at(p)) is not None and t <= started_before + START_SLACK_S)
+                )
             }
             if not targets or time.monotonic() > deadline:
                 return killed
@@ -321,7 +326,7 @@ def leftovers(cgroup: RunCgroup | None, session: int | None, *, started_before: 
         found |= session_members(session)
     if started_before is None:
         return {p for p in found if alive(p)}
-    return {p for p in found if (t := started_at(p)) is not None and t <= started_before and alive(p)}
+    return {p for p in found if (t := started_at(p)) is not None and t <= started_before + START_SLACK_S and alive(p)}
 
 
 def end_run(
@@ -358,7 +363,8 @@ def end_run(
         if not rest or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    if remove and cgroup is not None and not exclude and not {p for p in cgroup.pids() if alive(p)}:
+    # spared (a newer attempt's) processes keep the cgroup; killed ones still exiting do not (remove waits for them)
+    if remove and cgroup is not None and not exclude and not {p for p in cgroup.pids() if alive(p)} - killed:
         cgroup.remove()
     return killed
 
