@@ -235,6 +235,17 @@ class RunCgroup:
                 _set_freezer(freezer, "THAWED")
             time.sleep(0.02)
 
+    def leave(self) -> bool:
+        """Move the calling process (the supervisor, last of its run) to the runs' parent cgroup and remove this one
+        when nothing else is in it; returns whether it was removed. Needs root (a run user may not write the parent):
+        otherwise the worker removes it (:func:`end_run`)."""
+        try:
+            for root in self.layout.roots:
+                (root / PARENT / "cgroup.procs").write_text("0")
+        except OSError:
+            return False
+        return not self.pids() and self.remove(timeout_s=1.0)
+
     def remove(self, timeout_s: float = 5.0) -> bool:
         """Remove its folders (a folder with processes cannot be removed: kill them first); returns whether none is
         left. The runs' parent folder is kept."""

@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     status, reason = _end_processes(status, reason)
     logger.info("run %d ended %s %s", run_id, status, reason)
     reporter.finish(status, reason, deadline_s)
+    if (unit := cgroups.of_process()) is not None:  # the run's last process: leave and remove its cgroup (as root)
+        unit.leave()
     return 0
 
 

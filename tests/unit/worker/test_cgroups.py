@@ -186,3 +186,24 @@ def test_a_run_process_that_dropped_root_still_finds_and_reads_its_cgroup(tmp_pa
         got = f.read()
     os.waitpid(child, 0)
     assert got == repr((pwd.getpwnam("nobody").pw_uid, True, True, 2**29, 0))
+
+
+def test_the_last_process_of_a_run_leaves_and_removes_its_cgroup(tmp_path: Path) -> None:
+    """The supervisor's last act (as root): with no other process in the cgroup it leaves it and removes it."""
+    cg, _ = cgroups.prepare(new_run_id(), tmp_path, None)
+    assert cg is not None
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            cg.join()
+            inside = cgroups.of_process() == cg
+            os.write(write_end, repr((inside, cg.leave(), cgroups.of_process())).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        got = f.read()
+    os.waitpid(child, 0)
+    assert got == repr((True, True, None))
+    assert not cg.exists()
