@@ -21,9 +21,10 @@ from worker import cgroups
 
 pytestmark = pytest.mark.vllm
 LIMIT_GIB = 1.5
-CLEAN_S = 5.0
-"""Bound on the time from the run's final status to no process of it being left (the supervisor's exit path kills
-the rest before it reports; the worker removes the cgroup when the supervisor has exited)."""
+CLEAN_S = 10.0
+"""Bound on the time from the run's final status to no process of it being left, measured 2.4-3.8 s on the loaded
+2-core test machine: the supervisor's exit path kills the rest before it reports; after its report the supervisor
+(as root) or the worker removes the cgroup."""
 
 
 def test_a_run_killed_by_oom_fails_saying_so_and_leaves_no_process(
