@@ -94,6 +94,9 @@ def check(spec: RLSpec | SFTSpec, cap: Capacity) -> None:
         return
     if spec.launcher.kind != "local":
         return
+    limit = spec.launcher.memory_limit_gib
+    if limit is not None and limit > cap.memory_gib:
+        raise refuse("launcher.memory_limit_gib", f"{limit:g}", f"at most {cap.memory_gib:g}")
     if spec.trainer.threads > cap.cores:
         raise refuse("trainer.threads", spec.trainer.threads, f"at most {cap.cores}")
     local = spec.launcher.local

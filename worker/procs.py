@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -134,6 +135,29 @@ def live_processes() -> dict[int, tuple[int, int, str]]:
         if fields[0] not in {"Z", "X"}:
             found[int(entry.name)] = (int(fields[2]), int(fields[3]), cmdline)
     return found
+
+
+def boot_time() -> float:
+    """When this machine booted, in seconds since the epoch, to 1/100 s: now minus ``/proc/uptime`` (both clocks
+    read now, so a wall clock set since the boot moves it along)."""
+    return time.time() - float(Path("/proc/uptime").read_text().split()[0])
+
+
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (:func:`boot_time` + field 22 of
+    ``/proc/<pid>/stat``; to about 1/50 s), None when it is gone. Compared with a run's end time it tells a reused
+    pid from a process of the run."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22; fields[0] is field 3 (state)
+
+
+def session_members(session: int) -> set[int]:
+    """Live (not zombie) processes whose session id is ``session`` (a supervisor's pid: every process of its
+    run that did not call ``setsid`` itself)."""
+    return {pid for pid, (_, sid, _) in live_processes().items() if sid == session}
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

@@ -34,13 +34,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from worker import cgroups
 from worker.launchers import slurm_job
 from worker.procs import alive, run_environ
 from worker.reporter import Reporter, report_timeout_s
@@ -110,28 +111,57 @@ def give_home(home: Path, user: RunUser) -> None:
         os.lchown(path, user.uid, user.gid)
 
 
-def detach(argv: list[str], env: dict[str, str], log: Path, user: RunUser | None = None) -> int:
+def detach(
+    argv: list[str],
+    env: dict[str, str],
+    log: Path,
+    user: RunUser | None = None,
+    cgroup: cgroups.RunCgroup | None = None,
+    on_exit: Callable[[int], object] | None = None,
+) -> int:
     """Start ``argv`` in its own session (process group) with exactly ``env``, output appended to ``log``, as
-    ``user`` when given (its uid, gid and no supplementary groups; ``HOME``, ``USER``, ``LOGNAME`` its own); returns
-    its pid (= its process group id). The way a supervisor is started.
+    ``user`` when given (its uid, gid and no supplementary groups; ``HOME``, ``USER``, ``LOGNAME`` its own), inside
+    ``cgroup`` when given (it joins between fork and exec, before it drops root, so whatever it starts is in the
+    cgroup too); returns its pid (= its process group and session id). The way a supervisor is started.
+    ``on_exit(pid)`` is called in a thread of this process when it ends (while this process lives).
 
     Raises:
-        OSError: ``argv`` cannot be started (e.g. ``user`` may not run the interpreter).
+        OSError: ``argv`` cannot be started (e.g. ``user`` may not run the interpreter, the cgroup is gone).
     """
     if user is not None:
         env = {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
     switch: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
+    if cgroup is not None:
+        target = cgroup
+
+        def child_setup() -> None:  # between fork and exec, after setsid: join the cgroup as root, then drop root
+            target.join()
+            if user is not None:
+                os.setgroups([])
+                os.setgid(user.gid)
+                os.setuid(user.uid)
+
+        switch = {"preexec_fn": child_setup}
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            **switch,
-        )
-    threading.Thread(target=proc.wait, daemon=True).start()  # reap it if it ends while this process lives
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **switch,
+            )
+        except subprocess.SubprocessError as err:  # preexec_fn failed: could not join the cgroup or drop root
+            raise OSError(f"cannot start the supervisor in cgroup {cgroup.name if cgroup else None}: {err}") from None
+
+    def reap() -> None:  # reap it if it ends while this process lives, then end what is left of the run
+        proc.wait()
+        if on_exit is not None:
+            on_exit(proc.pid)
+
+    threading.Thread(target=reap, daemon=True).start()
     return proc.pid
 
 
@@ -146,12 +176,15 @@ def start(
     attempt: int | None = None,
     allow_env: Collection[str] = (),
     user: RunUser | None = None,
+    cgroup: cgroups.RunCgroup | None = None,
 ) -> int:
     """Write the spec and start a detached supervisor (``resume``: continue the run directory from its newest
     complete checkpoint; ``attempt``: see the module docstring; ``allow_env``: see :func:`run_env`; ``user``: run
-    it, and so the run's processes, as that account, which then owns ``home``) with the environment
-    :func:`run_env`; returns its pid (= its process group id). A final status spooled by an earlier supervisor of
-    ``home`` is removed first.
+    it, and so the run's processes, as that account, which then owns ``home``; ``cgroup``: the run's cgroup, made
+    by :func:`worker.cgroups.prepare`, that it and every process of the run live in) with the environment
+    :func:`run_env`; returns its pid (= its process group and session id). A final status spooled by an earlier
+    supervisor of ``home`` is removed first. When it ends while this process lives, whatever is left of the run
+    (its cgroup's and its session's processes) is killed and the cgroup removed (:func:`after_exit`).
 
     Raises:
         OSError: the supervisor cannot be started (e.g. ``user`` may not run this Python).
@@ -171,22 +204,40 @@ def start(
         *(["--resume"] if resume else []),
         *(["--attempt", str(attempt)] if attempt is not None else []),
     ]
-    return detach(argv, run_env(run_id, token, server_url, allow_env), files.log, user)
+    env = run_env(run_id, token, server_url, allow_env)
+    return detach(argv, env, files.log, user, cgroup, on_exit=lambda pid: after_exit(home, pid, cgroup))
 
 
-def terminate(pid: int, grace_s: float = 30.0) -> None:
-    """SIGTERM the supervisor's process group, wait up to ``grace_s`` for it to end, then SIGKILL it."""
+def after_exit(home: Path, pid: int, cgroup: cgroups.RunCgroup | None) -> set[int]:
+    """The supervisor ``pid`` of ``home`` has ended: kill what is left of its run (its cgroup's processes, its
+    session's processes that started before now) and remove the cgroup; returns the pids killed. Does nothing while
+    another supervisor holds ``home`` (a second start that found the lock taken exits at once)."""
+    if running_pid(home) is not None:
+        return set()
+    killed = cgroups.end_run(cgroup, pid, started_before=time.time(), guard_cgroup=True)
+    if killed:
+        logger.warning("supervisor %d ended; killed %d processes it left: %s", pid, len(killed), sorted(killed))
+    return killed
+
+
+def terminate(pid: int, grace_s: float = 30.0, cgroup: cgroups.RunCgroup | None = None) -> set[int]:
+    """SIGTERM the supervisor's process group, wait up to ``grace_s`` for it to end, then SIGKILL it and every
+    process of its run that is left (``cgroup``'s, and the members of its session that started before this call)
+    and remove ``cgroup``; returns the pids killed after the grace period."""
+    t0 = time.time()
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        pass
+    else:
+        deadline = time.monotonic() + grace_s
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    return cgroups.end_run(cgroup, pid, started_before=t0, guard_cgroup=True)
 
 
 # ----------------------------------------------------------------------------- main
@@ -195,6 +246,19 @@ def terminate(pid: int, grace_s: float = 30.0) -> None:
 def _last_reason(run_dir: Path) -> str:
     events = read_jsonl(run_dir / "events.jsonl")
     return str(events[-1].get("reason", "")) if events else ""
+
+
+def _end_processes(status: str, reason: str) -> tuple[str, str]:
+    """Before the final report: kill every other process of this run still alive (in this supervisor's cgroup or
+    session: whatever escaped the launcher's teardown), and name an OOM kill in a failure's reason."""
+    unit = cgroups.of_process()
+    me = os.getpid()
+    left = cgroups.end_run(unit, me, started_before=None, exclude={me}, remove=False)
+    if left:
+        logger.warning("killed %d processes of the run left after the launcher: %s", len(left), sorted(left))
+    if status == "failed":
+        reason = cgroups.oom_reason(unit, reason)
+    return status, reason
 
 
 _terminated = threading.Event()
@@ -267,9 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         status, reason = "failed", f"{type(err).__name__}: {err}"
     if attempt is not None and _terminated.is_set():  # Slurm's SIGTERM: scancel, time limit or requeue
         status, reason = slurm_job.end_status(attempt)  # requeued: no status, the next attempt reports
-    logger.info("run %d ended %s %s", run_id, status, reason)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    status, reason = _end_processes(status, reason)
+    logger.info("run %d ended %s %s", run_id, status, reason)
     reporter.finish(status, reason, deadline_s)
+    if (unit := cgroups.of_process()) is not None:  # the run's last process: leave and remove its cgroup (as root)
+        unit.leave()
     return 0
 
 

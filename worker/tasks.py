@@ -12,7 +12,10 @@ the run is still ``queued``) adopts the finished run: it records the status the 
 
 ``reconcile()`` runs every ``RECONCILE_INTERVAL_S`` from Celery beat (``asyncrl worker`` embeds it): a
 starting/running/paused local run whose supervisor is gone gets the final status the supervisor spooled for this
-attempt (it could not reach the server), or else is marked ``failed`` with the reason.
+attempt (it could not reach the server), or else is marked ``failed`` with the reason (``out of memory: ...`` first
+when the run's cgroup saw an OOM kill); what is left of its processes is killed first. Then ``kill_leftovers`` kills
+what ended runs of this worker left behind (``worker/cgroups.py``) and records a ``leftovers`` event with the count.
+A launch makes the run's cgroup (``worker.cgroups.prepare``) and records a ``processes`` event naming the unit.
 
 A launch never leaves a run ``queued`` for a disk problem: when the filesystem of the run's home has less free space
 than the run obviously needs (``worker.rundir.space_refusal``), or preparing the home fails (a full disk, a read-only
@@ -30,6 +33,8 @@ resume): every delivery of one launch sees the same id, and a resume makes a new
 from __future__ import annotations
 
 import logging
+import time
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +50,9 @@ from server.core.db import engine
 from server.models import TERMINAL, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
 from server.services import capacity, metrics, runs, spec_policy, tokens
 from server.services.permissions import Forbidden
-from worker import supervisor
+from worker import cgroups, supervisor
 from worker.celery_app import TaskName, app
-from worker.procs import alive
+from worker.procs import alive, live_processes, started_at
 from worker.reporter import rows_to_points
 from worker.rundir import SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
 from worker.spec import RLSpec, SpecError, validate_spec
@@ -80,6 +85,7 @@ def launch(run_id: int) -> str:
             if (waiting := _hold_for_slot(session, run, worker=capacity.worker_name())) is not None:
                 return waiting
             resume = bool(runs.checkpoint_steps(run))
+            unit, unit_line = _run_unit(run)
             try:
                 pid = supervisor.start(
                     home,
@@ -91,12 +97,17 @@ def launch(run_id: int) -> str:
                     attempt=attempt,
                     allow_env=settings.RUN_ENV_ALLOW,
                     user=supervisor.run_user(settings.RUN_USER),
+                    cgroup=unit,
                 )
             except (ValueError, OSError) as err:  # RUN_USER unusable, the home cannot be written, or no supervisor
+                cgroups.end_run(unit, None, started_before=None)
                 return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
         run.launcher, run.launcher_handle, run.worker = "local", str(pid), capacity.worker_name()
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
+        if not adopted:
+            logger.info("run %s: its processes live in the %s", run_id, unit_line)
+            runs.record_event(session, run, "processes", reason=f"processes in the {unit_line}", pid=pid)
         session.commit()
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
 
@@ -110,6 +121,22 @@ def _launch_error(err: Exception, home: Path) -> str:
         if where.is_relative_to(home) or home.is_relative_to(where):
             return describe_os_error(err)
     return str(err)
+
+
+def _run_unit(run: Run) -> tuple[cgroups.RunCgroup | None, str]:
+    """Make the local ``run``'s cgroup (``worker.cgroups.prepare``: ``RUN_CGROUPS``, its
+    ``launcher.memory_limit_gib``); returns it (None: the supervisor's session is the unit) and the line saying so."""
+    limit = (run.spec.get("launcher") or {}).get("memory_limit_gib")
+    return cgroups.prepare(stored_id(run), Path(run.run_dir).parent, limit, enabled=settings.RUN_CGROUPS)
+
+
+def _cgroup_of(run: Run) -> cgroups.RunCgroup | None:
+    """The cgroup of a local ``run`` when it exists on this machine, else None."""
+    try:
+        found = cgroups.for_run(stored_id(run), Path(run.run_dir).parent)
+    except cgroups.Unavailable:
+        return None
+    return found if found.exists() else None
 
 
 def _hold_for_slot(session: Session, run: Run, *, worker: str | None) -> str | None:
@@ -237,7 +264,9 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
 
         slurm.cancel(handle, wait_s=grace_s)
     elif handle:
-        supervisor.terminate(int(handle), grace_s=grace_s)
+        with Session(engine) as session:
+            unit = _cgroup_of(runs.get(session, run_id))
+        supervisor.terminate(int(handle), grace_s=grace_s, cgroup=unit)
     with Session(engine) as session:
         run = runs.get(session, run_id, lock=True)
         if RunStatus(run.status) in TERMINAL:  # the supervisor reported its own end first
@@ -292,6 +321,13 @@ def reconcile() -> list[int]:
             pid, home = int(handle), Path(run.run_dir).parent
             if alive(pid) or supervisor.running_pid(home) is not None:
                 continue
+            unit = _cgroup_of(run)
+            oom = cgroups.oom_reason(unit, "")  # read before the cgroup is removed
+            killed = cgroups.end_run(unit, pid, started_before=time.time())  # the run ends: nothing of it may stay
+            if killed:
+                runs.record_event(
+                    session, run, "leftovers", reason=_killed_line(len(killed), "supervisor gone"), pids=sorted(killed)
+                )
             final = SupervisorHome(home).read_final(current_attempt(session, run_id))
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
                 points = _ingest_spooled_metrics(session, run, home)
@@ -311,10 +347,76 @@ def reconcile() -> list[int]:
                 if x
             )
             reason = f"supervisor {pid} is gone" + (f"; last lines:\n{context}" if context else "")
+            if oom:
+                reason = f"{oom}; {reason}"
             runs.transition(session, run, RunStatus.failed, reason=reason[:2000], pid=pid, by="reconcile")
             session.commit()
             failed.append(run_id)
+    kill_leftovers()
     return failed
+
+
+LEFTOVER_SLACK_S = 1.0
+"""A process counts as a leftover of an ended run when it started at most this long after the run's recorded end
+(clocks of the server and the worker, rounding of start times); one started later reuses a pid of the run."""
+
+
+def _killed_line(n: int, why: str) -> str:
+    return f"killed {n} leftover process{'es' if n != 1 else ''} of the run ({why})"
+
+
+def kill_leftovers() -> dict[int, int]:
+    """SIGKILL the processes that ended local runs of this worker left behind, and remove their cgroups: processes
+    in a run's cgroup (``worker.cgroups``; any cgroup under ``asyncrl/`` named for a run of this service that has
+    ended), and processes whose session id is an ended run's supervisor pid and that started before the run ended
+    (a later process that reuses the pid is left alone). Records a ``leftovers`` run event with the count. Returns
+    run id -> processes killed."""
+    try:
+        layout = cgroups.layout()
+        names = {d.name for d in (layout.roots[0] / cgroups.PARENT).glob("run-*") if d.is_dir()}
+    except (cgroups.Unavailable, OSError):
+        names = set()
+    by_name = {int(n.split("-")[1]): n for n in names if n.count("-") == 2 and n.split("-")[1].isdigit()}
+    sessions = {str(sid) for _, sid, _ in live_processes().values()}
+    with Session(engine) as session:
+        ended = session.exec(
+            select(Run.id).where(
+                col(Run.status).in_([s.value for s in TERMINAL]),
+                col(Run.launcher) == "local",
+                col(Run.id).in_(list(by_name))
+                | (col(Run.launcher_handle).in_(sessions) & (col(Run.worker) == capacity.worker_name())),
+            )
+        ).all()
+    done: dict[int, int] = {}
+    for run_id in ended:
+        if run_id is None:
+            continue
+        with Session(engine) as session:
+            run = runs.get(session, run_id, lock=True)  # a resume (a new launch) waits until this is done
+            if RunStatus(run.status) not in TERMINAL or run.finished_at is None:
+                continue
+            unit = _cgroup_of(run)
+            handle = run.launcher_handle or ""
+            sid = int(handle) if handle.isdigit() and run.worker == capacity.worker_name() else None
+            ended_at = run.finished_at.replace(tzinfo=run.finished_at.tzinfo or UTC).timestamp() + LEFTOVER_SLACK_S
+            if sid is not None and (leader := started_at(sid)) is not None and leader > ended_at:
+                sid = None  # the pid leads a later session: nothing of it is the run's
+            killed = cgroups.end_run(unit, sid, started_before=ended_at)
+            if killed:
+                runs.record_event(
+                    session,
+                    run,
+                    "leftovers",
+                    reason=_killed_line(len(killed), "run ended"),
+                    pids=sorted(killed),
+                    by="reconcile",
+                )
+                logger.warning(
+                    "reconcile: run %s: %s: %s", run_id, _killed_line(len(killed), "run ended"), sorted(killed)
+                )
+                done[run_id] = len(killed)
+            session.commit()
+    return done
 
 
 def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:

@@ -102,6 +102,11 @@ class Settings(BaseSettings):
     user. That account must be able to run the worker's Python and read the code and models (a Python under
     ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
 
+    RUN_CGROUPS: bool = True
+    """A root worker puts each local run's processes in a cgroup of their own (``worker/cgroups.py``: killed and
+    removed as one when the run ends; ``launcher.memory_limit_gib`` is its memory limit). False, or where cgroups are
+    not writable: the supervisor's session is the unit and memory limits are not enforced (a run event says so)."""
+
     @field_validator(
         "ALLOWED_CODE_PACKAGES",
         "INFERENCE_ALLOW_HOSTS",

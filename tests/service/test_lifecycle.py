@@ -423,7 +423,7 @@ def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(
     run = client.get(f"/api/runs/{run_id}", headers=auth).json()
     checkpoint(run, 2)
 
-    def terminate_then_resume(pid: int, grace_s: float) -> None:  # noqa: ARG001 - terminate's signature
+    def terminate_then_resume(pid: int, grace_s: float, cgroup: object = None) -> None:  # noqa: ARG001 - terminate's signature
         sleeper.kill()
         sleeper.wait()
         with Session(engine) as s:

@@ -14,6 +14,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,128}(,[A-Za-z0-9_.+-]{1,128}){0,63}$")
 """A Slurm partition, account or reservation name (a comma-separated list for partitions): written into an
 ``#SBATCH`` line of the job script, so a newline or a shell character must never reach it."""
+MAX_MEMORY_GIB = 65_536
+"""Largest ``launcher.memory_limit_gib`` (64 TiB): no worker has more; at submit it must also fit the worker."""
 MAX_DEVICE_ID = 255
 """Largest CUDA device id of ``launcher.local`` (and trainer ranks <= 256): no machine has more GPUs; at submit the
 ids must also be below the worker's declared GPU count (``worker/capacity.py``)."""
@@ -128,3 +130,9 @@ class LauncherConfig(StrictModel):
     """Where the service runs the run's processes: on the worker's machine, or as a Slurm job."""
     local: LocalConfig = Field(default_factory=LocalConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    memory_limit_gib: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GIB)
+    """Host memory all processes of a service-launched local run may use together, in GiB (its cgroup's limit,
+    ``worker/cgroups.py``): beyond it the kernel kills one of them and the run fails saying ``out of memory``. None:
+    no limit of its own. At most 65536 here; at submit also at most the worker's declared memory
+    (``worker/capacity.py``). Not enforced where the worker cannot make cgroups (a run event says so); not used by
+    Slurm runs (use ``slurm.extra_sbatch = ["--mem=..."]``)."""

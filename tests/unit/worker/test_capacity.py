@@ -41,6 +41,7 @@ def test_a_spec_that_fits_passes() -> None:
         validate_spec("rl", {**MODEL, "trainer": {"threads": 4}, "launcher": {"local": {"trainer_processes": 4}}}), CAP
     )
     check(validate_spec("sft", {**MODEL, "threads": 4}), CAP)
+    check(validate_spec("rl", {**MODEL, "launcher": {"memory_limit_gib": 8}}), CAP)  # the whole machine: allowed
 
 
 @pytest.mark.parametrize(
@@ -62,6 +63,10 @@ def test_a_spec_that_fits_passes() -> None:
         (
             {"trainer": {"device": "cuda"}, "launcher": {"local": {"trainer_gpus": [3]}}},
             "launcher.local.trainer_gpus: [3] exceeds the worker's capacity (4 cores, 8 GiB, 1 GPUs): device ids below 1",
+        ),
+        (
+            {"launcher": {"memory_limit_gib": 8.5}},
+            "launcher.memory_limit_gib: 8.5 exceeds the worker's capacity (4 cores, 8 GiB, 1 GPUs): at most 8",
         ),
         (
             {"orchestrator": {"batch_size": 4096, "group_size": 64}, "inference": {"max_model_len": 4096}},

@@ -316,7 +316,7 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
 
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
-    assert len(keys) == 63 and {"orchestrator.advantage.std_floor", "trainer.loss.max_ratio", "threads"} <= set(keys)
+    assert len(keys) == 64 and {"orchestrator.advantage.std_floor", "launcher.memory_limit_gib", "threads"} <= set(keys)
     unbounded = [key for key, info in fields if not any(isinstance(m, Le | Lt) for m in info.metadata)]
     assert unbounded == []
     undocumented = [key for key, info in fields if not info.description and not _has_docstring(key)]
@@ -360,6 +360,11 @@ def _has_docstring(key: str) -> bool:
             "rl",
             {"launcher": {"local": {"trainer_processes": 1024}}},
             "launcher.local.trainer_processes: Input should be less than or equal to 256, got 1024",
+        ),
+        (
+            "rl",
+            {"launcher": {"memory_limit_gib": 1e9}},
+            "launcher.memory_limit_gib: Input should be less than or equal to 65536, got 1000000000.0",
         ),
         (
             "rl",

@@ -149,3 +149,50 @@ def test_a_run_started_as_run_user_cannot_read_the_secret_key_file(monkeypatch: 
         assert (home / "spec.json").stat().st_uid == user.uid and (home / "done").stat().st_uid == user.uid
     finally:
         shutil.rmtree(base)
+
+
+def test_a_supervisor_joins_its_cgroup_before_it_drops_root_and_nothing_of_it_outlives_it() -> None:
+    """A root worker starts the supervisor (a shell stands in) as ``nobody`` in the run's cgroup: it is in the cgroup
+    as nobody, so are its children, one of which leaves its session. ``terminate`` ends all of them and removes the
+    cgroup; a supervisor that exits by itself has what it left killed by the worker's thread that reaps it."""
+    from tests.support.server import wait_for
+    from worker import cgroups
+    from worker.procs import alive
+
+    user = supervisor.run_user("nobody")
+    assert user is not None
+    base = Path(tempfile.mkdtemp(prefix="asyncrl-cgroup-"))
+    base.chmod(0o755)  # nobody may enter it (pytest's tmp_path is under a 0700 folder)
+    scripts = (
+        (1, "sleep 300 & echo $! > {h}/pids; setsid sleep 300 & echo $! >> {h}/pids; wait", True),
+        (2, "sleep 300 & echo $! > {h}/pids; setsid sleep 300 & echo $! >> {h}/pids", False),
+    )
+    for n, script, stop in scripts:
+        home = base / str(n)
+        home.mkdir()
+        home.chmod(0o777)
+        cg, _ = cgroups.prepare(10**9 + n, home, None)
+        assert cg is not None
+        report = f"id -u > {home}/uid; cat /proc/self/cgroup > {home}/cgroup; "
+        pid = supervisor.detach(
+            ["/bin/sh", "-c", report + script.format(h=home)],
+            supervisor.run_env(7, "rt_own", "http://s"),
+            home / "supervisor.log",
+            user,
+            cg,
+            on_exit=lambda p, home=home, cg=cg: supervisor.after_exit(home, p, cg),
+        )
+        try:
+            pids_file = home / "pids"
+            wait_for(lambda f=pids_file: len(f.read_text().split()) == 2 if f.exists() else False, 10, "2 children")
+            children = {int(p) for p in pids_file.read_text().split()}
+            assert (home / "uid").read_text().strip() == str(user.uid)
+            assert f":/{cg.name}\n" in (home / "cgroup").read_text()
+            if stop:
+                assert cg.pids() == {pid, *children}
+                supervisor.terminate(pid, grace_s=1, cgroup=cg)  # SIGTERM ends its group; the setsid one is killed
+            wait_for(lambda cg=cg: not cg.exists(), 10, "the cgroup removed")
+            assert not any(alive(p) for p in {pid, *children})
+        finally:
+            cgroups.end_run(cg, None, started_before=None)
+    shutil.rmtree(base)
