@@ -178,8 +178,13 @@ def test_cli_render_prints_the_script_and_bad_specs_exit_2(tmp_path: Path, capsy
         ({"allocation": "my-job"}, "launcher.slurm.allocation: expected a Slurm job id (digits), got 'my-job'"),
         (
             {"extra_sbatch": ["--exclusive\n#SBATCH --x"]},
-            "launcher.slurm.extra_sbatch: expected options like "
-            "'--constraint=a100' (one line each), got '--exclusive\\n#SBATCH --x'",
+            "launcher.slurm.extra_sbatch: expected one option per entry like '--constraint=a100' "
+            "(no spaces or control characters), got '--exclusive\\n#SBATCH --x'",
+        ),
+        (
+            {"extra_sbatch": ["--qos=normal --output=/tmp/x"]},
+            "launcher.slurm.extra_sbatch: expected one option per entry like '--constraint=a100' "
+            "(no spaces or control characters), got '--qos=normal --output=/tmp/x'",
         ),
         ({"env": {"A-B": "1"}}, "launcher.slurm.env: expected variable names of letters, digits and '_', got 'A-B'"),
         ({"gpus_per_node": -1}, "launcher.slurm.gpus_per_node: Input should be greater than or equal to 0, got -1"),
