@@ -33,7 +33,7 @@ import bench_support as C  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-steps", type=int, default=120, help="trainer steps of the run")
+    ap.add_argument("--max-steps", type=int, default=150, help="trainer steps of the run")
     ap.add_argument("--down", type=float, default=5.0, help="seconds each service stays down before its restart")
     ap.add_argument("--services", default="worker,api,postgres,redis", help="service cells, in order")
     ap.add_argument("--processes", default="trainer,orchestrator,inference,supervisor", help="process cells")
