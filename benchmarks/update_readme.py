@@ -1,7 +1,10 @@
-"""Copy the tables of the latest ``benchmarks/results/*.json`` into ``benchmarks/README.md``.
+"""Copy the tables of the latest ``benchmarks/results/*.json`` into ``benchmarks/README.md``, and the fault matrix
+into the project README.
 
 Replaces everything between ``<!-- results:start -->`` and ``<!-- results:end -->`` with, per
-benchmark, its command, date, machine facts, any ``note`` and the table the script printed.
+benchmark, its command, date, machine facts, any ``note`` and the table the script printed; and in ``README.md``
+everything between ``<!-- fault-matrix:start -->`` and ``<!-- fault-matrix:end -->`` (section "Reliability and
+security") with the same for ``results/fault_matrix.json`` (``benchmarks/fault_matrix.py``).
 
 Run: ``.venv/bin/python benchmarks/update_readme.py``.
 """
@@ -18,6 +21,8 @@ import bench_support as C  # noqa: E402
 
 README = C.ROOT / "benchmarks" / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+PROJECT_README = C.ROOT / "README.md"
+FAULTS_START, FAULTS_END = "<!-- fault-matrix:start -->", "<!-- fault-matrix:end -->"
 TITLES = {
     "rollout_throughput": "Rollout throughput: server alone vs in the RL loop",
     "trainer_throughput": "Trainer throughput",
@@ -47,17 +52,43 @@ def section(name: str) -> str:
     return "\n".join(lines)
 
 
+def fault_matrix() -> str:
+    """The README's fault-matrix block: command, date, machine and the table of ``results/fault_matrix.json``."""
+    path = C.RESULTS / "fault_matrix.json"
+    if not path.is_file():
+        return "No result yet (`benchmarks/results/fault_matrix.json`: run `benchmarks/fault_matrix.py`)."
+    d = json.loads(path.read_text())
+    m = d["machine"]
+    load = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", []))
+    return "\n".join(
+        [
+            f"`{d['command']}` — {d['date']}, {d['duration_s'] / 60:.1f} min; {m['nproc']} × {m['cpu_model']}, "
+            f"vLLM {m['vllm']}; load average at start {load}. Run of {d['max_steps']} steps; each service down "
+            f"{d['down_s']:.0f} s; reconcile every {d['reconcile_interval_s']:.0f} s.",
+            "",
+            d.get("table_md", "(no table in the result file)"),
+        ]
+    )
+
+
+def replace_between(path: Path, start: str, end: str, body: str) -> bool:
+    """Put ``body`` between the markers ``start`` and ``end`` of ``path``; False when a marker is missing."""
+    text = path.read_text()
+    if start not in text or end not in text:
+        C.say(f"{path}: markers {start} / {end} not found")
+        return False
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+    C.say(f"updated {path.relative_to(C.ROOT)}")
+    return True
+
+
 def main() -> int:
-    text = README.read_text()
-    if START not in text or END not in text:
-        C.say(f"{README}: markers {START} / {END} not found")
-        return 1
     body = "\n\n".join(section(n) for n in TITLES)
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{body}\n{END}{tail}")
-    C.say(f"updated {README.relative_to(C.ROOT)}")
-    return 0
+    done = replace_between(README, START, END, body)
+    done = replace_between(PROJECT_README, FAULTS_START, FAULTS_END, fault_matrix()) and done
+    return 0 if done else 1
 
 
 if __name__ == "__main__":

@@ -160,10 +160,13 @@ class MetricsForwarder:
         return read_jsonl_after(self.path, self.offset)
 
     def send_once(self) -> int:
-        """Send what is pending; returns points sent. Raises httpx errors (the caller retries later)."""
+        """Send what is pending; returns points sent. A batch the server finds too large (413: more points or bytes
+        than it takes in one request, e.g. the backlog after an outage or a resume's replay) is sent again in halves,
+        and later batches are no larger. Raises httpx errors (the caller retries later)."""
         rows, new_offset = self.pending()
         points = rows_to_points(rows)
-        for i in range(0, len(points), self.batch_points):
+        i = 0
+        while i < len(points):
             batch = points[i : i + self.batch_points]
             # json.dumps writes NaN/Infinity (the server stores them); httpx's json= refuses non-finite floats
             resp = self.client.post(
@@ -171,7 +174,14 @@ class MetricsForwarder:
                 content=json.dumps({"points": batch}),
                 headers={"Content-Type": "application/json"},
             )
+            if resp.status_code == 413 and len(batch) > 1:
+                self.batch_points = len(batch) // 2
+                logger.info(
+                    "server took no batch of %d metric points; sending %d at once", len(batch), self.batch_points
+                )
+                continue
             resp.raise_for_status()
+            i += len(batch)
         if new_offset != self.offset:
             self.offset = new_offset
             save_offset(self.offset_path, new_offset)

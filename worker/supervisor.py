@@ -261,6 +261,27 @@ def _end_processes(status: str, reason: str) -> tuple[str, str]:
     return status, reason
 
 
+def prepare_resume(run_dir: Path, home: SupervisorHome) -> int | None:
+    """Before a resumed attempt's reporter starts: cut the run directory back to its newest complete checkpoint
+    (returned; None without one: the launcher then refuses ``--resume``) as the launcher would, and forward
+    ``metrics.jsonl`` again from its start (ingestion is idempotent), as a requeued Slurm attempt does.
+
+    Points the killed attempt wrote after the checkpoint and never sent (its supervisor died, or could not reach the
+    server) are pruned before anything is sent: the server deleted those steps at resume and the resumed run measures
+    them again; sent late they would be stored instead of the new measurements. The byte offset sent so far means
+    nothing in the pruned file: read from it, it would skip or cut the lines the killed attempt had not sent.
+    """
+    from worker.checkpoint import resume_step
+    from worker.rundir import RunDir
+
+    run = RunDir(run_dir)
+    step = resume_step(run) if run.config.exists() else None
+    if step is not None:
+        run.prune_after(step)
+    home.forwarded_offset.unlink(missing_ok=True)
+    return step
+
+
 _terminated = threading.Event()
 
 
@@ -312,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     if attempt:
         requeue = slurm_job.start_requeued(attempt, spec.run_dir, home)
         resume = requeue["resume_step"] is not None
-    # made after start_requeued: what events.jsonl holds now is of earlier attempts
+    elif resume:
+        try:
+            prepare_resume(spec.run_dir, home)
+        except OSError as err:  # the launcher meets it again when it prepares the run directory, and reports it
+            logger.warning("could not prepare the resume of %s: %s", spec.run_dir, err)
+    # made after start_requeued / prepare_resume: what events.jsonl holds now is of earlier attempts
     reporter = Reporter(client, run_id, spec.run_dir, home, attempt=args.attempt)
     reporter.requeue = requeue
     reporter.start()

@@ -109,3 +109,29 @@ def test_forwarder_spools_while_the_server_is_down_then_sends_each_point_once(
     body = client.get(f"/api/runs/{run_id}/metrics", params={"name": "loss"}, headers=run_token_headers(run_id)).json()
     assert body["series"][0]["step"] == list(range(1, 9))
     assert stored(run_id) == emitted
+
+
+def test_forwarder_splits_a_backlog_larger_than_the_server_takes_in_one_request(
+    client: Any, make_run: Any, tmp_path: Path
+) -> None:
+    """The backlog after an outage or a resume's replay may exceed ``MAX_METRIC_POINTS`` (2000 in the tests): the
+    server answers 413, and the forwarder halves its batches until one is taken, instead of retrying the same batch
+    forever (every later point would wait behind it)."""
+    from fastapi.testclient import TestClient
+
+    from server.core.config import settings
+    from server.main import app
+    from worker.reporter import MetricsForwarder
+
+    run_id = make_run()["id"]
+    emitted = write_rows(tmp_path, range(1, 1301))
+    assert emitted == 5200 and settings.MAX_METRIC_POINTS == 2000
+    with TestClient(app, headers=run_token_headers(run_id)) as up:
+        fwd = MetricsForwarder(up, run_id, tmp_path / "metrics.jsonl", tmp_path / "offset")
+        assert fwd.batch_points == 5000
+        assert fwd.send_once() == 5200 and fwd.batch_points == 1250  # 5000 -> 413, 2500 -> 413, 1250 taken
+        assert fwd.offset == (tmp_path / "metrics.jsonl").stat().st_size
+    assert stored(run_id) == 5200
+    query = {"name": "loss", "max_points": 5000}
+    body = client.get(f"/api/runs/{run_id}/metrics", params=query, headers=run_token_headers(run_id)).json()
+    assert body["series"][0]["step"] == list(range(1, 1301))

@@ -5,7 +5,9 @@
   points still unsent in ``metrics.jsonl``;
 - a resumed run's supervisor does not report ``running`` from the ``running`` event of the earlier attempt;
 - a launch redelivered after its supervisor already ran the whole run adopts the finished run (its spooled status)
-  instead of starting it again into an existing run directory.
+  instead of starting it again into an existing run directory;
+- a resumed run's supervisor prunes the run directory to the checkpoint before it sends anything, then sends the
+  pruned ``metrics.jsonl`` from its start: nothing the killed attempt wrote after the checkpoint is stored.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 from tests.support.server import free_port, run_token_headers, stored, wait_for
 from worker.procs import alive
-from worker.rundir import RunDir, SupervisorHome
+from worker.rundir import RunDir, SupervisorHome, read_jsonl
 
 
 def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
@@ -33,6 +35,17 @@ def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[
 
 def run_of(client: Any, auth: dict[str, str], run_id: int) -> dict[str, Any]:
     return dict(client.get(f"/api/runs/{run_id}", headers=auth).json())
+
+
+def stored_points(run_id: int) -> dict[tuple[str, int, str], float]:
+    from sqlmodel import Session, select
+
+    from server.core.db import engine
+    from server.models import Metric
+
+    with Session(engine) as s:
+        rows = s.exec(select(Metric.source, Metric.step, Metric.name, Metric.value).where(Metric.run_id == run_id))
+        return {(source, int(step), name): value for source, step, name, value in rows.all()}
 
 
 @pytest.fixture
@@ -153,3 +166,63 @@ def test_resumed_supervisor_reports_running_only_for_this_attempt(
         finally:
             reporter.finish(None, "")
     assert status_events(client, auth, run["id"])[-2:] == [("queued", "starting"), ("starting", "running")]
+
+
+def test_a_resumed_supervisor_sends_the_pruned_metrics_and_nothing_the_killed_attempt_left_unsent(
+    client: Any, auth: dict[str, str], make_run: Any, live_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first supervisor was killed (SIGKILL: no final flush) with points in ``metrics.jsonl`` it had not sent,
+    some of steps up to the checkpoint (they must be stored) and some after it (the server deleted those steps at
+    resume: sent late, they would be stored instead of the resumed run's new measurements)."""
+    from server.core.config import settings
+    from worker.checkpoint import write_part
+    from worker.reporter import rows_to_points
+    from worker.tasks import launch
+
+    monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
+    run = make_run()
+    rd, home = RunDir(run["run_dir"]), SupervisorHome(Path(run["run_dir"]).parent)
+    rd.create()
+    rd.config.write_text(json.dumps(run["spec"]))
+    for step in (2, 4):
+        for part in ("trainer", "orchestrator"):
+            write_part(rd, step, part, lambda d: (d / "state.bin").write_bytes(b"state"))
+    token = run_token_headers(run["id"])
+    for status in ("starting", "running"):
+        assert client.post(f"/api/runs/{run['id']}/status", json={"status": status}, headers=token).status_code == 200
+
+    def orchestrator(step: int) -> None:
+        rd.log_metrics("orchestrator", step, {"reward_mean": step / 10})
+
+    def trainer(step: int) -> None:
+        rd.log_metrics("trainer", step, {"loss": 1 / step, "lr": 1e-4, "grad_norm": 0.5, "mismatch_kl": 1e-6 * step})
+
+    orchestrator(1)  # one step ahead of the trainer (max_async_level 1), as a real run writes them
+    for step in (1, 2, 3):
+        orchestrator(step + 1)
+        trainer(step)
+    sent = rows_to_points(read_jsonl(rd.metrics))
+    resp = client.post(f"/api/runs/{run['id']}/metrics", json={"points": sent}, headers=token)
+    assert resp.status_code == 200, resp.text
+    home.forwarded_offset.write_text(str(rd.metrics.stat().st_size))  # what the first supervisor had sent
+    trainer(4)  # unsent when it was killed: before the checkpoint...
+    orchestrator(5)  # ... and after it
+    trainer(5)
+    assert client.post(f"/api/runs/{run['id']}/status", json={"status": "failed"}, headers=token).status_code == 200
+    assert stored(run["id"]) == 16 == len(sent)
+
+    resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
+    assert resp.status_code == 200, resp.text
+    assert stored(run["id"]) == 16  # nothing after the checkpoint had reached the server
+    pid = int(launch(run["id"]).rsplit(" ", 1)[1])
+    try:
+        done = wait_for(
+            lambda: (r := run_of(client, auth, run["id"]))["status"] == "failed" and r, 60, "resumed run ended"
+        )
+    finally:
+        wait_for(lambda: not alive(pid), 30, "the resumed supervisor exited")
+    assert done["status_reason"].startswith("preflight: model.name"), done["status_reason"]  # after the resume check
+    kept = {(p["source"], p["step"], p["name"]): p["value"] for p in rows_to_points(read_jsonl(rd.metrics))}
+    assert {k[1] for k in kept} == {1, 2, 3, 4}  # pruned to the checkpoint
+    assert stored_points(run["id"]) == kept  # trainer step 4 arrived; nothing of step 5
+    assert len(kept) == 20
