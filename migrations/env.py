@@ -21,6 +21,20 @@ target_metadata = SQLModel.metadata
 
 
 def _run(connection: Connection) -> None:
+    """Run the migrations on ``connection``. SQLite: with ``PRAGMA foreign_keys`` off while they run (a batch rebuild
+    drops and recreates a table; with foreign keys on, that drop would cascade to the rows pointing at it), on again
+    after. The pragma only takes effect outside a transaction, so it is set before the first statement."""
+    sqlite = connection.dialect.name == "sqlite"
+    if sqlite:
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    try:
+        _migrate(connection)
+    finally:
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+
+
+def _migrate(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

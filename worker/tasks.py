@@ -79,7 +79,7 @@ def launch(run_id: int) -> str:
                     home,
                     run_id=run_id,
                     spec=run.spec,
-                    token=tokens.run_token(run_id),
+                    token=tokens.run_token(run),
                     server_url=settings.server_url(),
                     resume=resume,
                     attempt=attempt,
@@ -184,7 +184,7 @@ def _launch_slurm(session: Session, run: Run) -> str:
             if (waiting := _hold_for_slot(session, run, worker=None)) is not None:
                 return waiting
             SupervisorHome(home).write_spec(run.spec)
-            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url(), settings.RUN_ENV_ALLOW)
+            env = supervisor.run_env(run_id, tokens.run_token(run), settings.server_url(), settings.RUN_ENV_ALLOW)
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:
         runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")

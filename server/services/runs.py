@@ -82,6 +82,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     session.add(run)
     session.flush()  # assigns the id
     out = Path(settings.ASYNCRL_OUTPUT_DIR) / "runs" / str(run.id)
+    set_aside(out, f"{run.id}-found-at-create")  # left by a run of another database: never inherited
     resolved = json.loads(spec.model_copy(update={"output_dir": str(out)}).model_dump_json())
     run.spec, run.spec_hash, run.run_dir = resolved, spec_hash(resolved), str(out / spec.name)
     session.add(RunEvent(run_id=stored_id(run), kind="status", to_status=S.queued, reason=f"submitted by {owner}"))
@@ -188,10 +189,29 @@ def request_stop(session: Session, run: Run, *, by: str) -> bool:
     return True
 
 
+DELETED_RUNS = "deleted-runs"
+"""Folder of ``ASYNCRL_OUTPUT_DIR`` where a deleted run's home folder is moved (``<id>-<token_nonce>``)."""
+
+
+def set_aside(home: Path, name: str) -> Path | None:
+    """Move the run home folder ``home`` (if it exists) to ``<ASYNCRL_OUTPUT_DIR>/deleted-runs/<name>`` (a numbered
+    suffix when taken), so no later run finds its files; returns where it went (None: there was none)."""
+    if not home.exists() and not home.is_symlink():
+        return None
+    aside = Path(settings.ASYNCRL_OUTPUT_DIR) / DELETED_RUNS
+    aside.mkdir(parents=True, exist_ok=True)
+    dst, n = aside / name, 1
+    while dst.exists() or dst.is_symlink():
+        dst, n = aside / f"{name}.{n}", n + 1
+    home.rename(dst)
+    return dst
+
+
 def delete_run(session: Session, run: Run) -> None:
     """Delete an ended run's row with its events, metrics, config revisions and alert rules, states and events (the
-    database cascades); its run directory stays on disk (checkpoints and logs are the user's to remove). The caller
-    commits.
+    database cascades); its home folder (run directory, logs, checkpoints) is moved to
+    ``<ASYNCRL_OUTPUT_DIR>/deleted-runs/<id>-<token_nonce>`` (the user's to remove), so nothing of it is found by a
+    later run. The caller commits.
 
     Raises:
         InvalidTransition: the run has not ended.
@@ -203,6 +223,7 @@ def delete_run(session: Session, run: Run) -> None:
         )
     session.delete(run)
     session.flush()
+    set_aside(run_home(run), f"{run.id}-{run.token_nonce}")
 
 
 def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) -> tuple[list[RunEvent], int]:
