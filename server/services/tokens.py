@@ -134,9 +134,12 @@ def revoke(session: Session, *, name: str) -> int:
 
 def run_token(run: Run) -> str:
     """The run token of ``run``: ``asr_run_<id>_<hex HMAC-SHA256 of the id and the run's token_nonce>``."""
-    message = f"run-token:{run.id}:{run.token_nonce}".encode()
-    mac = hmac.new(settings.secret_key().encode(), message, hashlib.sha256).hexdigest()
-    return f"asr_run_{run.id}_{mac}"
+    return _run_token(stored_id(run), run.token_nonce)
+
+
+def _run_token(run_id: int, nonce: str) -> str:
+    mac = hmac.new(settings.secret_key().encode(), f"run-token:{run_id}:{nonce}".encode(), hashlib.sha256).hexdigest()
+    return f"asr_run_{run_id}_{mac}"
 
 
 def _principal(token: ApiToken, owner: User | None) -> Principal:
@@ -162,8 +165,9 @@ def authenticate(session: Session, token: str) -> Principal:
     m = _RUN_TOKEN.match(token)
     if m:
         run_id = int(m.group(1))
-        run = session.get(Run, run_id) if run_id <= 2**31 - 1 else None
-        if run is None or not hmac.compare_digest(token, run_token(run)):
+        # the nonce alone: a Run loaded here would sit in the session and hide a later locked read's fresh row
+        nonce = session.exec(select(Run.token_nonce).where(Run.id == run_id)).first() if run_id <= 2**31 - 1 else None
+        if nonce is None or not hmac.compare_digest(token, _run_token(run_id, nonce)):
             raise AuthError("invalid token")
         return Principal(name=f"run-{run_id}", run_id=run_id)
     found = _user_token(session, hash_token(token))
