@@ -42,7 +42,7 @@ def store(points: int) -> tuple[str, int, int]:
     with Session(engine) as s:
         _, token = tokens.create(s, name="bench")
         run = runs.create(
-            s, data={"name": "bench-page", "max_steps": steps, "model": {"name": "/nonexistent"}}, owner="bench"
+            s, data={"name": "bench-page", "max_steps": steps, "model": {"name": "bench/no-such-model"}}, owner="bench"
         )
         for first in range(1, steps + 1, 2000):
             batch = [

@@ -168,7 +168,7 @@ def main() -> int:
         with Session(engine) as s:
             _, token = tokens.create(s, name="bench")
             ids = [
-                runs.create(s, data={"name": f"bench-{i}", "model": {"name": "/nonexistent"}}, owner="bench").id
+                runs.create(s, data={"name": f"bench-{i}", "model": {"name": "bench/no-such-model"}}, owner="bench").id
                 for i in range(2)
             ]
             s.commit()

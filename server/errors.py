@@ -4,10 +4,13 @@ dashboard (``webui/errors.py``: HTML error pages and inline errors) both read.
 A service raises a domain error with a one-line message naming the problem; the surface answers with the
 status below and ``{"detail": "<message>"}``. A subclass takes its nearest listed base's status
 (``RunNotLive`` is an ``InvalidTransition``: 409; ``RevisionNotFound`` a ``RunNotFound``: 404;
-``LiveConfigError`` a ``SpecError``: 422).
+``LiveConfigError`` a ``SpecError``: 422). The body of a JSON route that does not validate is 415 (not JSON), 400
+(empty or unparsable) or 422 (wrong shape, naming the field): :func:`body_error`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -51,3 +54,29 @@ def install(app: FastAPI) -> None:
     """Answer every domain error of :data:`HTTP_STATUS` with its status and ``{"detail": str(err)}``."""
     for cls in HTTP_STATUS:
         app.add_exception_handler(cls, _domain_error)
+
+
+def is_json_type(content_type: str) -> bool:
+    """Whether a ``Content-Type`` header names JSON (``application/json``, ``*+json``) or is absent (read as JSON)."""
+    ctype = content_type.split(";")[0].strip().lower()
+    return not ctype or ctype == "application/json" or ctype.endswith("+json")
+
+
+def body_error(errors: list[dict[str, Any]], content_type: str, content_length: str | None) -> tuple[int, str]:
+    """(status, one-line detail) of a request whose validation failed with pydantic ``errors`` (FastAPI's
+    ``RequestValidationError.errors()``): the JSON body rule of ``server/main.py``'s docstring. Errors outside the body
+    (path, query) are 422 naming the parameter."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    in_body = bool(loc) and loc[0] == "body"
+    if in_body and not is_json_type(content_type):
+        return 415, f"content-type {content_type.split(';')[0].strip()!r}: send the body as application/json"
+    if first.get("type") == "json_invalid":
+        return 400, f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
+    if in_body and len(loc) == 1 and first.get("type") == "missing":
+        if content_length in (None, "0"):
+            return 400, "body: empty: send a JSON object"
+        return 422, "body: expected a JSON object, got null"
+    if in_body and len(loc) == 1 and first.get("type") in {"model_attributes_type", "dict_type", "model_type"}:
+        return 422, "body: expected a JSON object"
+    return 422, f"{'.'.join(str(p) for p in loc)}: {first['msg']}"

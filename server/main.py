@@ -1,9 +1,18 @@
 """The FastAPI app: ``/api`` JSON routes, ``/healthz``, Prometheus ``/metrics``, OpenAPI at ``/docs``.
 
-Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 400 unparsable body,
-401/403 token problems, 404 unknown run, 409 impossible state change, 413 body too large, 422 invalid
-field (spec errors name the dotted key; a value the database cannot hold, e.g. an integer beyond its
-column, is 422 too; so is a JSON body nested deeper than 32 levels, ``LimitJsonDepth``). Domain errors of the services get their status from ``server/errors.py``.
+Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 401/403 token problems, 404
+unknown run, 409 impossible state change, 413 body too large, and for the body of every JSON route one rule
+(``server/errors.py`` :func:`body_error`):
+
+| the body                                                   | status | detail starts with          |
+|------------------------------------------------------------|--------|-----------------------------|
+| sent with a content type other than JSON                   | 415    | ``content-type '...':``     |
+| empty, or not JSON (does not parse, not UTF-8)             | 400    | ``body: empty`` / ``body: not valid JSON`` |
+| JSON of the wrong shape (not an object, a field invalid)   | 422    | ``body:`` / the field's dotted name |
+
+A spec error names the dotted spec key (422); a value the database cannot hold, e.g. an integer beyond its column,
+is 422 too; so is a JSON body nested deeper than 32 levels (``LimitJsonDepth``). Domain errors of the services get
+their status from ``server/errors.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from server.api.main import api_router
 from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
+from server.errors import body_error, is_json_type
 from server.errors import install as install_error_handlers
 from webui.main import router as webui_router
 from worker.spec import MAX_DEPTH
@@ -93,9 +103,8 @@ class LimitJsonDepth:
         self.app, self.max_depth = app, max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ctype = dict(scope.get("headers", [])).get(b"content-type", b"").split(b";")[0].strip().lower()
-        is_json = not ctype or ctype == b"application/json" or ctype.endswith(b"+json")
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH") or not is_json:
+        ctype = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH") or not is_json_type(ctype):
             await self.app(scope, receive, send)
             return
         chunks, message = [], await receive()
@@ -148,14 +157,13 @@ def create_app() -> FastAPI:
         return JSONResponse({"detail": f"a value is out of range for the database: {first}"}, status_code=422)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
-        errors = err.errors()
-        first = errors[0]
-        detail = f"{_loc(first['loc'])}: {first['msg']}"
-        if first.get("type") == "json_invalid":
-            detail = f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        errors = list(err.errors())
+        status, detail = body_error(
+            errors, request.headers.get("content-type", ""), request.headers.get("content-length")
+        )
         simple = [{"loc": _loc(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:20]]
-        return JSONResponse({"detail": detail, "errors": simple}, status_code=422)
+        return JSONResponse({"detail": detail, "errors": simple}, status_code=status)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

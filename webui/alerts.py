@@ -259,11 +259,12 @@ def webhook_page(request: Request, db: SessionDep, endpoint_id: int) -> HTMLResp
     user = p.need_user()
     row = webhooks.get_endpoint(db, endpoint_id)
     log, total = webhooks.deliveries(db, row, offset=0, limit=RECENT_DELIVERIES)
+    read_only = not permissions.owns(user, row.created_by)
     return p.render(
         "alerts_webhook.html",
         can_replay=allowed(lambda: permissions.require_endpoint(user, row, "replay its deliveries")),
-        endpoint=webhooks.public_endpoint(row, read_only=not permissions.owns(user, row.created_by)),
-        deliveries=log,
+        endpoint=webhooks.public_endpoint(row, read_only=read_only),
+        deliveries=[webhooks.public_delivery(x, read_only=read_only) for x in log],
         total=total,
     )
 

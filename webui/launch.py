@@ -9,7 +9,7 @@ import tomllib
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
-from server.models import stored_id
+from server.models import Role, stored_id
 from server.services import permissions, runs
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, Page, SessionDep, page
@@ -112,7 +112,8 @@ async def launch(request: Request, db: SessionDep) -> Response:
     except SpecError as err:  # nested deeper than the spec allows
         return _launch_page(p, text, chosen, 422, str(err))
     try:
-        run = runs.create(db, data=data, owner=p.need_user().name)
+        who = p.need_user()
+        run = runs.create(db, data=data, owner=who.name, admin=who.role == Role.admin)
     except SpecError as err:
         db.rollback()
         line = error_line(text, err)

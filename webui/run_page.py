@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 from sqlmodel import Session
 
-from server.models import TERMINAL, ForkRequest, Run, RunStatus, stored_id
+from server.models import TERMINAL, ForkRequest, Role, Run, RunStatus, stored_id
 from server.services import config, permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
@@ -203,7 +203,15 @@ async def fork(request: Request, db: SessionDep, run_id: int) -> Response:
         except ValidationError as err:
             first = err.errors()[0]
             raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
-        child = runs.fork(db, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
+        child = runs.fork(
+            db,
+            parent,
+            owner=user.name,
+            changes=body.changes,
+            step=body.step,
+            name=body.name,
+            admin=user.role == Role.admin,
+        )
         db.commit()
         enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
         return f"/runs/{stored_id(child)}"

@@ -4,7 +4,9 @@ A checkpoint of step k is ``checkpoints/step_k/`` with one part per process: ``t
 safetensors, optimizer, scheduler, step, RNG) and ``orchestrator/`` (step, data cursor, sampler
 state). Each part is written into a hidden temporary folder, finished with a ``.complete`` marker,
 then renamed into place, so a kill mid-write leaves only a temporary folder that resume ignores and
-removes. A step is complete when both parts are in place with their markers.
+removes; a write that fails (a full disk: ``worker.rundir.DiskFull``) removes its temporary folder at once, and
+the launcher removes incomplete step folders when the run ends. A step is complete when both parts are in place with
+their markers.
 
 This module is the layout and the rules and imports no torch (the server reads it). What needs torch,
 writing and loading the ``trainer`` part (model, optimizer, scheduler, RNG states), is in
@@ -20,7 +22,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json, step_dirs
+from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json, step_dirs, writing
 
 PARTS = ("trainer", "orchestrator")
 logger = logging.getLogger(__name__)
@@ -29,16 +31,33 @@ logger = logging.getLogger(__name__)
 def write_part(run: RunDir, step: int, part: str, write: Callable[[Path], None]) -> Path:
     """Write one checkpoint part atomically: ``write(tmp_dir)`` fills a temporary folder, then rename.
 
+    A failed write removes the temporary folder, and the step folder when nothing else is in it, so the newest
+    complete checkpoint stays the one resume takes; the part already in place (an earlier write of this step)
+    stays until the new one is complete.
+
     Returns:
         The final part folder ``checkpoints/step_<step>/<part>``.
+
+    Raises:
+        DiskFull: the filesystem is full (``checkpoint step <step> (<part> part)`` and the file it failed at).
+        Exception: whatever ``write`` raised, after the cleanup.
     """
     step_dir = run.checkpoint_dir(step)
-    step_dir.mkdir(parents=True, exist_ok=True)
     tmp = step_dir / f".{part}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    (tmp / COMPLETE_MARKER).write_text(str(step))
+    what = f"checkpoint step {step} ({part} part)"
+    try:
+        with writing(what, step_dir / part, partial=tmp):
+            step_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            write(tmp)
+            (tmp / COMPLETE_MARKER).write_text(str(step))
+    except BaseException:
+        try:
+            step_dir.rmdir()  # only when empty: the other process's part (or its temporary folder) stays
+        except OSError:
+            pass
+        raise
     final = step_dir / part
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -57,9 +76,16 @@ def complete_steps(run: RunDir) -> list[int]:
 def resume_step(run: RunDir) -> int | None:
     """The newest complete checkpoint step, warning about newer incomplete ones (case C4).
 
-    Incomplete newer step folders and temporary folders left by a kill are removed, so the resumed
-    run writes them anew.
+    Incomplete newer step folders and temporary folders left by a kill are removed
+    (:func:`remove_incomplete`), so the resumed run writes them anew.
     """
+    return remove_incomplete(run)
+
+
+def remove_incomplete(run: RunDir) -> int | None:
+    """Remove what failed or killed checkpoint writes left: step folders newer than the newest complete checkpoint
+    (each one logged as a warning) and temporary part folders inside the others; returns the newest complete step
+    (None without one). Call it only while no process of the run writes checkpoints (before a launch, after one)."""
     complete = complete_steps(run)
     newest = complete[-1] if complete else None
     for n, p in sorted(step_dirs(run.checkpoints).items()):
@@ -67,7 +93,7 @@ def resume_step(run: RunDir) -> int | None:
             logger.warning(
                 "checkpoint step_%d is incomplete (parts: %s); ignoring it",
                 n,
-                sorted(x.name for x in p.iterdir()) or "none",
+                (sorted(x.name for x in p.iterdir()) or "none") if p.is_dir() else "none",
             )
             shutil.rmtree(p, ignore_errors=True)
         else:

@@ -3,12 +3,19 @@
 - :class:`MetricsForwarder` sends new lines of ``metrics.jsonl`` to ``POST /api/runs/{id}/metrics``. The file is the
   spool: while the server is down the rows wait there and are sent when it is back; ingestion is idempotent, so a
   replay adds nothing. The byte offset sent so far is kept in ``<home>/forwarded.offset``.
+- :class:`EventsForwarder` sends the run processes' events of ``events.jsonl`` that people need to see
+  (:data:`worker.rundir.ENGINE_EVENTS`: ``disk_full``, ``truncated``) to ``POST /api/runs/{id}/events``; its offset
+  is kept in ``<home>/events.offset`` and the server records an event once (its kind and time are its key).
 - :class:`ConfigBridge` carries live config: new revisions from the server into ``live_config.jsonl``, and the
   processes' acks from ``config_acks.jsonl`` back to the server.
 - :class:`Reporter` runs both in a background thread, reports ``running`` and status changes to
   ``POST /api/runs/{id}/status``, and at the end spools the final status in ``<home>/final.json`` before reporting
   it, retrying for at most ``ASYNCRL_REPORT_TIMEOUT_S`` seconds (default 60): a status the server did not take is
   delivered later by the worker (``worker.tasks.reconcile``, or a redelivered launch), which reads the spool.
+
+A full disk does not stop the reporting: an offset that cannot be saved stays in memory (a restarted supervisor
+sends again from the last saved one; the server ignores what it has), and a final status that cannot be spooled is
+still reported.
 
 Nothing here imports the server: the API is the only contract.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -25,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
+from worker.rundir import ENGINE_EVENTS, SupervisorHome, atomic_write_text, read_jsonl_after, read_offset
 
 logger = logging.getLogger("asyncrl.supervisor")
 REPORT_TIMEOUT_ENV = "ASYNCRL_REPORT_TIMEOUT_S"
@@ -70,6 +78,72 @@ def rows_to_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return points
 
 
+def save_offset(path: Path, offset: int) -> None:
+    """Keep the byte offset a forwarder has sent up to (atomically: a failed write leaves the previous value); a
+    failure to write it (a full disk) is logged, not raised: the offset stays in memory and a restarted supervisor
+    sends again from the saved one, which the server ignores (ingestion is idempotent)."""
+    try:
+        atomic_write_text(path, str(offset))
+    except OSError as err:
+        logger.warning("could not save the offset %d in %s: %s", offset, path, err)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (the server stores JSON, which has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def row_to_event(row: dict[str, Any]) -> dict[str, Any]:
+    """An ``events.jsonl`` line ``{"time", "event", "reason", "process"?, <field>: value}`` → the API's engine event
+    ``{"event", "time", "reason", "process", "data": {<field>: value}}``."""
+    data = {k: v for k, v in row.items() if k not in {"event", "time", "reason", "process"}}
+    time_s = row.get("time")
+    return {
+        "event": row["event"],
+        "time": float(time_s) if isinstance(time_s, int | float) and math.isfinite(time_s) else 0.0,
+        "reason": str(row.get("reason", ""))[:2000],
+        "process": str(row["process"])[:32] if row.get("process") else None,
+        "data": _finite(data),
+    }
+
+
+class EventsForwarder:
+    """Send the engine events (:data:`worker.rundir.ENGINE_EVENTS`) among the new complete lines of
+    ``events.jsonl`` to the server; the byte offset read so far is kept in ``offset_path``. An event sent twice (a
+    restart between the post and the offset) is recorded once: the server keys it by kind and time. A batch the
+    server refuses as invalid (422) is logged and skipped, so one bad line cannot hold back the later ones."""
+
+    def __init__(
+        self, client: httpx.Client, run_id: int, events_path: Path, offset_path: Path, batch_events: int = 200
+    ) -> None:
+        self.client, self.run_id, self.path, self.offset_path = client, run_id, events_path, offset_path
+        self.batch_events = batch_events
+        self.offset = read_offset(offset_path)
+
+    def send_once(self) -> int:
+        """Send the engine events written since the offset; returns how many were sent. Raises httpx errors (the
+        caller retries later; the offset moves only after every batch was answered)."""
+        rows, new_offset = read_jsonl_after(self.path, self.offset)
+        events = [row_to_event(r) for r in rows if r.get("event") in ENGINE_EVENTS]
+        for i in range(0, len(events), self.batch_events):
+            batch = events[i : i + self.batch_events]
+            resp = self.client.post(f"/api/runs/{self.run_id}/events", json={"events": batch})
+            if resp.status_code == 422:
+                logger.warning("engine events refused: %s %s", resp.status_code, resp.text[:300])
+            else:
+                resp.raise_for_status()
+        if new_offset != self.offset:
+            self.offset = new_offset
+            save_offset(self.offset_path, new_offset)
+        return len(events)
+
+
 class MetricsForwarder:
     """Send new complete lines of ``metrics.jsonl`` to the server; the byte offset sent so far is kept in
     ``offset_path`` so a restarted supervisor resumes where it stopped."""
@@ -100,7 +174,7 @@ class MetricsForwarder:
             resp.raise_for_status()
         if new_offset != self.offset:
             self.offset = new_offset
-            self.offset_path.write_text(str(new_offset))
+            save_offset(self.offset_path, new_offset)
         return len(points)
 
 
@@ -141,7 +215,7 @@ class ConfigBridge:
                 resp.raise_for_status()
         if end != self.offset:
             self.offset = end
-            self.offset_path.write_text(str(end))
+            save_offset(self.offset_path, end)
 
 
 class Reporter(threading.Thread):
@@ -169,6 +243,7 @@ class Reporter(threading.Thread):
         events = run_dir / "events.jsonl"
         self.events_offset = events.stat().st_size if events.exists() else 0
         self.forwarder = MetricsForwarder(client, run_id, run_dir / "metrics.jsonl", home.forwarded_offset)
+        self.events = EventsForwarder(client, run_id, events, home.events_offset)
         self.config = ConfigBridge(client, run_id, run_dir, home.config_acks_offset)
         self.reported_running = False
         self.requeue: dict[str, Any] | None = None
@@ -207,7 +282,16 @@ class Reporter(threading.Thread):
             # refused while the run is still queued: a redelivered launch adopts this supervisor later
             self.reported_running = self.status("running")
         self.forwarder.send_once()
-        self.config.sync()
+        self.events.send_once()
+        self._sync_config()
+
+    def _sync_config(self) -> None:
+        """``ConfigBridge.sync``; a revision that cannot be written into the run directory (a full disk) is logged and
+        fetched again next time (httpx errors are raised as before)."""
+        try:
+            self.config.sync()
+        except OSError as err:
+            logger.warning("live config: %s; retrying later", err)
 
     def run(self) -> None:
         backoff = self.interval_s
@@ -244,14 +328,15 @@ class Reporter(threading.Thread):
             "delivered": False,
         }
         if status is not None:
-            self.home.write_final(final)
+            self._spool(final)
 
         def report() -> bool:
             if status == "completed" and not self.reported_running:
                 self.reported_running = self.status("running")
             self._send_requeue()
             self.forwarder.send_once()
-            self.config.sync()
+            self.events.send_once()  # before the final status: then the run token no longer writes
+            self._sync_config()
             return self.status(status, reason) if status is not None else False
 
         try:
@@ -274,7 +359,14 @@ class Reporter(threading.Thread):
             )
             return False
         if taken:
-            self.home.write_final({**final, "delivered": True})
+            self._spool({**final, "delivered": True})
         elif status is not None:
             logger.warning("the server refused %s (409); it stays spooled in %s", status, self.home.final)
         return taken
+
+    def _spool(self, final: dict[str, Any]) -> None:
+        """Spool ``final`` in ``home/final.json``; a failure (a full disk) is logged: the status is still reported."""
+        try:
+            self.home.write_final(final)
+        except OSError as err:
+            logger.error("could not spool the final status in %s (%s); reporting it anyway", self.home.final, err)

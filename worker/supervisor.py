@@ -44,7 +44,7 @@ import httpx
 from worker.launchers import slurm_job
 from worker.procs import alive, run_environ
 from worker.reporter import Reporter, report_timeout_s
-from worker.rundir import SupervisorHome, read_jsonl
+from worker.rundir import SupervisorHome, describe_os_error, read_jsonl
 
 logger = logging.getLogger("asyncrl.supervisor")
 
@@ -223,9 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     except BlockingIOError:
         logger.info("another supervisor holds %s; exiting", home.lock)
         return 0
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
+    try:
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+    except OSError as err:  # a full disk: the lock is held all the same (the worker also knows the pid)
+        logger.warning("could not write the pid into %s: %s", home.lock, err)
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     from worker.spec import RLSpec, SpecError, validate_spec
@@ -253,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         from worker.launchers.local import launch_rl
 
         summary = launch_rl(spec, resume=resume, quiet=True)
-        status, reason = summary["status"], _last_reason(spec.run_dir)
+        status, reason = summary["status"], str(summary.get("reason") or _last_reason(spec.run_dir))
     except SpecError as err:
         status, reason = "failed", f"preflight: {err}"
     except KeyboardInterrupt:
         status, reason = "cancelled", "terminated"
+    except OSError as err:  # preparing the run directory: a full disk, an output folder it may not write
+        status, reason = "failed", f"launch: {describe_os_error(err)}"
     except Exception as err:  # reported to the server as the failure reason
         status, reason = "failed", f"{type(err).__name__}: {err}"
     if attempt is not None and _terminated.is_set():  # Slurm's SIGTERM: scancel, time limit or requeue

@@ -14,6 +14,10 @@ the run is still ``queued``) adopts the finished run: it records the status the 
 starting/running/paused local run whose supervisor is gone gets the final status the supervisor spooled for this
 attempt (it could not reach the server), or else is marked ``failed`` with the reason.
 
+A launch never leaves a run ``queued`` for a disk problem: when the filesystem of the run's home has less free space
+than the run obviously needs (``worker.rundir.space_refusal``), or preparing the home fails (a full disk, a read-only
+or unwritable output folder), the run is ``failed`` with the cause and the path.
+
 A launch that would start a run beyond ``MAX_RUNS_PER_USER`` (launched live runs of its owner) or
 ``MAX_RUNS_PER_WORKER`` (live local runs of this worker) leaves it ``queued`` with the reason
 (``server/services/capacity.py``); ``start_waiting`` launches such runs, oldest first, when a run ends (the API
@@ -38,14 +42,15 @@ from sqlmodel import Session, col, select
 from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, MetricPoint, Run, RunEvent, RunStatus, stored_id
+from server.models import TERMINAL, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
 from server.services import capacity, metrics, runs, spec_policy, tokens
+from server.services.permissions import Forbidden
 from worker import supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive
 from worker.reporter import rows_to_points
 from worker.run_files import RunFileRefused, open_run_file
-from worker.rundir import SupervisorHome, read_jsonl_after, read_offset
+from worker.rundir import SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
 from worker.spec import RLSpec, SpecError, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
@@ -68,8 +73,10 @@ def launch(run_id: int) -> str:
         attempt = current_attempt(session, run_id)
         if pid is None and (final := SupervisorHome(home).read_final(attempt)) is not None:
             return _adopt_finished(session, run, final)
-        if pid is None and (refused := _refusal(run)) is not None:  # checked before anything of it starts
+        if pid is None and (refused := _refusal(session, run)) is not None:  # checked before anything of it starts
             return _fail_launch(session, run, refused)
+        if pid is None and (full := space_refusal(home, str(run.spec["model"]["name"]))) is not None:
+            return _fail_launch(session, run, full)
         if pid is None:
             if (waiting := _hold_for_slot(session, run, worker=capacity.worker_name())) is not None:
                 return waiting
@@ -86,13 +93,24 @@ def launch(run_id: int) -> str:
                     allow_env=settings.RUN_ENV_ALLOW,
                     user=supervisor.run_user(settings.RUN_USER),
                 )
-            except (ValueError, OSError) as err:  # RUN_USER unusable, or the supervisor cannot start
-                return _fail_launch(session, run, f"launch: {err}")
+            except (ValueError, OSError) as err:  # RUN_USER unusable, the home cannot be written, or no supervisor
+                return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
         run.launcher, run.launcher_handle, run.worker = "local", str(pid), capacity.worker_name()
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
         session.commit()
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
+
+
+def _launch_error(err: Exception, home: Path) -> str:
+    """One line for what stopped a launch: an ``OSError`` of the run's ``home``, a path in it or a folder above it
+    (preparing it: a full disk, a read-only or unwritable output folder) by its cause and path (``worker.rundir.describe_os_error``); any
+    other error as it is."""
+    if isinstance(err, OSError) and err.filename:
+        where = Path(str(err.filename))
+        if where.is_relative_to(home) or home.is_relative_to(where):
+            return describe_os_error(err)
+    return str(err)
 
 
 def _hold_for_slot(session: Session, run: Run, *, worker: str | None) -> str | None:
@@ -115,13 +133,15 @@ def start_waiting() -> list[str]:
     return [launch(run_id) for run_id in waiting]
 
 
-def _refusal(run: Run) -> str | None:
+def _refusal(session: Session, run: Run) -> str | None:
     """Why the stored spec may not be launched now (it no longer validates, or names code or an address the service
-    does not allow: a spec stored before a rule or a setting changed), None when it may. Checked only before a
-    supervisor or Slurm job is started, never against one an earlier delivery already started."""
+    does not allow, or something only an admin may use and the owner is not one: a spec stored before a rule, a
+    setting or the owner's role changed), None when it may. Checked only before a supervisor or Slurm job is
+    started, never against one an earlier delivery already started."""
+    owner = tokens.user(session, run.owner)
     try:
-        spec_policy.check(validate_spec("rl", run.spec))
-    except SpecError as err:
+        spec_policy.check(validate_spec("rl", run.spec), admin=owner is not None and owner.role == Role.admin)
+    except (SpecError, Forbidden) as err:
         return f"refused at launch: {err}"
     return None
 
@@ -178,12 +198,17 @@ def _launch_slurm(session: Session, run: Run) -> str:
     try:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)
         adopted = job is not None
-        if job is None and (refused := _refusal(run)) is not None:
+        if job is None and (refused := _refusal(session, run)) is not None:
             return _fail_launch(session, run, refused)
         if job is None:
             if (waiting := _hold_for_slot(session, run, worker=None)) is not None:
                 return waiting
-            SupervisorHome(home).write_spec(run.spec)
+            if (full := space_refusal(home, spec.model.name)) is not None:
+                return _fail_launch(session, run, full)
+            try:
+                SupervisorHome(home).write_spec(run.spec)
+            except OSError as err:
+                return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
             env = supervisor.run_env(run_id, tokens.run_token(run), settings.server_url(), settings.RUN_ENV_ALLOW)
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:

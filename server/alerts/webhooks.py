@@ -3,8 +3,13 @@
 - **SSRF guard** (``check_url``): the URL's host is resolved and every address checked, at creation and again
   before each attempt. Link-local (169.254/16, fe80::/10) and cloud metadata (169.254.169.254, fd00:ec2::254,
   100.100.100.200, metadata.google.internal) are refused unless listed in ``WEBHOOK_ALLOW_HOSTS``; loopback,
-  private and shared-address-space (100.64.0.0/10) addresses only in ``LOCAL_MODE``. IPv6 forms that embed an IPv4 address (IPv4-mapped, NAT64, 6to4, Teredo,
+  unspecified, private and shared-address-space (100.64.0.0/10) addresses unless listed there or the admin set
+  ``WEBHOOK_ALLOW_PRIVATE``. IPv6 forms that embed an IPv4 address (IPv4-mapped, NAT64, 6to4, Teredo,
   IPv4-compatible) are judged by that address too. Redirects are not followed.
+- **Delivery errors** (``last_error``): a receiver's answer body is kept (its first 200 characters) only from a
+  public address, never from an internal one (loopback, private, link-local: the guard let it through by a
+  setting); the whole error is shown to the endpoint's owner and admins, others see only ``HTTP <code>`` or the
+  error's kind (:func:`public_delivery`).
 - **Secret**: stored encrypted (Fernet, key derived from SECRET_KEY) because the server must sign with it; the
   API shows it once, at creation, and a prefix after. It is never logged.
 - **Signature**: ``X-Asyncrl-Signature: t=<unix s>,v1=<hex HMAC-SHA256(secret, f"{t}.{body}")>``.
@@ -38,7 +43,14 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session, col, func, select
 
-from server.alerts.models import AlertEvent, EndpointCreate, EndpointPublic, WebhookDelivery, WebhookEndpoint
+from server.alerts.models import (
+    AlertEvent,
+    DeliveryPublic,
+    EndpointCreate,
+    EndpointPublic,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
 from server.core.config import settings
 from server.models import Run, utcnow
 from worker.celery_app import TaskName, enqueue
@@ -93,6 +105,28 @@ def public_endpoint(row: WebhookEndpoint, *, read_only: bool) -> EndpointPublic:
     return shown
 
 
+def redact_error(error: str) -> str:
+    """What a delivery's ``last_error`` shows to users other than its endpoint's owner and admins: ``HTTP 500``
+    without the answer, the kind of a connection error (``ConnectError``), or that the SSRF guard refused it."""
+    if error.startswith("HTTP "):
+        return error.split(":", 1)[0].split(" (", 1)[0]
+    if error.startswith("url: "):
+        return "refused by the SSRF guard"
+    head, colon, _ = error.partition(":")
+    if not colon:  # a fixed message of ours, e.g. "endpoint disabled"
+        return error
+    return head if head.isidentifier() else "error"
+
+
+def public_delivery(row: WebhookDelivery, *, read_only: bool) -> DeliveryPublic:
+    """A delivery as shown to a principal: ``last_error`` whole (at most 2000 characters, an answer body at most
+    200) to its endpoint's owner and admins, :func:`redact_error` for ``read_only`` (everyone else)."""
+    shown = DeliveryPublic.model_validate(row)
+    if read_only:
+        shown.last_error = redact_error(shown.last_error)
+    return shown
+
+
 NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 """The well-known NAT64 prefix (RFC 6052 section 2.1): the last 32 bits are the IPv4 address."""
 IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
@@ -118,21 +152,30 @@ def _refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
         return "a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)"
     if ip.is_link_local:
         return "a link-local address (allow it in WEBHOOK_ALLOW_HOSTS)"
-    if settings.LOCAL_MODE:
+    if settings.WEBHOOK_ALLOW_PRIVATE:
         return None
     if ip.is_loopback or ip.is_unspecified:
-        return "a loopback address (allowed only with LOCAL_MODE)"
+        return f"a loopback address ({_PRIVATE_SETTINGS})"
     if ip.is_private:
-        return "a private address (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
+        return f"a private address ({_PRIVATE_SETTINGS})"
     if ip in SHARED_ADDRESS_SPACE:
-        return "a shared address space address, 100.64.0.0/10 (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
+        return f"a shared address space address, 100.64.0.0/10 ({_PRIVATE_SETTINGS})"
     return None
 
 
-def check_url(url: str) -> None:
+_PRIVATE_SETTINGS = "allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS"
+
+
+def _internal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``ip`` (or an IPv4 address it embeds) is not a public address: its answers stay with admins."""
+    return any(not a.is_global or a in SHARED_ADDRESS_SPACE for a in (ip, *embedded_ipv4(ip)))
+
+
+def check_url(url: str) -> bool:
     """Resolve ``url``'s host and refuse it if any address is link-local or cloud metadata (unless allow-listed in
-    ``WEBHOOK_ALLOW_HOSTS``), or loopback/unspecified/private outside ``LOCAL_MODE``. An IPv6 address that embeds
-    IPv4 addresses (:func:`embedded_ipv4`) is judged by those.
+    ``WEBHOOK_ALLOW_HOSTS``), or loopback/unspecified/private/shared unless ``WEBHOOK_ALLOW_PRIVATE`` or
+    allow-listed. An IPv6 address that embeds IPv4 addresses (:func:`embedded_ipv4`) is judged by those. Returns
+    whether any address it resolves to is internal (not public): its answer bodies are not kept.
 
     Raises:
         UnsafeURL: one line starting with ``url:`` naming the host and the reason (also when it does not resolve),
@@ -152,10 +195,11 @@ def check_url(url: str) -> None:
         )
     except (socket.gaierror, UnicodeError) as err:
         raise UnsafeURL(f"url: host {host} does not resolve ({err})") from None
+    ips = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    internal = any(_internal(ip) for ip in ips)
     if host in allowed:
-        return
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        return internal
+    for ip in ips:
         embedded: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = list(embedded_ipv4(ip))
         for judged in embedded or [ip]:  # the outer prefix (e.g. 2001::/23) says nothing of the target
             if str(judged) in allowed:
@@ -164,6 +208,7 @@ def check_url(url: str) -> None:
             if reason is not None:
                 shown = f"{ip} (IPv4 {judged})" if judged is not ip else str(ip)
                 raise UnsafeURL(f"url: {host} resolves to {shown}, {reason}")
+    return internal
 
 
 # ----------------------------------------------------------------------------- secrets and signatures
@@ -366,7 +411,7 @@ def attempt(session: Session, delivery_id: int) -> tuple[str, float | None]:
         _finish(session, row, status="failed", last_error="endpoint disabled")
         return f"failed: delivery {delivery_id}: endpoint disabled", None
     try:
-        check_url(endpoint.url)
+        internal = check_url(endpoint.url)
     except UnsafeURL as err:
         _finish(session, row, status="failed", last_error=str(err))
         return f"failed: delivery {delivery_id}: {err}", None
@@ -384,8 +429,8 @@ def attempt(session: Session, delivery_id: int) -> tuple[str, float | None]:
             url, content=body, headers=headers, timeout=settings.WEBHOOK_TIMEOUT_S, follow_redirects=False
         )
         code = resp.status_code
-        if not 200 <= code < 300:
-            error = f"HTTP {code}: {resp.text[:200]}"
+        if not 200 <= code < 300:  # an internal service's answer is not kept: it could be anything of it
+            error = f"HTTP {code}" + (" (body not kept: an internal address)" if internal else f": {resp.text[:200]}")
     except httpx.HTTPError as err:
         error = f"{type(err).__name__}: {err}"[:2000]
     latency = round((time.perf_counter() - start) * 1000, 2)

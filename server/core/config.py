@@ -41,11 +41,13 @@ class Settings(BaseSettings):
     """Points per ``POST /api/runs/{id}/metrics`` batch."""
     RECONCILE_INTERVAL_S: Annotated[float, Field(ge=1.0)] = 30.0
     """Celery beat runs ``asyncrl.reconcile`` (fail runs whose supervisor died) this often."""
-    LOCAL_MODE: bool = True
-    """Server and users share one machine (embedded, compose): webhooks may target loopback and private
-    addresses. False on a cluster: loopback and private (RFC 1918, also embedded in IPv6 forms) are refused."""
+    WEBHOOK_ALLOW_PRIVATE: bool = False
+    """Webhooks may target loopback, private (RFC 1918, ULA) and shared-address-space addresses, also embedded in
+    IPv6 forms: an admin's explicit choice (the receivers are this machine's or this network's services, which any
+    user may then reach). Off by default, compose included; ``WEBHOOK_ALLOW_HOSTS`` allows single hosts instead."""
     WEBHOOK_ALLOW_HOSTS: list[str] = Field(default_factory=list)
-    """Hosts or IPs webhooks may target although link-local or cloud metadata (JSON list in the environment)."""
+    """Hosts or IPs webhooks may target although loopback, private, link-local or cloud metadata (JSON list in the
+    environment)."""
     WEBHOOK_MAX_ATTEMPTS: Annotated[int, Field(ge=1, le=100)] = 8
     """Tries of one delivery before it is marked failed (a replay starts over)."""
     WEBHOOK_BACKOFF_BASE_S: Annotated[float, Field(gt=0)] = 2.0
@@ -81,6 +83,13 @@ class Settings(BaseSettings):
     INFERENCE_ALLOW_FLAGS: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """vLLM flags a submitted spec may pass in ``inference.extra_args`` besides the tuning ones
     (``server/services/spec_policy.py`` ``VLLM_FLAGS``), e.g. ``--trust-remote-code``."""
+    JOB_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``launcher.slurm.env`` names a submitted spec may set besides the safe ones
+    (``server/services/spec_policy.py`` ``JOB_ENV_NAMES``), comma-separated."""
+    MODEL_ROOTS: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Folders a submitted spec's ``model.name`` may name a path under (besides a hub id ``org/name``); empty =
+    ``ASYNCRL_OUTPUT_DIR`` (where SFT runs and ``asyncrl model init`` write models). Relative entries are taken from
+    the process's working folder, as relative model paths are (``server/services/spec_policy.py``)."""
     RUN_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Worker variables passed to a run's processes besides ``worker.procs.run_environ``'s list (e.g.
     ``HF_TOKEN``); never the database or broker URL, the secret key, ``ASYNCRL_HOME`` or a run token."""
@@ -92,7 +101,13 @@ class Settings(BaseSettings):
     ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
 
     @field_validator(
-        "ALLOWED_CODE_PACKAGES", "INFERENCE_ALLOW_HOSTS", "INFERENCE_ALLOW_FLAGS", "RUN_ENV_ALLOW", mode="before"
+        "ALLOWED_CODE_PACKAGES",
+        "INFERENCE_ALLOW_HOSTS",
+        "INFERENCE_ALLOW_FLAGS",
+        "JOB_ENV_ALLOW",
+        "MODEL_ROOTS",
+        "RUN_ENV_ALLOW",
+        mode="before",
     )
     @classmethod
     def _comma_list(cls, value: object) -> object:
@@ -106,6 +121,8 @@ class Settings(BaseSettings):
             self.DATABASE_URL = f"sqlite:///{self.ASYNCRL_HOME / 'asyncrl.db'}"
         if not self.CELERY_BROKER_URL:
             self.CELERY_BROKER_URL = "filesystem://"
+        if not self.MODEL_ROOTS:
+            self.MODEL_ROOTS = [str(self.ASYNCRL_OUTPUT_DIR)]
         return self
 
     @property

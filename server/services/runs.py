@@ -16,6 +16,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, get_args
 
@@ -63,8 +64,9 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
-    """Validate a raw spec mapping and add a ``queued`` run. The run directory is
+def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = False) -> Run:
+    """Validate a raw spec mapping and add a ``queued`` run for ``owner`` (``admin``: an admin's, who may use what
+    ``spec_policy.check`` keeps from members). The run directory is
     ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
 
     Raises:
@@ -76,7 +78,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str) -> Run:
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
     if spec.kind != "rl":
         raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
-    spec_policy.check(spec)
+    spec_policy.check(spec, admin=admin)
     capacity.check_fits(session, spec)
     run = Run(name=spec.name, kind=spec.kind, spec={}, spec_hash="", owner=owner, run_dir="")
     session.add(run)
@@ -159,6 +161,27 @@ def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **d
     session.flush()
     if kind == "requeued":  # the run's Slurm job was requeued
         alert_rules.on_status(session, run, None, "requeued", reason)
+
+
+def record_engine_events(session: Session, run: Run, events: list[dict[str, Any]]) -> int:
+    """Record events of the run's processes (``{"event", "time", "reason", "process", "data"}``, kinds of
+    ``worker.rundir.ENGINE_EVENTS``) as run events of their kind, at the time they were written, each once: one
+    whose kind and time the run already has is skipped (a supervisor that resends after a restart adds nothing).
+    Returns how many were new. Flushes only."""
+    kinds = sorted({e["event"] for e in events})
+    rows = session.exec(select(RunEvent).where(RunEvent.run_id == run.id, col(RunEvent.kind).in_(kinds))).all()
+    seen = {(r.kind, r.data.get("time")) for r in rows}
+    new = 0
+    for e in events:
+        if (e["event"], e["time"]) in seen:
+            continue
+        seen.add((e["event"], e["time"]))
+        data = {**e["data"], "time": e["time"], "process": e["process"]}
+        when = datetime.fromtimestamp(e["time"], UTC)
+        session.add(RunEvent(run_id=stored_id(run), time=when, kind=e["event"], reason=e["reason"], data=data))
+        new += 1
+    session.flush()
+    return new
 
 
 def hold(session: Session, run: Run, reason: str) -> bool:
@@ -359,6 +382,7 @@ def fork(
     changes: dict[str, Any],
     step: int | None = None,
     name: str | None = None,
+    admin: bool = False,
 ) -> Run:
     """A new queued run: the parent's spec with ``changes``, starting from the parent's checkpoint ``step``
     (default: the newest complete one). The checkpoint is hard-linked (or copied) into the child's run
@@ -376,7 +400,7 @@ def fork(
     data.pop("output_dir", None)
     if name is not None:
         data["name"] = name
-    spec_policy.check(validate_spec("rl", data))  # a bad key, value or code is named before the checkpoint
+    spec_policy.check(validate_spec("rl", data), admin=admin)  # a bad key, value or code: named before the copy
     steps = checkpoint_steps(parent)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {run_file(parent, 'checkpoints')}")
@@ -384,7 +408,7 @@ def fork(
         step = steps[-1]
     elif step not in steps:
         raise SpecError(f"step: run {parent.id} has no complete checkpoint at step {step} (complete: {steps})")
-    child = create(session, data=data, owner=owner)
+    child = create(session, data=data, owner=owner, admin=admin)
     if child.spec["max_steps"] <= step:
         raise SpecError(
             f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "

@@ -8,12 +8,21 @@ shared worker, so it may name only
   setting ``ALLOWED_CODE_PACKAGES``;
 - an ``inference.url`` on the worker itself (loopback) or a host in ``INFERENCE_ALLOW_HOSTS``: the run sends
   weight updates and requests there;
+- an ``inference.host`` (where vLLM listens) and a ``trainer.weight_sync.master_addr`` (where the trainer's store
+  listens and vLLM connects) on loopback or a node of the run's own Slurm ``--nodelist``
+  (:func:`check_run_host`): vLLM's weight-loading routes have no authentication, so it never listens elsewhere;
+- a ``model.name`` that is a hub id (``org/name``) or a path under an admin's ``MODEL_ROOTS``
+  (:func:`check_model_name`): not ``/etc``, ``/proc/self/...``, ``~`` or ``..`` out of a root, nor a symlink out
+  of one. ``output_dir`` is set by the service; the spec has no other path (data is generated, a fork's
+  checkpoint is the parent's);
 - ``inference.extra_args`` flags from :data:`VLLM_FLAGS` (tuning and parallelism) or ``INFERENCE_ALLOW_FLAGS``:
   others load code (``--worker-extension-cls``, ``--middleware``, ``--trust-remote-code``, ``--tool-parser-plugin``)
   or files;
 - ``launcher.slurm.extra_sbatch`` options from :data:`SBATCH_OPTIONS` (``--output=/etc/...`` would write a file
   anywhere as the submitting user) and ``launcher.slurm.env`` names that do not change what code loads or where
-  the run reports (:data:`JOB_ENV_REFUSED`).
+  the run reports: an allowlist, :data:`JOB_ENV_NAMES` and the setting ``JOB_ENV_ALLOW``;
+- ``launcher.slurm.allocation`` (run inside an existing job) only from an admin: the worker's Slurm user owns every
+  user's jobs.
 
 :func:`check` runs at submit (``runs.create``: the API, the dashboard's launch form, fork) and again at launch
 (``worker.tasks.launch``: a spec stored before a rule or a setting changed).
@@ -22,11 +31,13 @@ shared worker, so it may name only
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Collection
 from urllib.parse import urlsplit
 
 from server.core.config import settings
+from server.services.permissions import Forbidden
 from worker.spec import RLSpec, SFTSpec, SpecError
 from worker.spec.user_code import check_spec_code
 
@@ -70,6 +81,82 @@ def check_inference_url(url: str | None, allowed_hosts: Collection[str]) -> None
     )
 
 
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+"""A model hub id: ``name`` or ``org/name`` of letters, digits, ``-``, ``_``, ``.`` (not leading, no ``..``)."""
+
+
+def _under(path: str, roots: Collection[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def check_model_name(name: str, roots: Collection[str]) -> None:
+    """Refuse a ``model.name`` that is neither a hub id (:data:`HUB_ID`, and no local path outside ``roots`` by that
+    name) nor a path under one of ``roots`` (relative ones from this process's working folder). A path is judged
+    as written (``..`` refused) and, where it exists here, with its symlinks resolved.
+
+    Raises:
+        SpecError: ``model.name: '/etc' is not allowed in a run submitted to the service; allowed: a hub id
+            (org/name) or a path under MODEL_ROOTS (/srv/asyncrl/outputs)``.
+    """
+    cwd = os.getcwd()
+    absolute = [os.path.normpath(os.path.join(cwd, r)) for r in roots]
+    real = [os.path.realpath(r) for r in absolute]
+    parts = name.replace("\\", "/").split("/")
+    plain = "\0" not in name and ".." not in parts and not name.startswith("~")
+    if plain and HUB_ID.match(name) and ".." not in name:
+        ok = not os.path.lexists(name) or _under(os.path.realpath(name), real)  # a local folder by that name
+    else:
+        path = os.path.normpath(os.path.join(cwd, name)) if plain else ""
+        ok = (
+            bool(path)
+            and (_under(path, absolute) or _under(path, real))
+            and (not os.path.lexists(path) or _under(os.path.realpath(path), real))
+        )
+    if not ok:
+        raise SpecError(
+            f"model.name: {name!r} is not allowed in a run submitted to the service; allowed: a hub id (org/name) or "
+            f"a path under MODEL_ROOTS ({', '.join(absolute) or 'none'}), without '..' or '~'"
+        )
+
+
+def nodelist(spec: RLSpec) -> set[str]:
+    """Host names of the run's own Slurm ``--nodelist`` / ``-w`` option (``launcher.slurm.extra_sbatch``), with
+    ``node[1-3,5]`` ranges expanded; empty for a local run."""
+    if spec.launcher.kind != "slurm":
+        return set()
+    names: set[str] = set()
+    for opt in spec.launcher.slurm.extra_sbatch:
+        flag, _, value = opt.partition("=")
+        if flag not in {"--nodelist", "-w"}:
+            continue
+        for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?", value):
+            prefix, ranges = m.group(1), m.group(2)
+            if ranges is None:
+                names.add(prefix)
+                continue
+            for part in ranges.split(","):
+                lo, _, hi = part.partition("-")
+                if lo.isdigit() and (not hi or hi.isdigit()) and int(hi or lo) - int(lo) < 4096:
+                    names.update(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1))
+    return {n.lower() for n in names if n}
+
+
+def check_run_host(key: str, host: str, nodes: Collection[str]) -> None:
+    """Refuse an address a run listens on or connects to inside itself (``inference.host``,
+    ``trainer.weight_sync.master_addr``) unless it is loopback or one of ``nodes`` (:func:`nodelist`).
+
+    Raises:
+        AddressNotAllowed: ``inference.host: '0.0.0.0' is not allowed in a run submitted to the service; allowed: a
+            loopback address (127.0.0.1, localhost, ::1) or a node of the run's Slurm --nodelist (none)``.
+    """
+    if _loopback(host.lower()) or host.lower() in nodes:
+        return
+    raise AddressNotAllowed(
+        f"{key}: {host!r} is not allowed in a run submitted to the service; allowed: a loopback address (127.0.0.1, "
+        f"localhost, ::1) or a node of the run's Slurm --nodelist ({', '.join(sorted(nodes)) or 'none'})"
+    )
+
+
 VLLM_FLAGS = frozenset(
     {
         *("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"),
@@ -88,8 +175,39 @@ SBATCH_OPTIONS = frozenset(
     }
 )
 """``#SBATCH`` options a submitted spec may add in ``launcher.slurm.extra_sbatch``: placement and resources."""
-JOB_ENV_REFUSED = re.compile(r"^(ASYNCRL_\w*|LD_\w*|PYTHON\w*|PATH|BASH_ENV|ENV|HOME|SHELL|DATABASE_URL|CELERY_\w*)$")
-"""``launcher.slurm.env`` names a submitted spec may not set: what code loads, where the run reports, secrets."""
+JOB_ENV_NAMES = frozenset(
+    {
+        *("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM", "TZ"),
+        *(
+            "NCCL_DEBUG",
+            "NCCL_DEBUG_SUBSYS",
+            "NCCL_SOCKET_IFNAME",
+            "NCCL_IB_DISABLE",
+            "NCCL_IB_HCA",
+            "NCCL_P2P_DISABLE",
+        ),
+        *(
+            "NCCL_P2P_LEVEL",
+            "NCCL_ALGO",
+            "NCCL_PROTO",
+            "NCCL_NVLS_ENABLE",
+            "GLOO_SOCKET_IFNAME",
+            "CUDA_LAUNCH_BLOCKING",
+        ),
+        *(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_BLOCKING_WAIT",
+            "TORCH_DISTRIBUTED_DEBUG",
+            "TORCH_CPP_LOG_LEVEL",
+        ),
+        *("PYTORCH_CUDA_ALLOC_CONF", "VLLM_ATTENTION_BACKEND", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE"),
+        *("VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"),
+    }
+)
+"""``launcher.slurm.env`` names a submitted spec may set (more in the setting ``JOB_ENV_ALLOW``): threads, NCCL/gloo
+transport and debugging, the CUDA allocator, vLLM's backend and logging, offline switches. An allowlist, not a
+denylist: ``NCCL_NET_PLUGIN``, ``GCONV_PATH``, ``VLLM_PLUGINS`` and the like load shared libraries or code,
+``HTTP_PROXY`` moves traffic, ``SLURM_CONF`` another cluster's controller."""
 
 
 def _flag(arg: str) -> str | None:
@@ -114,33 +232,45 @@ def check_flags(key: str, args: list[str], allowed: Collection[str], what: str, 
             )
 
 
-def check_job_env(names: Collection[str]) -> None:
-    """Refuse a ``launcher.slurm.env`` name of :data:`JOB_ENV_REFUSED`.
+def check_job_env(names: Collection[str], allowed: Collection[str]) -> None:
+    """Refuse a ``launcher.slurm.env`` name not in :data:`JOB_ENV_NAMES` or ``allowed`` (``JOB_ENV_ALLOW``).
 
     Raises:
         SpecError: ``launcher.slurm.env: 'LD_PRELOAD' is not allowed in a run submitted to the service ...``.
     """
     for name in names:
-        if JOB_ENV_REFUSED.match(name):
+        if name not in JOB_ENV_NAMES and name not in allowed:
             raise SpecError(
-                f"launcher.slurm.env: {name!r} is not allowed in a run submitted to the service; allowed: variables "
-                "other than PATH, HOME, SHELL, ENV, BASH_ENV, LD_*, PYTHON*, ASYNCRL_*, CELERY_*, DATABASE_URL"
+                f"launcher.slurm.env: {name!r} is not allowed in a run submitted to the service; allowed: "
+                f"{', '.join(sorted(JOB_ENV_NAMES | set(allowed)))} (more in JOB_ENV_ALLOW)"
             )
 
 
-def check(spec: RLSpec | SFTSpec) -> None:
+class AllocationNotAllowed(Forbidden):
+    """A member's spec runs inside an existing Slurm allocation (403)."""
+
+
+def check(spec: RLSpec | SFTSpec, *, admin: bool) -> None:
     """Refuse a validated spec that names code or an address the service does not allow (see the module docstring).
 
     Raises:
         CodeNotAllowed: an import path not allowed (names its key).
-        AddressNotAllowed: ``inference.url`` not loopback or allowed.
+        AddressNotAllowed: ``inference.url`` not loopback or allowed; ``inference.host`` or
+            ``trainer.weight_sync.master_addr`` not loopback or a node of the run.
+        SpecError: ``model.name`` neither a hub id nor under ``MODEL_ROOTS``.
         SpecError: an ``inference.extra_args`` flag, ``launcher.slurm.extra_sbatch`` option or ``launcher.slurm.env``
             name not allowed (names the key).
+        AllocationNotAllowed: ``launcher.slurm.allocation`` in the spec of a non-admin (``admin`` false): every job of
+            the worker's Slurm user is one, another user's run's included.
     """
     check_spec_code(spec, settings.ALLOWED_CODE_PACKAGES)
+    check_model_name(spec.model.name, settings.MODEL_ROOTS)
     if not isinstance(spec, RLSpec):
         return
     check_inference_url(spec.inference.url, settings.INFERENCE_ALLOW_HOSTS)
+    nodes = nodelist(spec)
+    check_run_host("inference.host", spec.inference.host, nodes)
+    check_run_host("trainer.weight_sync.master_addr", spec.trainer.weight_sync.master_addr, nodes)
     flags = VLLM_FLAGS | set(settings.INFERENCE_ALLOW_FLAGS)
     check_flags(
         "inference.extra_args",
@@ -156,4 +286,9 @@ def check(spec: RLSpec | SFTSpec) -> None:
         SBATCH_OPTIONS,
         "options that write files or change the job's user or environment are not",
     )
-    check_job_env(slurm.env)
+    check_job_env(slurm.env, settings.JOB_ENV_ALLOW)
+    if slurm.allocation is not None and not admin:
+        raise AllocationNotAllowed(
+            f"launcher.slurm.allocation: only an admin may run inside an existing allocation (job {slurm.allocation}): "
+            "the worker's Slurm jobs include other users' runs"
+        )

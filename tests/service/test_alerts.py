@@ -112,7 +112,7 @@ def test_bad_webhooks_are_422_naming_the_field(
     assert client.get("/api/webhooks", headers=auth).json()["count"] == before
 
 
-def test_ssrf_allow_list_and_loopback_outside_local_mode(
+def test_ssrf_allow_list_and_loopback_without_allow_private(
     client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from server.core.config import settings
@@ -121,28 +121,30 @@ def test_ssrf_allow_list_and_loopback_outside_local_mode(
     ok = client.post("/api/webhooks", json={"url": "http://169.254.169.254/hook"}, headers=auth)
     assert ok.status_code == 201, ok.text
     client.delete(f"/api/webhooks/{ok.json()['id']}", headers=auth)
-    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", False)
     resp = client.post("/api/webhooks", json={"url": "http://localhost:8080/hook"}, headers=auth)
     assert resp.status_code == 422
     assert resp.json()["detail"].startswith("url: localhost resolves to "), resp.text
-    assert resp.json()["detail"].endswith("a loopback address (allowed only with LOCAL_MODE)")
+    assert resp.json()["detail"].endswith(
+        "a loopback address (allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS)"
+    )
 
 
 @pytest.mark.parametrize("host", ["100.64.0.1", "100.127.255.254", "[::ffff:100.64.0.1]"])
-def test_shared_address_space_is_refused_outside_local_mode(
+def test_shared_address_space_is_refused_without_allow_private(
     client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch, host: str
 ) -> None:
     from server.core.config import settings
 
     before = client.get("/api/webhooks", headers=auth).json()["count"]
-    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", False)
     resp = client.post("/api/webhooks", json={"url": f"http://{host}/hook"}, headers=auth)
     assert resp.status_code == 422, resp.text
     assert resp.json()["detail"].endswith(
-        "a shared address space address, 100.64.0.0/10 (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)"
+        "a shared address space address, 100.64.0.0/10 (allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS)"
     )
     assert client.get("/api/webhooks", headers=auth).json()["count"] == before
-    monkeypatch.setattr(settings, "LOCAL_MODE", True)  # on one machine (compose) a CGNAT address may be a neighbour
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", True)  # an admin allowed internal receivers
     ok = client.post("/api/webhooks", json={"url": f"http://{host}/hook"}, headers=auth)
     assert ok.status_code == 201, ok.text
     client.delete(f"/api/webhooks/{ok.json()['id']}", headers=auth)
@@ -200,8 +202,8 @@ EMBEDDED = {
 REASONS = {
     "169.254.169.254": "a cloud metadata address (allow it in WEBHOOK_ALLOW_HOSTS)",
     "169.254.7.7": "a link-local address (allow it in WEBHOOK_ALLOW_HOSTS)",
-    "127.0.0.1": "a loopback address (allowed only with LOCAL_MODE)",
-    "10.1.2.3": "a private address (allowed only with LOCAL_MODE or in WEBHOOK_ALLOW_HOSTS)",
+    "127.0.0.1": "a loopback address (allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS)",
+    "10.1.2.3": "a private address (allowed only with WEBHOOK_ALLOW_PRIVATE or in WEBHOOK_ALLOW_HOSTS)",
 }
 
 
@@ -218,11 +220,13 @@ def test_ssrf_guard_judges_ipv6_by_the_ipv4_it_embeds(form: str, v4: str, monkey
     ip6 = written[v4]
     assert str(ipaddress.IPv6Address(literal)) == ip6  # the table is right: the literal is that address
     assert ipaddress.IPv4Address(v4) in embedded_ipv4(ipaddress.IPv6Address(ip6))
-    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", False)
     with pytest.raises(UnsafeURL) as err:
         check_url(f"http://[{literal}]:8080/hook")
     assert str(err.value) == f"url: {literal} resolves to {ip6} (IPv4 {v4}), {REASONS[v4]}"  # the host as written
-    monkeypatch.setattr(settings, "LOCAL_MODE", True)  # loopback and private pass on one machine, the rest never
+    monkeypatch.setattr(
+        settings, "WEBHOOK_ALLOW_PRIVATE", True
+    )  # loopback and private pass when an admin allows them, the rest never
     if v4.startswith("169.254."):
         with pytest.raises(UnsafeURL, match="IPv4 169.254"):
             check_url(f"http://[{literal}]:8080/hook")
@@ -234,7 +238,7 @@ def test_ssrf_guard_lets_public_embedded_ipv4_and_allow_listed_ones_through(monk
     from server.alerts.webhooks import UnsafeURL, check_url
     from server.core.config import settings
 
-    monkeypatch.setattr(settings, "LOCAL_MODE", False)
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", False)
     # 8.8.8.8 inside each form, and a Teredo address whose server and client are both public
     for literal in (
         "::ffff:8.8.8.8",

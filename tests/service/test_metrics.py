@@ -104,14 +104,14 @@ def test_bad_batches_are_rejected_whole(client: Any, make_run: Any, body: Any, s
     assert stored(run_id) == 0
 
 
-def test_malformed_json_is_422_naming_the_body(client: Any, make_run: Any) -> None:
+def test_malformed_json_is_400_naming_the_body(client: Any, make_run: Any) -> None:
     run_id = make_run()["id"]
     resp = client.post(
         f"/api/runs/{run_id}/metrics",
         content=b'{"points": [',
         headers={**run_token_headers(run_id), "content-type": "application/json"},
     )
-    assert resp.status_code == 422 and resp.json()["detail"].startswith("body: not valid JSON")
+    assert resp.status_code == 400 and resp.json()["detail"].startswith("body: not valid JSON")
 
 
 def test_metrics_of_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:

@@ -176,7 +176,7 @@ def test_global_rules_and_webhooks_belong_to_who_added_them(
 ) -> None:
     from server.core.config import settings
 
-    monkeypatch.setattr(settings, "LOCAL_MODE", True)  # a loopback receiver URL
+    monkeypatch.setattr(settings, "WEBHOOK_ALLOW_PRIVATE", True)  # a loopback receiver URL
     owner, alice_h = alice
     _, bob_h = bob
     _, admin_h = admin

@@ -89,9 +89,14 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
         ),
         pytest.param(
             {"launcher": {"slurm": {"env": {"NCCL_DEBUG": "INFO", "LD_PRELOAD": "/tmp/x.so"}}}},
-            "launcher.slurm.env: 'LD_PRELOAD' is not allowed in a run submitted to the service; allowed: variables "
-            "other than PATH, HOME, SHELL, ENV, BASH_ENV, LD_*, PYTHON*, ASYNCRL_*, CELERY_*, DATABASE_URL",
+            "launcher.slurm.env: 'LD_PRELOAD' is not allowed in a run submitted to the service; allowed: "
+            "CUDA_LAUNCH_BLOCKING, GLOO_SOCKET_IFNAME, HF_DATASETS_OFFLINE, ",
             id="job-env-ld-preload",
+        ),
+        pytest.param(
+            {"launcher": {"slurm": {"env": {"GCONV_PATH": "/tmp/gconv"}}}},
+            "launcher.slurm.env: 'GCONV_PATH' is not allowed",
+            id="job-env-not-in-the-allowlist",
         ),
         pytest.param(
             {"launcher": {"slurm": {"env": {"ASYNCRL_SERVER_URL": "http://evil.example"}}}},

@@ -43,6 +43,8 @@ os.environ.update(
         "MAX_METRIC_POINTS": "2000",
         "MAX_RUNS_PER_USER": "1000",  # tests/service/test_limits.py lowers them to see runs wait
         "MAX_RUNS_PER_WORKER": "1000",
+        "WEBHOOK_ALLOW_PRIVATE": "true",  # the test receivers listen on loopback; test_attacks.py turns it off
+        "MODEL_ROOTS": f"/nonexistent,{tempfile.gettempdir()}",  # BAD_MODEL and the models tests make in tmp dirs
     }
 )
 

@@ -4,8 +4,9 @@
 ``seq_len``) and only then creates the run directory, so bad input leaves nothing behind. It starts
 inference (unless ``inference.url`` names a running server), trainer and orchestrator, prints one
 line per step from ``metrics.jsonl``, and ends the run when trainer and orchestrator have exited:
-``completed`` when both exit 0, ``failed`` with the process, exit code and log path otherwise. Any
-exit tears the other processes down. Each process leads its own process group (vLLM's EngineCore is in the
+``completed`` when both exit 0, ``failed`` with the process, exit code, cause (its ``failed`` or ``disk_full``
+event, or a full disk found after it exited) and log path otherwise. Any exit tears the other processes down, and
+what failed writes left half-done (incomplete checkpoint steps, temporary folders) is removed. Each process leads its own process group (vLLM's EngineCore is in the
 inference group), and every group is SIGKILLed when this process dies, even by SIGKILL (``worker.procs.spawn``).
 """
 
@@ -22,9 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.checkpoint import resume_step
+from worker.checkpoint import remove_incomplete, resume_step
 from worker.procs import free_port, kill_group, spawn
-from worker.rundir import RunDir, atomic_write_json, read_jsonl
+from worker.rundir import (
+    DISK_FULL_FREE_BYTES,
+    RunDir,
+    atomic_write_json,
+    disk_space,
+    human_bytes,
+    read_jsonl,
+    read_jsonl_after,
+)
 from worker.spec import RLSpec, SFTSpec, SpecError
 
 logger = logging.getLogger("asyncrl.launcher")
@@ -195,7 +204,8 @@ def trainer_command(spec: RLSpec, run: RunDir, resume_args: list[str]) -> list[s
 
 
 def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Run an RL spec to its end with local processes; returns the summary (also in ``summary.json``).
+    """Run an RL spec to its end with local processes; returns the summary (also in ``summary.json``) with the
+    reason of a failed or cancelled end (``reason``, "" when completed; not in the file).
 
     Raises:
         SpecError: bad input found before anything was started (nothing is left on disk).
@@ -272,17 +282,42 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
     finally:
         for proc in procs.values():
             kill_group(proc)
+        remove_incomplete(run)  # what a failed or killed write left: its space back, nothing half-written to resume
+        run.remove_temporaries()
     summary = summarize(run, time.time() - t_start, status)
-    atomic_write_json(run.summary, summary)
-    run.log_event(status, reason=reason)
+    try:  # on a full disk the reason still reaches the caller (the supervisor reports it)
+        atomic_write_json(run.summary, summary)
+        run.log_event(status, reason=reason)
+    except OSError as err:
+        logger.error("could not record the end of the run (%s): %s", status, err)
     say(f"{status}{': ' + reason if reason else ''} | summary: {run.summary}")
-    return summary
+    return {**summary, "reason": reason}
+
+
+def _failure_cause(run: RunDir, name: str, events_offset: int) -> str:
+    """Why process ``name`` failed, from the events of this launch (after ``events_offset`` bytes): its own
+    ``failed`` or ``disk_full`` event, else another process's ``disk_full`` (the same full disk, met first there),
+    else, when the run directory's filesystem is full now, that (the process could not even write its event)."""
+    events = read_jsonl_after(run.events, events_offset)[0]
+    own = [e for e in events if e.get("process") == name and e.get("event") in ("failed", "disk_full")]
+    full = [e for e in events if e.get("event") == "disk_full"]
+    for e in reversed(own or full):
+        if e.get("reason"):
+            return str(e["reason"])
+    try:
+        free, total = disk_space(run.root)
+    except OSError:
+        return ""
+    if free < DISK_FULL_FREE_BYTES:
+        return f"disk full at {run.root} (free {human_bytes(free)} of {human_bytes(total)})"
+    return ""
 
 
 def _follow(
     spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int
 ) -> tuple[str, str]:
     printed = start
+    events_offset = run.events.stat().st_size if run.events.exists() else 0
     evals_said = sum(1 for r in read_jsonl(run.metrics) if r["source"] == "eval")  # a resumed run's earlier evals
     while True:
         rows = read_jsonl(run.metrics)
@@ -297,14 +332,7 @@ def _follow(
         for name, proc in procs.items():
             code = proc.poll()
             if code is not None and code != 0:
-                cause = next(
-                    (
-                        e["reason"]
-                        for e in reversed(read_jsonl(run.events))
-                        if e.get("process") == name and e.get("event") == "failed" and e.get("reason")
-                    ),
-                    "",
-                )
+                cause = _failure_cause(run, name, events_offset)
                 return "failed", (
                     f"{name} exited with code {code}{': ' + cause if cause else ''} (log: {run.logs / (name + '.log')})"
                 )

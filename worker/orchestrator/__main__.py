@@ -1,5 +1,6 @@
 import sys
 
 from worker.orchestrator.orchestrator import main
+from worker.rundir import run_process
 
-sys.exit(main())
+sys.exit(run_process("orchestrator", main))

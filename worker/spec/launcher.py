@@ -11,6 +11,9 @@ from worker.spec.strict import StrictModel
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,128}(,[A-Za-z0-9_.+-]{1,128}){0,63}$")
+"""A Slurm partition, account or reservation name (a comma-separated list for partitions): written into an
+``#SBATCH`` line of the job script, so a newline or a shell character must never reach it."""
 MAX_DEVICE_ID = 255
 """Largest CUDA device id of ``launcher.local`` (and trainer ranks <= 256): no machine has more GPUs; at submit the
 ids must also be below the worker's declared GPU count (``worker/capacity.py``)."""
@@ -43,6 +46,15 @@ class SlurmConfig(StrictModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Variables exported in the job script."""
 
+    @field_validator("partition", "account", "reservation")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _SLURM_NAME.match(v):
+            raise ValueError(
+                f"expected a Slurm name of letters, digits, '_', '.', '+', '-' (comma-separated), got {v!r}"
+            )
+        return v
+
     @field_validator("time_limit")
     @classmethod
     def _time(cls, v: str | None) -> str | None:
@@ -60,9 +72,12 @@ class SlurmConfig(StrictModel):
     @field_validator("extra_sbatch")
     @classmethod
     def _extra(cls, v: list[str]) -> list[str]:
-        for opt in v:
-            if not opt.startswith("--") or "\n" in opt:
-                raise ValueError(f"expected options like '--constraint=a100' (one line each), got {opt!r}")
+        for opt in v:  # sbatch reads several options from one "#SBATCH" line: one entry, one option, no spaces
+            if not opt.startswith("--") or re.search(r"[\s\x00-\x1f\x7f]", opt):
+                raise ValueError(
+                    f"expected one option per entry like '--constraint=a100' (no spaces or control characters), "
+                    f"got {opt!r}"
+                )
         return v
 
     @field_validator("env")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -40,6 +41,19 @@ def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
     return deepest
 
 
+MAX_SPEC_BYTES = 256 * 1024
+"""Largest spec, as compact JSON: a spec is a few KiB (100 alert rules about 20 KiB); the rest is room for
+``env.args`` (a system prompt). Every run list and comparison carries the specs it shows."""
+
+
+def check_size(data: Any) -> None:
+    """Raises:
+    SpecError: ``spec: 300000 bytes as JSON; at most 262144`` (:data:`MAX_SPEC_BYTES`)."""
+    size = len(json.dumps(data, separators=(",", ":"), default=str).encode())
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(f"spec: {size} bytes as JSON; at most {MAX_SPEC_BYTES}")
+
+
 def check_depth(data: Any, where: str = "spec") -> None:
     """Raises:
     SpecError: ``spec: nested deeper than 32 levels``."""
@@ -53,6 +67,7 @@ def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "sp
     Raises:
         SpecError: nested deeper (``<where>: nested deeper than 32 levels``), also when the parser runs out of
             recursion on it.
+            A number of more than 4300 digits (Python's limit on converting text to an integer) is a SpecError too.
         json.JSONDecodeError, tomllib.TOMLDecodeError: the text does not parse.
         UnicodeDecodeError: bytes that are not UTF-8 (TOML).
     """
@@ -60,6 +75,10 @@ def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "sp
         data = json.loads(text) if fmt == "JSON" else tomllib.loads(text if isinstance(text, str) else text.decode())
     except RecursionError:
         raise SpecError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:
+        if isinstance(err, json.JSONDecodeError | tomllib.TOMLDecodeError | UnicodeDecodeError):
+            raise
+        raise SpecError(f"{where}: a number has more than {sys.get_int_max_str_digits()} digits") from None
     check_depth(data, where)
     return data
 
@@ -124,7 +143,8 @@ def _format_validation_error(err: ValidationError) -> str:
         return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
     given = first.get("input")
     if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):
-        msg = f"{msg}, got {given!r}"  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
+        shown = repr(given)  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
+        msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:60] + f'... ({len(shown)} characters)'}"
     return f"{loc}: {msg}" if loc else msg
 
 
@@ -148,6 +168,7 @@ def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
     if data["kind"] != kind:
         raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
     check_depth(data)
+    check_size(data)
     check_unknown_keys(model, data)
     try:
         return model.model_validate(data)

@@ -6,6 +6,10 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+MAX_TEXT = 4096
+"""Longest text value of a spec table (names, paths, URLs, ids, options); free-form ``env.args`` are bounded by the
+spec's size (``worker.spec.loading.MAX_SPEC_BYTES``)."""
+
 
 class SpecError(ValueError):
     """A spec that cannot be used; the message is one line naming the field and what is allowed."""
@@ -16,7 +20,14 @@ class StrictModel(BaseModel):
 
     # coerce_numbers_to_str: ``--name 123`` or ``--model.name 2024`` parse as TOML numbers; text fields take them as text
     # allow_inf_nan=False: `lr = inf` or `--trainer.optim.lr nan` is refused naming the key (JSON would store null)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+    # str_max_length: a name, path, URL or id is short; a 7 MB `model.name` was stored and sent with every run list
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        coerce_numbers_to_str=True,
+        allow_inf_nan=False,
+        str_max_length=MAX_TEXT,
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.checkpoint import prune, write_part
-from worker.rundir import RunDir
+from worker.rundir import RunDir, writing
 from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
 
 if TYPE_CHECKING:
@@ -35,6 +35,9 @@ def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
     """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path.
 
     With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+
+    Raises:
+        DiskFull: the filesystem is full (the half-written temporary folder is removed, ``out`` is unchanged).
     """
     from transformers import AutoTokenizer
 
@@ -42,9 +45,10 @@ def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
     if not is_main_rank():
         return
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state)
-    AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
+    with writing("the final model", out, partial=tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)
+        AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
@@ -60,13 +64,29 @@ class BackgroundCheckpointer:
     One save at a time: a new save first waits for the previous one. Optimizer state is stored by
     parameter name (``get_optimizer_state_dict``), so a checkpoint loads with any number of ranks;
     with FSDP2 every rank calls ``save`` (the state is gathered) and rank 0 writes.
+
+    A write that fails (e.g. :class:`worker.rundir.DiskFull`) leaves no half-written folder (``write_part``) and its
+    error is raised on the training thread by the next ``check``, ``save`` or ``wait``, so the trainer ends with it
+    instead of training on without checkpoints.
     """
 
     def __init__(self, run: RunDir, keep: int) -> None:
         self.run, self.keep = run, keep
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def check(self) -> None:
+        """Raise the error of a background write that has failed (without waiting for one still running)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        """Snapshot the state of ``step`` and write it as the ``trainer`` part in the background.
+
+        Raises:
+            DiskFull, Exception: the previous background write failed (see the class docstring).
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         self.wait()
@@ -92,17 +112,24 @@ class BackgroundCheckpointer:
             (folder / "meta.json").write_text(json.dumps({"step": step}))
 
         def job() -> None:
-            write_part(self.run, step, "trainer", write)
-            prune(self.run, self.keep)
+            try:
+                write_part(self.run, step, "trainer", write)
+                prune(self.run, self.keep)
+            except BaseException as err:  # raised on the training thread (check, save, wait)
+                logger.error("checkpoint step %d failed: %s", step, err)
+                self._error = err
+                return
             logger.info("checkpoint step %d written", step)
 
         self._thread = threading.Thread(target=job, name=f"ckpt-{step}", daemon=False)
         self._thread.start()
 
     def wait(self) -> None:
+        """Wait for the background write, then raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.check()
 
 
 def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:

@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     live = LiveConfig(run.root, "trainer", start_step=start)
 
     for step in range(start + 1, spec.max_steps + 1):
+        checkpointer.check()  # a failed background checkpoint write (a full disk) ends the run here
         batch, waited = wait_for_batch(run, step)
         # rank 0 reads and acknowledges live revisions; every rank trains with its result
         applied = broadcast_from_main(live.apply(spec, step) if info.is_main else None, info)

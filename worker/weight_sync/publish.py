@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from worker.rundir import STABLE_MARKER, RunDir, step_dirs
+from worker.rundir import STABLE_MARKER, RunDir, step_dirs, writing
 from worker.trainer.dist import is_main_rank, weights_state_dict
 
 logger = logging.getLogger(__name__)
@@ -309,6 +309,9 @@ class WeightSender:
 
         Over the group when it is usable, else (or after any failure) as ``weights/step_<version>/model.safetensors``.
         Returns the version folder.
+
+        Raises:
+            DiskFull: the filesystem is full (the version's folder is removed: no half-written version is left).
         """
         final = self.run.weight_dir(version)
         if not self.usable():
@@ -325,7 +328,8 @@ class WeightSender:
                     )
             except Exception as e:  # noqa: BLE001 - fall back, never lose a version
                 self._give_up(str(e).splitlines()[0] if str(e) else type(e).__name__)
-                _write_file(final / WEIGHTS_FILE, state)
+                with writing(f"policy version {version}", final / WEIGHTS_FILE, partial=final):
+                    _write_file(final / WEIGHTS_FILE, state)
         _prune_versions(self.run, version, keep_versions)
         return path
 
@@ -335,6 +339,9 @@ def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_vers
 
     The filesystem route (``[trainer.weight_sync] kind = "filesystem"``). Versions older than the newest
     ``keep_versions`` are deleted. With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+
+    Raises:
+        DiskFull: the filesystem is full (no folder of the version is left, complete or temporary).
     """
     weights = weights_state_dict(model)
     if not is_main_rank():
@@ -355,7 +362,8 @@ def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(state, str(tmp))
+    with writing(path.name, path, partial=tmp):
+        save_file(state, str(tmp))
     os.replace(tmp, path)
 
 
@@ -363,16 +371,21 @@ def _write_version(
     run: RunDir, version: int, state: dict[str, torch.Tensor] | None, meta: dict[str, Any] | None
 ) -> Path:
     """``weights/step_<version>`` with safetensors (``state``) or ``group.json`` (``meta``), STABLE last, renamed
-    into place."""
+    into place; a failed write removes the temporary folder.
+
+    Raises:
+        DiskFull: the filesystem is full.
+    """
     final = run.weight_dir(version)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if state is not None:
-        _write_file(tmp / WEIGHTS_FILE, state)
-    if meta is not None:
-        (tmp / META_FILE).write_text(json.dumps(meta))
-    (tmp / STABLE_MARKER).write_text(str(version))
+    with writing(f"policy version {version}", final, partial=tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if state is not None:
+            _write_file(tmp / WEIGHTS_FILE, state)
+        if meta is not None:
+            (tmp / META_FILE).write_text(json.dumps(meta))
+        (tmp / STABLE_MARKER).write_text(str(version))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -160,11 +160,13 @@ def delete_webhook(session: SessionDep, user: UserDep, endpoint: EndpointDep) ->
 
 @router.get("/webhooks/{endpoint_id}/deliveries", response_model=Page[DeliveryPublic])
 def list_deliveries(
-    session: SessionDep, _user: UserDep, endpoint: EndpointDep, offset: Offset = 0, limit: Limit = 100
+    session: SessionDep, user: UserDep, endpoint: EndpointDep, offset: Offset = 0, limit: Limit = 100
 ) -> Any:
-    """The endpoint's delivery log, newest first: status, HTTP code, latency, attempts, last error."""
-    data, count = webhooks.deliveries(session, endpoint, offset=offset, limit=limit)
-    return {"data": data, "count": count}
+    """The endpoint's delivery log, newest first: status, HTTP code, latency, attempts, last error (whole only to the
+    user that added the endpoint and admins; others see ``HTTP <code>`` or the error's kind)."""
+    rows, count = webhooks.deliveries(session, endpoint, offset=offset, limit=limit)
+    read_only = not permissions.owns(user, endpoint.created_by)
+    return {"data": [webhooks.public_delivery(r, read_only=read_only) for r in rows], "count": count}
 
 
 @router.post(

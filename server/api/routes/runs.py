@@ -8,12 +8,14 @@ import tomllib
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
+from server.errors import is_json_type
 from server.models import (
     TERMINAL,
     ForkRequest,
+    Role,
     RunEventsPublic,
     RunLogs,
     RunPublic,
@@ -25,6 +27,7 @@ from server.models import (
 from server.services import permissions, runs
 from worker.celery_app import TaskName, enqueue
 from worker.run_files import RunFileError, RunFileMissing
+from worker.rundir import EngineEventKind
 from worker.spec import parse_text
 
 logger = logging.getLogger("asyncrl.api")
@@ -70,13 +73,17 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
             data = parse_text(raw.decode(), fmt, "file")  # SpecError (nested too deep) -> 422
         except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
             raise HTTPException(400, f"file: {filename} is not valid {fmt}: {err}") from None
-    elif ctype.startswith("application/json") or not ctype:
+    elif is_json_type(ctype):
+        raw = await request.body()
+        if not raw.strip():
+            raise HTTPException(400, "body: empty: send a JSON object (the run spec)")
         try:
-            data = parse_text(await request.body(), "JSON", "body")
+            data = parse_text(raw, "JSON", "body")
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise HTTPException(400, f"body: not valid JSON: {err}") from None
+            raise HTTPException(400, f"body: not valid JSON ({err})") from None
     else:
-        raise HTTPException(415, f"content-type {ctype!r}: send application/json or a multipart/form-data 'file'")
+        shown = ctype.split(";")[0].strip()
+        raise HTTPException(415, f"content-type {shown!r}: send application/json or a multipart/form-data 'file'")
     if not isinstance(data, dict):
         raise HTTPException(422, f"body: expected a JSON object (the run spec), got {type(data).__name__}")
     return data
@@ -87,12 +94,16 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
     status_code=201,
     response_model=RunPublic,
     openapi_extra=_SUBMIT_BODY,
-    responses={400: {"description": "body does not parse"}, 422: {"description": "invalid spec"}},
+    responses={
+        400: {"description": "body empty or does not parse"},
+        415: {"description": "not JSON or a multipart file"},
+        422: {"description": "invalid spec"},
+    },
 )
 async def create_run(request: Request, session: SessionDep, user: UserDep) -> Any:
     """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
     data = await _spec_from_request(request)
-    run = runs.create(session, data=data, owner=user.name)  # SpecError -> 422 (server/main.py)
+    run = runs.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
     session.commit()
     enqueue(TaskName.launch_run, stored_id(run))  # only after the commit: the worker must find the row
     return run
@@ -179,6 +190,54 @@ def report_requeued(run_id: int, report: RequeueReport, session: SessionDep, pri
     return run
 
 
+class EngineEvent(BaseModel):
+    """One event a run's process wrote into ``events.jsonl`` (``worker.reporter.EventsForwarder`` sends them)."""
+
+    event: EngineEventKind
+    time: float = Field(ge=0, le=1e11, allow_inf_nan=False)
+    """Unix seconds when the process wrote it; with ``event`` the key that records it once."""
+    reason: str = Field("", max_length=2000)
+    process: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
+    data: dict[str, Any] = Field(default_factory=dict)
+    """The event's other fields (``step``, ``path``, ``free``, ...): JSON without NaN or infinities."""
+
+    @field_validator("data")
+    @classmethod
+    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError("data: NaN and infinities are not JSON; send null") from None
+        if len(text) > 8192:
+            raise ValueError(f"data: at most 8192 bytes of JSON, got {len(text)}")
+        return value
+
+
+class EngineEvents(BaseModel):
+    events: list[EngineEvent] = Field(max_length=500)
+
+
+class EngineEventsResult(BaseModel):
+    recorded: int
+    """Events new to the server (one it already had is not recorded again)."""
+
+
+@router.post(
+    "/{run_id}/events",
+    response_model=EngineEventsResult,
+    responses={401: {"description": "the run has ended (run token)"}, 422: {"description": "invalid event"}},
+)
+def report_events(run_id: int, body: EngineEvents, session: SessionDep, principal: PrincipalDep) -> Any:
+    """Events of the run's processes (``disk_full``, ``truncated``) sent by its supervisor (run token, while the run
+    is live) or its owner or an admin; each is recorded once as a run event of its kind (a repeat is skipped)."""
+    permissions.check_run_access(principal, run_id)
+    run = runs.get(session, run_id, lock=True)
+    permissions.require_run(principal, run, "status")
+    recorded = runs.record_engine_events(session, run, [e.model_dump() for e in body.events])
+    session.commit()
+    return EngineEventsResult(recorded=recorded)
+
+
 @router.get("/{run_id}/events", response_model=RunEventsPublic)
 def list_events(
     run_id: int,
@@ -221,7 +280,15 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     starts from that checkpoint's weights, optimizer and data cursor (see ``runs.fork``)."""
     parent = runs.get(session, run_id)
     permissions.require_run(user, parent, "fork")
-    child = runs.fork(session, parent, owner=user.name, changes=body.changes, step=body.step, name=body.name)
+    child = runs.fork(
+        session,
+        parent,
+        owner=user.name,
+        changes=body.changes,
+        step=body.step,
+        name=body.name,
+        admin=user.role == Role.admin,
+    )
     session.commit()
     enqueue(TaskName.launch_run, stored_id(child))
     return child

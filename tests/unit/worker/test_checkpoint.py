@@ -1,4 +1,5 @@
-"""Checkpoints and run directory (``worker/checkpoint.py``, ``worker/rundir.py``): cases C4, C5, pruning, JSONL."""
+"""Checkpoints and run directory (``worker/checkpoint.py``, ``worker/rundir.py``): cases C4, C5, a full disk, pruning,
+JSONL."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from worker.checkpoint import complete_steps, is_complete, prune, resume_step, write_part
-from worker.rundir import COMPLETE_MARKER, STABLE_MARKER, RunDir, append_jsonl, read_jsonl
+from tests.support.tmpfs import fill, free_bytes
+from worker.checkpoint import complete_steps, is_complete, prune, remove_incomplete, resume_step, write_part
+from worker.rundir import COMPLETE_MARKER, STABLE_MARKER, DiskFull, RunDir, append_jsonl, read_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -77,6 +79,40 @@ def test_write_part_replaces_an_existing_part(run: RunDir) -> None:
     assert sorted(p.name for p in final.iterdir()) == [COMPLETE_MARKER, "a.txt"]
     assert (final / "a.txt").read_text() == "new"
     assert [p.name for p in run.checkpoint_dir(3).iterdir()] == ["trainer"]  # no temp folder left
+
+
+# ----------------------------------------------------------------------------- a full disk (a real tmpfs)
+
+
+def test_write_part_on_a_full_disk_removes_its_half_written_folder_and_keeps_the_previous_checkpoint(
+    disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = RunDir(disk / "run")
+    run.create()
+    _complete(run, 2)
+    write_part(run, 4, "orchestrator", _write_files({"state.json": json.dumps({"data_cursor": 16})}))
+    fill(disk, leave=64 * 1024)
+    free = free_bytes(disk)
+    step4 = run.checkpoint_dir(4)
+    with pytest.raises(DiskFull) as info:
+        write_part(run, 4, "trainer", _write_files({"meta.json": "{}", "model.safetensors": "w" * 2**20}))
+    assert str(info.value) == (
+        f"disk full while writing checkpoint step 4 (trainer part) at {step4 / 'trainer'} (free 0 B of 4.0 MiB)"
+    )
+    assert sorted(p.name for p in step4.iterdir()) == ["orchestrator"]  # the trainer's temporary folder is gone
+    assert free_bytes(disk) == free  # and its space is back
+    assert complete_steps(run) == [2]
+    with caplog.at_level(logging.WARNING, logger="worker.checkpoint"):
+        assert remove_incomplete(run) == 2  # what the launcher does when the run has ended
+    assert "checkpoint step_4 is incomplete (parts: ['orchestrator'])" in caplog.text
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step_2"]
+    assert json.loads((run.checkpoint_dir(2) / "orchestrator" / "state.json").read_text()) == {"data_cursor": 8}
+    assert resume_step(run) == 2
+
+    # a step folder the failed write made itself is removed with its temporary folder
+    with pytest.raises(DiskFull):
+        write_part(run, 6, "trainer", _write_files({"model.safetensors": "w" * 2**20}))
+    assert not run.checkpoint_dir(6).exists()
 
 
 # ----------------------------------------------------------------------------- C5

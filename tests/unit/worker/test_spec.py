@@ -30,6 +30,7 @@ from worker.spec import (
     parse_text,
     validate_spec,
 )
+from worker.spec.loading import MAX_SPEC_BYTES
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
@@ -429,6 +430,27 @@ def test_nesting_depth() -> None:
         deep = [deep]
     assert nesting_depth(deep) == MAX_DEPTH + 1  # counting stops past the limit; no recursion
     assert _error("rl", {**MODEL, "env": {"args": {"x": deep}}}) == "spec: nested deeper than 32 levels"
+
+
+@pytest.mark.parametrize("fmt", ["JSON", "TOML"])
+def test_a_number_too_long_to_convert_is_a_spec_error(fmt: Literal["JSON", "TOML"]) -> None:
+    text = '{"max_steps": ' + "1" * 4301 + "}" if fmt == "JSON" else "max_steps = " + "1" * 4301
+    with pytest.raises(SpecError) as info:
+        parse_text(text, fmt)
+    assert str(info.value) == "spec: a number has more than 4300 digits"
+    assert parse_text(text.replace("1" * 4301, "1" * 4300), fmt) == {"max_steps": int("1" * 4300)}
+
+
+def test_text_values_and_the_whole_spec_are_bounded() -> None:
+    line = _error("rl", {"model": {"name": "m" * 4097}})
+    assert line == "model.name: String should have at most 4096 characters, got '" + "m" * 59 + "... (4099 characters)"
+    assert _error("rl", {**MODEL, "launcher": {"slurm": {"partition": "p" * 5000}}}).startswith(
+        "launcher.slurm.partition: String should have at most 4096 characters, got 'ppp"
+    )
+    validate_spec("rl", {"model": {"name": "m" * 4096}})  # the bound itself is allowed
+    big = {**MODEL, "env": {"id": "reverse_text", "args": {"system_prompt": "s" * MAX_SPEC_BYTES}}}
+    size = len(json.dumps({**big, "kind": "rl"}, separators=(",", ":")))
+    assert _error("rl", big) == f"spec: {size} bytes as JSON; at most 262144"
 
 
 def test_deeply_nested_files_and_overrides(tmp_path: Path) -> None:

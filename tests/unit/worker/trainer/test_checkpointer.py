@@ -1,8 +1,9 @@
-"""Trainer checkpoints (``worker/trainer/checkpointer.py``): round trip and snapshot at save."""
+"""Trainer checkpoints (``worker/trainer/checkpointer.py``): round trip, snapshot at save, a write on a full disk."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
 from tests.support.models import tiny_qwen3
-from worker.checkpoint import is_complete, write_part
-from worker.rundir import RunDir
+from tests.support.tmpfs import fill, free_bytes
+from worker.checkpoint import complete_steps, is_complete, write_part
+from worker.rundir import DiskFull, RunDir
 from worker.spec import OptimConfig, SchedulerConfig
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
 from worker.trainer.optim import build_optimizer, build_scheduler
@@ -98,3 +100,41 @@ def test_checkpointer_snapshot_is_taken_at_save(run: RunDir) -> None:
     saved = load_file(run.checkpoint_dir(2) / "trainer" / "model.safetensors")
     assert torch.equal(saved["model.embed_tokens.weight"], before)
     assert not torch.equal(model.model.embed_tokens.weight, before)
+
+
+def test_a_checkpoint_write_on_a_full_disk_fails_the_trainer_and_leaves_the_previous_one_loadable(disk: Path) -> None:
+    """A real tmpfs: ``torch.save`` answers the full disk with a RuntimeError; the trainer gets ``DiskFull``."""
+    run = RunDir(disk / "run")
+    run.create()
+    model = tiny_qwen3(seed=0)
+    model.train()
+    opt = build_optimizer(model, OptimConfig(lr=1e-2))
+    sched = build_scheduler(opt, SchedulerConfig(), max_steps=10)
+    _train_step(model, opt, sched)
+    ckpt = BackgroundCheckpointer(run, keep=2)
+    ckpt.save(2, model, opt, sched)
+    ckpt.wait()
+    write_part(run, 2, "orchestrator", lambda folder: (folder / "state.json").write_text("{}"))
+    step2 = {k: v.clone() for k, v in model.state_dict().items()}
+    _train_step(model, opt, sched)
+    fill(disk, leave=600 * 1024)  # room for the weights (0.4 MiB), not for the optimizer state after them
+    free = free_bytes(disk)
+    ckpt.save(4, model, opt, sched)
+    with pytest.raises(DiskFull) as info:
+        ckpt.wait()  # (or ``check``, ``save``: the training thread's next step)
+    trainer = run.checkpoint_dir(4) / "trainer"
+    assert (
+        str(info.value)
+        == f"disk full while writing checkpoint step 4 (trainer part) at {trainer} (free 0 B of 4.0 MiB)"
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch.save's own words say nothing of the disk
+    ckpt.wait()  # raised once: nothing more
+    ckpt.check()
+    assert not run.checkpoint_dir(4).exists() and free_bytes(disk) == free  # all of its space is back
+    assert complete_steps(run) == [2]
+
+    fresh = tiny_qwen3(seed=7)
+    fresh_opt = build_optimizer(fresh, OptimConfig(lr=1e-2))
+    fresh_sched = build_scheduler(fresh_opt, SchedulerConfig(), max_steps=10)
+    assert load_trainer_state(run.checkpoint_dir(2) / "trainer", fresh, fresh_opt, fresh_sched) == 2
+    assert all(torch.equal(v, step2[k]) for k, v in fresh.state_dict().items())

@@ -1,12 +1,16 @@
-"""Publishing a policy version as files (``worker/weight_sync/publish.py``: ``publish_weights``)."""
+"""Publishing a policy version as files (``worker/weight_sync/publish.py``: ``publish_weights``), also on a full disk."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.support.models import tiny_qwen3
-from worker.rundir import STABLE_MARKER, RunDir
+from tests.support.tmpfs import fill, free_bytes
+from worker.rundir import STABLE_MARKER, DiskFull, RunDir, human_bytes
 from worker.weight_sync.publish import publish_weights
 
 # ----------------------------------------------------------------------------- weights
@@ -39,3 +43,23 @@ def test_publish_weights_keeps_newest_versions(run: RunDir) -> None:
     assert sorted(p.name for p in run.weights.iterdir()) == ["step_4", "step_5"]
     publish_weights(model, run, 6, keep_versions=3)
     assert sorted(p.name for p in run.weights.iterdir()) == ["step_4", "step_5", "step_6"]
+
+
+def test_publish_weights_on_a_full_disk_leaves_no_half_written_version(disk: Path) -> None:
+    run = RunDir(disk / "run")
+    run.create()
+    model = tiny_qwen3()
+    first = publish_weights(model, run, 1, keep_versions=3)
+    fill(disk, leave=200 * 1024)  # less than one version (0.4 MiB)
+    free = free_bytes(disk)
+    with pytest.raises(DiskFull) as info:
+        publish_weights(model, run, 2, keep_versions=3)
+    # safetensors removes its own half-written file: what stays free is what did not suffice
+    assert str(info.value) == (
+        f"disk full while writing policy version 2 at {run.weight_dir(2)} (free {human_bytes(free)} of 4.0 MiB)"
+    )
+    assert sorted(p.name for p in run.weights.iterdir()) == ["step_1"]  # no step_2, no temporary folder
+    assert free_bytes(disk) == free
+    assert run.latest_stable_weights() == (1, first)
+    weights = load_file(first / "model.safetensors")
+    assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight)
