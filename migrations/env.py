@@ -20,7 +20,27 @@ if config.config_file_name is not None and config.attributes.get("configure_logg
 target_metadata = SQLModel.metadata
 
 
-def _run(connection: Connection) -> None:
+def _foreign_keys(connection: Connection, on: bool, *, commit: bool) -> None:
+    """SQLite: turn ``PRAGMA foreign_keys`` off while migrations run (a batch rebuild drops and recreates a table;
+    with foreign keys on, that drop would cascade to the rows pointing at it) and on again after. The pragma only
+    takes effect outside a transaction, so it is set before the first statement; ``commit`` ends the transaction
+    SQLAlchemy opened for it (on a connection this module made; a caller's connection is the caller's to commit)."""
+    if connection.dialect.name != "sqlite":
+        return
+    connection.exec_driver_sql(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")
+    if commit:
+        connection.commit()
+
+
+def _run(connection: Connection, *, own: bool = False) -> None:
+    _foreign_keys(connection, False, commit=own)
+    try:
+        _migrate(connection)
+    finally:
+        _foreign_keys(connection, True, commit=own)
+
+
+def _migrate(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
@@ -44,7 +64,7 @@ def run_migrations_online() -> None:
         return
     engine = make_engine(settings.DATABASE_URL)
     with engine.connect() as conn:
-        _run(conn)
+        _run(conn, own=True)
     engine.dispose()
 
 

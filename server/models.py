@@ -10,6 +10,7 @@ are in ``server/alerts/models.py``, which imports this module (never the reverse
 from __future__ import annotations
 
 import enum
+import secrets
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -84,9 +85,17 @@ class RunBase(SQLModel):
     kind: str = Field(default="rl", max_length=16)
 
 
+def new_token_nonce() -> str:
+    """A random value stored with each run and signed into its run token (``server.services.tokens.run_token``)."""
+    return secrets.token_hex(16)
+
+
 class Run(RunBase, table=True):
     __tablename__ = "runs"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids are never reused (Postgres: a sequence never goes back)
     id: int | None = Field(default=None, primary_key=True)
+    token_nonce: str = Field(default_factory=new_token_nonce, max_length=64)
+    """Random per run, signed into its run token: a token of a deleted run never opens a later run."""
     status: RunStatus = Field(default=RunStatus.queued, sa_type=String(16), index=True)
     status_reason: str = Field(default="", max_length=2000)
     spec: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 
 from server.models import stored_id
@@ -17,6 +17,8 @@ from webui.page import SessionDep, page
 from worker.dotted_keys import flatten
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
+MAX_COMPARE_RUNS = 8
+"""The most (distinct) runs one compare page overlays: each brings its metric series and flattened spec."""
 
 
 @router.get("/compare", response_class=HTMLResponse)
@@ -24,7 +26,10 @@ def compare(request: Request, db: SessionDep, run: Annotated[list[int] | None, Q
     """Overlaid charts of the chosen runs and a table of the spec keys whose values differ."""
     p = page(request, db)
     p.need_user()
-    chosen = [runs.get(db, i) for i in dict.fromkeys(run or [])]
+    ids = list(dict.fromkeys(run or []))
+    if len(ids) > MAX_COMPARE_RUNS:
+        raise HTTPException(422, f"run: compare takes at most {MAX_COMPARE_RUNS} runs, got {len(ids)}")
+    chosen = [runs.get(db, i) for i in ids]
     recent, _ = runs.list_runs(db, limit=100)
     ctx: dict[str, Any] = {"recent": recent, "chosen": chosen, "chosen_ids": {r.id for r in chosen}}
     if len(chosen) >= 2:

@@ -23,6 +23,7 @@ from webui.page import FormDep, Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
+from worker.run_files import RunFileError, RunFileMissing
 from worker.spec import SpecError, parse_override_value, parse_text
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
@@ -34,11 +35,32 @@ def _events(db: Session, run_id: int, last: int = 100) -> list[Any]:
     return rows[::-1]
 
 
-def _logs(run: Run, process: str, lines: int = 40) -> list[str]:
+def _logs(run: Run, process: str, lines: int = 40) -> tuple[list[str], str]:
+    """The log's last ``lines`` lines and, when it cannot be shown, why (one line, no server path)."""
     try:
-        return runs.tail(runs.log_path(run, process), lines)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return []
+        return runs.read_log(run, process, lines), ""
+    except RunFileMissing:
+        return [], ""
+    except RunFileError as err:
+        return [], f"{process} log refused: {err}"
+
+
+def _rollouts(run: Run) -> dict[str, Any]:
+    try:
+        shown = runs.rollouts(run, limit=16)
+    except RunFileError as err:
+        return {
+            "rollout_step": None,
+            "rollouts": [],
+            "rollouts_skipped": 0,
+            "rollouts_error": f"rollouts refused: {err}",
+        }
+    return {
+        "rollout_step": shown.step,
+        "rollouts": shown.records,
+        "rollouts_skipped": shown.skipped,
+        "rollouts_error": "",
+    }
 
 
 def run_context(
@@ -68,9 +90,10 @@ def run_context(
     if part in ("", "events"):
         ctx["events"] = _events(db, stored_id(run))
     if part in ("", "rollouts"):
-        ctx["rollout_step"], ctx["rollouts"] = runs.rollouts(run, limit=16)
+        ctx.update(_rollouts(run))
     if part in ("", "logs"):
-        ctx.update(processes=runs.LOG_PROCESSES, logs=_logs(run, process))
+        logs, logs_error = _logs(run, process)
+        ctx.update(processes=runs.LOG_PROCESSES, logs=logs, logs_error=logs_error)
     return ctx
 
 

@@ -9,6 +9,7 @@ started with ``--enable-scale-out``; `start_server` does that where vLLM has it)
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,14 @@ def run_eval(
         raise SpecError(f"--env: {env.unsupported}")
     proc = None
     if url is None:
+        from worker.inference.auth import API_KEY_VAR, new_api_key
         from worker.inference.server import start_server, wait_ready
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = Path(tempfile.gettempdir()) / f"asyncrl-eval-{port}.log"
-        proc = start_server(str(model), port=port, log_path=log, max_model_len=max(512, 4 * max_tokens))
+        key = os.environ[API_KEY_VAR] = new_api_key()  # our clients (and the harness's) read it from here
+        proc = start_server(str(model), port=port, log_path=log, max_model_len=max(512, 4 * max_tokens), api_key=key)
         wait_ready(url, 300, proc, log)
     try:
 

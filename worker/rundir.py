@@ -59,7 +59,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, BinaryIO, Literal, get_args
 
 logger = logging.getLogger(__name__)
 COMPLETE_MARKER = ".complete"
@@ -314,16 +314,19 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def read_jsonl_after(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+def read_jsonl_after(
+    path: Path, offset: int, opener: Callable[[Path], BinaryIO] = lambda p: open(p, "rb")
+) -> tuple[list[dict[str, Any]], int]:
     """The complete lines of the JSON-lines file ``path`` after byte ``offset``, parsed, and the byte offset after
     the last of them (where the next call starts).
 
     A last line still being written (no newline yet) waits for the next call; a complete line that is not JSON is
     logged and skipped. A file shorter than ``offset`` was replaced (resume pruned it, a requeued attempt started
-    over): it is read from the start. No file: ``([], offset)``.
+    over): it is read from the start. No file: ``([], offset)``. ``opener`` opens ``path`` (the service passes
+    ``worker.run_files.open_run_file``, which refuses links).
     """
     try:
-        with open(path, "rb") as f:
+        with opener(path) as f:
             if f.seek(0, os.SEEK_END) < offset:
                 offset = 0
             f.seek(offset)

@@ -54,6 +54,7 @@ from worker import cgroups, supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive, live_processes, started_at
 from worker.reporter import rows_to_points
+from worker.run_files import RunFileRefused, open_run_file
 from worker.rundir import SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
 from worker.spec import RLSpec, SpecError, validate_spec
 
@@ -91,7 +92,7 @@ def launch(run_id: int) -> str:
                     home,
                     run_id=run_id,
                     spec=run.spec,
-                    token=tokens.run_token(run_id),
+                    token=tokens.run_token(run),
                     server_url=settings.server_url(),
                     resume=resume,
                     attempt=attempt,
@@ -235,7 +236,7 @@ def _launch_slurm(session: Session, run: Run) -> str:
                 SupervisorHome(home).write_spec(run.spec)
             except OSError as err:
                 return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
-            env = supervisor.run_env(run_id, tokens.run_token(run_id), settings.server_url(), settings.RUN_ENV_ALLOW)
+            env = supervisor.run_env(run_id, tokens.run_token(run), settings.server_url(), settings.RUN_ENV_ALLOW)
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
     except (slurm.SlurmError, NotImplementedError) as err:
         runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")
@@ -279,9 +280,11 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
     return f"stopped: run {run_id}"
 
 
-def _last_lines(path: Path, n: int) -> str:
+def _last_lines(home: Path, rel: str, n: int) -> str:
+    """The last ``n`` lines of ``home/rel`` read safely (``worker.run_files``: no link, a regular file), or ""."""
     try:
-        return "\n".join(runs.tail(path, n))
+        with open_run_file(home, rel) as f:
+            return "\n".join(runs.tail(f, n))
     except OSError:
         return ""
 
@@ -343,7 +346,10 @@ def reconcile() -> list[int]:
                 continue
             context = "\n".join(
                 x
-                for x in (_last_lines(Path(run.run_dir) / "events.jsonl", 3), _last_lines(SupervisorHome(home).log, 5))
+                for x in (
+                    _last_lines(home, runs.run_file(run, "events.jsonl"), 3),
+                    _last_lines(home, "supervisor.log", 5),
+                )
                 if x
             )
             reason = f"supervisor {pid} is gone" + (f"; last lines:\n{context}" if context else "")
@@ -423,7 +429,14 @@ def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
     """Store the points of ``metrics.jsonl`` the supervisor had not forwarded (after ``forwarded.offset``), as the
     metrics route would (idempotent; invalid points are skipped); returns how many were read. Not committed."""
     offset = read_offset(SupervisorHome(home).forwarded_offset)
-    rows, _ = read_jsonl_after(Path(run.run_dir) / "metrics.jsonl", offset)
+    rel = runs.run_file(run, "metrics.jsonl")
+    try:
+        rows, _ = read_jsonl_after(
+            Path(run.run_dir) / "metrics.jsonl", offset, opener=lambda _: open_run_file(home, rel)
+        )
+    except RunFileRefused as err:
+        logger.warning("run %s: spooled metrics not read: %s", stored_id(run), err)
+        return 0
     points = []
     for point in rows_to_points(rows):
         try:
@@ -450,7 +463,12 @@ def _reconcile_slurm(session: Session, run: Run) -> bool:
     home = Path(run.run_dir).parent
     attempts = SupervisorHome(home).attempt_logs()
     context = "\n".join(
-        x for x in (_last_lines(SupervisorHome(home).log, 5), _last_lines(attempts[-1], 3) if attempts else "") if x
+        x
+        for x in (
+            _last_lines(home, "supervisor.log", 5),
+            _last_lines(home, str(attempts[-1].relative_to(home)), 3) if attempts else "",
+        )
+        if x
     )
     what = "is gone" if job is None else f"ended {job.state} (reason {job.reason}, exit code {job.exit_code})"
     reason = f"Slurm job {run.launcher_handle} {what}" + (f"; last lines:\n{context}" if context else "")

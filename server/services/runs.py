@@ -15,9 +15,10 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, BinaryIO, Literal, get_args
 
 from sqlalchemy import delete, func
 from sqlmodel import Session, col, select
@@ -27,9 +28,10 @@ from server.core.config import settings
 from server.core.db import serialize
 from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
 from server.services import capacity, spec_policy
-from worker.checkpoint import complete_steps
+from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, with_keys
-from worker.rundir import RunDir, SupervisorHome, atomic_write_json, read_jsonl
+from worker.run_files import RunFileError, RunFileMissing, copy_run_folder, is_run_file, list_run_folder, open_run_file
+from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json
 from worker.spec import SpecError, validate_spec
 
 S = RunStatus
@@ -90,6 +92,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     session.add(run)
     session.flush()  # assigns the id
     out = Path(settings.ASYNCRL_OUTPUT_DIR) / "runs" / str(run.id)
+    set_aside(out, f"{run.id}-found-at-create")  # left by a run of another database: never inherited
     resolved = json.loads(spec.model_copy(update={"output_dir": str(out)}).model_dump_json())
     run.spec, run.spec_hash, run.run_dir = resolved, spec_hash(resolved), str(out / spec.name)
     session.add(RunEvent(run_id=stored_id(run), kind="status", to_status=S.queued, reason=f"submitted by {owner}"))
@@ -217,10 +220,29 @@ def request_stop(session: Session, run: Run, *, by: str) -> bool:
     return True
 
 
+DELETED_RUNS = "deleted-runs"
+"""Folder of ``ASYNCRL_OUTPUT_DIR`` where a deleted run's home folder is moved (``<id>-<token_nonce>``)."""
+
+
+def set_aside(home: Path, name: str) -> Path | None:
+    """Move the run home folder ``home`` (if it exists) to ``<ASYNCRL_OUTPUT_DIR>/deleted-runs/<name>`` (a numbered
+    suffix when taken), so no later run finds its files; returns where it went (None: there was none)."""
+    if not home.exists() and not home.is_symlink():
+        return None
+    aside = Path(settings.ASYNCRL_OUTPUT_DIR) / DELETED_RUNS
+    aside.mkdir(parents=True, exist_ok=True)
+    dst, n = aside / name, 1
+    while dst.exists() or dst.is_symlink():
+        dst, n = aside / f"{name}.{n}", n + 1
+    home.rename(dst)
+    return dst
+
+
 def delete_run(session: Session, run: Run) -> None:
     """Delete an ended run's row with its events, metrics, config revisions and alert rules, states and events (the
-    database cascades); its run directory stays on disk (checkpoints and logs are the user's to remove). The caller
-    commits.
+    database cascades); its home folder (run directory, logs, checkpoints) is moved to
+    ``<ASYNCRL_OUTPUT_DIR>/deleted-runs/<id>-<token_nonce>`` (the user's to remove), so nothing of it is found by a
+    later run. The caller commits.
 
     Raises:
         InvalidTransition: the run has not ended.
@@ -232,6 +254,7 @@ def delete_run(session: Session, run: Run) -> None:
         )
     session.delete(run)
     session.flush()
+    set_aside(run_home(run), f"{run.id}-{run.token_nonce}")
 
 
 def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) -> tuple[list[RunEvent], int]:
@@ -245,9 +268,39 @@ def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) 
 # ----------------------------------------------------------------------------- resume, fork, logs
 
 
+def run_home(run: Run) -> Path:
+    """The run's home folder (``<ASYNCRL_OUTPUT_DIR>/runs/<id>``): every file of a run the service reads is read
+    below it through ``worker.run_files`` (no symbolic links, regular files only)."""
+    return Path(run.run_dir).parent
+
+
+def run_file(run: Run, *parts: str) -> str:
+    """The path of ``<run_dir>/<parts...>`` relative to the run's home (what ``worker.run_files`` takes and what
+    error messages show)."""
+    return "/".join((Path(run.run_dir).name, *parts))
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
 def checkpoint_steps(run: Run) -> list[int]:
-    """Steps with a complete checkpoint in the run's directory, ascending (read-only: nothing is removed)."""
-    return complete_steps(RunDir(run.run_dir))
+    """Steps with a complete checkpoint in the run's directory, ascending (read-only: nothing is removed). A
+    checkpoint reached through a symbolic link, or whose markers are links, does not count.
+
+    Raises:
+        InvalidTransition: ``checkpoints`` (or the run directory) is a symbolic link or not a folder.
+    """
+    home, folder = run_home(run), run_file(run, "checkpoints")
+    steps = []
+    try:
+        found = list_run_folder(home, folder)
+    except RunFileError as err:
+        raise InvalidTransition(f"run {run.id}: its checkpoints are refused: {err}") from None
+    for name, is_folder in found.items():
+        if is_folder and (m := _STEP_DIR.match(name)):
+            if all(is_run_file(home, f"{folder}/{name}/{part}/{COMPLETE_MARKER}") for part in CHECKPOINT_PARTS):
+                steps.append(int(m.group(1)))
+    return sorted(steps)
 
 
 SUPERVISOR_EXIT_WAIT_S = 10.0
@@ -277,7 +330,7 @@ def resume(session: Session, run: Run, *, by: str) -> int:
         raise InvalidTransition(f"run {run.id}: its supervisor (pid {pid}) is still running; wait for it to end")
     steps = checkpoint_steps(run)
     if not steps:
-        raise InvalidTransition(f"run {run.id}: no complete checkpoint in {RunDir(run.run_dir).checkpoints}")
+        raise InvalidTransition(f"run {run.id}: no complete checkpoint in {run_file(run, 'checkpoints')}")
     step = steps[-1]
     session.execute(delete(Metric).where(col(Metric.run_id) == run.id, col(Metric.step) > step))
     reason = f"resumed by {by} from checkpoint step {step}"
@@ -329,14 +382,6 @@ def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, An
         raise SpecError(f"changes.{err.key}: {err}") from None
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard-link a checkpoint file (they are written once and renamed into place, never changed), else copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def fork(
     session: Session,
     parent: Run,
@@ -366,7 +411,7 @@ def fork(
     spec_policy.check(validate_spec("rl", data), admin=admin)  # a bad key, value or code: named before the copy
     steps = checkpoint_steps(parent)
     if not steps:
-        raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {RunDir(parent.run_dir).checkpoints}")
+        raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {run_file(parent, 'checkpoints')}")
     if step is None:
         step = steps[-1]
     elif step not in steps:
@@ -377,10 +422,13 @@ def fork(
             f"max_steps: {child.spec['max_steps']} leaves nothing to train after the fork step {step}; "
             "raise it in changes"
         )
-    src, dst = RunDir(parent.run_dir), RunDir(child.run_dir)
-    try:
-        shutil.copytree(src.checkpoint_dir(step), dst.checkpoint_dir(step), copy_function=_link_or_copy)
+    dst = RunDir(child.run_dir)
+    try:  # no symbolic link or special file of the parent's folder is followed or copied (worker.run_files)
+        copy_run_folder(run_home(parent), run_file(parent, "checkpoints", f"step_{step}"), dst.checkpoint_dir(step))
         atomic_write_json(dst.config, child.spec)
+    except RunFileError as err:
+        shutil.rmtree(Path(child.run_dir).parent, ignore_errors=True)
+        raise InvalidTransition(f"run {parent.id}: checkpoint step {step} cannot be copied: {err}") from None
     except BaseException:
         shutil.rmtree(Path(child.run_dir).parent, ignore_errors=True)
         raise
@@ -404,49 +452,97 @@ def fork(
     return child
 
 
-def log_path(run: Run, process: str) -> Path:
-    """``<run_dir>/logs/<process>.log``; the supervisor's log is ``<run_dir>/../supervisor.log``."""
-    if process == "supervisor":
-        return SupervisorHome(Path(run.run_dir).parent).log
-    return RunDir(run.run_dir).logs / f"{process}.log"
+def log_file(run: Run, process: str) -> str:
+    """The log of ``process`` relative to the run's home: ``<name>/logs/<process>.log``; the supervisor's log is
+    ``supervisor.log`` beside the run directory."""
+    return "supervisor.log" if process == "supervisor" else run_file(run, "logs", f"{process}.log")
 
 
-def tail(path: Path, lines: int, block: int = 65536) -> list[str]:
-    """The last ``lines`` lines of a text file (undecodable bytes replaced), reading backwards in ``block``-byte
-    chunks so a large log is not read whole.
+def read_log(run: Run, process: str, lines: int) -> list[str]:
+    """The last ``lines`` lines of ``process``'s log (``log_file``), read safely (``worker.run_files``).
 
     Raises:
-        FileNotFoundError: no such file.
+        RunFileMissing: no log yet. RunFileRefused: the log or a folder on its way is a link or not a file.
     """
-    with open(path, "rb") as f:
-        pos = f.seek(0, os.SEEK_END)
-        data = b""
-        while pos > 0 and data.count(b"\n") <= lines:
-            size = min(block, pos)
-            pos -= size
-            f.seek(pos)
-            data = f.read(size) + data
+    with open_run_file(run_home(run), log_file(run, process)) as f:
+        return tail(f, lines)
+
+
+def tail(f: BinaryIO, lines: int, block: int = 65536) -> list[str]:
+    """The last ``lines`` lines of the open binary file ``f`` (undecodable bytes replaced), reading backwards in
+    ``block``-byte chunks so a large log is not read whole."""
+    pos = f.seek(0, os.SEEK_END)
+    data = b""
+    while pos > 0 and data.count(b"\n") <= lines:
+        size = min(block, pos)
+        pos -= size
+        f.seek(pos)
+        data = f.read(size) + data
     return data.decode(errors="replace").splitlines()[-lines:] if lines > 0 else []
 
 
 _ROLLOUT_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+MAX_ROLLOUT_BYTES = 64 << 20
+"""The most of one ``rollouts/step_<n>.jsonl`` file read for a page or an answer."""
 
 
 def rollout_steps(run: Run) -> list[int]:
-    """Steps with a ``rollouts/step_<n>.jsonl`` file in the run directory, ascending."""
-    folder = RunDir(run.run_dir).rollouts
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _ROLLOUT_FILE.match(p.name)))
+    """Steps with a ``rollouts/step_<n>.jsonl`` regular file in the run directory, ascending.
+
+    Raises:
+        RunFileRefused: ``rollouts`` (or the run directory) is a symbolic link or not a folder.
+    """
+    found = list_run_folder(run_home(run), run_file(run, "rollouts"))
+    return sorted(int(m.group(1)) for name, d in found.items() if not d and (m := _ROLLOUT_FILE.match(name)))
 
 
-def rollouts(run: Run, *, step: int | None = None, limit: int = 20) -> tuple[int | None, list[dict[str, Any]]]:
+ROLLOUT_FIELDS = ("advantage",)
+"""Keys every shown rollout record has (the run page and the API read them)."""
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    step: int | None
+    """The step shown (None: the run wrote no rollouts yet)."""
+    records: list[dict[str, Any]]
+    skipped: int
+    """Lines of the file (among those read) that were not a JSON object with the ``ROLLOUT_FIELDS``."""
+
+
+def rollouts(run: Run, *, step: int | None = None, limit: int = 20) -> Rollouts:
     """The first ``limit`` rollout records of ``step`` (default: the newest step with rollouts) as the orchestrator
-    wrote them (task, completion, reward, advantage, policy_span, ...); returns (step, records). No file: (step, [])
-    (``(None, [])`` when the run has no rollouts yet)."""
+    wrote them (task, completion, reward, advantage, policy_span, ...). A line that is not a JSON object with a
+    numeric ``advantage`` is skipped and counted (a torn last line included). No file: no records.
+
+    Raises:
+        RunFileRefused: the file or a folder on its way is a symbolic link or not a regular file.
+    """
     if step is None:
         steps = rollout_steps(run)
         if not steps:
-            return None, []
+            return Rollouts(None, [], 0)
         step = steps[-1]
-    return step, read_jsonl(RunDir(run.run_dir).rollout_file(step))[:limit]
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    try:
+        f = open_run_file(run_home(run), run_file(run, "rollouts", f"step_{step}.jsonl"))
+    except RunFileMissing:
+        return Rollouts(step, [], 0)
+    with f:
+        for line in f.read(MAX_ROLLOUT_BYTES).splitlines():
+            if len(records) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8
+                rec = None
+            ok = isinstance(rec, dict) and all(
+                isinstance(rec.get(k), int | float) and not isinstance(rec.get(k), bool) for k in ROLLOUT_FIELDS
+            )
+            if ok:
+                records.append(rec)
+            else:
+                skipped += 1
+    return Rollouts(step, records, skipped)

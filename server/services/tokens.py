@@ -4,9 +4,10 @@
   ``server/services/permissions.py``.
 - User tokens (``asr_<random>``) are created by ``asyncrl token create``; only their sha256 is stored. A token
   stands for the user of its ``name``.
-- Run tokens (``asr_run_<id>_<hmac>``) are derived from the server secret and the run id, so a redelivered
-  launch hands the processes the same token and nothing about them is stored. They write only to their run, and
-  only while it is live (``permissions.require_run``).
+- Run tokens (``asr_run_<id>_<hmac>``) are derived from the server secret, the run id and the run's random
+  ``token_nonce`` (stored with the run), so a redelivered launch hands the processes the same token, and the token of
+  a deleted run opens no later run (ids are never reused either: ``migrations/versions/0006_run_ids_never_reused.py``).
+  They write only to their run, and only while it is live (``permissions.require_run``).
 - Dashboard sessions (``dashboard_sessions``): a random id in the signed cookie, its sha256 stored; logout deletes
   the row, revoking a token deletes its rows, so an old cookie opens nothing.
 """
@@ -23,7 +24,7 @@ from datetime import timedelta
 from sqlmodel import Session, col, delete, func, select
 
 from server.core.config import settings
-from server.models import ApiToken, DashboardSession, Role, User, stored_id, utcnow
+from server.models import ApiToken, DashboardSession, Role, Run, User, stored_id, utcnow
 
 _RUN_TOKEN = re.compile(r"^asr_run_(\d+)_([0-9a-f]{64})$")
 
@@ -131,8 +132,13 @@ def revoke(session: Session, *, name: str) -> int:
     return len(rows)
 
 
-def run_token(run_id: int) -> str:
-    mac = hmac.new(settings.secret_key().encode(), f"run-token:{run_id}".encode(), hashlib.sha256).hexdigest()
+def run_token(run: Run) -> str:
+    """The run token of ``run``: ``asr_run_<id>_<hex HMAC-SHA256 of the id and the run's token_nonce>``."""
+    return _run_token(stored_id(run), run.token_nonce)
+
+
+def _run_token(run_id: int, nonce: str) -> str:
+    mac = hmac.new(settings.secret_key().encode(), f"run-token:{run_id}:{nonce}".encode(), hashlib.sha256).hexdigest()
     return f"asr_run_{run_id}_{mac}"
 
 
@@ -159,7 +165,9 @@ def authenticate(session: Session, token: str) -> Principal:
     m = _RUN_TOKEN.match(token)
     if m:
         run_id = int(m.group(1))
-        if not hmac.compare_digest(token, run_token(run_id)):
+        # the nonce alone: a Run loaded here would sit in the session and hide a later locked read's fresh row
+        nonce = session.exec(select(Run.token_nonce).where(Run.id == run_id)).first() if run_id <= 2**31 - 1 else None
+        if nonce is None or not hmac.compare_digest(token, _run_token(run_id, nonce)):
             raise AuthError("invalid token")
         return Principal(name=f"run-{run_id}", run_id=run_id)
     found = _user_token(session, hash_token(token))

@@ -140,7 +140,7 @@ def test_engine_events_are_recorded_once_and_only_by_the_run_or_its_owner(
     other = {"Authorization": f"Bearer {new_token('someone-else', role='member')}"}
     assert client.post(url, json=body, headers=other).status_code == 403
     assert (
-        client.post(f"/api/runs/{run['id']}/events", json=body, headers=run_token_headers(run["id"] + 1)).status_code
+        client.post(f"/api/runs/{run['id']}/events", json=body, headers=run_token_headers(make_run()["id"])).status_code
         == 403
     )
     assert client.post(f"/api/runs/{run['id']}/stop", headers=auth).json()["status"] == "cancelled"

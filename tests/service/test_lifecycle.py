@@ -72,7 +72,7 @@ def test_resume_requires_failed_or_cancelled_and_a_complete_checkpoint(
     set_status(client, run["id"], "starting", "failed")
     checkpoint(run, 2, parts=("trainer",))  # incomplete: no orchestrator part
     resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
-    ckpts = Path(run["run_dir"]) / "checkpoints"
+    ckpts = f"{run['name']}/checkpoints"  # relative to the run's folder: no server path in a message
     assert resp.status_code == 409 and resp.json()["detail"] == f"run {run['id']}: no complete checkpoint in {ckpts}"
     done = make_run()
     set_status(client, done["id"], "starting", "running", "completed")

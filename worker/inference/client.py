@@ -20,6 +20,8 @@ from typing import Any, Literal
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from worker.inference.auth import key_header
+
 RETRY_STATUS = frozenset({502, 503, 504})
 
 
@@ -67,6 +69,8 @@ class InferenceClient:
         max_retries: retries after the first attempt on connection errors, timeouts and HTTP 502/503/504.
         backoff_s / max_backoff_s: exponential backoff between attempts (``backoff_s * 2**k``, capped).
         model: model name sent with completions; None lets the server use the model it serves.
+        api_key: the server's API key, sent as ``Authorization: Bearer``; None: ``$ASYNCRL_INFERENCE_API_KEY`` (the
+            run's key, ``worker.inference.auth``), nothing when that is unset.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class InferenceClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         model: str | None = None,
+        api_key: str | None = None,
     ):
         if max_retries < 0:
             raise ValueError(f"max_retries: expected >= 0, got {max_retries}")
@@ -96,6 +101,7 @@ class InferenceClient:
             ),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
             trust_env=False,
+            headers=key_header(api_key),  # default: $ASYNCRL_INFERENCE_API_KEY (worker.inference.auth)
         )
 
     # ------------------------------------------------------------------ plumbing

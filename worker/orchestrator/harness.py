@@ -40,7 +40,7 @@ from worker.spec import HarnessConfig
 logger = logging.getLogger(__name__)
 
 _NO_KEY_VAR = "ASYNCRL_INFERENCE_API_KEY"
-"""Env var the TrainClient reads its API key from (our vLLM server takes none: unset means "EMPTY")."""
+"""Env var the TrainClient reads its API key from: the run's key (``worker.inference.auth``; unset means "EMPTY")."""
 
 
 def agent_config(

@@ -260,7 +260,7 @@ class WeightSender:
     def __init__(
         self, run: RunDir, cfg: Any, device: torch.device, *, workers: int, join_timeout_s: float, start_step: int = 0
     ) -> None:
-        from torch.distributed import TCPStore
+        from worker.weight_sync.store import master_store  # listens on master_addr only, not every interface
 
         self.run, self.cfg = run, cfg
         self.backend = resolve_backend(cfg.backend, device.type)
@@ -270,14 +270,7 @@ class WeightSender:
         self.group: Any = None
         self.failed: str | None = None
         """Why the group route was given up (then every version goes through the filesystem)."""
-        self._store = TCPStore(
-            cfg.master_addr,
-            cfg.master_port,
-            self.world_size,
-            is_master=True,
-            timeout=timedelta(seconds=join_timeout_s),
-            wait_for_workers=False,
-        )
+        self._store = master_store(cfg.master_addr, cfg.master_port, self.world_size, timeout_s=join_timeout_s)
         info = {
             "start_step": start_step,
             "master_addr": cfg.master_addr,

@@ -26,6 +26,7 @@ from server.models import (
 )
 from server.services import permissions, runs
 from worker.celery_app import TaskName, enqueue
+from worker.run_files import RunFileError, RunFileMissing
 from worker.rundir import EngineEventKind
 from worker.spec import parse_text
 
@@ -297,7 +298,11 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     return child
 
 
-@router.get("/{run_id}/logs", response_model=RunLogs, responses={404: {"description": "no such run or log yet"}})
+@router.get(
+    "/{run_id}/logs",
+    response_model=RunLogs,
+    responses={403: {"description": "the log is a link or not a file"}, 404: {"description": "no such run or log yet"}},
+)
 def get_logs(
     run_id: int,
     session: SessionDep,
@@ -305,15 +310,19 @@ def get_logs(
     process: runs.LogProcess = "trainer",
     tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines"),
 ) -> Any:
-    """The last ``tail`` lines of one process's log (read-only; user token or this run's token)."""
+    """The last ``tail`` lines of one process's log (read-only; user token or this run's token). The log is read
+    only as a regular file inside the run's folder (``worker.run_files``): a symbolic link gets 403."""
     permissions.check_run_access(principal, run_id)
     run = runs.get(session, run_id)
-    path = runs.log_path(run, process)
     try:
-        lines = runs.tail(path, tail)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise HTTPException(404, f"process: run {run_id} has no {process} log yet ({path})") from None
-    return RunLogs(run_id=run_id, process=process, path=str(path), lines=lines)
+        lines = runs.read_log(run, process, tail)
+    except RunFileMissing:
+        raise HTTPException(404, f"process: run {run_id} has no {process} log yet") from None
+    except RunFileError as err:
+        raise HTTPException(403, f"process: run {run_id}'s {process} log is refused: {err}") from None
+    return RunLogs(
+        run_id=run_id, process=process, path=str(runs.run_home(run) / runs.log_file(run, process)), lines=lines
+    )
 
 
 class RolloutsPublic(BaseModel):
@@ -322,9 +331,15 @@ class RolloutsPublic(BaseModel):
     """The step shown (None: the run wrote no rollouts yet)."""
     data: list[dict[str, Any]]
     """Rollout records as the orchestrator wrote them: task, completion, reward, advantage, policy_span, ..."""
+    skipped: int = 0
+    """Lines read that were not a JSON object with a numeric ``advantage`` (left out of ``data``)."""
 
 
-@router.get("/{run_id}/rollouts", response_model=RolloutsPublic)
+@router.get(
+    "/{run_id}/rollouts",
+    response_model=RolloutsPublic,
+    responses={403: {"description": "the rollouts file is a link or not a file"}},
+)
 def get_rollouts(
     run_id: int,
     session: SessionDep,
@@ -332,7 +347,11 @@ def get_rollouts(
     step: int | None = Query(None, ge=0, le=2**62, description="default: the newest step with rollouts"),
     limit: int = Query(20, ge=1, le=1000),
 ) -> Any:
-    """Rollout samples of one step, read from the run directory's ``rollouts/step_<n>.jsonl``."""
+    """Rollout samples of one step, read from the run directory's ``rollouts/step_<n>.jsonl`` (a regular file
+    inside the run's folder: a symbolic link gets 403; bad lines are skipped and counted in ``skipped``)."""
     permissions.check_run_access(principal, run_id)
-    shown, data = runs.rollouts(runs.get(session, run_id), step=step, limit=limit)
-    return RolloutsPublic(run_id=run_id, step=shown, data=data)
+    try:
+        shown = runs.rollouts(runs.get(session, run_id), step=step, limit=limit)
+    except RunFileError as err:
+        raise HTTPException(403, f"step: run {run_id}'s rollouts are refused: {err}") from None
+    return RolloutsPublic(run_id=run_id, step=shown.step, data=shown.records, skipped=shown.skipped)

@@ -36,7 +36,7 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
 
     from server.core.config import settings
     from server.core.db import engine
-    from server.services.tokens import run_token
+    from tests.support.server import run_token_of
     from worker import supervisor
     from worker.models import init_model
     from worker.tasks import current_attempt, launch
@@ -64,7 +64,7 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
     with Session(engine) as s:
         attempt = current_attempt(s, run["id"])
     pid = supervisor.start(
-        home, run_id=run["id"], spec=run["spec"], token=run_token(run["id"]), server_url=live_server, attempt=attempt
+        home, run_id=run["id"], spec=run["spec"], token=run_token_of(run["id"]), server_url=live_server, attempt=attempt
     )  # what the killed delivery did
     try:
         wait_for(lambda: not alive(pid), 480, "the supervisor ran the whole run")
