@@ -203,15 +203,7 @@ def fork(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Respon
         except ValidationError as err:
             first = err.errors()[0]
             raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
-        child = runs.fork(
-            db,
-            parent,
-            owner=user.name,
-            changes=body.changes,
-            step=body.step,
-            name=body.name,
-            admin=user.role == Role.admin,
-        )
+        child = runs.fork(db, parent, body, owner=user.name, admin=user.role == Role.admin)
         db.commit()
         enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
         return f"/runs/{stored_id(child)}"

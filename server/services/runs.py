@@ -26,7 +26,7 @@ from sqlmodel import Session, col, select
 from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.core.db import serialize
-from server.models import TERMINAL, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
+from server.models import TERMINAL, ForkRequest, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
 from server.services import capacity, spec_policy
 from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, with_keys
@@ -382,17 +382,9 @@ def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, An
         raise SpecError(f"changes.{err.key}: {err}") from None
 
 
-def fork(
-    session: Session,
-    parent: Run,
-    *,
-    owner: str,
-    changes: dict[str, Any],
-    step: int | None = None,
-    name: str | None = None,
-    admin: bool = False,
-) -> Run:
-    """A new queued run: the parent's spec with ``changes``, starting from the parent's checkpoint ``step``
+def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, admin: bool = False) -> Run:
+    """A new queued run of ``owner`` (``admin``: see :func:`create`): the parent's spec with ``request.changes``
+    (named ``request.name``, default the parent's name), starting from the parent's checkpoint ``request.step``
     (default: the newest complete one). The checkpoint is hard-linked (or copied) into the child's run
     directory with the child's ``config.json``, so the child's launch resumes from it: weights, optimizer,
     scheduler, RNG and data cursor continue at ``step + 1`` under the changed spec. The child gets a ``forked``
@@ -404,10 +396,10 @@ def fork(
             ``max_steps`` leaves nothing to train after ``step``.
         InvalidTransition: the parent has no complete checkpoint at all.
     """
-    data = apply_changes(parent.spec, changes)
+    data, step = apply_changes(parent.spec, request.changes), request.step
     data.pop("output_dir", None)
-    if name is not None:
-        data["name"] = name
+    if request.name is not None:
+        data["name"] = request.name
     spec_policy.check(validate_spec("rl", data), admin=admin)  # a bad key, value or code: named before the copy
     steps = checkpoint_steps(parent)
     if not steps:
@@ -439,7 +431,7 @@ def fork(
         reason=f"forked by {owner} from run {parent.id} at checkpoint step {step}",
         parent_run_id=parent.id,
         step=step,
-        changes=changes,
+        changes=request.changes,
     )
     record_event(
         session,

@@ -284,15 +284,7 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     starts from that checkpoint's weights, optimizer and data cursor (see ``runs.fork``)."""
     parent = runs.get(session, run_id)
     permissions.require_run(user, parent, "fork")
-    child = runs.fork(
-        session,
-        parent,
-        owner=user.name,
-        changes=body.changes,
-        step=body.step,
-        name=body.name,
-        admin=user.role == Role.admin,
-    )
+    child = runs.fork(session, parent, body, owner=user.name, admin=user.role == Role.admin)
     session.commit()
     enqueue(TaskName.launch_run, stored_id(child))
     return child
