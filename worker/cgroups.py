@@ -34,7 +34,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +65,18 @@ class Layout:
     """1 or 2."""
     roots: tuple[Path, ...]
     """v1: the mounted hierarchies of :data:`V1_HIERARCHIES` (``/sys/fs/cgroup/memory`` ...); v2: the mount."""
+
+
+def _sigkill(pids: Iterable[int]) -> set[int]:
+    """SIGKILL each of ``pids``; the ones that still existed."""
+    sent = set()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            sent.add(pid)
+        except ProcessLookupError:
+            pass
+    return sent
 
 
 def layout(mount: Path = MOUNT, *, writable: bool = True) -> Layout:
@@ -225,12 +237,7 @@ class RunCgroup:
             if not targets or time.monotonic() > deadline:
                 return killed
             frozen = freezer is not None and not spare and _set_freezer(freezer, "FROZEN")
-            for pid in targets:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except ProcessLookupError:
-                    pass
+            killed |= _sigkill(targets)
             if frozen and freezer is not None:
                 _set_freezer(freezer, "THAWED")
             time.sleep(0.02)
@@ -365,12 +372,7 @@ def end_run(
                 timeout_s=max(0.0, deadline - time.monotonic()),
             )
         rest = leftovers(None, session, started_before=started_before) - set(exclude)
-        for pid in rest:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.add(pid)
-            except ProcessLookupError:
-                pass
+        killed |= _sigkill(rest)
         if not rest or time.monotonic() > deadline:
             break
         time.sleep(0.02)
