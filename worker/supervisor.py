@@ -78,7 +78,8 @@ def run_env(run_id: int, token: str, server_url: str, allow: Collection[str] = (
 
 @dataclass(frozen=True)
 class RunUser:
-    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``)."""
+    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``, or the run's own
+    uid under ``RUN_UID_BASE``)."""
 
     name: str
     uid: int
@@ -86,12 +87,41 @@ class RunUser:
     home: str
 
 
-def run_user(name: str) -> RunUser | None:
-    """The account ``name`` (None for ``""``: the worker's own user).
+RUN_HOME_DIR = "user-home"
+"""The ``HOME`` of a run that runs as its own uid (``RUN_UID_BASE``): a folder of the run's home folder, so its caches
+are its own."""
+
+
+def run_user(name: str, *, run_id: int | None = None, uid_base: int = 0, home: Path | None = None) -> RunUser | None:
+    """The account a run's processes run as: with ``uid_base`` (the worker's ``RUN_UID_BASE``), uid and gid
+    ``uid_base + run_id`` (no account needed; ``HOME`` = ``<home>/user-home``), so that runs, of one user or of
+    several, cannot read each other's environment (``/proc/<pid>/environ``: run token, vLLM key), signal or trace each
+    other's processes, or write each other's files; else the account ``name`` (None for ``""``: the worker's own user).
 
     Raises:
-        ValueError: no such account, it is root, or this process is not root (only root may switch users).
+        ValueError: no such account, it is root, the run's uid belongs to an account or passes 2**31 - 1, or this
+            process is not root (only root may switch users).
     """
+    if uid_base:
+        if run_id is None or home is None:
+            raise ValueError("RUN_UID_BASE: a run's own uid needs its run id and home folder")
+        uid = uid_base + run_id
+        if uid > 2**31 - 1:
+            raise ValueError(f"RUN_UID_BASE: run {run_id}'s uid {uid} passes 2147483647; lower RUN_UID_BASE")
+        try:
+            taken = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            taken = None
+        if taken is not None:
+            raise ValueError(
+                f"RUN_UID_BASE: run {run_id}'s uid {uid} belongs to the account {taken!r}; "
+                "choose a base above every account of the worker"
+            )
+        if os.geteuid() != 0:
+            raise ValueError(
+                f"RUN_UID_BASE: the worker runs as uid {os.geteuid()}, not root: it cannot start runs as uid {uid}"
+            )
+        return RunUser(f"asyncrl-run-{run_id}", uid, uid, str(home / RUN_HOME_DIR))
     if not name:
         return None
     try:
@@ -194,6 +224,8 @@ def start(
     files.final.unlink(missing_ok=True)
     if user is not None:
         files.log.touch()
+        if Path(user.home).parent == home:  # a run's own uid: its HOME is a folder of its home folder
+            Path(user.home).mkdir(exist_ok=True)
         give_home(home, user)
     argv = [
         sys.executable,

@@ -97,10 +97,15 @@ def launch(run_id: int) -> str:
                     resume=resume,
                     attempt=attempt,
                     allow_env=settings.RUN_ENV_ALLOW,
-                    user=supervisor.run_user(settings.RUN_USER),
+                    user=supervisor.run_user(
+                        settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home
+                    ),
                     cgroup=unit,
                 )
-            except (ValueError, OSError) as err:  # RUN_USER unusable, the home cannot be written, or no supervisor
+            except (
+                ValueError,
+                OSError,
+            ) as err:  # RUN_USER / RUN_UID_BASE unusable, the home cannot be written, or no supervisor
                 cgroups.end_run(unit, None, started_before=None)
                 return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
         run.launcher, run.launcher_handle, run.worker = "local", str(pid), capacity.worker_name()

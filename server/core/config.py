@@ -102,6 +102,14 @@ class Settings(BaseSettings):
     user. That account must be able to run the worker's Python and read the code and models (a Python under
     ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
 
+    RUN_UID_BASE: int = Field(default=0, ge=0, le=2**31 - 1)
+    """A root worker runs run ``n``'s processes as uid and gid ``RUN_UID_BASE + n`` (no account needed; ``HOME`` is
+    ``<run home>/user-home``; ``RUN_USER`` is then not used), so that runs, of one user or of several, cannot read each
+    other's environment (``/proc/<pid>/environ``: the run token, the vLLM key), signal or trace each other's processes,
+    or write each other's files. Pick a base above every account of the worker (e.g. 200000; a run whose uid is an
+    account's is refused). Run ids are never reused, so neither are uids. 0 = every run as ``RUN_USER``. The run's
+    uid must be able to run the worker's Python and read the code and models, as for ``RUN_USER``."""
+
     RUN_CGROUPS: bool = True
     """A root worker puts each local run's processes in a cgroup of their own (``worker/cgroups.py``: killed and
     removed as one when the run ends; ``launcher.memory_limit_gib`` is its memory limit). False, or where cgroups are

@@ -143,21 +143,23 @@ def test_every_variable_compose_sets_is_read_by_the_code_and_the_required_ones_a
         assert sorted(set(env) - known) == [], name
         assert sorted(set(REQUIRED) - set(env)) == [], name
         Settings(_env_file=None, **env)  # every value is valid for its field
-    assert envs["worker"] == envs["worker-cpu"] == {**envs["server"], "RUN_USER": "asyncrl-run"}
+    assert envs["worker"] == envs["worker-cpu"] == {**envs["server"], "RUN_UID_BASE": "200000"}
     assert len(envs["server"]["SECRET_KEY"]) == 64
 
 
-def test_workers_start_runs_as_an_unprivileged_run_user(services: dict[str, dict[str, Any]]) -> None:
-    """Compose runs the workers as root in their container only so that each run's processes run as ``asyncrl-run``
-    (``RUN_USER``, made by the worker image): ``worker.supervisor.run_user`` refuses a non-root worker, and a run
-    of another uid can read neither the worker's environment (/proc/<pid>/environ) nor ASYNCRL_HOME (0700)."""
+def test_workers_start_each_run_as_its_own_unprivileged_uid(services: dict[str, dict[str, Any]]) -> None:
+    """Compose runs the workers as root in their container only so that run n's processes run as uid 200000 + n
+    (``RUN_UID_BASE``, above every account of the image): ``worker.supervisor.run_user`` refuses a non-root worker,
+    and a run of another uid can read neither the worker's nor another run's environment (/proc/<pid>/environ) nor
+    ASYNCRL_HOME (0700)."""
     for name in ("worker", "worker-cpu"):
         assert services[name]["user"] == "0:0"
         assert services[name]["security_opt"] == ["no-new-privileges:true"]
-        assert services[name]["environment"]["RUN_USER"] == "asyncrl-run"
-    assert "user" not in services["server"] and "RUN_USER" not in services["server"]["environment"]
-    worker = DOCKERFILES["worker"].read_text()
-    assert "useradd --create-home --uid 10002 asyncrl-run" in worker
+        assert services[name]["environment"]["RUN_UID_BASE"] == "200000"
+    assert "user" not in services["server"] and "RUN_UID_BASE" not in services["server"]["environment"]
+    for line in DOCKERFILES["worker"].read_text().splitlines():  # every account of the image is below the base
+        if "useradd" in line:
+            assert int(line.split("--uid ")[1].split()[0]) < 200000, line
     for path in DOCKERFILES.values():
         assert "chmod 0700 /var/lib/asyncrl" in path.read_text()
         assert "mkdir -p /app/outputs/runs && chown asyncrl:asyncrl /app/outputs/runs" in path.read_text()

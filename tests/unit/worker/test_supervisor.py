@@ -196,3 +196,90 @@ def test_a_supervisor_joins_its_cgroup_before_it_drops_root_and_nothing_of_it_ou
         finally:
             cgroups.end_run(cg, None, started_before=None)
     shutil.rmtree(base)
+
+
+RUN_UID_BASE = 1_900_000_000
+"""A base no account of a test machine uses (the runs' uids are 1_900_000_041 and 1_900_000_042)."""
+
+
+def test_run_uid_base_gives_each_run_its_own_uid_and_is_checked(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        with pytest.raises(ValueError, match=r"^RUN_UID_BASE: the worker runs as uid \d+, not root"):
+            supervisor.run_user("", run_id=41, uid_base=RUN_UID_BASE, home=tmp_path)
+        return
+    user = supervisor.run_user("nobody", run_id=41, uid_base=RUN_UID_BASE, home=tmp_path)
+    assert user == supervisor.RunUser(
+        "asyncrl-run-41", RUN_UID_BASE + 41, RUN_UID_BASE + 41, str(tmp_path / "user-home")
+    )
+    nobody = __import__("pwd").getpwnam("nobody").pw_uid
+    with pytest.raises(ValueError, match=rf"^RUN_UID_BASE: run 2's uid {nobody} belongs to the account 'nobody'; "):
+        supervisor.run_user("", run_id=2, uid_base=nobody - 2, home=tmp_path)
+    with pytest.raises(
+        ValueError, match=r"^RUN_UID_BASE: run 5's uid 2147483648 passes 2147483647; lower RUN_UID_BASE$"
+    ):
+        supervisor.run_user("", run_id=5, uid_base=2**31 - 5, home=tmp_path)
+
+
+def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> None:
+    """Two runs started as a root worker with ``RUN_UID_BASE`` starts them (``supervisor.start``'s steps: give_home,
+    then ``detach`` as the run's user), shells standing in for supervisors (this machine's Python lives under /root,
+    which no other uid may enter). Run 41 tries, against run 42's process: read its environment (its run token), send
+    it a signal, write into its home folder; each is refused by the kernel, while run 41 reads its own environment."""
+    base = Path(tempfile.mkdtemp(prefix="asyncrl-run-uids-"))
+    try:
+        base.chmod(0o755)
+        homes = {n: base / "runs" / str(n) for n in (41, 42)}
+        users = {}
+        for n, home in homes.items():
+            home.mkdir(parents=True)
+            users[n] = supervisor.run_user("", run_id=n, uid_base=RUN_UID_BASE, home=home)
+            assert users[n] is not None
+            Path(users[n].home).mkdir()
+            supervisor.give_home(home, users[n])
+        victim = supervisor.detach(
+            ["/bin/sh", "-c", 'echo $$ > "$HOME/pid"; exec sleep 120'],
+            supervisor.run_env(42, "rt_run_42_secret", "http://s"),
+            homes[42] / "supervisor.log",
+            users[42],
+        )
+        probe = (
+            'cd "$HOME"; id -u > uid; echo "$HOME" > home; '
+            'tr "\\0" "\\n" < /proc/$$/environ | grep -c ASYNCRL_RUN_TOKEN=rt_run_41 > own; '
+            'cat "/proc/$1/environ" > other 2> other_err; echo $? > other_rc; '
+            'kill -0 "$1" 2> kill_err; echo $? > kill_rc; '
+            'touch "$2/planted" 2> write_err; echo $? > write_rc; touch done'
+        )
+        deadline = time.monotonic() + 30
+        while not (Path(users[42].home) / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        supervisor.detach(
+            ["/bin/sh", "-c", probe, "sh", str(victim), str(homes[42])],
+            supervisor.run_env(41, "rt_run_41_secret", "http://s"),
+            homes[41] / "supervisor.log",
+            users[41],
+        )
+        out = Path(users[41].home)
+        while not (out / "done").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = {
+            name: (out / name).read_text().strip()
+            for name in ("uid", "home", "own", "other", "other_rc", "kill_rc", "write_rc")
+        }
+        assert got == {
+            "uid": str(RUN_UID_BASE + 41),
+            "home": str(out),
+            "own": "1",
+            "other": "",
+            "other_rc": "1",
+            "kill_rc": "1",
+            "write_rc": "1",
+        }
+        assert "Permission denied" in (out / "other_err").read_text()
+        assert "not permitted" in (out / "kill_err").read_text()
+        assert "Permission denied" in (out / "write_err").read_text()
+        assert not (homes[42] / "planted").exists()
+        status = Path(f"/proc/{victim}/status").read_text()
+        assert f"Uid:\t{RUN_UID_BASE + 42}\t" in status  # still alive, as its own uid
+        os.kill(victim, 9)
+    finally:
+        shutil.rmtree(base)
