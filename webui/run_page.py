@@ -137,33 +137,14 @@ def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
 def stop(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     p = page(request, db)
     p.form(form)
-
-    def action(user: Principal) -> str:
-        run = runs.get(db, run_id, lock=True)
-        permissions.require_run(user, run, "stop")
-        needs_worker = runs.request_stop(db, run, by=user.name)
-        db.commit()
-        if needs_worker:
-            enqueue(TaskName.stop_run, run_id)
-        return f"/runs/{run_id}"
-
-    return _act(p, run_id, action)
+    return _act(p, run_id, lambda user: f"/runs/{runs.stop_by(db, run_id, user).id}")
 
 
 @router.post("/runs/{run_id}/resume")
 def resume(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     p = page(request, db)
     p.form(form)
-
-    def action(user: Principal) -> str:
-        run = runs.get(db, run_id, lock=True)
-        permissions.require_run(user, run, "resume")
-        runs.resume(db, run, by=user.name)
-        db.commit()
-        enqueue(TaskName.launch_run, run_id)  # after the commit: the worker must find the queued run
-        return f"/runs/{run_id}"
-
-    return _act(p, run_id, action)
+    return _act(p, run_id, lambda user: f"/runs/{runs.resume_by(db, run_id, user).id}")
 
 
 @router.post("/runs/{run_id}/delete")
@@ -173,10 +154,7 @@ def delete(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Resp
     p.form(form)
 
     def action(user: Principal) -> str:
-        run = runs.get(db, run_id, lock=True)
-        permissions.require_run(user, run, "delete")
-        runs.delete_run(db, run)
-        db.commit()
+        runs.delete_by(db, run_id, user)
         return "/runs"
 
     return _act(p, run_id, action)

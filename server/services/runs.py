@@ -27,7 +27,9 @@ from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.core.db import serialize
 from server.models import TERMINAL, ForkRequest, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
-from server.services import capacity, spec_policy
+from server.services import capacity, permissions, spec_policy
+from server.services.tokens import Principal
+from worker.celery_app import TaskName, enqueue
 from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, with_keys
 from worker.run_files import RunFileError, RunFileMissing, copy_run_folder, is_run_file, list_run_folder, open_run_file
@@ -255,6 +257,50 @@ def delete_run(session: Session, run: Run) -> None:
     session.delete(run)
     session.flush()
     set_aside(run_home(run), f"{run.id}-{run.token_nonce}")
+
+
+def stop_by(session: Session, run_id: int, user: Principal) -> Run:
+    """``user`` stops run ``run_id`` (its owner or an admin; :func:`request_stop`), committed; the worker is asked to
+    stop a launched run after the commit. The one path of the API's and the dashboard's stop.
+
+    Raises:
+        NotFound, Forbidden (``permissions.require_run``), InvalidTransition: the run has ended.
+    """
+    run = get(session, run_id, lock=True)
+    permissions.require_run(user, run, "stop")
+    needs_worker = request_stop(session, run, by=user.name)
+    session.commit()
+    if needs_worker:
+        enqueue(TaskName.stop_run, run_id)
+    return run
+
+
+def resume_by(session: Session, run_id: int, user: Principal) -> Run:
+    """``user`` resumes run ``run_id`` (:func:`resume`), committed, then queues its launch (after the commit: the
+    worker must find the queued run). The one path of the API's and the dashboard's resume.
+
+    Raises:
+        NotFound, Forbidden, InvalidTransition: not failed/cancelled or no complete checkpoint.
+    """
+    run = get(session, run_id, lock=True)
+    permissions.require_run(user, run, "resume")
+    resume(session, run, by=user.name)
+    session.commit()
+    enqueue(TaskName.launch_run, run_id)
+    return run
+
+
+def delete_by(session: Session, run_id: int, user: Principal) -> None:
+    """``user`` deletes the ended run ``run_id`` (:func:`delete_run`), committed. The one path of the API's and the
+    dashboard's delete.
+
+    Raises:
+        NotFound, Forbidden, InvalidTransition: the run has not ended.
+    """
+    run = get(session, run_id, lock=True)
+    permissions.require_run(user, run, "delete")
+    delete_run(session, run)
+    session.commit()
 
 
 def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) -> tuple[list[RunEvent], int]:

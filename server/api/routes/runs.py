@@ -135,12 +135,7 @@ def get_run(run_id: int, session: SessionDep, principal: PrincipalDep) -> Any:
 @router.post("/{run_id}/stop", response_model=RunPublic)
 def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     """Cancel a queued run at once, or ask the worker to stop a launched one (status becomes ``cancelled``)."""
-    run = runs.get(session, run_id, lock=True)
-    permissions.require_run(user, run, "stop")
-    needs_worker = runs.request_stop(session, run, by=user.name)
-    session.commit()
-    if needs_worker:
-        enqueue(TaskName.stop_run, run_id)
+    run = runs.stop_by(session, run_id, user)
     session.refresh(run)
     return run
 
@@ -149,10 +144,7 @@ def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
 def delete_run(run_id: int, session: SessionDep, user: UserDep) -> Response:
     """Delete an ended run (its owner or an admin) with its events, metrics, config revisions and alert rules; its
     run directory stays on disk."""
-    run = runs.get(session, run_id, lock=True)
-    permissions.require_run(user, run, "delete")
-    runs.delete_run(session, run)
-    session.commit()
+    runs.delete_by(session, run_id, user)
     return Response(status_code=204)
 
 
@@ -264,11 +256,7 @@ def list_events(
 def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     """Continue a failed or cancelled run from its newest complete checkpoint: same run id, run directory and
     metrics (those after the checkpoint step are dropped); the run is queued and relaunched with ``--resume``."""
-    run = runs.get(session, run_id, lock=True)
-    permissions.require_run(user, run, "resume")
-    runs.resume(session, run, by=user.name)
-    session.commit()
-    enqueue(TaskName.launch_run, run_id)
+    run = runs.resume_by(session, run_id, user)
     session.refresh(run)
     return run
 
