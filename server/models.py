@@ -10,16 +10,19 @@ are in ``server/alerts/models.py``, which imports this module (never the reverse
 from __future__ import annotations
 
 import enum
+import json
 import secrets
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 from pydantic import Field as PydanticField
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
+
+from worker.rundir import EngineEventKind
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 
@@ -223,6 +226,33 @@ class Metric(SQLModel, table=True):
     value: float = Field(sa_column=Column(Float, nullable=False))
     time: float = Field(sa_column=Column(Float, nullable=False))
     """Unix seconds when the process measured it."""
+
+
+class EngineEvent(BaseModel):
+    """One event a run's process wrote into ``events.jsonl`` (``worker.reporter.EventsForwarder`` sends them)."""
+
+    event: EngineEventKind
+    time: float = PydanticField(ge=0, le=1e11, allow_inf_nan=False)
+    """Unix seconds when the process wrote it; with ``event`` the key that records it once."""
+    reason: str = PydanticField("", max_length=2000)
+    process: str | None = PydanticField(None, min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
+    data: dict[str, Any] = PydanticField(default_factory=dict)
+    """The event's other fields (``step``, ``path``, ``free``, ...): JSON without NaN or infinities."""
+
+    @field_validator("data")
+    @classmethod
+    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError("data: NaN and infinities are not JSON; send null") from None
+        if len(text) > 8192:
+            raise ValueError(f"data: at most 8192 bytes of JSON, got {len(text)}")
+        return value
+
+
+class EngineEvents(BaseModel):
+    events: list[EngineEvent] = PydanticField(max_length=500)
 
 
 class MetricPoint(BaseModel):

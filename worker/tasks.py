@@ -47,15 +47,15 @@ from sqlmodel import Session, col, select
 from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
-from server.models import TERMINAL, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
+from server.models import TERMINAL, EngineEvent, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
 from server.services import capacity, metrics, runs, spec_policy, tokens
 from server.services.permissions import Forbidden
 from worker import cgroups, supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive, live_processes, started_at
-from worker.reporter import rows_to_points
+from worker.reporter import row_to_event, rows_to_points
 from worker.run_files import RunFileRefused, open_run_file
-from worker.rundir import SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
+from worker.rundir import ENGINE_EVENTS, SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
 from worker.spec import RLSpec, SpecError, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
@@ -337,6 +337,7 @@ def reconcile() -> list[int]:
                     session, run, "leftovers", reason=_killed_line(len(killed), "supervisor gone"), pids=sorted(killed)
                 )
             final = SupervisorHome(home).read_final(current_attempt(session, run_id))
+            _ingest_spooled_events(session, run, home)  # e.g. the disk_full that ended it, written after the last send
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
                 points = _ingest_spooled_metrics(session, run, home)
                 _apply_final(session, run, final, pid=pid, by="reconcile")
@@ -450,6 +451,30 @@ def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
             logger.warning("reconcile: run %s: skipped an invalid metric point %s", run.id, point)
     metrics.ingest(session, run_id=stored_id(run), points=points)
     return len(points)
+
+
+def _ingest_spooled_events(session: Session, run: Run, home: Path) -> int:
+    """Record the engine events of ``events.jsonl`` (``disk_full``, ``truncated``, ...) the supervisor had not
+    forwarded (after ``events.offset``), as the events route would (each once; invalid lines are skipped); returns how
+    many were new. Not committed."""
+    offset = read_offset(SupervisorHome(home).events_offset)
+    rel = runs.run_file(run, "events.jsonl")
+    try:
+        rows, _ = read_jsonl_after(
+            Path(run.run_dir) / "events.jsonl", offset, opener=lambda _: open_run_file(home, rel)
+        )
+    except RunFileRefused as err:
+        logger.warning("run %s: spooled events not read: %s", stored_id(run), err)
+        return 0
+    events = []
+    for row in rows:
+        if row.get("event") not in ENGINE_EVENTS:
+            continue
+        try:
+            events.append(EngineEvent.model_validate(row_to_event(row)).model_dump())
+        except (ValidationError, KeyError, TypeError, ValueError):
+            logger.warning("reconcile: run %s: skipped an invalid engine event %s", run.id, str(row)[:300])
+    return runs.record_engine_events(session, run, events) if events else 0
 
 
 def _reconcile_slurm(session: Session, run: Run) -> bool:

@@ -96,7 +96,8 @@ def test_server_down_final_report_is_bounded_and_reconcile_delivers_the_spool(
 
 
 def test_a_spool_of_an_earlier_attempt_is_not_delivered(client: Any, auth: dict[str, str], make_run: Any) -> None:
-    """A crashed supervisor of the current attempt leaves no spool; the earlier attempt's must not stand in."""
+    """A crashed supervisor of the current attempt leaves no spool; the earlier attempt's must not stand in. The engine
+    events it had not forwarded are recorded by reconcile (once; an invalid line is skipped)."""
     from sqlmodel import Session
 
     from server.core.db import engine
@@ -130,10 +131,24 @@ def test_a_spool_of_an_earlier_attempt_is_not_delivered(client: Any, auth: dict[
             }
         )
     )
+    rd = RunDir(run["run_dir"])  # the run's last words, written after the supervisor's last send: one engine event
+    rd.create()
+    rd.log_event("disk_full", process="trainer", step=3, path="checkpoints/step_3", reason="disk full at step 3")
+    rd.log_event("running", reason="not an engine event")
+    with rd.events.open("a") as f:
+        f.write('{"event": "truncated", "time": 1.0, "process": "not a name"}\n')  # invalid: skipped, not fatal
     from worker.tasks import reconcile
 
     assert run_id in reconcile()
     assert run_of(client, auth, run_id)["status_reason"].startswith(f"supervisor {gone} is gone")
+    events = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
+    assert [(e["kind"], e["reason"], e["data"]["step"]) for e in events if e["kind"] == "disk_full"] == [
+        ("disk_full", "disk full at step 3", 3)
+    ]
+    assert not [e for e in events if e["kind"] == "truncated"]
+    reconcile()  # the run has ended: nothing is recorded twice
+    again = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
+    assert len([e for e in again if e["kind"] == "disk_full"]) == 1
 
 
 def test_resumed_supervisor_reports_running_only_for_this_attempt(

@@ -8,12 +8,13 @@ import tomllib
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
 from server.errors import is_json_type
 from server.models import (
     TERMINAL,
+    EngineEvents,
     ForkRequest,
     Role,
     RunEventsPublic,
@@ -27,7 +28,6 @@ from server.models import (
 from server.services import permissions, runs
 from worker.celery_app import TaskName, enqueue
 from worker.run_files import RunFileError, RunFileMissing
-from worker.rundir import EngineEventKind
 from worker.spec import parse_text
 
 logger = logging.getLogger("asyncrl.api")
@@ -184,33 +184,6 @@ def report_requeued(run_id: int, report: RequeueReport, session: SessionDep, pri
     session.commit()
     session.refresh(run)
     return run
-
-
-class EngineEvent(BaseModel):
-    """One event a run's process wrote into ``events.jsonl`` (``worker.reporter.EventsForwarder`` sends them)."""
-
-    event: EngineEventKind
-    time: float = Field(ge=0, le=1e11, allow_inf_nan=False)
-    """Unix seconds when the process wrote it; with ``event`` the key that records it once."""
-    reason: str = Field("", max_length=2000)
-    process: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
-    data: dict[str, Any] = Field(default_factory=dict)
-    """The event's other fields (``step``, ``path``, ``free``, ...): JSON without NaN or infinities."""
-
-    @field_validator("data")
-    @classmethod
-    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            text = json.dumps(value, allow_nan=False)
-        except ValueError:
-            raise ValueError("data: NaN and infinities are not JSON; send null") from None
-        if len(text) > 8192:
-            raise ValueError(f"data: at most 8192 bytes of JSON, got {len(text)}")
-        return value
-
-
-class EngineEvents(BaseModel):
-    events: list[EngineEvent] = Field(max_length=500)
 
 
 class EngineEventsResult(BaseModel):
