@@ -1,9 +1,9 @@
 """Code a spec names: which import paths a run submitted to the service may name (the one rule).
 
-Some spec fields name code to import: ``env.id`` (a verifiers Taskset) and ``orchestrator.harness.id`` (a verifiers
-harness), and the ``import_path`` of every ``type = "custom"`` table (:class:`CustomCode`: losses, advantages). Each is declared by its type,
-``Annotated[str, ImportPath(...)]``; :func:`import_paths` finds them in a spec and :func:`check_import_path` is the
-rule every one of them goes through. A value is allowed when it is
+Some spec fields name code to import: ``env.id`` (a verifiers Taskset), ``orchestrator.harness.id`` (a verifiers
+harness) and the ``import_path`` of every ``type = "custom"`` table (:class:`CustomCode`: losses, advantages). Each is
+declared by its type, ``Annotated[str, ImportPath(...)]``; :func:`import_paths` finds them in a spec and
+:func:`check_import_path` is the rule every one of them goes through. A value is allowed when it is
 
 - a built-in id of that field (``BUILTIN_ENVS``; verifiers' own harnesses),
 - the name of an entry point of the field's group (``asyncrl.environments``): a package the admin installed
@@ -39,7 +39,7 @@ BUILTIN_ENVS = {
 ENV_ENTRY_POINTS = "asyncrl.environments"
 """Entry point group of environments installed packages register: ``name = "package.module:attr"``."""
 PLUGIN_ENTRY_POINTS = "asyncrl.plugins"
-"""Entry point group of plugin functions (custom losses, advantages, gates) installed packages register."""
+"""Entry point group of plugin functions (custom losses and advantages) installed packages register."""
 SETTING = "ALLOWED_CODE_PACKAGES"
 """The server setting that lists the allowed top-level packages (named in refusals)."""
 
@@ -104,8 +104,8 @@ default ``null`` is always allowed (a server without verifiers installed still t
 
 
 PLUGIN = ImportPath("plugin function", entry_points=PLUGIN_ENTRY_POINTS)
-"""``import_path`` of a ``type = "custom"`` loss, advantage or gate: ``package.module:function``, or the name of an
-entry point of ``asyncrl.plugins``."""
+"""``import_path`` of a ``type = "custom"`` loss or advantage: ``package.module:function``, or the name of an entry
+point of ``asyncrl.plugins``."""
 
 
 class CustomCode(StrictModel):
@@ -147,7 +147,8 @@ def load_function(key: str, value: str, *, args: Sequence[str], kwargs: Mapping[
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - any failure of user code to import is the spec's error
-        raise SpecError(f"{key}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+        reason = " ".join(str(err).split())  # one line, whatever the module raised
+        raise SpecError(f"{key}: cannot import {module_name!r}: {type(err).__name__}: {reason}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise SpecError(f"{key}: module {module_name!r} has no attribute {attr!r}")
