@@ -40,8 +40,22 @@ LIVE_KEYS: dict[str, str] = {
     "orchestrator.max_tokens": "orchestrator",
     "orchestrator.max_off_policy_steps": "orchestrator",
     "orchestrator.eval.interval": "orchestrator",
+    "orchestrator.group_size": "orchestrator",
+    "orchestrator.batch_size": "orchestrator",
+    "trainer.loss.kl_tau": "trainer",
+    "trainer.loss.mask_low": "trainer",
+    "trainer.loss.mask_high": "trainer",
+    "trainer.loss.epsilon": "trainer",
+    "trainer.loss.band": "trainer",
 }
-"""Dotted spec key -> the process that applies it (at its next step boundary)."""
+"""Dotted spec key -> the process that applies it (at its next step boundary).
+
+Why each is safe to change between steps: the learning rate moves the schedule's base (:func:`set_base_lr`);
+sampling keys, ``group_size`` and ``batch_size`` apply to the rollouts requested from the next step on (the data
+cursor advances by the ``batch_size`` in effect, so a resume repeats no task: ``worker/orchestrator/data.py``); the
+loss's KL weight and mask bounds (``kl_tau``, ``mask_low``/``mask_high`` of ``dppo_kl``, ``epsilon`` of ``ipo``,
+``band`` of ``icepop``) are read by every step's loss. A loss key exists only for its loss type; on a run with
+another type it is refused naming ``trainer.loss.type``."""
 
 ENDED = ("completed", "failed", "cancelled")
 LIFECYCLE_EVENTS = ("starting", "running", *ENDED)
@@ -63,7 +77,8 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
         The changes with values as the schema normalises them (``"0.5"`` -> ``0.5``), in the given key order.
 
     Raises:
-        LiveConfigError: empty changes, or a key that is not live (the message lists the live keys).
+        LiveConfigError: empty changes, a key that is not live (the message lists the live keys), or a loss key of
+            another loss type than the run's.
         SpecError: a value the schema refuses; the message starts with the dotted key.
     """
     if not isinstance(changes, dict) or not changes:
@@ -78,15 +93,31 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
             )
         if isinstance(changes[key], bool):  # pydantic would read true as 1
             raise LiveConfigError(f"{key}: expected a number, got {changes[key]!r}")
-    resolved = validate_spec("rl", with_keys(spec, changes))
+    current = json.loads(validate_spec("rl", spec).model_dump_json())  # every table written out, loss type included
+    now = live_values(current)
+    for key in changes:
+        if now[key] is None:  # a field of another loss type (kl_tau on an ipo loss)
+            parent = key.rsplit(".", 1)[0]
+            raise LiveConfigError(
+                f"{key}: not a field of this run's {parent} (type {get_key(current, parent + '.type')!r}); the run's "
+                f"live keys: {', '.join(k for k in LIVE_KEYS if now[k] is not None)}"
+            )
+    resolved = validate_spec("rl", with_keys(current, changes))
     data = json.loads(resolved.model_dump_json())
     return {key: get_key(data, key) for key in changes}
 
 
 def live_values(spec: dict[str, Any]) -> dict[str, Any]:
-    """The current value of every live key in a resolved spec mapping (missing tables: the schema default)."""
+    """The current value of every live key in a resolved spec mapping (missing tables: the schema default); None for
+    a key the run's tables do not have (a loss key of another loss type)."""
     data = json.loads(validate_spec("rl", spec).model_dump_json())
-    return {key: get_key(data, key) for key in LIVE_KEYS}
+    values: dict[str, Any] = {}
+    for key in LIVE_KEYS:
+        try:
+            values[key] = get_key(data, key)
+        except KeyError:
+            values[key] = None
+    return values
 
 
 def read_revisions(run_dir: Path) -> list[dict[str, Any]]:

@@ -12,11 +12,11 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from server.models import TERMINAL, ConfigRevision, Run, RunStatus, stored_id
-from server.services import runs
+from server.services import capacity, runs
 from server.services.runs import InvalidTransition, RunNotFound
-from worker.dotted_keys import replay
+from worker.dotted_keys import replay, with_keys
 from worker.live_config import LIVE_KEYS, live_values, validate_changes
-from worker.spec import SpecError
+from worker.spec import SpecError, validate_spec
 
 
 class RunNotLive(InvalidTransition):
@@ -50,8 +50,9 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
     Raises:
         RunNotFound: no such run.
         RunNotLive: the run is completed, failed or cancelled.
-        SpecError: empty changes, a non-live key (the message lists the live keys) or a value the schema
-            refuses (the message starts with the dotted key).
+        SpecError: empty changes, a non-live key (the message lists the live keys), a value the schema
+            refuses (the message starts with the dotted key), or a ``batch_size``/``group_size`` whose step no
+            declared worker holds (``capacity.check_fits``).
     """
     run = runs.get(session, run_id, lock=True)
     status = RunStatus(run.status)
@@ -60,7 +61,10 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
             f"run {run_id} is {status.value}: config changes only while it is queued, starting, running or paused"
         )
     existing = revisions(session, run_id)
-    normalised = validate_changes(replay(run.spec, (rev.changes for rev in existing)), changes)
+    spec = replay(run.spec, (rev.changes for rev in existing))
+    normalised = validate_changes(spec, changes)
+    if {"orchestrator.batch_size", "orchestrator.group_size"} & set(normalised):  # a larger step must still fit
+        capacity.check_fits(session, validate_spec("rl", with_keys(spec, normalised)))
     number = (existing[-1].revision if existing else 0) + 1
     row = ConfigRevision(run_id=run_id, revision=number, changes=normalised, created_by=by)
     session.add(row)

@@ -46,6 +46,13 @@ def test_revisions_are_numbered_and_normalised_and_get_after_shows_the_rest(
         "orchestrator.max_tokens": 40,
         "orchestrator.max_off_policy_steps": 8,
         "orchestrator.eval.interval": 5,
+        "orchestrator.group_size": 8,
+        "orchestrator.batch_size": 8,
+        "trainer.loss.kl_tau": 1e-3,
+        "trainer.loss.mask_low": 0.2,
+        "trainer.loss.mask_high": 0.2,
+        "trainer.loss.epsilon": None,  # a field of the ipo loss: not in this (dppo_kl) run
+        "trainer.loss.band": None,
     }
     assert state["owners"] == LIVE_KEYS
     after = client.get(f"/api/runs/{run_id}/config", params={"after": 1}, headers=auth).json()
@@ -93,6 +100,17 @@ def test_concurrent_patches_get_distinct_numbers(live_server: str, auth: dict[st
         ),
         ({"orchestrator.max_tokens": True}, "orchestrator.max_tokens: expected a number, got True"),
         ({"orchestrator.eval.interval": -2}, "orchestrator.eval.interval: Input should be greater than or equal to 0"),
+        ({"orchestrator.group_size": 1}, "orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1"),
+        (  # a larger step must still fit the worker, as at submit
+            {"orchestrator.batch_size": 65536, "orchestrator.group_size": 1024},
+            "orchestrator.batch_size: 65536 (x group_size 1024 x inference.max_model_len 512 = 34359738368 rollout "
+            "tokens per step) exceeds the worker's capacity (",
+        ),
+        ({"trainer.loss.kl_tau": -1}, "trainer.loss.kl_tau: Input should be greater than or equal to 0, got -1"),
+        (
+            {"trainer.loss.epsilon": 0.1},
+            "trainer.loss.epsilon: not a field of this run's trainer.loss (type 'dppo_kl')",
+        ),
     ],
 )
 def test_bad_changes_are_422_naming_the_key_and_write_nothing(

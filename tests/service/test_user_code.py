@@ -1,7 +1,7 @@
 """Running user code is a permission: a spec submitted to the service names only allowed code and addresses.
 
 Every submit path (``POST /api/runs`` as JSON and as an upload, the dashboard's launch form, fork) refuses an
-``env.id``, ``orchestrator.harness.id`` or ``inference.url`` the service does not allow with a 422 naming the key,
+``env.id``, ``orchestrator.harness.id``, plugin ``import_path`` or ``inference.url`` the service does not allow with a 422 naming the key,
 storing nothing; a launch of a spec stored before the setting changed fails with that reason, starting nothing.
 """
 
@@ -55,6 +55,18 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
         pytest.param({"env": {"id": "subprocess:run"}}, refused_env("subprocess:run"), id="subprocess-run"),
         pytest.param({"env": {"id": "mypkg.envs:make"}}, refused_env("mypkg.envs:make"), id="package-not-allowed"),
         pytest.param({"env": {"id": "nope"}}, refused_env("nope"), id="unknown-name"),
+        pytest.param(
+            {"trainer": {"loss": {"type": "custom", "import_path": "os:system"}}},
+            "trainer.loss.import_path: 'os:system' is not allowed in a run submitted to the service; allowed: "
+            "package.module:attr from an allowed package (ALLOWED_CODE_PACKAGES: none)",
+            id="custom-loss",
+        ),
+        pytest.param(
+            {"orchestrator": {"advantage": {"type": "custom", "import_path": "mypkg.adv:rloo", "kwargs": {"k": 1}}}},
+            "orchestrator.advantage.import_path: 'mypkg.adv:rloo' is not allowed in a run submitted to the service; "
+            "allowed: package.module:attr from an allowed package (ALLOWED_CODE_PACKAGES: none)",
+            id="custom-advantage",
+        ),
         pytest.param(
             {"orchestrator": {"harness": {"id": "antigravity"}}},
             "orchestrator.harness.id: 'antigravity' is not allowed in a run submitted to the service; allowed: a "
@@ -133,6 +145,7 @@ def test_allowed_package_and_host_pass(client: Any, auth: dict[str, str], allow:
         {"inference": {"extra_args": ["-tp", "1", "--max-num-seqs=8", "--trust-remote-code"]}},
         {"launcher": {"slurm": {"extra_sbatch": ["--constraint=a100", "--hold"], "env": {"NCCL_DEBUG": "INFO"}}}},
         {"env": {"id": "mypkg.envs:make"}},
+        {"orchestrator": {"advantage": {"type": "custom", "import_path": "mypkg.adv:rloo"}}},
         {"env": {"id": "reverse_tool"}},
         {"orchestrator": {"harness": {"id": "bash"}}},
         {"inference": {"url": "http://127.0.0.1:8001"}},

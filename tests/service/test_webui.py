@@ -344,6 +344,10 @@ def test_run_page_figures_marks_rollouts_and_config_diff(web: tuple[Any, str], m
         r"<code>trainer.optim.lr</code></th><td class=\"old\">0.0001</td><td class=\"new\">5e-05</td>", resp.text
     ), resp.text
     assert client.get(f"/api/runs/{rid}/config", headers=auth).json()["revision"] == 0
+    # the form has the live keys of this run's loss (dppo_kl) only: no ipo epsilon, no icepop band
+    form = client.get(f"/runs/{rid}").text
+    assert 'id="live-trainer-loss-kl_tau"' in form and 'id="live-orchestrator-group_size"' in form, form
+    assert "live-trainer-loss-epsilon" not in form and "live-trainer-loss-band" not in form
     # a bad value: inline at its field
     resp = client.post(f"/runs/{rid}/config", data={"csrf": csrf, "orchestrator.max_tokens": "-3"})
     assert resp.status_code == 422

@@ -41,7 +41,8 @@ PROCESSES = ("inference", "trainer", "orchestrator")
 
 
 def preflight(spec: RLSpec) -> None:
-    """Check what the schema cannot: the model loads, the environment imports, prompts fit.
+    """Check what the schema cannot: the model loads, the environment imports, prompts fit, plugin functions
+    (``type = "custom"``) import and take their registry's arguments.
 
     Cheap (no weights loaded, no process started, nothing written); ``asyncrl rl --dry-run`` runs it too.
 
@@ -76,6 +77,14 @@ def preflight(spec: RLSpec) -> None:
             f"inference.max_model_len: {spec.inference.max_model_len} cannot hold a {longest}-token prompt plus "
             f"max_tokens {orch.max_tokens}; use at least {longest + orch.max_tokens}"
         )
+    if spec.trainer.loss.type == "custom":  # plugins: the function imports and takes the registry's arguments
+        from worker.trainer.loss import load_custom_loss
+
+        load_custom_loss(spec.trainer.loss)
+    if orch.advantage.type == "custom":
+        from worker.orchestrator.advantages.custom import load_custom_advantage
+
+        load_custom_advantage(orch.advantage)
 
 
 def check_run_dir(spec: RLSpec | SFTSpec, *, resume: bool = False, overwrite: bool = False) -> int | None:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.batch import TrainSample
-from worker.orchestrator.advantages import compute_advantages, is_zero_advantage
+from worker.orchestrator.advantages import is_zero_advantage
+from worker.orchestrator.branches import trace_advantages
 from worker.orchestrator.staleness import admitted, rollout_lag
 from worker.packing import completion_length
 from worker.spec import OrchestratorConfig
@@ -31,6 +32,8 @@ class Rollout:
     temperature: float
     completion_mask: list[int] | None = None
     """1 on model-sampled completion tokens, 0 on environment tokens (multi-turn); None: all sampled."""
+    trace: str | None = None
+    """The trace this rollout is a branch of (``worker/orchestrator/branches.py``); None: a trace of its own."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -73,7 +76,7 @@ def build_batch(
     for group_index, group in enumerate(groups):
         lags = [rollout_lag(step, r.policy_span) for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
-        result = compute_advantages(orch.advantage, [r.reward for r in group], lengths)
+        result = trace_advantages(orch.advantage, group, lengths)  # a forked trace counts once (C22)
         missing += result.reward_missing
         all_missing_groups += int(result.all_missing)
         for r, a in zip(group, result.advantages, strict=True):

@@ -20,7 +20,9 @@ message graph (`Trace.branches`, one per root-to-leaf path; one for a conversati
 becomes one rollout whose ids are the branch's token ids exactly as vLLM sampled them (no re-tokenization),
 the prompt being everything before the first model-sampled token; the loss mask is 1 only on model-sampled
 tokens (tool results and chat-template scaffold are 0) and the logprobs are vLLM's sampling logprobs there
-(0.0 elsewhere). The orchestrator's batcher then treats these rollouts like any other.
+(0.0 elsewhere). Branches that share a prefix are merged (``worker/orchestrator/branches.py``, case C22): a shared
+sampled token trains once, a branch that only extends another is one sample, and the batcher counts the trace once
+in its group's baseline.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import verifiers.v1 as vf
 
 from worker.envs import EnvTask, trace_reward
 from worker.orchestrator.batcher import Rollout
+from worker.orchestrator.branches import merge_branches
 from worker.orchestrator.harness_runtime import ensure_uv_on_path, lock_chat_program
 from worker.spec import HarnessConfig
 
@@ -126,7 +129,7 @@ def trace_to_rollouts(
                 completion_mask=[int(s) for s in sampled[start:]],
             )
         )
-    return rollouts
+    return merge_branches(rollouts, trace=str(trace.id))  # a shared prefix trains once (case C22)
 
 
 def _prompt_messages(branch: Any) -> int:

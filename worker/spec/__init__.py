@@ -33,6 +33,7 @@ from worker.spec.loading import (
 )
 from worker.spec.orchestrator import (
     AdvantageConfig,
+    CustomAdvantage,
     EvalConfig,
     GrpoAdvantage,
     HarnessConfig,
@@ -54,6 +55,7 @@ from worker.spec.strict import SpecError, StrictModel
 from worker.spec.trainer import (
     AipoLoss,
     CheckpointConfig,
+    CustomLoss,
     DppoKlLoss,
     IcePopLoss,
     IpoLoss,
@@ -72,6 +74,8 @@ __all__ = [
     "AdvantageConfig",
     "AipoLoss",
     "CheckpointConfig",
+    "CustomAdvantage",
+    "CustomLoss",
     "DppoKlLoss",
     "EnvConfig",
     "EvalConfig",

@@ -128,7 +128,7 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
 _VARIANT_TAGS = frozenset(
     str(cls.model_fields["type"].default)
     for cls in (DppoKlLoss, IpoLoss, IcePopLoss, AipoLoss, GrpoAdvantage, MaxRLAdvantage)
-)
+) | {"custom"}  # CustomLoss, CustomAdvantage
 """The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
 
 

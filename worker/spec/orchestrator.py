@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from worker.spec.strict import StrictModel
-from worker.spec.user_code import HARNESS_ID
+from worker.spec.user_code import HARNESS_ID, CustomCode
 
 
 class GrpoAdvantage(StrictModel):
@@ -33,6 +33,13 @@ class MaxRLAdvantage(StrictModel):
     term is in [-1, 1], so above 100 it is all the advantage)."""
 
 
+class CustomAdvantage(CustomCode):
+    """An advantage function of your own: ``fn(rewards, completion_lengths, **kwargs) -> advantages``
+    (``worker/orchestrator/advantages/custom.py``)."""
+
+    type: Literal["custom"] = "custom"
+
+
 def _advantage_type(value: Any) -> str:
     """The ``type`` of an ``[orchestrator.advantage]`` table; a table without one is GRPO's (the default)."""
     if isinstance(value, dict):
@@ -41,7 +48,9 @@ def _advantage_type(value: Any) -> str:
 
 
 AdvantageConfig = Annotated[
-    Annotated[GrpoAdvantage, Tag("grpo")] | Annotated[MaxRLAdvantage, Tag("maxrl")],
+    Annotated[GrpoAdvantage, Tag("grpo")]
+    | Annotated[MaxRLAdvantage, Tag("maxrl")]
+    | Annotated[CustomAdvantage, Tag("custom")],
     Discriminator(_advantage_type),
 ]
 """``[orchestrator.advantage]``: one config class per advantage type, chosen by ``type`` (default ``grpo``)."""

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from worker.spec.strict import StrictModel
+from worker.spec.user_code import CustomCode
 
 
 class OptimConfig(StrictModel):
@@ -94,7 +95,13 @@ class AipoLoss(_LossBase):
     """Truncation of the importance weight ``min(r, max_ratio)`` (> 1, at most ``MAX_RATIO``); nothing is masked."""
 
 
-LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss, Field(discriminator="type")]
+class CustomLoss(CustomCode):
+    """A loss function of your own: ``fn(inputs, **kwargs) -> LossOutputs`` (``worker/trainer/loss/__init__.py``)."""
+
+    type: Literal["custom"] = "custom"
+
+
+LossConfig = Annotated[DppoKlLoss | IpoLoss | IcePopLoss | AipoLoss | CustomLoss, Field(discriminator="type")]
 
 
 class WeightSyncConfig(StrictModel):

@@ -1,9 +1,9 @@
 """Code a spec names: which import paths a run submitted to the service may name (the one rule).
 
-Some spec fields name code to import: ``env.id`` (a verifiers Taskset) and ``orchestrator.harness.id`` (a verifiers
-harness) today, and every future ``import_path`` (custom losses, advantages, gates). Each is declared by its type,
-``Annotated[str, ImportPath(...)]``; :func:`import_paths` finds them in a spec and :func:`check_import_path` is the
-rule every one of them goes through. A value is allowed when it is
+Some spec fields name code to import: ``env.id`` (a verifiers Taskset), ``orchestrator.harness.id`` (a verifiers
+harness) and the ``import_path`` of every ``type = "custom"`` table (:class:`CustomCode`: losses, advantages). Each is
+declared by its type, ``Annotated[str, ImportPath(...)]``; :func:`import_paths` finds them in a spec and
+:func:`check_import_path` is the rule every one of them goes through. A value is allowed when it is
 
 - a built-in id of that field (``BUILTIN_ENVS``; verifiers' own harnesses),
 - the name of an entry point of the field's group (``asyncrl.environments``): a package the admin installed
@@ -17,15 +17,17 @@ built-in tables imports nothing (``importlib.metadata`` only), so the server che
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import inspect
 import re
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, field_validator
 
-from worker.spec.strict import SpecError
+from worker.spec.strict import SpecError, StrictModel
 
 BUILTIN_ENVS = {
     "arithmetic": "worker.envs.arithmetic:ArithmeticTaskset",
@@ -36,6 +38,8 @@ BUILTIN_ENVS = {
 """Built-in environment ids and the Taskset class each names (``module:attr``)."""
 ENV_ENTRY_POINTS = "asyncrl.environments"
 """Entry point group of environments installed packages register: ``name = "package.module:attr"``."""
+PLUGIN_ENTRY_POINTS = "asyncrl.plugins"
+"""Entry point group of plugin functions (custom losses and advantages) installed packages register."""
 SETTING = "ALLOWED_CODE_PACKAGES"
 """The server setting that lists the allowed top-level packages (named in refusals)."""
 
@@ -97,6 +101,73 @@ ENV_ID = ImportPath("environment", builtins=lambda: BUILTIN_ENVS, entry_points=E
 HARNESS_ID = ImportPath("harness", builtins=lambda: {"null", *verifiers_harnesses()}, form="module")
 """``orchestrator.harness.id``: verifiers imports ``verifiers.v1.harnesses.<id>``, else the module ``<id>``. The
 default ``null`` is always allowed (a server without verifiers installed still takes default specs)."""
+
+
+PLUGIN = ImportPath("plugin function", entry_points=PLUGIN_ENTRY_POINTS)
+"""``import_path`` of a ``type = "custom"`` loss or advantage: ``package.module:function``, or the name of an entry
+point of ``asyncrl.plugins``."""
+
+
+class CustomCode(StrictModel):
+    """The fields of every ``type = "custom"`` table: the function to call and its keyword arguments.
+
+    What the function must accept is its registry's (``worker/trainer/loss/__init__.py``,
+    ``worker/orchestrator/advantages/__init__.py``); :func:`load_function` checks it at launch and in
+    ``asyncrl rl --dry-run``, the service checks the path at submit (:func:`check_spec_code`)."""
+
+    import_path: Annotated[str, PLUGIN] = Field(min_length=1)
+    """``package.module:function`` (or an ``asyncrl.plugins`` entry point name); at the service only code of an
+    allowed package (``ALLOWED_CODE_PACKAGES``)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the function on every call (a TOML table)."""
+
+    @field_validator("import_path")
+    @classmethod
+    def _form(cls, v: str) -> str:
+        if PLUGIN.package(v) is None and v not in PLUGIN.registered():
+            raise ValueError(f"expected package.module:function, got {v!r}")
+        return v
+
+
+def load_function(key: str, value: str, *, args: Sequence[str], kwargs: Mapping[str, Any]) -> Callable[..., Any]:
+    """Import the plugin function ``value`` of the dotted spec ``key`` and check that it takes the positional
+    arguments ``args`` (names, for messages) plus ``kwargs``. Imports user code: call it at launch, never at submit.
+
+    Returns:
+        The function.
+
+    Raises:
+        SpecError: one line naming ``key``: the module does not import, it has no such attribute, the attribute is
+            not callable, or its parameters do not take ``args`` and ``kwargs``
+            (``trainer.loss.import_path: pkg.mod:fn(x) cannot be called as fn(inputs, scale=...): got an unexpected
+            keyword argument 'scale'``).
+    """
+    target = PLUGIN.registered().get(value, value)
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any failure of user code to import is the spec's error
+        reason = " ".join(str(err).split())  # one line, whatever the module raised
+        raise SpecError(f"{key}: cannot import {module_name!r}: {type(err).__name__}: {reason}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise SpecError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise SpecError(f"{key}: {target} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: trusted as called
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        call = ", ".join([*args, *(f"{k}=..." for k in kwargs)])
+        bare = signature.replace(  # parameters as written, without annotations: short and one line
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        raise SpecError(f"{key}: {target}{bare} cannot be called as {attr}({call}): {err}") from None
+    return fn
 
 
 def check_import_path(key: str, value: str, allowed: Collection[str], kind: ImportPath | None = None) -> None:

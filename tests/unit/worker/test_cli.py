@@ -281,6 +281,43 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["eval", "--model", "{truncated}"],
         "re:error: --model: {truncated}: weights file model\\.safetensors does not load \\(SafetensorError: .*\\)",
     ),
+    # plugins (type = "custom"): the function's import and signature are checked by the launch's preflight
+    "rl-dry-run-custom-loss-does-not-import": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--trainer.loss.type",
+            "custom",
+            "--trainer.loss.import_path",
+            "no_such_pkg.losses:mine",
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "error: trainer.loss.import_path: cannot import 'no_such_pkg.losses': ModuleNotFoundError: No module named "
+        "'no_such_pkg'",
+    ),
+    "rl-custom-advantage-wrong-signature": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--orchestrator.advantage.type",
+            "custom",
+            "--orchestrator.advantage.import_path",
+            "json:loads",
+            "--output_dir",
+            "{out}",
+        ],
+        "error: orchestrator.advantage.import_path: json:loads(s, *, cls=None, object_hook=None, parse_float=None, "
+        "parse_int=None, parse_constant=None, object_pairs_hook=None, **kw) cannot be called as loads(rewards, "
+        "completion_lengths): too many positional arguments",
+    ),
     # environment and lengths
     "rl-dry-run-env-does-not-import": (
         [

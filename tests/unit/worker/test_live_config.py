@@ -197,3 +197,99 @@ def test_imports_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# ----------------------------------------------------------------------------- keys grown by issue 17 (item 7)
+
+IPO = {"trainer": {"loss": {"type": "ipo"}}}
+ICEPOP = {"trainer": {"loss": {"type": "icepop"}}}
+
+
+@pytest.mark.parametrize(
+    ("key", "tables", "good", "read", "bad", "error"),
+    [
+        (
+            "orchestrator.group_size",
+            {},
+            "4",
+            lambda s: s.orchestrator.group_size,
+            "1",
+            "orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1",
+        ),
+        (
+            "orchestrator.batch_size",
+            {},
+            "16",
+            lambda s: s.orchestrator.batch_size,
+            "0",
+            "orchestrator.batch_size: Input should be greater than or equal to 1, got 0",
+        ),
+        (
+            "trainer.loss.kl_tau",
+            {},
+            "0.01",
+            lambda s: s.trainer.loss.kl_tau,
+            "-1",
+            "trainer.loss.kl_tau: Input should be greater than or equal to 0, got -1",
+        ),
+        (
+            "trainer.loss.mask_low",
+            {},
+            "0.1",
+            lambda s: s.trainer.loss.mask_low,
+            "0",
+            "trainer.loss.mask_low: Input should be greater than 0, got 0",
+        ),
+        (
+            "trainer.loss.mask_high",
+            {},
+            "0.3",
+            lambda s: s.trainer.loss.mask_high,
+            "1.5",
+            "trainer.loss.mask_high: Input should be less than or equal to 1, got 1.5",
+        ),
+        (
+            "trainer.loss.epsilon",
+            IPO,
+            "0.1",
+            lambda s: s.trainer.loss.epsilon,
+            "2",
+            "trainer.loss.epsilon: Input should be less than or equal to 1, got 2",
+        ),
+        (
+            "trainer.loss.band",
+            ICEPOP,
+            "[0.4, 6]",
+            lambda s: list(s.trainer.loss.band),
+            "[1.5, 5]",
+            "trainer.loss.band: expected [low, high] with 0 < low < 1 < high, got [1.5, 5]",
+        ),
+    ],
+)
+def test_issue17_live_key_is_validated_and_applied_at_the_step_boundary(
+    tmp_path: Path, key: str, tables: dict[str, object], good: str, read: object, bad: str, error: str
+) -> None:
+    run_dir, spec = make_run_dir(tmp_path, **tables)
+    with pytest.raises(SpecError) as err:  # the bad value: one line naming the key, nothing written
+        set_local(run_dir, [f"{key}={bad}"])
+    assert str(err.value) == error
+    assert read_revisions(run_dir) == []
+    process = "orchestrator" if key.startswith("orchestrator") else "trainer"
+    live = LiveConfig(run_dir, process)
+    assert live.apply(spec, 2) == (spec, {})  # step 2 runs with the old value
+    written = set_local(run_dir, [f"{key}={good}"])
+    value = json.loads(json.dumps(written["changes"][key]))
+    new, changed = live.apply(spec, 3)  # the next step boundary: in effect from step 3, acked there
+    assert changed == {key: value} and read(new) == value and read(spec) != value  # type: ignore[operator]
+    assert acks(run_dir) == [(1, process, 3)]
+
+
+def test_a_loss_key_of_another_loss_type_is_refused_naming_the_run_type(tmp_path: Path) -> None:
+    run_dir, _ = make_run_dir(tmp_path, **IPO)
+    with pytest.raises(SpecError) as err:
+        set_local(run_dir, ["trainer.loss.kl_tau=0.1"])
+    assert str(err.value).startswith(
+        "trainer.loss.kl_tau: not a field of this run's trainer.loss (type 'ipo'); the run's live keys: "
+        "trainer.optim.lr, orchestrator.temperature,"
+    )
+    assert "trainer.loss.epsilon" in str(err.value) and "trainer.loss.mask_low" not in str(err.value)

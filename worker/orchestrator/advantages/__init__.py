@@ -8,6 +8,7 @@ fields and bounds are checked there and only there.
 |-------|------------------------------------------------------------|-----------------|----------|
 | grpo  | R_i - mean R (optionally / max(std R, std_floor))          | GrpoAdvantage   | grpo.py  |
 | maxrl | (R_i - mean R) / mean R                                     | MaxRLAdvantage  | maxrl.py |
+| custom | your ``import_path`` function of the present rewards (a plugin) | CustomAdvantage | custom.py |
 
 Both take ``length_penalty`` (a centred length term, see ``grpo``). Missing rewards (``None``,
 non-finite) are excluded from the statistics and get advantage ``None``; a group with no reward at
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from worker.orchestrator.advantages.custom import custom
 from worker.orchestrator.advantages.group import AdvantageResult
 from worker.orchestrator.advantages.grpo import grpo
 from worker.orchestrator.advantages.maxrl import maxrl
@@ -29,6 +31,7 @@ AdvantageFn = Callable[[Sequence[float | None], Sequence[int], Any], AdvantageRe
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": grpo,
     "maxrl": maxrl,
+    "custom": custom,
 }
 """Advantage functions keyed by the spec's ``orchestrator.advantage.type``."""
 

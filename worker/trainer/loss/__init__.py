@@ -9,8 +9,18 @@ per-token ``[seq]`` tensors; its keyword parameters are the spec's ``trainer.los
 - ``ipo``: epsilon=0.2. Masks a token once ``abs(p_train - p_infer) > epsilon``, whatever the advantage.
 - ``icepop``: band=(0.5, 5.0). Masks a token whose ratio ``r = pi_train / pi_infer`` leaves the band.
 - ``aipo``: max_ratio=2.0. Masks nothing; weights each token by the detached ``min(r, max_ratio)``.
+- ``custom``: import_path="package.module:function", kwargs={...}. Your own loss (a plugin), called as
+  ``function(inputs, **kwargs)``:
 
-All take ``ratio_level="token"`` (one ratio per token) or ``"sequence"`` (one per sample, GSPO).
+      def function(inputs: LossInputs, *, <your kwargs>) -> LossOutputs
+
+  with ``inputs`` and the result following ``conventions`` (one sample's ``[seq]`` tensors; the loss a SUM over
+  kept tokens, metrics detached SUMs over loss tokens). Metrics it leaves out of the standard set
+  (``loss_tokens``, ``mismatch_kl``, ``is_ratio``, ``masked``, ``masked_low``, ``masked_high``) are filled in
+  as for a loss that masks nothing. The signature is checked at launch and by ``asyncrl rl --dry-run``
+  (:func:`load_custom_loss`); at the service the path must be allowed (``worker/spec/user_code.py``).
+
+The built-ins take ``ratio_level="token"`` (one ratio per token) or ``"sequence"`` (one per sample, GSPO).
 ``loss`` is a SUM over kept tokens and each metric a SUM over loss tokens: the caller sums over the
 samples of a step and divides by the global loss-token count. Conventions, masking and the
 sequence-level ratio are described in ``conventions``; the log-probabilities a loss receives come
@@ -19,11 +29,16 @@ from ``worker/trainer/logprobs.py``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from worker.spec import CustomLoss
+from worker.spec.user_code import load_function
 from worker.trainer.loss.aipo import aipo
-from worker.trainer.loss.conventions import LossInputs, LossOutputs
+from worker.trainer.loss.conventions import LossInputs, LossOutputs, base_metrics, prepare
 from worker.trainer.loss.dppo_kl import dppo_kl
 from worker.trainer.loss.icepop import icepop
 from worker.trainer.loss.ipo import ipo
@@ -39,13 +54,39 @@ LOSSES: dict[str, LossFn] = {
 """Loss functions keyed by the spec's ``trainer.loss.type``."""
 
 DEFAULT_LOSS = "dppo_kl"
+CUSTOM_LOSS_ARGS = ("inputs",)
+"""The positional arguments a custom loss takes (then its ``kwargs``)."""
+
+
+def load_custom_loss(config: CustomLoss) -> LossFn:
+    """The function of a ``trainer.loss`` with ``type = "custom"``, its signature checked.
+
+    Raises:
+        SpecError: one line naming ``trainer.loss.import_path`` (does not import, not callable, does not take
+            ``(inputs, **kwargs)``).
+    """
+    return _load_custom(config.import_path, tuple(sorted(config.kwargs)))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_custom(import_path: str, kwarg_names: tuple[str, ...]) -> LossFn:
+    kwargs = dict.fromkeys(kwarg_names)
+    return load_function("trainer.loss.import_path", import_path, args=CUSTOM_LOSS_ARGS, kwargs=kwargs)
+
+
+def _custom_loss(inputs: LossInputs, import_path: str, kwargs: dict[str, Any]) -> LossOutputs:
+    """Run a custom loss and fill in the standard metrics it does not report (as for a loss that masks nothing)."""
+    out = _load_custom(import_path, tuple(sorted(kwargs)))(inputs, **kwargs)
+    p = prepare(inputs, "token")
+    none = torch.zeros_like(p.mask)
+    return LossOutputs(loss=out.loss, metrics={**base_metrics(p, p.mask, none, none), **out.metrics})
 
 
 def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOutputs:
     """Run the loss named ``type`` on one sample.
 
     Args:
-        type: a key of ``LOSSES`` (the spec's ``trainer.loss.type``).
+        type: a key of ``LOSSES`` or ``"custom"`` (the spec's ``trainer.loss.type``).
         inputs: the sample's ``[seq]`` tensors.
         **params: the loss's keyword parameters (the other ``trainer.loss`` fields).
 
@@ -53,12 +94,15 @@ def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOut
         ``LossOutputs``: summed loss and summed metrics of the sample.
 
     Raises:
+        SpecError: ``type = "custom"`` whose function does not load (see :func:`load_custom_loss`).
         ValueError: unknown ``type`` or an unknown parameter, naming the ``trainer.loss`` field. Parameter
             values are not checked here: the spec validates them (``worker/spec/trainer.py``).
     """
+    if type == "custom":
+        return _custom_loss(inputs, params["import_path"], params.get("kwargs", {}))
     fn = LOSSES.get(type)
     if fn is None:
-        raise ValueError(f"trainer.loss.type: expected one of {sorted(LOSSES)}, got {type!r}")
+        raise ValueError(f"trainer.loss.type: expected one of {sorted([*LOSSES, 'custom'])}, got {type!r}")
     allowed = sorted(fn.__kwdefaults__ or {})
     unknown = sorted(set(params) - set(allowed))
     if unknown:
@@ -73,6 +117,7 @@ __all__ = [
     "LossOutputs",
     "aipo",
     "compute_sample_loss",
+    "load_custom_loss",
     "dppo_kl",
     "icepop",
     "ipo",

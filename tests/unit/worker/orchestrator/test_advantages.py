@@ -141,14 +141,14 @@ def test_maxrl_rejects_negative_rewards():
 
 
 def test_registry_and_spec_tables():
-    assert set(ADVANTAGES) == {"grpo", "maxrl"}
+    assert set(ADVANTAGES) == {"grpo", "maxrl", "custom"}  # custom: tests/unit/worker/test_plugins.py
     spec = validate_spec("rl", {"model": {"name": "m"}})
     assert spec.orchestrator.advantage == GrpoAdvantage()  # no [orchestrator.advantage] table: GRPO
     tables = {
         "grpo": {"std_normalize": False, "std_floor": 1e-2, "length_penalty": 0.0},
         "maxrl": {"length_penalty": 0.0},
     }
-    for kind in ADVANTAGES:
+    for kind in tables:
         assert score(kind, [0.0, 1.0], [1, 1], **tables[kind]).advantages[1] > 0
     config = OrchestratorConfig.model_validate({"advantage": {"type": "maxrl", "length_penalty": 0.5}}).advantage
     assert config == MaxRLAdvantage(length_penalty=0.5)
@@ -157,7 +157,7 @@ def test_registry_and_spec_tables():
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        ({"type": "ppo"}, "orchestrator.advantage.type: expected one of 'grpo', 'maxrl', got 'ppo'"),
+        ({"type": "ppo"}, "orchestrator.advantage.type: expected one of 'grpo', 'maxrl', 'custom', got 'ppo'"),
         ({"std_floor": 0.0}, "orchestrator.advantage.std_floor: Input should be greater than 0, got 0.0"),
         (
             {"length_penalty": -0.1},

@@ -100,13 +100,38 @@ def test_branches_each_become_a_rollout_and_batch_like_any_other() -> None:
     ]
     other = tool_trace("")
     group = rollouts + trace_to_rollouts(other, task_key=TASK.key, temperature=1.0, policy_span=(0, 1))
-    samples, metrics = build_batch(1, [group], OrchestratorConfig(group_size=3))
-    assert len(samples) == 3 and metrics["reward_mean"] == pytest.approx(2 / 3)
+    samples, metrics = build_batch(1, [group], OrchestratorConfig(group_size=2))
+    assert len(samples) == 3 and metrics["reward_mean"] == pytest.approx(2 / 3)  # over rollout records
     first = samples[0]
     assert first["input_ids"] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert first["loss_mask"] == [0] * 5 + [1, 1, 1, 0, 0, 0, 1, 1]
     assert first["sampling_logprobs"] == [0.0] * 5 + [-0.1, -0.2, -0.3, 0.0, 0.0, 0.0, -0.4, -0.5]
-    assert [s["advantage"] for s in samples] == pytest.approx([1 / 3, 1 / 3, -2 / 3])
+    # the branches share no sampled token (the fork is before the first model turn): both train in full, and the
+    # trace counts once in the baseline: mean of the traces' rewards [1, 0] = 0.5 (case C22)
+    assert [s["advantage"] for s in samples] == pytest.approx([0.5, 0.5, -0.5])
+
+
+def test_c22_a_shared_sampled_tool_call_trains_once_and_the_trace_counts_once() -> None:
+    trace = tool_trace(TASK.data.answer)
+    # verifiers forks after the sampled tool-call node (node 2: ids 5, 6 7 8 sampled): a second tool result and a
+    # second answer hang from it, so both root-to-leaf branches hold the call's sampled tokens 6 7 8
+    trace.nodes.append(node(2, vf.ToolMessage(content=TASK.data.answer, tool_call_id="c0"), [30, 31]))
+    trace.nodes.append(node(5, vf.AssistantMessage(content="y"), [32, 33], sampled=1, logprobs=[-0.7]))
+    rollouts = trace_to_rollouts(trace, task_key=TASK.key, temperature=1.0, policy_span=(0, 1))
+    assert [(r.prompt_ids, r.completion_ids, r.completion_mask) for r in rollouts] == [
+        ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [1, 1, 1, 0, 0, 0, 1, 1]),
+        ([1, 2, 3, 4, 5], [6, 7, 8, 30, 31, 32, 33], [0, 0, 0, 0, 0, 0, 1]),  # 6 7 8: context here, trained above
+    ]
+    other = tool_trace("")  # reward 0
+    group = rollouts + trace_to_rollouts(other, task_key=TASK.key, temperature=1.0, policy_span=(0, 1))
+    assert [r.reward for r in group] == [1.0, 1.0, 0.0]
+    samples, _ = build_batch(1, [group], OrchestratorConfig(group_size=2))
+    # GRPO over the two traces: mean(1, 0) = 0.5 -> +0.5 for both branches of the forked trace, -0.5 for the other
+    # (per branch it would be mean(1, 1, 0) = 2/3 -> [1/3, 1/3, -2/3])
+    assert [s["advantage"] for s in samples] == pytest.approx([0.5, 0.5, -0.5])
+    # loss weight of the call's sampled tokens (positions 5, 6, 7 of the forked trace's samples): once in total
+    forked = samples[:2]
+    assert [sum(s["loss_mask"][i] for s in forked) for i in (5, 6, 7)] == [1, 1, 1]
 
 
 def test_branch_with_no_sampled_tokens_gives_no_rollout() -> None:

@@ -335,7 +335,7 @@ def test_bad_parameters_are_refused_by_the_spec(name, params, message):
     ("name", "params", "message"),
     [
         ("ipo", {"band": (0.5, 5)}, "trainer.loss.band: not a parameter of loss 'ipo'"),
-        ("ppo", {}, "trainer.loss.type: expected one of ['aipo', 'dppo_kl', 'icepop', 'ipo'], got 'ppo'"),
+        ("ppo", {}, "trainer.loss.type: expected one of ['aipo', 'custom', 'dppo_kl', 'icepop', 'ipo'], got 'ppo'"),
     ],
 )
 def test_registry_names_the_spec_field(name, params, message):

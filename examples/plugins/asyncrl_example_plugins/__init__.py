@@ -1,0 +1,1 @@
+"""Example asyncrl plugins (README, "Plugins"): ``advantages.leave_one_out`` and ``losses.reinforce``."""
