@@ -36,8 +36,10 @@ from worker.spec.orchestrator import (
     EvalConfig,
     GrpoAdvantage,
     HarnessConfig,
+    HierarchicalGrpoAdvantage,
     MaxRLAdvantage,
     OrchestratorConfig,
+    RaeAdvantage,
 )
 from worker.spec.runs import (
     MAX_STEPS,
@@ -77,6 +79,7 @@ __all__ = [
     "EvalConfig",
     "GrpoAdvantage",
     "HarnessConfig",
+    "HierarchicalGrpoAdvantage",
     "IcePopLoss",
     "InferenceConfig",
     "IpoLoss",
@@ -88,6 +91,7 @@ __all__ = [
     "OptimConfig",
     "OrchestratorConfig",
     "RLSpec",
+    "RaeAdvantage",
     "SFTDataConfig",
     "SFTSpec",
     "SchedulerConfig",
