@@ -42,10 +42,10 @@ PROPOSER, SOLVER = "proposer", "solver"
 """The two roles (``Rollout.role``)."""
 ANSWER_TAG = "word"
 PROPOSER_SYSTEM_PROMPT = (
-    "You set a puzzle for other players: write one word of {low}-{high} lowercase letters (a-z) inside <word></word>. "
-    "They must reverse it. You score most when about half of them succeed."
+    "Write one word of {low}-{high} lowercase letters a-z in <word></word> for others to reverse; "
+    "you score most if half of them succeed."
 )
-PROPOSER_PROMPT = "Propose a word of {low}-{high} lowercase letters, for example <word>{example}</word>."
+PROPOSER_PROMPT = "Propose a word, e.g. <word>{example}</word>."
 _MAX_REDRAWS = 1000
 
 
@@ -80,6 +80,8 @@ class SelfPlayData(vf.TaskData):
     max_letters: int
     num_solvers: int
     """Solver rollouts per episode."""
+    solver_system_message: bool
+    """Whether the solvers' task has the system message ``"Reverse the text."``."""
 
 
 class SelfPlayTask(SingleTurnTask[SelfPlayData]):
@@ -99,7 +101,7 @@ class SelfPlayTask(SingleTurnTask[SelfPlayData]):
         data = ReverseTextData(
             id=f"{self.key}/{SOLVER}/{word}",
             prompt=word,
-            system_prompt=SOLVER_SYSTEM_PROMPT,
+            system_prompt=SOLVER_SYSTEM_PROMPT if self.data.solver_system_message else None,
             text=word,
             answer=word[::-1],
         )
@@ -119,6 +121,10 @@ class SelfPlayConfig(SplitConfig):
     """Solver rollouts per episode (each episode: 1 proposer + this many solvers)."""
     num_eval: int = Field(100, ge=1)
     """Number of eval tasks."""
+    system_message: bool = True
+    """Send each role's instruction as a system message; False leaves the solver's word alone in its prompt (as
+    ``reverse_text`` with ``system_message = false``, which the shipped SFT warm-up trains on) and puts the
+    proposer's instruction before its user prompt."""
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SelfPlayConfig:
@@ -139,15 +145,18 @@ class SelfPlayTaskset(SplitTaskset[SelfPlayTask, SelfPlayConfig]):
                 raise ValueError(f"self_play: no train word outside the eval set in {_MAX_REDRAWS} draws")
             word = found
         c = self.config
+        instruction = PROPOSER_SYSTEM_PROMPT.format(low=c.min_letters, high=c.max_letters)
+        prompt = PROPOSER_PROMPT.format(example=word)
         data = SelfPlayData(
             id=f"{split}/{c.seed}/{index}",
-            prompt=PROPOSER_PROMPT.format(low=c.min_letters, high=c.max_letters, example=word),
-            system_prompt=PROPOSER_SYSTEM_PROMPT.format(low=c.min_letters, high=c.max_letters),
+            prompt=prompt if c.system_message else f"{instruction} {prompt}",
+            system_prompt=instruction if c.system_message else None,
             example=word,
             answer=f"<{ANSWER_TAG}>{word}</{ANSWER_TAG}>",
             min_letters=c.min_letters,
             max_letters=c.max_letters,
             num_solvers=c.num_solvers,
+            solver_system_message=c.system_message,
         )
         return SelfPlayTask(data, self.config.task)
 

@@ -80,6 +80,12 @@ def test_tasks_are_stable_and_bounded() -> None:
     custom = load_environment("self_play", split="eval", seed=0, min_letters=5, max_letters=5, num_solvers=2)
     assert len(custom.task(0).data.example) == 5 and custom.task(0).num_solvers == 2
     assert custom.task(0).proposal("<word>abcd</word>") is None
+    # system_message = false (the shipped reverse_text RL config's arg): the solver sees its word alone
+    bare = load_environment("self_play", split="eval", seed=0, system_message=False)
+    messages = bare.prompt_messages(bare.task(0))
+    assert len(messages) == 1 and messages[0]["content"].startswith("Write one word of 3-8 lowercase letters")
+    solver = bare.task(0).solver_task("abc")
+    assert bare.prompt_messages(solver) == [{"role": "user", "content": "abc"}]
 
 
 def test_bad_env_args_name_the_field() -> None:

@@ -232,3 +232,23 @@ def test_bad_parameters_name_the_spec_field(table, message):
     with pytest.raises(SpecError) as err:
         validate_spec("rl", {"model": {"name": "m"}, "orchestrator": {"group_size": 2, "advantage": table}})
     assert str(err.value) == message
+
+
+def test_orchestrator_checkpoint_part_holds_the_rae_baselines(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from worker.orchestrator.data import TaskSampler
+    from worker.orchestrator.orchestrator import Orchestrator
+    from worker.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    sampler = TaskSampler(None, seed=0)
+    sampler.take(1, 2)
+    rae = advantage_of({"type": "rae", "decay": 0.5})
+    rae.score(Group([1.0, 0.0], [1, 1], [P, S]))  # b_P = 0.5, b_S = 0
+    Orchestrator.save_state(SimpleNamespace(run=run, sampler=sampler, advantage=rae), 1)  # reads these only
+    part = run.checkpoint_dir(1) / "orchestrator"
+    assert json.loads((part / "state.json").read_text())["data_cursor"] == 2
+    resumed = advantage_of({"type": "rae", "decay": 0.5})
+    restore_state(resumed, part)  # what Orchestrator.__init__ does with the part of the step it resumes from
+    assert resumed.state() == {"type": "rae", "baselines": {"self_play": {P: 0.5, S: 0.0}}}
