@@ -20,7 +20,8 @@ Self-Evolving Reasoning LLM from Zero Data", arXiv:2508.05004, section 3.2), gat
 None when no solver reward is present). The proposer task's own ``@vf.reward`` is the validity v (what scoring its
 trace alone can know); the episode replaces it by R_P once the solvers are scored.
 
-Tasks are a function of ``(seed, split, index)``; the fallback word of a train task is never an eval task's.
+Tasks are a function of ``(seed, split, index)``; the fallback word of a train task is never an eval task's. An eval
+of this environment runs whole episodes too: its ``reward_mean`` averages the proposers' and the solvers' rewards.
 """
 
 from __future__ import annotations
