@@ -32,7 +32,7 @@ STEPS = 3
 DECAY = 0.8
 
 
-def self_play_spec(server: Any, out: Path, name: str, advantage: dict[str, Any]) -> RLSpec:
+def self_play_spec(server: Any, out: Path, name: str, advantage: dict[str, Any], max_steps: int = STEPS) -> RLSpec:
     data = load_spec_data(
         [CONFIG],
         [
@@ -40,7 +40,7 @@ def self_play_spec(server: Any, out: Path, name: str, advantage: dict[str, Any])
             ("inference.url", server.url),
             ("output_dir", str(out)),
             ("name", name),
-            ("max_steps", str(STEPS)),
+            ("max_steps", str(max_steps)),
             ("orchestrator.batch_size", "2"),
             ("orchestrator.group_size", "2"),
             ("orchestrator.max_tokens", "12"),
@@ -153,6 +153,27 @@ def test_rae_advantages_replay_and_baselines_are_in_the_checkpoint(rae_run: RunD
     assert set(state["baselines"]["self_play"]) == {PROPOSER, SOLVER}
     assert state["baselines"]["self_play"] == {k: pytest.approx(v, abs=1e-9) for k, v in baselines.items()}
     assert (rae_run.checkpoint_dir(STEPS) / "orchestrator" / "state.json").is_file()  # next to the data cursor
+
+
+def test_rae_resume_restores_the_baselines(rae_run: RunDir, vllm_server: Any) -> None:
+    """Resume the finished run to one more step: step 4's advantages continue the replay from step 3's baselines
+    (restored from ``advantage_state.json``; baselines restarted at 0 would give other advantages)."""
+    spec = self_play_spec(
+        vllm_server, rae_run.root.parent, "self-play-rae", {"type": "rae", "decay": DECAY}, max_steps=STEPS + 1
+    )
+    summary = launch_rl(spec, resume=True, quiet=True)
+    assert summary["status"] == "completed", summary
+    assert [r["step"] for r in by_source(rae_run, "trainer")] == list(range(1, STEPS + 2))
+    state = json.loads((rae_run.checkpoint_dir(STEPS) / "orchestrator" / STATE_FILE).read_text())
+    baselines = dict(state["baselines"]["self_play"])
+    rows = rollouts_of(rae_run, STEPS + 1)
+    assert len(rows) == 16
+    for r in rows:
+        if r["reward"] is None:
+            continue
+        b = baselines[r["role"]] = DECAY * baselines[r["role"]] + (1 - DECAY) * r["reward"]
+        assert r["advantage"] == pytest.approx(r["reward"] - b, abs=1e-9)
+    assert state["baselines"]["self_play"][SOLVER] > 0  # so a reset to 0 would have given other solver advantages
 
 
 def test_hierarchical_run_scores_solvers_within_episodes_and_proposers_across(
