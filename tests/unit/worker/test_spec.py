@@ -531,6 +531,10 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
                         {"type": st.just("grpo"), "std_normalize": st.booleans(), "length_penalty": _unit}
                     )
                     | st.fixed_dictionaries({"type": st.just("maxrl"), "length_penalty": _unit})
+                    | st.fixed_dictionaries({"type": st.just("rae"), "decay": st.floats(0.01, 0.99)})
+                    | st.fixed_dictionaries(
+                        {"type": st.just("hierarchical_grpo"), "episode_agents": st.just(["solver"])}
+                    )
                 ),
                 "eval": {
                     "interval": draw(st.integers(0, 100)),
