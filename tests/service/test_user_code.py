@@ -17,7 +17,7 @@ from tests.service.test_lifecycle import checkpoint
 from tests.support.server import new_token, spec
 from tests.support.webui import login
 
-BUILTINS = "arithmetic, reverse_text, reverse_tool, reverse_twice"
+BUILTINS = "arithmetic, reverse_text, reverse_tool, reverse_twice, self_play"
 
 
 def refused_env(value: str, allowed: str = "none") -> str:

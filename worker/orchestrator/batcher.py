@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.batch import TrainSample
-from worker.orchestrator.advantages import is_zero_advantage
+from worker.orchestrator.advantages import Advantage, is_zero_advantage, make_advantage
 from worker.orchestrator.branches import trace_advantages
 from worker.orchestrator.staleness import admitted, rollout_lag
 from worker.packing import completion_length
@@ -34,6 +34,10 @@ class Rollout:
     """1 on model-sampled completion tokens, 0 on environment tokens (multi-turn); None: all sampled."""
     trace: str | None = None
     """The trace this rollout is a branch of (``worker/orchestrator/branches.py``); None: a trace of its own."""
+    role: str | None = None
+    """The role that sampled it in a multi-role task (``"proposer"``, ``"solver"``: ``worker.envs.self_play``)."""
+    episode: int | None = None
+    """Its episode in the group (a proposal and the solver attempts at it); None for single-role tasks."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -51,11 +55,12 @@ class Rollout:
             "temperature": self.temperature,
             "completion_len": sum(self.loss_mask),
             "finish_reason": self.finish_reason,
+            **({"role": self.role, "episode": self.episode} if self.role is not None else {}),
         }
 
 
 def build_batch(
-    step: int, groups: list[list[Rollout]], orch: OrchestratorConfig
+    step: int, groups: list[list[Rollout]], orch: OrchestratorConfig, advantage: Advantage | None = None
 ) -> tuple[list[TrainSample], dict[str, Any]]:
     """Advantages, staleness filter and zero-advantage filter for the groups of trainer step ``step``.
 
@@ -66,6 +71,9 @@ def build_batch(
     Rewards that are None get no advantage and are not trained on (case C8); a group whose rewards
     are all None is counted in ``groups_all_missing``, never scored 0.
 
+    ``advantage`` is the run's (``make_advantage``; stateful types such as ``rae`` keep their baselines in it, so
+    steps must come in order); None makes a fresh one from ``orch.advantage``.
+
     Returns:
         The training samples and the step's orchestrator metrics (reward, advantage, length,
         staleness and drop statistics).
@@ -73,10 +81,11 @@ def build_batch(
     samples: list[TrainSample] = []
     stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
     dropped_stale = dropped_overlong = dropped_zero = missing = all_missing_groups = truncated = 0
+    advantage = advantage if advantage is not None else make_advantage(orch.advantage)
     for group_index, group in enumerate(groups):
         lags = [rollout_lag(step, r.policy_span) for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
-        result = trace_advantages(orch.advantage, group, lengths)  # a forked trace counts once (C22)
+        result = trace_advantages(advantage, group, lengths)  # a forked trace counts once (C22)
         missing += result.reward_missing
         all_missing_groups += int(result.all_missing)
         for r, a in zip(group, result.advantages, strict=True):

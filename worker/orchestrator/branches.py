@@ -27,8 +27,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Protocol, TypeVar
 
-from worker.orchestrator.advantages import AdvantageResult, compute_advantages
-from worker.spec import AdvantageConfig
+from worker.orchestrator.advantages import Advantage, AdvantageResult, Group
 
 
 class Branch(Protocol):
@@ -40,6 +39,8 @@ class Branch(Protocol):
     completion_mask: list[int] | None
     reward: float | None
     trace: str | None
+    role: str | None
+    episode: int | None
 
     @property
     def loss_mask(self) -> list[int]: ...
@@ -85,12 +86,12 @@ def merge_branches(branches: Sequence[B], trace: str) -> list[B]:
 
 
 def trace_advantages(
-    config: AdvantageConfig, group: Sequence[Branch], completion_lengths: Sequence[int]
+    advantage: Advantage, group: Sequence[Branch], completion_lengths: Sequence[int]
 ) -> AdvantageResult:
-    """``compute_advantages`` of a group in which a trace may have several branches: one entry per trace.
+    """``advantage.score`` of a group in which a trace may have several branches: one entry per trace.
 
     Args:
-        config: ``[orchestrator.advantage]``.
+        advantage: the run's advantage (``worker.orchestrator.advantages.make_advantage``).
         group: the group's rollouts; those with the same ``trace`` are branches of one trace (same reward), a
             rollout with ``trace`` None is a trace of its own.
         completion_lengths: sampled-token count per rollout (after :func:`merge_branches`).
@@ -100,13 +101,14 @@ def trace_advantages(
         (every branch gets its trace's advantage). ``reward_mean`` and ``reward_missing`` count traces.
 
     Raises:
-        ValueError: as ``compute_advantages``.
+        ValueError: as ``advantage.score``.
     """
     keys: list[Hashable] = [r.trace if r.trace is not None else ("rollout", i) for i, r in enumerate(group)]
     traces = list(dict.fromkeys(keys))
     first = {k: keys.index(k) for k in traces}
     rewards = [group[first[k]].reward for k in traces]
     lengths = [sum(n for key, n in zip(keys, completion_lengths, strict=True) if key == k) for k in traces]
-    result = compute_advantages(config, rewards, lengths)
+    firsts = [group[first[k]] for k in traces]
+    result = advantage.score(Group(rewards, lengths, [r.role for r in firsts], [r.episode for r in firsts]))
     per_trace = dict(zip(traces, result.advantages, strict=True))
     return dataclasses.replace(result, advantages=[per_trace[k] for k in keys])

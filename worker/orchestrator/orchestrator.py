@@ -40,6 +40,7 @@ from worker.checkpoint import write_part
 from worker.envs import Environment, load_environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
+from worker.orchestrator import advantages
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import TaskSampler, request_seed
 from worker.orchestrator.eval import evaluate
@@ -87,6 +88,9 @@ class Orchestrator:
             batch_size=spec.orchestrator.batch_size,
         )
         """Each step's task indices, from the data cursor of the checkpoint resumed from."""
+        self.advantage = advantages.make_advantage(spec.orchestrator.advantage, env=spec.env.id)
+        advantages.restore_state(self.advantage, run.checkpoint_dir(start_step) / "orchestrator")
+        """The run's advantage (``rae``: baselines carried across steps), restored from the checkpoint resumed from."""
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
@@ -214,8 +218,14 @@ class Orchestrator:
         )
 
     def save_state(self, step: int) -> None:
-        """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``)."""
-        write_part(self.run, step, "orchestrator", lambda folder: self.sampler.write_state(folder, step))
+        """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``) and the
+        advantage's state after scoring the step (``advantage_state.json``, stateful types only)."""
+
+        def write(folder: Path) -> None:
+            self.sampler.write_state(folder, step)
+            advantages.write_state(self.advantage, folder)
+
+        write_part(self.run, step, "orchestrator", write)
 
     def warn_truncated(self, step: int, fraction: float, max_tokens: int) -> None:
         """Case C24: when more than ``TRUNCATED_WARN_FRACTION`` of a step's rollouts hit ``max_tokens``, a console
@@ -291,7 +301,7 @@ class Orchestrator:
                 groups, wait_for_policy, generation_s = await until(self._steps.pop(step), watcher)
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
-                samples, metrics = build_batch(step, groups, step_spec.orchestrator)
+                samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage)
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:

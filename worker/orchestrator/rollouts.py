@@ -4,6 +4,7 @@
 |--------------------------------------------------|-----------------------------------------------------|----------------|
 | tasks with tools or no prompt (``needs_harness``) | verifiers' agent harness, ``HarnessRunner.run_group`` | ``harness.py``   |
 | tasks that answer the model (``is_multi_turn``)   | one growing token sequence per rollout, ``run_group`` | ``multiturn.py`` |
+| two roles (a task with ``solver_task``)          | ``n`` proposer -> solvers episodes, ``self_play_group`` | here           |
 | otherwise (single turn)                          | one vLLM request with ``n`` samples, ``single_turn_group`` | here         |
 
 Training (`worker.orchestrator.orchestrator`) and evaluation (`worker.orchestrator.eval`) both call
@@ -17,7 +18,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment, EnvTask
+from worker.envs.self_play import PROPOSER, SOLVER, proposer_reward
 from worker.orchestrator.batcher import Rollout
+from worker.orchestrator.data import request_seed
 from worker.orchestrator.multiturn import run_group
 from worker.orchestrator.prompts import prompt_ids
 
@@ -114,6 +117,18 @@ async def rollout_group(
             policy_version=policy_version,
             max_total_tokens=max_total_tokens,
         )
+    if hasattr(task, "solver_task"):
+        return await self_play_group(
+            client,
+            tokenizer,
+            env,
+            task,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            policy_version=policy_version,
+            seed=seed,
+        )
     if env.is_multi_turn:
         return await run_group(
             client,
@@ -139,3 +154,56 @@ async def rollout_group(
         policy_version=policy_version,
         seed=seed,
     )
+
+
+async def self_play_group(
+    client: InferenceClient,
+    tokenizer: Any,
+    env: Environment,
+    task: Any,
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    policy_version: Callable[[], int],
+    seed: int | None = None,
+) -> list[Rollout]:
+    """`n` episodes of a two-role task (``worker.envs.self_play``), one group: in each, the proposer's completion
+    (one sample on the task's prompt) becomes the solvers' task (``task.solver_task``), answered by
+    ``task.num_solvers`` samples in one request; both roles are the same policy.
+
+    Each rollout gets its ``role`` (``"proposer"``/``"solver"``) and ``episode`` (0..n-1); the solvers' rewards are the
+    environment's on their task, the proposer's is ``proposer_reward`` of its validity and the solvers' rewards.
+    Episode e seeds its two requests with ``request_seed(seed, e, stage)`` (None: unseeded).
+
+    Returns:
+        ``n * (1 + task.num_solvers)`` rollouts, episode by episode, the proposer first.
+
+    Raises:
+        InferenceError: the server did not answer within the client's bounded retries.
+    """
+
+    async def sample(stage_task: Any, count: int, e: int, stage: int) -> list[Rollout]:
+        return await single_turn_group(
+            client,
+            tokenizer,
+            env,
+            stage_task,
+            task_key=str(stage_task.key),
+            n=count,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            policy_version=policy_version,
+            seed=None if seed is None else request_seed(seed, e, stage),
+        )
+
+    async def episode(e: int) -> list[Rollout]:
+        (proposer,) = await sample(task, 1, e, 0)
+        proposal = task.proposal(proposer.completion_text)
+        solvers = await sample(task.solver_task(proposal), task.num_solvers, e, 1)
+        proposer.reward = proposer_reward(proposal is not None, [s.reward for s in solvers])
+        for r in (proposer, *solvers):
+            r.role, r.episode = (PROPOSER if r is proposer else SOLVER), e
+        return [proposer, *solvers]
+
+    return [r for rollouts in await asyncio.gather(*(episode(e) for e in range(n))) for r in rollouts]

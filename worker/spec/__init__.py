@@ -37,8 +37,10 @@ from worker.spec.orchestrator import (
     EvalConfig,
     GrpoAdvantage,
     HarnessConfig,
+    HierarchicalGrpoAdvantage,
     MaxRLAdvantage,
     OrchestratorConfig,
+    RaeAdvantage,
 )
 from worker.spec.runs import (
     MAX_STEPS,
@@ -81,6 +83,7 @@ __all__ = [
     "EvalConfig",
     "GrpoAdvantage",
     "HarnessConfig",
+    "HierarchicalGrpoAdvantage",
     "IcePopLoss",
     "InferenceConfig",
     "IpoLoss",
@@ -92,6 +95,7 @@ __all__ = [
     "OptimConfig",
     "OrchestratorConfig",
     "RLSpec",
+    "RaeAdvantage",
     "SFTDataConfig",
     "SFTSpec",
     "SchedulerConfig",

@@ -15,7 +15,7 @@ from typing import Any, Literal, overload
 from pydantic import BaseModel, ValidationError
 
 from worker.dotted_keys import with_keys
-from worker.spec.orchestrator import GrpoAdvantage, MaxRLAdvantage
+from worker.spec.orchestrator import GrpoAdvantage, HierarchicalGrpoAdvantage, MaxRLAdvantage, RaeAdvantage
 from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
@@ -127,7 +127,16 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
 
 _VARIANT_TAGS = frozenset(
     str(cls.model_fields["type"].default)
-    for cls in (DppoKlLoss, IpoLoss, IcePopLoss, AipoLoss, GrpoAdvantage, MaxRLAdvantage)
+    for cls in (
+        DppoKlLoss,
+        IpoLoss,
+        IcePopLoss,
+        AipoLoss,
+        GrpoAdvantage,
+        MaxRLAdvantage,
+        RaeAdvantage,
+        HierarchicalGrpoAdvantage,
+    )
 ) | {"custom"}  # CustomLoss, CustomAdvantage
 """The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
 

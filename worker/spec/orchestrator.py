@@ -40,6 +40,24 @@ class CustomAdvantage(CustomCode):
     type: Literal["custom"] = "custom"
 
 
+class RaeAdvantage(StrictModel):
+    """SPIRAL's role-conditioned advantage: reward minus an EMA baseline per (environment, role), kept across steps
+    and checkpoints (``worker/orchestrator/advantages/rae.py``); works with ``group_size = 1``."""
+
+    type: Literal["rae"] = "rae"
+    decay: float = Field(default=0.95, gt=0, lt=1)
+    """EMA decay alpha of each baseline, ``b <- alpha * b + (1 - alpha) * R`` (0 < alpha < 1; SPIRAL's default)."""
+
+
+class HierarchicalGrpoAdvantage(StrictModel):
+    """Group-relative advantages of multi-agent episodes: the roles in ``episode_agents`` against their own episode,
+    every other role (the proposer) against the same role across the group (``.../advantages/hierarchical.py``)."""
+
+    type: Literal["hierarchical_grpo"] = "hierarchical_grpo"
+    episode_agents: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(min_length=1, max_length=100)
+    """Roles scored within their episode (e.g. ``["solver"]``: the solvers of one proposal); required."""
+
+
 def _advantage_type(value: Any) -> str:
     """The ``type`` of an ``[orchestrator.advantage]`` table; a table without one is GRPO's (the default)."""
     if isinstance(value, dict):
@@ -50,6 +68,8 @@ def _advantage_type(value: Any) -> str:
 AdvantageConfig = Annotated[
     Annotated[GrpoAdvantage, Tag("grpo")]
     | Annotated[MaxRLAdvantage, Tag("maxrl")]
+    | Annotated[RaeAdvantage, Tag("rae")]
+    | Annotated[HierarchicalGrpoAdvantage, Tag("hierarchical_grpo")]
     | Annotated[CustomAdvantage, Tag("custom")],
     Discriminator(_advantage_type),
 ]

@@ -34,6 +34,7 @@ BUILTIN_ENVS = {
     "reverse_text": "worker.envs.reverse_text:ReverseTextTaskset",
     "reverse_twice": "worker.envs.reverse_twice:ReverseTwiceTaskset",
     "reverse_tool": "worker.envs.reverse_tool:ReverseToolTaskset",
+    "self_play": "worker.envs.self_play:SelfPlayTaskset",
 }
 """Built-in environment ids and the Taskset class each names (``module:attr``)."""
 ENV_ENTRY_POINTS = "asyncrl.environments"

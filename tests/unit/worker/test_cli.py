@@ -186,6 +186,23 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["rl", "@", RL_TOML, "--orchestrator.group_size", "1", "--dry-run"],
         "error: orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1",
     ),
+    "rae-decay-1": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--orchestrator.advantage.type",
+            "rae",
+            "--orchestrator.advantage.decay",
+            "1",
+            "--dry-run",
+        ],
+        "error: orchestrator.advantage.decay: Input should be less than 1, got 1",
+    ),
+    "hierarchical-grpo-no-episode-agents": (
+        ["rl", "@", RL_TOML, "--orchestrator.advantage.type", "hierarchical_grpo", "--dry-run"],
+        "error: orchestrator.advantage.episode_agents: Field required",
+    ),
     "unknown-key": (
         ["sft", "@", SFT_TOML, "--optim.lrr", "1", "--dry-run"],
         "error: unknown key 'optim.lrr' (did you mean 'optim.lr'?)",

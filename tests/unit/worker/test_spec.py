@@ -316,7 +316,12 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
 
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
-    assert len(keys) == 64 and {"orchestrator.advantage.std_floor", "launcher.memory_limit_gib", "threads"} <= set(keys)
+    assert len(keys) == 65 and {
+        "orchestrator.advantage.std_floor",
+        "orchestrator.advantage.decay",
+        "launcher.memory_limit_gib",
+        "threads",
+    } <= set(keys)
     unbounded = [key for key, info in fields if not any(isinstance(m, Le | Lt) for m in info.metadata)]
     assert unbounded == []
     undocumented = [key for key, info in fields if not info.description and not _has_docstring(key)]
@@ -526,6 +531,10 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
                         {"type": st.just("grpo"), "std_normalize": st.booleans(), "length_penalty": _unit}
                     )
                     | st.fixed_dictionaries({"type": st.just("maxrl"), "length_penalty": _unit})
+                    | st.fixed_dictionaries({"type": st.just("rae"), "decay": st.floats(0.01, 0.99)})
+                    | st.fixed_dictionaries(
+                        {"type": st.just("hierarchical_grpo"), "episode_agents": st.just(["solver"])}
+                    )
                 ),
                 "eval": {
                     "interval": draw(st.integers(0, 100)),

@@ -10,8 +10,9 @@ is flagged with ``all_missing``; it is never scored 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,56 @@ def assemble(n: int, scored: ScoredGroup, values: Sequence[float]) -> AdvantageR
         reward_missing=n - len(scored.index),
         all_missing=not scored.index,
     )
+
+
+@dataclass(frozen=True)
+class Group:
+    """One group as the batcher hands it to the run's ``Advantage``: the rollouts of one task, in order.
+
+    Single-role tasks leave ``roles`` and ``episodes`` as ``None`` per rollout. Two-role tasks (``worker.envs.self_play``)
+    give each rollout its role (``"proposer"``, ``"solver"``) and the index of its episode in the group.
+    """
+
+    rewards: Sequence[float | None]
+    completion_lengths: Sequence[int]
+    roles: Sequence[str | None] | None = None
+    """One per rollout (None: all rollouts have no role)."""
+    episodes: Sequence[int | None] | None = None
+    """One per rollout: the episode (one proposal and its solver attempts) it belongs to; None: no episodes."""
+    env: str | None = None
+    """The environment of the group (None: the run's single environment, as the ``Advantage`` was made with)."""
+
+    def role_of(self, i: int) -> str | None:
+        return None if self.roles is None else self.roles[i]
+
+    def episode_of(self, i: int) -> int | None:
+        return None if self.episodes is None else self.episodes[i]
+
+
+class Advantage:
+    """The run's advantage, made once per run from ``[orchestrator.advantage]``; scores one ``Group`` at a time.
+
+    This base scores each group alone with the stateless function of ``config.type`` (the ``ADVANTAGES`` table:
+    ``grpo``, ``maxrl``) and has no state; stateful types (``rae``) subclass it and save ``state()`` in the
+    orchestrator part of every checkpoint (``advantage_state.json``), restored by ``load_state`` on resume.
+    """
+
+    def __init__(self, config: Any, fn: Callable[..., AdvantageResult] | None = None, *, env: str = "") -> None:
+        self.config, self.fn, self.env = config, fn, env
+
+    def score(self, group: Group) -> AdvantageResult:
+        """Advantages of ``group`` (one per rollout, ``None`` = do not train).
+
+        Raises:
+            ValueError: see the algorithm's function (``maxrl``: a negative reward), mismatched counts, an empty group.
+        """
+        if self.fn is None:
+            raise NotImplementedError(f"advantage {self.config.type!r} scores groups in its own class")
+        return self.fn(group.rewards, group.completion_lengths, self.config)
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed run needs to score the next group as this one would (JSON-serialisable)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore ``state()`` as saved in a checkpoint (a stateless advantage ignores it)."""

@@ -157,7 +157,10 @@ def test_registry_and_spec_tables():
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        ({"type": "ppo"}, "orchestrator.advantage.type: expected one of 'grpo', 'maxrl', 'custom', got 'ppo'"),
+        (
+            {"type": "ppo"},
+            "orchestrator.advantage.type: expected one of 'grpo', 'maxrl', 'rae', 'hierarchical_grpo', 'custom', got 'ppo'",
+        ),
         ({"std_floor": 0.0}, "orchestrator.advantage.std_floor: Input should be greater than 0, got 0.0"),
         (
             {"length_penalty": -0.1},

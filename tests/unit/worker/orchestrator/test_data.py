@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.envs import load_environment
+from worker.orchestrator.advantages import make_advantage
 from worker.orchestrator.data import TaskSampler, data_order, request_seed
 from worker.orchestrator.orchestrator import Orchestrator
 from worker.rundir import RunDir
+from worker.spec import GrpoAdvantage
 
 NUM_TASKS, PER_STEP, STEPS, SEED = 16, 4, 8, 0
 
@@ -85,7 +87,8 @@ def test_fork_with_another_batch_size_continues_after_the_parents_cursor(tmp_pat
         ["train/0/5", "train/0/3", "train/0/4"],
         ["train/0/2", "train/0/0", "train/0/9"],
     ]
-    Orchestrator.save_state(SimpleNamespace(run=parent, sampler=sampler), 3)  # save_state reads run and sampler only
+    grpo = make_advantage(GrpoAdvantage())  # stateless: writes no advantage_state.json
+    Orchestrator.save_state(SimpleNamespace(run=parent, sampler=sampler, advantage=grpo), 3)  # reads these only
     state = json.loads((parent.checkpoint_dir(3) / "orchestrator" / "state.json").read_text())
     assert state == {"step": 3, "data_cursor": 9, "seed": 0}
     # the fork resumes step 3 with batch_size 4: positions 9..16, i.e. the last task of the first pass

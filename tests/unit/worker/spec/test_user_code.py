@@ -22,7 +22,7 @@ from worker.spec.user_code import (
 )
 
 REPO = Path(__file__).resolve().parents[4]
-BUILTINS = "arithmetic, reverse_text, reverse_tool, reverse_twice"
+BUILTINS = "arithmetic, reverse_text, reverse_tool, reverse_twice, self_play"
 
 
 def fake_distribution(site: Path, entry_points: str) -> None:
