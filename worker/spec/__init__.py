@@ -7,7 +7,7 @@ writes the resolved spec as JSON into the run directory and the service stores i
 |-------------------|--------------------------------------------------------------------------------|
 | ``strict.py``      | ``StrictModel`` (base of every table), ``SpecError``                            |
 | ``runs.py``        | ``RLSpec``, ``SFTSpec``, ``SPEC_TYPES``; model, env and inference tables        |
-| ``orchestrator.py`` | ``[orchestrator]``: advantages (union on ``type``), harness, eval              |
+| ``orchestrator.py`` | ``[orchestrator]``: advantages, curricula, gates (unions on ``type``), harness, eval |
 | ``trainer.py``     | ``[trainer]``, ``[ckpt]``: optimizer, scheduler, losses (union on ``type``), weight sync |
 | ``launcher.py``    | ``[launcher]``: local GPU placement, Slurm                                      |
 | ``loading.py``     | files + ``--dotted.key`` overrides, the unknown-key and depth checks, ``validate_spec`` |
@@ -33,11 +33,17 @@ from worker.spec.loading import (
 )
 from worker.spec.orchestrator import (
     AdvantageConfig,
+    AdvantageRangeGate,
+    CurriculumConfig,
+    DifficultyPoolCurriculum,
     EvalConfig,
+    GateConfig,
     GrpoAdvantage,
     HarnessConfig,
     MaxRLAdvantage,
     OrchestratorConfig,
+    PoolWeights,
+    StandardCurriculum,
 )
 from worker.spec.runs import (
     MAX_STEPS,
@@ -70,11 +76,15 @@ __all__ = [
     "RUN_NAME_RULE",
     "SPEC_TYPES",
     "AdvantageConfig",
+    "AdvantageRangeGate",
     "AipoLoss",
     "CheckpointConfig",
+    "CurriculumConfig",
+    "DifficultyPoolCurriculum",
     "DppoKlLoss",
     "EnvConfig",
     "EvalConfig",
+    "GateConfig",
     "GrpoAdvantage",
     "HarnessConfig",
     "IcePopLoss",
@@ -87,12 +97,14 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OrchestratorConfig",
+    "PoolWeights",
     "RLSpec",
     "SFTDataConfig",
     "SFTSpec",
     "SchedulerConfig",
     "SlurmConfig",
     "SpecError",
+    "StandardCurriculum",
     "StrictModel",
     "TrainerConfig",
     "WeightSyncConfig",

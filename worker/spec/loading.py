@@ -15,7 +15,13 @@ from typing import Any, Literal, overload
 from pydantic import BaseModel, ValidationError
 
 from worker.dotted_keys import with_keys
-from worker.spec.orchestrator import GrpoAdvantage, MaxRLAdvantage
+from worker.spec.orchestrator import (
+    AdvantageRangeGate,
+    DifficultyPoolCurriculum,
+    GrpoAdvantage,
+    MaxRLAdvantage,
+    StandardCurriculum,
+)
 from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
@@ -128,6 +134,7 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
 _VARIANT_TAGS = frozenset(
     str(cls.model_fields["type"].default)
     for cls in (DppoKlLoss, IpoLoss, IcePopLoss, AipoLoss, GrpoAdvantage, MaxRLAdvantage)
+    + (StandardCurriculum, DifficultyPoolCurriculum, AdvantageRangeGate)
 )
 """The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
 
