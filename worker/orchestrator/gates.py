@@ -5,10 +5,13 @@ not trained on: the step starts a group of a spare task in its place, so the bat
 sampling, Yu et al. 2025, "DAPO: an open-source LLM reinforcement learning system at scale", section 3.2, filters
 groups of all-equal rewards and samples more until the batch is full; a gate generalises the filter). At most
 ``orchestrator.max_resample`` spare groups start per step; slots still rejected then stay empty and are counted.
+The spare tasks are taken with the step's own (``data.TaskSampler.take``: the next ``max_resample`` of the data order,
+or the continuation of a ``difficulty_pool`` draw), so what a step may start never depends on how fast other steps
+run and a resume repeats it; the standard order skips the spares a step did not use.
 
-| type            | rejects a group when                                                   | config             |
-|-----------------|------------------------------------------------------------------------|--------------------|
-| advantage_range | ``reject_min <= mean_i |A_i| <= reject_max`` over its rollouts with an advantage | AdvantageRangeGate |
+| type            | rejects a group when                                                        | config             |
+|-----------------|-----------------------------------------------------------------------------|--------------------|
+| advantage_range | ``reject_min <= mean of abs(A_i) <= reject_max`` (rollouts with an advantage) | AdvantageRangeGate |
 
 ``A_i`` are the advantages of ``orchestrator.advantage`` (``worker/orchestrator/advantages``), the values the
 batch would train on; a group whose rewards are all missing has none and passes (the batcher flags it). The

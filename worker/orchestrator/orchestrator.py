@@ -7,6 +7,8 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
   starts the step's groups by the environment's rollout path (``rollouts.py``).
   Step n takes the next B = batch_size tasks of the data order after the cursor, which each checkpoint
   saves (``data.TaskSampler``), so a resumed or forked run continues right after its parent's tasks.
+  A ``difficulty_pool`` curriculum draws them by each task's pass rate instead (``curriculum.py``); with gates, a
+  rejected group is replaced by a group of one of the step's spare tasks (``gates.py``).
 - **group rollout**: one vLLM request with ``n = group_size`` on the chat-templated prompt ids; the
   completion token ids and sampled-token logprobs come from vLLM (never re-tokenized); rewards come
   from the environment's own reward functions; the request records the policy-version span
