@@ -65,6 +65,11 @@ def preflight(spec: RLSpec) -> None:
         raise SpecError(f"{env_error_field(err)}: {err}") from None
     if env.unsupported:
         raise SpecError(f"env.id: {env.unsupported}")
+    if spec.orchestrator.curriculum.type == "difficulty_pool" and env.num_tasks is None:
+        raise SpecError(
+            "orchestrator.curriculum.type: difficulty_pool needs a finite taskset, and this one yields train tasks "
+            "forever (set its size, e.g. env.args.num_train)"
+        )
     orch = spec.orchestrator
     longest = max(len(prompt_ids(tokenizer, env.prompt_messages(env.task(i)))) for i in range(8))
     if longest + orch.max_tokens > orch.seq_len:

@@ -7,6 +7,8 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
   starts the step's groups by the environment's rollout path (``rollouts.py``).
   Step n takes the next B = batch_size tasks of the data order after the cursor, which each checkpoint
   saves (``data.TaskSampler``), so a resumed or forked run continues right after its parent's tasks.
+  A ``difficulty_pool`` curriculum draws them by each task's pass rate instead (``curriculum.py``); with gates, a
+  rejected group is replaced by a group of one of the step's spare tasks (``gates.py``).
 - **group rollout**: one vLLM request with ``n = group_size`` on the chat-templated prompt ids; the
   completion token ids and sampled-token logprobs come from vLLM (never re-tokenized); rewards come
   from the environment's own reward functions; the request records the policy-version span
@@ -44,12 +46,13 @@ from worker.orchestrator import advantages
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import TaskSampler, request_seed
 from worker.orchestrator.eval import evaluate
+from worker.orchestrator.gates import GatedStep, fill_batch, group_rejects
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.rollouts import rollout_group
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt
 from worker.rundir import RunDir, append_jsonl, read_jsonl
-from worker.spec import RLSpec
+from worker.spec import OrchestratorConfig, RLSpec
 
 T = TypeVar("T")
 TRUNCATED_WARN_FRACTION = 0.5
@@ -86,8 +89,12 @@ class Orchestrator:
             num_tasks=self.train_env.num_tasks,
             seed=spec.seed,
             batch_size=spec.orchestrator.batch_size,
+            curriculum=spec.orchestrator.curriculum,
+            max_async_level=spec.orchestrator.max_async_level,
         )
-        """Each step's task indices, from the data cursor of the checkpoint resumed from."""
+        """Each step's task indices, from the data cursor (and curriculum state) of the checkpoint resumed from."""
+        self._gated: dict[int, GatedStep[list[Rollout]]] = {}
+        """Every group each step started (rejected ones too) and its gate counts, until the main loop observes it."""
         self.advantage = advantages.make_advantage(spec.orchestrator.advantage, env=spec.env.id)
         advantages.restore_state(self.advantage, run.checkpoint_dir(start_step) / "orchestrator")
         """The run's advantage (``rae``: baselines carried across steps), restored from the checkpoint resumed from."""
@@ -173,9 +180,32 @@ class Orchestrator:
             seed=seed,
         )
 
-    async def generate_step(self, step: int, indices: list[int]) -> list[list[Rollout]]:
+    async def generate_step(
+        self, step: int, indices: list[int], spares: list[int] | None = None
+    ) -> list[list[Rollout]]:
+        """The step's groups, one per task of ``indices``; with gates, rejected groups are replaced by groups of the
+        ``spares`` (``gates.fill_batch``; spare j is requested as slot ``len(indices) + j``)."""
         groups = (self.rollout_group(index, self._seed(step, slot)) for slot, index in enumerate(indices))
-        return list(await asyncio.gather(*groups))
+        done = list(await asyncio.gather(*groups))
+        orch = self.spec.orchestrator
+        if not orch.gates:
+            self._gated[step] = GatedStep(kept=done, started=list(zip(indices, done, strict=True)))
+            return done
+
+        def start(j: int, index: int) -> Awaitable[list[Rollout]]:
+            return self.rollout_group(index, self._seed(step, len(indices) + j))
+
+        self._gated[step] = gated = await fill_batch(
+            indices, done, spares or [], group_rejects(orch.gates, orch.advantage), start
+        )
+        return gated.kept
+
+    def observe_step(self, step: int, orch: OrchestratorConfig) -> dict[str, Any]:
+        """Feed every group step ``step`` started to the curriculum (in step order); its curriculum and gate metrics."""
+        gated = self._gated.pop(step)
+        started = [(index, [r.reward for r in group]) for index, group in gated.started]
+        metrics = self.sampler.observe(step, started, orch.curriculum)
+        return {**metrics, **(gated.metrics() if orch.gates else {})}
 
     async def produce(self) -> None:
         level = self.spec.orchestrator.max_async_level
@@ -186,9 +216,12 @@ class Orchestrator:
             self._step_specs[step] = self._spec
             context = contextvars.copy_context()
             context.run(_STEP_SPEC.set, self._spec)
-            indices = self.sampler.take(step, self._spec.orchestrator.batch_size)
+            orch = self._spec.orchestrator
+            spares = orch.max_resample if orch.gates else 0
+            indices = self.sampler.take(step, orch.batch_size, spares, orch.curriculum)
             self._steps[step] = asyncio.create_task(
-                self._timed(self.generate_step(step, indices), waited), context=context
+                self._timed(self.generate_step(step, indices[: orch.batch_size], indices[orch.batch_size :]), waited),
+                context=context,
             )
 
     @staticmethod
@@ -302,6 +335,7 @@ class Orchestrator:
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
                 samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage)
+                metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:

@@ -7,7 +7,7 @@ writes the resolved spec as JSON into the run directory and the service stores i
 |-------------------|--------------------------------------------------------------------------------|
 | ``strict.py``      | ``StrictModel`` (base of every table), ``SpecError``                            |
 | ``runs.py``        | ``RLSpec``, ``SFTSpec``, ``SPEC_TYPES``; model, env and inference tables        |
-| ``orchestrator.py`` | ``[orchestrator]``: advantages (union on ``type``), harness, eval              |
+| ``orchestrator.py`` | ``[orchestrator]``: advantages, curricula, gates (unions on ``type``), harness, eval |
 | ``trainer.py``     | ``[trainer]``, ``[ckpt]``: optimizer, scheduler, losses (union on ``type``), weight sync |
 | ``launcher.py``    | ``[launcher]``: local GPU placement, Slurm                                      |
 | ``loading.py``     | files + ``--dotted.key`` overrides, the unknown-key and depth checks, ``validate_spec`` |
@@ -33,14 +33,20 @@ from worker.spec.loading import (
 )
 from worker.spec.orchestrator import (
     AdvantageConfig,
+    AdvantageRangeGate,
+    CurriculumConfig,
     CustomAdvantage,
+    DifficultyPoolCurriculum,
     EvalConfig,
+    GateConfig,
     GrpoAdvantage,
     HarnessConfig,
     HierarchicalGrpoAdvantage,
     MaxRLAdvantage,
     OrchestratorConfig,
+    PoolWeights,
     RaeAdvantage,
+    StandardCurriculum,
 )
 from worker.spec.runs import (
     MAX_STEPS,
@@ -74,13 +80,17 @@ __all__ = [
     "RUN_NAME_RULE",
     "SPEC_TYPES",
     "AdvantageConfig",
+    "AdvantageRangeGate",
     "AipoLoss",
     "CheckpointConfig",
+    "CurriculumConfig",
     "CustomAdvantage",
     "CustomLoss",
+    "DifficultyPoolCurriculum",
     "DppoKlLoss",
     "EnvConfig",
     "EvalConfig",
+    "GateConfig",
     "GrpoAdvantage",
     "HarnessConfig",
     "HierarchicalGrpoAdvantage",
@@ -94,6 +104,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OrchestratorConfig",
+    "PoolWeights",
     "RLSpec",
     "RaeAdvantage",
     "SFTDataConfig",
@@ -101,6 +112,7 @@ __all__ = [
     "SchedulerConfig",
     "SlurmConfig",
     "SpecError",
+    "StandardCurriculum",
     "StrictModel",
     "TrainerConfig",
     "WeightSyncConfig",

@@ -15,7 +15,15 @@ from typing import Any, Literal, overload
 from pydantic import BaseModel, ValidationError
 
 from worker.dotted_keys import with_keys
-from worker.spec.orchestrator import GrpoAdvantage, HierarchicalGrpoAdvantage, MaxRLAdvantage, RaeAdvantage
+from worker.spec.orchestrator import (
+    AdvantageRangeGate,
+    DifficultyPoolCurriculum,
+    GrpoAdvantage,
+    HierarchicalGrpoAdvantage,
+    MaxRLAdvantage,
+    RaeAdvantage,
+    StandardCurriculum,
+)
 from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
@@ -136,6 +144,9 @@ _VARIANT_TAGS = frozenset(
         MaxRLAdvantage,
         RaeAdvantage,
         HierarchicalGrpoAdvantage,
+        StandardCurriculum,
+        DifficultyPoolCurriculum,
+        AdvantageRangeGate,
     )
 ) | {"custom"}  # CustomLoss, CustomAdvantage
 """The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""

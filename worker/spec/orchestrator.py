@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from worker.spec.strict import StrictModel
 from worker.spec.user_code import HARNESS_ID, CustomCode
@@ -76,6 +76,102 @@ AdvantageConfig = Annotated[
 """``[orchestrator.advantage]``: one config class per advantage type, chosen by ``type`` (default ``grpo``)."""
 
 
+class StandardCurriculum(StrictModel):
+    """Tasks in the data order (``worker/orchestrator/data.py``): a finite taskset reshuffled every pass."""
+
+    type: Literal["standard"] = "standard"
+
+
+class PoolWeights(StrictModel):
+    """Sampling weight of a task in each difficulty pool (a task is drawn with probability ``w_pool / sum of the
+    weights of all tasks``); each in [0, 1e6], not all 0."""
+
+    hard: float = Field(default=0.2, ge=0, le=1e6)
+    """Weight of a task whose running pass rate is at most ``hard_max``."""
+    normal: float = Field(default=1.0, ge=0, le=1e6)
+    """Weight of a task whose rate is above ``hard_max`` and at most ``normal_max``."""
+    easy: float = Field(default=0.2, ge=0, le=1e6)
+    """Weight of a task whose rate is above ``normal_max``."""
+    unseen: float = Field(default=1.0, ge=0, le=1e6)
+    """Weight of a task no scored group has tried yet."""
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> PoolWeights:
+        if not (self.hard or self.normal or self.easy or self.unseen):
+            raise ValueError("expected at least one of hard, normal, easy, unseen above 0, got all 0")
+        return self
+
+
+class DifficultyPoolCurriculum(StrictModel):
+    """Tasks drawn by the running pass rate of each task (``worker/orchestrator/curriculum.py``): hard tasks
+    (rate <= ``hard_max``), normal ones (<= ``normal_max``), easy ones (above) and unseen ones, each pool with its
+    weight. Needs a finite taskset (e.g. ``env.args.num_train``)."""
+
+    type: Literal["difficulty_pool"] = "difficulty_pool"
+    pass_threshold: float = Field(default=1.0, ge=0, le=1)
+    """A rollout passes when its reward is >= this (rewards are in [0, 1]; 1.0: only a perfect answer)."""
+    decay: float = Field(default=0.5, ge=0, lt=1)
+    """A task's running pass rate after a group with pass fraction p: ``decay * rate + (1 - decay) * p`` (its first
+    group sets it to p; 0: the latest group alone)."""
+    hard_max: float = Field(default=0.25, ge=0, le=1)
+    """Pass rates up to this are hard."""
+    normal_max: float = Field(default=0.75, ge=0, le=1, validate_default=True)
+    """Pass rates above ``hard_max`` up to this are normal; above it, easy."""
+    weights: PoolWeights = Field(default_factory=PoolWeights)
+
+    @field_validator("normal_max")
+    @classmethod
+    def _increasing(cls, v: float, info: ValidationInfo) -> float:
+        hard_max = info.data.get("hard_max")
+        if hard_max is not None and not hard_max < v:
+            raise ValueError(
+                f"expected hard_max < normal_max (the pools' bounds increase), got hard_max {hard_max}, normal_max {v}"
+            )
+        return v
+
+
+def _curriculum_type(value: Any) -> str:
+    """The ``type`` of an ``[orchestrator.curriculum]`` table; a table without one is the standard order."""
+    if isinstance(value, dict):
+        return str(value.get("type", "standard"))
+    return str(getattr(value, "type", "standard"))
+
+
+CurriculumConfig = Annotated[
+    Annotated[StandardCurriculum, Tag("standard")] | Annotated[DifficultyPoolCurriculum, Tag("difficulty_pool")],
+    Discriminator(_curriculum_type),
+]
+"""``[orchestrator.curriculum]``: which tasks each step takes, chosen by ``type`` (default ``standard``)."""
+
+
+class AdvantageRangeGate(StrictModel):
+    """Reject a group whose mean |advantage| lies in ``[reject_min, reject_max]`` (``worker/orchestrator/gates.py``)."""
+
+    type: Literal["advantage_range"] = "advantage_range"
+    reject_min: float = Field(default=0.0, ge=0, le=1e6)
+    """Lower bound of the rejected range of a group's mean |advantage| (inclusive)."""
+    reject_max: float = Field(ge=0, le=1e6)
+    """Upper bound of the rejected range (inclusive); at least ``reject_min``."""
+
+    @field_validator("reject_max")
+    @classmethod
+    def _ordered(cls, v: float, info: ValidationInfo) -> float:
+        low = info.data.get("reject_min")
+        if low is not None and v < low:
+            raise ValueError(f"expected reject_min <= reject_max, got reject_min {low}, reject_max {v}")
+        return v
+
+
+def _gate_type(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("type", ""))
+    return str(getattr(value, "type", ""))
+
+
+GateConfig = Annotated[Annotated[AdvantageRangeGate, Tag("advantage_range")], Discriminator(_gate_type)]
+"""One ``[[orchestrator.gates]]`` table, chosen by ``type``."""
+
+
 class HarnessConfig(StrictModel):
     """Rollouts of tasksets with tools, run through verifiers' agent harness (``worker.orchestrator.harness``)."""
 
@@ -138,3 +234,23 @@ class OrchestratorConfig(StrictModel):
     seeded). vLLM draws seeded requests from per-request generators, which costs sampling time at thousands of
     concurrent requests: set false there if repeatability matters less than throughput."""
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
+    curriculum: CurriculumConfig = Field(default_factory=StandardCurriculum)
+    """Which tasks each step takes (``worker/orchestrator/curriculum.py``)."""
+    gates: list[GateConfig] = Field(default_factory=list, max_length=16)
+    """Online difficulty filters: a group that any gate rejects is not trained on and is replaced by a group of
+    another task (``worker/orchestrator/gates.py``); at most 16."""
+    max_resample: int = Field(default=8, ge=0, le=65_536)
+    """Groups started per step at most to replace rejected ones (each step reserves this many spare tasks)."""
+
+    @field_validator("gates")
+    @classmethod
+    def _gates_need_a_stateless_advantage(cls, gates: list[Any], info: ValidationInfo) -> list[Any]:
+        """A gate judges a group by advantages it computes apart from the run's (``worker/orchestrator/gates.py``): a
+        stateful or role-aware advantage (``rae``, ``hierarchical_grpo``) would give it other values."""
+        advantage = info.data.get("advantage")
+        kind = getattr(advantage, "type", None)
+        if gates and kind in {"rae", "hierarchical_grpo"}:
+            raise ValueError(
+                f"gates judge groups by a stateless advantage (grpo, maxrl, custom), got orchestrator.advantage.type {kind!r}"
+            )
+        return gates

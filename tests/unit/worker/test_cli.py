@@ -203,6 +203,60 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["rl", "@", RL_TOML, "--orchestrator.advantage.type", "hierarchical_grpo", "--dry-run"],
         "error: orchestrator.advantage.episode_agents: Field required",
     ),
+    "gate-with-rae": (
+        ["rl", "@", RL_TOML, "--orchestrator.advantage.type", "rae", "--orchestrator.gates"]
+        + ['[{type = "advantage_range", reject_min = 0.0, reject_max = 0.1}]', "--dry-run"],
+        "error: orchestrator.gates: gates judge groups by a stateless advantage (grpo, maxrl, custom), "
+        "got orchestrator.advantage.type 'rae'",
+    ),
+    "curriculum-weight-negative": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--orchestrator.curriculum.type",
+            "difficulty_pool",
+            "--orchestrator.curriculum.weights.hard",
+            "-1",
+            "--dry-run",
+        ],
+        "error: orchestrator.curriculum.weights.hard: Input should be greater than or equal to 0, got -1",
+    ),
+    "curriculum-weights-all-zero": (
+        ["rl", "@", RL_TOML, "--orchestrator.curriculum.type", "difficulty_pool"]
+        + [
+            a
+            for pool in ("hard", "normal", "easy", "unseen")
+            for a in (f"--orchestrator.curriculum.weights.{pool}", "0")
+        ]
+        + ["--dry-run"],
+        "error: orchestrator.curriculum.weights: expected at least one of hard, normal, easy, unseen above 0, got all 0",
+    ),
+    "curriculum-bounds-not-increasing": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--orchestrator.curriculum.type",
+            "difficulty_pool",
+            "--orchestrator.curriculum.hard_max",
+            "0.8",
+            "--dry-run",
+        ],
+        "error: orchestrator.curriculum.normal_max: expected hard_max < normal_max (the pools' bounds increase), "
+        "got hard_max 0.8, normal_max 0.75",
+    ),
+    "gate-bounds-reversed": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--orchestrator.gates",
+            '[{type = "advantage_range", reject_min = 0.5, reject_max = 0.1}]',
+            "--dry-run",
+        ],
+        "error: orchestrator.gates.0.reject_max: expected reject_min <= reject_max, got reject_min 0.5, reject_max 0.1",
+    ),
     "unknown-key": (
         ["sft", "@", SFT_TOML, "--optim.lrr", "1", "--dry-run"],
         "error: unknown key 'optim.lrr' (did you mean 'optim.lr'?)",
@@ -350,6 +404,22 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
             "--dry-run",
         ],
         "re:error: env.id: .*'nope\\.module:make'.*",
+    ),
+    "rl-dry-run-difficulty-pool-endless-taskset": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--orchestrator.curriculum.type",
+            "difficulty_pool",
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "error: orchestrator.curriculum.type: difficulty_pool needs a finite taskset, and this one yields train tasks "
+        "forever (set its size, e.g. env.args.num_train)",
     ),
     "sft-dry-run-env-bad-arg": (
         [

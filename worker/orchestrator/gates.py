@@ -1,0 +1,152 @@
+"""Gates (``[[orchestrator.gates]]``): online difficulty filtering of finished groups, with re-sampling.
+
+A gate looks at one scored group (the rollouts of one task) and rejects it or lets it through. A rejected group is
+not trained on: the step starts a group of a spare task in its place, so the batch stays full (DAPO's dynamic
+sampling, Yu et al. 2025, "DAPO: an open-source LLM reinforcement learning system at scale", section 3.2, filters
+groups of all-equal rewards and samples more until the batch is full; a gate generalises the filter). At most
+``orchestrator.max_resample`` spare groups start per step; slots still rejected then stay empty and are counted.
+The spare tasks are taken with the step's own (``data.TaskSampler.take``: the next ``max_resample`` of the data order,
+or the continuation of a ``difficulty_pool`` draw), so what a step may start never depends on how fast other steps
+run and a resume repeats it; the standard order skips the spares a step did not use.
+
+| type            | rejects a group when                                                        | config             |
+|-----------------|-----------------------------------------------------------------------------|--------------------|
+| advantage_range | ``reject_min <= mean of abs(A_i) <= reject_max`` (rollouts with an advantage) | AdvantageRangeGate |
+
+``A_i`` are the advantages of ``orchestrator.advantage`` (``worker/orchestrator/advantages``), the values the
+batch would train on; a group whose rewards are all missing has none and passes (the batcher flags it). The
+zero-advantage drop of the batcher (``drop_zero_advantage``) stays as it is: ``[0, 0]`` as a gate re-samples those
+groups instead of dropping them. A gate function takes the group's rewards, its advantages and its config and
+returns True to reject (``GATES`` keys them by ``type``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from worker.orchestrator.advantages import compute_advantages
+from worker.packing import completion_length
+from worker.spec import AdvantageConfig, AdvantageRangeGate, GateConfig
+
+G = TypeVar("G")
+GateFn = Callable[[Sequence[float | None], Sequence[float | None], Any], bool]
+
+
+def advantage_range(
+    _rewards: Sequence[float | None], advantages: Sequence[float | None], config: AdvantageRangeGate
+) -> bool:
+    """True (reject) when the group's mean |advantage| lies in ``[reject_min, reject_max]``.
+
+    Args:
+        _rewards: one per rollout (unused: the advantages carry them).
+        advantages: one per rollout, None where the rollout has none (missing reward).
+
+    Returns:
+        False for a group without any advantage.
+    """
+    present = [abs(a) for a in advantages if a is not None]
+    if not present:
+        return False
+    return config.reject_min <= statistics.fmean(present) <= config.reject_max
+
+
+GATES: dict[str, GateFn] = {
+    "advantage_range": advantage_range,
+}
+"""Gate functions keyed by ``orchestrator.gates[i].type``."""
+
+
+def rejected_by(
+    gates: Sequence[GateConfig], advantage: AdvantageConfig, rewards: Sequence[float | None], lengths: Sequence[int]
+) -> int | None:
+    """Index of the first gate that rejects a group with these rewards and completion lengths, or None.
+
+    Raises:
+        ValueError: rewards the advantage cannot score (as ``compute_advantages``).
+    """
+    advantages = compute_advantages(advantage, rewards, lengths).advantages
+    for i, gate in enumerate(gates):
+        if GATES[gate.type](rewards, advantages, gate):
+            return i
+    return None
+
+
+@dataclass
+class GatedStep(Generic[G]):
+    """One step's groups after its gates: ``kept`` (slot order) and every group started with its task index."""
+
+    kept: list[G]
+    started: list[tuple[int, G]] = field(default_factory=list)
+    """``(task index, group)`` of every group of the step, rejected ones included (in start order)."""
+    rejected: int = 0
+    resampled: int = 0
+    unfilled: int = 0
+    """Slots left without a group once ``max_resample`` spares were used."""
+
+    def metrics(self) -> dict[str, int]:
+        return {
+            "gate_rejected_groups": self.rejected,
+            "gate_resampled_groups": self.resampled,
+            "gate_unfilled_groups": self.unfilled,
+        }
+
+
+async def fill_batch(
+    indices: Sequence[int],
+    groups: Sequence[G],
+    spares: Sequence[int],
+    rejects: Callable[[G], bool],
+    start: Callable[[int, int], Awaitable[G]],
+) -> GatedStep[G]:
+    """Replace the rejected groups of a step by groups of spare tasks, in rounds, until none is rejected or the
+    spares run out.
+
+    Each round starts one spare per rejected slot (lowest slots first; spare j is ``spares[j]``, in order) and
+    waits for all of them, so which spare lands in which slot depends on the rewards alone, not on timing.
+
+    Args:
+        indices: the step's task indices, one per slot; ``groups`` their finished groups.
+        spares: the step's spare task indices (at most ``max_resample``).
+        rejects: True for a group a gate rejects.
+        start: ``start(j, task index)`` runs the group of spare j.
+
+    Returns:
+        The kept groups in slot order and the counts (a rejected spare counts as rejected too).
+    """
+    slots: list[G | None] = list(groups)
+    out: GatedStep[G] = GatedStep(kept=[], started=list(zip(indices, groups, strict=True)))
+    pending = [s for s, g in enumerate(groups) if rejects(g)]
+    out.rejected = len(pending)
+    while pending and out.resampled < len(spares):
+        batch = pending[: len(spares) - out.resampled]
+        tasks = [spares[out.resampled + k] for k in range(len(batch))]
+        new = list(await asyncio.gather(*(start(out.resampled + k, t) for k, t in enumerate(tasks))))
+        out.resampled += len(batch)
+        out.started += list(zip(tasks, new, strict=True))
+        again = []
+        for slot, group in zip(batch, new, strict=True):
+            slots[slot] = group
+            if rejects(group):
+                again.append(slot)
+        out.rejected += len(again)
+        pending = again + pending[len(batch) :]
+    for slot in pending:
+        slots[slot] = None
+    out.unfilled = len(pending)
+    out.kept = [g for g in slots if g is not None]
+    return out
+
+
+def group_rejects(gates: Sequence[GateConfig], advantage: AdvantageConfig) -> Callable[[Any], bool]:
+    """``rejects(group)`` for ``fill_batch`` over a group of ``Rollout``s (``reward``, ``loss_mask``)."""
+
+    def rejects(group: Any) -> bool:
+        rewards = [r.reward for r in group]
+        lengths = [completion_length(r.loss_mask) for r in group]
+        return rejected_by(gates, advantage, rewards, lengths) is not None
+
+    return rejects
