@@ -198,7 +198,7 @@ def test_hierarchical_peer_sets_sum_to_zero(rows):
 
 
 def test_registry_tables():
-    assert set(ADVANTAGES) == {"grpo", "maxrl"} and set(ROLE_ADVANTAGES) == {"rae", "hierarchical_grpo"}
+    assert set(ADVANTAGES) == {"grpo", "maxrl", "custom"} and set(ROLE_ADVANTAGES) == {"rae", "hierarchical_grpo"}
     spec = validate_spec(
         "rl", {"model": {"name": "m"}, "orchestrator": {"group_size": 1, "advantage": {"type": "rae"}}}
     )  # rae works with group_size 1 (GRPO needs 2)

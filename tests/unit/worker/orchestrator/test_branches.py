@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from worker.orchestrator.advantages import make_advantage
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.branches import merge_branches, trace_advantages
 from worker.spec import GrpoAdvantage, OrchestratorConfig
@@ -72,6 +73,6 @@ def test_trace_advantages_count_each_trace_once_and_sum_its_lengths() -> None:
     # GRPO with length_penalty 1 over the traces [T: R 1, L 4], [R 0, L 2] (U missing):
     #   mean R 0.5 -> [0.5, -0.5]; shaping (L - mean L) / max L = (4 - 3) / 4 = 0.25, (2 - 3) / 4 = -0.25
     #   advantages [0.5 - 0.25, -0.5 + 0.25] = [0.25, -0.25]
-    result = trace_advantages(GrpoAdvantage(length_penalty=1.0), group, [3, 1, 2, 1])
+    result = trace_advantages(make_advantage(GrpoAdvantage(length_penalty=1.0)), group, [3, 1, 2, 1])
     assert result.advantages == [pytest.approx(0.25), pytest.approx(0.25), pytest.approx(-0.25), None]
     assert (result.reward_mean, result.reward_missing) == (pytest.approx(0.5), 1)
