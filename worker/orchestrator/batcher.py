@@ -31,6 +31,8 @@ class Rollout:
     temperature: float
     completion_mask: list[int] | None = None
     """1 on model-sampled completion tokens, 0 on environment tokens (multi-turn); None: all sampled."""
+    env: str = ""
+    """Name of the environment the group sampled (``[[env]]`` mixtures: ``worker.orchestrator.mixture``)."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -48,6 +50,7 @@ class Rollout:
             "temperature": self.temperature,
             "completion_len": sum(self.loss_mask),
             "finish_reason": self.finish_reason,
+            **({"env": self.env} if self.env else {}),
         }
 
 

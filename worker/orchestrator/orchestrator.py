@@ -37,13 +37,14 @@ from typing import Any, TypeVar
 from worker.batch import TrainSample, write_batch
 from worker.checkpoint import due as checkpoint_due
 from worker.checkpoint import write_part
-from worker.envs import Environment, load_environment
+from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
 from worker.orchestrator.batcher import Rollout, build_batch
-from worker.orchestrator.data import TaskSampler, request_seed
+from worker.orchestrator.data import request_seed
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.harness import HarnessRunner
+from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metrics
 from worker.orchestrator.rollouts import rollout_group
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt
@@ -71,22 +72,23 @@ class Orchestrator:
             max_retries=inf.max_retries,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
-        self.train_env: Environment = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
-        self.eval_env: Environment = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
-        self.harness: HarnessRunner | None = (
-            HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
-            if self.train_env.needs_harness
-            else None
-        )
-        """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
-        self.sampler = TaskSampler.resume(
+        self.sampler = EnvMixture.load(
+            spec.envs,
             run.checkpoint_dir(start_step) / "orchestrator",
             step=start_step,
-            num_tasks=self.train_env.num_tasks,
             seed=spec.seed,
             batch_size=spec.orchestrator.batch_size,
         )
-        """Each step's task indices, from the data cursor of the checkpoint resumed from."""
+        """The run's environments (``[[env]]``: a mixture) and each step's (env, task index) pairs, from the data
+        cursors of the checkpoint resumed from."""
+        self.train_env: Environment = self.sampler.envs[0].train
+        self.eval_env: Environment = self.sampler.envs[0].eval
+        self.harness: HarnessRunner | None = (
+            HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
+            if any(e.train.needs_harness for e in self.sampler.envs)
+            else None
+        )
+        """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
@@ -149,13 +151,13 @@ class Orchestrator:
         """The request seed of a place in the run (``data.request_seed``), None with ``seeded_sampling`` off."""
         return request_seed(self.spec.seed, *where) if self.spec.orchestrator.seeded_sampling else None
 
-    async def rollout_group(self, index: int, seed: int | None) -> list[Rollout]:
+    async def rollout_group(self, index: int, seed: int | None, env: int = 0) -> list[Rollout]:
         orch = self.spec.orchestrator
         max_len = min(orch.seq_len, self.spec.inference.max_model_len)
-        return await rollout_group(
+        group = await rollout_group(
             self.client,
             self.tokenizer,
-            self.train_env,
+            self.sampler.envs[env].train,
             index,
             harness=self.harness,
             n=orch.group_size,
@@ -168,9 +170,12 @@ class Orchestrator:
             max_total_tokens=max(1, max_len - orch.max_tokens),
             seed=seed,
         )
+        for r in group:
+            r.env = self.sampler.envs[env].config.name
+        return group
 
-    async def generate_step(self, step: int, indices: list[int]) -> list[list[Rollout]]:
-        groups = (self.rollout_group(index, self._seed(step, slot)) for slot, index in enumerate(indices))
+    async def generate_step(self, step: int, indices: list[tuple[int, int]]) -> list[list[Rollout]]:
+        groups = (self.rollout_group(index, self._seed(step, slot), env) for slot, (env, index) in enumerate(indices))
         return list(await asyncio.gather(*groups))
 
     async def produce(self) -> None:
@@ -245,19 +250,22 @@ class Orchestrator:
             logger.info("eval at policy version %d: done already, skipped", version)
             return None
         self._evaluated.add(version)
-        result = await evaluate(
-            self.client,
-            self.eval_env,
-            self.tokenizer,
-            num_examples=ev.num_examples,
-            temperature=ev.temperature,
-            max_tokens=self.spec.orchestrator.max_tokens,
-            max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
-            pass_k=ev.pass_k,
-            pass_threshold=ev.pass_threshold,
-            harness=self.harness,
-            seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
-        )
+        results = {}
+        for env in self.sampler.envs:  # each environment of a mixture on its own eval split
+            results[env.config.name] = await evaluate(
+                self.client,
+                env.eval,
+                self.tokenizer,
+                num_examples=ev.num_examples,
+                temperature=ev.temperature,
+                max_tokens=self.spec.orchestrator.max_tokens,
+                max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
+                pass_k=ev.pass_k,
+                pass_threshold=ev.pass_threshold,
+                harness=self.harness,
+                seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
+            )
+        result = combine_evals(results)
         self.run.log_metrics("eval", version, result)
         logger.info("eval at policy version %d: %s", version, result)
         return result
@@ -292,6 +300,7 @@ class Orchestrator:
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
                 samples, metrics = build_batch(step, groups, step_spec.orchestrator)
+                metrics.update(env_step_metrics(step, groups, samples, step_spec.orchestrator, self.sampler.names))
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:

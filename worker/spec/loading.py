@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from worker.dotted_keys import with_keys
 from worker.spec.orchestrator import GrpoAdvantage, MaxRLAdvantage
-from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
+from worker.spec.runs import ENV_TAGS, SPEC_TYPES, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
 
@@ -128,8 +128,9 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
 _VARIANT_TAGS = frozenset(
     str(cls.model_fields["type"].default)
     for cls in (DppoKlLoss, IpoLoss, IcePopLoss, AipoLoss, GrpoAdvantage, MaxRLAdvantage)
-)
-"""The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
+) | frozenset(ENV_TAGS)
+"""The ``type`` tags of the loss and advantage unions and the ``env`` union's: pydantic puts them in an error's location;
+messages drop them."""
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -316,7 +316,7 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
 
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
-    assert len(keys) == 64 and {"orchestrator.advantage.std_floor", "launcher.memory_limit_gib", "threads"} <= set(keys)
+    assert len(keys) == 66 and {"orchestrator.advantage.std_floor", "launcher.memory_limit_gib", "threads"} <= set(keys)
     unbounded = [key for key, info in fields if not any(isinstance(m, Le | Lt) for m in info.metadata)]
     assert unbounded == []
     undocumented = [key for key, info in fields if not info.description and not _has_docstring(key)]
