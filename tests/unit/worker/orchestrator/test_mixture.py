@@ -333,3 +333,55 @@ def test_charts_split_by_environment() -> None:
     assert [t["name"] for t in figs["reward"]["data"]] == ["train", "train math", "eval reverse_text"]
     assert figs["reward"]["data"][1]["y"] == [0.0, 0.1]
     assert [t["name"] for t in figures.run_figures(series, [])["reward"]["data"]] == ["train"]
+
+
+# ----------------------------------------------------------------------------- trainer: mismatch_kl per env
+
+
+def _trainer_batch(samples: list[dict]) -> dict:
+    from worker.packing import pack
+
+    bins = pack([len(s["input_ids"]) for s in samples], 32)
+    return {
+        "step": 1,
+        "num_samples": len(samples),
+        "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        "micro_batches": [[samples[i] for i in b] for b in bins],
+    }
+
+
+def test_trainer_mismatch_kl_per_env() -> None:
+    """mismatch_kl/<e> is the k3 mean over e's loss tokens: env a's value equals the whole mismatch_kl of a batch
+    of a's samples alone, and the token-weighted mean of the per-env values is the step's mismatch_kl. An env with
+    no sample this step gets NaN."""
+    import torch
+
+    from tests.support.models import tiny_qwen3
+    from worker.trainer.train import train_step
+
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for k in range(6):
+        prompt, n = torch.randint(0, 300, (4,), generator=gen).tolist(), 2 + k % 3
+        samples.append(
+            {
+                "input_ids": prompt + torch.randint(0, 300, (n,), generator=gen).tolist(),
+                "loss_mask": [0] * 4 + [1] * n,
+                "sampling_logprobs": [0.0] * 4 + (-torch.rand(n, generator=gen) * 3).tolist(),
+                "advantage": 1.0 - k % 2,
+                "temperature": 1.0,
+                "policy_span": [0, 0],
+                "env": "a" if k < 4 else "b",
+            }
+        )
+    envs = [{"id": "reverse_text", "name": n} for n in ("a", "b", "c")]
+    spec = validate_spec("rl", {"model": {"name": "unused"}, "orchestrator": {"seq_len": 32}, "env": envs})
+    model = tiny_qwen3(tie=False).train()
+    whole = train_step(model, _trainer_batch(samples), spec, step=1)  # type: ignore[arg-type]
+    only_a = train_step(model, _trainer_batch(samples[:4]), spec, step=1)  # type: ignore[arg-type]
+    tokens_a, tokens_b = 2 + 3 + 4 + 2, 3 + 4  # n = 2 + k % 3 for k = 0..3 and 4..5
+    assert whole["mismatch_kl/a"] == pytest.approx(only_a["mismatch_kl"], rel=1e-5)
+    mixed = (whole["mismatch_kl/a"] * tokens_a + whole["mismatch_kl/b"] * tokens_b) / (tokens_a + tokens_b)
+    assert mixed == pytest.approx(whole["mismatch_kl"], rel=1e-6)
+    assert math.isnan(whole["mismatch_kl/c"])
+    assert math.isnan(only_a["mismatch_kl/b"])
