@@ -56,6 +56,11 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
         pytest.param({"env": {"id": "mypkg.envs:make"}}, refused_env("mypkg.envs:make"), id="package-not-allowed"),
         pytest.param({"env": {"id": "nope"}}, refused_env("nope"), id="unknown-name"),
         pytest.param(
+            {"env": [{"id": "reverse_text"}, {"id": "os:system", "name": "x"}]},
+            refused_env("os:system").replace("env.id", "env.1.id", 1),
+            id="mixture-second-env",
+        ),
+        pytest.param(
             {"orchestrator": {"harness": {"id": "antigravity"}}},
             "orchestrator.harness.id: 'antigravity' is not allowed in a run submitted to the service; allowed: a "
             "built-in harness (",

@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = train_step(model, batch, spec, step, info) if batch["num_samples"] else {}
         for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
             metrics.setdefault(name, float("nan"))
+        for env in spec.envs if len(spec.envs) > 1 else []:  # and a mixture's per-env mismatch_kl
+            metrics.setdefault(f"mismatch_kl/{env.name}", float("nan"))
         grad_norm = grad_norm_value(
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
         )
