@@ -200,7 +200,8 @@ def bench_env(model: Path, split: str = "train"):  # -> worker.envs.Environment
     from worker.envs import load_environment
 
     rl = rl_spec(model, "bench-env", [])
-    return load_environment(rl.env.id, split=split, seed=0, **rl.env.args)
+    env = rl.envs[0]
+    return load_environment(env.id, split=split, seed=0, **env.args)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

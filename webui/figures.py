@@ -15,6 +15,7 @@ from sqlmodel import Session
 
 from server.models import ConfigRevision, MetricSeries
 from server.services import metrics
+from worker.alert_rules import PER_ENV_METRICS
 
 MISMATCH_KL_THRESHOLD = 1e-3
 """Alert threshold drawn on the ``mismatch_kl`` chart (nats per token, k3 estimator)."""
@@ -61,9 +62,34 @@ SERIES_KEYS = sorted({(src, name) for c in CHARTS for src, name, _ in c.lines} |
 """(source, name) of every series the run page draws."""
 
 
-def load_series(session: Session, run_id: int, max_points: int = MAX_POINTS) -> dict[tuple[str, str], MetricSeries]:
-    """``(source, name) -> series`` of every metric the run page draws, each downsampled to ``max_points``."""
-    return metrics.series_of(session, run_id=run_id, keys=SERIES_KEYS, max_points=max_points)
+def env_names(spec: dict[str, Any]) -> list[str]:
+    """Names of a stored spec's environments when it is a mixture of several (``[[env]]``), else ``[]``: the
+    charts then split by environment (a name defaults to the env's ``id``, as in ``worker.spec.EnvConfig``)."""
+    env = spec.get("env")
+    if not isinstance(env, list) or len(env) < 2:
+        return []
+    return [str(e.get("name") or e.get("id", "reverse_text")) for e in env]
+
+
+def chart_lines(chart: Chart, envs: list[str]) -> list[tuple[str, str, str]]:
+    """The chart's lines, and with ``envs`` (a mixture's env names) one more per environment for each line whose
+    metric is also logged per environment (``PER_ENV_METRICS``: ``reward_mean/<env>``, label ``train <env>``)."""
+    split = [
+        (src, f"{name}/{env}", f"{label} {env}")
+        for src, name, label in chart.lines
+        if name in PER_ENV_METRICS.get(src, ())  # type: ignore[call-overload]  # src is a Source literal
+        for env in envs
+    ]
+    return [*chart.lines, *split]
+
+
+def load_series(
+    session: Session, run_id: int, max_points: int = MAX_POINTS, envs: list[str] | None = None
+) -> dict[tuple[str, str], MetricSeries]:
+    """``(source, name) -> series`` of every metric the run page draws, each downsampled to ``max_points``; with
+    ``envs`` (``env_names``) also each chart metric's per-environment series."""
+    keys = sorted({(src, name) for c in CHARTS for src, name, _ in chart_lines(c, envs or [])} | set(SERIES_KEYS))
+    return metrics.series_of(session, run_id=run_id, keys=keys, max_points=max_points)
 
 
 def revision_marks(revisions: list[ConfigRevision]) -> list[tuple[int, str]]:
@@ -124,11 +150,15 @@ def _trace(label: str, s: MetricSeries) -> dict[str, Any]:
     }
 
 
-def run_figures(series: dict[tuple[str, str], MetricSeries], marks: list[tuple[int, str]]) -> dict[str, Any]:
-    """Chart key -> Plotly figure for one run."""
+def run_figures(
+    series: dict[tuple[str, str], MetricSeries], marks: list[tuple[int, str]], envs: list[str] | None = None
+) -> dict[str, Any]:
+    """Chart key -> Plotly figure for one run; with ``envs`` (a mixture's env names) split by environment: one
+    more line per environment for each metric logged per environment (``chart_lines``)."""
     figs = {}
     for chart in CHARTS:
-        data = [_trace(label, series[(src, name)]) for src, name, label in chart.lines if (src, name) in series]
+        lines = chart_lines(chart, envs or [])
+        data = [_trace(label, series[(src, name)]) for src, name, label in lines if (src, name) in series]
         layout = _layout(chart.title, marks, log_y=chart.log_y)
         if chart.threshold is not None:
             steps = [x for t in data for x in t["x"]]

@@ -82,9 +82,10 @@ def run_context(
     }
     if part in ("", "charts"):
         marks = figures.revision_marks(revisions)
-        series = figures.load_series(db, stored_id(run))
+        envs = figures.env_names(run.spec)  # a mixture's charts split by environment
+        series = figures.load_series(db, stored_id(run), envs=envs)
         bn = figures.bottleneck(series)
-        figs = figures.run_figures(series, marks)
+        figs = figures.run_figures(series, marks, envs)
         figs["bottleneck"] = figures.bottleneck_figure(bn, marks)
         ctx.update(figures_json=figures.figures_json(figs), bottleneck=bn)
     if part in ("", "events"):

@@ -83,6 +83,30 @@ METRICS: dict[Source, tuple[str, ...]] = {
 """Process -> every metric name it writes to an RL run's ``metrics.jsonl`` (some only on some machines: ``mfu`` and
 ``peak_memory_gib``), so every logged metric can be used in an alert rule. ``tests/e2e/test_rl.py`` fails on a
 logged name missing here."""
+PER_ENV_METRICS: dict[Source, tuple[str, ...]] = {
+    "trainer": ("mismatch_kl",),
+    "orchestrator": (
+        "reward_mean",
+        "reward_std",
+        "reward_missing",
+        "groups_all_missing",
+        "advantage_abs_mean",
+        "completion_len_mean",
+        "completion_len_max",
+        "truncated_fraction",
+        "staleness_mean",
+        "staleness_max",
+        "trained_staleness_max",
+        "dropped_stale",
+        "dropped_overlong",
+        "dropped_zero_advantage_groups",
+        "num_groups",
+        "num_samples",
+    ),
+    "eval": ("reward_mean", "pass_at_k", "num_examples", "completion_len_mean", "reward_missing"),
+}
+"""Process -> the metrics a run of several environments (``[[env]]``) also logs per environment, as
+``<metric>/<env name>`` (``worker/orchestrator/mixture.py``); ``num_groups`` is logged only so."""
 KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
 STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued")
 MAX_RULES_PER_RUN = 100
@@ -94,14 +118,27 @@ RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")
 """Also the event names a webhook endpoint filters on."""
 
 
+def reports(source: Source, metric: str) -> bool:
+    """True when process ``source`` logs ``metric``: a name of ``METRICS``, or ``<name>/<env>`` of
+    ``PER_ENV_METRICS`` (any env name: the run's spec names them)."""
+    base, sep, env = metric.partition("/")
+    if sep:
+        return bool(env) and "/" not in env and base in PER_ENV_METRICS.get(source, ())
+    return metric in METRICS[source]
+
+
 def default_source(metric: str) -> Source:
     """The first process (trainer, orchestrator, eval) that reports ``metric``."""
-    return next(src for src, names in METRICS.items() if metric in names)
+    return next(src for src in METRICS if reports(src, metric))
 
 
 def _check_metric(name: str) -> str:
-    if name not in KNOWN_METRICS:
-        raise ValueError(f"unknown metric {name!r}; known: {', '.join(KNOWN_METRICS)}")
+    if not any(reports(src, name) for src in METRICS):
+        per_env = ", ".join(dict.fromkeys(n for names in PER_ENV_METRICS.values() for n in names))
+        raise ValueError(
+            f"unknown metric {name!r}; known: {', '.join(KNOWN_METRICS)}; per environment as <metric>/<env name>: "
+            f"{per_env}"
+        )
     return name
 
 
@@ -125,7 +162,7 @@ class _MetricRule(_Rule):
     def _source(self) -> _MetricRule:
         if self.source is None:
             self.source = default_source(self.metric)
-        elif self.metric not in METRICS[self.source]:
+        elif not reports(self.source, self.metric):
             raise ValueError(f"source: {self.source} does not report {self.metric!r}")
         return self
 

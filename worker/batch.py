@@ -31,6 +31,8 @@ class TrainSample(TypedDict):
     prefix_len: NotRequired[int]
     """Leading tokens identical for the whole group (the prompt): packed once per chunk when
     ``orchestrator.share_prompt`` is on (``worker.packing.pack_shared_prompt``)."""
+    env: NotRequired[str]
+    """Name of the sample's environment (the trainer logs ``mismatch_kl/<env>`` for runs of several)."""
 
 
 class Batch(TypedDict):

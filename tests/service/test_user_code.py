@@ -68,6 +68,11 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
             id="custom-advantage",
         ),
         pytest.param(
+            {"env": [{"id": "reverse_text"}, {"id": "os:system", "name": "x"}]},
+            refused_env("os:system").replace("env.id", "env.1.id", 1),
+            id="mixture-second-env",
+        ),
+        pytest.param(
             {"orchestrator": {"harness": {"id": "antigravity"}}},
             "orchestrator.harness.id: 'antigravity' is not allowed in a run submitted to the service; allowed: a "
             "built-in harness (",

@@ -34,7 +34,7 @@ from worker.rundir import (
     read_jsonl,
     read_jsonl_after,
 )
-from worker.spec import RLSpec, SFTSpec, SpecError
+from worker.spec import EnvConfig, RLSpec, SFTSpec, SpecError
 
 logger = logging.getLogger("asyncrl.launcher")
 PROCESSES = ("inference", "trainer", "orchestrator")
@@ -59,19 +59,22 @@ def preflight(spec: RLSpec) -> None:
     from worker.envs import EnvironmentLoadError, env_error_field, load_environment
     from worker.orchestrator.prompts import prompt_ids
 
-    try:
-        env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
-    except (EnvironmentLoadError, TypeError, ValueError) as err:
-        raise SpecError(f"{env_error_field(err)}: {err}") from None
-    if env.unsupported:
-        raise SpecError(f"env.id: {env.unsupported}")
-    if spec.orchestrator.curriculum.type == "difficulty_pool" and env.num_tasks is None:
-        raise SpecError(
-            "orchestrator.curriculum.type: difficulty_pool needs a finite taskset, and this one yields train tasks "
-            "forever (set its size, e.g. env.args.num_train)"
-        )
+    longest = 0
+    for i, cfg in enumerate(spec.envs):  # every environment of a mixture (``[[env]]``: keys ``env.<i>.id``)
+        prefix = "env." if isinstance(spec.env, EnvConfig) else f"env.{i}."
+        try:
+            env = load_environment(cfg.id, split="train", seed=spec.seed, **cfg.args)
+        except (EnvironmentLoadError, TypeError, ValueError) as err:
+            raise SpecError(f"{env_error_field(err, prefix)}: {err}") from None
+        if env.unsupported:
+            raise SpecError(f"{prefix}id: {env.unsupported}")
+        if spec.orchestrator.curriculum.type == "difficulty_pool" and env.num_tasks is None:
+            raise SpecError(
+                "orchestrator.curriculum.type: difficulty_pool needs a finite taskset, and this one yields train tasks "
+                f"forever (set its size, e.g. {prefix}args.num_train)"
+            )
+        longest = max(longest, *(len(prompt_ids(tokenizer, env.prompt_messages(env.task(t)))) for t in range(8)))
     orch = spec.orchestrator
-    longest = max(len(prompt_ids(tokenizer, env.prompt_messages(env.task(i)))) for i in range(8))
     if longest + orch.max_tokens > orch.seq_len:
         raise SpecError(
             f"orchestrator.seq_len: {orch.seq_len} tokens cannot hold a {longest}-token prompt plus "

@@ -38,6 +38,8 @@ class Rollout:
     """The role that sampled it in a multi-role task (``"proposer"``, ``"solver"``: ``worker.envs.self_play``)."""
     episode: int | None = None
     """Its episode in the group (a proposal and the solver attempts at it); None for single-role tasks."""
+    env: str = ""
+    """Name of the environment the group sampled (``[[env]]`` mixtures: ``worker.orchestrator.mixture``)."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -56,6 +58,7 @@ class Rollout:
             "completion_len": sum(self.loss_mask),
             "finish_reason": self.finish_reason,
             **({"role": self.role, "episode": self.episode} if self.role is not None else {}),
+            **({"env": self.env} if self.env else {}),
         }
 
 

@@ -33,6 +33,8 @@ from worker.packing import completion_length
 from worker.spec import AdvantageConfig, AdvantageRangeGate, GateConfig
 
 G = TypeVar("G")
+T = TypeVar("T")
+"""A task of a step: its task index, or ``(env index, task index)`` in the orchestrator (``mixture.EnvMixture``)."""
 GateFn = Callable[[Sequence[float | None], Sequence[float | None], Any], bool]
 
 
@@ -76,12 +78,12 @@ def rejected_by(
 
 
 @dataclass
-class GatedStep(Generic[G]):
+class GatedStep(Generic[T, G]):
     """One step's groups after its gates: ``kept`` (slot order) and every group started with its task index."""
 
     kept: list[G]
-    started: list[tuple[int, G]] = field(default_factory=list)
-    """``(task index, group)`` of every group of the step, rejected ones included (in start order)."""
+    started: list[tuple[T, G]] = field(default_factory=list)
+    """``(task, group)`` of every group of the step, rejected ones included (in start order)."""
     rejected: int = 0
     resampled: int = 0
     unfilled: int = 0
@@ -96,12 +98,12 @@ class GatedStep(Generic[G]):
 
 
 async def fill_batch(
-    indices: Sequence[int],
+    indices: Sequence[T],
     groups: Sequence[G],
-    spares: Sequence[int],
+    spares: Sequence[T],
     rejects: Callable[[G], bool],
-    start: Callable[[int, int], Awaitable[G]],
-) -> GatedStep[G]:
+    start: Callable[[int, T], Awaitable[G]],
+) -> GatedStep[T, G]:
     """Replace the rejected groups of a step by groups of spare tasks, in rounds, until none is rejected or the
     spares run out.
 
@@ -118,7 +120,7 @@ async def fill_batch(
         The kept groups in slot order and the counts (a rejected spare counts as rejected too).
     """
     slots: list[G | None] = list(groups)
-    out: GatedStep[G] = GatedStep(kept=[], started=list(zip(indices, groups, strict=True)))
+    out: GatedStep[T, G] = GatedStep(kept=[], started=list(zip(indices, groups, strict=True)))
     pending = [s for s, g in enumerate(groups) if rejects(g)]
     out.rejected = len(pending)
     while pending and out.resampled < len(spares):

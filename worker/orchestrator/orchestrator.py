@@ -39,15 +39,16 @@ from typing import Any, TypeVar
 from worker.batch import TrainSample, write_batch
 from worker.checkpoint import due as checkpoint_due
 from worker.checkpoint import write_part
-from worker.envs import Environment, load_environment
+from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.live_config import LiveConfig
 from worker.orchestrator import advantages
 from worker.orchestrator.batcher import Rollout, build_batch
-from worker.orchestrator.data import TaskSampler, request_seed
+from worker.orchestrator.data import request_seed
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.gates import GatedStep, fill_batch, group_rejects
 from worker.orchestrator.harness import HarnessRunner
+from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metrics
 from worker.orchestrator.rollouts import rollout_group
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt
@@ -75,27 +76,28 @@ class Orchestrator:
             max_retries=inf.max_retries,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
-        self.train_env: Environment = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
-        self.eval_env: Environment = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
-        self.harness: HarnessRunner | None = (
-            HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
-            if self.train_env.needs_harness
-            else None
-        )
-        """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
-        self.sampler = TaskSampler.resume(
+        self.sampler = EnvMixture.load(
+            spec.envs,
             run.checkpoint_dir(start_step) / "orchestrator",
             step=start_step,
-            num_tasks=self.train_env.num_tasks,
             seed=spec.seed,
             batch_size=spec.orchestrator.batch_size,
             curriculum=spec.orchestrator.curriculum,
             max_async_level=spec.orchestrator.max_async_level,
         )
-        """Each step's task indices, from the data cursor (and curriculum state) of the checkpoint resumed from."""
-        self._gated: dict[int, GatedStep[list[Rollout]]] = {}
+        """The run's environments (``[[env]]``: a mixture) and each step's (env, task index) pairs, from the data
+        cursors (and curriculum state) of the checkpoint resumed from."""
+        self.train_env: Environment = self.sampler.envs[0].train
+        self.eval_env: Environment = self.sampler.envs[0].eval
+        self.harness: HarnessRunner | None = (
+            HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
+            if any(e.train.needs_harness for e in self.sampler.envs)
+            else None
+        )
+        """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
+        self._gated: dict[int, GatedStep[tuple[int, int], list[Rollout]]] = {}
         """Every group each step started (rejected ones too) and its gate counts, until the main loop observes it."""
-        self.advantage = advantages.make_advantage(spec.orchestrator.advantage, env=spec.env.id)
+        self.advantage = advantages.make_advantage(spec.orchestrator.advantage, env=spec.envs[0].name)
         advantages.restore_state(self.advantage, run.checkpoint_dir(start_step) / "orchestrator")
         """The run's advantage (``rae``: baselines carried across steps), restored from the checkpoint resumed from."""
         self.policy_version = start_step
@@ -160,13 +162,13 @@ class Orchestrator:
         """The request seed of a place in the run (``data.request_seed``), None with ``seeded_sampling`` off."""
         return request_seed(self.spec.seed, *where) if self.spec.orchestrator.seeded_sampling else None
 
-    async def rollout_group(self, index: int, seed: int | None) -> list[Rollout]:
+    async def rollout_group(self, index: int, seed: int | None, env: int = 0) -> list[Rollout]:
         orch = self.spec.orchestrator
         max_len = min(orch.seq_len, self.spec.inference.max_model_len)
-        return await rollout_group(
+        group = await rollout_group(
             self.client,
             self.tokenizer,
-            self.train_env,
+            self.sampler.envs[env].train,
             index,
             harness=self.harness,
             n=orch.group_size,
@@ -179,21 +181,24 @@ class Orchestrator:
             max_total_tokens=max(1, max_len - orch.max_tokens),
             seed=seed,
         )
+        for r in group:
+            r.env = self.sampler.envs[env].config.name
+        return group
 
     async def generate_step(
-        self, step: int, indices: list[int], spares: list[int] | None = None
+        self, step: int, indices: list[tuple[int, int]], spares: list[tuple[int, int]] | None = None
     ) -> list[list[Rollout]]:
-        """The step's groups, one per task of ``indices``; with gates, rejected groups are replaced by groups of the
-        ``spares`` (``gates.fill_batch``; spare j is requested as slot ``len(indices) + j``)."""
-        groups = (self.rollout_group(index, self._seed(step, slot)) for slot, index in enumerate(indices))
+        """The step's groups, one per (env, task index) of ``indices``; with gates, rejected groups are replaced by
+        groups of the ``spares`` (``gates.fill_batch``; spare j is requested as slot ``len(indices) + j``)."""
+        groups = (self.rollout_group(index, self._seed(step, slot), env) for slot, (env, index) in enumerate(indices))
         done = list(await asyncio.gather(*groups))
         orch = self.spec.orchestrator
         if not orch.gates:
             self._gated[step] = GatedStep(kept=done, started=list(zip(indices, done, strict=True)))
             return done
 
-        def start(j: int, index: int) -> Awaitable[list[Rollout]]:
-            return self.rollout_group(index, self._seed(step, len(indices) + j))
+        def start(j: int, task: tuple[int, int]) -> Awaitable[list[Rollout]]:
+            return self.rollout_group(task[1], self._seed(step, len(indices) + j), task[0])
 
         self._gated[step] = gated = await fill_batch(
             indices, done, spares or [], group_rejects(orch.gates, orch.advantage), start
@@ -203,7 +208,7 @@ class Orchestrator:
     def observe_step(self, step: int, orch: OrchestratorConfig) -> dict[str, Any]:
         """Feed every group step ``step`` started to the curriculum (in step order); its curriculum and gate metrics."""
         gated = self._gated.pop(step)
-        started = [(index, [r.reward for r in group]) for index, group in gated.started]
+        started = [(task, [r.reward for r in group]) for task, group in gated.started]
         metrics = self.sampler.observe(step, started, orch.curriculum)
         return {**metrics, **(gated.metrics() if orch.gates else {})}
 
@@ -288,19 +293,22 @@ class Orchestrator:
             logger.info("eval at policy version %d: done already, skipped", version)
             return None
         self._evaluated.add(version)
-        result = await evaluate(
-            self.client,
-            self.eval_env,
-            self.tokenizer,
-            num_examples=ev.num_examples,
-            temperature=ev.temperature,
-            max_tokens=self.spec.orchestrator.max_tokens,
-            max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
-            pass_k=ev.pass_k,
-            pass_threshold=ev.pass_threshold,
-            harness=self.harness,
-            seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
-        )
+        results = {}
+        for env in self.sampler.envs:  # each environment of a mixture on its own eval split
+            results[env.config.name] = await evaluate(
+                self.client,
+                env.eval,
+                self.tokenizer,
+                num_examples=ev.num_examples,
+                temperature=ev.temperature,
+                max_tokens=self.spec.orchestrator.max_tokens,
+                max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
+                pass_k=ev.pass_k,
+                pass_threshold=ev.pass_threshold,
+                harness=self.harness,
+                seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
+            )
+        result = combine_evals(results)
         self.run.log_metrics("eval", version, result)
         logger.info("eval at policy version %d: %s", version, result)
         return result
@@ -336,6 +344,7 @@ class Orchestrator:
                 step_spec = self._step_specs.pop(step)
                 samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
+                metrics.update(env_step_metrics(step, groups, samples, step_spec.orchestrator, self.sampler.names))
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:

@@ -24,7 +24,7 @@ from worker.spec.orchestrator import (
     RaeAdvantage,
     StandardCurriculum,
 )
-from worker.spec.runs import SPEC_TYPES, RLSpec, SFTSpec
+from worker.spec.runs import ENV_TAGS, SPEC_TYPES, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
 
@@ -133,23 +133,28 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
             check_unknown_keys(inner, value, prefix=f"{dotted}.")
 
 
-_VARIANT_TAGS = frozenset(
-    str(cls.model_fields["type"].default)
-    for cls in (
-        DppoKlLoss,
-        IpoLoss,
-        IcePopLoss,
-        AipoLoss,
-        GrpoAdvantage,
-        MaxRLAdvantage,
-        RaeAdvantage,
-        HierarchicalGrpoAdvantage,
-        StandardCurriculum,
-        DifficultyPoolCurriculum,
-        AdvantageRangeGate,
+_VARIANT_TAGS = (
+    frozenset(
+        str(cls.model_fields["type"].default)
+        for cls in (
+            DppoKlLoss,
+            IpoLoss,
+            IcePopLoss,
+            AipoLoss,
+            GrpoAdvantage,
+            MaxRLAdvantage,
+            RaeAdvantage,
+            HierarchicalGrpoAdvantage,
+            StandardCurriculum,
+            DifficultyPoolCurriculum,
+            AdvantageRangeGate,
+        )
     )
-) | {"custom"}  # CustomLoss, CustomAdvantage
-"""The ``type`` tags of the loss and advantage unions: pydantic puts them in an error's location; messages drop them."""
+    | {"custom"}
+    | frozenset(ENV_TAGS)
+)  # custom: CustomLoss, CustomAdvantage
+"""The ``type`` tags of the loss, advantage, curriculum and gate unions and the ``env`` union's: pydantic puts them in an
+error's location; messages drop them."""
 
 
 def _format_validation_error(err: ValidationError) -> str:

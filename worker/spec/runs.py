@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
 from worker.spec.launcher import LauncherConfig
@@ -31,6 +32,64 @@ class EnvConfig(StrictModel):
     name only allowed code (``worker/spec/user_code.py``)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment loader (e.g. ``num_train``, ``max_chars``)."""
+    name: str = ""
+    """Names the environment in per-env metrics (``reward_mean/<name>``) and checkpoints; default: the ``id``.
+    Names of a mixture's environments differ."""
+    weight: float = Field(default=1.0, ge=0, le=1e6)
+    """Sampling weight in a mixture (``[[env]]``): each group's environment is drawn with probability
+    ``weight / sum of weights`` (``worker/orchestrator/mixture.py``); 0 keeps it for evals only."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        """An unnamed environment is named by its id (when the id is a valid name)."""
+        if isinstance(data, dict) and not data.get("name"):
+            env_id = data.get("id", "reverse_text")
+            return {**data, "name": env_id} if isinstance(env_id, str) and ENV_NAME.match(env_id) else data
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v and not ENV_NAME.match(v):
+            raise ValueError(f"expected {ENV_NAME_RULE}, got {v!r}")
+        return v
+
+
+ENV_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$")
+ENV_NAME_RULE = "1-64 characters: letters, digits, '_', '.', ':' or '-' (no '/': it ends metric names)"
+ENV_TAGS = ("[env]", "[[env]]")
+"""The tags of the ``env`` union (one table or an array): pydantic puts them in an error's location; messages drop
+them (``worker.spec.loading``)."""
+Envs = Annotated[
+    Annotated[EnvConfig, Tag(ENV_TAGS[0])] | Annotated[list[EnvConfig], Tag(ENV_TAGS[1])],
+    Discriminator(lambda v: ENV_TAGS[1] if isinstance(v, list | tuple) else ENV_TAGS[0]),
+]
+"""``env``: one ``[env]`` table (an ``EnvConfig``) or an ``[[env]]`` array of them."""
+
+
+def check_envs(v: EnvConfig | list[EnvConfig]) -> None:
+    """A mixture (``[[env]]``): at least one environment, each named, names differ, some weight above 0.
+
+    Raises:
+        ValueError: ``env.1.name: duplicate environment name 'reverse_text' ...`` / ``env.weight: ...``.
+    """
+    if isinstance(v, EnvConfig):
+        return
+    if not v:
+        raise ValueError("env: expected one [env] table or a non-empty [[env]] array, got an empty array")
+    seen: set[str] = set()
+    for i, env in enumerate(v):
+        if not env.name:
+            raise ValueError(f"env.{i}.name: id {env.id!r} is no name; set name: {ENV_NAME_RULE}")
+        if env.name in seen:
+            raise ValueError(
+                f"env.{i}.name: duplicate environment name {env.name!r}; give each [[env]] its own name "
+                "(names key per-env metrics)"
+            )
+        seen.add(env.name)
+    if not any(env.weight > 0 for env in v):
+        raise ValueError("env.weight: the weights are all 0; at least one [[env]] needs weight > 0")
 
 
 # ----------------------------------------------------------------------------- inference
@@ -93,7 +152,8 @@ class RLSpec(StrictModel):
     max_steps: int = Field(default=100, ge=1, le=MAX_STEPS)
     """Optimizer steps (at most ``MAX_STEPS``)."""
     model: ModelConfig
-    env: EnvConfig = Field(default_factory=EnvConfig)
+    env: Envs = Field(default_factory=EnvConfig)
+    """One ``[env]`` table, or a mixture: an array ``[[env]]`` whose groups are drawn by ``weight``."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -105,6 +165,16 @@ class RLSpec(StrictModel):
 
     _name = field_validator("name")(_check_run_name)
     _alerts = field_validator("alerts", mode="before")(_check_alert_count)
+
+    @property
+    def envs(self) -> list[EnvConfig]:
+        """The run's environments: ``[env]`` as a list of one, or the ``[[env]]`` mixture."""
+        return [self.env] if isinstance(self.env, EnvConfig) else list(self.env)
+
+    @model_validator(mode="after")
+    def _mixture(self) -> RLSpec:
+        check_envs(self.env)
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLSpec:
@@ -156,6 +226,7 @@ class SFTSpec(StrictModel):
     """Optimizer steps (at most ``MAX_STEPS``)."""
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
+    """One environment: SFT does not train on mixtures (an ``[[env]]`` of one table is taken as that table)."""
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
     seq_len: int = Field(default=2048, ge=8, le=1_048_576)
     """Packed sequence length in tokens (at most 2**20, as ``orchestrator.seq_len``)."""
@@ -172,6 +243,18 @@ class SFTSpec(StrictModel):
 
     _name = field_validator("name")(_check_run_name)
     _alerts = field_validator("alerts", mode="before")(_check_alert_count)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _one_env(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            if len(v) != 1:
+                raise ValueError(
+                    f"SFT trains on one environment: expected one [env] table, got {len(v)} [[env]] tables "
+                    "(mixtures are for RL runs)"
+                )
+            return v[0]
+        return v
 
     @property
     def run_dir(self) -> Path:

@@ -80,7 +80,8 @@ def train_step(
     ``mismatch_kl`` (k3, over all loss tokens) measures trainer policy v(step-1) against the
     sampling policy, so it includes the drift of stale rollouts; ``mismatch_kl_on_policy`` keeps only
     samples generated entirely by v(step-1), i.e. the inference-vs-trainer numerical mismatch
-    (NaN when the step has none).
+    (NaN when the step has none). A run of several environments also gets ``mismatch_kl/<env>`` over each
+    environment's samples (their ``env``; NaN for one without samples this step).
 
     Returns:
         Over all ranks: sums of per-token metrics divided by the loss-token count, plus ``entropy``,
@@ -143,15 +144,24 @@ def train_step(
             if sample["policy_span"] == [step - 1, step - 1]:
                 sums["on_policy_kl"] += out.metrics["mismatch_kl"]
                 sums["on_policy_tokens"] += out.metrics["loss_tokens"]
+            if "env" in sample:  # a mixture's sample (worker.orchestrator.mixture): mismatch_kl/<env>
+                sums[f"env_kl/{sample['env']}"] += out.metrics["mismatch_kl"]
+                sums[f"env_tokens/{sample['env']}"] += out.metrics["loss_tokens"]
             sums["entropy"] += entropy[mask].sum()
         (total * (info.loss_scale / n_tokens)).backward()
         sums["loss"] += total.detach()
     totals = all_ranks_sum({name: float(v) for name, v in sums.items()}, info)  # one sync per metric, at the end
     counts = {name: totals.pop(name, 0.0) for name in ("trained_tokens", "attended_pairs", "loss_tokens")}
     on_policy_kl, on_policy_tokens = totals.pop("on_policy_kl", 0.0), totals.pop("on_policy_tokens", 0.0)
+    env_kl = {n.split("/", 1)[1]: totals.pop(n) for n in [n for n in totals if n.startswith("env_kl/")]}
+    env_tokens = {n.split("/", 1)[1]: totals.pop(n) for n in [n for n in totals if n.startswith("env_tokens/")]}
     metrics: dict[str, float] = {name: value / n_tokens for name, value in totals.items()}
     metrics["masked_fraction"] = metrics.pop("masked", 0.0)
     metrics["mismatch_kl_on_policy"] = on_policy_kl / on_policy_tokens if on_policy_tokens else float("nan")
+    envs = [e.name for e in spec.envs] if len(spec.envs) > 1 else []
+    for env in envs:  # NaN for an environment with no loss token this step
+        tokens = env_tokens.get(env, 0.0)
+        metrics[f"mismatch_kl/{env}"] = env_kl.get(env, 0.0) / tokens if tokens else float("nan")
     metrics["trained_tokens"] = int(counts["trained_tokens"])
     metrics["attended_pairs"] = int(counts["attended_pairs"])
     return metrics
@@ -224,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = train_step(model, batch, spec, step, info) if batch["num_samples"] else {}
         for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
             metrics.setdefault(name, float("nan"))
+        for env in spec.envs if len(spec.envs) > 1 else []:  # and a mixture's per-env mismatch_kl
+            metrics.setdefault(f"mismatch_kl/{env.name}", float("nan"))
         grad_norm = grad_norm_value(
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm)
         )

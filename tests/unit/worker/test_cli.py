@@ -389,6 +389,40 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "parse_int=None, parse_constant=None, object_pairs_hook=None, **kw) cannot be called as loads(rewards, "
         "completion_lengths): too many positional arguments",
     ),
+    # environment mixtures ([[env]]): every env is checked, names differ, weights not all 0
+    "rl-mixture-duplicate-name": (
+        ["rl", "@", RL_TOML, "--env", '[{id="reverse_text"}, {id="reverse_text", weight=2}]', "--dry-run"],
+        "error: env.1.name: duplicate environment name 'reverse_text'; give each [[env]] its own name "
+        "(names key per-env metrics)",
+    ),
+    "rl-mixture-all-zero-weights": (
+        ["rl", "@", RL_TOML, "--env", '[{id="reverse_text", weight=0}, {id="arithmetic", weight=0}]', "--dry-run"],
+        "error: env.weight: the weights are all 0; at least one [[env]] needs weight > 0",
+    ),
+    "rl-mixture-negative-weight": (
+        ["rl", "@", RL_TOML, "--env", '[{id="reverse_text"}, {id="arithmetic", weight=-1}]', "--dry-run"],
+        "error: env.1.weight: Input should be greater than or equal to 0, got -1",
+    ),
+    "sft-mixture": (
+        ["sft", "@", SFT_TOML, "--env", '[{id="reverse_text"}, {id="arithmetic"}]', "--dry-run"],
+        "error: env: SFT trains on one environment: expected one [env] table, got 2 [[env]] tables "
+        "(mixtures are for RL runs)",
+    ),
+    "rl-dry-run-mixture-second-env-does-not-import": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--env",
+            '[{id="reverse_text"}, {id="nope.module:make", name="nope"}]',
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "re:error: env.1.id: .*'nope\\.module:make'.*",
+    ),
     # environment and lengths
     "rl-dry-run-env-does-not-import": (
         [
