@@ -16,6 +16,7 @@ from sqlmodel import Session
 from server.models import ConfigRevision, MetricSeries
 from server.services import metrics
 from worker.alert_rules import PER_ENV_METRICS
+from worker.orchestrator.staleness import LAG_HIST_METRICS
 
 MISMATCH_KL_THRESHOLD = 1e-3
 """Alert threshold drawn on the ``mismatch_kl`` chart (nats per token, k3 estimator)."""
@@ -31,6 +32,8 @@ class Chart:
     """(source, metric name, legend label) of each line."""
     log_y: bool = False
     threshold: float | None = None
+    stacked: bool = False
+    """Draw the lines as bars stacked per step (a histogram per step; the compare page overlays them as lines)."""
 
 
 CHARTS: tuple[Chart, ...] = (
@@ -54,6 +57,15 @@ CHARTS: tuple[Chart, ...] = (
             ("orchestrator", "staleness_max", "max"),
             ("orchestrator", "dropped_stale", "dropped"),
         ),
+    ),
+    Chart(
+        "lag_hist",
+        "Policy lag of trained samples (count per lag bucket)",
+        tuple(
+            ("orchestrator", name, "lag " + name.removeprefix("lag_hist/").replace("plus", "+"))
+            for name in LAG_HIST_METRICS
+        ),
+        stacked=True,
     ),
     Chart("tokens_per_s", "Trainer tokens/s", (("trainer", "tokens_per_s", "tokens/s"),)),
 )
@@ -160,6 +172,9 @@ def run_figures(
         lines = chart_lines(chart, envs or [])
         data = [_trace(label, series[(src, name)]) for src, name, label in lines if (src, name) in series]
         layout = _layout(chart.title, marks, log_y=chart.log_y)
+        if chart.stacked:
+            data = [{"type": "bar", "name": t["name"], "x": t["x"], "y": t["y"]} for t in data]
+            layout["barmode"] = "stack"
         if chart.threshold is not None:
             steps = [x for t in data for x in t["x"]]
             if steps:
@@ -201,7 +216,7 @@ ADVICE = {
     "inference-bound": [
         "move GPUs from the trainer to inference",
         "raise orchestrator.max_async_level so inference runs further ahead of the trainer (keep "
-        "orchestrator.max_off_policy_steps >= it, or the older rollouts are dropped as stale)",
+        "orchestrator.max_off_policy_steps >= it: the window is the smaller of the two)",
         "larger orchestrator.batch_size: more concurrent rollouts keep vLLM busier",
         "lower orchestrator.max_tokens if completions are cut anyway",
     ],

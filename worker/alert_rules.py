@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from worker.orchestrator.staleness import LAG_HIST_METRICS
+
 Source = Literal["trainer", "orchestrator", "eval", "inference"]
 """A process that reports metrics to ``metrics.jsonl``."""
 
@@ -76,6 +78,10 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "gate_rejected_groups",
         "gate_resampled_groups",
         "gate_unfilled_groups",
+        "dropped_stale_groups",
+        "trained_gen_time_ratio",
+        "trained_len_ratio",
+        *LAG_HIST_METRICS,
     ),
     "eval": ("reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"),
     "inference": ("weight_update_s",),

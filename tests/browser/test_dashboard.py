@@ -156,3 +156,27 @@ def test_run_page_charts_update_live_and_compare_overlays(
         "rs => rs.map(r => Array.from(r.children).map(c => c.innerText))"
     )
     assert rows == [["max_steps", "60", "50"], ["name", b["name"], a["name"]]]
+
+
+def test_run_page_draws_the_lag_histogram_as_stacked_bars(
+    page: Any, login: Any, live_server: str, make_run: Any, auth: dict[str, str]
+) -> None:
+    """Case C20 on the run page: per step, one bar segment per lag bucket; step 2's 1 + 3 stack to its 4 samples."""
+    run = make_run(max_steps=10)
+    buckets = {"lag_hist/0": [4, 1], "lag_hist/1": [0, 3], "lag_hist/8plus": [0, 0]}
+    pts = [
+        {"source": "orchestrator", "step": step, "name": name, "value": counts[step - 1], "time": time.time()}
+        for name, counts in buckets.items()
+        for step in (1, 2)
+    ]
+    r = httpx.post(f"{live_server}/api/runs/{run['id']}/metrics", json={"points": pts}, headers=auth)
+    assert r.status_code == 200, r.text
+    login(page, live_server, new_token(f"lag-{secrets.token_hex(3)}"))
+    page.goto(f"{live_server}/runs/{run['id']}")
+    wait_for(lambda: _chart(page, "lag_hist", "d.data.length") == 3, 10, "three lag buckets drawn")
+    assert _chart(page, "lag_hist", "d.layout.barmode") == "stack"
+    assert _chart(page, "lag_hist", "d.data.map(t => [t.type, t.name, t.y])") == [
+        ["bar", "lag 0", [4, 1]],
+        ["bar", "lag 1", [0, 3]],
+        ["bar", "lag 8+", [0, 0]],
+    ]

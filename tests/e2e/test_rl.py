@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ import pytest
 from tests.support.runs import by_source, rl_spec
 from worker.alert_rules import METRICS
 from worker.launchers.local import launch_rl
+from worker.live_config import set_local
 from worker.orchestrator.data import data_order
 from worker.orchestrator.orchestrator import TRUNCATED_WARN_FRACTION
+from worker.orchestrator.staleness import LAG_HIST_METRICS
 from worker.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, SFTSpec, load_spec_data, validate_spec
 
@@ -62,6 +65,10 @@ ORCHESTRATOR_METRICS = {
     "rollout_tokens",
     "policy_version",
     "temperature",
+    "dropped_stale_groups",
+    "trained_gen_time_ratio",
+    "trained_len_ratio",
+    *LAG_HIST_METRICS,
 }
 LEARN_STEPS = 48
 EVAL_METRICS = {"reward_mean", "pass_at_k", "k", "num_examples"}
@@ -210,6 +217,10 @@ def test_same_spec_same_seed_gives_bit_identical_metrics(sft_model: Path, vllm_s
 
 
 def test_slow_trainer_drops_stale_rollouts(sft_model: Path, vllm_server: Any, tmp_path: Path) -> None:
+    """The start gate keeps rollouts within max_off_policy_steps (min(max_async_level, max_off_policy_steps),
+    case C23), so rollouts go stale only when the bound is lowered live below the lag of rollouts already started:
+    3 -> 1 while the orchestrator runs 3 steps ahead of the slow trainer. The first step whose rollouts start after
+    the change (acknowledged at step m) began under v(m-4): lag 3 > 1, dropped; later steps wait for v(m-1)."""
     spec = rl_spec(
         sft_model,
         vllm_server.url,
@@ -219,20 +230,31 @@ def test_slow_trainer_drops_stale_rollouts(sft_model: Path, vllm_server: Any, tm
         **{
             "trainer.slow_step_s": 2.0,
             "orchestrator.max_async_level": 3,
-            "orchestrator.max_off_policy_steps": 2,
+            "orchestrator.max_off_policy_steps": 3,
         },
     )
-    summary = launch_rl(spec, quiet=True)
-    assert summary["status"] == "completed"
     run = RunDir(spec.run_dir)
+
+    def lower_bound() -> None:  # once the trainer made v1: it sleeps 2 s before training step 2
+        _wait_for(lambda: any(r["source"] == "trainer" for r in read_jsonl(run.metrics)), 120, "trainer step 1")
+        set_local(run.root, ["orchestrator.max_off_policy_steps=1"])
+
+    lowering = threading.Thread(target=lower_bound, daemon=True)
+    lowering.start()
+    summary = launch_rl(spec, quiet=True)
+    lowering.join(timeout=5)
+    assert summary["status"] == "completed"
     orch = by_source(run, "orchestrator")
     assert sum(r["dropped_stale"] for r in orch) > 0
-    lags = []
+    (acked,) = [a["step"] for a in read_jsonl(run.root / "config_acks.jsonl") if a["process"] == "orchestrator"]
     for step in range(1, 7):
+        bound = 3 if step < acked else 1  # the max_off_policy_steps in effect for the step's batch
         batch = json.loads(run.batch(step).read_text())
-        lags += [(step - 1) - s["policy_span"][0] for mb in batch["micro_batches"] for s in mb]
-    assert lags and max(lags) <= 2  # trained rollouts never lag more than max_off_policy_steps
-    assert max(r["trained_staleness_max"] for r in orch) <= 2
+        lags = [(step - 1) - s["policy_span"][0] for mb in batch["micro_batches"] for s in mb]
+        assert max(lags, default=0) <= bound  # trained rollouts never lag more than max_off_policy_steps
+        assert orch[step - 1]["trained_staleness_max"] <= bound
+        assert sum(orch[step - 1][name] for name in LAG_HIST_METRICS) == len(lags)  # case C20
+    assert sum(r["lag_hist/3"] for r in orch) > 0  # the async window was used before the change
     trainer = by_source(run, "trainer")
     assert [r["step"] for r in trainer] == list(range(1, 7))
     assert all(TRAINER_METRICS <= r.keys() for r in trainer)

@@ -57,9 +57,25 @@ def test_bottleneck_shares_use_the_last_window_of_steps() -> None:
     assert figures.bottleneck({}).verdict is None
 
 
+def test_lag_histogram_chart_stacks_the_buckets_per_step() -> None:
+    # two steps: step 1 trained 4 samples at lag 0; step 2 trained 1 at lag 0 and 3 at lag 1 (C20: 4 each)
+    series = {
+        ("orchestrator", name): _series("orchestrator", [1, 2], values)
+        for name, values in [("lag_hist/0", [4.0, 1.0]), ("lag_hist/1", [0.0, 3.0]), ("lag_hist/8plus", [0.0, 0.0])]
+    }
+    fig = figures.run_figures(series, [])["lag_hist"]
+    assert fig["layout"]["barmode"] == "stack"
+    assert [(t["type"], t["name"], t["y"]) for t in fig["data"]] == [
+        ("bar", "lag 0", [4.0, 1.0]),
+        ("bar", "lag 1", [0.0, 3.0]),
+        ("bar", "lag 8+", [0.0, 0.0]),
+    ]
+    assert ("orchestrator", "lag_hist/4-7") in figures.SERIES_KEYS  # loaded with the other series of the run page
+
+
 def test_inference_bound_advice_names_the_key_that_widens_the_async_window() -> None:
-    """Rollouts for step n start once inference serves version >= n - 1 - max_async_level (worker/spec/orchestrator.py):
-    max_async_level is what lets inference run ahead; max_off_policy_steps only drops what lags further."""
+    """Rollouts for step n start once inference serves version >= n - 1 - min(max_async_level, max_off_policy_steps)
+    (worker/orchestrator/staleness.py): max_async_level is what lets inference run ahead, up to max_off_policy_steps."""
     advice = figures.ADVICE["inference-bound"]
     ahead = [a for a in advice if "further ahead" in a]
     assert len(ahead) == 1 and ahead[0].startswith("raise orchestrator.max_async_level ")

@@ -13,7 +13,7 @@ from typing import Any
 from worker.batch import TrainSample
 from worker.orchestrator.advantages import Advantage, is_zero_advantage, make_advantage
 from worker.orchestrator.branches import trace_advantages
-from worker.orchestrator.staleness import admitted, rollout_lag
+from worker.orchestrator.staleness import admitted, lag_histogram, rollout_lag
 from worker.packing import completion_length
 from worker.spec import OrchestratorConfig
 
@@ -40,6 +40,9 @@ class Rollout:
     """Its episode in the group (a proposal and the solver attempts at it); None for single-role tasks."""
     env: str = ""
     """Name of the environment the group sampled (``[[env]]`` mixtures: ``worker.orchestrator.mixture``)."""
+    generation_s: float | None = None
+    """Seconds from the first request to the last reply (scoring not counted; a single-turn group's rollouts share
+    their one request's time); None: not measured."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -59,6 +62,7 @@ class Rollout:
             "finish_reason": self.finish_reason,
             **({"role": self.role, "episode": self.episode} if self.role is not None else {}),
             **({"env": self.env} if self.env else {}),
+            "generation_s": self.generation_s,
         }
 
 
@@ -67,10 +71,14 @@ def build_batch(
 ) -> tuple[list[TrainSample], dict[str, Any]]:
     """Advantages, staleness filter and zero-advantage filter for the groups of trainer step ``step``.
 
-    Staleness (``worker.orchestrator.staleness``): a rollout's lag is ``(step - 1) - v_start``; rollouts
-    with lag above ``orch.max_off_policy_steps`` are dropped and counted in ``dropped_stale``, never trained on;
-    so are rollouts longer than ``orch.seq_len`` tokens (prompt + completion; a multi-turn rollout whose
-    last turn or tool result crossed it), counted in ``dropped_overlong``.
+    Staleness (``worker.orchestrator.staleness``): a rollout's lag is ``(step - 1) - v_start``; a rollout
+    with lag above ``orch.max_off_policy_steps`` is never trained on.
+    ``orch.stale_policy`` says what it does to its group: ``withhold_member`` trains the others, its reward
+    still in their baseline (case C12: rewards [1, 0, 0, 1], the last stale -> [0.5, -0.5, -0.5]);
+    ``drop_group`` drops the group, counted in ``dropped_stale_groups``. ``dropped_stale`` counts the
+    rollouts with a reward that staleness kept out. Rollouts longer than ``orch.seq_len`` tokens (prompt +
+    completion; a multi-turn rollout whose last turn or tool result crossed it) are not trained on either,
+    counted in ``dropped_overlong``.
     Rewards that are None get no advantage and are not trained on (case C8); a group whose rewards
     are all None is counted in ``groups_all_missing``, never scored 0.
 
@@ -79,10 +87,15 @@ def build_batch(
 
     Returns:
         The training samples and the step's orchestrator metrics (reward, advantage, length,
-        staleness and drop statistics).
+        staleness and drop statistics; the lag histogram of the trained samples, ``lag_hist/<bucket>``; and the
+        bias toward fast tasks: ``trained_gen_time_ratio`` and ``trained_len_ratio``, the mean generation time
+        and completion length of the trained rollouts over those of all the step's rollouts, NaN with no trained
+        or no timed rollout).
     """
     samples: list[TrainSample] = []
     stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
+    trained: list[Rollout] = []
+    dropped_stale_groups = 0
     dropped_stale = dropped_overlong = dropped_zero = missing = all_missing_groups = truncated = 0
     advantage = advantage if advantage is not None else make_advantage(orch.advantage)
     for group_index, group in enumerate(groups):
@@ -102,10 +115,17 @@ def build_batch(
         if orch.drop_zero_advantage and is_zero_advantage(result):
             dropped_zero += 1
             continue
-        for r, lag in zip(group, lags, strict=True):
+        fresh = [admitted(lag, orch.max_off_policy_steps) for lag in lags]
+        if orch.stale_policy == "drop_group" and not all(
+            ok for r, ok in zip(group, fresh, strict=True) if r.advantage is not None
+        ):
+            dropped_stale_groups += 1
+            dropped_stale += sum(r.advantage is not None for r in group)
+            continue
+        for r, lag, ok in zip(group, lags, fresh, strict=True):
             if r.advantage is None:
                 continue
-            if not admitted(lag, orch.max_off_policy_steps):
+            if not ok:
                 dropped_stale += 1
                 continue
             if len(r.prompt_ids) + len(r.completion_ids) > orch.seq_len:
@@ -113,6 +133,7 @@ def build_batch(
                 continue
             stats["advantages"].append(r.advantage)
             stats["trained_lags"].append(lag)
+            trained.append(r)
             samples.append(
                 TrainSample(
                     input_ids=r.prompt_ids + r.completion_ids,
@@ -139,8 +160,36 @@ def build_batch(
         "staleness_max": max(lags, default=0),
         "trained_staleness_max": max(stats["trained_lags"], default=0),
         "dropped_stale": dropped_stale,
+        "dropped_stale_groups": dropped_stale_groups,
+        **lag_histogram(stats["trained_lags"]),
+        **trained_ratios(trained, [r for group in groups for r in group]),
         "dropped_overlong": dropped_overlong,
         "dropped_zero_advantage_groups": dropped_zero,
         "num_samples": len(samples),
     }
     return samples, metrics
+
+
+def trained_ratios(trained: list[Rollout], finished: list[Rollout]) -> dict[str, float]:
+    """Whether dropping biases training toward fast tasks: trained rollouts' means over all finished rollouts'.
+
+    ``trained_gen_time_ratio = mean(generation_s of trained) / mean(generation_s of finished)`` (rollouts with a
+    measured ``generation_s`` only) and ``trained_len_ratio`` the same of completion lengths (sampled tokens).
+    Below 1: the step trains on faster / shorter rollouts than it generated. NaN when a mean is undefined or 0.
+    """
+
+    def ratio(part: list[float], whole: list[float]) -> float:
+        if not part or not whole or statistics.fmean(whole) == 0:
+            return float("nan")
+        return statistics.fmean(part) / statistics.fmean(whole)
+
+    def times(rollouts: list[Rollout]) -> list[float]:
+        return [r.generation_s for r in rollouts if r.generation_s is not None]
+
+    def lens(rollouts: list[Rollout]) -> list[float]:
+        return [float(completion_length(r.loss_mask)) for r in rollouts]
+
+    return {
+        "trained_gen_time_ratio": ratio(times(trained), times(finished)),
+        "trained_len_ratio": ratio(lens(trained), lens(finished)),
+    }

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -194,12 +195,15 @@ class HarnessRunner:
             max_total_tokens=max_total_tokens,
         )
         async with self._slots:
-            v_start = policy_version()
+            v_start, t0 = policy_version(), time.perf_counter()
             trace = await vf.Agent(config).run(task)
-            span = (v_start, policy_version())
+            span, seconds = (v_start, policy_version()), time.perf_counter() - t0
         if not trace.ok:
             logger.warning("rollout of task %s failed: %s", task.key, [e.model_dump() for e in trace.errors])
-        return trace_to_rollouts(trace, task_key=str(task.key), temperature=temperature, policy_span=span)
+        rollouts = trace_to_rollouts(trace, task_key=str(task.key), temperature=temperature, policy_span=span)
+        for r in rollouts:
+            r.generation_s = seconds
+        return rollouts
 
     async def run_group(self, task: EnvTask, *, n: int, **kwargs: Any) -> list[Rollout]:
         """`n` rollouts of `task` (one group), concurrently within the runner's bound; `kwargs` as for `run`."""

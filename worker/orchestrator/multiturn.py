@@ -15,6 +15,7 @@ environment answers None, at `max_turns` model turns, or when another turn would
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +88,7 @@ async def run_conversation(
     mask: list[int] = []
     logprobs: list[float] = []
     turns: list[dict[str, Any]] = []
-    v_start = policy_version()
+    v_start, t0 = policy_version(), time.perf_counter()
     finish_reason = "length"
     for turn in range(max_turns):
         budget = min(max_tokens, max_len - len(ids))
@@ -110,7 +111,7 @@ async def run_conversation(
         mask += [0] * len(env_ids)
         logprobs += [0.0] * len(env_ids)
         turns.append({"role": "user", "content": user_text})
-    span = (v_start, policy_version())
+    span, seconds = (v_start, policy_version()), time.perf_counter() - t0
     trace = await env.score_conversation(task, turns)
     return Rollout(
         task_key=str(task.key),
@@ -124,6 +125,7 @@ async def run_conversation(
         policy_span=span,
         temperature=temperature,
         completion_mask=mask,
+        generation_s=seconds,
     )
 
 

@@ -2,9 +2,10 @@
 
 One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
 
-- **producer**: for step n, waits until inference serves policy version >= n - 1 - max_async_level
-  (the start gate of ``staleness.py``; the wait is ``wait_for_policy``; 0 async levels = on-policy), then
-  starts the step's groups by the environment's rollout path (``rollouts.py``).
+- **producer**: for step n, waits until inference serves policy version
+  >= n - 1 - min(max_async_level, max_off_policy_steps) (the start gate of ``staleness.py``; the wait is
+  ``wait_for_policy``; 0 async levels = on-policy), then starts the step's groups by the environment's
+  rollout path (``rollouts.py``).
   Step n takes the next B = batch_size tasks of the data order after the cursor, which each checkpoint
   saves (``data.TaskSampler``), so a resumed or forked run continues right after its parent's tasks.
   A ``difficulty_pool`` curriculum draws them by each task's pass rate instead (``curriculum.py``); with gates, a
@@ -213,9 +214,11 @@ class Orchestrator:
         return {**metrics, **(gated.metrics() if orch.gates else {})}
 
     async def produce(self) -> None:
-        level = self.spec.orchestrator.max_async_level
         for step in range(self.start_step + 1, self.spec.max_steps + 1):
-            waited = await self.wait_for_version(min_start_version(step, level))
+            orch = self.spec.orchestrator  # the gate: min(max_async_level, max_off_policy_steps) (case C23)
+            waited = await self.wait_for_version(
+                min_start_version(step, orch.max_async_level, orch.max_off_policy_steps)
+            )
             # step boundary: live config revisions apply to every rollout, batch and eval of this step on
             self.spec, _ = self.live.apply(self._spec, step)
             self._step_specs[step] = self._spec

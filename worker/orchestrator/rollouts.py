@@ -14,6 +14,7 @@ Training (`worker.orchestrator.orchestrator`) and evaluation (`worker.orchestrat
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -51,9 +52,9 @@ async def single_turn_group(
         InferenceError: the server did not answer within the client's bounded retries.
     """
     ids = prompt_ids(tokenizer, env.prompt_messages(task))
-    v_start = policy_version()
+    v_start, t0 = policy_version(), time.perf_counter()
     completions = await client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    span = (v_start, policy_version())
+    span, seconds = (v_start, policy_version()), time.perf_counter() - t0
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     rewards = await asyncio.gather(*(env.score(task, text) for text in texts))
     return [
@@ -68,6 +69,7 @@ async def single_turn_group(
             advantage=None,
             policy_span=span,
             temperature=temperature,
+            generation_s=seconds,
         )
         for c, text, reward in zip(completions, texts, rewards, strict=True)
     ]

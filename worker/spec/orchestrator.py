@@ -222,7 +222,11 @@ class OrchestratorConfig(StrictModel):
     each level keeps a step of rollouts in flight)."""
     max_off_policy_steps: int = Field(default=8, ge=0, le=1_000_000)
     """A rollout whose generating policy version lags the trainer's (n - 1) by more than this is dropped (bounded
-    like ``max_steps``)."""
+    like ``max_steps``); the start gate never lets rollouts start further behind (``min(max_async_level, this)``,
+    ``worker/orchestrator/staleness.py``)."""
+    stale_policy: Literal["withhold_member", "drop_group"] = "withhold_member"
+    """A rollout lagging more than ``max_off_policy_steps``: ``withhold_member`` trains its group's other rollouts,
+    its reward still in their baseline; ``drop_group`` drops the whole group (case C12)."""
     advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
     """How rollouts are scored against their group (``worker/orchestrator/advantages/``)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -170,6 +170,10 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: {tmp}/list.json: expected a JSON object of spec keys, got list",
     ),
     # values
+    "stale-policy-unknown": (
+        ["rl", "@", RL_TOML, "--orchestrator.stale_policy", "drop_member", "--dry-run"],
+        "error: orchestrator.stale_policy: Input should be 'withhold_member' or 'drop_group', got 'drop_member'",
+    ),
     "negative-steps": (
         ["rl", "@", RL_TOML, "--max_steps", "-1", "--dry-run"],
         "error: max_steps: Input should be greater than or equal to 1, got -1",
