@@ -125,12 +125,14 @@ RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")
 
 
 def reports(source: Source, metric: str) -> bool:
-    """True when process ``source`` logs ``metric``: a name of ``METRICS``, or ``<name>/<env>`` of
-    ``PER_ENV_METRICS`` (any env name: the run's spec names them)."""
+    """True when process ``source`` logs ``metric``: a name of ``METRICS`` (some hold a ``/``: ``lag_hist/0``), or
+    ``<name>/<env>`` of ``PER_ENV_METRICS`` (any env name: the run's spec names them)."""
+    if metric in METRICS[source]:
+        return True
     base, sep, env = metric.partition("/")
     if sep:
         return bool(env) and "/" not in env and base in PER_ENV_METRICS.get(source, ())
-    return metric in METRICS[source]
+    return False
 
 
 def default_source(metric: str) -> Source:
