@@ -29,7 +29,7 @@ from tests.support.fault_matrix import PROCESSES, SERVICES, FaultMatrix, table
 from tests.support.faults import Stack, new_root, remove
 from tests.support.runs import small_spec
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fault_matrix]
 MAX_STEPS = 150
 """Enough for the service cells (40-60 steps in three runs on the 2-core box) and the four process cells after
 them (2-4 steps each), with room for a faster machine."""
