@@ -47,6 +47,7 @@ LIVE_KEYS: dict[str, str] = {
     "trainer.loss.mask_high": "trainer",
     "trainer.loss.epsilon": "trainer",
     "trainer.loss.band": "trainer",
+    **{f"orchestrator.curriculum.weights.{pool}": "orchestrator" for pool in ("hard", "normal", "easy", "unseen")},
 }
 """Dotted spec key -> the process that applies it (at its next step boundary).
 
@@ -54,8 +55,9 @@ Why each is safe to change between steps: the learning rate moves the schedule's
 sampling keys, ``group_size`` and ``batch_size`` apply to the rollouts requested from the next step on (the data
 cursor advances by the ``batch_size`` in effect, so a resume repeats no task: ``worker/orchestrator/data.py``); the
 loss's KL weight and mask bounds (``kl_tau``, ``mask_low``/``mask_high`` of ``dppo_kl``, ``epsilon`` of ``ipo``,
-``band`` of ``icepop``) are read by every step's loss. A loss key exists only for its loss type; on a run with
-another type it is refused naming ``trainer.loss.type``."""
+``band`` of ``icepop``) are read by every step's loss; a ``difficulty_pool`` curriculum's pool weights are read by
+every step's draw (``worker/orchestrator/curriculum.py``). A loss key exists only for its loss type, a weight only for
+``difficulty_pool``; on a run of another type it is refused naming the table's ``type``."""
 
 ENDED = ("completed", "failed", "cancelled")
 LIFECYCLE_EVENTS = ("starting", "running", *ENDED)
@@ -96,8 +98,10 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
     current = json.loads(validate_spec("rl", spec).model_dump_json())  # every table written out, loss type included
     now = live_values(current)
     for key in changes:
-        if now[key] is None:  # a field of another loss type (kl_tau on an ipo loss)
+        if now[key] is None:  # a field of another type (kl_tau on an ipo loss, a pool weight of "standard")
             parent = key.rsplit(".", 1)[0]
+            while "." in parent and not _has_table(current, parent):
+                parent = parent.rsplit(".", 1)[0]  # the nearest table the run has: the one whose type decides
             raise LiveConfigError(
                 f"{key}: not a field of this run's {parent} (type {get_key(current, parent + '.type')!r}); the run's "
                 f"live keys: {', '.join(k for k in LIVE_KEYS if now[k] is not None)}"
@@ -105,6 +109,13 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
     resolved = validate_spec("rl", with_keys(current, changes))
     data = json.loads(resolved.model_dump_json())
     return {key: get_key(data, key) for key in changes}
+
+
+def _has_table(data: dict[str, Any], key: str) -> bool:
+    try:
+        return isinstance(get_key(data, key), dict)
+    except KeyError:
+        return False
 
 
 def live_values(spec: dict[str, Any]) -> dict[str, Any]:

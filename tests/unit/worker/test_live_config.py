@@ -203,6 +203,7 @@ def test_imports_nothing_heavy() -> None:
 
 IPO = {"trainer": {"loss": {"type": "ipo"}}}
 ICEPOP = {"trainer": {"loss": {"type": "icepop"}}}
+POOL = {"orchestrator": {"curriculum": {"type": "difficulty_pool"}}}
 
 
 @pytest.mark.parametrize(
@@ -264,6 +265,22 @@ ICEPOP = {"trainer": {"loss": {"type": "icepop"}}}
             "[1.5, 5]",
             "trainer.loss.band: expected [low, high] with 0 < low < 1 < high, got [1.5, 5]",
         ),
+        (
+            "orchestrator.curriculum.weights.hard",
+            POOL,
+            "0.5",
+            lambda s: s.orchestrator.curriculum.weights.hard,
+            "-0.1",
+            "orchestrator.curriculum.weights.hard: Input should be greater than or equal to 0, got -0.1",
+        ),
+        (
+            "orchestrator.curriculum.weights.unseen",
+            POOL,
+            "2",
+            lambda s: s.orchestrator.curriculum.weights.unseen,
+            "1e9",
+            "orchestrator.curriculum.weights.unseen: Input should be less than or equal to 1000000, got 1000000000.0",
+        ),
     ],
 )
 def test_issue17_live_key_is_validated_and_applied_at_the_step_boundary(
@@ -293,3 +310,13 @@ def test_a_loss_key_of_another_loss_type_is_refused_naming_the_run_type(tmp_path
         "trainer.optim.lr, orchestrator.temperature,"
     )
     assert "trainer.loss.epsilon" in str(err.value) and "trainer.loss.mask_low" not in str(err.value)
+
+
+def test_a_curriculum_weight_of_the_standard_curriculum_is_refused_naming_its_type(tmp_path: Path) -> None:
+    run_dir, _ = make_run_dir(tmp_path)
+    with pytest.raises(SpecError) as err:
+        set_local(run_dir, ["orchestrator.curriculum.weights.hard=0.5"])
+    assert str(err.value).startswith(
+        "orchestrator.curriculum.weights.hard: not a field of this run's orchestrator.curriculum (type 'standard')"
+    )
+    assert read_revisions(run_dir) == []
