@@ -34,10 +34,18 @@ def get_session() -> Iterator[Session]:
         yield session
 
 
+def hold_write_lock(session: Session) -> None:
+    """SQLite (embedded; no row or advisory locks): take the database's write lock now, held until ``session``'s
+    transaction ends, by a write that changes nothing, so that what the transaction read stays true until it commits
+    (another writer waits, up to the connection's 30 s timeout). Postgres: nothing (row and advisory locks do it)."""
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(text("UPDATE alembic_version SET version_num = version_num WHERE 0 = 1"))
+
+
 def serialize(session: Session, name: str) -> None:
     """Hold the lock ``name`` until ``session``'s transaction ends, so that a check and the write it allows (count the
     rows, then add one) happen one transaction at a time: a Postgres advisory transaction lock keyed by the name's
-    hash. SQLite (embedded, one user) takes no lock here; its writes are serialized already, though two checks may
-    still read the same count."""
+    hash; on SQLite the database's write lock (:func:`hold_write_lock`: one writer at a time, whatever the name)."""
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
+    hold_write_lock(session)

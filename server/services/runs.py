@@ -25,7 +25,7 @@ from sqlmodel import Session, col, select
 
 from server.alerts import rules as alert_rules
 from server.core.config import settings
-from server.core.db import serialize
+from server.core.db import hold_write_lock, serialize
 from server.models import TERMINAL, ForkRequest, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
 from server.services import capacity, permissions, spec_policy
 from server.services.tokens import Principal
@@ -104,7 +104,9 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
 
 
 def get(session: Session, run_id: int, *, lock: bool = False) -> Run:
-    """The run, optionally locked (``SELECT … FOR UPDATE``) until the transaction ends.
+    """The run, optionally locked (``SELECT … FOR UPDATE``; SQLite: the database's write lock,
+    ``server.core.db.hold_write_lock``) until the transaction ends, so that no other writer changes it meanwhile (a
+    launch that records ``starting`` after its supervisor already reported ``failed`` would undo the report).
 
     Raises:
         RunNotFound: no run with this id (ids outside the 32-bit key range included).
@@ -114,6 +116,7 @@ def get(session: Session, run_id: int, *, lock: bool = False) -> Run:
     stmt = select(Run).where(Run.id == run_id)
     if lock:
         stmt = stmt.with_for_update()
+        hold_write_lock(session)
     run = session.exec(stmt).first()
     if run is None:
         raise RunNotFound(f"run {run_id} not found")

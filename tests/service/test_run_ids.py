@@ -135,3 +135,42 @@ def test_sqlite_upgrade_to_0006_keeps_every_runs_rows(tmp_path: Path) -> None:
     eng.dispose()
     migrate(url, "0005_users_roles", down=True)
     migrate(url)
+
+
+def test_sqlite_a_locked_run_is_not_changed_under_its_holder(sqlite_engine: sa.Engine) -> None:
+    """SQLite has no ``FOR UPDATE``: ``runs.get(lock=True)`` takes the database's write lock, so a launch that read
+    the run ``queued`` and records ``starting`` cannot undo the ``failed`` its supervisor reported meanwhile (the
+    embedded demo saw a run stay ``starting`` with its supervisor gone). The reporter waits for the launch's commit,
+    then finds the run ``starting`` and ends it."""
+    import threading
+
+    from server.models import RunStatus
+    from server.services import runs
+
+    with Session(sqlite_engine) as s:
+        run_id = runs.create(s, data=spec(name="race"), owner="alice").id
+        s.commit()
+    assert run_id is not None
+    order: list[str] = []
+
+    def supervisor_reports_failed() -> None:
+        with Session(sqlite_engine) as s:
+            run = runs.get(s, run_id, lock=True)  # waits for the launch's commit
+            order.append(f"report sees {run.status}")
+            runs.transition(s, run, RunStatus.failed, reason="preflight: model.name: missing")
+            s.commit()
+
+    with Session(sqlite_engine) as launch:
+        run = runs.get(launch, run_id, lock=True)
+        assert run.status == "queued"
+        reporter = threading.Thread(target=supervisor_reports_failed)
+        reporter.start()  # the supervisor it started reports at once
+        reporter.join(timeout=1.0)
+        assert reporter.is_alive()  # held off by the launch's lock
+        order.append("launch records starting")
+        runs.transition(launch, run, RunStatus.starting, reason="launched")
+        launch.commit()
+    reporter.join(timeout=30)
+    assert order == ["launch records starting", "report sees starting"]
+    with Session(sqlite_engine) as s:
+        assert runs.get(s, run_id).status == "failed"
