@@ -431,20 +431,26 @@ def kill_leftovers() -> dict[int, int]:
     return done
 
 
+def _unsent_rows(run: Run, home: Path, name: str, offset_path: Path) -> list[dict[str, Any]]:
+    """The complete lines of the run file ``name`` (``metrics.jsonl``, ``events.jsonl``) after the byte offset its
+    supervisor had sent up to (``offset_path``), read safely (``worker.run_files``); [] when the file is refused (a
+    link: logged)."""
+    rel = runs.run_file(run, name)
+    try:
+        rows, _ = read_jsonl_after(
+            Path(run.run_dir) / name, read_offset(offset_path), opener=lambda _: open_run_file(home, rel)
+        )
+    except RunFileRefused as err:
+        logger.warning("run %s: unsent lines of %s not read: %s", stored_id(run), name, err)
+        return []
+    return rows
+
+
 def _ingest_spooled_metrics(session: Session, run: Run, home: Path) -> int:
     """Store the points of ``metrics.jsonl`` the supervisor had not forwarded (after ``forwarded.offset``), as the
     metrics route would (idempotent; invalid points are skipped); returns how many were read. Not committed."""
-    offset = read_offset(SupervisorHome(home).forwarded_offset)
-    rel = runs.run_file(run, "metrics.jsonl")
-    try:
-        rows, _ = read_jsonl_after(
-            Path(run.run_dir) / "metrics.jsonl", offset, opener=lambda _: open_run_file(home, rel)
-        )
-    except RunFileRefused as err:
-        logger.warning("run %s: spooled metrics not read: %s", stored_id(run), err)
-        return 0
     points = []
-    for point in rows_to_points(rows):
+    for point in rows_to_points(_unsent_rows(run, home, "metrics.jsonl", SupervisorHome(home).forwarded_offset)):
         try:
             points.append(MetricPoint.model_validate(point))
         except ValidationError:
@@ -457,17 +463,8 @@ def _ingest_spooled_events(session: Session, run: Run, home: Path) -> int:
     """Record the engine events of ``events.jsonl`` (``disk_full``, ``truncated``, ...) the supervisor had not
     forwarded (after ``events.offset``), as the events route would (each once; invalid lines are skipped); returns how
     many were new. Not committed."""
-    offset = read_offset(SupervisorHome(home).events_offset)
-    rel = runs.run_file(run, "events.jsonl")
-    try:
-        rows, _ = read_jsonl_after(
-            Path(run.run_dir) / "events.jsonl", offset, opener=lambda _: open_run_file(home, rel)
-        )
-    except RunFileRefused as err:
-        logger.warning("run %s: spooled events not read: %s", stored_id(run), err)
-        return 0
     events = []
-    for row in rows:
+    for row in _unsent_rows(run, home, "events.jsonl", SupervisorHome(home).events_offset):
         if row.get("event") not in ENGINE_EVENTS:
             continue
         try:
