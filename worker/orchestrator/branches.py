@@ -41,6 +41,7 @@ class Branch(Protocol):
     trace: str | None
     role: str | None
     episode: int | None
+    env: str
 
     @property
     def loss_mask(self) -> list[int]: ...
@@ -109,6 +110,7 @@ def trace_advantages(
     rewards = [group[first[k]].reward for k in traces]
     lengths = [sum(n for key, n in zip(keys, completion_lengths, strict=True) if key == k) for k in traces]
     firsts = [group[first[k]] for k in traces]
-    result = advantage.score(Group(rewards, lengths, [r.role for r in firsts], [r.episode for r in firsts]))
+    env = (group[0].env or None) if group else None  # the group's environment: rae keys its baselines by (env, role)
+    result = advantage.score(Group(rewards, lengths, [r.role for r in firsts], [r.episode for r in firsts], env=env))
     per_trace = dict(zip(traces, result.advantages, strict=True))
     return dataclasses.replace(result, advantages=[per_trace[k] for k in keys])

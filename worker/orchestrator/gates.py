@@ -70,7 +70,13 @@ def rejected_by(
     Raises:
         ValueError: rewards the advantage cannot score (as ``compute_advantages``).
     """
-    advantages = compute_advantages(advantage, rewards, lengths).advantages
+    return first_rejecting(gates, rewards, compute_advantages(advantage, rewards, lengths).advantages)
+
+
+def first_rejecting(
+    gates: Sequence[GateConfig], rewards: Sequence[float | None], advantages: Sequence[float | None]
+) -> int | None:
+    """Index of the first gate that rejects a group with these rewards and advantages (one per rollout), or None."""
     for i, gate in enumerate(gates):
         if GATES[gate.type](rewards, advantages, gate):
             return i
@@ -144,11 +150,17 @@ async def fill_batch(
 
 
 def group_rejects(gates: Sequence[GateConfig], advantage: AdvantageConfig) -> Callable[[Any], bool]:
-    """``rejects(group)`` for ``fill_batch`` over a group of ``Rollout``s (``reward``, ``loss_mask``)."""
+    """``rejects(group)`` for ``fill_batch`` over a group of ``Rollout``s (``reward``, ``loss_mask``, ``trace``): the
+    advantages it judges are the ones the batch would train (a forked trace counted once: ``branches.trace_advantages``,
+    case C22)."""
+    from worker.orchestrator.advantages import make_advantage
+    from worker.orchestrator.branches import trace_advantages
+
+    scorer = make_advantage(advantage)  # stateless types only (the spec refuses gates with rae, hierarchical_grpo)
 
     def rejects(group: Any) -> bool:
-        rewards = [r.reward for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
-        return rejected_by(gates, advantage, rewards, lengths) is not None
+        advantages = trace_advantages(scorer, group, lengths).advantages
+        return first_rejecting(gates, [r.reward for r in group], advantages) is not None
 
     return rejects

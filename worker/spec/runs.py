@@ -179,10 +179,10 @@ class RLSpec(StrictModel):
     @model_validator(mode="after")
     def _cross_checks(self) -> RLSpec:
         adv, orch = self.orchestrator.advantage, self.orchestrator
-        if adv.type == "grpo" and orch.group_size < 2:
-            raise ValueError(
-                f"orchestrator.group_size: GRPO needs at least 2 rollouts per group, got {orch.group_size}"
-            )
+        group_relative = {"grpo": "GRPO needs at least 2 rollouts", "maxrl": "MaxRL needs at least 2 rollouts"}
+        group_relative["hierarchical_grpo"] = "hierarchical_grpo needs at least 2 episodes"  # proposers: across them
+        if adv.type in group_relative and orch.group_size < 2:  # a group of one scores every rollout 0: no signal
+            raise ValueError(f"orchestrator.group_size: {group_relative[adv.type]} per group, got {orch.group_size}")
         if orch.max_tokens >= self.inference.max_model_len:
             raise ValueError(
                 f"orchestrator.max_tokens: must be below inference.max_model_len ({self.inference.max_model_len}), "

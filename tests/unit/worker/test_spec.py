@@ -215,8 +215,16 @@ def test_unusable_files_and_override_keys(tmp_path: Path) -> None:
 def test_group_size_one_with_grpo() -> None:
     msg = _error("rl", {**MODEL, "orchestrator": {"group_size": 1}})
     assert msg == "orchestrator.group_size: GRPO needs at least 2 rollouts per group, got 1"
-    # maxrl has no such requirement
-    assert validate_spec("rl", {**MODEL, "orchestrator": {"group_size": 1, "advantage": {"type": "maxrl"}}})
+    # every group-relative advantage scores a group of one 0 (MaxRL: (R - R) / R); rae keeps a baseline across steps
+    maxrl = {"group_size": 1, "advantage": {"type": "maxrl"}}
+    assert _error("rl", {**MODEL, "orchestrator": maxrl}) == (
+        "orchestrator.group_size: MaxRL needs at least 2 rollouts per group, got 1"
+    )
+    hier = {"group_size": 1, "advantage": {"type": "hierarchical_grpo", "episode_agents": ["solver"]}}
+    assert _error("rl", {**MODEL, "orchestrator": hier}) == (
+        "orchestrator.group_size: hierarchical_grpo needs at least 2 episodes per group, got 1"
+    )
+    assert validate_spec("rl", {**MODEL, "orchestrator": {"group_size": 1, "advantage": {"type": "rae"}}})
 
 
 def test_icepop_band_message_exactly_as_style() -> None:

@@ -76,3 +76,31 @@ def test_trace_advantages_count_each_trace_once_and_sum_its_lengths() -> None:
     result = trace_advantages(make_advantage(GrpoAdvantage(length_penalty=1.0)), group, [3, 1, 2, 1])
     assert result.advantages == [pytest.approx(0.25), pytest.approx(0.25), pytest.approx(-0.25), None]
     assert (result.reward_mean, result.reward_missing) == (pytest.approx(0.5), 1)
+
+
+def test_rae_in_a_mixture_keeps_one_baseline_per_environment_through_build_batch() -> None:
+    """Groups reach the run's advantage through ``trace_advantages``, which names each group's environment: with
+    ``rae`` (decay 0.5, group_size 1) a step with a group of reward 1 from env ``a`` and one of reward 0 from ``b``
+    gives b_a = 0.5 * 0 + 0.5 * 1 = 0.5 (advantage 1 - 0.5 = 0.5) and b_b = 0 (advantage 0), not one shared baseline."""
+    from worker.spec import RaeAdvantage
+
+    first, second = rollout([1], [2], [1], reward=1.0), rollout([1], [3], [1], reward=0.0)
+    first.env, second.env = "a", "b"
+    advantage = make_advantage(RaeAdvantage(decay=0.5), env="a")
+    orch = OrchestratorConfig(group_size=1, drop_zero_advantage=False, advantage=RaeAdvantage(decay=0.5))
+    build_batch(1, [[first], [second]], orch, advantage)
+    assert (first.advantage, second.advantage) == (0.5, 0.0)
+    assert advantage.state() == {"type": "rae", "baselines": {"a": {"": 0.5}, "b": {"": 0.0}}}
+
+
+def test_c22_a_gate_judges_the_advantages_the_batch_trains() -> None:
+    """The C22 group (a forked trace of reward 1, one trace of reward 0): per trace the GRPO advantages are +-0.5
+    (mean |A| 0.5); per rollout they would be [1/3, 1/3, -2/3] (mean 0.444). A gate rejecting [0, 0.45] keeps it."""
+    from worker.orchestrator.gates import group_rejects
+    from worker.spec import AdvantageRangeGate
+
+    a, b, c = rollout([1], [2], [1], 1.0), rollout([1], [3], [1], 1.0), rollout([1], [4], [1], 0.0)
+    a.trace = b.trace = "fork"
+    rejects = group_rejects([AdvantageRangeGate(reject_min=0.0, reject_max=0.45)], GrpoAdvantage())
+    assert rejects([a, b, c]) is False
+    assert rejects([a, rollout([1], [3], [1], 1.0), c]) is True  # three traces: mean |A| = 4/9 < 0.45
