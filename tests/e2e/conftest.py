@@ -3,12 +3,14 @@
 - ``tiny_model``: a random-init tiny Qwen3 + byte-level tokenizer, built once per session.
 - ``vllm_server``: ONE vLLM server per session on a free 127.0.0.1 port, serving ``tiny_model``
   with the weight-update extension; the process group is killed at the end of the session.
-  Tests that use it should be marked ``@pytest.mark.vllm``. Tests that change its weights must
-  restore the original ones (``update_weights(vllm_server.model_path)``) before they finish.
+  Tests that use it should be marked ``@pytest.mark.vllm``. After every test that used it, its original weights
+  are published again (``restore_served_weights``), so a run that trained through it (``inference.url``) never
+  leaves the next test a trained policy (test_curriculum_run did, and test_inference's parity failed after it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,3 +55,22 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield VLLMServer(url=url, model_path=tiny_model, log_path=log_path, proc=proc)
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(autouse=True)
+def restore_served_weights(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used ``vllm_server``: publish its original weights again (pause, load, reset the prefix
+    cache, resume: ``InferenceClient.publish_weights``), whatever the test loaded."""
+    yield
+    if "vllm_server" not in request.fixturenames:
+        return
+    server: VLLMServer = request.getfixturevalue("vllm_server")
+    if server.proc.poll() is not None:
+        return
+    from worker.inference.client import InferenceClient
+
+    async def restore() -> None:
+        async with InferenceClient(server.url) as client:
+            await client.publish_weights(server.model_path)
+
+    asyncio.run(restore())
