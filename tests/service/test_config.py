@@ -53,7 +53,8 @@ def test_revisions_are_numbered_and_normalised_and_get_after_shows_the_rest(
         "trainer.loss.mask_high": 0.2,
         "trainer.loss.epsilon": None,  # a field of the ipo loss: not in this (dppo_kl) run
         "trainer.loss.band": None,
-    }
+        **{f"orchestrator.curriculum.weights.{pool}": None for pool in ("hard", "normal", "easy", "unseen")},
+    }  # pool weights: fields of a difficulty_pool curriculum, not of this (standard) run
     assert state["owners"] == LIVE_KEYS
     after = client.get(f"/api/runs/{run_id}/config", params={"after": 1}, headers=auth).json()
     assert after["revision"] == 2 and [r["revision"] for r in after["data"]] == [2]
