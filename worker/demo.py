@@ -219,7 +219,7 @@ def follow_run(
     import httpx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from worker import supervisor
+    from worker.procs import alive
 
     seen_events, last_step, evals_seen, reward, gone = 0, -1, -1, float("nan"), 0
     last_ok = time.monotonic()
@@ -277,9 +277,9 @@ def follow_run(
             if run["status"] in TERMINAL:
                 return dict(run)
             home = Path(run["run_dir"]).parent
-            gone = (
-                gone + 1 if local_supervisor and run["launcher_handle"] and supervisor.running_pid(home) is None else 0
-            )
+            handle = str(run["launcher_handle"] or "")
+            # by its pid, not its lock: a supervisor still importing has not taken the lock yet
+            gone = gone + 1 if local_supervisor and handle.isdigit() and not alive(int(handle)) else 0
             if gone >= 3:  # it reports the end before it exits: three polls later the server would know
                 raise DemoError(
                     f"run {run_id}: its supervisor (pid {run['launcher_handle']}) exited without "

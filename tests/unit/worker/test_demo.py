@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.demo import TERMINAL, embedded_service, follow_run
+from worker.demo import TERMINAL, DemoError, embedded_service, follow_run
 from worker.procs import alive  # the liveness check the service itself uses
 
 BAD_MODEL = "/nonexistent/asyncrl-demo-test-model"
@@ -97,3 +97,43 @@ def test_demo_refuses_bad_arguments_before_doing_anything(
     assert main(["demo", "--summary", str(tmp_path / "s.json"), *argv]) == 2
     assert capsys.readouterr().err.strip() == message
     assert not any(tmp_path.iterdir())
+
+
+def _scripted_server(run_dir: Path, pid: int, statuses: list[str]) -> httpx.Client:
+    """A server whose run reports ``statuses`` one per poll (the last one from then on), launched as ``pid``."""
+    polls = iter(statuses)
+    last = {"status": statuses[0]}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/api/runs/7":
+            last["status"] = next(polls, last["status"])
+            return httpx.Response(200, json={"id": 7, "launcher_handle": str(pid), "run_dir": str(run_dir), **last})
+        if path.endswith("/events"):
+            return httpx.Response(200, json={"data": []})
+        return httpx.Response(200, json={"series": []})
+
+    return httpx.Client(base_url="http://asyncrl.test", transport=httpx.MockTransport(answer))
+
+
+def test_follow_run_waits_for_a_supervisor_that_has_not_taken_its_lock_yet(tmp_path: Path) -> None:
+    # a loaded machine: the supervisor still imports (no supervisor.lock yet) for more than three polls
+    starting = subprocess.Popen(["sleep", "30"])
+    try:
+        statuses = ["starting"] * 6 + ["failed"]
+        with _scripted_server(tmp_path / "runs" / "7" / "run", starting.pid, statuses) as client:
+            run = follow_run(client, 7, max_steps=2, poll_s=0.01, local_supervisor=True)
+        assert run["status"] == "failed"
+    finally:
+        starting.kill()
+        starting.wait()
+
+
+def test_follow_run_stops_when_the_supervisor_died_unreported(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with (
+        _scripted_server(tmp_path / "runs" / "7" / "run", dead.pid, ["starting"]) as client,
+        pytest.raises(DemoError, match=rf"run 7: its supervisor \(pid {dead.pid}\) exited without reporting an end"),
+    ):
+        follow_run(client, 7, max_steps=2, poll_s=0.01, local_supervisor=True)
