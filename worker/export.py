@@ -88,7 +88,7 @@ def export_name(step: int | None, adapter_only: bool) -> str:
     return ("final" if step is None else f"step_{step}") + ("-adapter" if adapter_only else "")
 
 
-def _kind_of(folder: Path) -> Kind | None:
+def source_kind(folder: Path) -> Kind | None:
     """``lora`` for a folder holding the adapter files (in itself or its ``adapter/``), ``full`` for one holding
     ``model.safetensors`` or a ``config.json``, None otherwise."""
     if all((folder / ADAPTER_DIR / f).is_file() for f in ADAPTER_FILES) or all(
@@ -100,7 +100,7 @@ def _kind_of(folder: Path) -> Kind | None:
     return None
 
 
-def _adapter_folder(folder: Path) -> Path:
+def adapter_folder(folder: Path) -> Path:
     return folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else folder
 
 
@@ -141,17 +141,17 @@ def find_source(run_dir: str | Path, step: int | None = None) -> ExportSource:
     if step is not None:
         if step not in steps:
             raise ExportError(f"--step: {root} has no complete checkpoint at step {step} (complete steps: {listed})")
-        folder: Path | None = run.checkpoint_dir(step) / "trainer"
-    elif (kind := _kind_of(run.final)) is not None:
-        return ExportSource(root, None, kind, _adapter_folder(run.final) if kind == "lora" else run.final, base, dtype)
+        folder = run.checkpoint_dir(step) / "trainer"
+    elif (kind := source_kind(run.final)) is not None:
+        return ExportSource(root, None, kind, adapter_folder(run.final) if kind == "lora" else run.final, base, dtype)
     elif steps:
         step, folder = steps[-1], run.checkpoint_dir(steps[-1]) / "trainer"
     else:
         raise ExportError(f"RUN_DIR: {root} has neither final/ nor a complete checkpoint to export")
-    kind_ = _kind_of(folder)
+    kind_ = source_kind(folder)
     if kind_ is None:
         raise ExportError(f"--step: checkpoint step {step} of {root} holds neither {WEIGHTS_FILE} nor {ADAPTER_DIR}/")
-    return ExportSource(root, step, kind_, _adapter_folder(folder) if kind_ == "lora" else folder, base, dtype)
+    return ExportSource(root, step, kind_, adapter_folder(folder) if kind_ == "lora" else folder, base, dtype)
 
 
 def check_out(out: Path) -> None:
