@@ -25,7 +25,7 @@ temporary folder beside ``--out`` and renamed to it at the end; a failure remove
 
 Bad input raises :class:`ExportError` with one line naming the problem (CLI exit 2, HTTP 4xx): not a run directory,
 a step without a complete checkpoint (the complete steps listed), ``--out`` existing and not empty, ``adapter_only``
-on a full fine-tune. Imports no torch at module level (the server may read :func:`adapter_name`).
+on a full fine-tune. Imports no torch at module level: the server reads :func:`export_name` and the file names.
 """
 
 from __future__ import annotations

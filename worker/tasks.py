@@ -575,9 +575,10 @@ def export(run_id: int, step: int, adapter_only: bool) -> str:
         runs.record_event(session, run, "export_started", reason=f"exporting to {out}", name=name, step=step)
         session.commit()
         run_dir, model = Path(run.run_dir), dict(run.spec["model"])
+    for left in out.parent.glob(f".{name}.*"):  # a killed earlier delivery's staging or temporary folder
+        shutil.rmtree(left, ignore_errors=True)
     staging = out.with_name(f".{name}.source-{os.getpid()}")
     try:
-        shutil.rmtree(staging, ignore_errors=True)
         open_part = runs.run_file(run, "checkpoints", f"step_{step}", "trainer")
         copy_run_folder(home, open_part, staging)
         kind = source_kind(staging)

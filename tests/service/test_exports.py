@@ -155,7 +155,8 @@ def test_lora_exports_through_the_worker_merged_and_adapter_only(client: Any, pe
 
 
 def test_a_failed_export_records_the_reason(client: Any, people: People, model_dir: Path, tmp_path: Path) -> None:
-    """The task body run here (no worker): the base model is gone, so ``export_failed`` names the model."""
+    """The task body run here (no worker): the base model is gone, so ``export_failed`` names the model; what a killed
+    earlier delivery left is removed."""
     from worker.tasks import export
 
     gone = tmp_path / "gone"
@@ -163,6 +164,9 @@ def test_a_failed_export_records_the_reason(client: Any, people: People, model_d
     run_dir = Path(run["run_dir"])
     run_dir.mkdir(parents=True)
     full_checkpoint(run_dir, model_dir, 1, seed=0)
+    stale = run_dir.parent / "exports" / ".step_1.tmp-99999"  # left by a delivery killed mid-write
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
     assert export(run["id"], 1, False).startswith(f"failed: run {run['id']} export of step 1 failed: ")
     (failed,) = [e for e in events(client, people["owner"][1], run["id"]) if e["kind"] == "export_failed"]
     assert str(gone) in failed["reason"] and "\n" not in failed["reason"]
