@@ -1,6 +1,6 @@
 """The run page (``/runs/{id}``): status, charts with the bottleneck verdict, events, rollouts, logs and live
-config, each a fragment htmx refreshes (``?part=…``); and its writes (stop, resume, fork, live config change,
-delete), which call the same services as the REST API and show their one-line error on the page."""
+config, each a fragment htmx refreshes (``?part=…``), and its complete checkpoints; and its writes (stop, resume,
+fork, live config change, export, delete), which call the same services as the REST API and show their one-line error on the page."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from server.models import TERMINAL, ForkRequest, Role, Run, RunStatus, stored_id
-from server.services import config, permissions, runs
+from server.services import config, exports, permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
 from webui import figures
@@ -63,6 +63,14 @@ def _rollouts(run: Run) -> dict[str, Any]:
     }
 
 
+def _checkpoints(run: Run) -> dict[str, Any]:
+    """The run's complete checkpoints (``exports.checkpoints``) and, when they cannot be listed, why (one line)."""
+    try:
+        return {"checkpoints": exports.checkpoints(run), "checkpoints_error": ""}
+    except InvalidTransition as err:
+        return {"checkpoints": [], "checkpoints_error": str(err)}
+
+
 def run_context(
     db: Session, run: Run, user: Principal | None, process: str = "trainer", part: str = ""
 ) -> dict[str, Any]:
@@ -88,6 +96,8 @@ def run_context(
         figs = figures.run_figures(series, marks, envs)
         figs["bottleneck"] = figures.bottleneck_figure(bn, marks)
         ctx.update(figures_json=figures.figures_json(figs), bottleneck=bn)
+    if part == "":
+        ctx.update(_checkpoints(run))
     if part in ("", "events"):
         ctx["events"] = _events(db, stored_id(run))
     if part in ("", "rollouts"):
@@ -146,6 +156,23 @@ def resume(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Resp
     p = page(request, db)
     p.form(form)
     return _act(p, run_id, lambda user: f"/runs/{runs.resume_by(db, run_id, user).id}")
+
+
+@router.post("/runs/{run_id}/export")
+def export(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
+    """Export a checkpoint (as ``POST /api/runs/{id}/exports``): ``step`` and ``adapter_only`` (a checkbox)."""
+    p = page(request, db)
+    p.form(form)
+
+    def action(user: Principal) -> str:
+        runs.get(db, run_id)
+        step = str(form.get("step", "")).strip()
+        if not (step.isascii() and step.isdigit()):
+            raise SpecError(f"step: expected a checkpoint step (a whole number), got {step!r}")
+        exports.request_export(db, run_id, user, step=int(step), adapter_only=form.get("adapter_only") == "1")
+        return f"/runs/{run_id}"
+
+    return _act(p, run_id, action)
 
 
 @router.post("/runs/{run_id}/delete")

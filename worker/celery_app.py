@@ -47,6 +47,7 @@ class TaskName(enum.StrEnum):
     reconcile = "asyncrl.reconcile"
     check_stalls = "asyncrl.check_stalls"
     start_waiting = "asyncrl.start_waiting"
+    export_run = "asyncrl.export_run"
 
 
 app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["worker.tasks"])

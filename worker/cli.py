@@ -5,6 +5,7 @@
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
     asyncrl model init --out DIR [--size tiny|small] [--overwrite]
     asyncrl demo [--local] [--summary PATH]
+    asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]   (Hugging Face model directory)
     asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
     asyncrl slurm render SPEC [@ more.toml] [--launcher.slurm.nodes 4]   (print the Slurm job script)
     asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
@@ -234,6 +235,50 @@ def _demo_command(argv: list[str]) -> int:
     return 0
 
 
+def _export_command(argv: list[str]) -> int:
+    """``asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]`` (``worker/export.py``)."""
+    p = ArgParser(
+        prog="asyncrl export",
+        description="Write a Hugging Face model directory (weights, config, tokenizer, chat template) from a "
+        "complete checkpoint, or without --step from final/ (else the newest complete checkpoint).",
+    )
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--step", type=int, help="checkpoint step (default: final/, else the newest complete checkpoint)")
+    p.add_argument("--out", type=Path, required=True, help="new (or empty) folder to write")
+    p.add_argument("--adapter-only", action="store_true", help="LoRA runs: write the PEFT adapter, not merged weights")
+    args = p.parse_args(argv)
+    if args.step is not None and args.step < 0:
+        raise SpecError(f"--step: expected an integer >= 0, got {args.step}")
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from transformers.utils import logging as hf_logging
+
+    from worker.export import ExportError, check_adapter_only, check_out, find_source, write_export
+
+    try:
+        source = find_source(args.run_dir, args.step)
+        check_out(args.out)
+        check_adapter_only(source, args.adapter_only)
+        hf_logging.disable_progress_bar()  # one display: the stages below
+        console = Console(stderr=True)
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task(f"exporting {source.label}", total=None)
+            out = write_export(
+                source,
+                args.out,
+                adapter_only=args.adapter_only,
+                stage=lambda text: progress.update(task, description=text),
+            )
+    except ExportError as err:
+        raise SpecError(str(err)) from None
+    except FileNotFoundError as err:  # the base model is gone
+        raise SpecError(f"model.name: {err}") from None
+    what = "adapter" if args.adapter_only else "merged model" if source.kind == "lora" else "model"
+    print(f"exported {what} of {source.label} of {source.run_dir} to {out}")  # noqa: T201
+    return 0
+
+
 def _config_command(argv: list[str]) -> int:
     p = ArgParser(prog="asyncrl config", description="Live config of a running run (keys: worker/live_config.py).")
     sub = p.add_subparsers(dest="action", required=True)
@@ -273,6 +318,7 @@ COMMANDS: dict[str, Any] = {
     "eval": _eval_command,
     "model": _model_command,
     "demo": _demo_command,
+    "export": _export_command,
     "config": _config_command,
     "slurm": _slurm_command,
 }

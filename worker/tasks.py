@@ -1,4 +1,4 @@
-"""Celery tasks: thin shells over ``launch``, ``stop`` and ``reconcile``, plain functions tested without Celery.
+"""Celery tasks: thin shells over ``launch``, ``stop``, ``reconcile`` and ``export``, plain functions tested without Celery.
 
 ``launch(run_id)`` locks the run row and returns at once unless the run is ``queued`` with no launch recorded.
 Otherwise it starts the run's supervisor (``worker.supervisor``: a detached process group that runs the local
@@ -33,6 +33,8 @@ resume): every delivery of one launch sees the same id, and a resume makes a new
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from datetime import UTC
 from pathlib import Path
@@ -54,7 +56,7 @@ from worker import cgroups, supervisor
 from worker.celery_app import TaskName, app
 from worker.procs import alive, live_processes, started_at
 from worker.reporter import row_to_event, rows_to_points
-from worker.run_files import RunFileRefused, open_run_file
+from worker.run_files import RunFileRefused, copy_run_folder, open_run_file
 from worker.rundir import ENGINE_EVENTS, SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
 from worker.spec import RLSpec, SpecError, validate_spec
 
@@ -546,6 +548,75 @@ def launch_run(run_id: int) -> str:
 @app.task(name=TaskName.stop_run.value)
 def stop_run(run_id: int) -> str:
     result = stop(run_id)
+    logger.info(result)
+    return result
+
+
+def export(run_id: int, step: int, adapter_only: bool) -> str:
+    """Write the export of checkpoint ``step`` of run ``run_id`` at ``<home>/exports/step_<step>[-adapter]``
+    (``server.services.exports``), recording ``export_started`` and then ``export_done`` (the path) or
+    ``export_failed`` (the reason); returns what happened. Idempotent: a redelivery finds the folder and does nothing.
+
+    The checkpoint's trainer part is first copied (hard links where possible) through ``worker.run_files`` into a
+    hidden folder beside the export, so nothing the run's processes made is read through a link, and the base model is
+    the one of the run's stored spec, not of files in its run directory."""
+    from worker.export import ExportError, ExportSource, adapter_folder, export_name, source_kind, write_export
+
+    name = export_name(step, adapter_only)
+    with Session(engine) as session:
+        try:
+            run = runs.get(session, run_id)
+        except runs.RunNotFound:
+            return f"skipped: run {run_id} does not exist"
+        home = runs.run_home(run)
+        out = home / "exports" / name
+        if out.exists():
+            return f"skipped: run {run_id} {out} exists"
+        runs.record_event(session, run, "export_started", reason=f"exporting to {out}", name=name, step=step)
+        session.commit()
+        run_dir, model = Path(run.run_dir), dict(run.spec["model"])
+    for left in out.parent.glob(f".{name}.*"):  # a killed earlier delivery's staging or temporary folder
+        shutil.rmtree(left, ignore_errors=True)
+    staging = out.with_name(f".{name}.source-{os.getpid()}")
+    try:
+        open_part = runs.run_file(run, "checkpoints", f"step_{step}", "trainer")
+        copy_run_folder(home, open_part, staging)
+        kind = source_kind(staging)
+        if kind is None:
+            raise ExportError(f"checkpoint step {step} holds neither model.safetensors nor adapter/")
+        path = adapter_folder(staging) if kind == "lora" else staging
+        source = ExportSource(run_dir, step, kind, path, str(model["name"]), str(model.get("dtype", "float32")))
+        write_export(source, out, adapter_only=adapter_only)
+    except Exception as err:  # recorded as the reason; the task itself succeeds (a redelivery would fail the same)
+        reason = f"export of step {step} failed: {_one_line(err)}"
+        with Session(engine) as session:
+            runs.record_event(session, runs.get(session, run_id), "export_failed", reason=reason, name=name, step=step)
+            session.commit()
+        return f"failed: run {run_id} {reason}"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    with Session(engine) as session:
+        runs.record_event(
+            session,
+            runs.get(session, run_id),
+            "export_done",
+            reason=f"exported to {out}",
+            name=name,
+            step=step,
+            path=str(out),
+        )
+        session.commit()
+    return f"exported: run {run_id} step {step} to {out}"
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+@app.task(name=TaskName.export_run.value)
+def export_run(run_id: int, step: int, adapter_only: int) -> str:
+    result = export(run_id, step, bool(adapter_only))
     logger.info(result)
     return result
 

@@ -760,6 +760,7 @@ API_WRITES = [  # (method, route as listed, path, body, verb): every write on so
     ("DELETE", "/api/runs/{run_id}", "/api/runs/{run}", None, "delete it"),
     ("POST", "/api/runs/{run_id}/resume", "/api/runs/{run}/resume", None, "resume it"),
     ("POST", "/api/runs/{run_id}/fork", "/api/runs/{run}/fork", {"changes": {"max_steps": 4}}, "fork from it"),
+    ("POST", "/api/runs/{run_id}/exports", "/api/runs/{run}/exports", {"step": 1}, "export it"),
     (
         "PATCH",
         "/api/runs/{run_id}/config",
@@ -836,6 +837,7 @@ FORMS = [  # (form route, path, fields, verb): every dashboard form on something
         "run {ended} belongs to {owner}: only its owner or an admin may delete it",
     ),
     ("/runs/{run_id}/fork", "/runs/{run}/fork", {"changes": "max_steps = 4"}, BELONGS + "fork from it"),
+    ("/runs/{run_id}/export", "/runs/{run}/export", {"step": "1"}, BELONGS + "export it"),
     ("/runs/{run_id}/config", "/runs/{run}/config", {"trainer.optim.lr": "5e-5"}, BELONGS + "change its live config"),
     (
         "/alerts/rules/{rule_id}/enabled",

@@ -30,9 +30,9 @@ from worker.checkpoint import write_part
 from worker.rundir import RunDir
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-OPERATIONS = 32
+OPERATIONS = 34
 """Operations of the schema: every ``/api`` route and ``/healthz`` (the Prometheus ``/metrics`` is not in it)."""
-RUN_OPERATIONS = 18
+RUN_OPERATIONS = 20
 """Those with a ``{run_id}``."""
 ADMIN_EXAMPLES = 25
 OTHER_EXAMPLES = 8

@@ -30,6 +30,7 @@ ENGINE = (
     "worker.spec*",  # the run spec, also once split in several modules
     "worker.rundir",
     "worker.checkpoint",
+    "worker.export",
     "worker.packing",
     "worker.batch",
     "worker.dotted_keys",

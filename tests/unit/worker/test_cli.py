@@ -511,6 +511,19 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["sft", "@", SFT_TOML, "--model.name", "{model}", "--seq_len", "20", "--output_dir", "{out}", *SMALL_SFT],
         "re:error: seq_len: 20 tokens cannot hold a \\d+-token example; use at least \\d+",
     ),
+    # asyncrl export (more in tests/unit/worker/test_export.py)
+    "export-not-a-run-dir": (
+        ["export", "{tmp}/outputs/old", "--out", "{tmp}/exported"],
+        "error: RUN_DIR: {tmp}/outputs/old is not a run directory (no config.json)",
+    ),
+    "export-run-dir-missing": (
+        ["export", "{tmp}/nope", "--out", "{tmp}/exported"],
+        "error: RUN_DIR: {tmp}/nope is not a run directory (no such folder)",
+    ),
+    "export-no-out": (
+        ["export", "{tmp}/outputs/old"],
+        "error: asyncrl export: the following arguments are required: --out",
+    ),
     # asyncrl model init
     "model-init-out-not-empty": (
         ["model", "init", "--out", "{tmp}/folder"],

@@ -1,0 +1,195 @@
+"""Exports through the service: ``GET /api/runs/{id}/checkpoints``, ``POST /api/runs/{id}/exports`` (owner or
+admin; 202), the dashboard's checkpoint list and export form, and the ``export_run`` Celery task through a real worker
+on the real Redis and Postgres writing a folder that loads with transformers and gives the checkpoint's logits."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.support.checkpoints import base_model, full_checkpoint, logits, lora_checkpoint
+from tests.support.server import new_token, run_token_headers, spec, start_celery_worker, stop_process_group, wait_for
+from tests.support.webui import login
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "base", size="tiny", seed=0)
+
+
+People = dict[str, tuple[str, dict[str, str]]]
+SUFFIX = secrets.token_hex(3)
+
+
+@pytest.fixture(scope="module")
+def people() -> People:
+    """who -> (token, headers) of the run's owner (a member), another member, a viewer and an admin; the user names
+    are ``export-<who>-<SUFFIX>``."""
+    out = {}
+    for who, role in (("owner", "member"), ("other", "member"), ("viewer", "viewer"), ("admin", "admin")):
+        token = new_token(f"export-{who}-{SUFFIX}", role=role)
+        out[who] = (token, {"Authorization": f"Bearer {token}"})
+    return out
+
+
+def owner_name(_client: Any, _people: People) -> str:
+    return f"export-owner-{SUFFIX}"
+
+
+def stored_run(owner: str, model_dir: Path) -> dict[str, Any]:
+    """A completed run of ``owner`` added through the service (no launch enqueued), naming the tiny model."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunPublic, RunStatus
+    from server.services import runs
+
+    with Session(engine) as s:
+        run = runs.create(s, data=spec(model={"name": str(model_dir)}), owner=owner)
+        runs.transition(s, run, RunStatus.cancelled, reason="test")
+        s.commit()
+        return RunPublic.model_validate(run).model_dump()
+
+
+@pytest.fixture(scope="module")
+def celery_worker(live_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    from worker.celery_app import app
+
+    app.control.purge()
+    log = tmp_path_factory.mktemp("export-worker") / "worker.log"
+    proc = start_celery_worker(live_server, log)
+    try:
+        yield log
+    finally:
+        stop_process_group(proc)
+
+
+def events(client: Any, headers: dict[str, str], run_id: int) -> list[dict[str, Any]]:
+    data = client.get(f"/api/runs/{run_id}/events", headers=headers).json()["data"]
+    return [e for e in data if e["kind"].startswith("export_")]
+
+
+@pytest.mark.usefixtures("celery_worker")
+def test_export_route_auth_bad_input_and_the_worker_writes_the_checkpoint(
+    client: Any, people: People, model_dir: Path
+) -> None:
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(run["spec"]))
+    trained = full_checkpoint(run_dir, model_dir, 2, seed=0)
+    (run_dir / "checkpoints" / "step_3" / "trainer").mkdir(parents=True)  # incomplete
+    url = f"/api/runs/{run_id}/exports"
+
+    listed = client.get(f"/api/runs/{run_id}/checkpoints", headers=people["viewer"][1])
+    assert listed.status_code == 200
+    assert listed.json() == {"run_id": run_id, "data": [{"step": 2, "kind": "full", "exports": []}], "count": 1}
+
+    refused = {who: client.post(url, json={"step": 2}, headers=people[who][1]) for who in ("viewer", "other")}
+    assert refused["viewer"].status_code == 403 and "viewers may only read" in refused["viewer"].json()["detail"]
+    assert refused["other"].status_code == 403
+    assert refused["other"].json()["detail"].endswith("only its owner or an admin may export it")
+    by_token = client.post(url, json={"step": 2}, headers=run_token_headers(run_id))
+    assert by_token.status_code == 403
+
+    h = people["owner"][1]
+    missing = client.post(url, json={"step": 3}, headers=h)
+    assert (missing.status_code, missing.json()["detail"]) == (
+        422,
+        f"step: run {run_id} has no complete checkpoint at step 3 (complete steps: 2)",
+    )
+    adapter = client.post(url, json={"step": 2, "adapter_only": True}, headers=h)
+    assert adapter.status_code == 422 and adapter.json()["detail"].startswith("adapter_only: step 2 of run")
+    assert events(client, h, run_id) == []  # nothing recorded for refused requests
+
+    accepted = client.post(url, json={"step": 2, "adapter_only": False}, headers=h)
+    out = run_dir.parent / "exports" / "step_2"
+    assert accepted.status_code == 202
+    assert accepted.json() == {"run_id": run_id, "step": 2, "adapter_only": False, "path": str(out)}
+    again = client.post(url, json={"step": 2}, headers=h)
+    assert again.status_code == 409  # under way (or, if the worker was quick, already exported)
+
+    done = wait_for(
+        lambda: [e for e in events(client, h, run_id) if e["kind"] in ("export_done", "export_failed")], 120
+    )
+    assert [e["kind"] for e in events(client, h, run_id)] == ["export_requested", "export_started", "export_done"]
+    assert done[0]["reason"] == f"exported to {out}"
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(logits(exported), logits(trained))
+    assert (logits(exported) - logits(base_model(model_dir))).abs().max().item() > 0.05
+    assert sorted(p.name for p in out.parent.iterdir()) == ["step_2"]  # no staging or temporary folder left
+    assert client.get(f"/api/runs/{run_id}/checkpoints", headers=h).json()["data"][0]["exports"] == [str(out)]
+    assert client.post(url, json={"step": 2}, headers=h).json()["detail"] == (
+        f"run {run_id}: step 2 is already exported (exports/step_2)"
+    )
+
+
+@pytest.mark.usefixtures("celery_worker")
+def test_lora_exports_through_the_worker_merged_and_adapter_only(client: Any, people: People, model_dir: Path) -> None:
+    from peft import PeftModel
+
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    peft_model = lora_checkpoint(run_dir, model_dir, 4)
+    h = people["admin"][1]  # an admin exports another user's run
+    assert client.get(f"/api/runs/{run_id}/checkpoints", headers=h).json()["data"][0]["kind"] == "lora"
+    for adapter_only in (False, True):
+        resp = client.post(f"/api/runs/{run_id}/exports", json={"step": 4, "adapter_only": adapter_only}, headers=h)
+        assert resp.status_code == 202, resp.text
+    wait_for(lambda: sum(e["kind"] == "export_done" for e in events(client, h, run_id)) == 2, 180, "two exports")
+    home = run_dir.parent / "exports"
+    merged = AutoModelForCausalLM.from_pretrained(home / "step_4").eval()
+    assert torch.allclose(logits(merged), logits(peft_model), atol=1e-5, rtol=0)
+    loaded = PeftModel.from_pretrained(base_model(model_dir), home / "step_4-adapter").eval()
+    assert torch.equal(logits(loaded), logits(peft_model))
+
+
+def test_a_failed_export_records_the_reason(client: Any, people: People, model_dir: Path, tmp_path: Path) -> None:
+    """The task body run here (no worker): the base model is gone, so ``export_failed`` names the model; what a killed
+    earlier delivery left is removed."""
+    from worker.tasks import export
+
+    gone = tmp_path / "gone"
+    run = stored_run(owner_name(client, people), gone)
+    run_dir = Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 1, seed=0)
+    stale = run_dir.parent / "exports" / ".step_1.tmp-99999"  # left by a delivery killed mid-write
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    assert export(run["id"], 1, False).startswith(f"failed: run {run['id']} export of step 1 failed: ")
+    (failed,) = [e for e in events(client, people["owner"][1], run["id"]) if e["kind"] == "export_failed"]
+    assert str(gone) in failed["reason"] and "\n" not in failed["reason"]
+    assert not (run_dir.parent / "exports" / "step_1").exists()
+    assert list((run_dir.parent / "exports").iterdir()) == []
+
+
+def test_dashboard_lists_checkpoints_with_an_export_form_for_the_owner_only(
+    client: Any, people: People, model_dir: Path
+) -> None:
+    run = stored_run(owner_name(client, people), model_dir)
+    run_dir = Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 5, seed=0)
+    csrf = login(client, people["owner"][0])
+    page = client.get(f"/runs/{run['id']}").text
+    assert 'id="checkpoints"' in page and 'id="export-5"' in page
+    wrong = client.post(f"/runs/{run['id']}/export", data={"csrf": csrf, "step": "6"})
+    assert wrong.status_code == 422 and "no complete checkpoint at step 6 (complete steps: 5)" in wrong.text
+    login(client, people["viewer"][0])
+    page = client.get(f"/runs/{run['id']}").text
+    assert 'id="checkpoints"' in page and 'id="export-5"' not in page
+    csrf = login(client, people["other"][0])
+    refused = client.post(f"/runs/{run['id']}/export", data={"csrf": csrf, "step": "5"})
+    assert refused.status_code == 403 and "only its owner or an admin may export it" in refused.text
+    client.cookies.clear()

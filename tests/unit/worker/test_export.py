@@ -1,0 +1,149 @@
+"""``asyncrl export`` (``worker/export.py``): the exported folder loads with transformers and gives the logits of the
+checkpoint's weights (full fine-tune) or of the PEFT model (LoRA, merged and adapter-only); bad input is one line,
+exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.support.checkpoints import base_model, full_checkpoint, logits, lora_checkpoint, make_run
+from worker.cli import main
+from worker.export import ExportError, export_run, find_source
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "base", size="tiny", seed=0)
+
+
+def test_full_checkpoint_export_loads_and_gives_the_checkpoint_logits(tmp_path: Path, model_dir: Path) -> None:
+    run = make_run(tmp_path / "run", model_dir)
+    trained = full_checkpoint(run, model_dir, 4, seed=0)
+    assert main(["export", str(run), "--step", "4", "--out", str(tmp_path / "out")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    got, want, base = logits(exported), logits(trained), logits(base_model(model_dir))
+    assert torch.equal(got, want)  # fp32 weights saved and loaded bit for bit
+    assert (got - base).abs().max().item() > 0.05  # the weights changed: not the base model
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(model_dir).chat_template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False)
+    assert prompt.startswith("<|im_start|>user\nabc")
+    provenance = json.loads((tmp_path / "out" / "provenance.json").read_text())
+    assert (provenance["step"], provenance["kind"], provenance["merged"]) == (4, "full", False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+
+
+def test_without_step_final_wins_else_the_newest_complete_checkpoint(tmp_path: Path, model_dir: Path) -> None:
+    run = make_run(tmp_path / "run", model_dir)
+    full_checkpoint(run, model_dir, 2, seed=0)
+    newest = full_checkpoint(run, model_dir, 6, seed=1)
+    (run / "checkpoints" / "step_8" / "trainer").mkdir(parents=True)  # incomplete: no markers
+    source = find_source(run)
+    assert (source.step, source.kind) == (6, "full")
+    _, out = export_run(run, tmp_path / "newest")
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out)), logits(newest))
+    final = full_checkpoint(tmp_path / "scratch", model_dir, 1, seed=2)
+    final.save_pretrained(run / "final")
+    assert (find_source(run).step, find_source(run).path) == (None, run / "final")
+    _, out = export_run(run, tmp_path / "final")
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out)), logits(final))
+
+
+def test_lora_merged_export_equals_the_peft_model(tmp_path: Path, model_dir: Path) -> None:
+    run = make_run(tmp_path / "run", model_dir)
+    peft_model = lora_checkpoint(run, model_dir, 3)
+    assert main(["export", str(run), "--step", "3", "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in k for k in merged.state_dict())  # an ordinary model: the adapter is merged in
+    got, want, base = logits(merged), logits(peft_model), logits(base_model(model_dir))
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert (got - base).abs().max().item() > 0.01
+
+
+def test_lora_adapter_only_export_loads_with_peft(tmp_path: Path, model_dir: Path) -> None:
+    from peft import PeftModel
+
+    run = make_run(tmp_path / "run", model_dir)
+    peft_model = lora_checkpoint(run, model_dir, 3)
+    out = tmp_path / "adapter"
+    assert main(["export", str(run), "--out", str(out), "--adapter-only"]) == 0  # newest: step 3
+    assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"}
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(model_dir.resolve())
+    loaded = PeftModel.from_pretrained(base_model(model_dir), out).eval()
+    assert torch.equal(logits(loaded), logits(peft_model))
+
+
+BAD = {
+    "step-not-complete": (
+        ["--step", "5"],
+        "error: --step: {run} has no complete checkpoint at step 5 (complete steps: 2, 4)",
+    ),
+    "adapter-only-on-full": (
+        ["--step", "4", "--adapter-only"],
+        "error: --adapter-only: step 4 of {run} is a full fine-tune (no adapter/); export it without --adapter-only",
+    ),
+    "out-not-empty": (["--step", "4"], "error: --out: {out} exists and is not empty; choose a new folder"),
+    "negative-step": (["--step", "-1"], "error: --step: expected an integer >= 0, got -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_one_line_exit_2_nothing_written(
+    case: str, tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = make_run(tmp_path / "run", model_dir)
+    full_checkpoint(run, model_dir, 2, seed=0)
+    full_checkpoint(run, model_dir, 4, seed=1)
+    (run / "checkpoints" / "step_5" / "trainer").mkdir(parents=True)  # the orchestrator part never came
+    out = tmp_path / "out"
+    if case == "out-not-empty":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    args, expected = BAD[case]
+    capsys.readouterr()  # transformers' loading bars of the setup
+    assert main(["export", str(run), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err == expected.format(run=run, out=out) + "\n"
+    if case == "out-not-empty":
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", *(["out"] if out.exists() else [])])
+
+
+def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "folder").mkdir()
+    assert main(["export", str(tmp_path / "folder"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: RUN_DIR: {tmp_path / 'folder'} is not a run directory (no config.json)\n"
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a run directory (no such folder)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_out_folder_is_used_and_a_failed_write_leaves_nothing(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = make_run(tmp_path / "run", model_dir)
+    trained = full_checkpoint(run, model_dir, 2, seed=0)
+    (tmp_path / "empty").mkdir()
+    export_run(run, tmp_path / "empty", step=2)
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "empty")), logits(trained))
+
+    def boom(*_: Any, **__: Any) -> None:
+        raise RuntimeError("killed mid-write")
+
+    monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", boom)
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        export_run(run, tmp_path / "broken", step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "run"]  # no `broken`, no temporary folder
+    with pytest.raises(ExportError, match="no complete checkpoint at step 9"):
+        export_run(run, tmp_path / "x", step=9)

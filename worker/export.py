@@ -1,0 +1,300 @@
+"""Export a run's policy as a Hugging Face model directory (``asyncrl export``, the ``export_run`` Celery task).
+
+What is exported (:func:`find_source`):
+
+| ``--step`` | source | kind |
+|---|---|---|
+| N | ``checkpoints/step_N/trainer/`` of a complete checkpoint (``worker.checkpoint.is_complete``) | ``model.safetensors``: full; ``adapter/``: LoRA |
+| none | ``final/`` when the run wrote it (the model after its last step), else the newest complete checkpoint | as above; ``final/`` holds ``save_pretrained`` files or a PEFT adapter |
+
+What is written into ``--out`` (:func:`write_export`), always with the base model's tokenizer and chat template
+(``save_pretrained``), so the folder loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` or vLLM by path:
+
+- full fine-tune: the base model (``model.name`` of the run's resolved spec, in ``model.dtype``) with the checkpoint's
+  weights loaded, ``save_pretrained`` (config, generation config, ``model.safetensors``);
+- LoRA, merged (default): the base model with the PEFT adapter applied, ``merge_and_unload`` (W + B A * alpha/r in
+  every target module; PEFT ``LoraLayer.merge``), ``save_pretrained`` — an ordinary model, no PEFT needed to load it;
+- LoRA, ``adapter_only``: the PEFT adapter (``adapter_config.json`` with ``base_model_name_or_path`` set to the base
+  model, ``adapter_model.safetensors``) plus the tokenizer: load with ``PeftModel.from_pretrained(base, out)`` or serve
+  with vLLM's ``--enable-lora``.
+
+``provenance.json`` in ``--out`` says where it came from (run directory, step, source, base model, kind).
+
+Nothing half-written is left (``worker/rundir.py``'s atomic-rename rule): everything is written into a hidden
+temporary folder beside ``--out`` and renamed to it at the end; a failure removes the temporary folder.
+
+Bad input raises :class:`ExportError` with one line naming the problem (CLI exit 2, HTTP 4xx): not a run directory,
+a step without a complete checkpoint (the complete steps listed), ``--out`` existing and not empty, ``adapter_only``
+on a full fine-tune. Imports no torch at module level: the server reads :func:`export_name` and the file names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from worker.checkpoint import complete_steps
+from worker.rundir import RunDir, writing
+
+ADAPTER_DIR = "adapter"
+"""In a LoRA checkpoint's ``trainer`` part: the PEFT adapter (``save_pretrained``) instead of ``model.safetensors``."""
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_FILE = "provenance.json"
+
+Kind = Literal["full", "lora"]
+Stage = Callable[[str], None]
+"""Called with a short description as each stage of an export begins (for a progress display)."""
+
+
+class ExportError(ValueError):
+    """Bad input to an export; ``str()`` is one line naming the problem."""
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export reads.
+
+    Attributes:
+        run_dir: the run directory.
+        step: the checkpoint step, None for ``final/``.
+        kind: ``full`` (weights) or ``lora`` (a PEFT adapter).
+        path: the folder holding ``model.safetensors`` / the ``save_pretrained`` files (full) or the adapter files
+            (lora).
+        base: the base model, name or path (``model.name`` of the run's spec).
+        dtype: ``model.dtype`` of the run's spec (``float32`` or ``bfloat16``).
+    """
+
+    run_dir: Path
+    step: int | None
+    kind: Kind
+    path: Path
+    base: str
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return "final" if self.step is None else f"step {self.step}"
+
+
+def export_name(step: int | None, adapter_only: bool) -> str:
+    """The folder name of an export under a run's ``exports/``: ``step_<N>`` or ``final``, ``-adapter`` appended for
+    an adapter-only export."""
+    return ("final" if step is None else f"step_{step}") + ("-adapter" if adapter_only else "")
+
+
+def source_kind(folder: Path) -> Kind | None:
+    """``lora`` for a folder holding the adapter files (in itself or its ``adapter/``), ``full`` for one holding
+    ``model.safetensors`` or a ``config.json``, None otherwise."""
+    if all((folder / ADAPTER_DIR / f).is_file() for f in ADAPTER_FILES) or all(
+        (folder / f).is_file() for f in ADAPTER_FILES
+    ):
+        return "lora"
+    if (folder / WEIGHTS_FILE).is_file() or (folder / "config.json").is_file():
+        return "full"
+    return None
+
+
+def adapter_folder(folder: Path) -> Path:
+    return folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else folder
+
+
+def read_run_model(run_dir: Path) -> tuple[str, str]:
+    """``(model.name, model.dtype)`` of the run's resolved spec (``config.json``); a relative local model path is taken
+    relative to the working directory, as the run took it.
+
+    Raises:
+        ExportError: ``run_dir`` is not a run directory (no folder, no readable ``config.json`` naming ``model.name``).
+    """
+    config = RunDir(run_dir).config
+    if not run_dir.is_dir():
+        raise ExportError(f"RUN_DIR: {run_dir} is not a run directory (no such folder)")
+    try:
+        spec = json.loads(config.read_text())
+        model = spec["model"]
+        name, dtype = str(model["name"]), str(model.get("dtype", "float32"))
+    except FileNotFoundError:
+        raise ExportError(f"RUN_DIR: {run_dir} is not a run directory (no config.json)") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"RUN_DIR: {config} does not name model.name ({type(err).__name__}: {err})") from None
+    return name, dtype
+
+
+def find_source(run_dir: str | Path, step: int | None = None) -> ExportSource:
+    """What ``asyncrl export RUN_DIR [--step N]`` exports (the table of the module docstring).
+
+    Raises:
+        ExportError: not a run directory; ``step`` without a complete checkpoint (the complete steps are listed); no
+            ``step`` and neither ``final/`` nor a complete checkpoint; a checkpoint that holds neither weights nor an
+            adapter.
+    """
+    root = Path(run_dir)
+    base, dtype = read_run_model(root)
+    run = RunDir(root)
+    steps = complete_steps(run)
+    listed = ", ".join(map(str, steps)) or "none"
+    if step is not None:
+        if step not in steps:
+            raise ExportError(f"--step: {root} has no complete checkpoint at step {step} (complete steps: {listed})")
+        folder = run.checkpoint_dir(step) / "trainer"
+    elif (kind := source_kind(run.final)) is not None:
+        return ExportSource(root, None, kind, adapter_folder(run.final) if kind == "lora" else run.final, base, dtype)
+    elif steps:
+        step, folder = steps[-1], run.checkpoint_dir(steps[-1]) / "trainer"
+    else:
+        raise ExportError(f"RUN_DIR: {root} has neither final/ nor a complete checkpoint to export")
+    kind_ = source_kind(folder)
+    if kind_ is None:
+        raise ExportError(f"--step: checkpoint step {step} of {root} holds neither {WEIGHTS_FILE} nor {ADAPTER_DIR}/")
+    return ExportSource(root, step, kind_, adapter_folder(folder) if kind_ == "lora" else folder, base, dtype)
+
+
+def check_out(out: Path) -> None:
+    """``out`` may be written: it does not exist, or is an empty folder.
+
+    Raises:
+        ExportError: ``out`` is a file, or a folder that is not empty.
+    """
+    if out.is_dir():
+        if any(out.iterdir()):
+            raise ExportError(f"--out: {out} exists and is not empty; choose a new folder")
+    elif out.exists() or out.is_symlink():
+        raise ExportError(f"--out: {out} exists and is not a folder")
+
+
+def check_adapter_only(source: ExportSource, adapter_only: bool) -> None:
+    """Raises ExportError: ``adapter_only`` of a full fine-tune (there is no adapter to write)."""
+    if adapter_only and source.kind != "lora":
+        raise ExportError(
+            f"--adapter-only: {source.label} of {source.run_dir} is a full fine-tune (no {ADAPTER_DIR}/); "
+            "export it without --adapter-only"
+        )
+
+
+def _load_full(source: ExportSource, stage: Stage) -> Any:
+    """The base model with the source's weights loaded (raises ExportError when they do not fit the base)."""
+    from safetensors.torch import load_file
+
+    from worker.models import load_model
+
+    if (source.path / "config.json").is_file() and not (source.path / WEIGHTS_FILE).is_file():
+        stage(f"loading {source.label} (save_pretrained)")
+        return load_model(source.path, source.dtype)
+    stage(f"loading base model {source.base}")
+    model = load_model(source.base, source.dtype)
+    stage(f"loading the weights of {source.label}")
+    weights = load_file(source.path / WEIGHTS_FILE)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ExportError(
+            f"--step: the weights of {source.label} do not fit the base model {source.base} "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def _load_merged(source: ExportSource, stage: Stage) -> Any:
+    """The base model with the source's LoRA adapter merged in (PEFT ``merge_and_unload``)."""
+    from peft import PeftModel
+
+    from worker.models import load_model
+
+    stage(f"loading base model {source.base}")
+    base = load_model(source.base, source.dtype)
+    stage(f"loading the adapter of {source.label}")
+    peft_model = PeftModel.from_pretrained(base, str(source.path))
+    stage("merging the adapter into the base weights")
+    return peft_model.merge_and_unload()
+
+
+def _write_adapter(source: ExportSource, tmp: Path) -> None:
+    """Copy the adapter files, pointing ``base_model_name_or_path`` at the run's base model."""
+    for name in ADAPTER_FILES:
+        shutil.copyfile(source.path / name, tmp / name)
+    config = json.loads((tmp / "adapter_config.json").read_text())
+    base = Path(source.base)
+    config["base_model_name_or_path"] = str(base.resolve()) if base.is_dir() else source.base
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_export(
+    source: ExportSource, out: str | Path, *, adapter_only: bool = False, stage: Stage | None = None
+) -> Path:
+    """Write the Hugging Face model directory of ``source`` at ``out`` (the module docstring says what it holds).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ExportError: ``out`` exists and is not empty; ``adapter_only`` of a full fine-tune; weights that do not fit
+            the base model.
+        FileNotFoundError, ValueError: the base model does not load (``worker.models.load_model``).
+        DiskFull: the filesystem is full (nothing is left at ``out``).
+    """
+    from worker.models import load_tokenizer
+
+    out = Path(out)
+    say = stage or (lambda _: None)
+    check_out(out)
+    check_adapter_only(source, adapter_only)
+    tokenizer = load_tokenizer(source.base)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with writing(f"the export of {source.label}", out, partial=tmp):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        if adapter_only:
+            say("writing the adapter")
+            _write_adapter(source, tmp)
+        else:
+            model = _load_merged(source, say) if source.kind == "lora" else _load_full(source, say)
+            say(f"writing {out}")
+            model.save_pretrained(tmp)
+        say("writing the tokenizer and chat template")
+        tokenizer.save_pretrained(tmp)
+        provenance = {
+            "run_dir": str(source.run_dir.resolve()),
+            "step": source.step,
+            "source": str(source.path.resolve()),
+            "base_model": source.base,
+            "kind": source.kind,
+            "merged": source.kind == "lora" and not adapter_only,
+            "adapter_only": adapter_only,
+        }
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2))
+        check_out(out)  # a folder made meanwhile is not replaced
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
+    return out
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    adapter_only: bool = False,
+    stage: Stage | None = None,
+) -> tuple[ExportSource, Path]:
+    """:func:`find_source` then :func:`write_export`; the input is checked before anything is loaded or written.
+
+    Returns:
+        ``(source, out)``.
+
+    Raises:
+        As :func:`find_source` and :func:`write_export`.
+    """
+    source = find_source(run_dir, step)
+    check_out(Path(out))
+    check_adapter_only(source, adapter_only)
+    return source, write_export(source, out, adapter_only=adapter_only, stage=stage)
