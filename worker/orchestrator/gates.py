@@ -95,6 +95,11 @@ class GatedStep(Generic[T, G]):
     unfilled: int = 0
     """Slots left without a group once ``max_resample`` spares were used."""
 
+    def dropped(self) -> list[G]:
+        """The groups started but not kept (rejected by a gate), in start order."""
+        kept = {id(g) for g in self.kept}
+        return [g for _, g in self.started if id(g) not in kept]
+
     def metrics(self) -> dict[str, int]:
         return {
             "gate_rejected_groups": self.rejected,

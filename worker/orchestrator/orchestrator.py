@@ -345,9 +345,10 @@ class Orchestrator:
                 groups, wait_for_policy, generation_s = await until(self._steps.pop(step), watcher)
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
-                samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage)
+                rejected = self._gated[step].dropped()  # gate-rejected groups: finished, never trained
+                samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage, rejected)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
-                metrics.update(env_step_metrics(step, groups, samples, step_spec.orchestrator, self.sampler.names))
+                metrics.update(env_step_metrics(step, groups, samples, self.sampler.names))
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:
