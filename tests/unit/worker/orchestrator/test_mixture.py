@@ -313,7 +313,15 @@ BAD_ENVS = {
         [{"id": "reverse_text"}, {"id": "pkg/x:f"}],
         f"env.1.name: id 'pkg/x:f' is no name; set name: {NAME_RULE}",
     ),
-    "unknown-key": ([{"id": "reverse_text", "wieght": 2}], "env.0.wieght: Extra inputs are not permitted, got 2"),
+    "unknown-key": ([{"id": "reverse_text", "wieght": 2}], "unknown key 'env.0.wieght' (did you mean 'env.0.weight'?)"),
+    "unknown-key-second-table": (
+        [{"id": "reverse_text"}, {"id": "arithmetic", "nmae": "x"}],
+        "unknown key 'env.1.nmae' (did you mean 'env.1.name'?)",
+    ),
+    "zero-weight-one-table": (
+        {"id": "reverse_text", "weight": 0},
+        "env.weight: the weights must have a positive sum; one [env] needs weight > 0, got 0",
+    ),
 }
 
 
