@@ -104,15 +104,21 @@ PER_ENV_METRICS: dict[Source, tuple[str, ...]] = {
         "staleness_max",
         "trained_staleness_max",
         "dropped_stale",
+        "dropped_stale_groups",
         "dropped_overlong",
         "dropped_zero_advantage_groups",
         "num_groups",
         "num_samples",
+        "pool_size_unseen",
+        "pool_size_hard",
+        "pool_size_normal",
+        "pool_size_easy",
     ),
     "eval": ("reward_mean", "pass_at_k", "num_examples", "completion_len_mean", "reward_missing"),
 }
 """Process -> the metrics a run of several environments (``[[env]]``) also logs per environment, as
-``<metric>/<env name>`` (``worker/orchestrator/mixture.py``); ``num_groups`` is logged only so."""
+``<metric>/<env name>`` (``worker/orchestrator/mixture.py``); ``num_groups`` is logged only so; ``pool_size_*`` (as
+the step's) only with ``curriculum.type = "difficulty_pool"``."""
 KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
 STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued")
 MAX_RULES_PER_RUN = 100

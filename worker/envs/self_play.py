@@ -14,10 +14,14 @@ An episode has two stages (run by ``worker.orchestrator.rollouts.self_play_group
 The proposer's reward derives from the solvers' results, R-Zero's uncertainty reward (Huang et al. 2025, "R-Zero:
 Self-Evolving Reasoning LLM from Zero Data", arXiv:2508.05004, section 3.2), gated by validity:
 
-    R_P = v * (1 - 2 * |pbar - 1/2|)     v = 1 if the proposal is valid else 0, pbar = mean solver reward
+    R_P = v * (1 - 2 * |p - 1/2|)     v = 1 if the proposal is valid else 0,
+                                    p = solved / present   (a solver solved it when its reward >= SOLVED_AT = 1.0)
 
-1 for a word that half the solvers reverse, 0 for one all of them reverse or all of them miss (``proposer_reward``;
-None when no solver reward is present). The proposer task's own ``@vf.reward`` is the validity v (what scoring its
+``present`` counts the solvers with a reward (None, NaN and inf are missing: ``worker.orchestrator.advantages.group``
+``present_reward``), ``solved`` those of them whose LCS reward is >= ``SOLVED_AT`` (1.0: the exact reversal; a
+partly right answer does not count). R_P is 1 for a word that half the solvers reverse exactly, 0 for one all of
+them reverse or none of them does, as the proposer's prompt says (``proposer_reward``; None when no solver reward is
+present). The proposer task's own ``@vf.reward`` is the validity v (what scoring its
 trace alone can know); the episode replaces it by R_P once the solvers are scored.
 
 Tasks are a function of ``(seed, split, index)``; the fallback word of a train task is never an eval task's. An eval
@@ -38,6 +42,7 @@ from pydantic import Field, model_validator
 from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import SYSTEM_PROMPT as SOLVER_SYSTEM_PROMPT
 from worker.envs.reverse_text import ReverseTextData, ReverseTextTask
+from worker.orchestrator.advantages.group import present_reward
 
 PROPOSER, SOLVER = "proposer", "solver"
 """The two roles (``Rollout.role``)."""
@@ -48,6 +53,8 @@ PROPOSER_SYSTEM_PROMPT = (
 )
 PROPOSER_PROMPT = "Propose a word, e.g. <word>{example}</word>."
 _MAX_REDRAWS = 1000
+SOLVED_AT = 1.0
+"""A solver solved the proposal when its reward (the LCS ratio) is >= this: 1.0 is the exact reversal."""
 
 
 def parse_proposal(reply: str, min_letters: int, max_letters: int) -> str | None:
@@ -58,18 +65,23 @@ def parse_proposal(reply: str, min_letters: int, max_letters: int) -> str | None
 
 
 def proposer_reward(valid: bool, solver_rewards: list[float | None]) -> float | None:
-    """R_P = v * (1 - 2 |pbar - 1/2|) (module docstring): v = ``valid``, pbar = mean of the present solver rewards.
+    """R_P = v * (1 - 2 |p - 1/2|) (module docstring): v = ``valid``, p = the fraction of the present solver rewards
+    that are >= ``SOLVED_AT`` (solvers that reversed the word exactly).
+
+    Args:
+        valid: whether the proposal parsed (``parse_proposal``).
+        solver_rewards: one per solver; None or non-finite = missing (left out of p).
 
     Returns:
         A reward in [0, 1]; 0.0 for an invalid proposal; None when no solver reward is present (missing, case C8).
     """
-    present = [r for r in solver_rewards if r is not None]
+    present = [r for r in map(present_reward, solver_rewards) if r is not None]
     if not present:
         return None
     if not valid:
         return 0.0
-    pbar = sum(present) / len(present)
-    return 1.0 - 2.0 * abs(pbar - 0.5)
+    p = sum(r >= SOLVED_AT for r in present) / len(present)
+    return 1.0 - 2.0 * abs(p - 0.5)
 
 
 class SelfPlayData(vf.TaskData):

@@ -93,6 +93,11 @@ def preflight(spec: RLSpec) -> None:
         from worker.orchestrator.advantages.custom import load_custom_advantage
 
         load_custom_advantage(orch.advantage)
+    for i, gate in enumerate(orch.gates):
+        if gate.type == "custom":
+            from worker.orchestrator.gates import load_custom_gate
+
+            load_custom_gate(gate, f"orchestrator.gates.{i}.import_path")
 
 
 def check_run_dir(spec: RLSpec | SFTSpec, *, resume: bool = False, overwrite: bool = False) -> int | None:

@@ -7,11 +7,13 @@ directly (``tests/unit/worker/orchestrator/test_batcher.py``).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from worker.batch import TrainSample
 from worker.orchestrator.advantages import Advantage, is_zero_advantage, make_advantage
+from worker.orchestrator.advantages.group import present_reward
 from worker.orchestrator.branches import trace_advantages
 from worker.orchestrator.staleness import admitted, lag_histogram, rollout_lag
 from worker.packing import completion_length
@@ -43,6 +45,8 @@ class Rollout:
     generation_s: float | None = None
     """Seconds from the first request to the last reply (scoring not counted; a single-turn group's rollouts share
     their one request's time); None: not measured."""
+    dropped: str | None = None
+    """Why ``build_batch`` did not train it (``DROP_REASONS``); None: trained (or not batched yet)."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -66,8 +70,18 @@ class Rollout:
         }
 
 
+DROP_REASONS = ("missing", "zero_advantage", "stale_group", "stale", "overlong")
+"""Why ``build_batch`` did not train a rollout (``Rollout.dropped``): its reward is missing (``present_reward``; its
+whole group's when ``groups_all_missing``), its group had zero advantage, its group was dropped for a stale member
+(``drop_group``), it is stale itself, or it is longer than ``seq_len``."""
+
+
 def build_batch(
-    step: int, groups: list[list[Rollout]], orch: OrchestratorConfig, advantage: Advantage | None = None
+    step: int,
+    groups: list[list[Rollout]],
+    orch: OrchestratorConfig,
+    advantage: Advantage | None = None,
+    rejected: Sequence[Sequence[Rollout]] = (),
 ) -> tuple[list[TrainSample], dict[str, Any]]:
     """Advantages, staleness filter and zero-advantage filter for the groups of trainer step ``step``.
 
@@ -79,61 +93,53 @@ def build_batch(
     rollouts with a reward that staleness kept out. Rollouts longer than ``orch.seq_len`` tokens (prompt +
     completion; a multi-turn rollout whose last turn or tool result crossed it) are not trained on either,
     counted in ``dropped_overlong``.
-    Rewards that are None get no advantage and are not trained on (case C8); a group whose rewards
-    are all None is counted in ``groups_all_missing``, never scored 0.
+    Missing rewards (None, NaN, inf: ``advantages.group.present_reward``) get no advantage and are not trained on
+    (case C8); a group whose rewards are all missing is counted in ``groups_all_missing``, never scored 0. Each
+    rollout's ``dropped`` says why it was not trained (``DROP_REASONS``; None: trained), and ``step_metrics`` counts
+    the metrics from it, for the whole step and per environment alike.
 
     ``advantage`` is the run's (``make_advantage``; stateful types such as ``rae`` keep their baselines in it, so
     steps must come in order); None makes a fresh one from ``orch.advantage``.
 
+    Args:
+        rejected: the step's groups a gate rejected (``gates.fill_batch``): never trained, but finished, so they
+            count in the denominators of the trained ratios.
+
     Returns:
-        The training samples and the step's orchestrator metrics (reward, advantage, length,
-        staleness and drop statistics; the lag histogram of the trained samples, ``lag_hist/<bucket>``; and the
-        bias toward fast tasks: ``trained_gen_time_ratio`` and ``trained_len_ratio``, the mean generation time
-        and completion length of the trained rollouts over those of all the step's rollouts, NaN with no trained
-        or no timed rollout).
+        The training samples and the step's orchestrator metrics (``step_metrics``).
     """
     samples: list[TrainSample] = []
-    stats: dict[str, Any] = {"rewards": [], "advantages": [], "lags": [], "lens": [], "trained_lags": []}
-    trained: list[Rollout] = []
-    dropped_stale_groups = 0
-    dropped_stale = dropped_overlong = dropped_zero = missing = all_missing_groups = truncated = 0
     advantage = advantage if advantage is not None else make_advantage(orch.advantage)
     for group_index, group in enumerate(groups):
         lags = [rollout_lag(step, r.policy_span) for r in group]
         lengths = [completion_length(r.loss_mask) for r in group]
         result = trace_advantages(advantage, group, lengths)  # a forked trace counts once (C22)
-        missing += result.reward_missing
-        all_missing_groups += int(result.all_missing)
         for r, a in zip(group, result.advantages, strict=True):
             r.advantage = a
-        stats["rewards"] += [r.reward for r in group if r.reward is not None]
-        stats["lags"] += lags
-        stats["lens"] += lengths
-        truncated += sum(r.finish_reason == "length" for r in group)
+            r.dropped = "missing" if a is None else None
+        scored = [r for r in group if r.advantage is not None]
         if result.all_missing:
             continue
         if orch.drop_zero_advantage and is_zero_advantage(result):
-            dropped_zero += 1
+            for r in scored:
+                r.dropped = "zero_advantage"
             continue
         fresh = [admitted(lag, orch.max_off_policy_steps) for lag in lags]
         if orch.stale_policy == "drop_group" and not all(
             ok for r, ok in zip(group, fresh, strict=True) if r.advantage is not None
         ):
-            dropped_stale_groups += 1
-            dropped_stale += sum(r.advantage is not None for r in group)
+            for r in scored:
+                r.dropped = "stale_group"
             continue
-        for r, lag, ok in zip(group, lags, fresh, strict=True):
+        for r, ok in zip(group, fresh, strict=True):
             if r.advantage is None:
                 continue
             if not ok:
-                dropped_stale += 1
+                r.dropped = "stale"
                 continue
             if len(r.prompt_ids) + len(r.completion_ids) > orch.seq_len:
-                dropped_overlong += 1
+                r.dropped = "overlong"
                 continue
-            stats["advantages"].append(r.advantage)
-            stats["trained_lags"].append(lag)
-            trained.append(r)
             samples.append(
                 TrainSample(
                     input_ids=r.prompt_ids + r.completion_ids,
@@ -146,28 +152,60 @@ def build_batch(
                     prefix_len=len(r.prompt_ids),
                 )
             )
-    rewards, lags = stats["rewards"], stats["lags"]
-    metrics = {
+    metrics = step_metrics(step, groups, rejected)
+    del metrics["num_groups"]  # logged per environment only (``PER_ENV_METRICS``): the step's is batch_size
+    return samples, metrics
+
+
+def step_metrics(
+    step: int, groups: Sequence[Sequence[Rollout]], rejected: Sequence[Sequence[Rollout]] = ()
+) -> dict[str, Any]:
+    """The data metrics of groups scored by ``build_batch`` (each rollout's ``advantage`` and ``dropped`` set): of a
+    whole step, or of one environment's groups (``mixture.env_step_metrics``), with the same definitions.
+
+    Per rollout: ``reward_mean``/``reward_std`` over the present rewards (NaN with none), ``reward_missing`` the
+    rollouts without one; ``completion_len_*``, ``truncated_fraction``, ``staleness_*`` over all rollouts;
+    ``advantage_abs_mean``, ``trained_staleness_max`` and the lag histogram (``lag_hist/<bucket>``) over the trained
+    ones (``num_samples``); ``dropped_stale`` the rollouts with a reward that staleness kept out (alone or with their
+    group), ``dropped_overlong``. Per group: ``groups_all_missing``, ``dropped_zero_advantage_groups``,
+    ``dropped_stale_groups``, ``num_groups``. The bias toward fast tasks: ``trained_ratios`` of the trained rollouts
+    over all finished ones (``rejected``, groups a gate rejected, included).
+    """
+    rollouts = [r for g in groups for r in g]
+    trained = [r for r in rollouts if r.dropped is None]
+    rewards = [x for x in (present_reward(r.reward) for r in rollouts) if x is not None]
+    lags = [rollout_lag(step, r.policy_span) for r in rollouts]
+    trained_lags = [rollout_lag(step, r.policy_span) for r in trained]
+    lens = [completion_length(r.loss_mask) for r in rollouts]
+    advantages = [abs(r.advantage) for r in trained if r.advantage is not None]
+
+    def count(reason: str) -> int:
+        return sum(r.dropped == reason for r in rollouts)
+
+    def groups_with(reason: str) -> int:
+        return sum(any(r.dropped == reason for r in g) for g in groups)
+
+    return {
         "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
         "reward_std": statistics.pstdev(rewards) if rewards else float("nan"),
-        "reward_missing": missing,
-        "groups_all_missing": all_missing_groups,
-        "advantage_abs_mean": statistics.fmean(abs(a) for a in stats["advantages"]) if stats["advantages"] else 0.0,
-        "completion_len_mean": statistics.fmean(stats["lens"]) if stats["lens"] else 0.0,
-        "completion_len_max": max(stats["lens"], default=0),
-        "truncated_fraction": truncated / max(1, len(lags)),
+        "reward_missing": len(rollouts) - len(rewards),
+        "groups_all_missing": sum(bool(g) and all(present_reward(r.reward) is None for r in g) for g in groups),
+        "advantage_abs_mean": statistics.fmean(advantages) if advantages else 0.0,
+        "completion_len_mean": statistics.fmean(lens) if lens else 0.0,
+        "completion_len_max": max(lens, default=0),
+        "truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / max(1, len(rollouts)),
         "staleness_mean": statistics.fmean(lags) if lags else 0.0,
         "staleness_max": max(lags, default=0),
-        "trained_staleness_max": max(stats["trained_lags"], default=0),
-        "dropped_stale": dropped_stale,
-        "dropped_stale_groups": dropped_stale_groups,
-        **lag_histogram(stats["trained_lags"]),
-        **trained_ratios(trained, [r for group in groups for r in group]),
-        "dropped_overlong": dropped_overlong,
-        "dropped_zero_advantage_groups": dropped_zero,
-        "num_samples": len(samples),
+        "trained_staleness_max": max(trained_lags, default=0),
+        "dropped_stale": count("stale") + count("stale_group"),
+        "dropped_stale_groups": groups_with("stale_group"),
+        **lag_histogram(trained_lags),
+        **trained_ratios(trained, [*rollouts, *(r for g in rejected for r in g)]),
+        "dropped_overlong": count("overlong"),
+        "dropped_zero_advantage_groups": groups_with("zero_advantage"),
+        "num_groups": len(groups),
+        "num_samples": len(trained),
     }
-    return samples, metrics
 
 
 def trained_ratios(trained: list[Rollout], finished: list[Rollout]) -> dict[str, float]:

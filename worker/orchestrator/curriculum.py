@@ -34,6 +34,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from worker.orchestrator.advantages.group import present_reward
 from worker.spec import DifficultyPoolCurriculum
 
 POOLS = ("unseen", "hard", "normal", "easy")
@@ -44,7 +45,7 @@ def pass_fraction(rewards: Sequence[float | None], pass_threshold: float) -> flo
 
     Missing rewards (None, NaN, inf) are left out of both counts (case C8).
     """
-    scored = [r for r in rewards if r is not None and math.isfinite(r)]
+    scored = [x for x in map(present_reward, rewards) if x is not None]
     if not scored:
         return None
     return sum(r >= pass_threshold for r in scored) / len(scored)

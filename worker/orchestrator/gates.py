@@ -12,25 +12,37 @@ run and a resume repeats it; the standard order skips the spares a step did not 
 | type            | rejects a group when                                                        | config             |
 |-----------------|-----------------------------------------------------------------------------|--------------------|
 | advantage_range | ``reject_min <= mean of abs(A_i) <= reject_max`` (rollouts with an advantage) | AdvantageRangeGate |
+| custom          | your ``import_path`` function returns True (a plugin, ``custom_gate``)        | CustomGate         |
 
 ``A_i`` are the advantages of ``orchestrator.advantage`` (``worker/orchestrator/advantages``), the values the
 batch would train on; a group whose rewards are all missing has none and passes (the batcher flags it). The
 zero-advantage drop of the batcher (``drop_zero_advantage``) stays as it is: ``[0, 0]`` as a gate re-samples those
 groups instead of dropping them. A gate function takes the group's rewards, its advantages and its config and
-returns True to reject (``GATES`` keys them by ``type``).
+returns True to reject (``GATES`` keys them by ``type``). Rewards reach a gate by the run's one rule for missing
+rewards (``advantages.group.present_reward``): None for a missing one (None, NaN, inf), and its advantage is None.
+
+A custom gate (``type = "custom"``, a plugin like custom losses and advantages: ``worker/spec/user_code.py``) is
+
+    def function(rewards: list[float | None], advantages: list[float | None], *, <your kwargs>) -> bool
+
+one entry per rollout of the group, in order; True rejects the group. Its signature is checked at launch and by
+``asyncrl rl --dry-run`` (``load_custom_gate``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from worker.orchestrator.advantages import compute_advantages
+from worker.orchestrator.advantages.group import present_reward
 from worker.packing import completion_length
-from worker.spec import AdvantageConfig, AdvantageRangeGate, GateConfig
+from worker.spec import AdvantageConfig, AdvantageRangeGate, CustomGate, GateConfig
+from worker.spec.user_code import load_function
 
 G = TypeVar("G")
 T = TypeVar("T")
@@ -56,8 +68,48 @@ def advantage_range(
     return config.reject_min <= statistics.fmean(present) <= config.reject_max
 
 
+CUSTOM_GATE_ARGS = ("rewards", "advantages")
+"""The positional arguments a custom gate takes (then its ``kwargs``)."""
+CUSTOM_GATE_KEY = "orchestrator.gates.import_path"
+
+
+def load_custom_gate(config: CustomGate, key: str = CUSTOM_GATE_KEY) -> Callable[..., Any]:
+    """The function of a ``[[orchestrator.gates]]`` table with ``type = "custom"``, its signature checked.
+
+    Args:
+        key: the dotted spec key named in errors (``orchestrator.gates.<i>.import_path`` at launch).
+
+    Raises:
+        SpecError: one line naming ``key`` (does not import, not callable, does not take
+            ``(rewards, advantages, **kwargs)``).
+    """
+    return _load(config.import_path, tuple(sorted(config.kwargs)), key)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(import_path: str, kwarg_names: tuple[str, ...], key: str) -> Callable[..., Any]:
+    return load_function(key, import_path, args=CUSTOM_GATE_ARGS, kwargs=dict.fromkeys(kwarg_names))
+
+
+def custom_gate(rewards: Sequence[float | None], advantages: Sequence[float | None], config: CustomGate) -> bool:
+    """True (reject) when the configured function returns True for the group (see the module docstring).
+
+    Raises:
+        ValueError: the function returned something other than a bool (naming ``orchestrator.gates.import_path``).
+        SpecError: the function does not load.
+    """
+    fn = load_custom_gate(config)
+    verdict = fn([present_reward(r) for r in rewards], list(advantages), **config.kwargs)
+    if not isinstance(verdict, bool):
+        raise ValueError(
+            f"{CUSTOM_GATE_KEY}: {config.import_path} returned {verdict!r}; expected True (reject) or False (keep)"
+        )
+    return verdict
+
+
 GATES: dict[str, GateFn] = {
     "advantage_range": advantage_range,
+    "custom": custom_gate,
 }
 """Gate functions keyed by ``orchestrator.gates[i].type``."""
 
@@ -94,6 +146,11 @@ class GatedStep(Generic[T, G]):
     resampled: int = 0
     unfilled: int = 0
     """Slots left without a group once ``max_resample`` spares were used."""
+
+    def dropped(self) -> list[G]:
+        """The groups started but not kept (rejected by a gate), in start order."""
+        kept = {id(g) for g in self.kept}
+        return [g for _, g in self.started if id(g) not in kept]
 
     def metrics(self) -> dict[str, int]:
         return {

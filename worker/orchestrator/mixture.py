@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.alert_rules import PER_ENV_METRICS
+from worker.orchestrator.batcher import Rollout, step_metrics
 from worker.orchestrator.data import TaskSampler
-from worker.orchestrator.staleness import admitted, rollout_lag
 
 if TYPE_CHECKING:
     from worker.batch import TrainSample
     from worker.envs import Environment
-    from worker.orchestrator.batcher import Rollout
-    from worker.spec import CurriculumConfig, EnvConfig, OrchestratorConfig
+    from worker.spec import CurriculumConfig, EnvConfig
 
 
 def env_draw(seed: int, step: int, slot: int) -> float:
@@ -185,15 +184,15 @@ def env_step_metrics(
     step: int,
     groups: list[list[Rollout]],
     samples: list[TrainSample],
-    orch: OrchestratorConfig,
     names: list[str],
 ) -> dict[str, Any]:
     """Tag each trained sample with its group's ``env`` and return the step's per-env orchestrator metrics.
 
-    Call once per step after ``build_batch`` (which set each rollout's ``advantage``). With one environment it
-    does nothing (batches stay as they were before mixtures). Per environment e, over e's groups only, the metrics ``build_batch`` reports for the whole step
-    (same definitions), named ``<metric>/<e>``. A candidate rollout (advantage set, group not dropped) that was not
-    trained counts as ``dropped_stale`` when its lag exceeds ``max_off_policy_steps``, else ``dropped_overlong``.
+    Call once per step after ``build_batch`` (which set each rollout's ``advantage`` and ``dropped``, counted where
+    the drop happened). With one environment it does nothing (batches stay as they were before mixtures). Per
+    environment e, over e's groups only, the metrics of ``PER_ENV_METRICS`` that ``batcher.step_metrics`` reports
+    for the whole step (same function, same definitions: a group dropped for a stale member counts all its rollouts
+    with a reward in ``dropped_stale/<e>`` and once in ``dropped_stale_groups/<e>``), named ``<metric>/<e>``.
 
     Args:
         groups: the step's rollout groups, each rollout's ``env`` set (``names[0]`` when empty).
@@ -204,56 +203,17 @@ def env_step_metrics(
     """
     if len(names) <= 1:
         return {}
-    trained: dict[int, list[TrainSample]] = {}
+
+    def env_of(group: Sequence[Rollout]) -> str:
+        return (group[0].env or names[0]) if group else names[0]
+
     for s in samples:
         gi = s.get("group", -1)
-        s["env"] = (groups[gi][0].env or names[0]) if 0 <= gi < len(groups) and groups[gi] else names[0]
-        trained.setdefault(gi, []).append(s)
+        s["env"] = env_of(groups[gi]) if 0 <= gi < len(groups) else names[0]
     out: dict[str, Any] = {}
     for name in names:
-        mine = [(i, g) for i, g in enumerate(groups) if g and (g[0].env or names[0]) == name]
-        rollouts = [r for _, g in mine for r in g]
-        rewards = [r.reward for r in rollouts if r.reward is not None]
-        lengths = [sum(r.loss_mask) for r in rollouts]
-        lags = [rollout_lag(step, r.policy_span) for r in rollouts]
-        env_samples = [s for i, _ in mine for s in trained.get(i, [])]
-        dropped_zero = dropped_stale = dropped_overlong = all_missing = 0
-        for i, g in mine:
-            present = [r.advantage for r in g if r.advantage is not None]
-            if not present:
-                all_missing += all(r.reward is None for r in g)
-                continue
-            n_trained = len(trained.get(i, []))
-            if n_trained == 0 and orch.drop_zero_advantage and all(a == 0 for a in present):
-                dropped_zero += 1
-                continue
-            stale = sum(
-                1
-                for r in g
-                if r.advantage is not None and not admitted(rollout_lag(step, r.policy_span), orch.max_off_policy_steps)
-            )
-            dropped_stale += stale
-            dropped_overlong += len(present) - n_trained - stale
-        trained_lags = [rollout_lag(step, (s["policy_span"][0], s["policy_span"][1])) for s in env_samples]
-        values: dict[str, Any] = {
-            "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
-            "reward_std": statistics.pstdev(rewards) if rewards else float("nan"),
-            "reward_missing": len(rollouts) - len(rewards),
-            "groups_all_missing": all_missing,
-            "advantage_abs_mean": statistics.fmean(abs(s["advantage"]) for s in env_samples) if env_samples else 0.0,
-            "completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
-            "completion_len_max": max(lengths, default=0),
-            "truncated_fraction": sum(r.finish_reason == "length" for r in rollouts) / max(1, len(rollouts)),
-            "staleness_mean": statistics.fmean(lags) if lags else 0.0,
-            "staleness_max": max(lags, default=0),
-            "trained_staleness_max": max(trained_lags, default=0),
-            "dropped_stale": dropped_stale,
-            "dropped_overlong": dropped_overlong,
-            "dropped_zero_advantage_groups": dropped_zero,
-            "num_groups": len(mine),
-            "num_samples": len(env_samples),
-        }
-        out.update({env_metric(k, name): v for k, v in values.items()})
+        values = step_metrics(step, [g for g in groups if g and env_of(g) == name])
+        out.update({env_metric(k, name): v for k, v in values.items() if k in PER_ENV_METRICS["orchestrator"]})
     return out
 
 

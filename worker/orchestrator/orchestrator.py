@@ -52,7 +52,7 @@ from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metrics
 from worker.orchestrator.rollouts import rollout_group
 from worker.orchestrator.staleness import min_start_version
-from worker.packing import pack, pack_shared_prompt
+from worker.packing import pack, pack_shared_prompt, prompt_keys
 from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
 
@@ -244,8 +244,8 @@ class Orchestrator:
         orch = self.spec.orchestrator
         lengths = [len(s["input_ids"]) for s in samples]
         if orch.share_prompt:
-            groups = [s.get("group", -1 - i) for i, s in enumerate(samples)]  # no group: a group of its own
-            bins = pack_shared_prompt(lengths, [s.get("prefix_len", 0) for s in samples], groups, orch.seq_len)
+            prefix_lens = [s.get("prefix_len", 0) for s in samples]
+            bins = pack_shared_prompt(lengths, prefix_lens, prompt_keys(samples), orch.seq_len)
         else:
             bins = pack(lengths, orch.seq_len)
         write_batch(
@@ -345,9 +345,10 @@ class Orchestrator:
                 groups, wait_for_policy, generation_s = await until(self._steps.pop(step), watcher)
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
-                samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage)
+                rejected = self._gated[step].dropped()  # gate-rejected groups: finished, never trained
+                samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage, rejected)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
-                metrics.update(env_step_metrics(step, groups, samples, step_spec.orchestrator, self.sampler.names))
+                metrics.update(env_step_metrics(step, groups, samples, self.sampler.names))
                 self.write_step(step, samples)
                 for group in groups:
                     for r in group:

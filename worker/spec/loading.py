@@ -9,6 +9,7 @@ import difflib
 import json
 import sys
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -97,7 +98,8 @@ def _closest_key(model: type[BaseModel], key: str) -> str | None:
 
 
 def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
-    """The pydantic model class a field holds, resolving the loss union by its ``type``."""
+    """The pydantic model class a field holds, resolving a union by its tag (``type``, or ``kind`` for alert rules);
+    None when no variant takes the value's tag (pydantic names the tag then)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     args = getattr(annotation, "__args__", ()) or ()
@@ -105,18 +107,21 @@ def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
         inner = _submodel(arg, value)
         if inner is None:
             continue
-        type_field = inner.model_fields.get("type")
-        if (
-            type_field is None
-            or not isinstance(value, dict)
-            or value.get("type", type_field.default) == type_field.default
-        ):
+        tag = next((f for f in ("type", "kind") if f in inner.model_fields), None)
+        if tag is None or not isinstance(value, dict):
+            return inner
+        field = inner.model_fields[tag]
+        allowed = set(typing.get_args(field.annotation)) | ({field.default} if not field.is_required() else set())
+        if value.get(tag, field.default) in allowed:
             return inner
     return None
 
 
 def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> None:
     """Reject keys the schema does not know, naming the dotted key and the closest valid one.
+
+    Tables in arrays are checked too, named by their index: ``unknown key 'env.1.weigth' (did you mean
+    'env.1.weight'?)``.
 
     Raises:
         SpecError: ``unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)``.
@@ -128,7 +133,14 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
             valid = ", ".join(sorted(model.model_fields))
             suggestion = f"did you mean '{prefix}{hint}'?" if hint else f"valid keys here: {valid}"
             raise SpecError(f"unknown key '{dotted}' ({suggestion})")
-        inner = _submodel(model.model_fields[key].annotation, value)
+        annotation = model.model_fields[key].annotation
+        if isinstance(value, list):  # arrays of tables ([[env]], [[orchestrator.gates]]): keys ``<key>.<i>.<field>``
+            for i, item in enumerate(value):
+                inner = _submodel(annotation, item) if isinstance(item, dict) else None
+                if inner is not None:
+                    check_unknown_keys(inner, item, prefix=f"{dotted}.{i}.")
+            continue
+        inner = _submodel(annotation, value)
         if inner is not None and isinstance(value, dict):
             check_unknown_keys(inner, value, prefix=f"{dotted}.")
 
@@ -152,7 +164,7 @@ _VARIANT_TAGS = (
     )
     | {"custom"}
     | frozenset(ENV_TAGS)
-)  # custom: CustomLoss, CustomAdvantage
+)  # custom: CustomLoss, CustomAdvantage, CustomGate
 """The ``type`` tags of the loss, advantage, curriculum and gate unions and the ``env`` union's: pydantic puts them in an
 error's location; messages drop them."""
 

@@ -168,7 +168,17 @@ def _gate_type(value: Any) -> str:
     return str(getattr(value, "type", ""))
 
 
-GateConfig = Annotated[Annotated[AdvantageRangeGate, Tag("advantage_range")], Discriminator(_gate_type)]
+class CustomGate(CustomCode):
+    """A gate of your own: ``fn(rewards, advantages, **kwargs) -> bool``, True rejects the group
+    (``worker/orchestrator/gates.py``)."""
+
+    type: Literal["custom"] = "custom"
+
+
+GateConfig = Annotated[
+    Annotated[AdvantageRangeGate, Tag("advantage_range")] | Annotated[CustomGate, Tag("custom")],
+    Discriminator(_gate_type),
+]
 """One ``[[orchestrator.gates]]`` table, chosen by ``type``."""
 
 

@@ -69,12 +69,17 @@ Envs = Annotated[
 
 
 def check_envs(v: EnvConfig | list[EnvConfig]) -> None:
-    """A mixture (``[[env]]``): at least one environment, each named, names differ, some weight above 0.
+    """The run's environments: one ``[env]`` with weight above 0, or a mixture (``[[env]]``): at least one
+    environment, each named, names differ, some weight above 0.
 
     Raises:
         ValueError: ``env.1.name: duplicate environment name 'reverse_text' ...`` / ``env.weight: ...``.
     """
     if isinstance(v, EnvConfig):
+        if v.weight <= 0:  # groups draw their environment by weight / sum of weights
+            raise ValueError(
+                f"env.weight: the weights must have a positive sum; one [env] needs weight > 0, got {v.weight:g}"
+            )
         return
     if not v:
         raise ValueError("env: expected one [env] table or a non-empty [[env]] array, got an empty array")

@@ -1,1 +1,2 @@
-"""Example asyncrl plugins (README, "Plugins"): ``advantages.leave_one_out`` and ``losses.reinforce``."""
+"""Example asyncrl plugins (README, "Plugins"): ``advantages.leave_one_out``, ``losses.reinforce`` and
+``gates.too_easy``."""

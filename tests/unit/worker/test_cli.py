@@ -393,6 +393,23 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "parse_int=None, parse_constant=None, object_pairs_hook=None, **kw) cannot be called as loads(rewards, "
         "completion_lengths): too many positional arguments",
     ),
+    "rl-dry-run-custom-gate-wrong-signature": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--orchestrator.gates",
+            '[{type="advantage_range", reject_max=0}, {type="custom", import_path="json:loads"}]',
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "error: orchestrator.gates.1.import_path: json:loads(s, *, cls=None, object_hook=None, parse_float=None, "
+        "parse_int=None, parse_constant=None, object_pairs_hook=None, **kw) cannot be called as loads(rewards, "
+        "advantages): too many positional arguments",
+    ),
     # environment mixtures ([[env]]): every env is checked, names differ, weights not all 0
     "rl-mixture-duplicate-name": (
         ["rl", "@", RL_TOML, "--env", '[{id="reverse_text"}, {id="reverse_text", weight=2}]', "--dry-run"],

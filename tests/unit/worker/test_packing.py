@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.packing import completion_length, pack, pack_shared_prompt
+from worker.packing import completion_length, pack, pack_shared_prompt, prompt_keys
 
 
 def test_c11_completion_length_counts_sampled_tokens_not_the_span():
@@ -65,6 +65,23 @@ def test_pack_shared_prompt_by_hand():
     assert bins == [[2, 0, 1], [3, 4]]
     # seq_len 12: group 0 splits into chunks [2 (9), 0 (+3) = 12] and [1 (6)]; group 1 into [3 (10)] and [4 (10)]
     assert pack_shared_prompt(lengths, [4, 4, 4, 6, 6], [0, 0, 0, 1, 1], seq_len=12) == [[2, 0], [3], [4], [1]]
+
+
+def test_samples_of_one_group_share_a_prompt_only_when_its_ids_are_equal():
+    # a self-play group: a proposer and a solver whose prompts are both 6 tokens long but different ids, and a
+    # second solver with the first solver's prompt; 10 tokens each, seq_len 14
+    samples = [
+        {"input_ids": [1, 2, 3, 4, 5, 6, 70, 71, 72, 73], "group": 0, "prefix_len": 6},  # proposer
+        {"input_ids": [1, 2, 3, 9, 9, 9, 80, 81, 82, 83], "group": 0, "prefix_len": 6},  # solver
+        {"input_ids": [1, 2, 3, 9, 9, 9, 90, 91, 92, 93], "group": 0, "prefix_len": 6},  # solver, same prompt
+        {"input_ids": [1, 2, 3, 4, 5, 6, 74, 75, 76, 77], "group": 1, "prefix_len": 6},  # the proposer's ids, group 1
+    ]
+    keys = prompt_keys(samples)
+    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[0] != keys[3]
+    # the two solvers: one chunk of 10 + 4 = 14 tokens; the proposers (other group, other prompt) alone: 10 each
+    assert pack_shared_prompt([10] * 4, [6] * 4, keys, seq_len=14) == [[1, 2], [0], [3]]
+    # keyed by group alone (the old key) the proposer would have joined a solver's chunk with a prompt it lacks
+    assert pack_shared_prompt([10] * 4, [6] * 4, [0, 0, 0, 1], seq_len=14) == [[0, 1], [2], [3]]
 
 
 def test_pack_shared_prompt_rejects_what_pack_rejects():

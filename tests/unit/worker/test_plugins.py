@@ -12,7 +12,7 @@ import torch
 
 from worker.orchestrator.advantages import compute_advantages
 from worker.orchestrator.advantages.custom import load_custom_advantage
-from worker.spec import CustomAdvantage, CustomLoss, SpecError, validate_spec
+from worker.spec import CustomAdvantage, CustomGate, CustomLoss, SpecError, validate_spec
 from worker.spec.user_code import CodeNotAllowed, check_spec_code, load_function
 from worker.trainer.loss import LossInputs, compute_sample_loss, load_custom_loss
 
@@ -178,3 +178,50 @@ def test_spec_refuses_a_malformed_custom_table(table: dict[str, object], message
     with pytest.raises(SpecError) as err:
         rl_spec(trainer={"loss": table})
     assert str(err.value) == message
+
+
+TOO_EASY = "asyncrl_example_plugins.gates:too_easy"
+
+
+def test_example_gate_rejects_groups_the_policy_solves() -> None:
+    from worker.orchestrator.gates import first_rejecting
+
+    spec = rl_spec(
+        orchestrator={"gates": [{"type": "custom", "import_path": TOO_EASY, "kwargs": {"max_pass_rate": 0.5}}]}
+    )
+    gates = spec.orchestrator.gates
+    assert isinstance(gates[0], CustomGate)
+    # present rewards (1, 1, 0): 2 of 3 pass, 2/3 > 0.5 -> rejected (gate 0); (1, 0, 0.5): 1/3 -> kept
+    assert first_rejecting(gates, [1.0, 1.0, 0.0, None], [0.3, 0.3, -0.7, None]) == 0
+    assert first_rejecting(gates, [1.0, 0.0, 0.5], [0.5, -0.5, 0.0]) is None
+    # NaN is missing (one rule): the gate sees (1, None) -> 1/1 > 0.5; as a reward NaN would have made it 1/2
+    assert first_rejecting(gates, [1.0, float("nan")], [0.0, None]) == 0
+    assert first_rejecting(gates, [None, None], [None, None]) is None  # no reward: the example keeps it
+
+
+def test_custom_gate_checks_its_signature_and_its_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.orchestrator.gates import first_rejecting, load_custom_gate
+
+    wrong = rl_spec(orchestrator={"gates": [{"type": "custom", "import_path": TOO_EASY, "kwargs": {"scale": 1}}]})
+    with pytest.raises(SpecError) as err:
+        load_custom_gate(wrong.orchestrator.gates[0], "orchestrator.gates.0.import_path")
+    assert str(err.value) == (
+        f"orchestrator.gates.0.import_path: {TOO_EASY}(rewards, advantages, *, pass_threshold=1.0, max_pass_rate=0.75)"
+        " cannot be called as too_easy(rewards, advantages, scale=...): got an unexpected keyword argument 'scale'"
+    )
+    (tmp_path / "gate_returns_a_number.py").write_text("def gate(rewards, advantages):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    odd = rl_spec(orchestrator={"gates": [{"type": "custom", "import_path": "gate_returns_a_number:gate"}]})
+    with pytest.raises(ValueError, match=r"^orchestrator\.gates\.import_path: .* returned 1; expected True"):
+        first_rejecting(odd.orchestrator.gates, [1.0], [0.0])
+
+
+def test_the_service_refuses_a_custom_gate_of_a_package_not_allowed() -> None:
+    spec = rl_spec(orchestrator={"gates": [{"type": "custom", "import_path": TOO_EASY}]})
+    with pytest.raises(CodeNotAllowed) as err:
+        check_spec_code(spec, allowed=())
+    assert str(err.value) == (
+        f"orchestrator.gates.0.import_path: {TOO_EASY!r} is not allowed in a run submitted to the service; allowed: "
+        "package.module:attr from an allowed package (ALLOWED_CODE_PACKAGES: none)"
+    )
+    check_spec_code(spec, allowed=("asyncrl_example_plugins",))

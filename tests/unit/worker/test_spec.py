@@ -107,6 +107,24 @@ def test_unknown_key_inside_loss_union() -> None:
     assert msg == "unknown key 'trainer.loss.max_ratioo' (did you mean 'trainer.loss.max_ratio'?)"
 
 
+def test_unknown_key_inside_an_array_of_tables() -> None:
+    """[[env]], [[orchestrator.gates]] and alert rules: the table's index in the key, its variant's fields."""
+    env = [{"id": "reverse_text"}, {"id": "arithmetic", "wieght": 2}]
+    assert _error("rl", {**MODEL, "env": env}) == "unknown key 'env.1.wieght' (did you mean 'env.1.weight'?)"
+    gates = [{"type": "advantage_range", "reject_max": 0}, {"type": "advantage_range", "reject_mx": 1}]
+    assert _error("rl", {**MODEL, "orchestrator": {"gates": gates}}) == (
+        "unknown key 'orchestrator.gates.1.reject_mx' (did you mean 'orchestrator.gates.1.reject_max'?)"
+    )
+    custom = [{"type": "custom", "import_path": "a:b", "kwarg": {}}]
+    assert _error("rl", {**MODEL, "orchestrator": {"gates": custom}}) == (
+        "unknown key 'orchestrator.gates.0.kwarg' (did you mean 'orchestrator.gates.0.kwargs'?)"
+    )
+    alert = {"kind": "threshold", "metric": "reward_mean", "op": "<", "valu": 0}  # variants chosen by `kind`
+    assert _error("rl", {**MODEL, "alerts": [alert]}) == "unknown key 'alerts.0.valu' (did you mean 'alerts.0.value'?)"
+    alert["value"] = alert.pop("valu")
+    assert validate_spec("rl", {**MODEL, "alerts": [alert]}).alerts[0].metric == "reward_mean"
+
+
 def test_unknown_top_level_key() -> None:
     assert _error("rl", {**MODEL, "max_stepz": 3}) == "unknown key 'max_stepz' (did you mean 'max_steps'?)"
     assert _error("sft", {**MODEL, "seq_lenn": 3}) == "unknown key 'seq_lenn' (did you mean 'seq_len'?)"

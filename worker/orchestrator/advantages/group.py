@@ -5,6 +5,11 @@ advantage per rollout. Rewards that are ``None`` (the reward function failed or 
 not finite (NaN, inf) are *missing*: they are left out of every group statistic, and their rollouts
 get advantage ``None`` and must not be trained on (case C8). A group whose rewards are all missing
 is flagged with ``all_missing``; it is never scored 0.
+
+That rule (``present_reward``) is the run's one rule for a missing reward, applied per rollout everywhere a reward
+is read: the advantages here, the batcher's and the per-env reward statistics (``reward_mean``/``reward_std`` over
+the present rewards, ``reward_missing`` = rollouts without one), the gates (which judge these advantages), the
+curriculum's pass fraction, and the self-play proposer's reward.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ class ScoredGroup:
     lengths: list[int]
 
 
+def present_reward(reward: float | None) -> float | None:
+    """The reward as a float when it is present, None when it is missing (None, NaN, +-inf)."""
+    if reward is None or not math.isfinite(reward):
+        return None
+    return float(reward)
+
+
 def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[int]) -> ScoredGroup:
     """Keep the rollouts whose reward is present (not ``None``, finite)."""
     if len(rewards) != len(completion_lengths):
@@ -47,7 +59,7 @@ def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[i
         )
     if not rewards:
         raise ValueError("advantages: a group needs at least one rollout, got none")
-    present = [(i, float(r)) for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
+    present = [(i, r) for i, r in enumerate(map(present_reward, rewards)) if r is not None]
     return ScoredGroup(
         index=[i for i, _ in present],
         rewards=[r for _, r in present],

@@ -44,14 +44,18 @@ def test_parse_proposal_is_strict(reply: str, word: str | None) -> None:
 @pytest.mark.parametrize(
     ("valid", "solver_rewards", "expected"),
     [
-        (True, [1.0, 0.0, 1.0, 0.0], 1.0),  # pbar 0.5: 1 - 2*0 = 1
-        (True, [1.0, 1.0, 1.0, 1.0], 0.0),  # pbar 1: 1 - 2*0.5 = 0 (too easy)
-        (True, [0.0, 0.0], 0.0),  # pbar 0: too hard
-        (True, [1.0, 1.0, 1.0, 0.0], 0.5),  # pbar 0.75: 1 - 2*0.25 = 0.5
-        (True, [0.4, 0.2], 0.6),  # pbar 0.3: 1 - 2*0.2 = 0.6
-        (True, [None, 1.0, 0.0], 1.0),  # missing solver rewards are left out: pbar 0.5
+        (True, [1.0, 0.0, 1.0, 0.0], 1.0),  # p = 2/4 solved: 1 - 2*0 = 1
+        (True, [1.0, 1.0, 1.0, 1.0], 0.0),  # p = 1: 1 - 2*0.5 = 0 (too easy)
+        (True, [0.0, 0.0], 0.0),  # p = 0: too hard
+        (True, [1.0, 1.0, 1.0, 0.0], 0.5),  # p = 0.75: 1 - 2*0.25 = 0.5
+        (True, [1.0, 0.0, 0.0], pytest.approx(2 / 3)),  # p = 1/3: 1 - 2*(1/6) = 2/3
+        (True, [0.5, 0.5], 0.0),  # partly right is not solved: p = 0 (the mean 0.5 would have given 1)
+        (True, [0.9, 1.0], 1.0),  # p = 1/2 (0.9 < SOLVED_AT = 1.0)
+        (True, [None, 1.0, 0.0], 1.0),  # missing solver rewards are left out: p = 1/2
+        (True, [float("nan"), 1.0, float("inf")], 0.0),  # NaN/inf are missing: p = 1/1
         (False, [1.0, 0.0], 0.0),  # invalid proposal: 0 whatever the solvers did
         (True, [None, None], None),  # no solver reward: missing, never 0
+        (True, [float("nan")], None),
         (False, [None], None),
     ],
 )
@@ -147,9 +151,9 @@ def test_a_group_of_two_episodes_runs_both_roles_and_scores_them() -> None:
         (SOLVER, 1),
     ]
     assert lcs_ratio("ollxx", "olleh") == pytest.approx(0.6)
-    # solvers: [1, 0.6] -> pbar 0.8 -> R_P = 1 - 2*0.3 = 0.4; episode 1: invalid -> 0, its solvers [1, 1]
+    # solvers: [1, 0.6] -> 1 of 2 solved (0.6 < 1.0) -> p 0.5 -> R_P = 1; episode 1: invalid -> 0, its solvers [1, 1]
     assert [r.reward for r in rollouts] == [
-        pytest.approx(0.4),
+        1.0,
         1.0,
         pytest.approx(0.6),
         0.0,
@@ -162,13 +166,13 @@ def test_a_group_of_two_episodes_runs_both_roles_and_scores_them() -> None:
 
     hier = OrchestratorConfig.model_validate({"advantage": {"type": "hierarchical_grpo", "episode_agents": ["solver"]}})
     samples, metrics = build_batch(1, [rollouts], hier, make_advantage(hier.advantage))
-    # proposers across the group: mean (0.4 + 0) / 2 = 0.2 -> [0.2, -0.2]
+    # proposers across the group: mean (1 + 0) / 2 = 0.5 -> [0.5, -0.5]
     # episode 0 solvers: mean 0.8 -> [0.2, -0.2]; episode 1 solvers [1, 1] -> [0, 0]
     assert [r.advantage for r in rollouts] == [
-        pytest.approx(0.2),
+        pytest.approx(0.5),
         pytest.approx(0.2),
         pytest.approx(-0.2),
-        pytest.approx(-0.2),
+        pytest.approx(-0.5),
         0.0,
         0.0,
     ]
@@ -177,8 +181,8 @@ def test_a_group_of_two_episodes_runs_both_roles_and_scores_them() -> None:
     rae_config = OrchestratorConfig.model_validate({"group_size": 1, "advantage": {"type": "rae", "decay": 0.5}})
     rae = make_advantage(rae_config.advantage, env="self_play")
     build_batch(1, [rollouts], rae_config, rae)
-    # proposers in order: R=0.4: b_P = 0.2, A = 0.2;  R=0: b_P = 0.1, A = -0.1
+    # proposers in order: R=1: b_P = 0.5, A = 0.5;  R=0: b_P = 0.25, A = -0.25
     # solvers in order: R=1: b_S = 0.5, A = 0.5;  R=0.6: b_S = 0.55, A = 0.05;  R=1: b_S = 0.775, A = 0.225;
     #                   R=1: b_S = 0.8875, A = 0.1125
-    assert [r.advantage for r in rollouts] == [pytest.approx(a) for a in (0.2, 0.5, 0.05, -0.1, 0.225, 0.1125)]
-    assert rae.state()["baselines"] == {"self_play": {PROPOSER: pytest.approx(0.1), SOLVER: pytest.approx(0.8875)}}
+    assert [r.advantage for r in rollouts] == [pytest.approx(a) for a in (0.5, 0.5, 0.05, -0.25, 0.225, 0.1125)]
+    assert rae.state()["baselines"] == {"self_play": {PROPOSER: pytest.approx(0.25), SOLVER: pytest.approx(0.8875)}}

@@ -215,3 +215,49 @@ def test_trained_ratios_undefined_without_trained_or_timed_rollouts() -> None:
     assert math.isnan(none["trained_gen_time_ratio"]) and math.isnan(none["trained_len_ratio"])
     _, untimed = build_batch(1, [[rollout(0.0), rollout(1.0)]], OrchestratorConfig(group_size=2))
     assert math.isnan(untimed["trained_gen_time_ratio"]) and untimed["trained_len_ratio"] == pytest.approx(1.0)
+
+
+def test_gate_rejected_groups_count_as_finished_never_as_trained() -> None:
+    # kept group: two 1 s rollouts of 2 tokens, both trained; a gate rejected a group of two 4 s rollouts of 5 tokens
+    # finished: (1 + 1 + 4 + 4) / 4 = 2.5 s and (2 + 2 + 5 + 5) / 4 = 3.5 tokens -> ratios 1 / 2.5 = 0.4, 2 / 3.5
+    kept = [rollout(0.0, n_tokens=2, generation_s=1.0), rollout(1.0, n_tokens=2, generation_s=1.0)]
+    rejected = [rollout(0.0, n_tokens=5, generation_s=4.0), rollout(1.0, n_tokens=5, generation_s=4.0)]
+    samples, metrics = build_batch(1, [kept], OrchestratorConfig(group_size=2), rejected=[rejected])
+    assert len(samples) == metrics["num_samples"] == 2
+    assert metrics["trained_gen_time_ratio"] == pytest.approx(0.4)
+    assert metrics["trained_len_ratio"] == pytest.approx(2 / 3.5)
+    assert metrics["reward_mean"] == pytest.approx(0.5)  # the rejected group is in no other metric
+
+
+# ----------------------------------------------------------------------------- one rule for missing rewards
+
+
+def test_nan_and_inf_rewards_are_missing_everywhere() -> None:
+    """None, NaN and inf are missing (``present_reward``), the same in the reward statistics, the advantages, the
+    per-env metrics and the gates: rewards (1, NaN, 0, None) -> present (1, 0), mean 0.5, 2 missing, advantages
+    (0.5, None, -0.5, None); a group of (NaN, inf) is all missing; the gate sees mean |A| = 0.5."""
+    from worker.orchestrator.gates import group_rejects
+    from worker.orchestrator.mixture import env_step_metrics
+    from worker.spec import AdvantageRangeGate
+
+    group = [rollout(1.0), rollout(float("nan")), rollout(0.0), rollout(None)]
+    for r in group:
+        r.env = "a"
+    nan_group = [rollout(float("nan")), rollout(float("inf"))]
+    for r in nan_group:
+        r.env = "b"
+    samples, metrics = build_batch(1, [group, nan_group], OrchestratorConfig(group_size=4))
+    assert metrics["reward_mean"] == pytest.approx(0.5) and metrics["reward_std"] == pytest.approx(0.5)
+    assert metrics["reward_missing"] == 4 and metrics["groups_all_missing"] == 1
+    assert [r.advantage for r in group] == [pytest.approx(0.5), None, pytest.approx(-0.5), None]
+    assert [r.dropped for r in group] == [None, "missing", None, "missing"] and len(samples) == 2
+    per_env = env_step_metrics(1, [group, nan_group], samples, ["a", "b"])
+    assert (per_env["reward_mean/a"], per_env["reward_missing/a"], per_env["groups_all_missing/a"]) == (0.5, 2, 0)
+    assert math.isnan(per_env["reward_mean/b"]) and (per_env["reward_missing/b"], per_env["groups_all_missing/b"]) == (
+        2,
+        1,
+    )
+    orch = OrchestratorConfig(group_size=4)  # grpo
+    gate = AdvantageRangeGate(type="advantage_range", reject_min=0.5, reject_max=0.5)
+    assert group_rejects([gate], orch.advantage)(group) is True  # mean |A| over (0.5, -0.5) = 0.5
+    assert group_rejects([gate], orch.advantage)(nan_group) is False  # all missing: no advantage, passes

@@ -39,7 +39,7 @@ def test_rejected_by_scores_with_the_configured_advantage() -> None:
     assert rejected_by(gates, GrpoAdvantage(), [1.0, 1.0], [3, 3]) == 0  # A = [0, 0]
     # MaxRL: (R - mean) / mean: rewards [1, 0, 0, 0] -> A = [3, -1, -1, -1], mean |A| = 1.5
     assert rejected_by([_gate(1.4, 1.6)], MaxRLAdvantage(), [1.0, 0.0, 0.0, 0.0], [3, 3, 3, 3]) == 0
-    assert list(GATES) == ["advantage_range"]
+    assert list(GATES) == ["advantage_range", "custom"]  # custom: tests/unit/worker/test_plugins.py
 
 
 def _fill(groups: list[list[float]], spares: list[int], results: dict[int, list[float]]):  # type: ignore[no-untyped-def]

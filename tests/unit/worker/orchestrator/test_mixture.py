@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from worker.alert_rules import ThresholdRule
+from worker.alert_rules import ThresholdRule, reports
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import TaskSampler
 from worker.orchestrator.mixture import (
@@ -21,7 +21,7 @@ from worker.orchestrator.mixture import (
     env_metric,
     env_step_metrics,
 )
-from worker.spec import EnvConfig, OrchestratorConfig, RLSpec, SFTSpec, SpecError
+from worker.spec import DifficultyPoolCurriculum, EnvConfig, OrchestratorConfig, RLSpec, SFTSpec, SpecError
 from worker.spec.loading import validate_spec
 from worker.spec.user_code import CodeNotAllowed, check_spec_code
 
@@ -108,6 +108,26 @@ def test_one_env_keeps_the_single_cursor_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # as before mixtures: resumable by older code
 
 
+def test_pool_sizes_are_logged_per_env_and_alertable(tmp_path: Path) -> None:
+    pool = DifficultyPoolCurriculum()
+    configs = [EnvConfig(id="reverse_text", name="a"), EnvConfig(id="arithmetic", name="b")]
+    samplers = [
+        TaskSampler.resume(tmp_path / c.name, step=0, num_tasks=n, seed=0, batch_size=2, curriculum=pool)
+        for c, n in zip(configs, (5, 3), strict=True)
+    ]
+    envs = [MixtureEnv(c, None, None, s) for c, s in zip(configs, samplers, strict=True)]  # type: ignore[arg-type]
+    mix = EnvMixture(envs, seed=0)
+    taken = mix.take(1, 4, 0, pool)
+    metrics = mix.observe(1, [(t, [1.0]) for t in taken], pool)
+    # step 1 draws from 5 + 3 unseen tasks
+    assert metrics == {
+        **{f"pool_size_{p}": n for p, n in (("unseen", 8), ("hard", 0), ("normal", 0), ("easy", 0))},
+        **{f"pool_size_{p}/a": n for p, n in (("unseen", 5), ("hard", 0), ("normal", 0), ("easy", 0))},
+        **{f"pool_size_{p}/b": n for p, n in (("unseen", 3), ("hard", 0), ("normal", 0), ("easy", 0))},
+    }
+    assert all(reports("orchestrator", k) for k in metrics)
+
+
 def test_load_reads_real_envs_and_their_cursors(tmp_path: Path) -> None:
     mix = _mixture((5, 2))
     mix.take(1, 4)
@@ -154,7 +174,7 @@ def test_step_metrics_split_by_env() -> None:
     ]
     orch = OrchestratorConfig(group_size=2, max_off_policy_steps=8)
     samples, whole = build_batch(10, groups, orch)
-    m = env_step_metrics(10, groups, samples, orch, ["a", "b"])
+    m = env_step_metrics(10, groups, samples, ["a", "b"])
     assert [s["env"] for s in samples] == ["a", "a", "a", "a"]
     assert m["num_samples/a"] == 4 and m["num_samples/b"] == 0
     assert m["num_groups/a"] == 2 and m["num_groups/b"] == 2
@@ -175,11 +195,35 @@ def test_step_metrics_split_by_env() -> None:
         assert m[f"{name}/a"] + m[f"{name}/b"] == whole[name], name
 
 
+def test_drop_group_counts_per_env_where_the_drop_happens() -> None:
+    """stale_policy drop_group, step 10, max_off_policy_steps 8 (lag = 9 - v_start):
+    a, group 0: rewards (0, 1, 1), the last at v_start 0 (lag 9): the whole group dropped -> dropped_stale/a = 3,
+        dropped_stale_groups/a = 1 (the fresh two are not overlong: the old count made them 2 dropped_overlong);
+    b, group 1: rewards (0, 1) fresh: trained; b, group 2: rewards (1, None), the None one stale: no reward, so its
+        group trains (one sample, advantage 0) and nothing is dropped as stale.
+    """
+    groups = [
+        [_rollout(0.0, "a"), _rollout(1.0, "a"), _rollout(1.0, "a", v_start=0)],
+        [_rollout(0.0, "b"), _rollout(1.0, "b")],
+        [_rollout(1.0, "b"), _rollout(None, "b", v_start=0)],
+    ]
+    orch = OrchestratorConfig(
+        group_size=2, max_off_policy_steps=8, stale_policy="drop_group", drop_zero_advantage=False
+    )
+    samples, whole = build_batch(10, groups, orch)
+    m = env_step_metrics(10, groups, samples, ["a", "b"])
+    assert (m["dropped_stale/a"], m["dropped_stale_groups/a"], m["dropped_overlong/a"]) == (3, 1, 0)
+    assert (m["dropped_stale/b"], m["dropped_stale_groups/b"], m["dropped_overlong/b"]) == (0, 0, 0)
+    assert (m["num_samples/a"], m["num_samples/b"], m["num_groups/a"], m["num_groups/b"]) == (0, 3, 1, 2)
+    assert (whole["dropped_stale"], whole["dropped_stale_groups"], whole["num_samples"]) == (3, 1, 3)
+    assert m["reward_missing/b"] == 1 and m["reward_mean/b"] == pytest.approx((0 + 1 + 1) / 3)
+
+
 def test_overlong_rollouts_counted_per_env() -> None:
     groups = [[_rollout(0.0, "a", n_tokens=7), _rollout(1.0, "a")], [_rollout(0.0, "b"), _rollout(1.0, "b")]]
     orch = OrchestratorConfig(group_size=2, seq_len=8)  # 2 + 7 = 9 tokens > 8
     samples, whole = build_batch(1, groups, orch)
-    m = env_step_metrics(1, groups, samples, orch, ["a", "b"])
+    m = env_step_metrics(1, groups, samples, ["a", "b"])
     assert (m["dropped_overlong/a"], m["dropped_overlong/b"], whole["dropped_overlong"]) == (1, 0, 1)
     assert (m["num_samples/a"], m["num_samples/b"]) == (1, 2)
 
@@ -187,7 +231,7 @@ def test_overlong_rollouts_counted_per_env() -> None:
 def test_one_env_adds_no_metric_and_leaves_samples_as_before() -> None:
     groups = [[_rollout(0.0, "reverse_text"), _rollout(1.0, "reverse_text")]]
     samples, _ = build_batch(10, groups, OrchestratorConfig(group_size=2))
-    assert env_step_metrics(10, groups, samples, OrchestratorConfig(group_size=2), ["reverse_text"]) == {}
+    assert env_step_metrics(10, groups, samples, ["reverse_text"]) == {}
     assert all("env" not in s for s in samples)
 
 
@@ -269,7 +313,15 @@ BAD_ENVS = {
         [{"id": "reverse_text"}, {"id": "pkg/x:f"}],
         f"env.1.name: id 'pkg/x:f' is no name; set name: {NAME_RULE}",
     ),
-    "unknown-key": ([{"id": "reverse_text", "wieght": 2}], "env.0.wieght: Extra inputs are not permitted, got 2"),
+    "unknown-key": ([{"id": "reverse_text", "wieght": 2}], "unknown key 'env.0.wieght' (did you mean 'env.0.weight'?)"),
+    "unknown-key-second-table": (
+        [{"id": "reverse_text"}, {"id": "arithmetic", "nmae": "x"}],
+        "unknown key 'env.1.nmae' (did you mean 'env.1.name'?)",
+    ),
+    "zero-weight-one-table": (
+        {"id": "reverse_text", "weight": 0},
+        "env.weight: the weights must have a positive sum; one [env] needs weight > 0, got 0",
+    ),
 }
 
 
@@ -309,7 +361,10 @@ def test_alert_rules_take_per_env_metrics() -> None:
     assert kl.source == "trainer"
     ev = {"kind": "threshold", "metric": "pass_at_k/x", "op": "<", "value": 0.1, "source": "eval"}
     assert ThresholdRule.model_validate(ev).source == "eval"
-    for bad in ("loss/arithmetic", "reward_mean/", "reward_mean/a/b"):
+    for metric in ("dropped_stale_groups/arithmetic", "pool_size_hard/arithmetic", "pool_size_unseen/x"):
+        rule = ThresholdRule.model_validate({"kind": "threshold", "metric": metric, "op": ">", "value": 1})
+        assert rule.source == "orchestrator"
+    for bad in ("loss/arithmetic", "reward_mean/", "reward_mean/a/b", "pool_size_huge/a"):
         with pytest.raises(ValidationError, match="per environment as <metric>/<env name>"):
             ThresholdRule.model_validate({"kind": "threshold", "metric": bad, "op": "<", "value": 0})
 
