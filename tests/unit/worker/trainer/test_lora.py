@@ -43,7 +43,16 @@ MODEL = {"model": {"name": "some/model"}}
         ),
         ({"ranks": 4}, "unknown key 'trainer.lora.ranks' (did you mean 'trainer.lora.rank'?)"),
     ],
-    ids=["rank-0", "rank-too-large", "alpha-0", "dropout-1", "dropout-negative", "targets-empty", "target-blank", "typo"],
+    ids=[
+        "rank-0",
+        "rank-too-large",
+        "alpha-0",
+        "dropout-1",
+        "dropout-negative",
+        "targets-empty",
+        "target-blank",
+        "typo",
+    ],
 )
 def test_lora_spec_bad_values_one_line(lora: dict[str, object], error: str) -> None:
     with pytest.raises(SpecError) as e:
