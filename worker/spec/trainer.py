@@ -127,6 +127,32 @@ class WeightSyncConfig(StrictModel):
     update falls back to the filesystem."""
 
 
+class LoraConfig(StrictModel):
+    """LoRA RL (``[trainer.lora]``; absent = full fine-tune): the trainer trains PEFT low-rank adapters only
+    (``W + (alpha / rank) * B @ A`` on each targeted linear layer, Hu et al. 2021, arXiv:2106.09685), checkpoints and
+    publishes only the adapter, and vLLM serves the base model with the current adapter (``--enable-lora``)."""
+
+    rank: int = Field(default=8, ge=1, le=512)
+    """Rank ``r`` of each adapter's ``A [r, in]`` and ``B [out, r]`` (vLLM's ``--max-lora-rank`` is this rounded up
+    to a value it takes; at most 512, the largest it serves)."""
+    alpha: float = Field(default=16.0, gt=0, le=1e6)
+    """Scale numerator: the update is ``(alpha / rank) * B @ A``; 1e6 is already a diverging scale."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (``[0, 1)``; vLLM samples without it)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names (module-name suffixes, PEFT's matching) of the linear layers that get adapters; each must match a module
+    of the model (checked at launch)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if not v or not all(isinstance(m, str) and m.strip() for m in v):
+            raise ValueError(f"expected a non-empty list of module names, e.g. ['q_proj', 'v_proj'], got {v}")
+        return v
+
+
 class TrainerConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -148,6 +174,8 @@ class TrainerConfig(StrictModel):
     """Testing aid: sleep this long after every step to make the trainer the bottleneck (at most an hour)."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
+    lora: LoraConfig | None = None
+    """LoRA RL: train adapters only and ship only the adapter per policy version (None: full fine-tune)."""
 
 
 class CheckpointConfig(StrictModel):

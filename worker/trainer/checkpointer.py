@@ -5,6 +5,10 @@ The layout and rules of checkpoints (atomic parts, completion, pruning, which st
 live in ``worker/checkpoint.py``, which imports no torch because the server reads it; this module holds
 what needs torch: the ``trainer`` part's files (``model.safetensors``; ``state.pt`` with optimizer,
 scheduler, RNG states and step; ``meta.json``), written through ``worker.checkpoint.write_part``.
+
+A LoRA run (``[trainer.lora]``) stores the adapter instead of the full weights: ``trainer/adapter/``
+(``adapter_config.json`` + ``adapter_model.safetensors``, PEFT's format, ``worker/trainer/lora.py``) beside
+``state.pt`` (the adapters' optimizer state) and ``meta.json``; the base weights are the run's ``model.name``.
 """
 
 from __future__ import annotations
@@ -24,23 +28,33 @@ from safetensors.torch import load_file, save_file
 from worker.checkpoint import prune, write_part
 from worker.rundir import RunDir, writing
 from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
+from worker.trainer.lora import adapter_state, load_adapter, save_adapter
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
+
+ADAPTER_DIR = "adapter"
+"""A LoRA checkpoint's adapter folder inside its ``trainer`` part (``trainer/adapter/``)."""
 
 logger = logging.getLogger(__name__)
 
 
-def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
+def save_final(model: PreTrainedModel, base_name: str, out: Path, adapter: PeftModel | None = None) -> None:
     """``save_pretrained`` the model with the base model's tokenizer, so ``out`` loads by path.
 
-    With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes.
+    With FSDP2 every rank calls it (the weights are gathered) and rank 0 writes. With ``adapter`` (a LoRA run's
+    PEFT handle of ``model``): the adapter is merged into the weights (``merge_and_unload``: ``model`` is changed,
+    call it last), so ``out`` is a plain model, and the adapter itself is kept in ``out/adapter/``.
 
     Raises:
         DiskFull: the filesystem is full (the half-written temporary folder is removed, ``out`` is unchanged).
     """
     from transformers import AutoTokenizer
 
+    lora = adapter_state(adapter) if adapter is not None else None
+    if adapter is not None:
+        model = adapter.merge_and_unload()
     state = full_state_dict(model)
     if not is_main_rank():
         return
@@ -49,6 +63,8 @@ def save_final(model: PreTrainedModel, base_name: str, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=state)
         AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
+        if adapter is not None:
+            save_adapter(adapter, tmp / ADAPTER_DIR, state=lora)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
@@ -81,8 +97,16 @@ class BackgroundCheckpointer:
             error, self._error = self._error, None
             raise error
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-        """Snapshot the state of ``step`` and write it as the ``trainer`` part in the background.
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        adapter: PeftModel | None = None,
+    ) -> None:
+        """Snapshot the state of ``step`` and write it as the ``trainer`` part in the background; with ``adapter``
+        (a LoRA run's PEFT handle of ``model``) the adapter goes to ``adapter/`` instead of ``model.safetensors``.
 
         Raises:
             DiskFull, Exception: the previous background write failed (see the class docstring).
@@ -90,7 +114,7 @@ class BackgroundCheckpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         self.wait()
-        weights = weights_state_dict(model)
+        weights = adapter_state(adapter) if adapter is not None else weights_state_dict(model)
         opt_state = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -107,7 +131,10 @@ class BackgroundCheckpointer:
         meta = {"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": step}
 
         def write(folder: Path) -> None:
-            save_file(weights, folder / "model.safetensors")
+            if adapter is not None:
+                save_adapter(adapter, folder / ADAPTER_DIR, state=weights)
+            else:
+                save_file(weights, folder / "model.safetensors")
             torch.save({"optimizer": snapshot, **meta}, folder / "state.pt")
             (folder / "meta.json").write_text(json.dumps({"step": step}))
 
@@ -132,21 +159,33 @@ class BackgroundCheckpointer:
         self.check()
 
 
-def load_trainer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-    """Load a trainer checkpoint part into model, optimizer, scheduler and RNGs; returns its step.
+def load_trainer_state(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    adapter: PeftModel | None = None,
+) -> int:
+    """Load a trainer checkpoint part into model (or, with ``adapter``, its LoRA adapter from ``adapter/``),
+    optimizer, scheduler and RNGs; returns its step.
 
     Works on a plain and on an FSDP2-sharded model (every rank reads the files and keeps its shard).
 
     Raises:
-        RuntimeError: the checkpoint's tensor names do not match the model.
+        RuntimeError: the checkpoint's tensor names do not match the model (or the adapter).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    weights: dict[str, Any] = load_file(folder / "model.safetensors")  # Any: set_model_state_dict's value union
     full = StateDictOptions(full_state_dict=True, strict=False)
-    missing, unexpected = set_model_state_dict(model, weights, options=full)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
+    if adapter is not None:
+        load_adapter(adapter, folder / ADAPTER_DIR)
+    else:
+        weights: dict[str, Any] = load_file(folder / "model.safetensors")  # Any: set_model_state_dict's value union
+        missing, unexpected = set_model_state_dict(model, weights, options=full)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise RuntimeError(
+                f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}"
+            )
     state = torch.load(folder / "state.pt", weights_only=False)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])

@@ -10,7 +10,9 @@ from worker.spec import OptimConfig, SchedulerConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    """AdamW over the parameters that train (``requires_grad``: all of them, or a LoRA run's adapters only)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
 def build_scheduler(

@@ -46,10 +46,11 @@ from worker.trainer.dist import (
     weights_state_dict,
 )
 from worker.trainer.logprobs import fused_logprob_entropy
+from worker.trainer.lora import wrap
 from worker.trainer.loss import LossInputs, compute_sample_loss
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import forward_hidden, micro_batch_tensors
-from worker.weight_sync.publish import WeightSender, inference_workers, publish_weights
+from worker.weight_sync.publish import WeightSender, inference_workers, publish_adapter, publish_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     # fp32 master weights; bf16 compute through FSDP2's policy (sharded) or autocast (one CPU process)
     model = load_model(spec.model.name, dtype="float32", attn_implementation=spec.trainer.attention)
     n_params = sum(p.numel() for p in model.parameters())
+    # LoRA RL: adapters injected in place, everything else frozen; ``adapter`` is the PEFT handle that saves them
+    adapter = wrap(model, spec.trainer.lora) if spec.trainer.lora is not None else None
     model.train()
     prepare_model(
         model,
@@ -212,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)
     start = 0
     if args.resume_step is not None:
-        start = load_trainer_state(run.checkpoint_dir(args.resume_step) / "trainer", model, optimizer, scheduler)
+        start = load_trainer_state(
+            run.checkpoint_dir(args.resume_step) / "trainer", model, optimizer, scheduler, adapter=adapter
+        )
         # the spec's lr, not the checkpoint's, is the base: a fork with a new trainer.optim.lr trains with it
         set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         logger.info("resumed from checkpoint step %d", start)
@@ -248,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize(info.device)
         compute_s = time.perf_counter() - t0
         keep_versions = spec.orchestrator.max_async_level + 3
-        if sender is not None:  # over the process group (filesystem fallback inside)
+        if adapter is not None:  # LoRA: only the adapter ships (vLLM loads it by name, policy-<step>)
+            publish_adapter(adapter, run, step, keep_versions=keep_versions)
+        elif sender is not None:  # over the process group (filesystem fallback inside)
             sender.publish(weights_state_dict(model), step, keep_versions)
         else:  # with FSDP2 the other ranks take part in the gather here
             publish_weights(model, run, step, keep_versions=keep_versions)
@@ -284,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         # periodic, or requested (preemption); rank 0 decides, since every rank takes part in the save
         if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
-            checkpointer.save(step, model, optimizer, scheduler)
+            checkpointer.save(step, model, optimizer, scheduler, adapter=adapter)
         if spec.trainer.slow_step_s:
             time.sleep(spec.trainer.slow_step_s)
     checkpointer.wait()
-    save_final(model, spec.model.name, run.final)
+    save_final(model, spec.model.name, run.final, adapter=adapter)
     logger.info("done: %d steps", spec.max_steps)
     return 0
 

@@ -56,6 +56,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,22 @@ def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_vers
     return final
 
 
+def publish_adapter(peft_model: Any, run: RunDir, version: int, keep_versions: int) -> Path:
+    """Publish policy ``version`` of a LoRA run (``[trainer.lora]``) as the adapter only:
+    ``weights/step_<version>/{adapter_config.json, adapter_model.safetensors}`` (PEFT's ``save_pretrained`` format,
+    ``worker/trainer/lora.py``), STABLE written last, the folder renamed into place; older versions pruned as in
+    :func:`publish_weights`. One trainer process (LoRA is not sharded here).
+
+    Raises:
+        DiskFull: the filesystem is full (no folder of the version is left, complete or temporary).
+    """
+    from worker.trainer.lora import save_adapter
+
+    final = _write_version(run, version, None, None, write=lambda tmp: save_adapter(peft_model, tmp))
+    _prune_versions(run, version, keep_versions)
+    return final
+
+
 def _prune_versions(run: RunDir, version: int, keep_versions: int) -> None:
     """Delete the version folders older than the newest ``keep_versions`` (``version`` is the newest)."""
     for n, p in step_dirs(run.weights).items():
@@ -368,10 +385,15 @@ def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 def _write_version(
-    run: RunDir, version: int, state: dict[str, torch.Tensor] | None, meta: dict[str, Any] | None
+    run: RunDir,
+    version: int,
+    state: dict[str, torch.Tensor] | None,
+    meta: dict[str, Any] | None,
+    *,
+    write: Callable[[Path], None] | None = None,
 ) -> Path:
-    """``weights/step_<version>`` with safetensors (``state``) or ``group.json`` (``meta``), STABLE last, renamed
-    into place; a failed write removes the temporary folder.
+    """``weights/step_<version>`` with safetensors (``state``), ``group.json`` (``meta``) or what ``write(folder)``
+    puts there (a LoRA adapter), STABLE last, renamed into place; a failed write removes the temporary folder.
 
     Raises:
         DiskFull: the filesystem is full.
@@ -385,6 +407,8 @@ def _write_version(
             _write_file(tmp / WEIGHTS_FILE, state)
         if meta is not None:
             (tmp / META_FILE).write_text(json.dumps(meta))
+        if write is not None:
+            write(tmp)
         (tmp / STABLE_MARKER).write_text(str(version))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

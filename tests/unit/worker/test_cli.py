@@ -410,6 +410,27 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "parse_int=None, parse_constant=None, object_pairs_hook=None, **kw) cannot be called as loads(rewards, "
         "advantages): too many positional arguments",
     ),
+    # LoRA RL ([trainer.lora]): every target module names a linear layer of the model (the launch's preflight)
+    "rl-dry-run-lora-target-matches-nothing": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--trainer.lora.target_modules",
+            '["q_proj", "attn"]',
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "error: trainer.lora.target_modules: ['attn'] match no linear layer of qwen3 (its linear layers: "
+        "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])",
+    ),
+    "rl-lora-rank-0": (
+        ["rl", "@", RL_TOML, "--trainer.lora.rank", "0", "--dry-run"],
+        "error: trainer.lora.rank: Input should be greater than or equal to 1, got 0",
+    ),
     # environment mixtures ([[env]]): every env is checked, names differ, weights not all 0
     "rl-mixture-duplicate-name": (
         ["rl", "@", RL_TOML, "--env", '[{id="reverse_text"}, {id="reverse_text", weight=2}]', "--dry-run"],

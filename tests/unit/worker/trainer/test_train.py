@@ -73,3 +73,32 @@ def test_shared_prompt_packing_changes_nothing_but_the_token_count() -> None:
     for name in g_full:
         torch.testing.assert_close(g_shared[name], g_full[name], atol=1e-6, rtol=1e-4)
     assert any(g.abs().max() > 0 for g in g_full.values())
+
+
+def test_lora_step_trains_adapters_only_and_starts_at_the_base() -> None:
+    """With ``[trainer.lora]`` the first step sees the base model (B = 0): the same loss and metrics as the full
+    model; gradients reach only the adapters, and only B (dL/dA = B^T (...) = 0 while B = 0)."""
+    from worker.spec import LoraConfig
+    from worker.trainer.lora import wrap
+
+    spec = validate_spec("rl", {"model": {"name": "unused"}, "orchestrator": {"seq_len": 32}})
+    samples = _samples()
+    batch = {
+        "step": 1,
+        "num_samples": len(samples),
+        "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        "micro_batches": [[s] for s in samples],
+    }
+    full = train_step(_model(), batch, spec, step=1)  # type: ignore[arg-type]
+    model = _model()
+    wrap(model, LoraConfig(rank=4, target_modules=["q_proj", "down_proj"]))
+    lora = train_step(model, batch, spec, step=1)  # type: ignore[arg-type]
+    assert lora.keys() == full.keys()
+    for name, value in full.items():
+        assert math.isclose(lora[name], value, rel_tol=1e-6, abs_tol=1e-7) or (
+            math.isnan(value) and math.isnan(lora[name])
+        ), name
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert len(grads) == 2 * 2 * 2  # 2 layers x (q_proj, down_proj) x (A, B)
+    assert all(g.abs().max() == 0 for n, g in grads.items() if "lora_A" in n)
+    assert all(g.abs().max() > 0 for n, g in grads.items() if "lora_B" in n)

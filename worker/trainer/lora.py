@@ -1,0 +1,147 @@
+"""LoRA RL (``[trainer.lora]``): wrap the trainer's model with PEFT adapters, save and load the adapter.
+
+The update of a targeted linear layer ``W [out, in]`` is ``W + (alpha / rank) * B @ A`` with ``A [rank, in]`` and
+``B [out, rank]`` (Hu et al. 2021, "LoRA", arXiv:2106.09685, eq. 3); PEFT initialises ``B = 0``, so policy
+version 0 equals the base model. Only ``A`` and ``B`` train (``requires_grad``); the base weights are frozen.
+
+On disk an adapter is PEFT's ``save_pretrained`` format, the one vLLM's LoRA loading reads
+(``/v1/load_lora_adapter``) and ``PeftModel.from_pretrained`` loads::
+
+    <folder>/adapter_config.json           rank, alpha, dropout, target modules, base model
+    <folder>/adapter_model.safetensors     the A and B tensors, PEFT names (``base_model.model.<module>.lora_A.weight``)
+
+It is what ``weights/step_n/`` holds for a LoRA run (``worker/weight_sync/publish.py``) and what a checkpoint's
+``trainer/adapter/`` holds (``worker/trainer/checkpointer.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from worker.inference.server import ADAPTER_CONFIG
+from worker.spec import LoraConfig
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "adapter_state",
+    "check_targets",
+    "load_adapter",
+    "save_adapter",
+    "wrap",
+]
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_NAME = "default"
+"""PEFT's name of the one adapter the trainer trains."""
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """PEFT's suffix rule for a ``target_modules`` list entry: the full name, or its last dotted parts."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The entries of ``targets`` that match no ``torch.nn.Linear`` of ``model`` (PEFT's suffix matching)."""
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [t for t in targets if not any(_matches(name, t) for name in linear)]
+
+
+def check_targets(model_dir: str | Path, targets: list[str]) -> None:
+    """Launch check: every ``targets`` entry names a linear layer of the model in ``model_dir`` (its config only,
+    built on the meta device: no weights are read).
+
+    Raises:
+        ValueError: one line naming ``trainer.lora.target_modules``, the entries that match nothing and the
+            model's linear layer names that would.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    missing = unmatched_targets(model, targets)
+    if missing:
+        leaves = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise ValueError(
+            f"trainer.lora.target_modules: {missing} match no linear layer of {config.model_type} "
+            f"(its linear layers: {leaves})"
+        )
+
+
+def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
+    """Inject adapters into ``model`` in place (PEFT ``get_peft_model``) and freeze everything else.
+
+    ``model`` keeps working as before (its targeted linears now add the adapter's output); the returned
+    ``PeftModel`` is the handle for saving and loading the adapter. Only parameters named ``...lora_A...`` /
+    ``...lora_B...`` have ``requires_grad``.
+
+    Raises:
+        ValueError: a ``target_modules`` entry matches no module (PEFT's own check).
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    missing = unmatched_targets(model, cfg.target_modules)
+    if missing:
+        raise ValueError(f"trainer.lora.target_modules: {missing} match no linear layer of the model")
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cast(int, cfg.alpha),  # PEFT annotates int; it scales by alpha / r in float
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def adapter_state(peft_model: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter tensors under PEFT's saved names, detached CPU copies (a snapshot the next step cannot change)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model, adapter_name=ADAPTER_NAME)
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def save_adapter(peft_model: PeftModel, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``folder`` (created), PEFT's format.
+
+    ``state``: the tensors to write (:func:`adapter_state`, taken earlier), default the model's current ones.
+    """
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = peft_model.peft_config[ADAPTER_NAME]
+    cfg.save_pretrained(str(folder))
+    save_file(
+        state if state is not None else adapter_state(peft_model),
+        str(folder / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
+
+
+def load_adapter(peft_model: PeftModel, folder: Path) -> None:
+    """Load the adapter tensors of ``folder`` (written by :func:`save_adapter`) into ``peft_model`` in place.
+
+    Raises:
+        RuntimeError: the folder's tensors do not match the model's adapter (names or shapes).
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = load_file(folder / ADAPTER_WEIGHTS)
+    # torch's _IncompatibleKeys (names the model lacks / the file lacks)
+    result: Any = set_peft_model_state_dict(peft_model, state, adapter_name=ADAPTER_NAME)
+    unexpected = list(result.unexpected_keys)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if unexpected or missing:
+        raise RuntimeError(f"adapter {folder} does not match the model: missing {missing}, unexpected {unexpected}")
