@@ -29,6 +29,7 @@ TITLES = {
     "vs_trl": "asyncrl vs TRL GRPOTrainer",
     "service_throughput": "Control plane: metric ingestion and series queries",
     "dashboard_page": "Dashboard: run page server time with 100k stored points",
+    "difficulty_pool_learning": "Learning check: difficulty_pool vs standard curriculum on reverse-text",
 }
 
 

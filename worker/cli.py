@@ -3,6 +3,7 @@
     asyncrl rl   @ configs/reverse_text/rl.toml [@ more.toml] [--trainer.optim.lr 1e-5] [--dry-run] [--resume]
     asyncrl sft  @ configs/reverse_text/sft.toml [--max_steps 100] [--dry-run]
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
+    asyncrl eval --model PATH --spec RL.toml [--env NAME]   (one environment of the spec's [[env]] mixture)
     asyncrl model init --out DIR [--size tiny|small] [--overwrite]
     asyncrl demo [--local] [--summary PATH]
     asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]   (Hugging Face model directory)
@@ -127,8 +128,11 @@ def _eval_command(argv: list[str]) -> int:
     src.add_argument("--model", help="model path or HF name (starts a vLLM server for the eval)")
     src.add_argument("--url", help="base URL of a running vLLM server")
     p.add_argument("--tokenizer", help="tokenizer path or name (default: --model, or the server's model)")
-    p.add_argument("--env", default="reverse_text")
-    p.add_argument("--env-args", default="{}", help="JSON object of environment arguments")
+    p.add_argument(
+        "--env", default=None, help="environment id (default reverse_text); with --spec: the name of one of its envs"
+    )
+    p.add_argument("--env-args", default="{}", help="JSON object of environment arguments (with --spec: merged in)")
+    p.add_argument("--spec", type=Path, help="an RL spec file: evaluate its environment --env (id and args)")
     p.add_argument("--num-examples", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -152,13 +156,19 @@ def _eval_command(argv: list[str]) -> int:
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         what = "is a directory" if args.out.is_dir() else f"is in a folder that does not exist ({args.out.parent})"
         raise SpecError(f"--out: expected a file path for the result JSON; {args.out} {what}")
-    from worker.evaluation import run_eval
+    from worker.evaluation import env_of_spec, run_eval
 
+    env_id = args.env or "reverse_text"
+    if args.spec is not None:
+        spec = validate_spec("rl", load_spec_data([args.spec], []))
+        assert isinstance(spec, RLSpec)
+        env = env_of_spec(spec.envs, args.env, str(args.spec))
+        env_id, env_args = env.id, {**env.args, **env_args}
     result = run_eval(
         model=args.model,
         url=args.url,
         tokenizer=args.tokenizer,
-        env_id=args.env,
+        env_id=env_id,
         env_args=env_args,
         num_examples=args.num_examples,
         temperature=args.temperature,

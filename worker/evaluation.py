@@ -17,6 +17,29 @@ from typing import Any
 from worker.envs import load_environment
 from worker.inference.client import InferenceClient
 from worker.orchestrator.eval import evaluate
+from worker.spec import EnvConfig
+
+
+def env_of_spec(envs: list[EnvConfig], name: str | None, spec_path: str) -> EnvConfig:
+    """The environment of a run spec that ``asyncrl eval --spec SPEC [--env NAME]`` evaluates: the one named
+    ``name`` (an ``[[env]]`` mixture member's ``name``; its ``id`` and ``args`` are used), or the spec's only one
+    when ``name`` is None.
+
+    Raises:
+        SpecError: ``--env: no environment named 'x' in SPEC; its environments: a, b`` (also when ``name`` is None
+            and the spec has several).
+    """
+    from worker.spec import SpecError
+
+    names = ", ".join(e.name or e.id for e in envs)
+    if name is None:
+        if len(envs) == 1:
+            return envs[0]
+        raise SpecError(f"--env: {spec_path} has several environments; name one of them: {names}")
+    for env in envs:
+        if env.name == name:
+            return env
+    raise SpecError(f"--env: no environment named {name!r} in {spec_path}; its environments: {names}")
 
 
 def run_eval(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from worker.cli import COMMANDS, main
+from worker.spec import load_spec_data, validate_spec
 
 REPO = Path(__file__).resolve().parents[3]
 RL_TOML = str(REPO / "configs/reverse_text/rl.toml")
@@ -663,7 +664,47 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["eval", "--model", "{model}", "--env", "nope"],
         "re:error: --env: unknown environment 'nope'; allowed: .*",
     ),
+    "eval-spec-unknown-env-name": (
+        ["eval", "--model", "{model}", "--spec", "{tmp}/mix.toml", "--env", "reverse_text"],
+        "error: --env: no environment named 'reverse_text' in {tmp}/mix.toml; its environments: rev, arith",
+    ),
+    "eval-spec-mixture-without-env": (
+        ["eval", "--model", "{model}", "--spec", "{tmp}/mix.toml"],
+        "error: --env: {tmp}/mix.toml has several environments; name one of them: rev, arith",
+    ),
 }
+
+
+MIXTURE_TOML = """
+[model]
+name = "some/model"
+
+[[env]]
+id = "reverse_text"
+name = "rev"
+args = { num_train = 16, system_message = false }
+weight = 3
+
+[[env]]
+id = "arithmetic"
+name = "arith"
+weight = 1
+"""
+"""A two-environment RL spec for ``asyncrl eval --spec``."""
+
+
+def test_eval_spec_env_picks_one_environment_of_a_mixture(tmp_path: Path) -> None:
+    """``asyncrl eval --spec S --env NAME`` evaluates that [[env]] member: its id and args (``env_of_spec``)."""
+    from worker.evaluation import env_of_spec
+
+    (tmp_path / "mix.toml").write_text(MIXTURE_TOML)
+    envs = validate_spec("rl", load_spec_data([tmp_path / "mix.toml"], [])).envs
+    rev = env_of_spec(envs, "rev", "mix.toml")
+    assert (rev.id, rev.args, rev.weight) == ("reverse_text", {"num_train": 16, "system_message": False}, 3.0)
+    assert env_of_spec(envs, "arith", "mix.toml").id == "arithmetic"
+    single = validate_spec("rl", load_spec_data([RL_TOML], [])).envs
+    only = env_of_spec(single, None, "rl.toml")  # one [env] table: --env may be left out
+    assert (only.id, only.name, only.args) == ("reverse_text", "reverse_text", {"system_message": False})
 
 
 def _snapshot(root: Path) -> list[tuple[str, int, float]]:
@@ -681,6 +722,7 @@ def test_bad_input_one_line_exit_2_nothing_made(
     (tmp_path / "bad.toml").write_text('name = "x"\n[trainer\n')
     (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "mix.toml").write_text(MIXTURE_TOML)
     (tmp_path / "outputs" / "old").mkdir(parents=True)
     (tmp_path / "outputs" / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
     places = {
