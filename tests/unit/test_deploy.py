@@ -332,7 +332,15 @@ def test_worker_healthcheck_pings_a_live_worker_by_its_node_name(tmp_path: Path)
 def test_env_example_lists_exactly_the_compose_variables() -> None:
     text = "\n".join(line for line in COMPOSE.read_text().splitlines() if not line.lstrip().startswith("#"))
     used = set(re.findall(r"(?<!\$)\$\{([A-Z][A-Z0-9_]*)", text))  # $${X} is escaped: the container's shell reads it
-    assert used == {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "SECRET_KEY", "ASYNCRL_PORT"}
+    images = {
+        "ASYNCRL_POSTGRES_IMAGE",
+        "ASYNCRL_REDIS_IMAGE",
+        "ASYNCRL_PYTHON_IMAGE",
+        "ASYNCRL_CUDA_IMAGE",
+        "ASYNCRL_CPU_IMAGE",
+    }
+    settings = {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "SECRET_KEY", "ASYNCRL_PORT"}
+    assert used == settings | images | {"ASYNCRL_PIP_EXTRA_INDEX_URL"}
     assert set(env_example()) == used | {"COMPOSE_PROFILES"}  # COMPOSE_PROFILES is read by compose itself
     lines = ENV_EXAMPLE.read_text().splitlines()
     for i, line in enumerate(lines):  # each variable has its own comment line right above it
@@ -347,7 +355,8 @@ def test_images_install_with_the_setup_script_the_tests_use(services: dict[str, 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for path in DOCKERFILES.values():
         assert [args for kind, args in dockerfile_instructions(path) if kind == "RUN" and "setup.sh" in args] == [
-            "bash scripts/setup.sh"
+            "--mount=type=secret,id=ca_bundle --mount=type=cache,target=/root/.cache/pip "
+            "bash deploy/with-build-ca.sh bash scripts/setup.sh && rm -rf .wheels"
         ]
     assert dockerfile_env(DOCKERFILES["server"])["ASYNCRL_EXTRAS"] == "server"
     args = dict(re.findall(r"^ARG (\w+)=?(.*)$", DOCKERFILES["worker"].read_text(), flags=re.M))
