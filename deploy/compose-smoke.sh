@@ -184,7 +184,7 @@ trap cleanup EXIT
 wait_healthy() {  # every service of the cpu profile healthy, within $1 seconds
   local deadline=$((SECONDS + $1)) states
   while :; do
-    states=$(for c in $(compose ps -q); do docker inspect -f '{{.Name}}={{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' "$c"; done | sort)
+    states=$(for c in $(compose ps -q); do docker inspect -f '{{.Name}}={{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' "$c" || true; done | sort)
     if [ "$(echo "$states" | grep -c '=healthy$')" = 4 ]; then return 0; fi
     [ "$SECONDS" -lt "$deadline" ] || die "not healthy within $1 s: $(echo "$states" | tr '\n' ' ')"
     sleep 3
