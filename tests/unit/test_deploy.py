@@ -126,6 +126,66 @@ def test_compose_v2_loads_each_profile_and_requires_secret_key(env_file: Path) -
     assert "required variable SECRET_KEY is missing a value: set SECRET_KEY in .env" in proc.stderr
 
 
+PUBLIC_IMAGES = {
+    "postgres": "postgres:17-bookworm",
+    "redis": "redis:7.4-bookworm",
+    "server": "python:3.11-slim-bookworm",
+    "worker": "nvidia/cuda:13.0.1-runtime-ubuntu22.04",
+    "worker-cpu": "ubuntu:22.04",
+}
+
+
+def test_every_image_is_a_variable_whose_default_is_the_public_image(tmp_path: Path) -> None:
+    """Without the image variables (an .env from an older .env.example) compose uses the public images; set, they
+    replace every image and base image, as deploy/compose-smoke.sh sets them for its Debian stand-ins."""
+    secret = f"SECRET_KEY={secrets.token_hex(32)}"
+    settings = {k: v for k, v in env_example().items() if not re.match(r"ASYNCRL_.*(IMAGE|INDEX_URL)$", k)}
+    plain = tmp_path / "plain.env"
+    plain.write_text("\n".join(f"{k}={v}" for k, v in settings.items() if k != "SECRET_KEY") + f"\n{secret}\n")
+    smoke = tmp_path / "smoke.env"
+    overrides = {
+        "ASYNCRL_POSTGRES_IMAGE": "local/pg",
+        "ASYNCRL_REDIS_IMAGE": "local/redis",
+        "ASYNCRL_PYTHON_IMAGE": "local/python",
+        "ASYNCRL_CUDA_IMAGE": "local/cuda",
+        "ASYNCRL_CPU_IMAGE": "local/debian",
+        "ASYNCRL_PIP_EXTRA_INDEX_URL": "",
+    }
+    smoke.write_text(plain.read_text() + "".join(f"{k}={v}\n" for k, v in overrides.items()))
+    for env_file, expected, index in (
+        (plain, PUBLIC_IMAGES, "https://download.pytorch.org/whl/cpu"),
+        (
+            smoke,
+            dict(
+                zip(
+                    PUBLIC_IMAGES,
+                    ["local/pg", "local/redis", "local/python", "local/cuda", "local/debian"],
+                    strict=True,
+                )
+            ),
+            "",
+        ),
+    ):
+        resolved: dict[str, dict[str, Any]] = {}
+        for profile in PROFILES:
+            proc = compose("config", "--format", "json", env_file=env_file, profiles=profile)
+            assert proc.returncode == 0, proc.stderr
+            resolved.update(json.loads(proc.stdout)["services"])
+        images = {name: resolved[name]["image"] for name in ("postgres", "redis")}
+        images["server"] = resolved["server"]["build"]["args"]["PYTHON_IMAGE"]
+        images |= {name: resolved[name]["build"]["args"]["BASE_IMAGE"] for name in ("worker", "worker-cpu")}
+        assert images == expected
+        assert resolved["server"]["build"]["args"]["PIP_EXTRA_INDEX_URL"] == index
+        assert resolved["worker-cpu"]["build"]["args"]["PIP_EXTRA_INDEX_URL"] == index
+    script = (ROOT / "deploy/compose-smoke.sh").read_text()  # the smoke check sets only variables compose reads
+    written = re.search(r'cat >"\$WORK/.env" <<EOF\n(.*?)\nEOF\n', script, flags=re.S)
+    assert written is not None
+    set_there = {line.split("=", 1)[0] for line in written.group(1).splitlines()}
+    assert set_there == set(env_example()) - {"ASYNCRL_CUDA_IMAGE"}  # the cpu profile builds no GPU worker
+    for name, path in DOCKERFILES.items():  # and the Dockerfiles' own defaults are the public images
+        assert re.findall(r"^ARG (?:PYTHON|BASE)_IMAGE=(\S+)$", path.read_text(), flags=re.M) == [PUBLIC_IMAGES[name]]
+
+
 def test_gpu_worker_reserves_one_gpu_and_cpu_worker_none(services: dict[str, dict[str, Any]]) -> None:
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
@@ -332,7 +392,15 @@ def test_worker_healthcheck_pings_a_live_worker_by_its_node_name(tmp_path: Path)
 def test_env_example_lists_exactly_the_compose_variables() -> None:
     text = "\n".join(line for line in COMPOSE.read_text().splitlines() if not line.lstrip().startswith("#"))
     used = set(re.findall(r"(?<!\$)\$\{([A-Z][A-Z0-9_]*)", text))  # $${X} is escaped: the container's shell reads it
-    assert used == {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "SECRET_KEY", "ASYNCRL_PORT"}
+    images = {
+        "ASYNCRL_POSTGRES_IMAGE",
+        "ASYNCRL_REDIS_IMAGE",
+        "ASYNCRL_PYTHON_IMAGE",
+        "ASYNCRL_CUDA_IMAGE",
+        "ASYNCRL_CPU_IMAGE",
+    }
+    settings = {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "SECRET_KEY", "ASYNCRL_PORT"}
+    assert used == settings | images | {"ASYNCRL_PIP_EXTRA_INDEX_URL"}
     assert set(env_example()) == used | {"COMPOSE_PROFILES"}  # COMPOSE_PROFILES is read by compose itself
     lines = ENV_EXAMPLE.read_text().splitlines()
     for i, line in enumerate(lines):  # each variable has its own comment line right above it
@@ -347,7 +415,8 @@ def test_images_install_with_the_setup_script_the_tests_use(services: dict[str, 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for path in DOCKERFILES.values():
         assert [args for kind, args in dockerfile_instructions(path) if kind == "RUN" and "setup.sh" in args] == [
-            "bash scripts/setup.sh"
+            "--mount=type=secret,id=ca_bundle --mount=type=cache,target=/root/.cache/pip "
+            "bash deploy/with-build-ca.sh bash scripts/setup.sh && rm -rf .wheels"
         ]
     assert dockerfile_env(DOCKERFILES["server"])["ASYNCRL_EXTRAS"] == "server"
     args = dict(re.findall(r"^ARG (\w+)=?(.*)$", DOCKERFILES["worker"].read_text(), flags=re.M))
