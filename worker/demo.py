@@ -127,10 +127,13 @@ class Service:
 
 
 @contextmanager
-def embedded_service(home: Path, *, startup_timeout_s: float = 120.0) -> Iterator[Service]:
+def embedded_service(
+    home: Path, *, model_roots: list[Path] | None = None, startup_timeout_s: float = 120.0
+) -> Iterator[Service]:
     """Start ``asyncrl server`` and ``asyncrl worker`` in embedded mode with state under ``home``; yields a
-    ``Service``. Both are children in their own process groups that get SIGTERM if this process
-    dies; on exit they are terminated (SIGKILL after 10 s). Logs: ``home/server.log``, ``home/worker.log``.
+    ``Service``. ``model_roots``: the folders a submitted ``model.name`` may be under besides ``home/outputs``
+    (the server's ``MODEL_ROOTS``; the demo's SFT model is outside the service's folder). Both are children in
+    their own process groups that get SIGTERM if this process dies; on exit they are terminated (SIGKILL after 10 s). Logs: ``home/server.log``, ``home/worker.log``.
 
     Raises:
         DemoError: the server did not answer ``/healthz`` within ``startup_timeout_s`` or a child exited.
@@ -147,6 +150,7 @@ def embedded_service(home: Path, *, startup_timeout_s: float = 120.0) -> Iterato
         "CELERY_BROKER_URL": "",
         "ASYNCRL_OUTPUT_DIR": str(home / "outputs"),
         "ASYNCRL_SERVER_URL": url,
+        "MODEL_ROOTS": ",".join(str(p) for p in [home / "outputs", *(model_roots or [])]),
     }
     cli = [sys.executable, "-m", "worker.cli"]
     procs = {
@@ -312,7 +316,7 @@ def run_service_demo(
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     with (
-        embedded_service(home) as service,
+        embedded_service(home, model_roots=[Path(sft["final"]).resolve()]) as service,
         httpx.Client(
             base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=30.0
         ) as client,

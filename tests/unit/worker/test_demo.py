@@ -19,18 +19,22 @@ import pytest
 from worker.demo import TERMINAL, DemoError, embedded_service, follow_run
 from worker.procs import alive  # the liveness check the service itself uses
 
-BAD_MODEL = "/nonexistent/asyncrl-demo-test-model"
+BAD_MODEL = "sft/final"  # under tmp_path: outside the service's own folder, as the demo's SFT model is; never made
 
 
 def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(tmp_path / BAD_MODEL)
     with (
-        embedded_service(tmp_path / "home") as service,
+        embedded_service(tmp_path / "home", model_roots=[tmp_path / "sft"]) as service,
         httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as client,
     ):
         assert service.token.startswith("asr_") and set(service.pids) == {"server", "worker"}
         assert all(alive(pid) for pid in service.pids.values())
         assert client.get("/healthz").json() == {"status": "ok", "database": "sqlite"}
-        resp = client.post("/api/runs", json={"name": "demo-test", "max_steps": 2, "model": {"name": BAD_MODEL}})
+        resp = client.post("/api/runs", json={"name": "demo-test", "max_steps": 2, "model": {"name": model}})
+        elsewhere = {"name": "x", "max_steps": 2, "model": {"name": str(tmp_path / "other" / "m")}}
+        refused = client.post("/api/runs", json=elsewhere)  # outside both roots
+        assert refused.status_code == 422 and "MODEL_ROOTS" in refused.json()["detail"], refused.text
         assert resp.status_code == 201, resp.text
         run = follow_run(client, resp.json()["id"], max_steps=2, poll_s=0.2, local_supervisor=True)
         pids = service.pids
@@ -44,7 +48,7 @@ def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys
         kl = client.get(f"/api/runs/{run['id']}/metrics", params={"name": "kl"}).json()["series"]
         assert [(s["step"], s["value"]) for s in kl] == [([1, 2], [None, 0.5])]
     assert run["status"] == "failed" and run["status"] in TERMINAL
-    assert run["status_reason"].startswith(f"preflight: model.name: {BAD_MODEL}")
+    assert run["status_reason"].startswith(f"preflight: model.name: {model}")
     assert run["run_dir"].startswith(str(tmp_path / "home" / "outputs" / "runs"))
     out = capsys.readouterr().out
     assert f"run {run['id']}: - -> queued" in out and f"run {run['id']}: starting -> failed (preflight" in out
