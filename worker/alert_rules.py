@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from worker.dotted_keys import did_you_mean
 from worker.orchestrator.staleness import LAG_HIST_METRICS
 
 Source = Literal["trainer", "orchestrator", "eval", "inference"]
@@ -150,7 +151,8 @@ def _check_metric(name: str) -> str:
     if not any(reports(src, name) for src in METRICS):
         per_env = ", ".join(dict.fromkeys(n for names in PER_ENV_METRICS.values() for n in names))
         raise ValueError(
-            f"unknown metric {name!r}; known: {', '.join(KNOWN_METRICS)}; per environment as <metric>/<env name>: "
+            f"unknown metric {name!r}{did_you_mean(name, KNOWN_METRICS)}; known: {', '.join(KNOWN_METRICS)}; "
+            f"per environment as <metric>/<env name>: "
             f"{per_env}"
         )
     return name

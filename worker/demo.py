@@ -250,7 +250,8 @@ def follow_run(
                         reason = f" ({e['reason']})" if e["reason"] else ""
                         line(f"[demo] run {run_id}: {e['from_status'] or '-'} -> {e['to_status']}{reason}")
                     else:
-                        line(f"[demo] run {run_id}: {e['kind']} {e['reason']}")
+                        said = e["reason"] if e["reason"].startswith(e["kind"]) else f"{e['kind']}: {e['reason']}"
+                        line(f"[demo] run {run_id}: {said}")
                 series = (
                     client.get(
                         f"/api/runs/{run_id}/metrics",

@@ -10,8 +10,17 @@ Imports nothing of asyncrl: the spec module and the server both use it.
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` with the known name closest to a mistyped one (``difflib`` ratio >= 0.85: long dotted
+    names share their prefixes), or ``""`` when none is close: the hint the spec's unknown keys get, for live keys
+    and metric names too."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.85)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class DottedKeyError(ValueError):

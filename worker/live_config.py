@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.dotted_keys import get_key, replay, with_keys
+from worker.dotted_keys import did_you_mean, get_key, replay, with_keys
 from worker.rundir import append_jsonl, read_jsonl, read_jsonl_after
 from worker.spec import RLSpec, SpecError, parse_override_value, validate_spec
 
@@ -91,7 +91,8 @@ def validate_changes(spec: dict[str, Any], changes: Any) -> dict[str, Any]:
     for key in changes:
         if key not in LIVE_KEYS:
             raise LiveConfigError(
-                f"{key}: not a live key; only these change while a run is live: {', '.join(LIVE_KEYS)}"
+                f"{key}: not a live key{did_you_mean(key, LIVE_KEYS)}; only these change while a run is live: "
+                f"{', '.join(LIVE_KEYS)}"
             )
         if isinstance(changes[key], bool):  # pydantic would read true as 1
             raise LiveConfigError(f"{key}: expected a number, got {changes[key]!r}")

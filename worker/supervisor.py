@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempt", type=int, default=None, help="launch attempt, recorded in the final-status spool")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(
+        logging.WARNING
+    )  # a line per request (config polls every second) buries the log
     try:
         deadline_s = report_timeout_s()
     except ValueError as err:

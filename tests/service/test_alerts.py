@@ -39,7 +39,8 @@ def endpoint(client: Any, auth: dict[str, str]) -> Any:
     [
         (
             {"kind": "threshold", "metric": "mismatch_kll", "op": ">", "value": 1},
-            "body.threshold.metric: Value error, unknown metric 'mismatch_kll'; known: loss, entropy, mismatch_kl,",
+            "body.threshold.metric: Value error, unknown metric 'mismatch_kll' (did you mean 'mismatch_kl'?); known: loss, "
+            "entropy, mismatch_kl,",
         ),
         (
             {"kind": "threshold", "metric": "loss", "op": ">", "value": 1, "window": 0},

@@ -90,7 +90,10 @@ def test_concurrent_patches_get_distinct_numbers(live_server: str, auth: dict[st
             {"trainer.optim.betas": [0.8, 0.9]},
             "trainer.optim.betas: not a live key; only these change while a run is live: " + ", ".join(LIVE_KEYS),
         ),
-        ({"trainer.optim.lrr": 1e-5, "trainer.optim.lr": 1e-5}, "trainer.optim.lrr: not a live key"),
+        (
+            {"trainer.optim.lrr": 1e-5, "trainer.optim.lr": 1e-5},
+            "trainer.optim.lrr: not a live key (did you mean 'trainer.optim.lr'?); only these change",
+        ),
         ({}, "changes: expected at least one live key"),
         ({"trainer.optim.lr": -1}, "trainer.optim.lr: Input should be greater than 0"),
         ({"trainer.optim.lr": "fast"}, "trainer.optim.lr: Input should be a valid number"),

@@ -12,6 +12,7 @@ import pytest
 
 from worker.spec import validate_spec
 from worker.spec.user_code import (
+    BUILTIN_ENVS,
     ENV_ID,
     HARNESS_ID,
     CodeNotAllowed,
@@ -145,3 +146,9 @@ def test_checking_imports_neither_verifiers_nor_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_readme_names_every_built_in_environment_a_submitted_spec_may_use() -> None:
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text()
+    rule = readme[readme.index("**What a submitted spec may run.**") :].split("\n\n", 1)[0]
+    assert [env for env in BUILTIN_ENVS if f"`{env}`" not in rule] == []
