@@ -130,20 +130,29 @@ class LockOnce:
         self.stack.close()
 
 
-def run_variant(model: Path, variant: str, args: argparse.Namespace, lock: LockOnce) -> dict[str, Any]:
-    """One RL run from ``model`` (``lock`` taken first); its eval curve, wall time and per-step pool sizes."""
+def run_variant(
+    model: Path,
+    variant: str,
+    args: argparse.Namespace,
+    lock: LockOnce,
+    keys: list[tuple[str, str]] | None = None,
+    runs_dir: Path | None = None,
+) -> dict[str, Any]:
+    """One RL run from ``model`` (``lock`` taken first) with the variant's keys (``keys``, default
+    ``variant_overrides(variant)``) under ``runs_dir`` (default ``WORK/runs``); its eval curve, wall time, per-step
+    pool sizes and per-version weight update seconds."""
     from worker.launchers.local import launch_rl
     from worker.spec import load_spec_data, validate_spec
 
     overrides = [
         ("model.name", str(model)),
-        ("output_dir", str(WORK / "runs")),
+        ("output_dir", str(runs_dir or WORK / "runs")),
         ("name", variant),
         ("max_steps", str(args.steps)),
         ("env.args.num_train", str(args.num_train)),
         ("orchestrator.eval.interval", str(args.eval_interval)),
         *[(kv.split("=", 1)[0], kv.split("=", 1)[-1]) for kv in args.set],  # e.g. trainer.device=cuda
-        *variant_overrides(variant),
+        *(variant_overrides(variant) if keys is None else keys),
     ]
     spec = validate_spec("rl", load_spec_data([C.CONFIGS / "rl.toml"], overrides))
     done = spec.run_dir / "summary.json"
@@ -158,6 +167,7 @@ def run_variant(model: Path, variant: str, args: argparse.Namespace, lock: LockO
     rows = C.read_metrics(spec.run_dir)
     evals = sorted((r for r in rows if r["source"] == "eval"), key=lambda r: r["step"])
     orch = sorted((r for r in rows if r["source"] == "orchestrator"), key=lambda r: r["step"])
+    updates = [r["weight_update_s"] for r in rows if r["source"] == "inference" and "weight_update_s" in r]
     per_step = [
         {
             "step": r["step"],
@@ -182,6 +192,8 @@ def run_variant(model: Path, variant: str, args: argparse.Namespace, lock: LockO
         "eval_last": curve[-1]["reward_mean"] if curve else None,
         "train_reward_last20": round(sum(r["reward_mean"] for r in orch[-20:]) / max(1, len(orch[-20:])), 4),
         "mismatch_kl": summary["mismatch_kl"],
+        "weight_update_s_median": round(C.median(updates), 4) if updates else None,
+        "weight_updates": len(updates),
         "per_step": per_step,
     }
 

@@ -129,6 +129,9 @@ def _eval_command(argv: list[str]) -> int:
     src.add_argument("--url", help="base URL of a running vLLM server")
     p.add_argument("--tokenizer", help="tokenizer path or name (default: --model, or the server's model)")
     p.add_argument(
+        "--adapter", type=Path, help="a PEFT LoRA adapter folder to serve on top of --model (its base model)"
+    )
+    p.add_argument(
         "--env", default=None, help="environment id (default reverse_text); with --spec: the name of one of its envs"
     )
     p.add_argument("--env-args", default="{}", help="JSON object of environment arguments (with --spec: merged in)")
@@ -175,6 +178,7 @@ def _eval_command(argv: list[str]) -> int:
         max_tokens=args.max_tokens,
         pass_k=args.pass_k,
         seed=args.seed,
+        adapter=args.adapter,
     )
     text = json.dumps(result, indent=2)
     print(text)  # noqa: T201

@@ -9,6 +9,7 @@ started with ``--enable-scale-out``; `start_server` does that where vLLM has it)
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -54,14 +55,20 @@ def run_eval(
     max_tokens: int,
     pass_k: int,
     seed: int,
+    adapter: Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (a vLLM server is started for it and stopped after) or the server at ``url``.
+
+    With ``adapter`` (a PEFT LoRA folder, e.g. ``asyncrl export --adapter-only``; needs ``model``, its base), the
+    server runs with LoRA enabled up to the adapter's rank, loads it as ``ADAPTER_NAME``, and every eval request names
+    it, as a LoRA run's rollouts name their policy version.
 
     Returns:
         The result of :func:`worker.orchestrator.eval.evaluate` plus ``model`` and ``env``.
 
     Raises:
-        SpecError: neither or both of ``model`` and ``url``; a model or tokenizer that fails
+        SpecError: neither or both of ``model`` and ``url``; ``adapter`` with ``url``, or a folder without
+            ``adapter_config.json`` (or with a rank vLLM does not serve); a model or tokenizer that fails
             :func:`worker.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
             does not load, or that the orchestrator cannot run (`Environment.unsupported`, e.g. tools without
             ``uv``). All are checked before a server starts.
@@ -73,6 +80,7 @@ def run_eval(
 
     if (model is None) == (url is None):
         raise SpecError("eval: give exactly one of --model and --url")
+    lora_rank = None if adapter is None else adapter_rank(adapter, served_by_url=url is not None)
     try:
         tok = check_model(model) if model is not None else None
     except (FileNotFoundError, ValueError) as err:
@@ -97,12 +105,22 @@ def run_eval(
         url = f"http://127.0.0.1:{port}"
         log = Path(tempfile.gettempdir()) / f"asyncrl-eval-{port}.log"
         key = os.environ[API_KEY_VAR] = new_api_key()  # our clients (and the harness's) read it from here
-        proc = start_server(str(model), port=port, log_path=log, max_model_len=max(512, 4 * max_tokens), api_key=key)
+        proc = start_server(
+            str(model),
+            port=port,
+            log_path=log,
+            max_model_len=max(512, 4 * max_tokens),
+            api_key=key,
+            lora_rank=lora_rank,
+        )
         wait_ready(url, 300, proc, log)
     try:
 
         async def go() -> dict[str, Any]:
             async with InferenceClient(url) as client:
+                if adapter is not None:
+                    await client.load_lora_adapter(ADAPTER_NAME, adapter.resolve())
+                    client.model = ADAPTER_NAME
                 served_tok = tok
                 if served_tok is None:  # --url without --tokenizer: the server's model names it
                     served = await client.served_model()
@@ -134,4 +152,34 @@ def run_eval(
             from worker.inference.server import stop_server
 
             stop_server(proc)
-    return {"model": model or url, "env": env_id, "temperature": temperature, **result}
+    served = {"adapter": str(adapter)} if adapter is not None else {}
+    return {"model": model or url, **served, "env": env_id, "temperature": temperature, **result}
+
+
+ADAPTER_NAME = "eval-adapter"
+"""The name ``asyncrl eval --adapter`` serves the adapter under."""
+
+
+def adapter_rank(adapter: Path, *, served_by_url: bool) -> int:
+    """The LoRA rank ``r`` of the PEFT adapter folder ``adapter`` (its ``adapter_config.json``).
+
+    Raises:
+        SpecError: ``--adapter`` with ``--url`` (the server's LoRA settings are not ours to set), no
+            ``adapter_config.json`` in the folder, or no integer ``r`` in it.
+    """
+    from worker.inference.server import LORA_RANKS
+    from worker.spec import SpecError
+
+    if served_by_url:
+        raise SpecError("--adapter: needs --model (the adapter's base model); a server at --url is not started here")
+    config = adapter / "adapter_config.json"
+    if not config.is_file():
+        raise SpecError(f"--adapter: expected a PEFT adapter folder with adapter_config.json, got {adapter}")
+    try:
+        rank = json.loads(config.read_text())["r"]
+    except (ValueError, KeyError) as err:
+        raise SpecError(f"--adapter: {config} has no LoRA rank 'r' ({err})") from None
+    top = LORA_RANKS[-1]
+    if not isinstance(rank, int) or not 1 <= rank <= top:
+        raise SpecError(f"--adapter: {config}: expected an integer rank 'r' in [1, {top}] (vLLM's), got {rank!r}")
+    return rank

@@ -669,6 +669,14 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["eval", "--model", "{model}", "--spec", "{tmp}/mix.toml", "--env", "reverse_text"],
         "error: --env: no environment named 'reverse_text' in {tmp}/mix.toml; its environments: rev, arith",
     ),
+    "eval-adapter-not-a-peft-folder": (
+        ["eval", "--model", "{model}", "--adapter", "{tmp}/folder"],
+        "error: --adapter: expected a PEFT adapter folder with adapter_config.json, got {tmp}/folder",
+    ),
+    "eval-adapter-with-url": (
+        ["eval", "--url", "http://127.0.0.1:9", "--adapter", "{tmp}/folder"],
+        "error: --adapter: needs --model (the adapter's base model); a server at --url is not started here",
+    ),
     "eval-spec-mixture-without-env": (
         ["eval", "--model", "{model}", "--spec", "{tmp}/mix.toml"],
         "error: --env: {tmp}/mix.toml has several environments; name one of them: rev, arith",
