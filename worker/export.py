@@ -41,6 +41,9 @@ from typing import Any, Literal
 from worker.checkpoint import complete_steps
 from worker.rundir import RunDir, writing
 
+EXPORTS_DIR = "exports"
+"""In a run's home folder (beside the run directory): one folder per export made through the service
+(:func:`export_name`)."""
 ADAPTER_DIR = "adapter"
 """In a LoRA checkpoint's ``trainer`` part: the PEFT adapter (``save_pretrained``) instead of ``model.safetensors``."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
