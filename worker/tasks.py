@@ -564,10 +564,19 @@ def export(run_id: int, step: int, adapter_only: bool, request: int | None = Non
     does nothing; the delivery after ``EXPORT_MAX_DELIVERIES`` started ones (each killed mid-export, e.g. out of memory:
     Celery redelivers a task whose worker process died) records ``export_failed`` instead of trying again.
 
-    The checkpoint's trainer part is first copied (hard links where possible) through ``worker.run_files`` into a
-    hidden folder beside the export, so nothing the run's processes made is read through a link, and the base model is
+    The files of the checkpoint's trainer part an export reads (``worker.export.SOURCE_FILES``: not the optimizer's
+    ``state.pt``) are first copied (hard links where possible) through ``worker.run_files`` into a hidden folder beside
+    the export, so nothing the run's processes made is read through a link, and the base model is
     the one of the run's stored spec, not of files in its run directory."""
-    from worker.export import ExportError, ExportSource, adapter_folder, export_name, source_kind, write_export
+    from worker.export import (
+        ExportError,
+        ExportSource,
+        adapter_folder,
+        export_name,
+        is_source_file,
+        source_kind,
+        write_export,
+    )
 
     name = export_name(step, adapter_only)
     with Session(engine) as session:
@@ -611,7 +620,7 @@ def export(run_id: int, step: int, adapter_only: bool, request: int | None = Non
     staging = out.with_name(f".{name}.source-{os.getpid()}")
     try:
         open_part = runs.run_file(run, "checkpoints", f"step_{step}", "trainer")
-        copy_run_folder(home, open_part, staging)
+        copy_run_folder(home, open_part, staging, keep=is_source_file)  # not state.pt (the optimizer's)
         kind = source_kind(staging)
         if kind is None:
             raise ExportError(f"checkpoint step {step} holds neither model.safetensors nor adapter/")

@@ -337,3 +337,33 @@ def test_a_request_whose_worker_died_or_that_timed_out_is_failed_and_can_be_made
         f"(EXPORT_REQUEST_TIMEOUT_S): its task was lost or its worker is gone (is an export worker consuming queue "
         f"{settings.export_queue}?)"
     )
+
+
+def test_the_task_reads_only_the_model_files_of_the_checkpoint(
+    client: Any, people: People, model_dir: Path, queued: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The optimizer's ``state.pt`` (twice the model in fp32) is neither copied into the staging folder nor written
+    into the export; the provenance names the source relative to the run directory, not the staging folder."""
+    import worker.export
+    from worker.tasks import export
+
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 1, seed=0)
+    (run_dir / "checkpoints" / "step_1" / "trainer" / "state.pt").write_bytes(b"optimizer state")
+    read: list[set[str]] = []
+    real = worker.export.write_export
+
+    def write_export(source: Any, out: Path, **kw: Any) -> Path:
+        read.append({p.name for p in source.path.iterdir()})
+        return real(source, out, **kw)
+
+    monkeypatch.setattr(worker.export, "write_export", write_export)
+    assert client.post(f"/api/runs/{run_id}/exports", json={"step": 1}, headers=people["owner"][1]).status_code == 202
+    out = run_dir.parent / "exports" / "step_1"
+    assert export(run_id, 1, False, queued[-1][4]) == f"exported: run {run_id} step 1 to {out}"
+    assert read == [{"model.safetensors"}]
+    assert "state.pt" not in {p.name for p in out.iterdir()}
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert (provenance["source"], provenance["run_dir"]) == ("checkpoints/step_1/trainer", str(run_dir))
