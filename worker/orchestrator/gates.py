@@ -95,16 +95,32 @@ def custom_gate(rewards: Sequence[float | None], advantages: Sequence[float | No
     """True (reject) when the configured function returns True for the group (see the module docstring).
 
     Raises:
-        ValueError: the function returned something other than a bool (naming ``orchestrator.gates.import_path``).
+        ValueError: the function returned something that is not a bool (:func:`as_bool`), naming
+            ``orchestrator.gates.import_path``, the function and the type it returned.
         SpecError: the function does not load.
     """
     fn = load_custom_gate(config)
-    verdict = fn([present_reward(r) for r in rewards], list(advantages), **config.kwargs)
-    if not isinstance(verdict, bool):
+    returned = fn([present_reward(r) for r in rewards], list(advantages), **config.kwargs)
+    verdict = as_bool(returned)
+    if verdict is None:
         raise ValueError(
-            f"{CUSTOM_GATE_KEY}: {config.import_path} returned {verdict!r}; expected True (reject) or False (keep)"
+            f"{CUSTOM_GATE_KEY}: {config.import_path} returned {returned!r} ({type(returned).__name__}); expected "
+            "True (reject) or False (keep)"
         )
     return verdict
+
+
+def as_bool(value: object) -> bool | None:
+    """``value`` as a bool when it is one: a Python bool, a NumPy ``bool_`` (what ``np.mean(x) > t`` gives) or a
+    one-element NumPy array or torch tensor of dtype bool; None for anything else (ints, floats, None, strings: a
+    gate's verdict is never guessed from truthiness)."""
+    if isinstance(value, bool):
+        return value
+    if str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        numel = getattr(value, "numel", None)  # torch: a method; NumPy: .size, a number
+        if (numel() if callable(numel) else getattr(value, "size", None)) == 1:
+            return bool(value)  # type: ignore[arg-type]  # NumPy/torch scalars define __bool__
+    return None
 
 
 GATES: dict[str, GateFn] = {
