@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import SYSTEM_PROMPT as SOLVER_SYSTEM_PROMPT
 from worker.envs.reverse_text import ReverseTextData, ReverseTextTask
-from worker.orchestrator.advantages.group import present_reward
+from worker.rewards import present_reward
 
 PROPOSER, SOLVER = "proposer", "solver"
 """The two roles (``Rollout.role``)."""

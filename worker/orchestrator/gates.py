@@ -19,7 +19,7 @@ batch would train on; a group whose rewards are all missing has none and passes 
 zero-advantage drop of the batcher (``drop_zero_advantage``) stays as it is: ``[0, 0]`` as a gate re-samples those
 groups instead of dropping them. A gate function takes the group's rewards, its advantages and its config and
 returns True to reject (``GATES`` keys them by ``type``). Rewards reach a gate by the run's one rule for missing
-rewards (``advantages.group.present_reward``): None for a missing one (None, NaN, inf), and its advantage is None.
+rewards (``worker.rewards.present_reward``): None for a missing one (None, NaN, inf), and its advantage is None.
 
 A custom gate (``type = "custom"``, a plugin like custom losses and advantages: ``worker/spec/user_code.py``) is
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from worker.orchestrator.advantages import compute_advantages
-from worker.orchestrator.advantages.group import present_reward
 from worker.packing import completion_length
+from worker.rewards import present_reward
 from worker.spec import AdvantageConfig, AdvantageRangeGate, CustomGate, GateConfig
 from worker.spec.user_code import load_function
 
@@ -119,7 +119,7 @@ def as_bool(value: object) -> bool | None:
     if str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         numel = getattr(value, "numel", None)  # torch: a method; NumPy: .size, a number
         if (numel() if callable(numel) else getattr(value, "size", None)) == 1:
-            return bool(value)  # type: ignore[arg-type]  # NumPy/torch scalars define __bool__
+            return bool(value)  # NumPy/torch scalars define __bool__
     return None
 
 
