@@ -5,7 +5,6 @@ Every error is a ``SpecError`` of one line naming the dotted key.
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 import tomllib
@@ -15,7 +14,7 @@ from typing import Any, Literal, overload
 
 from pydantic import BaseModel, ValidationError
 
-from worker.dotted_keys import with_keys
+from worker.dotted_keys import closest, with_keys
 from worker.spec.orchestrator import (
     AdvantageRangeGate,
     DifficultyPoolCurriculum,
@@ -92,11 +91,6 @@ def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "sp
     return data
 
 
-def _closest_key(model: type[BaseModel], key: str) -> str | None:
-    matches = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
-    return matches[0] if matches else None
-
-
 def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
     """The pydantic model class a field holds, resolving a union by its tag (``type``, or ``kind`` for alert rules);
     None when no variant takes the value's tag (pydantic names the tag then)."""
@@ -129,7 +123,7 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in model.model_fields:
-            hint = _closest_key(model, key)
+            hint = closest(key, model.model_fields, cutoff=0.5)
             valid = ", ".join(sorted(model.model_fields))
             suggestion = f"did you mean '{prefix}{hint}'?" if hint else f"valid keys here: {valid}"
             raise SpecError(f"unknown key '{dotted}' ({suggestion})")
