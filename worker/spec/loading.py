@@ -173,9 +173,14 @@ def _format_validation_error(err: ValidationError) -> str:
         field = field if field.isidentifier() else "type"  # a callable discriminator (advantages) reads `type`
         return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
     given = first.get("input")
-    if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):
+    if first["type"] != "missing" and not isinstance(given, dict | list):
         shown = repr(given)  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
-        msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:60] + f'... ({len(shown)} characters)'}"
+        shown = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
+        if "got " not in msg:
+            msg = f"{msg}, got {shown}"
+        elif first["type"] == "int_from_float":  # pydantic's "got a number with a fractional part": the value, then why
+            before, _, why = msg.partition("got ")
+            msg = f"{before}got {shown} ({why})"
     return f"{loc}: {msg}" if loc else msg
 
 
