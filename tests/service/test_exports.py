@@ -164,8 +164,12 @@ def test_a_failed_export_records_the_reason(
     earlier delivery left is removed."""
     from worker.tasks import export
 
+    import shutil
+
     gone = tmp_path / "gone"
+    shutil.copytree(model_dir, gone)
     run = stored_run(owner_name(client, people), gone)
+    shutil.rmtree(gone)  # deleted after the run was submitted
     run_dir = Path(run["run_dir"])
     run_dir.mkdir(parents=True)
     full_checkpoint(run_dir, model_dir, 1, seed=0)
