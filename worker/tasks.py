@@ -334,10 +334,7 @@ def reconcile() -> list[int]:
             unit = _cgroup_of(run)
             oom = cgroups.oom_reason(unit, "")  # read before the cgroup is removed
             killed = cgroups.end_run(unit, pid, started_before=time.time())  # the run ends: nothing of it may stay
-            if killed:
-                runs.record_event(
-                    session, run, "leftovers", reason=_killed_line(len(killed), "supervisor gone"), pids=sorted(killed)
-                )
+            _record_leftovers(session, run, killed, pid, "supervisor gone")
             final = SupervisorHome(home).read_final(current_attempt(session, run_id))
             _ingest_spooled_events(session, run, home)  # e.g. the disk_full that ended it, written after the last send
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
@@ -379,6 +376,27 @@ def _killed_line(n: int, why: str) -> str:
     return f"killed {n} leftover process{'es' if n != 1 else ''} of the run ({why})"
 
 
+def _record_leftovers(
+    session: Session, run: Run, killed: set[int], supervisor: int | None, why: str, **data: Any
+) -> str | None:
+    """Record the ``leftovers`` event of the processes reconcile killed for an ended run, and return its reason
+    (None when nothing was killed). The run's own supervisor (``supervisor``, its session leader) is no leftover of
+    it: when it was still running it is named apart (``its supervisor <pid> had not exited``), never counted."""
+    if not killed:
+        return None
+    others = sorted(killed - {supervisor})
+    line = _killed_line(len(others), why)
+    if supervisor is not None and supervisor in killed:
+        line = (
+            f"{line}; its supervisor {supervisor} had not exited"
+            if others
+            else (f"killed the run's supervisor {supervisor}, which had not exited ({why})")
+        )
+        data["supervisor"] = supervisor
+    runs.record_event(session, run, "leftovers", reason=line, pids=others, **data)
+    return line
+
+
 def kill_leftovers() -> dict[int, int]:
     """SIGKILL the processes that ended local runs of this worker left behind, and remove their cgroups: processes
     in a run's cgroup (``worker.cgroups``; any cgroup under ``asyncrl/`` named for a run of this service that has
@@ -416,18 +434,8 @@ def kill_leftovers() -> dict[int, int]:
             if sid is not None and (leader := started_at(sid)) is not None and leader > ended_at:
                 sid = None  # the pid leads a later session: nothing of it is the run's
             killed = cgroups.end_run(unit, sid, started_before=ended_at)
-            if killed:
-                runs.record_event(
-                    session,
-                    run,
-                    "leftovers",
-                    reason=_killed_line(len(killed), "run ended"),
-                    pids=sorted(killed),
-                    by="reconcile",
-                )
-                logger.warning(
-                    "reconcile: run %s: %s: %s", run_id, _killed_line(len(killed), "run ended"), sorted(killed)
-                )
+            if (line := _record_leftovers(session, run, killed, sid, "run ended", by="reconcile")) is not None:
+                logger.warning("reconcile: run %s: %s: %s", run_id, line, sorted(killed))
                 done[run_id] = len(killed)
             session.commit()
     return done
