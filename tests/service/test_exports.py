@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 from collections.abc import Iterator
 from datetime import timedelta
@@ -163,8 +164,6 @@ def test_a_failed_export_records_the_reason(
     """The task body run here (no worker): the base model is gone, so ``export_failed`` names the model; what a killed
     earlier delivery left is removed."""
     from worker.tasks import export
-
-    import shutil
 
     gone = tmp_path / "gone"
     shutil.copytree(model_dir, gone)
