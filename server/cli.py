@@ -1,7 +1,7 @@
 """``asyncrl`` commands of the control plane (``worker.cli`` imports this module when one is used; never the reverse).
 
     asyncrl server [--host 127.0.0.1] [--port 8000] [--no-migrate]
-    asyncrl worker [--concurrency 2] [--no-beat]
+    asyncrl worker [--concurrency 2] [--export-concurrency 1] [--no-beat] [--exports-only]
     asyncrl token create --name NAME [--role admin|member|viewer] [--read-only] | revoke --name NAME
     asyncrl token role --name NAME --role admin|member|viewer
     asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,22 +80,86 @@ def _port(text: str) -> int:
 
 
 def worker_command(argv: list[str]) -> int:
-    p = ArgParser(prog="asyncrl worker", description="run a Celery worker that launches runs")
-    p.add_argument("--concurrency", type=int, default=2)
+    p = ArgParser(prog="asyncrl worker", description="run the Celery workers that launch runs and export models")
+    p.add_argument(
+        "--concurrency",
+        type=_count(1),
+        default=2,
+        help="processes taking control-plane tasks (launch, stop, reconcile, webhooks) from CELERY_QUEUE",
+    )
+    p.add_argument(
+        "--export-concurrency",
+        type=_count(0),
+        default=1,
+        help="processes of the export worker started beside it, taking model exports from CELERY_EXPORT_QUEUE "
+        "(default <CELERY_QUEUE>-exports); 0 = no exports on this machine",
+    )
     p.add_argument("--loglevel", default="INFO")
     p.add_argument(
         "--no-beat",
         action="store_true",
         help="do not embed Celery beat (the periodic reconcile); run one 'celery -A worker.celery_app beat'",
     )
+    p.add_argument(
+        "--exports-only",
+        action="store_true",
+        help="be only an export worker (--export-concurrency processes, no beat, no control-plane tasks)",
+    )
     args = p.parse_args(argv)
     from server.core.config import settings
     from worker.celery_app import app
 
     settings.ASYNCRL_HOME.mkdir(parents=True, exist_ok=True)  # beat's schedule file lives there
+    if args.exports_only:
+        if args.export_concurrency == 0:
+            raise SpecError("--export-concurrency: an --exports-only worker needs at least 1 process (got 0)")
+        app.worker_main(
+            [
+                "worker",
+                f"--concurrency={args.export_concurrency}",
+                f"--loglevel={args.loglevel}",
+                f"--queues={settings.export_queue}",
+                "--hostname=exports@%h",  # beside the control worker's celery@%h (the healthcheck pings that one)
+            ]
+        )
+        return 0
+    exports = start_export_worker(args.export_concurrency, args.loglevel) if args.export_concurrency else None
     beat = [] if args.no_beat else ["-B"]
-    app.worker_main(["worker", f"--concurrency={args.concurrency}", f"--loglevel={args.loglevel}", *beat])
+    try:
+        app.worker_main(
+            [
+                "worker",
+                f"--concurrency={args.concurrency}",
+                f"--loglevel={args.loglevel}",
+                f"--queues={settings.CELERY_QUEUE}",
+                *beat,
+            ]
+        )
+    finally:
+        if exports is not None and exports.poll() is None:
+            exports.terminate()  # Celery's warm shutdown: the export under way finishes first
+            exports.wait()
     return 0
+
+
+def start_export_worker(concurrency: int, loglevel: str) -> subprocess.Popen[bytes]:
+    """``asyncrl worker --exports-only`` as a child of this process (output to this one's); it gets SIGTERM when this
+    process dies, even by SIGKILL (``worker.procs.die_with_parent``)."""
+    from worker.procs import die_with_parent
+
+    parent = os.getpid()
+    cmd = [sys.executable, "-m", "worker.cli", "worker", "--exports-only"]
+    cmd += [f"--export-concurrency={concurrency}", f"--loglevel={loglevel}"]
+    return subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(parent))  # noqa: PLW1509
+
+
+def _count(low: int) -> Any:
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or int(text) < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
 def token_command(argv: list[str]) -> int:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.dotted_keys import did_you_mean
+from worker.dotted_keys import closest, did_you_mean
 from worker.orchestrator.staleness import LAG_HIST_METRICS
 
 Source = Literal["trainer", "orchestrator", "eval", "inference"]
@@ -147,13 +147,23 @@ def default_source(metric: str) -> Source:
     return next(src for src in METRICS if reports(src, metric))
 
 
+PER_ENV_NAMES = tuple(dict.fromkeys(n for names in PER_ENV_METRICS.values() for n in names))
+
+
+def metric_hint(name: str) -> str:
+    """`` (did you mean 'x'?)`` for a mistyped metric name, or ``""``: a name of ``KNOWN_METRICS``, or for
+    ``<metric>/<env>`` the closest per-environment metric with the same env name."""
+    base, sep, env = name.partition("/")
+    if sep and env and "/" not in env and (close := closest(base, PER_ENV_NAMES)) is not None:
+        return f" (did you mean '{close}/{env}'?)"
+    return did_you_mean(name, KNOWN_METRICS)
+
+
 def _check_metric(name: str) -> str:
     if not any(reports(src, name) for src in METRICS):
-        per_env = ", ".join(dict.fromkeys(n for names in PER_ENV_METRICS.values() for n in names))
         raise ValueError(
-            f"unknown metric {name!r}{did_you_mean(name, KNOWN_METRICS)}; known: {', '.join(KNOWN_METRICS)}; "
-            f"per environment as <metric>/<env name>: "
-            f"{per_env}"
+            f"unknown metric {name!r}{metric_hint(name)}; known: {', '.join(KNOWN_METRICS)}; "
+            f"per environment as <metric>/<env name>: {', '.join(PER_ENV_NAMES)}"
         )
     return name
 

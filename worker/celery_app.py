@@ -10,6 +10,12 @@ Celery beat enqueues ``asyncrl.reconcile`` every ``RECONCILE_INTERVAL_S``; ``asy
 (``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A worker.celery_app beat``).
 Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALERT_STALL_CHECK_S``.
 
+Exports (``asyncrl.export_run``: minutes and GiBs of memory each) go to a queue of their own
+(``settings.export_queue``), consumed by the export worker ``asyncrl worker`` starts beside its control-plane
+worker (``--export-concurrency``), so a long export never holds the slot a launch or a reconcile needs. A delivery of
+an export killed mid-task (out of memory) is redelivered like any other, at most ``EXPORT_MAX_DELIVERIES`` times
+(``worker.tasks.export`` counts them in the run's events).
+
 The server enqueues tasks by name (:class:`TaskName`, :func:`enqueue`), never importing ``worker.tasks``:
 the tasks call the services, so the services must not call the tasks.
 """
@@ -56,6 +62,7 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     task_default_queue=settings.CELERY_QUEUE,
+    task_routes={TaskName.export_run.value: {"queue": settings.export_queue}},
     task_ignore_result=True,
     broker_transport_options=_transport_options(),
     broker_connection_retry_on_startup=True,

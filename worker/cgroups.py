@@ -218,7 +218,7 @@ class RunCgroup:
         spare = bool(exclude) or started_before is not None
         freezer = next((d for d, r in zip(self.dirs, self.layout.roots, strict=True) if r.name == "freezer"), None)
         if self.layout.version == 2 and not spare and (self.dirs[0] / "cgroup.kill").exists():
-            killed |= self.pids()
+            killed |= {p for p in self.pids() if alive(p)}  # a zombie (an unreaped supervisor) is killed already
             try:
                 (self.dirs[0] / "cgroup.kill").write_text("1")
             except OSError:

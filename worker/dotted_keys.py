@@ -15,12 +15,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
+def closest(name: str, known: Iterable[str], *, cutoff: float = 0.85) -> str | None:
+    """The known name closest to a mistyped one, or None when none is close: ``difflib.get_close_matches`` with
+    ratio >= ``cutoff`` (0.85 for long dotted names, which share their prefixes; the spec's unknown keys, one part of
+    a dotted key, take 0.5). The one matcher of every "did you mean" hint: spec keys, live keys, metric names."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` with the known name closest to a mistyped one (``difflib`` ratio >= 0.85: long dotted
-    names share their prefixes), or ``""`` when none is close: the hint the spec's unknown keys get, for live keys
-    and metric names too."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.85)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """`` (did you mean 'x'?)`` with :func:`closest`, or ``""`` when none is close."""
+    close = closest(name, known)
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
 
 class DottedKeyError(ValueError):

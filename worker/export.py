@@ -18,10 +18,13 @@ What is written into ``--out`` (:func:`write_export`), always with the base mode
   model, ``adapter_model.safetensors``) plus the tokenizer: load with ``PeftModel.from_pretrained(base, out)`` or serve
   with vLLM's ``--enable-lora``.
 
-``provenance.json`` in ``--out`` says where it came from (run directory, step, source, base model, kind).
+``provenance.json`` in ``--out`` says where it came from (run directory as given, step, source relative to it, base
+model as the spec names it, kind). Only what a Hugging Face model directory holds is written (never the trainer's
+``state.pt``), and no path of this machine that the run did not name: an export may be moved or copied elsewhere.
 
 Nothing half-written is left (``worker/rundir.py``'s atomic-rename rule): everything is written into a hidden
-temporary folder beside ``--out`` and renamed to it at the end; a failure removes the temporary folder.
+temporary folder beside the folder ``--out`` names (a link or ``.`` resolved) and renamed to it at the end; a failure
+removes the temporary folder.
 
 Bad input raises :class:`ExportError` with one line naming the problem (CLI exit 2, HTTP 4xx): not a run directory,
 a step without a complete checkpoint (the complete steps listed), ``--out`` existing and not empty, ``adapter_only``
@@ -35,16 +38,22 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from worker.checkpoint import complete_steps
 from worker.rundir import RunDir, writing
 
+EXPORTS_DIR = "exports"
+"""In a run's home folder (beside the run directory): one folder per export made through the service
+(:func:`export_name`)."""
 ADAPTER_DIR = "adapter"
 """In a LoRA checkpoint's ``trainer`` part: the PEFT adapter (``save_pretrained``) instead of ``model.safetensors``."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHTS_FILE = "model.safetensors"
+SOURCE_FILES = frozenset({WEIGHTS_FILE, *ADAPTER_FILES, "config.json", "generation_config.json"})
+"""The files of a checkpoint's trainer part (or of ``final/``) an export reads; the rest (``state.pt`` with the
+optimizer state, ``meta.json``, PEFT's ``README.md``) is neither read nor copied (:func:`is_source_file`)."""
 PROVENANCE_FILE = "provenance.json"
 
 Kind = Literal["full", "lora"]
@@ -98,6 +107,19 @@ def source_kind(folder: Path) -> Kind | None:
     if (folder / WEIGHTS_FILE).is_file() or (folder / "config.json").is_file():
         return "full"
     return None
+
+
+def is_source_file(rel: PurePosixPath) -> bool:
+    """Whether the file ``rel`` (relative to a checkpoint's trainer part or ``final/``) is one an export reads
+    (:data:`SOURCE_FILES`, at the top or in ``adapter/``)."""
+    return rel.name in SOURCE_FILES and rel.parent in (PurePosixPath("."), PurePosixPath(ADAPTER_DIR))
+
+
+def source_rel(step: int | None, kind: Kind, path: Path) -> str:
+    """Where an export's source is, relative to the run directory (``checkpoints/step_<N>/trainer[/adapter]`` or
+    ``final[/adapter]``): what ``provenance.json`` says, true wherever the run directory is moved to."""
+    top = "final" if step is None else f"checkpoints/step_{step}/trainer"
+    return f"{top}/{ADAPTER_DIR}" if kind == "lora" and path.name == ADAPTER_DIR else top
 
 
 def adapter_folder(folder: Path) -> Path:
@@ -155,15 +177,17 @@ def find_source(run_dir: str | Path, step: int | None = None) -> ExportSource:
 
 
 def check_out(out: Path) -> None:
-    """``out`` may be written: it does not exist, or is an empty folder.
+    """``out`` may be written: it does not exist, or is an empty folder (or a link to one).
 
     Raises:
-        ExportError: ``out`` is a file, or a folder that is not empty.
+        ExportError: ``out`` is a file, a folder that is not empty, or a link to nothing.
     """
     if out.is_dir():
         if any(out.iterdir()):
             raise ExportError(f"--out: {out} exists and is not empty; choose a new folder")
-    elif out.exists() or out.is_symlink():
+    elif out.is_symlink() and not out.exists():
+        raise ExportError(f"--out: {out} is a link to nothing ({os.readlink(out)}); choose a new folder")
+    elif out.exists():
         raise ExportError(f"--out: {out} exists and is not a folder")
 
 
@@ -217,12 +241,12 @@ def _load_merged(source: ExportSource, stage: Stage) -> Any:
 
 
 def _write_adapter(source: ExportSource, tmp: Path) -> None:
-    """Copy the adapter files, pointing ``base_model_name_or_path`` at the run's base model."""
+    """Copy the adapter files (nothing else of the checkpoint), pointing ``base_model_name_or_path`` at the run's base
+    model as its spec names it (a hub id, or the path as given: no absolute path of this machine is written)."""
     for name in ADAPTER_FILES:
         shutil.copyfile(source.path / name, tmp / name)
     config = json.loads((tmp / "adapter_config.json").read_text())
-    base = Path(source.base)
-    config["base_model_name_or_path"] = str(base.resolve()) if base.is_dir() else source.base
+    config["base_model_name_or_path"] = source.base
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -231,21 +255,26 @@ def write_export(
 ) -> Path:
     """Write the Hugging Face model directory of ``source`` at ``out`` (the module docstring says what it holds).
 
+    ``out`` may be a link to a folder, or ``.``: what is written is the folder it names (``Path.resolve``). All of it
+    is written into a hidden temporary folder beside that folder first; then that folder is renamed to ``out``, or,
+    when ``out`` is an existing empty folder (the working folder, a mount point), its files are moved into it (each a
+    rename; ``provenance.json`` last). A failure removes everything written.
+
     Returns:
-        ``out``.
+        ``out`` resolved.
 
     Raises:
-        ExportError: ``out`` exists and is not empty; ``adapter_only`` of a full fine-tune; weights that do not fit
-            the base model.
+        ExportError: ``out`` exists and is not empty (or is a link to nothing); ``adapter_only`` of a full fine-tune;
+            weights that do not fit the base model.
         FileNotFoundError, ValueError: the base model does not load (``worker.models.load_model``).
         DiskFull: the filesystem is full (nothing is left at ``out``).
     """
     from worker.models import load_tokenizer
 
-    out = Path(out)
     say = stage or (lambda _: None)
-    check_out(out)
+    check_out(Path(out))
     check_adapter_only(source, adapter_only)
+    out = Path(out).resolve()
     tokenizer = load_tokenizer(source.base)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with writing(f"the export of {source.label}", out, partial=tmp):
@@ -262,9 +291,9 @@ def write_export(
         say("writing the tokenizer and chat template")
         tokenizer.save_pretrained(tmp)
         provenance = {
-            "run_dir": str(source.run_dir.resolve()),
+            "run_dir": str(source.run_dir),
             "step": source.step,
-            "source": str(source.path.resolve()),
+            "source": source_rel(source.step, source.kind, source.path),
             "base_model": source.base,
             "kind": source.kind,
             "merged": source.kind == "lora" and not adapter_only,
@@ -273,9 +302,29 @@ def write_export(
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2))
         check_out(out)  # a folder made meanwhile is not replaced
         if out.is_dir():
-            out.rmdir()
-        os.replace(tmp, out)
+            _move_into(tmp, out)
+        else:
+            os.replace(tmp, out)
     return out
+
+
+def _move_into(tmp: Path, out: Path) -> None:
+    """Rename every entry of ``tmp`` into the empty folder ``out`` (``provenance.json`` last), then remove ``tmp``; on
+    a failure the entries already moved are removed from ``out`` again (it is left empty) and the error raised."""
+    names = sorted(p.name for p in tmp.iterdir() if p.name != PROVENANCE_FILE) + [PROVENANCE_FILE]
+    moved: list[Path] = []
+    try:
+        for name in names:
+            os.rename(tmp / name, out / name)
+            moved.append(out / name)
+    except BaseException:
+        for path in moved:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        raise
+    tmp.rmdir()
 
 
 def export_run(

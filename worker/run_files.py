@@ -17,7 +17,7 @@ import errno
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -169,9 +169,17 @@ def _link(name: str, dir_fd: int, dst: Path, opened: os.stat_result) -> bool:
     return False
 
 
-def copy_run_folder(home: str | Path, rel: str | PurePosixPath, dst: Path, *, link: bool = True) -> None:
+def copy_run_folder(
+    home: str | Path,
+    rel: str | PurePosixPath,
+    dst: Path,
+    *,
+    link: bool = True,
+    keep: Callable[[PurePosixPath], bool] | None = None,
+) -> None:
     """Copy the folder ``home/rel`` to ``dst`` (created; it must not exist), hard-linking each file when ``link``
-    (and the filesystem allows), else copying its bytes. Only real folders and regular files are copied.
+    (and the filesystem allows), else copying its bytes. Only real folders and regular files are copied; with
+    ``keep``, only the files whose path relative to ``home/rel`` it accepts (the folders are all made).
 
     Raises:
         RunFileMissing: the folder does not exist.
@@ -192,6 +200,8 @@ def copy_run_folder(home: str | Path, rel: str | PurePosixPath, dst: Path, *, li
                     )
                 (target / name).mkdir()
             for name in files:
+                if keep is not None and not keep(PurePosixPath(folder, name)):
+                    continue
                 try:
                     fd = os.open(name, _FILE, dir_fd=dfd)
                 except OSError as err:

@@ -50,7 +50,7 @@ from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
 from server.models import TERMINAL, EngineEvent, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
-from server.services import capacity, metrics, runs, spec_policy, tokens
+from server.services import capacity, exports, metrics, runs, spec_policy, tokens
 from server.services.permissions import Forbidden
 from worker import cgroups, supervisor
 from worker.celery_app import TaskName, app
@@ -334,10 +334,7 @@ def reconcile() -> list[int]:
             unit = _cgroup_of(run)
             oom = cgroups.oom_reason(unit, "")  # read before the cgroup is removed
             killed = cgroups.end_run(unit, pid, started_before=time.time())  # the run ends: nothing of it may stay
-            if killed:
-                runs.record_event(
-                    session, run, "leftovers", reason=_killed_line(len(killed), "supervisor gone"), pids=sorted(killed)
-                )
+            _record_leftovers(session, run, killed, pid, "supervisor gone")
             final = SupervisorHome(home).read_final(current_attempt(session, run_id))
             _ingest_spooled_events(session, run, home)  # e.g. the disk_full that ended it, written after the last send
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
@@ -379,6 +376,27 @@ def _killed_line(n: int, why: str) -> str:
     return f"killed {n} leftover process{'es' if n != 1 else ''} of the run ({why})"
 
 
+def _record_leftovers(
+    session: Session, run: Run, killed: set[int], supervisor: int | None, why: str, **data: Any
+) -> str | None:
+    """Record the ``leftovers`` event of the processes reconcile killed for an ended run, and return its reason
+    (None when nothing was killed). The run's own supervisor (``supervisor``, its session leader) is no leftover of
+    it: when it was still running it is named apart (``its supervisor <pid> had not exited``), never counted."""
+    if not killed:
+        return None
+    others = sorted(killed - {supervisor})
+    line = _killed_line(len(others), why)
+    if supervisor is not None and supervisor in killed:
+        line = (
+            f"{line}; its supervisor {supervisor} had not exited"
+            if others
+            else (f"killed the run's supervisor {supervisor}, which had not exited ({why})")
+        )
+        data["supervisor"] = supervisor
+    runs.record_event(session, run, "leftovers", reason=line, pids=others, **data)
+    return line
+
+
 def kill_leftovers() -> dict[int, int]:
     """SIGKILL the processes that ended local runs of this worker left behind, and remove their cgroups: processes
     in a run's cgroup (``worker.cgroups``; any cgroup under ``asyncrl/`` named for a run of this service that has
@@ -416,18 +434,8 @@ def kill_leftovers() -> dict[int, int]:
             if sid is not None and (leader := started_at(sid)) is not None and leader > ended_at:
                 sid = None  # the pid leads a later session: nothing of it is the run's
             killed = cgroups.end_run(unit, sid, started_before=ended_at)
-            if killed:
-                runs.record_event(
-                    session,
-                    run,
-                    "leftovers",
-                    reason=_killed_line(len(killed), "run ended"),
-                    pids=sorted(killed),
-                    by="reconcile",
-                )
-                logger.warning(
-                    "reconcile: run %s: %s: %s", run_id, _killed_line(len(killed), "run ended"), sorted(killed)
-                )
+            if (line := _record_leftovers(session, run, killed, sid, "run ended", by="reconcile")) is not None:
+                logger.warning("reconcile: run %s: %s: %s", run_id, line, sorted(killed))
                 done[run_id] = len(killed)
             session.commit()
     return done
@@ -512,6 +520,10 @@ def reconcile_runs() -> list[int]:
     failed = reconcile()
     if failed:
         logger.warning("reconcile: marked runs %s failed (supervisor gone)", failed)
+    for run_id, name in reconcile_exports():
+        logger.warning(
+            "reconcile: marked the export %s of run %s failed (its worker is gone or it timed out)", name, run_id
+        )
     for result in start_waiting():
         logger.info(result)
     return failed
@@ -552,35 +564,71 @@ def stop_run(run_id: int) -> str:
     return result
 
 
-def export(run_id: int, step: int, adapter_only: bool) -> str:
+def export(run_id: int, step: int, adapter_only: bool, request: int | None = None) -> str:
     """Write the export of checkpoint ``step`` of run ``run_id`` at ``<home>/exports/step_<step>[-adapter]``
-    (``server.services.exports``), recording ``export_started`` and then ``export_done`` (the path) or
-    ``export_failed`` (the reason); returns what happened. Idempotent: a redelivery finds the folder and does nothing.
+    (``server.services.exports``) for the ``export_requested`` event ``request``, recording ``export_started`` and then
+    ``export_done`` (the path) or ``export_failed`` (the reason); returns what happened. Idempotent: a redelivery finds
+    the folder and does nothing; a delivery of a request that has ended (failed by reconcile, or a newer request made)
+    does nothing; the delivery after ``EXPORT_MAX_DELIVERIES`` started ones (each killed mid-export, e.g. out of memory:
+    Celery redelivers a task whose worker process died) records ``export_failed`` instead of trying again.
 
-    The checkpoint's trainer part is first copied (hard links where possible) through ``worker.run_files`` into a
-    hidden folder beside the export, so nothing the run's processes made is read through a link, and the base model is
+    The files of the checkpoint's trainer part an export reads (``worker.export.SOURCE_FILES``: not the optimizer's
+    ``state.pt``) are first copied (hard links where possible) through ``worker.run_files`` into a hidden folder beside
+    the export, so nothing the run's processes made is read through a link, and the base model is
     the one of the run's stored spec, not of files in its run directory."""
-    from worker.export import ExportError, ExportSource, adapter_folder, export_name, source_kind, write_export
+    from worker.export import (
+        ExportError,
+        ExportSource,
+        adapter_folder,
+        export_name,
+        is_source_file,
+        source_kind,
+        write_export,
+    )
 
     name = export_name(step, adapter_only)
     with Session(engine) as session:
         try:
-            run = runs.get(session, run_id)
+            run = runs.get(session, run_id, lock=True)  # one delivery at a time decides about this request
         except runs.RunNotFound:
             return f"skipped: run {run_id} does not exist"
-        home = runs.run_home(run)
-        out = home / "exports" / name
+        out = exports.export_dir(run, step, adapter_only)
         if out.exists():
             return f"skipped: run {run_id} {out} exists"
-        runs.record_event(session, run, "export_started", reason=f"exporting to {out}", name=name, step=step)
+        last = exports.newest_event(session, run, name)
+        if last is None or last.kind not in ("export_requested", "export_started"):
+            return f"skipped: run {run_id} the request of {name} has ended"
+        if request is not None and exports.request_of(last) != request:
+            return f"skipped: run {run_id} request {request} of {name} was replaced by a newer one"
+        request = exports.request_of(last)
+        started = exports.deliveries(session, run, request)
+        if started >= settings.EXPORT_MAX_DELIVERIES:
+            why = (
+                f"its worker process died during each of its {started} deliveries (killed, e.g. out of memory: see "
+                f"the export worker's log; EXPORT_MAX_DELIVERIES {settings.EXPORT_MAX_DELIVERIES}); not tried again"
+            )
+            exports.fail_stale(session, run, last, why)
+            session.commit()
+            return f"failed: run {run_id} export of step {step}: {why}"
+        runs.record_event(
+            session,
+            run,
+            "export_started",
+            reason=f"exporting to {out} (delivery {started + 1})",
+            name=name,
+            step=step,
+            request=request,
+            pid=os.getpid(),
+            worker=capacity.worker_name(),
+        )
         session.commit()
-        run_dir, model = Path(run.run_dir), dict(run.spec["model"])
+        run_dir, model, home = Path(run.run_dir), dict(run.spec["model"]), runs.run_home(run)
     for left in out.parent.glob(f".{name}.*"):  # a killed earlier delivery's staging or temporary folder
         shutil.rmtree(left, ignore_errors=True)
     staging = out.with_name(f".{name}.source-{os.getpid()}")
     try:
         open_part = runs.run_file(run, "checkpoints", f"step_{step}", "trainer")
-        copy_run_folder(home, open_part, staging)
+        copy_run_folder(home, open_part, staging, keep=is_source_file)  # not state.pt (the optimizer's)
         kind = source_kind(staging)
         if kind is None:
             raise ExportError(f"checkpoint step {step} holds neither model.safetensors nor adapter/")
@@ -590,7 +638,15 @@ def export(run_id: int, step: int, adapter_only: bool) -> str:
     except Exception as err:  # recorded as the reason; the task itself succeeds (a redelivery would fail the same)
         reason = f"export of step {step} failed: {_one_line(err)}"
         with Session(engine) as session:
-            runs.record_event(session, runs.get(session, run_id), "export_failed", reason=reason, name=name, step=step)
+            runs.record_event(
+                session,
+                runs.get(session, run_id),
+                "export_failed",
+                reason=reason,
+                name=name,
+                step=step,
+                request=request,
+            )
             session.commit()
         return f"failed: run {run_id} {reason}"
     finally:
@@ -604,9 +660,36 @@ def export(run_id: int, step: int, adapter_only: bool) -> str:
             name=name,
             step=step,
             path=str(out),
+            request=request,
         )
         session.commit()
     return f"exported: run {run_id} step {step} to {out}"
+
+
+def reconcile_exports() -> list[tuple[int, str]]:
+    """End with ``export_failed`` every export under way (``server.services.exports.in_flight``) whose newest
+    ``export_started`` was recorded by a worker process of this machine (``WORKER_NAME``) that is gone, or that is
+    older than ``EXPORT_REQUEST_TIMEOUT_S``, so the step can be exported again. Returns ``(run id, export name)`` of
+    those ended. (An export waiting in the queue behind others is only ended by the timeout.)"""
+    ended = []
+    with Session(engine) as session:
+        for run, event in exports.in_flight(session):
+            data = event.data or {}
+            pid = data.get("pid")
+            why = exports.timed_out(event)
+            if (
+                why is None
+                and event.kind == "export_started"
+                and data.get("worker") == capacity.worker_name()
+                and isinstance(pid, int)
+                and not alive(pid)
+            ):
+                why = f"its worker process {pid} is gone (killed, e.g. out of memory: see the export worker's log)"
+            if why is not None:
+                exports.fail_stale(session, run, event, why)
+                ended.append((stored_id(run), str(data.get("name"))))
+        session.commit()
+    return ended
 
 
 def _one_line(err: BaseException) -> str:
@@ -615,8 +698,8 @@ def _one_line(err: BaseException) -> str:
 
 
 @app.task(name=TaskName.export_run.value)
-def export_run(run_id: int, step: int, adapter_only: int) -> str:
-    result = export(run_id, step, bool(adapter_only))
+def export_run(run_id: int, step: int, adapter_only: int, request: int | None = None) -> str:
+    result = export(run_id, step, bool(adapter_only), request)
     logger.info(result)
     return result
 

@@ -26,7 +26,18 @@ class Settings(BaseSettings):
     CELERY_BROKER_URL: str = ""
     """e.g. ``redis://127.0.0.1:6379/0``; empty = a file-backed transport in ASYNCRL_HOME (no Redis)."""
     CELERY_QUEUE: str = "asyncrl"
-    """Queue the server enqueues to and the worker consumes."""
+    """Control-plane queue (launch, stop, reconcile, webhooks) the server enqueues to and the worker consumes."""
+    CELERY_EXPORT_QUEUE: str = ""
+    """Queue of the ``export_run`` tasks (model exports: minutes and GiBs each), consumed by the export worker that
+    ``asyncrl worker`` starts beside its control-plane one, so a long export never delays a launch; empty =
+    ``<CELERY_QUEUE>-exports``."""
+    EXPORT_MAX_DELIVERIES: Annotated[int, Field(ge=1, le=20)] = 2
+    """Deliveries of one export request (a worker killed mid-export, e.g. out of memory, has it redelivered); the
+    next one records ``export_failed`` instead of trying again."""
+    EXPORT_REQUEST_TIMEOUT_S: Annotated[float, Field(ge=60.0)] = 6 * 3600.0
+    """An export request that has not ended this long after it was made is marked failed (its task was lost or
+    its worker is gone), so the step can be exported again; reconcile also fails at once an export whose worker
+    process on this machine is gone."""
     CELERY_VISIBILITY_TIMEOUT_S: Annotated[int, Field(ge=60)] = 4 * 3600
     """Redis redelivers an unacked task after this long; keep it above the longest task (launch: ~1 s)."""
     ASYNCRL_OUTPUT_DIR: Path = Path("outputs")
@@ -114,6 +125,11 @@ class Settings(BaseSettings):
     """A root worker puts each local run's processes in a cgroup of their own (``worker/cgroups.py``: killed and
     removed as one when the run ends; ``launcher.memory_limit_gib`` is its memory limit). False, or where cgroups are
     not writable: the supervisor's session is the unit and memory limits are not enforced (a run event says so)."""
+
+    @property
+    def export_queue(self) -> str:
+        """The queue of the export tasks: ``CELERY_EXPORT_QUEUE``, else ``<CELERY_QUEUE>-exports``."""
+        return self.CELERY_EXPORT_QUEUE or f"{self.CELERY_QUEUE}-exports"
 
     @field_validator(
         "ALLOWED_CODE_PACKAGES",

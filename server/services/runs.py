@@ -169,11 +169,14 @@ def transition(
     return True
 
 
-def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **data: Any) -> None:
-    session.add(RunEvent(run_id=stored_id(run), kind=kind, reason=reason, data=data))
+def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **data: Any) -> RunEvent:
+    """Add a run event (flushed: its id is set) and return it."""
+    event = RunEvent(run_id=stored_id(run), kind=kind, reason=reason, data=data)
+    session.add(event)
     session.flush()
     if kind == "requeued":  # the run's Slurm job was requeued
         alert_rules.on_status(session, run, None, "requeued", reason)
+    return event
 
 
 def record_engine_events(session: Session, run: Run, events: list[dict[str, Any]]) -> int:

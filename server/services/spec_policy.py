@@ -92,11 +92,16 @@ def _under(path: str, roots: Collection[str]) -> bool:
 def check_model_name(name: str, roots: Collection[str]) -> None:
     """Refuse a ``model.name`` that is neither a hub id (:data:`HUB_ID`, and no local path outside ``roots`` by that
     name) nor a path under one of ``roots`` (relative ones from this process's working folder). A path is judged
-    as written (``..`` refused) and, where it exists here, with its symlinks resolved.
+    as written (``..`` refused) and, where it exists here, with its symlinks resolved. A path under a root that
+    exists on this machine (the outputs folder the server shares with the workers) must be a model folder now (a
+    ``config.json``), so a mistyped path is refused at submit, not at launch; under a root the server does not see
+    (mounted on the workers only) it is judged at launch (``worker.models.check_model``).
 
     Raises:
         SpecError: ``model.name: '/etc' is not allowed in a run submitted to the service; allowed: a hub id
-            (org/name) or a path under MODEL_ROOTS (/srv/asyncrl/outputs)``.
+            (org/name) or a path under MODEL_ROOTS (/srv/asyncrl/outputs)``; ``model.name: 'outputs/sft/fnal': no
+            such model folder (under MODEL_ROOTS /srv/asyncrl/outputs)``; ``... not a model folder (no
+            config.json)``.
     """
     cwd = os.getcwd()
     absolute = [os.path.normpath(os.path.join(cwd, r)) for r in roots]
@@ -117,6 +122,15 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
             f"model.name: {name!r} is not allowed in a run submitted to the service; allowed: a hub id (org/name) or "
             f"a path under MODEL_ROOTS ({', '.join(absolute) or 'none'}), without '..' or '~'"
         )
+    if plain and HUB_ID.match(name) and not os.path.lexists(name):
+        return  # a hub id: the worker downloads (or finds in its cache) it
+    local = os.path.normpath(os.path.join(cwd, name))
+    roots_here = [r for r in absolute + real if _under(local, [r]) and os.path.isdir(r)]
+    if roots_here:  # a root this server sees (the shared outputs folder): the model must be there now
+        if not os.path.isdir(local):
+            raise SpecError(f"model.name: {name!r}: no such model folder (under MODEL_ROOTS {roots_here[0]})")
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise SpecError(f"model.name: {name!r}: not a model folder (no config.json)")
 
 
 def nodelist(spec: RLSpec) -> set[str]:

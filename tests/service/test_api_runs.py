@@ -248,3 +248,22 @@ def test_run_token_reaches_only_its_run(client: Any, auth: dict[str, str], make_
 def test_openapi_names_operations_by_tag(client: Any) -> None:
     ops = {op["operationId"] for path in client.get("/openapi.json").json()["paths"].values() for op in path.values()}
     assert {"runs-create_run", "runs-list_runs", "metrics-ingest_metrics", "metrics-get_metrics"} <= ops
+
+
+def test_a_missing_local_model_is_refused_at_submit_and_a_hub_id_is_not(
+    client: Any, auth: dict[str, str], tmp_path: Any
+) -> None:
+    """A model path under a MODEL_ROOTS folder the server sees (here the temporary folder) must be a model folder at
+    submit: 422 naming model.name, no run made; a hub id is taken without a look-up."""
+    before = run_count(client, auth)
+    (tmp_path / "no-config").mkdir()
+    for name, why in (
+        (str(tmp_path / "typo"), "no such model folder (under MODEL_ROOTS "),
+        (str(tmp_path / "no-config"), "not a model folder (no config.json)"),
+    ):
+        resp = client.post("/api/runs", json=spec(model={"name": name}), headers=auth)
+        assert resp.status_code == 422, resp.text
+        assert resp.json()["detail"].startswith(f"model.name: {name!r}: {why}")
+    assert run_count(client, auth) == before
+    hub = client.post("/api/runs", json=spec(model={"name": "Qwen/Qwen3-0.6B"}), headers=auth)
+    assert hub.status_code == 201, hub.text

@@ -5,8 +5,12 @@ on the real Redis and Postgres writing a folder that loads with transformers and
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import shutil
+import subprocess
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -154,20 +158,26 @@ def test_lora_exports_through_the_worker_merged_and_adapter_only(client: Any, pe
     assert torch.equal(logits(loaded), logits(peft_model))
 
 
-def test_a_failed_export_records_the_reason(client: Any, people: People, model_dir: Path, tmp_path: Path) -> None:
+def test_a_failed_export_records_the_reason(
+    client: Any, people: People, model_dir: Path, tmp_path: Path, queued: list[tuple[Any, ...]]
+) -> None:
     """The task body run here (no worker): the base model is gone, so ``export_failed`` names the model; what a killed
     earlier delivery left is removed."""
     from worker.tasks import export
 
     gone = tmp_path / "gone"
+    shutil.copytree(model_dir, gone)
     run = stored_run(owner_name(client, people), gone)
+    shutil.rmtree(gone)  # deleted after the run was submitted
     run_dir = Path(run["run_dir"])
     run_dir.mkdir(parents=True)
     full_checkpoint(run_dir, model_dir, 1, seed=0)
     stale = run_dir.parent / "exports" / ".step_1.tmp-99999"  # left by a delivery killed mid-write
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half")
-    assert export(run["id"], 1, False).startswith(f"failed: run {run['id']} export of step 1 failed: ")
+    resp = client.post(f"/api/runs/{run['id']}/exports", json={"step": 1}, headers=people["owner"][1])
+    assert resp.status_code == 202
+    assert export(run["id"], 1, False, queued[-1][4]).startswith(f"failed: run {run['id']} export of step 1 failed: ")
     (failed,) = [e for e in events(client, people["owner"][1], run["id"]) if e["kind"] == "export_failed"]
     assert str(gone) in failed["reason"] and "\n" not in failed["reason"]
     assert not (run_dir.parent / "exports" / "step_1").exists()
@@ -193,3 +203,170 @@ def test_dashboard_lists_checkpoints_with_an_export_form_for_the_owner_only(
     refused = client.post(f"/runs/{run['id']}/export", data={"csrf": csrf, "step": "5"})
     assert refused.status_code == 403 and "only its owner or an admin may export it" in refused.text
     client.cookies.clear()
+
+
+def test_exports_go_to_their_own_queue() -> None:
+    """A long export never holds the control-plane queue's slots (launch, stop, reconcile)."""
+    from server.core.config import settings
+    from worker.celery_app import TaskName, app
+
+    def queue(task: TaskName) -> str:
+        return str(app.amqp.router.route({}, task.value)["queue"].name)
+
+    assert settings.export_queue == f"{settings.CELERY_QUEUE}-exports"
+    assert queue(TaskName.export_run) == settings.export_queue
+    assert {queue(t) for t in TaskName if t is not TaskName.export_run} == {settings.CELERY_QUEUE}
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def export_events(run_id: int) -> list[tuple[str, str, dict[str, Any]]]:
+    from sqlmodel import Session, col, select
+
+    from server.core.db import engine
+    from server.models import RunEvent
+
+    with Session(engine) as s:
+        rows = s.exec(select(RunEvent).where(RunEvent.run_id == run_id).order_by(col(RunEvent.id))).all()
+        return [(r.kind, r.reason, dict(r.data)) for r in rows if r.kind.startswith("export_")]
+
+
+def record_started(run_id: int, request: int, pid: int) -> None:
+    """What a delivery killed mid-export (kill -9, out of memory) leaves: its ``export_started`` and nothing after."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.services import capacity, runs
+
+    with Session(engine) as s:
+        run = runs.get(s, run_id)
+        worker = capacity.worker_name()
+        runs.record_event(s, run, "export_started", name="step_1", step=1, request=request, pid=pid, worker=worker)
+        s.commit()
+
+
+@pytest.fixture
+def queued(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The tasks the service enqueues, kept here instead of sent (no worker takes them)."""
+    from server.services import exports
+
+    sent: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(exports, "enqueue", lambda task, *args: sent.append((task, *args)))
+    return sent
+
+
+def test_an_export_killed_in_every_delivery_fails_after_the_cap(
+    client: Any, people: People, model_dir: Path, queued: list[tuple[Any, ...]]
+) -> None:
+    from server.core.config import settings
+    from worker.celery_app import TaskName
+    from worker.tasks import export
+
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 1, seed=0)
+    h = people["owner"][1]
+    assert client.post(f"/api/runs/{run_id}/exports", json={"step": 1}, headers=h).status_code == 202
+    ((task, *args),) = queued
+    request = args[3]
+    assert (task, args) == (TaskName.export_run, [run_id, 1, 0, request])
+    assert settings.EXPORT_MAX_DELIVERIES == 2
+    for _ in range(settings.EXPORT_MAX_DELIVERIES):
+        record_started(run_id, request, os.getpid())  # alive: reconcile leaves them alone
+    result = export(run_id, 1, False, request)
+    assert result == (
+        f"failed: run {run_id} export of step 1: its worker process died during each of its 2 deliveries (killed, "
+        "e.g. out of memory: see the export worker's log; EXPORT_MAX_DELIVERIES 2); not tried again"
+    )
+    kinds = [k for k, _, _ in export_events(run_id)]
+    assert kinds == ["export_requested", "export_started", "export_started", "export_failed"]
+    assert not (run_dir.parent / "exports" / "step_1").exists()
+    assert export(run_id, 1, False, request) == f"skipped: run {run_id} the request of step_1 has ended"
+    assert client.post(f"/api/runs/{run_id}/exports", json={"step": 1}, headers=h).status_code == 202
+
+
+def test_a_request_whose_worker_died_or_that_timed_out_is_failed_and_can_be_made_again(
+    client: Any, people: People, model_dir: Path, queued: list[tuple[Any, ...]]
+) -> None:
+    from sqlmodel import Session
+
+    from server.core.config import settings
+    from server.core.db import engine
+    from server.models import RunEvent
+    from worker.tasks import export, reconcile_exports
+
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 1, seed=0)
+    h, url = people["owner"][1], f"/api/runs/{run_id}/exports"
+    assert client.post(url, json={"step": 1}, headers=h).status_code == 202
+    first = queued[-1][4]
+    pid = dead_pid()
+    record_started(run_id, first, pid)
+    assert client.post(url, json={"step": 1}, headers=h).json()["detail"] == (
+        f"run {run_id}: the export exports/step_1 is under way"
+    )
+    assert (run_id, "step_1") in reconcile_exports()
+    kind, reason, data = export_events(run_id)[-1]
+    assert (kind, data["request"]) == ("export_failed", first)
+    assert reason == (
+        f"export of step 1 failed: its worker process {pid} is gone (killed, e.g. out of memory: see the export "
+        "worker's log)"
+    )
+    assert (run_id, "step_1") not in reconcile_exports()  # ended: nothing more to do
+
+    assert client.post(url, json={"step": 1}, headers=h).status_code == 202  # the step is no longer blocked
+    second = queued[-1][4]
+    assert export(run_id, 1, False, first) == (
+        f"skipped: run {run_id} request {first} of step_1 was replaced by a newer one"
+    )  # the old request's redelivery
+    with Session(engine) as s:  # the second request was made long ago and no worker ever took it
+        event = s.get(RunEvent, second)
+        assert event is not None
+        event.time = event.time - timedelta(seconds=settings.EXPORT_REQUEST_TIMEOUT_S + 60)
+        s.add(event)
+        s.commit()
+    assert client.post(url, json={"step": 1}, headers=h).status_code == 202
+    kinds = [k for k, _, _ in export_events(run_id)]
+    assert kinds[-2:] == ["export_failed", "export_requested"]
+    assert export_events(run_id)[-2][1] == (
+        f"export of step 1 failed: not finished {settings.EXPORT_REQUEST_TIMEOUT_S:.0f} s after it was requested "
+        f"(EXPORT_REQUEST_TIMEOUT_S): its task was lost or its worker is gone (is an export worker consuming queue "
+        f"{settings.export_queue}?)"
+    )
+
+
+def test_the_task_reads_only_the_model_files_of_the_checkpoint(
+    client: Any, people: People, model_dir: Path, queued: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The optimizer's ``state.pt`` (twice the model in fp32) is neither copied into the staging folder nor written
+    into the export; the provenance names the source relative to the run directory, not the staging folder."""
+    import worker.export
+    from worker.tasks import export
+
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 1, seed=0)
+    (run_dir / "checkpoints" / "step_1" / "trainer" / "state.pt").write_bytes(b"optimizer state")
+    read: list[set[str]] = []
+    real = worker.export.write_export
+
+    def write_export(source: Any, out: Path, **kw: Any) -> Path:
+        read.append({p.name for p in source.path.iterdir()})
+        return real(source, out, **kw)
+
+    monkeypatch.setattr(worker.export, "write_export", write_export)
+    assert client.post(f"/api/runs/{run_id}/exports", json={"step": 1}, headers=people["owner"][1]).status_code == 202
+    out = run_dir.parent / "exports" / "step_1"
+    assert export(run_id, 1, False, queued[-1][4]) == f"exported: run {run_id} step 1 to {out}"
+    assert read == [{"model.safetensors"}]
+    assert "state.pt" not in {p.name for p in out.iterdir()}
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert (provenance["source"], provenance["run_dir"]) == ("checkpoints/step_1/trainer", str(run_dir))

@@ -172,8 +172,14 @@ def test_reconcile_kills_the_leftovers_of_an_ended_run_only(
         assert session_members(ended_leader.pid) == set() and ended_cg.pids() == set()
         assert not ended_cg.exists()
         (event,) = events_of(client, auth, ended["id"], "leftovers")
-        assert event["reason"] == "killed 4 leftover processes of the run (run ended)"
-        assert event["data"] == {"pids": sorted(planted), "by": "reconcile"}
+        assert event["reason"] == (  # the supervisor (session leader) that had not exited is named, not counted
+            f"killed 3 leftover processes of the run (run ended); its supervisor {ended_leader.pid} had not exited"
+        )
+        assert event["data"] == {
+            "pids": sorted(planted - {ended_leader.pid}),
+            "supervisor": ended_leader.pid,
+            "by": "reconcile",
+        }
 
         assert len(session_members(live_leader.pid)) == 3 and len(live_cg.pids()) == 1  # the live run: untouched
         assert len(session_members(later.pid)) == 3  # the later session: untouched

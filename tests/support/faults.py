@@ -280,7 +280,12 @@ class Stack:
             env=self.env,
             ready=lambda: _http_ready(self.url),
         )
-        self.worker = Service("worker", [*python, "worker", "--concurrency", "1"], root / "worker.log", env=self.env)
+        self.worker = Service(  # no export worker: its "ready." in the same log would race the control worker's
+            "worker",
+            [*python, "worker", "--concurrency", "1", "--export-concurrency", "0"],
+            root / "worker.log",
+            env=self.env,
+        )
 
     def start(self) -> Stack:
         """Start Postgres (create and migrate the ``asyncrl`` database), Redis, the server and the worker."""

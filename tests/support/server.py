@@ -210,8 +210,11 @@ class ApiServer:
 
 
 def start_celery_worker(server_url: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    """A real Celery worker (solo pool: the task runs in this one process) on the test queue, in its own process
-    group, with ``env`` added to the environment; returns once it logged ``ready.``."""
+    """A real Celery worker (solo pool: the task runs in this one process) on the test queue and its export queue
+    (``settings.export_queue``), in its own process group, with ``env`` added to the environment; returns once it
+    logged ``ready.``."""
+    queue = env.get("CELERY_QUEUE", os.environ["CELERY_QUEUE"])
+    queues = f"{queue},{env.get('CELERY_EXPORT_QUEUE') or f'{queue}-exports'}"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
@@ -226,6 +229,7 @@ def start_celery_worker(server_url: str, log: Path, **env: str) -> subprocess.Po
                 "--without-gossip",
                 "--without-mingle",
                 "--without-heartbeat",
+                f"--queues={queues}",
                 "-n",
                 f"real-{secrets.token_hex(3)}@%h",
             ],

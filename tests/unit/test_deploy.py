@@ -313,14 +313,23 @@ def test_commands_are_the_images_and_parse_with_the_cli(
     monkeypatch.setattr(cli, "migrate", lambda: calls.append(("migrate",)))
     monkeypatch.setattr(cli, "serve", lambda sock, host, port: calls.append(("serve", host, port)))
     monkeypatch.setattr(app, "worker_main", lambda argv: calls.append(("celery", *argv)))
+    monkeypatch.setattr(cli, "start_export_worker", lambda n, level: calls.append(("export worker", n, level)))
     monkeypatch.setattr(settings, "ASYNCRL_HOME", tmp_path)
+    monkeypatch.setattr(settings, "CELERY_QUEUE", "asyncrl")
+    monkeypatch.setattr(settings, "CELERY_EXPORT_QUEUE", "")
     assert cli.COMMANDS[services["server"]["command"][1]](services["server"]["command"][2:]) == 0
     assert cli.COMMANDS[services["worker"]["command"][1]](services["worker"]["command"][2:]) == 0
     assert calls == [
         ("bind", "0.0.0.0", 8000),
         ("migrate",),
         ("serve", "0.0.0.0", 8000),
-        ("celery", "worker", "--concurrency=2", "--loglevel=INFO", "-B"),
+        ("export worker", 1, "INFO"),
+        ("celery", "worker", "--concurrency=2", "--loglevel=INFO", "--queues=asyncrl", "-B"),
+    ]
+    calls.clear()  # the export worker that command starts as its child
+    assert cli.COMMANDS["worker"](["--exports-only", "--export-concurrency=1", "--loglevel=INFO"]) == 0
+    assert calls == [
+        ("celery", "worker", "--concurrency=1", "--loglevel=INFO", "--queues=asyncrl-exports", "--hostname=exports@%h")
     ]
 
 

@@ -244,6 +244,23 @@ def test_import_graph_has_no_cycle_no_engine_to_control_plane_import_and_no_vagu
     assert not found, f"{len(found)} import-graph problems:\n" + "\n".join(found)
 
 
+ENVS_MAY_IMPORT_OF_THE_ORCHESTRATOR = {"worker.orchestrator.harness_runtime"}
+"""The one module of the orchestrator the environments import (the env registry asks whether a harness is installed);
+what both need besides (the missing-reward rule: ``worker.rewards``) lives outside both."""
+
+
+def test_the_environments_import_no_orchestrator_internals() -> None:
+    _, edges = import_edges(REPO)
+    found = [
+        str(e)
+        for e in edges
+        if e.src.startswith("worker.envs")
+        and e.dst.startswith("worker.orchestrator")
+        and e.dst not in ENVS_MAY_IMPORT_OF_THE_ORCHESTRATOR
+    ]
+    assert found == []
+
+
 # ----------------------------------------------------------------------------- the checker on tiny packages
 
 

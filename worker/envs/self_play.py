@@ -17,8 +17,8 @@ Self-Evolving Reasoning LLM from Zero Data", arXiv:2508.05004, section 3.2), gat
     R_P = v * (1 - 2 * |p - 1/2|)     v = 1 if the proposal is valid else 0,
                                     p = solved / present   (a solver solved it when its reward >= SOLVED_AT = 1.0)
 
-``present`` counts the solvers with a reward (None, NaN and inf are missing: ``worker.orchestrator.advantages.group``
-``present_reward``), ``solved`` those of them whose LCS reward is >= ``SOLVED_AT`` (1.0: the exact reversal; a
+``present`` counts the solvers with a reward (None, NaN and inf are missing: ``worker.rewards.present_reward``),
+``solved`` those of them whose LCS reward is >= ``SOLVED_AT`` (1.0: the exact reversal; a
 partly right answer does not count). R_P is 1 for a word that half the solvers reverse exactly, 0 for one all of
 them reverse or none of them does, as the proposer's prompt says (``proposer_reward``; None when no solver reward is
 present). The proposer task's own ``@vf.reward`` is the validity v (what scoring its
@@ -37,12 +37,13 @@ from functools import cached_property
 from typing import Literal
 
 import verifiers.v1 as vf
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import SYSTEM_PROMPT as SOLVER_SYSTEM_PROMPT
 from worker.envs.reverse_text import ReverseTextData, ReverseTextTask
-from worker.orchestrator.advantages.group import present_reward
+from worker.rewards import present_reward
 
 PROPOSER, SOLVER = "proposer", "solver"
 """The two roles (``Rollout.role``)."""
@@ -131,13 +132,26 @@ class SelfPlayConfig(SplitConfig):
     max_letters: int = Field(8, ge=1, le=64)
     """Longest valid proposal, in letters."""
     num_solvers: int = Field(4, ge=1, le=64)
-    """Solver rollouts per episode (each episode: 1 proposer + this many solvers)."""
+    """Solver rollouts per episode (each episode: 1 proposer + this many solvers). At least 2: with one solver p is
+    0 or 1, so R_P = 1 - 2 |p - 1/2| is always 0 and the proposer would never learn."""
     num_eval: int = Field(100, ge=1)
     """Number of eval tasks."""
     system_message: bool = True
     """Send each role's instruction as a system message; False leaves the solver's word alone in its prompt (as
     ``reverse_text`` with ``system_message = false``, which the shipped SFT warm-up trains on) and puts the
     proposer's instruction before its user prompt."""
+
+    @field_validator("num_solvers")
+    @classmethod
+    def _two_solvers(cls, v: int) -> int:
+        if v < 2:
+            raise PydanticCustomError(
+                "self_play_solvers",
+                "got {got}; with one solver p is 0 or 1, so the proposer's reward 1 - 2|p - 1/2| is always 0: use at "
+                "least 2",
+                {"got": v},
+            )
+        return v
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SelfPlayConfig:

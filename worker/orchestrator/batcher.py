@@ -13,10 +13,10 @@ from typing import Any
 
 from worker.batch import TrainSample
 from worker.orchestrator.advantages import Advantage, is_zero_advantage, make_advantage
-from worker.orchestrator.advantages.group import present_reward
 from worker.orchestrator.branches import trace_advantages
 from worker.orchestrator.staleness import admitted, lag_histogram, rollout_lag
 from worker.packing import completion_length
+from worker.rewards import present_reward
 from worker.spec import OrchestratorConfig
 
 
@@ -93,7 +93,7 @@ def build_batch(
     rollouts with a reward that staleness kept out. Rollouts longer than ``orch.seq_len`` tokens (prompt +
     completion; a multi-turn rollout whose last turn or tool result crossed it) are not trained on either,
     counted in ``dropped_overlong``.
-    Missing rewards (None, NaN, inf: ``advantages.group.present_reward``) get no advantage and are not trained on
+    Missing rewards (None, NaN, inf: ``worker.rewards.present_reward``) get no advantage and are not trained on
     (case C8); a group whose rewards are all missing is counted in ``groups_all_missing``, never scored 0. Each
     rollout's ``dropped`` says why it was not trained (``DROP_REASONS``; None: trained), and ``step_metrics`` counts
     the metrics from it, for the whole step and per environment alike.

@@ -34,7 +34,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from worker.orchestrator.advantages.group import present_reward
+from worker.rewards import present_reward
 from worker.spec import DifficultyPoolCurriculum
 
 POOLS = ("unseen", "hard", "normal", "easy")

@@ -19,7 +19,7 @@ batch would train on; a group whose rewards are all missing has none and passes 
 zero-advantage drop of the batcher (``drop_zero_advantage``) stays as it is: ``[0, 0]`` as a gate re-samples those
 groups instead of dropping them. A gate function takes the group's rewards, its advantages and its config and
 returns True to reject (``GATES`` keys them by ``type``). Rewards reach a gate by the run's one rule for missing
-rewards (``advantages.group.present_reward``): None for a missing one (None, NaN, inf), and its advantage is None.
+rewards (``worker.rewards.present_reward``): None for a missing one (None, NaN, inf), and its advantage is None.
 
 A custom gate (``type = "custom"``, a plugin like custom losses and advantages: ``worker/spec/user_code.py``) is
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from worker.orchestrator.advantages import compute_advantages
-from worker.orchestrator.advantages.group import present_reward
 from worker.packing import completion_length
+from worker.rewards import present_reward
 from worker.spec import AdvantageConfig, AdvantageRangeGate, CustomGate, GateConfig
 from worker.spec.user_code import load_function
 
@@ -95,16 +95,32 @@ def custom_gate(rewards: Sequence[float | None], advantages: Sequence[float | No
     """True (reject) when the configured function returns True for the group (see the module docstring).
 
     Raises:
-        ValueError: the function returned something other than a bool (naming ``orchestrator.gates.import_path``).
+        ValueError: the function returned something that is not a bool (:func:`as_bool`), naming
+            ``orchestrator.gates.import_path``, the function and the type it returned.
         SpecError: the function does not load.
     """
     fn = load_custom_gate(config)
-    verdict = fn([present_reward(r) for r in rewards], list(advantages), **config.kwargs)
-    if not isinstance(verdict, bool):
+    returned = fn([present_reward(r) for r in rewards], list(advantages), **config.kwargs)
+    verdict = as_bool(returned)
+    if verdict is None:
         raise ValueError(
-            f"{CUSTOM_GATE_KEY}: {config.import_path} returned {verdict!r}; expected True (reject) or False (keep)"
+            f"{CUSTOM_GATE_KEY}: {config.import_path} returned {returned!r} ({type(returned).__name__}); expected "
+            "True (reject) or False (keep)"
         )
     return verdict
+
+
+def as_bool(value: object) -> bool | None:
+    """``value`` as a bool when it is one: a Python bool, a NumPy ``bool_`` (what ``np.mean(x) > t`` gives) or a
+    one-element NumPy array or torch tensor of dtype bool; None for anything else (ints, floats, None, strings: a
+    gate's verdict is never guessed from truthiness)."""
+    if isinstance(value, bool):
+        return value
+    if str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        numel = getattr(value, "numel", None)  # torch: a method; NumPy: .size, a number
+        if (numel() if callable(numel) else getattr(value, "size", None)) == 1:
+            return bool(value)  # NumPy/torch scalars define __bool__
+    return None
 
 
 GATES: dict[str, GateFn] = {

@@ -5,7 +5,6 @@ Every error is a ``SpecError`` of one line naming the dotted key.
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 import tomllib
@@ -15,7 +14,7 @@ from typing import Any, Literal, overload
 
 from pydantic import BaseModel, ValidationError
 
-from worker.dotted_keys import with_keys
+from worker.dotted_keys import closest, with_keys
 from worker.spec.orchestrator import (
     AdvantageRangeGate,
     DifficultyPoolCurriculum,
@@ -92,11 +91,6 @@ def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "sp
     return data
 
 
-def _closest_key(model: type[BaseModel], key: str) -> str | None:
-    matches = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
-    return matches[0] if matches else None
-
-
 def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
     """The pydantic model class a field holds, resolving a union by its tag (``type``, or ``kind`` for alert rules);
     None when no variant takes the value's tag (pydantic names the tag then)."""
@@ -129,7 +123,7 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in model.model_fields:
-            hint = _closest_key(model, key)
+            hint = closest(key, model.model_fields, cutoff=0.5)
             valid = ", ".join(sorted(model.model_fields))
             suggestion = f"did you mean '{prefix}{hint}'?" if hint else f"valid keys here: {valid}"
             raise SpecError(f"unknown key '{dotted}' ({suggestion})")
@@ -179,9 +173,14 @@ def _format_validation_error(err: ValidationError) -> str:
         field = field if field.isidentifier() else "type"  # a callable discriminator (advantages) reads `type`
         return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
     given = first.get("input")
-    if first["type"] != "missing" and "got " not in msg and not isinstance(given, dict | list):
+    if first["type"] != "missing" and not isinstance(given, dict | list):
         shown = repr(given)  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
-        msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:60] + f'... ({len(shown)} characters)'}"
+        shown = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
+        if "got " not in msg:
+            msg = f"{msg}, got {shown}"
+        elif first["type"] == "int_from_float":  # pydantic's "got a number with a fractional part": the value, then why
+            before, _, why = msg.partition("got ")
+            msg = f"{before}got {shown} ({why})"
     return f"{loc}: {msg}" if loc else msg
 
 

@@ -21,3 +21,20 @@ def test_c24_truncated_fraction_rule_defaults_to_the_orchestrator() -> None:
     assert rule.source == "orchestrator"
     inference = RULE.validate_python({"kind": "threshold", "metric": "weight_update_s", "op": ">", "value": 5})
     assert inference.source == "inference"
+
+
+@pytest.mark.parametrize(
+    ("metric", "hint"),
+    [
+        ("reward_meen/math", " (did you mean 'reward_mean/math'?)"),  # per environment: the env name kept
+        ("pass_at_kk/reverse-text", " (did you mean 'pass_at_k/reverse-text'?)"),
+        ("mismatch_kll", " (did you mean 'mismatch_kl'?)"),
+        ("lag_hst/0", " (did you mean 'lag_hist/0'?)"),  # a logged name that holds a '/'
+        ("throughput/math", ""),  # nothing close: no guess
+    ],
+)
+def test_a_mistyped_metric_gets_a_hint_per_environment_too(metric: str, hint: str) -> None:
+    with pytest.raises(ValueError) as err:
+        RULE.validate_python({"kind": "threshold", "metric": metric, "op": ">", "value": 0.5})
+    message = err.value.errors()[0]["msg"]  # type: ignore[attr-defined]
+    assert message.startswith(f"Value error, unknown metric {metric!r}{hint}; known: loss, ")

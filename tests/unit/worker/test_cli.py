@@ -179,6 +179,10 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["rl", "@", RL_TOML, "--max_steps", "-1", "--dry-run"],
         "error: max_steps: Input should be greater than or equal to 1, got -1",
     ),
+    "fractional-steps": (
+        ["rl", "@", RL_TOML, "--max_steps", "2.5", "--dry-run"],
+        "error: max_steps: Input should be a valid integer, got 2.5 (a number with a fractional part)",
+    ),
     "wrong-type": (
         ["sft", "@", SFT_TOML, "--data.batch_size", "many", "--dry-run"],
         "error: data.batch_size: Input should be a valid integer, unable to parse string as an integer, got 'many'",

@@ -7,6 +7,7 @@ exit 2, nothing written. Case C16 of shared/cases at the level of weights: expor
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def test_lora_adapter_only_export_loads_with_peft(tmp_path: Path, model_dir: Pat
     assert main(["export", str(run), "--out", str(out), "--adapter-only"]) == 0  # newest: step 3
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"}
     config = json.loads((out / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str(model_dir.resolve())
+    assert config["base_model_name_or_path"] == str(model_dir)  # model.name as the run's spec gives it
     loaded = PeftModel.from_pretrained(base_model(model_dir), out).eval()
     assert torch.equal(logits(loaded), logits(peft_model))
 
@@ -149,3 +150,104 @@ def test_empty_out_folder_is_used_and_a_failed_write_leaves_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "run"]  # no `broken`, no temporary folder
     with pytest.raises(ExportError, match="no complete checkpoint at step 9"):
         export_run(run, tmp_path / "x", step=9)
+
+
+HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "chat_template.jinja", "tokenizer.json"}
+HF_FILES |= {"tokenizer_config.json", "provenance.json"}
+ADAPTER_EXPORT = {"adapter_config.json", "adapter_model.safetensors", "chat_template.jinja", "tokenizer.json"}
+ADAPTER_EXPORT |= {"tokenizer_config.json", "provenance.json"}
+
+
+def no_absolute_paths(out: Path, *roots: Path) -> None:
+    """No file of the export names a path of this machine (``roots``, resolved or not)."""
+    for path in out.iterdir():
+        text = path.read_bytes()
+        for root in roots:
+            for shown in {str(root), str(root.resolve())}:
+                assert shown.encode() not in text, f"{path.name} names {shown}"
+
+
+def test_only_model_files_and_no_absolute_paths(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's optimizer state (``state.pt``), ``meta.json`` and PEFT's ``README.md`` stay out; the base model is
+    named as the run's spec names it (here a path relative to the working folder), the source relative to the run."""
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "models" / "base")
+    monkeypatch.chdir(tmp_path)
+    run = make_run(Path("run"), Path("models/base"))
+    full_checkpoint(run, model_dir, 2, seed=0)
+    peft_run = make_run(Path("lora-run"), Path("models/base"))
+    lora_checkpoint(peft_run, model_dir, 3)
+    for folder in (run / "checkpoints/step_2/trainer", peft_run / "checkpoints/step_3/trainer"):
+        (folder / "state.pt").write_bytes(b"optimizer state")
+        (folder / "meta.json").write_text("{}")
+    assert main(["export", str(run), "--out", "full"]) == 0
+    assert main(["export", str(peft_run), "--out", "adapter", "--adapter-only"]) == 0
+    assert main(["export", str(peft_run), "--out", "merged"]) == 0
+    assert {p.name for p in Path("full").iterdir()} == HF_FILES
+    assert {p.name for p in Path("merged").iterdir()} == HF_FILES
+    assert {p.name for p in Path("adapter").iterdir()} == ADAPTER_EXPORT
+    assert json.loads(Path("adapter/adapter_config.json").read_text())["base_model_name_or_path"] == "models/base"
+    assert json.loads(Path("merged/provenance.json").read_text()) == {
+        "run_dir": "lora-run",
+        "step": 3,
+        "source": "checkpoints/step_3/trainer/adapter",
+        "base_model": "models/base",
+        "kind": "lora",
+        "merged": True,
+        "adapter_only": False,
+    }
+    for out in ("full", "merged", "adapter"):
+        no_absolute_paths(Path(out), tmp_path)
+
+
+def test_out_dot_and_a_link(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out .`` writes into the (empty) working folder, which stays the same folder; a non-empty one is refused
+    with one line, exit 2. A link is followed: the export lands in the folder it names and the link stays. A failure
+    while moving the files in leaves the folder empty and no temporary folder."""
+    run = make_run(tmp_path / "run", model_dir)
+    trained = full_checkpoint(run, model_dir, 2, seed=0)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    inode = here.stat().st_ino
+    assert main(["export", str(run), "--out", "."]) == 0
+    assert here.stat().st_ino == inode and {p.name for p in here.iterdir()} == HF_FILES
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(here)), logits(trained))
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", "."]) == 2
+    assert capsys.readouterr().err == "error: --out: . exists and is not empty; choose a new folder\n"
+
+    target, link = tmp_path / "big-disk" / "model", tmp_path / "link"
+    target.mkdir(parents=True)
+    link.symlink_to(target)
+    assert main(["export", str(run), "--out", str(link)]) == 0
+    assert link.is_symlink() and {p.name for p in target.iterdir()} == HF_FILES
+    assert [p.name for p in target.parent.iterdir()] == ["model"]  # no temporary folder beside it
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(dangling)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out: {dangling} is a link to nothing ({tmp_path / 'nowhere'}); choose a new folder\n"
+    )
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    real_rename, calls = os.rename, []
+
+    def rename(src: Any, dst: Any) -> None:
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        export_run(run, empty, step=2)
+    assert len(calls) == 3 and list(empty.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big-disk", "dangling", "empty", "here", "link", "run"]

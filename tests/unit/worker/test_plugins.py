@@ -212,8 +212,60 @@ def test_custom_gate_checks_its_signature_and_its_verdict(tmp_path: Path, monkey
     (tmp_path / "gate_returns_a_number.py").write_text("def gate(rewards, advantages):\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     odd = rl_spec(orchestrator={"gates": [{"type": "custom", "import_path": "gate_returns_a_number:gate"}]})
-    with pytest.raises(ValueError, match=r"^orchestrator\.gates\.import_path: .* returned 1; expected True"):
+    with pytest.raises(ValueError) as bad:
         first_rejecting(odd.orchestrator.gates, [1.0], [0.0])
+    assert str(bad.value) == (
+        "orchestrator.gates.import_path: gate_returns_a_number:gate returned 1 (int); expected True (reject) or "
+        "False (keep)"
+    )
+
+
+NUMPY_GATE = """import numpy as np
+import torch
+
+def gate(rewards, advantages, *, kind):
+    mean = np.mean([r for r in rewards if r is not None])
+    return {
+        "numpy": mean > 0.5,
+        "array": np.array(mean > 0.5),
+        "torch": torch.tensor(mean > 0.5),
+        "float": mean,
+        "vector": np.array([True, False]),
+        "none": None,
+    }[kind]
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "refused"),
+    [
+        ("numpy", None),
+        ("array", None),
+        ("torch", None),
+        ("float", "returned np.float64(0.75) (float64)"),
+        ("vector", "returned array([ True, False]) (ndarray)"),
+        ("none", "returned None (NoneType)"),
+    ],
+)
+def test_custom_gate_takes_numpy_and_torch_bools_and_refuses_other_types(
+    kind: str, refused: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.orchestrator.gates import first_rejecting
+
+    (tmp_path / "numpy_gate.py").write_text(NUMPY_GATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gates = rl_spec(
+        orchestrator={"gates": [{"type": "custom", "import_path": "numpy_gate:gate", "kwargs": {"kind": kind}}]}
+    ).orchestrator.gates
+    if refused is None:
+        assert first_rejecting(gates, [1.0, 1.0, 1.0, 0.0], [0.2, 0.2, 0.2, -0.6]) == 0  # mean 0.75 > 0.5: reject
+        assert first_rejecting(gates, [1.0, 0.0, 0.0], [0.6, -0.3, -0.3]) is None  # mean 1/3: keep
+        return
+    with pytest.raises(ValueError) as bad:
+        first_rejecting(gates, [1.0, 1.0, 1.0, 0.0], [0.2, 0.2, 0.2, -0.6])
+    assert str(bad.value) == (
+        f"orchestrator.gates.import_path: numpy_gate:gate {refused}; expected True (reject) or False (keep)"
+    )
 
 
 def test_the_service_refuses_a_custom_gate_of_a_package_not_allowed() -> None:

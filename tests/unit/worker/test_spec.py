@@ -354,6 +354,29 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
     assert undocumented == []
 
 
+@pytest.mark.parametrize("kind", ["rl", "sft"])
+def test_a_bad_override_of_every_numeric_field_echoes_the_value(kind: str) -> None:
+    """``--max_steps 2.5`` (an int field given a fraction) and ``--trainer.optim.lr abc`` (any number field given text)
+    name the key and show the value given (the fields of a union variant other than the default are not reached this
+    way: they need their ``type`` too)."""
+    model = RLSpec if kind == "rl" else SFTSpec
+    base = {"model": {"name": "m"}} if kind == "rl" else {"kind": "sft", "model": {"name": "m"}}
+    checked = 0
+    for key, info in _numeric_fields(model):
+        bad = "2.5" if info.annotation is int or int in typing.get_args(info.annotation) else "abc"
+        try:
+            validate_spec(kind, load_spec_data([], [(key, bad)]) | {k: v for k, v in base.items() if k != key})
+        except SpecError as err:
+            msg = str(err)
+        else:
+            raise AssertionError(f"{key} = {bad} was accepted")
+        if not msg.startswith(f"{key}: "):
+            continue  # a field of a union variant the default does not pick (unknown key / no tag)
+        assert f"got {bad}" in msg.replace("'", ""), msg
+        checked += 1
+    assert checked >= (50 if kind == "rl" else 14)
+
+
 def _has_docstring(key: str) -> bool:
     """Whether the field's attribute has a docstring in the spec sources (pydantic keeps those as descriptions only
     with ``use_attribute_docstrings``; the spec writes them for people)."""

@@ -6,10 +6,9 @@ not finite (NaN, inf) are *missing*: they are left out of every group statistic,
 get advantage ``None`` and must not be trained on (case C8). A group whose rewards are all missing
 is flagged with ``all_missing``; it is never scored 0.
 
-That rule (``present_reward``) is the run's one rule for a missing reward, applied per rollout everywhere a reward
-is read: the advantages here, the batcher's and the per-env reward statistics (``reward_mean``/``reward_std`` over
-the present rewards, ``reward_missing`` = rollouts without one), the gates (which judge these advantages), the
-curriculum's pass fraction, and the self-play proposer's reward.
+That rule (``worker.rewards.present_reward``) is the run's one rule for a missing reward, applied per rollout
+everywhere a reward is read (``reward_mean``/``reward_std`` over the present rewards, ``reward_missing`` = rollouts
+without one).
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from worker.rewards import present_reward
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,6 @@ class ScoredGroup:
     """Positions of the present rewards in the group."""
     rewards: list[float]
     lengths: list[int]
-
-
-def present_reward(reward: float | None) -> float | None:
-    """The reward as a float when it is present, None when it is missing (None, NaN, +-inf)."""
-    if reward is None or not math.isfinite(reward):
-        return None
-    return float(reward)
 
 
 def split_scored(rewards: Sequence[float | None], completion_lengths: Sequence[int]) -> ScoredGroup:

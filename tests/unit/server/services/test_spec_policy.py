@@ -17,6 +17,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``<tmp>/work`` is the working folder, ``<tmp>/work/outputs`` the one model root (given relative)."""
     work = tmp_path / "work"
     (work / "outputs" / "models" / "tiny").mkdir(parents=True)
+    (work / "outputs" / "models" / "tiny" / "config.json").write_text("{}")
     (work / "outputs" / "escape").symlink_to(tmp_path)
     (work / "outside").mkdir()
     monkeypatch.chdir(work)
@@ -29,9 +30,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "Qwen/Qwen3-0.6B",
         "gpt2",
         "outputs/models/tiny",  # relative, under the root
-        "outputs/reverse-text-sft/final",  # not made yet: judged as written
         "./outputs/models/tiny",
-        "outputs",
     ],
 )
 def test_hub_ids_and_paths_under_a_root_pass(root: Path, name: str) -> None:
@@ -65,9 +64,34 @@ def test_paths_outside_the_roots_are_refused_naming_model_name(root: Path, name:
     )
 
 
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("outputs/reverse-text-sft/fnal", "no such model folder (under MODEL_ROOTS {root}/outputs)"),
+        ("./outputs/nope", "no such model folder (under MODEL_ROOTS {root}/outputs)"),
+        ("{root}/outputs/models/tiny2", "no such model folder (under MODEL_ROOTS {root}/outputs)"),
+        ("outputs", "not a model folder (no config.json)"),
+        ("outputs/models", "not a model folder (no config.json)"),
+    ],
+)
+def test_a_path_under_a_root_this_server_sees_must_be_a_model_folder(root: Path, name: str, why: str) -> None:
+    """A mistyped local model is refused at submit (HTTP 422), not at launch; hub ids are never looked up."""
+    name = name.format(root=root)
+    with pytest.raises(SpecError) as err:
+        check_model_name(name, ["outputs"])
+    assert str(err.value) == f"model.name: {name!r}: {why.format(root=root)}"
+
+
+@pytest.mark.usefixtures("root")
+def test_a_path_under_a_root_mounted_on_the_workers_only_is_judged_at_launch() -> None:
+    check_model_name("/srv/not-on-this-machine/models/m", ["/srv/not-on-this-machine"])
+    check_model_name("Qwen/Qwen3-0.6B", ["outputs"])  # a hub id: nothing on disk by that name
+
+
 def test_a_root_that_is_itself_a_symlink_is_followed(root: Path, tmp_path: Path) -> None:
     real = tmp_path / "real-models"
     (real / "m").mkdir(parents=True)
+    (real / "m" / "config.json").write_text("{}")
     (root / "models").symlink_to(real)
     check_model_name("models/m", ["models"])
     check_model_name(str(real / "m"), [str(root / "models")])

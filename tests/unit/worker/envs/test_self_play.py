@@ -5,6 +5,7 @@ tokenizer), then scored by rae and hierarchical_grpo through ``build_batch``."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,6 +98,28 @@ def test_bad_env_args_name_the_field() -> None:
 
     with pytest.raises(EnvironmentLoadError, match="max_letters .2. must be >= min_letters .3."):
         load_environment("self_play", split="eval", seed=0, max_letters=2)
+
+
+def test_one_solver_is_refused_at_launch_naming_the_key(tmp_path: Path) -> None:
+    """With one solver p is 0 or 1, so R_P is 0 for every proposal: such a run could never train its proposer."""
+    from worker.envs import EnvironmentLoadError
+    from worker.launchers.local import preflight
+    from worker.models import init_model
+    from worker.spec import SpecError, validate_spec
+
+    assert [proposer_reward(True, [r]) for r in (0.0, 0.5, 1.0)] == [0.0, 0.0, 0.0]
+    with pytest.raises(EnvironmentLoadError) as err:
+        load_environment("self_play", split="train", seed=0, num_solvers=1)
+    assert str(err.value) == (
+        "environment 'self_play': invalid args: num_solvers: got 1; with one solver p is 0 or 1, so the proposer's "
+        "reward 1 - 2|p - 1/2| is always 0: use at least 2"
+    )
+    model = init_model(tmp_path / "model", size="tiny", seed=0)
+    spec = validate_spec("rl", {"model": {"name": str(model)}, "env": {"id": "self_play", "args": {"num_solvers": 1}}})
+    with pytest.raises(SpecError) as launch:
+        preflight(spec)  # type: ignore[arg-type]
+    assert str(launch.value).startswith("env.args: environment 'self_play': invalid args: num_solvers: got 1;")
+    assert "\n" not in str(launch.value)
 
 
 class ScriptedModel:
