@@ -39,11 +39,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from worker.checkpoint import complete_steps
+from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
 from worker.rundir import RunDir, writing
 
-ADAPTER_DIR = "adapter"
-"""In a LoRA checkpoint's ``trainer`` part: the PEFT adapter (``save_pretrained``) instead of ``model.safetensors``."""
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHTS_FILE = "model.safetensors"
 PROVENANCE_FILE = "provenance.json"
 
