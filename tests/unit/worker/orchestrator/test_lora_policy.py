@@ -111,3 +111,51 @@ def test_every_adapter_a_running_rollout_may_name_stays_loaded(tmp_path: Path, m
 
     asyncio.run(go())
     assert len(client.loaded) == adapters_in_use(max_async_level) == max_async_level + 2
+
+
+def test_a_harness_rollout_names_the_adapter_of_the_version_its_span_starts_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rollout B waits for the one harness slot while rollout A runs; version 2 loads meanwhile. B names v2's adapter
+    on every turn and records v_start 2 (taking the name before the slot named v1's adapter under a span starting
+    at 2: an adapter ``adapters_in_use`` may already have unloaded)."""
+    from worker.orchestrator import harness
+    from worker.spec import HarnessConfig
+
+    runner = harness.HarnessRunner.__new__(harness.HarnessRunner)
+    runner.model, runner.inference_url, runner.config = "m", "http://x", HarnessConfig(max_concurrent=1)
+    runner._served, runner._slots, runner.adapter = "m", asyncio.Semaphore(1), "policy-1-run"
+    version = [1]
+    named: list[tuple[str, int]] = []
+    release = asyncio.Event()
+
+    class Agent:
+        def __init__(self, config: Any) -> None:
+            self.model = config.model
+
+        async def run(self, task: Any) -> Any:
+            named.append((self.model, version[0]))
+            if len(named) == 1:
+                await release.wait()
+            return type("Trace", (), {"ok": True})()
+
+    monkeypatch.setattr(harness, "agent_config", lambda *a, served_model, **k: type("C", (), {"model": served_model}))
+    monkeypatch.setattr(harness.vf, "Agent", Agent)
+    spans: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        harness, "trace_to_rollouts", lambda trace, *, policy_span, **k: spans.append(policy_span) or []
+    )
+
+    async def go() -> None:
+        kwargs = {"max_tokens": 8, "temperature": 1.0, "policy_version": lambda: version[0]}
+        task = type("Task", (), {"key": 0})()
+        a = asyncio.create_task(runner.run(task, **kwargs))
+        b = asyncio.create_task(runner.run(task, **kwargs))
+        await asyncio.sleep(0.01)  # A holds the slot, B waits for it
+        version[0], runner.adapter = 2, "policy-2-run"  # what load_policy sets for version 2
+        release.set()
+        await asyncio.gather(a, b)
+
+    asyncio.run(go())
+    assert named == [("policy-1-run", 1), ("policy-2-run", 2)]
+    assert spans == [(1, 2), (2, 2)]
