@@ -36,7 +36,7 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int) -> dict:
     import torch
 
     from worker.inference.client import InferenceClient
-    from worker.inference.server import lora_adapter_name
+    from worker.lora_adapters import lora_adapter_name
     from worker.models import load_model
     from worker.rundir import RunDir
     from worker.spec import LoraConfig
@@ -76,7 +76,7 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int) -> dict:
                 else:
                     path = publish_adapter(adapter, run, version, keep_versions=4)
                     publish_s = time.perf_counter() - t0
-                    name = lora_adapter_name(version)
+                    name = lora_adapter_name(run.root, version)
 
                     async def load(folder: Path, name: str = name) -> dict:
                         return await client.load_lora_adapter(name, folder)
@@ -84,7 +84,7 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int) -> dict:
                     info = await client.publish_weights(path, load=load)
                     first = await first_token(name)
                     if version > 4:
-                        await client.unload_lora_adapter(lora_adapter_name(version - 4))
+                        await client.unload_lora_adapter(lora_adapter_name(run.root, version - 4))
                 if r:
                     row = results[route]
                     row["publish_s"].append(publish_s)

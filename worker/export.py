@@ -42,14 +42,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from worker.checkpoint import complete_steps
+from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
 from worker.rundir import RunDir, writing
 
 EXPORTS_DIR = "exports"
 """In a run's home folder (beside the run directory): one folder per export made through the service
 (:func:`export_name`)."""
-ADAPTER_DIR = "adapter"
-"""In a LoRA checkpoint's ``trainer`` part: the PEFT adapter (``save_pretrained``) instead of ``model.safetensors``."""
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHTS_FILE = "model.safetensors"
 SOURCE_FILES = frozenset({WEIGHTS_FILE, *ADAPTER_FILES, "config.json", "generation_config.json"})
 """The files of a checkpoint's trainer part (or of ``final/``) an export reads; the rest (``state.pt`` with the

@@ -27,7 +27,8 @@ from server.services import permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
 from worker.celery_app import TaskName, enqueue
-from worker.export import ADAPTER_DIR, ADAPTER_FILES, EXPORTS_DIR, export_name
+from worker.export import EXPORTS_DIR, export_name
+from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
 from worker.run_files import is_run_file
 from worker.spec import SpecError
 

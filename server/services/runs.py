@@ -34,7 +34,7 @@ from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, with_keys
 from worker.run_files import RunFileError, RunFileMissing, copy_run_folder, is_run_file, list_run_folder, open_run_file
 from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json
-from worker.spec import SpecError, validate_spec
+from worker.spec import LoraConfig, RLSpec, SpecError, validate_spec
 
 S = RunStatus
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
@@ -434,6 +434,31 @@ def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, An
         raise SpecError(f"changes.{err.key}: {err}") from None
 
 
+def check_fork_lora(parent: dict[str, Any], child: RLSpec) -> None:
+    """A fork keeps its parent's ``trainer.lora``: the parent's checkpoint holds full weights or an adapter of that
+    rank and those target modules (``worker/trainer/checkpointer.py``), which a child with another setting cannot
+    load (a full fine-tune from a LoRA checkpoint, LoRA from a full one, another rank or other targets); alpha and
+    dropout would change the policy the checkpoint's adapter encodes.
+
+    Raises:
+        SpecError: ``trainer.lora`` differs, one line naming it and both settings.
+    """
+    before = (parent.get("trainer") or {}).get("lora")
+    mine = LoraConfig.model_validate(before).model_dump() if before is not None else None
+    theirs = child.trainer.lora.model_dump() if child.trainer.lora is not None else None
+    if mine != theirs:
+        held = "full weights (no trainer.lora)" if mine is None else f"a LoRA adapter ({_lora_text(mine)})"
+        wanted = "a full fine-tune" if theirs is None else _lora_text(theirs)
+        raise SpecError(
+            f"trainer.lora: a fork keeps its parent's setting: the checkpoint holds {held}, the changes ask for "
+            f"{wanted}; start a new run instead"
+        )
+
+
+def _lora_text(lora: dict[str, Any]) -> str:
+    return ", ".join(f"{k} = {v}" for k, v in lora.items())
+
+
 def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, admin: bool = False) -> Run:
     """A new queued run of ``owner`` (``admin``: see :func:`create`): the parent's spec with ``request.changes``
     (named ``request.name``, default the parent's name), starting from the parent's checkpoint ``request.step``
@@ -444,15 +469,18 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
     enqueues the child's launch.
 
     Raises:
-        SpecError: the changed spec is invalid (names the dotted key), ``step`` has no complete checkpoint, or
-            ``max_steps`` leaves nothing to train after ``step``.
+        SpecError: the changed spec is invalid (names the dotted key), changes ``trainer.lora``
+            (:func:`check_fork_lora`), ``step`` has no complete checkpoint, or ``max_steps`` leaves nothing to train
+            after ``step``.
         InvalidTransition: the parent has no complete checkpoint at all.
     """
     data, step = apply_changes(parent.spec, request.changes), request.step
     data.pop("output_dir", None)
     if request.name is not None:
         data["name"] = request.name
-    spec_policy.check(validate_spec("rl", data), admin=admin)  # a bad key, value or code: named before the copy
+    child_spec = validate_spec("rl", data)
+    spec_policy.check(child_spec, admin=admin)  # a bad key, value or code: named before the copy
+    check_fork_lora(parent.spec, child_spec)
     steps = checkpoint_steps(parent)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {run_file(parent, 'checkpoints')}")

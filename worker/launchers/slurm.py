@@ -111,7 +111,15 @@ def render(
     env.filters["quote"] = lambda value: shlex.quote(str(value))
     run = SupervisorHome(home).run_dir(spec.name)
     steps = complete_steps(run) if resume else []
+    from worker.inference.server import run_server_command, server_settings
+
+    # several nodes: the inference node's server, built as the local launcher builds it (LoRA flags included)
+    inference = run_server_command(
+        spec, "0.0.0.0", spec.launcher.slurm.inference_port, require_key=False, python=python
+    )
+    settings = server_settings(lora=spec.trainer.lora is not None)
     return env.get_template(TEMPLATE.name).render(
+        inference_cmd=shlex.join(["env", *(f"{k}={v}" for k, v in settings.items()), *inference]),
         spec=spec,
         s=spec.launcher.slurm,
         name=spec.name,

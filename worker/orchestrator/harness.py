@@ -185,21 +185,24 @@ class HarnessRunner:
         max_total_tokens: int | None = None,
     ) -> list[Rollout]:
         """One rollout of `task` (possibly several records: see `trace_to_rollouts`); `max_tokens` per model turn,
-        `max_total_tokens` as for `agent_config`."""
+        `max_total_tokens` as for `agent_config`. Every turn names the model served when the rollout got its slot (a
+        LoRA run's adapter of the version its span starts at: ``worker.lora_adapters.adapters_in_use`` keeps it
+        loaded while the rollout runs)."""
         c = self.config
-        config = agent_config(
-            self.model,
-            self.inference_url,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            max_turns=c.max_turns,
-            harness=c.id,
-            tool_parser=c.tool_parser,
-            served_model=await self.served_model(),
-            max_total_tokens=max_total_tokens,
-        )
         async with self._slots:
+            served = await self.served_model()  # no await inside for an adapter: it matches policy_version()
             v_start, t0 = policy_version(), time.perf_counter()
+            config = agent_config(
+                self.model,
+                self.inference_url,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                max_turns=c.max_turns,
+                harness=c.id,
+                tool_parser=c.tool_parser,
+                served_model=served,
+                max_total_tokens=max_total_tokens,
+            )
             trace = await vf.Agent(config).run(task)
             span, seconds = (v_start, policy_version()), time.perf_counter() - t0
         if not trace.ok:

@@ -42,8 +42,8 @@ from worker.checkpoint import due as checkpoint_due
 from worker.checkpoint import write_part
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
-from worker.inference.server import ADAPTER_CONFIG, lora_adapter_name
 from worker.live_config import LiveConfig
+from worker.lora_adapters import ADAPTER_CONFIG, adapters_in_use, lora_adapter_name
 from worker.orchestrator import advantages
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import request_seed
@@ -105,7 +105,7 @@ class Orchestrator:
         self.policy_version = start_step
         self._version_changed = asyncio.Condition()
         self._adapters: list[str] = []
-        """A LoRA run's adapters loaded on the server, oldest first (at most two are kept)."""
+        """A LoRA run's adapters loaded on the server, oldest first (at most ``adapters_in_use`` are kept)."""
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
         self._step_specs: dict[int, RLSpec] = {}
         self._evaluated = {
@@ -139,11 +139,12 @@ class Orchestrator:
         """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds.
 
         A LoRA policy version (``path`` holds ``adapter_config.json``: ``[trainer.lora]``) is loaded as vLLM adapter
-        ``policy-<version>`` instead, and rollouts from then on name it as their ``model``; the adapter of two
-        versions back is unloaded (the previous one may still serve requests frozen by the pause). A full model
-        folder (a LoRA run's version 0 on a shared server) is loaded in place and rollouts name the base model.
+        ``lora_adapter_name(run, version)`` instead, and rollouts from then on name it as their ``model``; adapters
+        older than the newest ``adapters_in_use(max_async_level)`` are unloaded (``worker/lora_adapters.py``: running
+        rollouts may still name the others). A full model folder (a LoRA run's version 0 on a shared server) is
+        loaded in place and rollouts name the base model.
         """
-        adapter = lora_adapter_name(version) if (path / ADAPTER_CONFIG).is_file() else None
+        adapter = lora_adapter_name(self.run.root, version) if (path / ADAPTER_CONFIG).is_file() else None
         load: Callable[[Path], Awaitable[dict[str, Any]]] | None
         if adapter is not None:
 
@@ -159,9 +160,9 @@ class Orchestrator:
                 self.harness.adapter = adapter
             self.policy_version = version
             self._version_changed.notify_all()
-        if adapter is not None:
+        if adapter is not None and adapter not in self._adapters:  # a resume may load the last version again
             self._adapters.append(adapter)
-            while len(self._adapters) > 2:
+            while len(self._adapters) > adapters_in_use(self.spec.orchestrator.max_async_level):
                 old = self._adapters.pop(0)
                 try:
                     await self.client.unload_lora_adapter(old)

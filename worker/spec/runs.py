@@ -207,6 +207,14 @@ class RLSpec(StrictModel):
             )
         if self.trainer.lora is not None and self.trainer_ranks > 1:
             raise ValueError("trainer.lora: LoRA trains in one trainer process for now (launcher.local: one rank)")
+        slurm = self.launcher.slurm
+        if self.trainer.lora is not None and self.launcher.kind == "slurm" and slurm.nodes > 1:
+            ranks = (slurm.nodes - slurm.inference_nodes) * max(slurm.gpus_per_node, 1)  # the job script's torchrun
+            if ranks > 1:
+                raise ValueError(
+                    f"trainer.lora: LoRA trains in one trainer process for now (launcher.slurm: one trainer node with "
+                    f"gpus_per_node <= 1), got {ranks} trainer ranks"
+                )
         return self
 
     @property

@@ -138,7 +138,9 @@ class LoraConfig(StrictModel):
     alpha: float = Field(default=16.0, gt=0, le=1e6)
     """Scale numerator: the update is ``(alpha / rank) * B @ A``; 1e6 is already a diverging scale."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
-    """Dropout on the adapter's input during training (``[0, 1)``; vLLM samples without it)."""
+    """Dropout on the adapter's input during training (``[0, 1)``). vLLM samples without it, so above 0 the trainer's
+    log-probs of the sampled tokens are those of a randomly thinned adapter, not of the policy that sampled them: the
+    importance ratio and ``mismatch_kl`` get that noise on top of the real mismatch. Keep 0 for RL (the default)."""
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

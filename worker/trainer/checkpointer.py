@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.checkpoint import prune, write_part
+from worker.lora_adapters import ADAPTER_DIR
 from worker.rundir import RunDir, writing
 from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
 from worker.trainer.lora import adapter_state, load_adapter, save_adapter
@@ -33,9 +34,6 @@ from worker.trainer.lora import adapter_state, load_adapter, save_adapter
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
-
-ADAPTER_DIR = "adapter"
-"""A LoRA checkpoint's adapter folder inside its ``trainer`` part (``trainer/adapter/``)."""
 
 logger = logging.getLogger(__name__)
 

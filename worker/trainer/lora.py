@@ -4,13 +4,8 @@ The update of a targeted linear layer ``W [out, in]`` is ``W + (alpha / rank) * 
 ``B [out, rank]`` (Hu et al. 2021, "LoRA", arXiv:2106.09685, eq. 3); PEFT initialises ``B = 0``, so policy
 version 0 equals the base model. Only ``A`` and ``B`` train (``requires_grad``); the base weights are frozen.
 
-On disk an adapter is PEFT's ``save_pretrained`` format, the one vLLM's LoRA loading reads
-(``/v1/load_lora_adapter``) and ``PeftModel.from_pretrained`` loads::
-
-    <folder>/adapter_config.json           rank, alpha, dropout, target modules, base model
-    <folder>/adapter_model.safetensors     the A and B tensors, PEFT names (``base_model.model.<module>.lora_A.weight``)
-
-It is what ``weights/step_n/`` holds for a LoRA run (``worker/weight_sync/publish.py``) and what a checkpoint's
+On disk an adapter is PEFT's ``save_pretrained`` format (its files: ``worker/lora_adapters.py``), the one vLLM's LoRA
+loading reads (``/v1/load_lora_adapter``) and ``PeftModel.from_pretrained`` loads. It is what ``weights/step_n/`` holds for a LoRA run (``worker/weight_sync/publish.py``) and what a checkpoint's
 ``trainer/adapter/`` holds (``worker/trainer/checkpointer.py``).
 """
 
@@ -21,14 +16,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from worker.inference.server import ADAPTER_CONFIG
+from worker.lora_adapters import ADAPTER_WEIGHTS
 from worker.spec import LoraConfig
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
     "adapter_state",
     "check_targets",
+    "tied_targets",
     "load_adapter",
     "save_adapter",
     "wrap",
@@ -37,7 +31,6 @@ __all__ = [
 if TYPE_CHECKING:
     from peft import PeftModel
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"
 """PEFT's name of the one adapter the trainer trains."""
 
@@ -53,28 +46,59 @@ def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     return [t for t in targets if not any(_matches(name, t) for name in linear)]
 
 
-def check_targets(model_dir: str | Path, targets: list[str]) -> None:
-    """Launch check: every ``targets`` entry names a linear layer of the model in ``model_dir`` (its config only,
-    built on the meta device: no weights are read).
+def tied_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that hold a parameter another module holds too (tied weights: ``lm_head``
+    and ``embed_tokens`` under ``tie_word_embeddings``), sorted."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    return sorted({name for names in owners.values() if len(names) > 1 for name in names})
 
-    Raises:
-        ValueError: one line naming ``trainer.lora.target_modules``, the entries that match nothing and the
-            model's linear layer names that would.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+def tied_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The entries of ``targets`` that match a module with tied weights (:func:`tied_modules`, PEFT's suffix
+    matching): an adapter there trains one copy of a weight two layers share, and merging it
+    (``merge_and_unload``: ``worker/export.py``, ``final/``) writes ``W + (alpha / rank) B A`` into the shared tensor,
+    changing the other layer too, so the merged model is not the trained policy."""
+    tied = tied_modules(model)
+    return [t for t in targets if any(_matches(name, t) for name in tied)]
+
+
+def _check(model: torch.nn.Module, targets: list[str], model_type: str) -> None:
+    """Raise the one-line ``trainer.lora.target_modules`` error of :func:`check_targets` for ``model``."""
     missing = unmatched_targets(model, targets)
     if missing:
         leaves = sorted(
             {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         )
         raise ValueError(
-            f"trainer.lora.target_modules: {missing} match no linear layer of {config.model_type} "
+            f"trainer.lora.target_modules: {missing} match no linear layer of {model_type} "
             f"(its linear layers: {leaves})"
         )
+    tied = tied_targets(model, targets)
+    if tied:
+        raise ValueError(
+            f"trainer.lora.target_modules: {tied} target layers whose weights {model_type} ties "
+            f"({', '.join(tied_modules(model))}: tie_word_embeddings), which LoRA cannot merge; leave them out"
+        )
+
+
+def check_targets(model_dir: str | Path, targets: list[str]) -> None:
+    """Launch check: every ``targets`` entry names a linear layer of the model in ``model_dir`` and none names a
+    layer with tied weights (:func:`tied_targets`); the model is built from its config on the meta device, no
+    weights are read.
+
+    Raises:
+        ValueError: one line naming ``trainer.lora.target_modules``: the entries that match nothing and the model's
+            linear layer names that would, or the entries that match a tied layer.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _check(model, targets, config.model_type)
 
 
 def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
@@ -85,14 +109,13 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
     ``...lora_B...`` have ``requires_grad``.
 
     Raises:
-        ValueError: a ``target_modules`` entry matches no module (PEFT's own check).
+        ValueError: a ``target_modules`` entry matches no linear layer, or a layer with tied weights
+            (:func:`check_targets`'s one line).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    missing = unmatched_targets(model, cfg.target_modules)
-    if missing:
-        raise ValueError(f"trainer.lora.target_modules: {missing} match no linear layer of the model")
+    _check(model, cfg.target_modules, getattr(getattr(model, "config", None), "model_type", "the model"))
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cast(int, cfg.alpha),  # PEFT annotates int; it scales by alpha / r in float

