@@ -19,8 +19,10 @@ from tests.support.runs import by_source, rl_spec
 from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
 from worker.models import load_model
+from worker.policy_check import DEFAULT_TOLERANCE
 from worker.rundir import STABLE_MARKER, RunDir
 from worker.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from worker.weight_sync.publish import TEST_ADAPTER_TARGETS_VAR
 
 pytestmark = pytest.mark.vllm
 STEPS = 3
@@ -77,6 +79,9 @@ def test_lora_run_ships_adapters_only(lora_run: RunDir) -> None:
     assert (ckpt / "adapter" / ADAPTER_WEIGHTS).is_file() and not (ckpt / "model.safetensors").exists()
     inference = by_source(lora_run, "inference")
     assert [r["step"] for r in inference] == list(range(1, STEPS + 1))  # every version loaded (weight_update_s)
+    # the served-policy check at every version: the adapter served == the trainer's, and moved from the base
+    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in inference), inference
+    assert [r["policy_moved_from_base"] for r in inference] == [1.0] * STEPS
     assert (lora_run.final / "adapter" / ADAPTER_WEIGHTS).is_file()  # final: merged model + its adapter
 
 
@@ -107,3 +112,39 @@ def test_served_policy_is_the_adapter_not_the_base(lora_run: RunDir, lora_server
     assert max_diff(policy, PROMPT, served, 1.0) < TOL
     assert max_diff(base, PROMPT, served, 1.0) > 10 * TOL  # the adapter moved the served policy
     assert max_diff(base, PROMPT, served_base, 1.0) < TOL  # the base model name still serves the base
+
+
+def test_c14_adapter_binding_to_nothing_fails_the_run_at_its_load(
+    tiny_model: Path, lora_server: VLLMServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Case C14 for LoRA: the trainer publishes adapters that target a module the model lacks (the test-only switch
+    ``ASYNCRL_TEST_ADAPTER_TARGETS``; launch refuses such ``target_modules``, case C15). vLLM 0.31 binds an adapter
+    by its tensor names and refuses one naming an unknown module at ``/v1/load_lora_adapter`` (HTTP 400), so the run
+    fails at the first adapter's load, its reason naming the adapter's folder and the module, before any check."""
+    monkeypatch.setenv(TEST_ADAPTER_TARGETS_VAR, "no_such_proj")
+    spec = rl_spec(
+        tiny_model,
+        lora_server.url,
+        tmp_path,
+        "unbound",
+        max_steps=2,
+        **{
+            "trainer.lora.rank": 8,
+            "trainer.lora.alpha": 16,
+            "orchestrator.batch_size": 4,
+            "orchestrator.group_size": 4,
+            "orchestrator.max_tokens": 16,
+            "orchestrator.max_async_level": 0,
+            "orchestrator.eval.num_examples": 4,
+            "ckpt.interval": 0,
+        },
+    )
+    summary = launch_rl(spec, quiet=True)
+    run = RunDir(spec.run_dir)
+    assert summary["status"] == "failed", summary
+    assert "load_lora_adapter" in summary["reason"] and "no_such_proj" in summary["reason"], summary["reason"]
+    assert str(run.weight_dir(1)) in summary["reason"], summary["reason"]
+    config = json.loads((run.weight_dir(1) / ADAPTER_CONFIG).read_text())
+    assert config["target_modules"] == ["no_such_proj"]
+    assert [r["step"] for r in by_source(run, "trainer")] == [1]
+    assert by_source(run, "inference") == []  # never loaded, never checked
