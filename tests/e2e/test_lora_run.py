@@ -19,7 +19,7 @@ from tests.support.runs import by_source, rl_spec
 from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
 from worker.models import load_model
-from worker.policy_check import DEFAULT_TOLERANCE
+from worker.policy_check import LORA_UNSUPPORTED
 from worker.rundir import STABLE_MARKER, RunDir
 from worker.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from worker.weight_sync.publish import TEST_ADAPTER_TARGETS_VAR
@@ -79,9 +79,11 @@ def test_lora_run_ships_adapters_only(lora_run: RunDir) -> None:
     assert (ckpt / "adapter" / ADAPTER_WEIGHTS).is_file() and not (ckpt / "model.safetensors").exists()
     inference = by_source(lora_run, "inference")
     assert [r["step"] for r in inference] == list(range(1, STEPS + 1))  # every version loaded (weight_update_s)
-    # the served-policy check at every version: the adapter served == the trainer's, and moved from the base
-    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in inference), inference
-    assert [r["policy_moved_from_base"] for r in inference] == [1.0] * STEPS
+    # no served-policy check with LoRA (worker.policy_check.LORA_UNSUPPORTED: vLLM's prompt_logprobs kills a
+    # LoRA-enabled engine): no probe written, no check metric, the warning once
+    assert not lora_run.policy_check.exists()
+    assert not any("policy_check_max_abs_diff" in r for r in inference)
+    assert (lora_run.logs / "orchestrator.log").read_text().count(LORA_UNSUPPORTED) == 1
     assert (lora_run.final / "adapter" / ADAPTER_WEIGHTS).is_file()  # final: merged model + its adapter
 
 

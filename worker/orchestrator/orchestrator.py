@@ -54,7 +54,15 @@ from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metr
 from worker.orchestrator.rollouts import rollout_group
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt, prompt_keys
-from worker.policy_check import DEFAULT_TOLERANCE, PolicyCheckFailed, compare, read_logprobs, read_probe
+from worker.policy_check import (
+    DEFAULT_TOLERANCE,
+    LORA_UNSUPPORTED,
+    PolicyCheckFailed,
+    compare,
+    read_logprobs,
+    read_probe,
+)
+from worker.policy_check import applies as policy_check_applies
 from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
 
@@ -116,7 +124,7 @@ class Orchestrator:
         collide with the first's, and with seeded sampling it would give the same numbers)."""
         self._truncation_warned = False
         self._policy_check_warned: set[int] = set()
-        """Versions whose failed served-policy check was warned about already (``on_fail = "warn"``)."""
+        """Versions whose failed served-policy check was warned about already (``on_fail = "warn"``); -1: the LoRA skip."""
         self._policy_check_failure: tuple[int, str] | None = None
         """The (version, reason) of the last failed served-policy check, until :meth:`fail_policy_check` sees it."""
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
@@ -199,7 +207,10 @@ class Orchestrator:
         """
         check = self.spec.orchestrator.policy_check
         self._policy_check_failure = None
-        probe = read_probe(self.run) if check.enabled else None
+        if check.enabled and not policy_check_applies(self.spec) and -1 not in self._policy_check_warned:
+            self._policy_check_warned.add(-1)  # said once
+            logger.warning("%s", LORA_UNSUPPORTED)
+        probe = read_probe(self.run) if policy_check_applies(self.spec) else None
         if probe is None:
             return {}
         deadline = time.monotonic() + wait_s

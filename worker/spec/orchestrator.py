@@ -222,7 +222,10 @@ class PolicyCheckConfig(StrictModel):
     probe by > 1e-2, so 1e-3 separates the two by an order of magnitude each way. bfloat16: its 8-bit mantissa gives
     relative errors of ~4e-3 per value, and trainer (fp32 master weights, bf16 compute) and vLLM (bf16 weights) use
     different kernels; per-token log-prob differences of a few 1e-2 are typical of a healthy bf16 pair, so 0.1 (a
-    bound, not measured here: set it from a healthy run's ``policy_check_max_abs_diff`` on your hardware)."""
+    bound, not measured here: set it from a healthy run's ``policy_check_max_abs_diff`` on your hardware).
+
+    Skipped for LoRA runs (``worker.policy_check.LORA_UNSUPPORTED``: vLLM 0.31's ``prompt_logprobs`` kills a
+    LoRA-enabled engine); an adapter binding to no module is refused by vLLM at its load instead."""
 
     enabled: bool = True
     tolerance: float | None = Field(default=None, gt=0, le=100)

@@ -29,6 +29,7 @@ import torch
 from worker.batch import Batch, read_batch
 from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
+from worker.policy_check import applies as policy_check_applies
 from worker.policy_check import probe_from_batch, probe_logprobs, read_probe, write_logprobs, write_probe
 from worker.rundir import RunDir
 from worker.spec import RLSpec
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # live config replays every revision on resume: the live file wins over the checkpoint's lr
     live = LiveConfig(run.root, "trainer", start_step=start)
     check = spec.orchestrator.policy_check  # the served-policy check's probe (worker/policy_check.py)
-    probe = read_probe(run) if check.enabled else None  # a resumed run reuses its probe
+    probe = read_probe(run) if policy_check_applies(spec) else None  # a resumed run reuses its probe
     if probe is not None and not run.policy_check_logprobs(start).is_file():  # the resume load is checked too
         lps = probe_logprobs(model, probe, info.device)  # every rank: a sharded model's forward is collective
         if info.is_main:
@@ -242,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
-        if check.enabled and probe is None and batch["num_samples"]:  # fixed once, before any optimizer step
+        if (
+            policy_check_applies(spec) and probe is None and batch["num_samples"]
+        ):  # fixed once, before any optimizer step
             probe = probe_from_batch(batch, check.num_sequences, check.max_tokens)
             if probe is not None:
                 base = probe_logprobs(model, probe, info.device)
