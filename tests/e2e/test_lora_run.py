@@ -121,8 +121,9 @@ def test_c14_adapter_binding_to_nothing_fails_the_run_at_its_load(
 ) -> None:
     """Case C14 for LoRA: the trainer publishes adapters that target a module the model lacks (the test-only switch
     ``ASYNCRL_TEST_ADAPTER_TARGETS``; launch refuses such ``target_modules``, case C15). vLLM 0.31 binds an adapter
-    by its tensor names and refuses one naming an unknown module at ``/v1/load_lora_adapter`` (HTTP 400), so the run
-    fails at the first adapter's load, its reason naming the adapter's folder and the module, before any check."""
+    by its tensor names and refuses one naming an unknown module at ``/v1/load_lora_adapter`` (HTTP 500, "expected
+    target modules in {...} but received [...no_such_proj...]"), so the run fails at the first adapter's load, its
+    reason naming the adapter and its folder (``InferenceClient.load_lora_adapter``) and the module."""
     monkeypatch.setenv(TEST_ADAPTER_TARGETS_VAR, "no_such_proj")
     spec = rl_spec(
         tiny_model,
@@ -144,8 +145,9 @@ def test_c14_adapter_binding_to_nothing_fails_the_run_at_its_load(
     summary = launch_rl(spec, quiet=True)
     run = RunDir(spec.run_dir)
     assert summary["status"] == "failed", summary
-    assert "load_lora_adapter" in summary["reason"] and "no_such_proj" in summary["reason"], summary["reason"]
-    assert str(run.weight_dir(1)) in summary["reason"], summary["reason"]
+    prefix = f"orchestrator exited with code 1: LoRA adapter policy-1 from {run.weight_dir(1)} not loaded: "
+    assert summary["reason"].startswith(prefix), summary["reason"]
+    assert "/v1/load_lora_adapter: HTTP " in summary["reason"] and "no_such_proj" in summary["reason"]
     config = json.loads((run.weight_dir(1) / ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["no_such_proj"]
     assert [r["step"] for r in by_source(run, "trainer")] == [1]

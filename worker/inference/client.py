@@ -271,7 +271,10 @@ class InferenceClient:
             InferenceError: the server refused it (e.g. a rank above ``--max-lora-rank``, a bad adapter folder).
         """
         t0 = time.monotonic()
-        await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        except InferenceError as e:  # vLLM's message hides the path (<path>): say which adapter it was
+            raise InferenceError(f"LoRA adapter {name} from {path} not loaded: {e}") from e
         return {"adapter": name, "seconds": time.monotonic() - t0}
 
     async def unload_lora_adapter(self, name: str) -> None:
