@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
-        if (
-            policy_check_applies(spec) and probe is None and batch["num_samples"]
-        ):  # fixed once, before any optimizer step
+        # the probe is fixed once, from the first non-empty batch of a fresh run (no optimizer step before it: the
+        # weights are the base's); a resumed run without one (a fork) has no check
+        if policy_check_applies(spec) and probe is None and start == 0 and batch["num_samples"]:
             probe = probe_from_batch(batch, check.num_sequences, check.max_tokens)
             if probe is not None:
                 base = probe_logprobs(model, probe, info.device)
