@@ -85,7 +85,7 @@ METRICS: dict[Source, tuple[str, ...]] = {
         *LAG_HIST_METRICS,
     ),
     "eval": ("reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"),
-    "inference": ("weight_update_s",),
+    "inference": ("weight_update_s", "policy_check_max_abs_diff", "policy_moved_from_base"),
 }
 """Process -> every metric name it writes to an RL run's ``metrics.jsonl`` (some only on some machines: ``mfu`` and
 ``peak_memory_gib``), so every logged metric can be used in an alert rule. ``tests/e2e/test_rl.py`` fails on a

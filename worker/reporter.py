@@ -4,8 +4,9 @@
   spool: while the server is down the rows wait there and are sent when it is back; ingestion is idempotent, so a
   replay adds nothing. The byte offset sent so far is kept in ``<home>/forwarded.offset``.
 - :class:`EventsForwarder` sends the run processes' events of ``events.jsonl`` that people need to see
-  (:data:`worker.rundir.ENGINE_EVENTS`: ``disk_full``, ``truncated``) to ``POST /api/runs/{id}/events``; its offset
-  is kept in ``<home>/events.offset`` and the server records an event once (its kind and time are its key).
+  (:data:`worker.rundir.ENGINE_EVENTS`: ``disk_full``, ``truncated``, ``policy_check_failed``) to
+  ``POST /api/runs/{id}/events``; its offset is kept in ``<home>/events.offset`` and the server records an event
+  once (its kind and time are its key).
 - :class:`ConfigBridge` carries live config: new revisions from the server into ``live_config.jsonl``, and the
   processes' acks from ``config_acks.jsonl`` back to the server.
 - :class:`Reporter` runs both in a background thread, reports ``running`` and status changes to

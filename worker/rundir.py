@@ -10,6 +10,8 @@ outputs/<name>/
   rollouts/step_<n>.jsonl     every rollout of step n (prompt, completion, reward, advantage, policy span)
   weights/step_<n>/           trainer -> inference: policy version n (safetensors, STABLE marker last)
   checkpoints/step_<n>/{trainer,orchestrator}/   each part renamed into place, `.complete` marker inside
+  policy_check/probe.json     trainer -> orchestrator: the served-policy check's probe tokens (``worker.policy_check``)
+  policy_check/step_<n>.json  the trainer's log-probs of the probe under policy version n (0: the base), all kept
   final/                      the trained model (save_pretrained), loadable by name-or-path code
   summary.json
 ```
@@ -381,6 +383,11 @@ class RunDir:
     checkpoints = property(lambda self: self.root / "checkpoints")
     final = property(lambda self: self.root / "final")
     summary = property(lambda self: self.root / "summary.json")
+    policy_check = property(lambda self: self.root / "policy_check")
+    policy_check_probe = property(lambda self: self.policy_check / "probe.json")
+
+    def policy_check_logprobs(self, version: int) -> Path:
+        return self.policy_check / f"step_{version}.json"
 
     def batch(self, step: int) -> Path:
         return self.batches / f"step_{step}.json"
@@ -472,10 +479,10 @@ def run_process(process: str, main: Callable[[], int], argv: list[str] | None = 
         return 1
 
 
-EngineEventKind = Literal["disk_full", "truncated"]
+EngineEventKind = Literal["disk_full", "truncated", "policy_check_failed"]
 ENGINE_EVENTS: tuple[str, ...] = get_args(EngineEventKind)
 """Events of ``events.jsonl`` that the supervisor forwards to the server's run events (``worker.reporter``): what a
-run process warns about (``truncated``, case C24) or died of (``disk_full``). The launcher's own events (``starting``,
+run process warns about (``truncated``, case C24) or died of (``disk_full``; ``policy_check_failed``, case C14, either). The launcher's own events (``starting``,
 ``running``, the final status) reach the server as status reports instead."""
 
 FINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})

@@ -23,7 +23,9 @@ from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
 from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapters_in_use, lora_adapter_name
 from worker.models import load_model
+from worker.policy_check import LORA_UNSUPPORTED
 from worker.rundir import STABLE_MARKER, RunDir, read_jsonl
+from worker.weight_sync.publish import TEST_ADAPTER_TARGETS_VAR
 
 pytestmark = pytest.mark.vllm
 STEPS = 3
@@ -75,6 +77,11 @@ def test_lora_run_ships_adapters_only(lora_run: RunDir) -> None:
     assert (ckpt / "adapter" / ADAPTER_WEIGHTS).is_file() and not (ckpt / "model.safetensors").exists()
     inference = by_source(lora_run, "inference")
     assert [r["step"] for r in inference] == list(range(1, STEPS + 1))  # every version loaded (weight_update_s)
+    # no served-policy check with LoRA (worker.policy_check.LORA_UNSUPPORTED: vLLM's prompt_logprobs kills a
+    # LoRA-enabled engine): no probe written, no check metric, the warning once
+    assert not lora_run.policy_check.exists()
+    assert not any("policy_check_max_abs_diff" in r for r in inference)
+    assert (lora_run.logs / "orchestrator.log").read_text().count(LORA_UNSUPPORTED) == 1
     assert (lora_run.final / "adapter" / ADAPTER_WEIGHTS).is_file()  # final: merged model + its adapter
 
 
@@ -165,3 +172,41 @@ def test_multi_turn_lora_run_keeps_every_adapter_its_rollouts_name(
     mine = {lora_adapter_name(run.root, v): str(run.weight_dir(v)) for v in steps[-adapters_in_use(ASYNC_LEVEL) :]}
     assert {k: v for k, v in models.items() if v.startswith(str(run.root))} == mine
     assert models[lora_adapter_name(lora_run.root, STEPS)] == str(lora_run.weight_dir(STEPS))
+
+
+def test_c14_adapter_binding_to_nothing_fails_the_run_at_its_load(
+    tiny_model: Path, lora_server: VLLMServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Case C14 for LoRA: the trainer publishes adapters that target a module the model lacks (the test-only switch
+    ``ASYNCRL_TEST_ADAPTER_TARGETS``; launch refuses such ``target_modules``, case C15). vLLM 0.31 binds an adapter
+    by its tensor names and refuses one naming an unknown module at ``/v1/load_lora_adapter`` (HTTP 500, "expected
+    target modules in {...} but received [...no_such_proj...]"), so the run fails at the first adapter's load, its
+    reason naming the adapter and its folder (``InferenceClient.load_lora_adapter``) and the module."""
+    monkeypatch.setenv(TEST_ADAPTER_TARGETS_VAR, "no_such_proj")
+    spec = rl_spec(
+        tiny_model,
+        lora_server.url,
+        tmp_path,
+        "unbound",
+        max_steps=2,
+        **{
+            "trainer.lora.rank": 8,
+            "trainer.lora.alpha": 16,
+            "orchestrator.batch_size": 4,
+            "orchestrator.group_size": 4,
+            "orchestrator.max_tokens": 16,
+            "orchestrator.max_async_level": 0,
+            "orchestrator.eval.num_examples": 4,
+            "ckpt.interval": 0,
+        },
+    )
+    summary = launch_rl(spec, quiet=True)
+    run = RunDir(spec.run_dir)
+    assert summary["status"] == "failed", summary
+    prefix = f"orchestrator exited with code 1: LoRA adapter {lora_adapter_name(run.root, 1)} from {run.weight_dir(1)} not loaded: "
+    assert summary["reason"].startswith(prefix), summary["reason"]
+    assert "/v1/load_lora_adapter: HTTP " in summary["reason"] and "no_such_proj" in summary["reason"]
+    config = json.loads((run.weight_dir(1) / ADAPTER_CONFIG).read_text())
+    assert config["target_modules"] == ["no_such_proj"]
+    assert [r["step"] for r in by_source(run, "trainer")] == [1]
+    assert by_source(run, "inference") == []  # never loaded, never checked

@@ -26,6 +26,7 @@ from worker.live_config import set_local
 from worker.orchestrator.data import data_order
 from worker.orchestrator.orchestrator import TRUNCATED_WARN_FRACTION
 from worker.orchestrator.staleness import LAG_HIST_METRICS
+from worker.policy_check import DEFAULT_TOLERANCE
 from worker.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, SFTSpec, load_spec_data, validate_spec
 
@@ -150,6 +151,10 @@ def test_every_metric_is_logged_every_step(learning_run: RunDir) -> None:
     assert [r["step"] for r in evals] == [0, LEARN_STEPS]  # start (SFT model) and last policy version
     for r in evals:
         assert EVAL_METRICS <= r.keys()
+    checked = by_source(learning_run, "inference")  # the served-policy check after every version's load
+    assert {r["step"] for r in checked} >= {1, LEARN_STEPS}
+    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in checked), checked
+    assert all(r["policy_moved_from_base"] == 1.0 for r in checked), checked
     for r in read_jsonl(learning_run.metrics):  # every logged metric can be used in an alert rule
         assert r.keys() - {"source", "step", "time"} <= set(METRICS[r["source"]]), r.keys() - set(METRICS[r["source"]])
 
@@ -334,6 +339,7 @@ def test_kill_trainer_then_resume_at_end_of_pass(sft_model: Path, vllm_server: A
 
     # a half-written checkpoint of a later step (case C4): only the trainer part
     (run.checkpoint_dir(6) / "trainer").mkdir(parents=True, exist_ok=True)
+    log_offset = (run.logs / "orchestrator.log").stat().st_size
     resumed = _asyncrl(*args, "--resume")
     out, _ = resumed.communicate(timeout=400)
     text = out.decode()
@@ -345,6 +351,13 @@ def test_kill_trainer_then_resume_at_end_of_pass(sft_model: Path, vllm_server: A
     # attempt had not logged it)
     inference_steps = [r["step"] for r in by_source(run, "inference")]
     assert 4 in inference_steps and len(inference_steps) == len(set(inference_steps)), inference_steps
+    # the served-policy check ran on the resume's load of version 4 (main_loop: before the producer starts), and its
+    # metrics are within the tolerance at every version checked
+    resumed_log = (run.logs / "orchestrator.log").read_bytes()[log_offset:].decode()
+    assert "policy check of version 4: " in resumed_log, resumed_log[-3000:]
+    checked = [r for r in by_source(run, "inference") if "policy_check_max_abs_diff" in r]
+    assert {4, 8} <= {r["step"] for r in checked}, checked
+    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in checked), checked
     # steps 5..8 read the second pass over the 16 tasks, in the same order an uninterrupted run would
     for step in range(5, 9):
         keys = {r["task"] for r in read_jsonl(run.rollout_file(step))}

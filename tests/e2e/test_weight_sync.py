@@ -112,6 +112,7 @@ def test_rl_run_over_the_process_group(tiny_model: Path, vllm_server, tmp_path: 
     numerical floor, so vLLM really samples from the trainer's new weights."""
     from tests.support.runs import by_source, rl_spec
     from worker.launchers.local import launch_rl
+    from worker.policy_check import DEFAULT_TOLERANCE
 
     spec = rl_spec(
         tiny_model,
@@ -132,4 +133,9 @@ def test_rl_run_over_the_process_group(tiny_model: Path, vllm_server, tmp_path: 
     assert kept and all(
         (run.weights / name / LOADED).exists() and not (run.weights / name / WEIGHTS_FILE).exists() for name in kept
     ), kept
-    assert len([r for r in by_source(run, "inference") if "weight_update_s" in r]) == 4
+    inference = by_source(run, "inference")
+    assert len([r for r in inference if "weight_update_s" in r]) == 4
+    # the served-policy check at every version (the shipped config's warm-up lr: 1.5e-5 at step 1)
+    assert [r["step"] for r in inference] == [1, 2, 3, 4]
+    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in inference), inference
+    assert [r["policy_moved_from_base"] for r in inference] == [1.0] * 4, inference

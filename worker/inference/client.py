@@ -215,6 +215,28 @@ class InferenceClient:
             raise InferenceError(f"POST {self.base_url}{route}: unexpected response ({e!r})") from e
         return out
 
+    async def prompt_logprobs(self, token_ids: list[int], start: int) -> list[float]:
+        """The served policy's log-probs of ``token_ids[start:]``, each given the tokens before it, at temperature 1
+        (vLLM's ``prompt_logprobs``: log_softmax of the raw logits; ``max_tokens`` 1, the sampled token ignored).
+        Names ``self.model`` (a LoRA run's current adapter) when set.
+
+        Returns:
+            ``len(token_ids) - start`` floats (nats), for ``1 <= start < len(token_ids)``.
+
+        Raises:
+            InferenceError: the request failed, or the answer has no log-prob for a token.
+        """
+        body: dict[str, Any] = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        if self.model is not None:
+            body["model"] = self.model
+        route = "/v1/completions"
+        data = (await self._request("POST", route, json=body)).json()
+        try:
+            rows = data["choices"][0]["prompt_logprobs"]  # [None, {str(id): {"logprob": ...}, ...}, ...] per token
+            return [float(rows[i][str(token_ids[i])]["logprob"]) for i in range(start, len(token_ids))]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise InferenceError(f"POST {self.base_url}{route}: unexpected prompt_logprobs ({e!r})") from e
+
     # ------------------------------------------------------------------ weight updates
     async def pause(self, mode: Literal["keep", "wait", "abort"] = "keep") -> None:
         """Stop scheduling. ``keep`` (default) freezes in-flight requests; they continue after resume."""
@@ -252,7 +274,10 @@ class InferenceClient:
         """
         t0 = time.monotonic()
         body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
-        await self._request("POST", "/v1/load_lora_adapter", json=body)
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", json=body)
+        except InferenceError as e:  # vLLM's message hides the path (<path>): say which adapter it was
+            raise InferenceError(f"LoRA adapter {name} from {path} not loaded: {e}") from e
         return {"adapter": name, "seconds": time.monotonic() - t0}
 
     async def unload_lora_adapter(self, name: str) -> None:

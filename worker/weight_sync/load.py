@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +46,11 @@ from worker.weight_sync.publish import (
 )
 
 logger = logging.getLogger(__name__)
+TEST_SKIP_LOAD_VAR = "ASYNCRL_TEST_SKIP_WEIGHT_LOAD"
+"""Test only (case C14, ``tests/e2e/test_policy_check.py``): when set (non-empty) in the inference server's
+environment, :class:`WeightUpdateExtension` reads each new version and loads none of it, answering as if it had, so
+the served policy silently stays the one it booted with (what the served-policy check must catch). The server inherits
+its launcher's environment (``worker.inference.server.server_env``). Never set it in a real run."""
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -97,6 +103,10 @@ class WeightUpdateExtension:
                 names.append(name)
                 yield name, t
 
+        if os.environ.get(TEST_SKIP_LOAD_VAR):  # test only: read every tensor, load none, answer as if loaded
+            for _ in counted():
+                pass
+            return {"tensors": len(names)}
         runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         return {"tensors": len(names), **_fix_cpu_tied_lm_head(runner.get_model())}
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -363,9 +364,36 @@ def publish_adapter(peft_model: Any, run: RunDir, version: int, keep_versions: i
     """
     from worker.trainer.lora import save_adapter
 
-    final = _write_version(run, version, None, None, write=lambda tmp: save_adapter(peft_model, tmp))
+    def write(tmp: Path) -> None:
+        save_adapter(peft_model, tmp)
+        if os.environ.get(TEST_ADAPTER_TARGETS_VAR):
+            _retarget_adapter(tmp, os.environ[TEST_ADAPTER_TARGETS_VAR])
+
+    final = _write_version(run, version, None, None, write=write)
     _prune_versions(run, version, keep_versions)
     return final
+
+
+TEST_ADAPTER_TARGETS_VAR = "ASYNCRL_TEST_ADAPTER_TARGETS"
+"""Test only (case C14 for LoRA, ``tests/e2e/test_lora_run.py``): when set in the trainer's environment, every
+published adapter targets the module named by its value instead of the trained ones (:func:`_retarget_adapter`), so
+inference gets an adapter that binds to no module of the model. Never set it in a real run."""
+
+
+def _retarget_adapter(folder: Path, module: str) -> None:
+    """Rewrite the PEFT adapter in ``folder`` to target ``module`` only: ``adapter_config.json``'s ``target_modules``
+    and the module name before ``.lora_A`` / ``.lora_B`` in every tensor name (vLLM 0.31 binds an adapter by its
+    tensor names, not by ``target_modules``)."""
+    from safetensors.torch import load_file, save_file
+
+    from worker.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    config["target_modules"] = [module]
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+    state = load_file(str(folder / ADAPTER_WEIGHTS))
+    renamed = {re.sub(r"\.[^.]+(?=\.lora_[AB]\.)", f".{module}", name): t for name, t in state.items()}
+    save_file(renamed, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
 def _prune_versions(run: RunDir, version: int, keep_versions: int) -> None:

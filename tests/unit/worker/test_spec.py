@@ -342,9 +342,10 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
 
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
-    assert len(keys) == 79 and {
+    assert len(keys) == 83 and {
         "orchestrator.advantage.std_floor",
         "orchestrator.advantage.decay",
+        "orchestrator.policy_check.tolerance",
         "launcher.memory_limit_gib",
         "threads",
     } <= set(keys)

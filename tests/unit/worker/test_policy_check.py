@@ -1,0 +1,97 @@
+"""The served-policy check's parts (``worker/policy_check.py``) against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.policy_check import (
+    Probe,
+    compare,
+    max_abs_diff,
+    probe_from_batch,
+    probe_logprobs,
+    read_logprobs,
+    read_probe,
+    write_logprobs,
+    write_probe,
+)
+from worker.rundir import RunDir
+
+
+def _sample(ids: list[int], mask: list[int]) -> dict:
+    return {"input_ids": ids, "loss_mask": mask, "sampling_logprobs": [0.0] * len(ids), "advantage": 1.0}
+
+
+def test_probe_takes_the_first_samples_cut_after_max_tokens() -> None:
+    batch = {
+        "step": 1,
+        "num_samples": 4,
+        "num_loss_tokens": 9,
+        "micro_batches": [
+            [_sample([5, 6, 7, 8, 9], [0, 0, 1, 1, 1]), _sample([1, 2], [0, 0])],  # the second has no loss token
+            [_sample([3, 4, 5, 6], [0, 1, 0, 1]), _sample([7, 7, 7], [0, 1, 1])],
+        ],
+    }
+    probe = probe_from_batch(batch, num_sequences=2, max_tokens=2)  # type: ignore[arg-type]
+    assert probe == Probe(sequences=[[5, 6, 7, 8], [3, 4, 5]], completion_start=[2, 1])
+    empty = {"step": 1, "num_samples": 0, "num_loss_tokens": 0, "micro_batches": []}
+    assert probe_from_batch(empty, 4, 16) is None  # type: ignore[arg-type]
+
+
+def test_files_round_trip(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    assert read_probe(run) is None and read_logprobs(run, 3) is None
+    probe = Probe([[1, 2, 3]], [1])
+    write_probe(run, probe)
+    write_logprobs(run, 3, [[-0.5, -1.25]])
+    assert read_probe(run) == probe
+    assert read_logprobs(run, 3) == [[-0.5, -1.25]]
+    assert (tmp_path / "policy_check" / "step_3.json").is_file()
+
+
+def test_max_abs_diff() -> None:
+    assert max_abs_diff([[-1.0, -2.0], [-0.5]], [[-1.25, -2.0], [-0.125]]) == 0.375
+    assert max_abs_diff([[-math.inf]], [[-math.inf]]) == 0.0  # the same impossible token on both sides
+    assert max_abs_diff([[math.nan]], [[-1.0]]) == math.inf
+    with pytest.raises(ValueError, match="different probes"):
+        max_abs_diff([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_compare_fails_on_a_mismatch_and_on_a_policy_still_at_the_base() -> None:
+    base, trainer = [[-1.0, -2.0]], [[-1.5, -2.0]]
+    ok = compare(2, [[-1.5004, -2.0]], trainer, base, tolerance=1e-3, base_updates=2)
+    assert ok.reason is None and ok.moved_from_base
+    assert ok.metrics() == {"policy_check_max_abs_diff": pytest.approx(4e-4), "policy_moved_from_base": 1.0}
+    frozen = compare(1, base, trainer, base, tolerance=1e-3, base_updates=2)  # served the base: 0.5 from version 1
+    assert frozen.max_abs_diff == 0.5 and not frozen.moved_from_base
+    assert frozen.reason is not None and frozen.reason.startswith(
+        "orchestrator.policy_check: policy version 1: the served log-probs differ from the trainer's by up to 0.5 nats"
+    )
+    # the trainer itself did not move (an lr of 0): fine before base_updates, a failure from it on
+    assert compare(1, base, base, base, tolerance=1e-3, base_updates=2).reason is None
+    still = compare(2, base, base, base, tolerance=1e-3, base_updates=2)
+    assert still.reason is not None and "still the base model's" in still.reason and still.max_abs_diff == 0.0
+
+
+def test_probe_logprobs_are_log_softmax_of_the_previous_position_in_eval_mode() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    emb = torch.nn.Embedding(5, 5)
+    drop = torch.nn.Dropout(0.9)
+
+    class Out:
+        def __init__(self, logits: torch.Tensor) -> None:
+            self.logits = logits
+
+    model.emb, model.drop = emb, drop  # type: ignore[assignment]
+    model.forward = lambda input_ids: Out(drop(emb(input_ids)))  # type: ignore[method-assign]
+    model.train()
+    probe = Probe([[0, 3, 1, 4]], [2])
+    got = probe_logprobs(model, probe)
+    lp = torch.log_softmax(emb.weight, dim=-1)  # row t: the log-probs after token t (no dropout: eval mode)
+    assert got == [[pytest.approx(lp[3, 1].item()), pytest.approx(lp[1, 4].item())]]
+    assert model.training  # mode restored
