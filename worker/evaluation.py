@@ -157,7 +157,7 @@ def run_eval(
 
 
 ADAPTER_NAME = "eval-adapter"
-"""The name ``asyncrl eval --adapter`` serves the adapter under."""
+"""The name ``asyncrl eval --adapter`` serves the adapter under (one adapter per eval server: no run to name)."""
 
 
 def adapter_rank(adapter: Path, *, served_by_url: bool) -> int:
@@ -168,11 +168,12 @@ def adapter_rank(adapter: Path, *, served_by_url: bool) -> int:
             ``adapter_config.json`` in the folder, or no integer ``r`` in it.
     """
     from worker.inference.server import LORA_RANKS
+    from worker.lora_adapters import ADAPTER_CONFIG
     from worker.spec import SpecError
 
     if served_by_url:
         raise SpecError("--adapter: needs --model (the adapter's base model); a server at --url is not started here")
-    config = adapter / "adapter_config.json"
+    config = adapter / ADAPTER_CONFIG
     if not config.is_file():
         raise SpecError(f"--adapter: expected a PEFT adapter folder with adapter_config.json, got {adapter}")
     try:

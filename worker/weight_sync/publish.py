@@ -386,7 +386,7 @@ def _retarget_adapter(folder: Path, module: str) -> None:
     tensor names, not by ``target_modules``)."""
     from safetensors.torch import load_file, save_file
 
-    from worker.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
     config["target_modules"] = [module]
