@@ -94,7 +94,8 @@ def test_c14_warn_only_completes_with_one_event_per_version(
     assert summary["status"] == "completed", summary
     events = _events(run, "policy_check_failed")
     assert [(e["step"], e["on_fail"]) for e in events] == [(1, "warn"), (2, "warn")]
-    assert "still the base model's" in events[1]["reason"] or "differ from the trainer's" in events[1]["reason"]
+    # float32: one update moves the probe far beyond the tolerance, so the frozen server fails the max rule both times
+    assert all("the served log-probs differ from the trainer's" in e["reason"] for e in events), events
     rows = by_source(run, "inference")
     assert [(r["step"], r["policy_moved_from_base"]) for r in rows] == [(1, 0.0), (2, 0.0)]
     assert all(r["policy_check_max_abs_diff"] > DEFAULT_TOLERANCE["float32"] for r in rows)

@@ -113,10 +113,9 @@ def render(
     steps = complete_steps(run) if resume else []
     from worker.inference.server import run_server_command, server_settings
 
-    # several nodes: the inference node's server, built as the local launcher builds it (LoRA flags included)
-    inference = run_server_command(
-        spec, "0.0.0.0", spec.launcher.slurm.inference_port, require_key=False, python=python
-    )
+    # several nodes: the inference node's server, built as the local launcher builds it (LoRA flags included); it
+    # listens on every interface, so it needs the job's key (made by the job script at its start)
+    inference = run_server_command(spec, "0.0.0.0", spec.launcher.slurm.inference_port, require_key=True, python=python)
     settings = server_settings(lora=spec.trainer.lora is not None)
     return env.get_template(TEMPLATE.name).render(
         inference_cmd=shlex.join(["env", *(f"{k}={v}" for k, v in settings.items()), *inference]),

@@ -79,8 +79,13 @@ def test_four_node_layout_roles_rendezvous_and_ports() -> None:
         'srun --nodes=1 --ntasks=1 --nodelist="$TRAINER_HEAD" --overlap',
     ]
     inference, trainer, orchestrator = sruns
-    server = run_server_command(spec_of(**FOUR_NODES), "0.0.0.0", 8100, require_key=False, python="/venv/bin/python")
+    server = run_server_command(spec_of(**FOUR_NODES), "0.0.0.0", 8100, require_key=True, python="/venv/bin/python")
     assert f"env VLLM_SERVER_DEV_MODE=1 {shlex.join(server)} >>{HOME}/big/logs/inference.log" in inference
+    assert "--middleware worker.inference.auth.RequireApiKey" in " ".join(server)  # every interface: keyed
+    # the job's key is made at the job's start, never written into the script, and reaches every srun's environment
+    key_line = "ASYNCRL_INFERENCE_API_KEY=$(/venv/bin/python -c 'from worker.inference.auth import new_api_key; "
+    assert key_line in script and "export ASYNCRL_INFERENCE_API_KEY VLLM_API_KEY=$ASYNCRL_INFERENCE_API_KEY" in script
+    assert script.index(key_line) < script.index("srun --nodes=2")
     assert server[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/q"]
     assert "--enable-lora" not in server
     assert (
@@ -187,7 +192,7 @@ def test_multi_node_lora_job_serves_adapters_as_the_local_launcher_does() -> Non
     ``--max-loras`` for its ``max_async_level`` and runtime adapter loading, and the weight-update extension."""
     spec = validate_spec("rl", LORA_TWO_NODES)
     script = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
-    server = run_server_command(spec, "0.0.0.0", 8100, require_key=False, python="/venv/bin/python")
+    server = run_server_command(spec, "0.0.0.0", 8100, require_key=True, python="/venv/bin/python")
     settings = "env VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
     assert f"  {settings} {shlex.join(server)} >>{HOME}/big/logs/inference.log 2>&1 &\n" in script
     flags = " ".join(server)
