@@ -14,7 +14,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -70,9 +70,15 @@ class _Size(TypedDict):
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int
+    head_dim: NotRequired[int]
+    """Per-head width; 64 where absent."""
+    vocab_size: NotRequired[int]
+    """Model vocabulary (embedding rows) where it is larger than the tokenizer's (padded to a multiple of 64 where
+    absent): the tokenizer gets unreachable filler tokens up to it (:func:`pad_tokenizer_vocab`), so every id the
+    model can sample decodes."""
 
 
-# Architecture per size. head_dim is fixed at 64.
+# Architecture per size.
 SIZES: dict[str, _Size] = {
     "tiny": {
         "hidden_size": 256,
@@ -88,7 +94,20 @@ SIZES: dict[str, _Size] = {
         "num_key_value_heads": 4,
         "intermediate_size": 1536,
     },
+    # Qwen3-0.6B's shape (its config.json on the hub: 28 layers, hidden 1024, 16 query / 8 KV heads of width 128,
+    # MLP 3072, 151936 vocabulary rows, tied embeddings): 596M parameters, for GPU throughput measurements
+    # (benchmarks/gpu/one_gpu_rl.py), not for learning. The tokenizer is still the byte-level one.
+    "qwen3-0.6b": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "intermediate_size": 3072,
+        "head_dim": 128,
+        "vocab_size": 151936,
+    },
 }
+Size = Literal["tiny", "small", "qwen3-0.6b"]
 
 
 def _training_corpus(seed: int, n_lines: int = 20_000) -> list[str]:
@@ -142,9 +161,7 @@ def build_tokenizer(seed: int = 0, num_merges: int = NUM_MERGES) -> PreTrainedTo
     return fast
 
 
-def init_model(
-    out_dir: Path, size: Literal["tiny", "small"] = "tiny", seed: int = 0, *, overwrite: bool = False
-) -> Path:
+def init_model(out_dir: Path, size: Size = "tiny", seed: int = 0, *, overwrite: bool = False) -> Path:
     """Build a random-init Qwen3ForCausalLM and a byte-level tokenizer and save both to ``out_dir``.
 
     The vocabulary is padded to a multiple of 64; embeddings are tied; eos is ``<|im_end|>``. The model is
@@ -192,14 +209,20 @@ def _write_model(out_dir: Path, size: str, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+    shape = SIZES[size]
+    head_dim = shape.get("head_dim", 64)
     tokenizer = build_tokenizer(seed)
+    vocab_size = shape.get("vocab_size")
+    if vocab_size is None:
+        vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    else:
+        tokenizer = pad_tokenizer_vocab(tokenizer, vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
     config = Qwen3Config(
         vocab_size=vocab_size,
-        head_dim=64,
+        head_dim=head_dim,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
@@ -207,7 +230,11 @@ def _write_model(out_dir: Path, size: str, seed: int) -> None:
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=pad_id,  # type: ignore[arg-type]  # convert_tokens_to_ids is typed int | list[int]; one token gives an int
-        **SIZES[size],
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        intermediate_size=shape["intermediate_size"],
     )
     config.dtype = torch.float32
     torch.manual_seed(seed)
@@ -215,6 +242,49 @@ def _write_model(out_dir: Path, size: str, seed: int) -> None:
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def pad_tokenizer_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> PreTrainedTokenizerBase:
+    """``tokenizer`` (from :func:`build_tokenizer`) with filler tokens appended to its BPE vocabulary until it has
+    ``vocab_size`` ids, so that every id a model with that many embedding rows can sample decodes to text.
+
+    The fillers are distinct 2- and 3-symbol strings of the byte-level alphabet that no merge builds, so encoding
+    any text gives the same ids as before; the specials keep their ids. Returns a new tokenizer.
+
+    Raises:
+        ValueError: ``vocab_size`` is smaller than the tokenizer's vocabulary or more than 2- and 3-symbol strings
+            can fill.
+    """
+    import itertools
+    import json
+
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    for added in state["added_tokens"]:  # the tool-call delimiters sit after the BPE ids: keep them where they are
+        vocab.setdefault(added["content"], added["id"])
+    taken = set(vocab)
+    next_id = len(tokenizer)
+    if vocab_size < next_id:
+        raise ValueError(f"vocab_size: expected at least the tokenizer's {next_id} ids, got {vocab_size}")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = ("".join(p) for n in (2, 3) for p in itertools.product(alphabet, repeat=n) if "".join(p) not in taken)
+    for token in itertools.islice(fillers, vocab_size - next_id):
+        vocab[token] = next_id
+        next_id += 1
+    if next_id != vocab_size:
+        raise ValueError(f"vocab_size: at most {next_id} ids can be filled, got {vocab_size}")
+    padded = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=tokenizer.model_max_length,
+    )
+    padded.chat_template = tokenizer.chat_template
+    return padded
 
 
 def check_model_source(name_or_path: str | Path) -> str:

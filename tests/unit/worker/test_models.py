@@ -234,3 +234,24 @@ def test_check_model_names_what_is_missing(model_dir: Path, tmp_path: Path) -> N
         check_model(truncated)
     with pytest.raises(ValueError, match=f"^{truncated}: cannot load model \\("):
         load_model(truncated)
+
+
+def test_pad_tokenizer_vocab_keeps_every_encoding_and_decodes_every_id() -> None:
+    from worker.models import SIZES, build_tokenizer, pad_tokenizer_vocab
+
+    base = build_tokenizer(0)
+    size = SIZES["qwen3-0.6b"]["vocab_size"]  # type: ignore[typeddict-item]  # present for this size
+    padded = pad_tokenizer_vocab(base, size)
+    assert (len(base), len(padded)) == (325, 151936)
+    text = "Reverse 'abc 123 + 45' <tool_call>x</tool_call><|im_end|>"
+    assert padded(text).input_ids == base(text).input_ids  # fillers are unreachable: no merge builds them
+    messages = [{"role": "user", "content": "hello"}]
+    assert padded.apply_chat_template(messages, add_generation_prompt=True) == base.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
+    assert [padded.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 323, 324]
+    fillers = [padded.convert_ids_to_tokens(i) for i in (325, 100_000, 151_935)]
+    assert all(isinstance(t, str) and len(t) in (2, 3) for t in fillers)  # every id the model samples decodes
+    assert len(set(padded.get_vocab().values())) == size
+    with pytest.raises(ValueError, match="vocab_size: expected at least the tokenizer's 325 ids, got 100"):
+        pad_tokenizer_vocab(base, 100)
