@@ -188,11 +188,15 @@ def _eval_command(argv: list[str]) -> int:
 
 
 def _model_command(argv: list[str]) -> int:
+    from worker.models import SIZES
+
     p = ArgParser(prog="asyncrl model")
     sub = p.add_subparsers(dest="action", required=True)
     init = sub.add_parser("init", help="build a tiny random-init Qwen3 model and byte-level tokenizer")
     init.add_argument("--out", required=True, type=Path)
-    init.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    init.add_argument(
+        "--size", choices=list(SIZES), default="tiny", help="tiny (3M), small, qwen3-0.6b (596M: its shape)"
+    )
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model directory at --out")
     args = p.parse_args(argv)

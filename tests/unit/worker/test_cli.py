@@ -604,7 +604,7 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
     ),
     "model-init-bad-size": (
         ["model", "init", "--out", "{tmp}/m", "--size", "huge"],
-        "error: asyncrl model init: argument --size: invalid choice: 'huge' (choose from 'tiny', 'small')",
+        "error: asyncrl model init: argument --size: invalid choice: 'huge' (choose from 'tiny', 'small', 'qwen3-0.6b')",
     ),
     "model-no-action": (["model"], "error: asyncrl model: the following arguments are required: action"),
     # the same errors on the launch path (no --dry-run): still nothing made
