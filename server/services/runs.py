@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal, get_args
 
 from sqlalchemy import delete, func
@@ -440,10 +440,19 @@ def check_fork_lora(parent: dict[str, Any], child: RLSpec) -> None:
     load (a full fine-tune from a LoRA checkpoint, LoRA from a full one, another rank or other targets); alpha and
     dropout would change the policy the checkpoint's adapter encodes.
 
+    A LoRA fork also keeps ``model.name``: the adapter is a delta on the base it was trained on.
+
     Raises:
-        SpecError: ``trainer.lora`` differs, one line naming it and both settings.
+        SpecError: ``trainer.lora`` differs, one line naming it and both settings; ``model.name`` differs in a fork
+            of a LoRA run.
     """
     before = (parent.get("trainer") or {}).get("lora")
+    base = (parent.get("model") or {}).get("name")
+    if before is not None and child.model.name != base:  # the adapter is a delta on its base: only on that one
+        raise SpecError(
+            f"model.name: a fork of a LoRA run keeps its base model ({base}): the checkpoint's adapter was trained on "
+            f"it, not on {child.model.name}"
+        )
     mine = LoraConfig.model_validate(before).model_dump() if before is not None else None
     theirs = child.trainer.lora.model_dump() if child.trainer.lora is not None else None
     if mine != theirs:
@@ -453,6 +462,21 @@ def check_fork_lora(parent: dict[str, Any], child: RLSpec) -> None:
             f"trainer.lora: a fork keeps its parent's setting: the checkpoint holds {held}, the changes ask for "
             f"{wanted}; start a new run instead"
         )
+
+
+def copy_probe(parent: Run, step: int, dst: RunDir) -> None:
+    """Give a fork its parent's served-policy check probe (``worker/policy_check.py``): the probe tokens, the base
+    log-probs and those of the fork step's version, so the fork checks its first load and every later version against
+    the same base. Nothing when the parent has none (check off, LoRA, or no step trained yet).
+
+    Raises:
+        RunFileError: the parent's ``policy_check`` folder or a file in it is a link or a special file.
+    """
+    wanted = {PurePosixPath(name) for name in ("probe.json", "step_0.json", f"step_{step}.json")}
+    try:
+        copy_run_folder(run_home(parent), run_file(parent, "policy_check"), dst.policy_check, keep=wanted.__contains__)
+    except RunFileMissing:
+        shutil.rmtree(dst.policy_check, ignore_errors=True)  # made before the source was found missing
 
 
 def _lora_text(lora: dict[str, Any]) -> str:
@@ -497,6 +521,7 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
     dst = RunDir(child.run_dir)
     try:  # no symbolic link or special file of the parent's folder is followed or copied (worker.run_files)
         copy_run_folder(run_home(parent), run_file(parent, "checkpoints", f"step_{step}"), dst.checkpoint_dir(step))
+        copy_probe(parent, step, dst)
         atomic_write_json(dst.config, child.spec)
     except RunFileError as err:
         shutil.rmtree(Path(child.run_dir).parent, ignore_errors=True)

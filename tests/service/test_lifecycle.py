@@ -239,6 +239,11 @@ def test_fork_of_a_lora_run_keeps_its_lora_setting(client: Any, auth: dict[str, 
             f"trainer.lora: a fork keeps its parent's setting: the checkpoint holds {held}, the changes ask for "
             f"{wanted}; start a new run instead"
         )
+    # the adapter is a delta on its base: another base model cannot take it
+    resp = client.post(f"/api/runs/{parent['id']}/fork", json={"changes": {"model.name": "other/base"}}, headers=auth)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"].startswith("model.name: a fork of a LoRA run keeps its base model ("), resp.text
+    assert resp.json()["detail"].endswith("not on other/base")
     resp = client.post(
         f"/api/runs/{parent['id']}/fork",
         json={"changes": {"trainer.optim.lr": 1e-5, "trainer.lora.rank": 4}},
@@ -246,6 +251,24 @@ def test_fork_of_a_lora_run_keeps_its_lora_setting(client: Any, auth: dict[str, 
     )
     assert resp.status_code == 201, resp.text
     assert resp.json()["spec"]["trainer"]["lora"]["rank"] == 4
+
+
+def test_fork_takes_the_parents_policy_check_probe(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    """The served-policy check of a fork compares against its parent's probe and base (worker/policy_check.py): the
+    probe, the base log-probs and the fork step's are copied, no later version's; a parent with none gives none."""
+    parent, bare = make_run(max_steps=8), make_run(max_steps=8)
+    checkpoint(parent, 2)
+    checkpoint(bare, 2)
+    folder = RunDir(parent["run_dir"]).policy_check
+    folder.mkdir(parents=True)
+    for name in ("probe.json", "step_0.json", "step_1.json", "step_2.json", "step_3.json"):
+        (folder / name).write_text(f'{{"file": "{name}"}}')
+    child = client.post(f"/api/runs/{parent['id']}/fork", json={}, headers=auth).json()
+    copied = RunDir(child["run_dir"]).policy_check
+    assert sorted(p.name for p in copied.iterdir()) == ["probe.json", "step_0.json", "step_2.json"]
+    assert (copied / "step_2.json").read_text() == '{"file": "step_2.json"}'
+    other = client.post(f"/api/runs/{bare['id']}/fork", json={}, headers=auth).json()
+    assert not RunDir(other["run_dir"]).policy_check.exists()
 
 
 def test_fork_without_checkpoint_is_409(client: Any, auth: dict[str, str], make_run: Any) -> None:
