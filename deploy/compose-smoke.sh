@@ -130,6 +130,7 @@ CURRENT="build context"
 step "Build context $WORK/context"
 rm -rf "$WORK/context" && mkdir -p "$WORK/context/.wheels"
 git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -c 2>/dev/null | tar -x -C "$WORK/context"
+rm -f "$WORK/context/$RESULTS"  # this script's own output: a re-run must not rebuild the images for it
 wheels=${ASYNCRL_WHEELS:-/opt/wheels}
 if [ -d "$wheels" ]; then
   cp -l "$wheels"/*.whl "$WORK/context/.wheels/" 2>/dev/null || cp "$wheels"/*.whl "$WORK/context/.wheels/" 2>/dev/null || true
