@@ -193,6 +193,7 @@ def init_model(out_dir: Path, size: Size = "tiny", seed: int = 0, *, overwrite: 
     tmp.chmod(0o755)  # mkdtemp makes it private; the model directory is an ordinary one
     try:
         _write_model(tmp, size, seed)
+        readable(tmp)
         if out_dir.exists():  # empty, or replaced with overwrite: move it aside first, delete it after the rename
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
             out_dir.rename(old / "model")
@@ -203,6 +204,33 @@ def init_model(out_dir: Path, size: Size = "tiny", seed: int = 0, *, overwrite: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only left when something above failed
     return out_dir
+
+
+def readable(folder: Path) -> None:
+    """Give every file under ``folder`` the read bits the umask allows (``save_pretrained`` writes the weights file
+    0600): a model made by one user (``docker compose exec`` as root) must load in a run that runs as its own uid.
+
+    Raises:
+        OSError: a file's mode cannot be changed (not its owner).
+    """
+    import os
+
+    allowed = 0o444 & ~_umask()
+    for path in [folder, *folder.rglob("*")]:
+        mode = path.lstat().st_mode
+        if path.is_symlink():
+            continue
+        extra = allowed | (allowed >> 2 & 0o111 if path.is_dir() else 0)  # folders: r and x
+        if mode & extra != extra:
+            os.chmod(path, (mode | extra) & 0o7777)
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_model(out_dir: Path, size: str, seed: int) -> None:

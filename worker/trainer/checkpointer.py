@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from worker.checkpoint import prune, write_part
 from worker.lora_adapters import ADAPTER_DIR
+from worker.models import readable
 from worker.rundir import RunDir, writing
 from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
 from worker.trainer.lora import adapter_state, load_adapter, save_adapter
@@ -63,6 +64,7 @@ def save_final(model: PreTrainedModel, base_name: str, out: Path, adapter: PeftM
         AutoTokenizer.from_pretrained(base_name).save_pretrained(tmp)
         if adapter is not None:
             save_adapter(adapter, tmp / ADAPTER_DIR, state=lora)
+        readable(tmp)  # an SFT model is the base of runs of other uids (the service runs each run as its own)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 

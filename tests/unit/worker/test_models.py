@@ -255,3 +255,22 @@ def test_pad_tokenizer_vocab_keeps_every_encoding_and_decodes_every_id() -> None
     assert len(set(padded.get_vocab().values())) == size
     with pytest.raises(ValueError, match="vocab_size: expected at least the tokenizer's 325 ids, got 100"):
         pad_tokenizer_vocab(base, 100)
+
+
+def test_a_made_model_is_readable_by_other_users(tmp_path: Path) -> None:
+    """``save_pretrained`` writes the weights 0600; a model made by one user (compose: root) is the base of runs that
+    run as their own uid, so every file gets the read bits the umask allows (``readable``)."""
+    import os
+    import stat
+
+    from worker.models import init_model
+
+    old = os.umask(0o022)
+    try:
+        model = init_model(tmp_path / "m", size="tiny", seed=0)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in model.iterdir()}
+    assert modes["model.safetensors"] & 0o044 == 0o044, modes
+    assert all(m & 0o044 == 0o044 for m in modes.values()), modes
+    assert stat.S_IMODE(model.stat().st_mode) & 0o055 == 0o055
