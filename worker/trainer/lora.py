@@ -128,11 +128,19 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
 
 
 def adapter_state(peft_model: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter tensors under PEFT's saved names, detached CPU copies (a snapshot the next step cannot change)."""
+    """The adapter tensors under PEFT's saved names, detached CPU copies (a snapshot the next step cannot change); with
+    FSDP2 gathered from the shards (every rank must call it)."""
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model, adapter_name=ADAPTER_NAME)
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    return {k: _full(v).detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: an FSDP2 parameter (a ``DTensor``, the trainer on a GPU shards even on one rank) gathered from
+    its shards (a collective: every rank calls it), any other tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
 
 
 def save_adapter(peft_model: PeftModel, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:

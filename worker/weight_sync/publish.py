@@ -357,7 +357,8 @@ def publish_adapter(peft_model: Any, run: RunDir, version: int, keep_versions: i
     """Publish policy ``version`` of a LoRA run (``[trainer.lora]``) as the adapter only:
     ``weights/step_<version>/{adapter_config.json, adapter_model.safetensors}`` (PEFT's ``save_pretrained`` format,
     ``worker/trainer/lora.py``), STABLE written last, the folder renamed into place; older versions pruned as in
-    :func:`publish_weights`. One trainer process (LoRA is not sharded here).
+    :func:`publish_weights`. One trainer rank (``RLSpec`` refuses LoRA on several); on a GPU it is still an FSDP2
+    module, whose adapter tensors are gathered here.
 
     Raises:
         DiskFull: the filesystem is full (no folder of the version is left, complete or temporary).

@@ -223,3 +223,44 @@ def test_publish_adapter_writes_the_two_files_then_stable(run: RunDir) -> None:
     assert len(state) == 2 * model.config.num_hidden_layers
     assert state["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)
     assert state["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (64, 8)
+
+
+def test_adapter_of_an_fsdp2_model_saves_as_plain_tensors(tmp_path: Path) -> None:
+    """On a GPU the trainer wraps even one rank in FSDP2, whose parameters are DTensors: saving the adapter then
+    died in safetensors ("invalid python storage", seen on the H200). ``adapter_state`` gathers them into plain
+    tensors, equal to the unsharded values. Run in a child process: a one-rank gloo group on CPU."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import torch, torch.distributed as dist
+        from pathlib import Path
+        from safetensors.torch import load_file
+        from torch.distributed.fsdp import fully_shard
+        from worker.models import init_model, load_model
+        from worker.spec import LoraConfig
+        from worker.trainer.dist import decoder_blocks
+        from worker.trainer.lora import adapter_state, save_adapter, wrap
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        model = load_model(init_model({str(tmp_path / "m")!r}, size="tiny", seed=0))
+        peft = wrap(model, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+        for p in model.parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p)  # lora_B starts at 0: make every value tell
+        plain = adapter_state(peft)
+        for block in decoder_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        assert any(type(p).__name__ == "DTensor" for p in model.parameters())
+        save_adapter(peft, Path({str(tmp_path / "adapter")!r}))
+        saved = load_file({str(tmp_path / "adapter" / ADAPTER_WEIGHTS)!r})
+        assert saved.keys() == plain.keys() and all(torch.equal(saved[k], plain[k]) for k in plain), "differ"
+        print("ok", len(saved))
+        dist.destroy_process_group()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok 16"), out.stderr[-2000:]
