@@ -593,7 +593,7 @@ def export(run_id: int, step: int, adapter_only: bool, request: int | None = Non
         except runs.RunNotFound:
             return f"skipped: run {run_id} does not exist"
         out = exports.export_dir(run, step, adapter_only)
-        if out.exists():
+        if out.exists() and not out.is_symlink():
             return f"skipped: run {run_id} {out} exists"
         last = exports.newest_event(session, run, name)
         if last is None or last.kind not in ("export_requested", "export_started"):
@@ -610,6 +610,11 @@ def export(run_id: int, step: int, adapter_only: bool, request: int | None = Non
             exports.fail_stale(session, run, last, why)
             session.commit()
             return f"failed: run {run_id} export of step {step}: {why}"
+        refused = _linked_export_folder(out)
+        if refused is not None:  # the run's uid owns its home: it must not steer this worker's writes and deletes
+            exports.fail_stale(session, run, last, refused)
+            session.commit()
+            return f"failed: run {run_id} export of step {step}: {refused}"
         runs.record_event(
             session,
             run,
@@ -690,6 +695,21 @@ def reconcile_exports() -> list[tuple[int, str]]:
                 ended.append((stored_id(run), str(data.get("name"))))
         session.commit()
     return ended
+
+
+def _linked_export_folder(out: Path) -> str | None:
+    """Why this worker must not write the service export ``out`` (``<run home>/exports/<name>``): the run's own uid owns
+    its home, so it could make ``exports`` (or ``out``) a link pointing this worker's writes and deletes anywhere; None
+    when ``exports`` is a real folder or absent (then made here) and ``out`` is no link."""
+    from worker.export import EXPORTS_DIR
+
+    folder = out.parent
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        return f"{EXPORTS_DIR} in the run's home is a link or not a folder; exports are written only into a real folder"
+    if out.is_symlink():
+        return f"{EXPORTS_DIR}/{out.name} in the run's home is a link; exports are written only into a real folder"
+    folder.mkdir(exist_ok=True)
+    return None
 
 
 def _one_line(err: BaseException) -> str:

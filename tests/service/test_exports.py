@@ -342,6 +342,32 @@ def test_a_request_whose_worker_died_or_that_timed_out_is_failed_and_can_be_made
     )
 
 
+@pytest.mark.parametrize("link", ["exports", "exports/step_1"])
+def test_a_linked_exports_folder_is_refused(
+    client: Any, people: People, model_dir: Path, tmp_path: Path, queued: list[tuple[Any, ...]], link: str
+) -> None:
+    """The run's uid owns its home: a link planted at ``exports`` (or at the export's own name) must not steer the
+    export worker's writes and deletes elsewhere; the request fails naming it, nothing is written through the link."""
+    from worker.tasks import export
+
+    run = stored_run(owner_name(client, people), model_dir)
+    run_id, run_dir = run["id"], Path(run["run_dir"])
+    run_dir.mkdir(parents=True)
+    full_checkpoint(run_dir, model_dir, 1, seed=0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".step_1.keep").mkdir()  # what a delivery's cleanup glob would match and delete
+    planted = run_dir.parent / link
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    assert client.post(f"/api/runs/{run_id}/exports", json={"step": 1}, headers=people["owner"][1]).status_code == 202
+    planted.symlink_to(elsewhere)  # after the request (a link there before it reads as "already exported": 409)
+    result = export(run_id, 1, False, queued[-1][4])
+    assert result.startswith(f"failed: run {run_id} export of step 1: {link} in the run's home is a link"), result
+    assert sorted(p.name for p in elsewhere.iterdir()) == [".step_1.keep"]
+    (failed,) = [e for e in events(client, people["owner"][1], run_id) if e["kind"] == "export_failed"]
+    assert failed["reason"] == "export of step 1 failed: " + result.split("export of step 1: ", 1)[1]
+
+
 def test_the_task_reads_only_the_model_files_of_the_checkpoint(
     client: Any, people: People, model_dir: Path, queued: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
