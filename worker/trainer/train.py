@@ -244,14 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
         # the probe is fixed once, from the first non-empty batch of a fresh run (no optimizer step before it: the
-        # weights are the base's); a resumed run without one (a fork) has no check
+        # weights are the base's); a resumed run reads its own, a fork its parent's (copied by the service's fork)
         if policy_check_applies(spec) and probe is None and start == 0 and batch["num_samples"]:
             probe = probe_from_batch(batch, check.num_sequences, check.max_tokens)
             if probe is not None:
                 base = probe_logprobs(model, probe, info.device)
-                if info.is_main:
-                    write_probe(run, probe)
+                if info.is_main:  # the base first: a probe file always has its base (the orchestrator reads it first)
                     write_logprobs(run, 0, base)
+                    write_probe(run, probe)
         t0 = time.perf_counter()
         metrics = train_step(model, batch, spec, step, info) if batch["num_samples"] else {}
         for name in EMPTY_STEP_METRICS:  # a step whose rollouts were all dropped still logs every key
