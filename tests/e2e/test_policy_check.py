@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import VLLMServer, free_port
 from tests.support.runs import by_source, rl_spec
+from tests.support.vllm import VLLMServer, serving
 from worker.launchers.local import launch_rl
 from worker.policy_check import DEFAULT_TOLERANCE
 from worker.rundir import RunDir, read_jsonl
@@ -37,18 +37,9 @@ FAST = {  # 2 steps of 4 x 4 short rollouts; lr high enough that one step moves 
 @pytest.fixture(scope="module")
 def frozen_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """A vLLM server that answers every weight update as loaded and loads nothing."""
-    from worker.inference.server import start_server, stop_server, wait_ready
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-frozen") / "server.log"
     env = {**os.environ, TEST_SKIP_LOAD_VAR: "1"}
-    proc = start_server(str(tiny_model), "127.0.0.1", port, log_path=log_path, max_model_len=1024, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, timeout_s=300, proc=proc, log_path=log_path)
-        yield VLLMServer(url=url, model_path=tiny_model, log_path=log_path, proc=proc)
-    finally:
-        stop_server(proc)
+    with serving(tiny_model, tmp_path_factory.mktemp("vllm-frozen"), env=env) as server:
+        yield server
 
 
 def _events(run: RunDir, kind: str) -> list[dict[str, Any]]:
