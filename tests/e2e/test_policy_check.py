@@ -69,7 +69,7 @@ def test_c14_frozen_policy_fails_the_run_at_the_first_update(
 
 
 def test_c14_warn_only_completes_with_one_event_per_version(
-    tiny_model: Path, frozen_server: VLLMServer, tmp_path: Path
+    tiny_model: Path, frozen_server: VLLMServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = rl_spec(
         tiny_model,
@@ -80,10 +80,12 @@ def test_c14_warn_only_completes_with_one_event_per_version(
         **FAST,
         **{"orchestrator.policy_check.on_fail": "warn"},
     )
-    summary = launch_rl(spec, quiet=True)
+    summary = launch_rl(spec)  # not quiet: the warnings must reach the console, not only events.jsonl
     run = RunDir(spec.run_dir)
     assert summary["status"] == "completed", summary
     events = _events(run, "policy_check_failed")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: orchestrator.policy")]
+    assert printed == [f"warning: {e['reason']}" for e in events], printed
     assert [(e["step"], e["on_fail"]) for e in events] == [(1, "warn"), (2, "warn")]
     # float32: one update moves the probe far beyond the tolerance, so the frozen server fails the max rule both times
     assert all("the served log-probs differ from the trainer's" in e["reason"] for e in events), events

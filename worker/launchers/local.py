@@ -332,13 +332,23 @@ def _failure_cause(run: RunDir, name: str, events_offset: int) -> str:
     return ""
 
 
+CONSOLE_WARNINGS = ("truncated", "policy_check_failed")
+"""Engine events (``events.jsonl``) the local launcher prints as they come: a warn-only policy check or a step of
+truncated rollouts would otherwise be seen only in the files."""
+
+
 def _follow(
     spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int
 ) -> tuple[str, str]:
     printed = start
     events_offset = run.events.stat().st_size if run.events.exists() else 0
+    warned_offset = events_offset
     evals_said = sum(1 for r in read_jsonl(run.metrics) if r["source"] == "eval")  # a resumed run's earlier evals
     while True:
+        events, warned_offset = read_jsonl_after(run.events, warned_offset)
+        for e in events:  # what a run process warns about reaches the console too, not only events.jsonl
+            if e.get("event") in CONSOLE_WARNINGS:
+                say(f"warning: {e.get('reason', e['event'])}")
         rows = read_jsonl(run.metrics)
         by = {(r["source"], r["step"]): r for r in rows}
         while ("trainer", printed + 1) in by:
