@@ -126,7 +126,7 @@ def adapter_folder(folder: Path) -> Path:
 
 def read_run_model(run_dir: Path) -> tuple[str, str]:
     """``(model.name, model.dtype)`` of the run's resolved spec (``config.json``); a relative local model path is taken
-    relative to the working directory, as the run took it.
+    relative to the working directory, else to the folder the run was launched in (:func:`launch_relative`).
 
     Raises:
         ExportError: ``run_dir`` is not a run directory (no folder, no readable ``config.json`` naming ``model.name``).
@@ -142,7 +142,26 @@ def read_run_model(run_dir: Path) -> tuple[str, str]:
         raise ExportError(f"RUN_DIR: {run_dir} is not a run directory (no config.json)") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ExportError(f"RUN_DIR: {config} does not name model.name ({type(err).__name__}: {err})") from None
-    return name, dtype
+    return launch_relative(name, run_dir, spec.get("output_dir")), dtype
+
+
+def launch_relative(name: str, run_dir: Path, output_dir: Any) -> str:
+    """``model.name`` as a path that loads from here: as given when it is absolute, a hub name, or found from the
+    working directory; else, for a relative ``output_dir``, taken from the folder the run was launched in (the run
+    directory is ``<launch>/<output_dir>/<name>``), where it was found at launch.
+
+    Example: launched in /work with output_dir "outputs" and model.name "outputs/sft/final", the export from /tmp
+    reads /work/outputs/sft/final.
+    """
+    if Path(name).is_absolute() or Path(name).exists() or not isinstance(output_dir, str):
+        return name
+    out = Path(output_dir)
+    root = run_dir.resolve()
+    if out.is_absolute() or len(root.parents) <= len(out.parts):
+        return name
+    launch = root.parents[len(out.parts)]
+    candidate = launch / name
+    return str(candidate) if candidate.exists() and (launch / out / root.name) == root else name
 
 
 def find_source(run_dir: str | Path, step: int | None = None) -> ExportSource:

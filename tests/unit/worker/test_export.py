@@ -251,3 +251,25 @@ def test_out_dot_and_a_link(
         export_run(run, empty, step=2)
     assert len(calls) == 3 and list(empty.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big-disk", "dangling", "empty", "here", "link", "run"]
+
+
+def test_a_relative_model_name_is_found_from_the_launch_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a fresh user: a run launched in its checkout with ``model.name = "outputs/sft/final"`` (the README's
+    configs) could be exported only from that checkout. The model is taken from ``<launch>/<model.name>``, where the
+    run directory is ``<launch>/<output_dir>/<name>``; a hub name, or a path found from here, is kept as given."""
+    from worker.export import launch_relative
+
+    launch = tmp_path / "checkout"
+    run_dir = launch / "outputs" / "rl"
+    (launch / "outputs" / "sft" / "final").mkdir(parents=True)
+    run_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    found = str(launch / "outputs" / "sft" / "final")
+    assert launch_relative("outputs/sft/final", run_dir, "outputs") == found
+    assert launch_relative("outputs/sft/final", Path("../checkout/outputs/rl"), "outputs") == found
+    assert launch_relative("Qwen/Qwen3-0.6B", run_dir, "outputs") == "Qwen/Qwen3-0.6B"  # a hub name: as given
+    assert launch_relative("outputs/sft/final", run_dir, str(launch / "outputs")) == "outputs/sft/final"  # absolute
+    monkeypatch.chdir(launch)
+    assert launch_relative("outputs/sft/final", run_dir, "outputs") == "outputs/sft/final"  # found from here
