@@ -280,7 +280,8 @@ def _export_command(argv: list[str]) -> int:
         hf_logging.disable_progress_bar()  # one display: the stages below
         console = Console(stderr=True)
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as progress:
+        # no terminal (a log, a pipe): no spinner, whose teardown left a blank line before an error
+        with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task(f"exporting {source.label}", total=None)
             out = write_export(
                 source,

@@ -295,9 +295,12 @@ def write_export(
     tokenizer = load_tokenizer(source.base)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with writing(f"the export of {source.label}", out, partial=tmp):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError) as err:  # full: DiskFull
+            raise ExportError(f"--out: cannot create {out} ({err.strerror or err}); choose a writable folder") from None
         if adapter_only:
             say("writing the adapter")
             _write_adapter(source, tmp)

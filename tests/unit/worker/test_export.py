@@ -273,3 +273,19 @@ def test_a_relative_model_name_is_found_from_the_launch_folder(tmp_path: Path, m
     assert launch_relative("outputs/sft/final", run_dir, str(launch / "outputs")) == "outputs/sft/final"  # absolute
     monkeypatch.chdir(launch)
     assert launch_relative("outputs/sft/final", run_dir, "outputs") == "outputs/sft/final"  # found from here
+
+
+def test_an_out_that_cannot_be_created_is_named(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a fresh user: ``--out /proc/nope`` was reported as ``model.name: [Errno 2] ...``: an ``--out`` whose
+    folder cannot be made is named as ``--out``, before any model is loaded; nothing is written."""
+    run = make_run(tmp_path / "run", model_dir)
+    full_checkpoint(run, model_dir, 2, seed=0)
+    (tmp_path / "a-file").write_text("not a folder")
+    out = tmp_path / "a-file" / "export"
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out: cannot create {out} (") and err.endswith("; choose a writable folder\n"), err
+    assert (tmp_path / "a-file").read_text() == "not a folder"
