@@ -262,9 +262,12 @@ def _export_command(argv: list[str]) -> int:
     )
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p.add_argument("--step", type=int, help="checkpoint step (default: final/, else the newest complete checkpoint)")
-    p.add_argument("--out", type=Path, required=True, help="new (or empty) folder to write")
+    p.add_argument("--out", required=True, help="new (or empty) folder to write")
     p.add_argument("--adapter-only", action="store_true", help="LoRA runs: write the PEFT adapter, not merged weights")
     args = p.parse_args(argv)
+    if not args.out.strip():  # Path("") is "."
+        raise SpecError("--out: expected a folder path, got an empty string")
+    args.out = Path(args.out)
     if args.step is not None and args.step < 0:
         raise SpecError(f"--step: expected an integer >= 0, got {args.step}")
     from rich.console import Console

@@ -96,6 +96,7 @@ BAD = {
     ),
     "out-not-empty": (["--step", "4"], "error: --out: {out} exists and is not empty; choose a new folder"),
     "negative-step": (["--step", "-1"], "error: --step: expected an integer >= 0, got -1"),
+    "empty-out": (["--out", ""], "error: --out: expected a folder path, got an empty string"),  # "" is not "."
 }
 
 
