@@ -201,7 +201,10 @@ def test_rl_run_on_tool_env(tool_run: RunDir, tool_model: Path) -> None:
     assert all({"reward_mean", "reward_std", "wait_for_policy_s", "staleness_max"} <= r.keys() for r in orch)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in orch)
     assert all({"loss", "mismatch_kl", "grad_norm", "lr", "entropy"} <= r.keys() for r in trainer)
-    assert all(math.isfinite(r["loss"]) for r in trainer)
+    # a step whose groups all had equal rewards trains on nothing and logs NaN (EMPTY_STEP_METRICS); the tool
+    # harness's requests are not seeded, so which steps those are varies (CI saw one): the others train finitely
+    assert any(r["num_samples"] for r in trainer), trainer
+    assert all(math.isfinite(r["loss"]) == (r["num_samples"] > 0) for r in trainer), trainer
     assert [r["step"] for r in evals] == [0, 3] and all(0.0 <= r["reward_mean"] <= 1.0 for r in evals)
     print(
         "eval reward before/after:",
