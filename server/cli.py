@@ -4,12 +4,14 @@
     asyncrl worker [--concurrency 2] [--export-concurrency 1] [--no-beat] [--exports-only]
     asyncrl token create --name NAME [--role admin|member|viewer] [--read-only] | revoke --name NAME
     asyncrl token role --name NAME --role admin|member|viewer
-    asyncrl submit SPEC.toml|SPEC.json [--url URL] [--token T]
+    asyncrl submit SPEC.toml|SPEC.json [--set key=value ...] [--url URL] [--token T]
     asyncrl runs ls [--status S] [--name N] [--limit 50] | show ID | stop ID | resume ID | delete ID
     asyncrl runs fork ID [--step K] [--name N] [--set key=value ...]
-    asyncrl runs logs ID [--process trainer|orchestrator|inference|supervisor] [--tail 200]
+    asyncrl runs logs ID [--process trainer|orchestrator|inference|inference-<i>|supervisor] [--tail 200]
+    asyncrl sweep SWEEP.toml|SWEEP.json | sweep show ID | sweep stop ID   [--url URL] [--token T]
+    asyncrl pipeline PIPELINE.toml | pipeline show|stop|resume ID        [--url URL] [--token T]
 
-``submit`` and ``runs`` go through the REST API (``ASYNCRL_URL``, else ``settings.server_url()``) with
+``submit``, ``runs``, ``sweep`` and ``pipeline`` go through the REST API (``ASYNCRL_URL``, else ``settings.server_url()``) with
 ``ASYNCRL_TOKEN``; ``token`` writes to the database directly (it is how the first token is made).
 """
 
@@ -264,18 +266,51 @@ def _api_args(p: argparse.ArgumentParser) -> None:
 
 
 def submit_command(argv: list[str]) -> int:
+    """``asyncrl submit SPEC [--set key=value ...]``: the file as it is (uploaded), or, with ``--set``, the spec
+    with the changes applied (``worker.spec.load_spec_data``, as ``asyncrl rl @ SPEC --key value``) and its keys
+    checked here first, so a misspelt key is named before anything reaches the server (exit 2)."""
+    from worker.spec.loading import SPEC_TYPES, check_unknown_keys, load_spec_data
+
     p = ArgParser(prog="asyncrl submit", description="submit a run spec to the server")
     p.add_argument("spec", type=Path, help=".toml or .json run spec")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="spec change, e.g. --set trainer.optim.lr=5e-5 (repeatable; as asyncrl runs fork)",
+    )
     _api_args(p)
     args = p.parse_args(argv)
     if args.spec.is_dir():
         raise SpecError(f"config file {args.spec} is a directory; expected a .toml or .json run spec")
     if not args.spec.is_file():
         raise SpecError(f"config file not found: {args.spec}")
+    body: dict[str, Any] = {"files": {"file": (args.spec.name, args.spec.read_bytes())}}
+    if args.sets:
+        data = load_spec_data([args.spec], [_set_pair(pair) for pair in args.sets])
+        kind = data.get("kind", "rl")
+        if not isinstance(kind, str) or kind not in SPEC_TYPES:
+            raise SpecError(f"kind: expected one of {sorted(SPEC_TYPES)}, got {kind!r}")
+        check_unknown_keys(SPEC_TYPES[kind], data)
+        body = {"json": data}
     with _client(args.url, args.token) as client:
-        run = _call(client, "POST", "/api/runs", files={"file": (args.spec.name, args.spec.read_bytes())})
+        run = _call(client, "POST", "/api/runs", **body)
     print(json.dumps({k: run[k] for k in ("id", "name", "status", "run_dir")}))  # noqa: T201
     return 0
+
+
+def _set_pair(pair: str) -> tuple[str, str]:
+    """``"trainer.optim.lr=5e-5"`` -> ``("trainer.optim.lr", "5e-5")`` (the value parsed later, as a TOML literal).
+
+    Raises:
+        SpecError: no ``=`` or an empty key.
+    """
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"--set: expected key=value such as trainer.optim.lr=5e-5, got {pair!r}")
+    return key.strip(), value.strip()
 
 
 def _parse_sets(pairs: list[str]) -> dict[str, Any]:
@@ -288,10 +323,8 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 
     changes = {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise SpecError(f"--set: expected key=value such as trainer.optim.lr=5e-5, got {pair!r}")
-        changes[key.strip()] = parse_override_value(value.strip())
+        key, value = _set_pair(pair)
+        changes[key] = parse_override_value(value, f"--set {key}")
     return changes
 
 
@@ -322,7 +355,11 @@ def runs_command(argv: list[str]) -> int:
     _api_args(fork)
     logs = sub.add_parser("logs", help="last lines of a process log of run ID")
     logs.add_argument("id", type=int)
-    logs.add_argument("--process", default="trainer", help="trainer | orchestrator | inference | supervisor")
+    logs.add_argument(
+        "--process",
+        default="trainer",
+        help="trainer | orchestrator | inference | inference-<i> (a replica) | supervisor",
+    )
     logs.add_argument("--tail", type=int, default=200)
     _api_args(logs)
     args = p.parse_args(argv)
@@ -358,10 +395,106 @@ def runs_command(argv: list[str]) -> int:
     return 0
 
 
+def load_sweep(path: Path) -> dict[str, Any]:
+    """A sweep spec file (TOML, or JSON by its suffix) with ``base = "run.toml"`` (relative to the sweep file) read
+    inline, as ``POST /api/sweeps`` takes it.
+
+    Raises:
+        SpecError: the file or its base is missing, unreadable or does not parse.
+    """
+    from worker.spec import load_spec_data
+
+    data = load_spec_data([path], [])
+    if isinstance(data.get("base"), str):
+        base = Path(data["base"])
+        base = base if base.is_absolute() else path.parent / base
+        if not base.is_file():
+            raise SpecError(f"base: run spec file not found: {base}")
+        data["base"] = load_spec_data([base], [])
+    return data
+
+
+def sweep_command(argv: list[str]) -> int:
+    """``asyncrl sweep SPEC`` submits a sweep and prints its id, trials and first runs; ``show ID`` / ``stop ID``."""
+    p = ArgParser(prog="asyncrl sweep", description="submit a sweep spec, or show / stop a sweep")
+    p.add_argument("spec", help="sweep spec (.toml or .json), or 'show' / 'stop'")
+    p.add_argument("id", nargs="?", type=int, help="sweep id (show, stop)")
+    _api_args(p)
+    args = p.parse_args(argv)
+    if args.spec in ("show", "stop"):
+        if args.id is None:
+            raise SpecError(f"asyncrl sweep {args.spec}: expected a sweep id")
+        with _client(args.url, args.token) as client:
+            method, path = (
+                ("GET", f"/api/sweeps/{args.id}") if args.spec == "show" else ("POST", f"/api/sweeps/{args.id}/stop")
+            )
+            out = _call(client, method, path)
+        print(json.dumps(out, indent=2))  # noqa: T201
+        return 0
+    if args.id is not None:
+        raise SpecError(f"asyncrl sweep: unexpected argument {args.id} after the spec file")
+    data = load_sweep(Path(args.spec))
+    with _client(args.url, args.token) as client:
+        sweep = _call(client, "POST", "/api/sweeps", json=data)
+    runs = [t["run_id"] for t in sweep["trials"] if t["run_id"] is not None]
+    print(json.dumps({"id": sweep["id"], "name": sweep["name"], "trials": len(sweep["trials"]), "runs": runs}))  # noqa: T201
+    return 0
+
+
+def load_pipeline(path: Path) -> dict[str, Any]:
+    """A pipeline spec file (TOML, or JSON by its suffix) with each stage's ``base = "run.toml"`` (relative to the
+    pipeline file) read inline, as ``POST /api/pipelines`` takes it.
+
+    Raises:
+        SpecError: the file or a stage's base is missing, unreadable or does not parse (``stages[i].base: ...``).
+    """
+    from worker.spec import load_spec_data
+
+    data = load_spec_data([path], [])
+    for i, stage in enumerate(data.get("stages") or []):
+        if isinstance(stage, dict) and isinstance(stage.get("base"), str):
+            base = Path(stage["base"])
+            base = base if base.is_absolute() else path.parent / base
+            if not base.is_file():
+                raise SpecError(f"stages[{i}].base: run spec file not found: {base}")
+            stage["base"] = load_spec_data([base], [])
+    return data
+
+
+def pipeline_command(argv: list[str]) -> int:
+    """``asyncrl pipeline SPEC`` submits a pipeline and prints its id and first run; ``show ID`` / ``stop ID`` /
+    ``resume ID``."""
+    p = ArgParser(prog="asyncrl pipeline", description="submit a pipeline spec, or show / stop / resume a pipeline")
+    p.add_argument("spec", help="pipeline spec (.toml or .json), or 'show' / 'stop' / 'resume'")
+    p.add_argument("id", nargs="?", type=int, help="pipeline id (show, stop, resume)")
+    _api_args(p)
+    args = p.parse_args(argv)
+    if args.spec in ("show", "stop", "resume"):
+        if args.id is None:
+            raise SpecError(f"asyncrl pipeline {args.spec}: expected a pipeline id")
+        with _client(args.url, args.token) as client:
+            if args.spec == "show":
+                out = _call(client, "GET", f"/api/pipelines/{args.id}")
+            else:
+                out = _call(client, "POST", f"/api/pipelines/{args.id}/{args.spec}")
+        print(json.dumps(out, indent=2, default=str))  # noqa: T201
+        return 0
+    if args.id is not None:
+        raise SpecError(f"asyncrl pipeline: unexpected argument {args.id} after the spec file")
+    data = load_pipeline(Path(args.spec))
+    with _client(args.url, args.token) as client:
+        pipeline = _call(client, "POST", "/api/pipelines", json=data)
+    runs = [s["run_id"] for s in pipeline["stages"] if s["run_id"] is not None]
+    print(json.dumps({"id": pipeline["id"], "name": pipeline["name"], "stages": len(pipeline["stages"]), "runs": runs}))  # noqa: T201
+    return 0
+
+
 COMMANDS: dict[str, Any] = {
     "server": server_command,
     "worker": worker_command,
     "token": token_command,
     "submit": submit_command,
     "runs": runs_command,
+    "sweep": sweep_command,
+    "pipeline": pipeline_command,
 }

@@ -16,9 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
+from server.services.metric_export import MetricNotFound
 from server.services.permissions import Forbidden, RunTokenExpired
+from server.services.pipelines import PipelineNotFound
+from server.services.rollouts import BadRolloutId, RolloutNotFound
 from server.services.runs import InvalidTransition, RunNotFound
 from server.services.spec_policy import AddressNotAllowed
+from server.services.sweeps import SweepNotFound
 from worker.spec import SpecError
 from worker.spec.user_code import CodeNotAllowed
 
@@ -30,6 +34,11 @@ HTTP_STATUS: dict[type[Exception], int] = {
     RunTokenExpired: 401,  # a run token writing after its run ended
     Forbidden: 403,  # not the run's owner or an admin, a viewer's write (server/services/permissions.py)
     RunNotFound: 404,
+    SweepNotFound: 404,
+    PipelineNotFound: 404,
+    MetricNotFound: 404,  # an export of a metric none of its runs has
+    RolloutNotFound: 404,  # no such rollout in the run, or a rollout id of another run
+    BadRolloutId: 422,  # a rollout id that is not <run>-<step>-<line>
     NotFound: 404,  # alert rule, webhook endpoint or delivery
     InvalidTransition: 409,  # a state change the run's state does not allow
     StillRetrying: 409,  # a replay of a delivery still being retried

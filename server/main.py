@@ -1,4 +1,5 @@
-"""The FastAPI app: ``/api`` JSON routes, ``/healthz``, Prometheus ``/metrics``, OpenAPI at ``/docs``.
+"""The FastAPI app: ``/api`` JSON routes, ``/healthz``, Prometheus ``/metrics``, OpenAPI at ``/docs`` (Swagger UI
+served from this app, no CDN).
 
 Errors are JSON ``{"detail": "<one line naming the problem>"}`` with a 4xx status: 401/403 token problems, 404
 unknown run, 409 impossible state change, 413 body too large, and for the body of every JSON route one rule
@@ -22,7 +23,8 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import text
 from sqlalchemy.exc import DataError
@@ -144,7 +146,21 @@ def create_app() -> FastAPI:
         version="0.1.0",
         generate_unique_id_function=_route_id,
         description="Experiment service for asynchronous RL post-training of language models.",
+        docs_url=None,  # FastAPI's own /docs and /redoc load their scripts from a CDN: blank offline
+        redoc_url=None,
     )
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        """Swagger UI of ``/openapi.json`` with its assets served here (``webui.site.STATIC``, pinned)."""
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} API",
+            swagger_js_url="/static/swagger-ui-bundle.js",
+            swagger_css_url="/static/swagger-ui.css",
+            swagger_favicon_url="/static/swagger-ui-favicon.png",
+        )
+
     app.include_router(api_router, prefix="/api")
     app.include_router(webui_router)  # the dashboard: /runs, /launch, /compare, /alerts, /login
 

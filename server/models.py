@@ -12,12 +12,25 @@ from __future__ import annotations
 import enum
 import json
 import secrets
+import unicodedata
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from pydantic import BaseModel, field_validator
 from pydantic import Field as PydanticField
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
@@ -83,6 +96,28 @@ TERMINAL = frozenset({RunStatus.completed, RunStatus.failed, RunStatus.cancelled
 # ----------------------------------------------------------------------------- runs
 
 
+MAX_TAG_LEN = 64
+MAX_TAGS = 32
+MAX_NOTES = 20_000
+MAX_GROUP_LEN = 128
+
+
+def check_label(value: str, field: str, max_len: int) -> str:
+    """``value`` stripped of surrounding spaces, when it has no control character and 1..``max_len`` characters.
+
+    Raises:
+        ValueError: naming ``field``: a control character (Unicode category ``C*``: ``\\n``, ``\\t``, zero-width
+            ...), empty, or too long.
+    """
+    bad = next((c for c in value if unicodedata.category(c).startswith("C")), None)
+    if bad is not None:
+        raise ValueError(f"{field}: control character {bad!r} not allowed (printable text only)")
+    text = value.strip()
+    if not text or len(text) > max_len:
+        raise ValueError(f"{field}: expected 1 to {max_len} characters, got {len(text)}")
+    return text
+
+
 class RunBase(SQLModel):
     name: str = Field(max_length=128, index=True)
     kind: str = Field(default="rl", max_length=16)
@@ -117,6 +152,12 @@ class Run(RunBase, table=True):
     updated_at: datetime = _ts()
     started_at: datetime | None = _ts(nullable=True)
     finished_at: datetime | None = _ts(nullable=True)
+    tags: list[str] = Field(default_factory=list, sa_column=Column(JSONType, nullable=False, server_default="[]"))
+    """Labels to find the run by (``RunUpdate``: each 1-64 printable characters, at most ``MAX_TAGS``, no repeats)."""
+    notes: str = Field(default="", sa_column=Column(Text, nullable=False, server_default=""))
+    """Free text its owner keeps about it (Markdown is shown as typed)."""
+    group: str | None = Field(default=None, max_length=128, index=True)
+    """A name runs that belong together share (seeds of one config, a study); filterable like tags."""
 
 
 class RunPublic(RunBase):
@@ -134,6 +175,9 @@ class RunPublic(RunBase):
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    tags: list[str]
+    notes: str
+    group: str | None
 
 
 class RunsPublic(SQLModel):
@@ -151,6 +195,39 @@ class ForkRequest(BaseModel):
     """Dotted spec key -> new value, e.g. ``{"trainer.optim.lr": 5e-5, "max_steps": 40}``."""
     name: str | None = PydanticField(default=None, min_length=1, max_length=128)
     """Name of the new run; default the parent's."""
+
+
+class RunUpdate(BaseModel):
+    """``PATCH /api/runs/{id}``: the run's tags, notes and group; a field left out stays as it is."""
+
+    model_config = {"extra": "forbid"}
+    tags: list[str] | None = PydanticField(default=None, max_length=MAX_TAGS)
+    """The whole new tag list (replaces the old one); repeats are dropped, order kept."""
+    notes: str | None = PydanticField(default=None, max_length=MAX_NOTES)
+    group: str | None = None
+    """The run's group; ``""`` or null clears it."""
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        if (i := next((i for i, t in enumerate(value) if "," in t), None)) is not None:
+            raise ValueError(f"tags[{i}]: ',' not allowed (the dashboard separates tags with commas)")
+        return list(dict.fromkeys(check_label(t, f"tags[{i}]", MAX_TAG_LEN) for i, t in enumerate(value)))
+
+    @field_validator("notes")
+    @classmethod
+    def _notes(cls, value: str | None) -> str | None:
+        bad = next((c for c in value or "" if unicodedata.category(c) == "Cc" and c not in "\n\r\t"), None)
+        if bad is not None:
+            raise ValueError(f"notes: control character {bad!r} not allowed (text, newlines and tabs only)")
+        return value
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, value: str | None) -> str | None:
+        return check_label(value, "group", MAX_GROUP_LEN) if value and value.strip() else None
 
 
 class RunLogs(BaseModel):
@@ -357,3 +434,99 @@ class DashboardSession(SQLModel, table=True):
     )
     created_at: datetime = _ts()
     expires_at: datetime = Field(sa_type=UTCDateTime(), nullable=False)
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+class SweepStatus(enum.StrEnum):
+    running = "running"
+    completed = "completed"
+    cancelled = "cancelled"
+
+
+class Sweep(SQLModel, table=True):
+    """A sweep (``server/services/sweeps.py``): ordinary runs of one base spec with swept values, pruned on a metric."""
+
+    __tablename__ = "sweeps"
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128, index=True)
+    owner: str = Field(max_length=128)
+    status: SweepStatus = Field(default=SweepStatus.running, sa_type=String(16), index=True)
+    status_reason: str = Field(default="", max_length=2000)
+    spec: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
+    """The validated sweep spec (base spec inline)."""
+    decided: list[int] = Field(default_factory=list, sa_column=Column(JSONType, nullable=False))
+    """Pruning steps (rungs) already decided."""
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    finished_at: datetime | None = _ts(nullable=True)
+
+
+class SweepTrial(SQLModel, table=True):
+    """One point of a sweep: its swept values and, once started, the run that trains it (the run's pointer back)."""
+
+    __tablename__ = "sweep_trials"
+    __table_args__ = (UniqueConstraint("sweep_id", "index"),)
+    id: int | None = Field(default=None, primary_key=True)
+    sweep_id: int = Field(
+        sa_column=Column(Integer, ForeignKey("sweeps.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    index: int
+    params: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
+    """Dotted spec key -> value of this trial."""
+    run_id: int | None = Field(
+        default=None, sa_column=Column(Integer, ForeignKey("runs.id", ondelete="SET NULL"), nullable=True, index=True)
+    )
+    status: str = Field(default="pending", max_length=16)
+    """``server.services.sweeps.TrialStatus``."""
+    pruned_step: int | None = Field(default=None, sa_column=Column(BigInteger, nullable=True))
+    held_step: int | None = Field(default=None, sa_column=Column(BigInteger, nullable=True))
+    """The rung (trainer step) a ``waiting`` trial is held at until the rung is decided; None otherwise."""
+    reason: str = Field(default="", max_length=2000)
+
+
+# ----------------------------------------------------------------------------- pipelines
+
+
+class PipelineStatus(enum.StrEnum):
+    running = "running"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class Pipeline(SQLModel, table=True):
+    """A pipeline (``server/services/pipelines.py``): stages run one after another, each an ordinary run that starts
+    from an earlier stage's final weights."""
+
+    __tablename__ = "pipelines"
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128, index=True)
+    owner: str = Field(max_length=128)
+    status: PipelineStatus = Field(default=PipelineStatus.running, sa_type=String(16), index=True)
+    status_reason: str = Field(default="", max_length=2000)
+    spec: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
+    """The validated pipeline spec (each stage's base spec inline)."""
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    finished_at: datetime | None = _ts(nullable=True)
+
+
+class PipelineStage(SQLModel, table=True):
+    """One stage of a pipeline and, once started, the run that does it (the run's ``pipeline`` event points back)."""
+
+    __tablename__ = "pipeline_stages"
+    __table_args__ = (UniqueConstraint("pipeline_id", "index"),)
+    id: int | None = Field(default=None, primary_key=True)
+    pipeline_id: int = Field(
+        sa_column=Column(Integer, ForeignKey("pipelines.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    index: int
+    kind: str = Field(max_length=16)
+    run_id: int | None = Field(
+        default=None, sa_column=Column(Integer, ForeignKey("runs.id", ondelete="SET NULL"), nullable=True, index=True)
+    )
+    status: str = Field(default="pending", max_length=16)
+    """``server.services.pipelines.StageStatus``."""
+    reason: str = Field(default="", max_length=2000)

@@ -20,7 +20,7 @@ from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, Text
 from sqlmodel import Field, SQLModel
 
 from server.models import JSONType, _ts
-from worker.alert_rules import RULE_KINDS, AlertRule
+from worker.alert_rules import EVENT_KINDS, AlertRule
 
 T = TypeVar("T")
 
@@ -66,7 +66,8 @@ class AlertState(SQLModel, table=True):
 class AlertEvent(SQLModel, table=True):
     __tablename__ = "alert_events"
     id: int | None = Field(default=None, primary_key=True)
-    rule_id: int = _fk("alert_rules")
+    rule_id: int | None = _fk("alert_rules", nullable=True)
+    """Null: a built-in rule's event (``worker.alert_rules.BUILTIN_RULES``, its ``kind``)."""
     run_id: int = _fk("runs")
     kind: str = Field(max_length=16)
     state: str = Field(max_length=8)
@@ -153,7 +154,8 @@ class RuleUpdate(BaseModel):
 
 class AlertEventPublic(_Public):
     id: int
-    rule_id: int
+    rule_id: int | None
+    """Null: a built-in rule (``worker.alert_rules.BUILTIN_RULES``)."""
     run_id: int
     kind: str
     state: str
@@ -163,7 +165,7 @@ class AlertEventPublic(_Public):
     time: datetime
 
 
-EventName = Literal[RULE_KINDS]  # type: ignore[valid-type]  # mypy takes no Literal from a tuple; pydantic does
+EventName = Literal[EVENT_KINDS]  # type: ignore[valid-type]  # mypy takes no Literal from a tuple; pydantic does
 
 
 class EndpointCreate(BaseModel):
@@ -173,8 +175,8 @@ class EndpointCreate(BaseModel):
     """At most 2048 characters (the column's size)."""
     secret: str | None = PydanticField(None, min_length=16, max_length=256)
     """Signing secret; default: one is generated and returned once, in this response."""
-    events: list[EventName] = PydanticField(default_factory=lambda: list(RULE_KINDS), min_length=1)
-    """Rule kinds whose firing is posted here."""
+    events: list[EventName] = PydanticField(default_factory=lambda: list(EVENT_KINDS), min_length=1)
+    """Rule kinds (and built-in ones, ``worker.alert_rules.BUILTIN_RULES``) whose firing is posted here."""
     format: Literal["json", "slack"] = "json"
     """``json``: the event as an object; ``slack``: ``{"text": "<message>"}`` (Slack/Mattermost incoming hooks)."""
 

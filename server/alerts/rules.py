@@ -24,6 +24,7 @@ from server.alerts.models import AlertEvent, AlertRuleRow, AlertState, RuleUpdat
 from server.core.db import serialize
 from server.models import Metric, MetricPoint, Run, RunStatus, stored_id, utcnow
 from worker.alert_rules import (
+    BUILTIN_RULES,
     MAX_GLOBAL_RULES_PER_USER,
     MAX_RULES_PER_RUN,
     AlertRule,
@@ -31,6 +32,7 @@ from worker.alert_rules import (
     StallRule,
     StatusRule,
     ThresholdRule,
+    ThroughputRule,
     default_source,
     describe,
 )
@@ -52,7 +54,31 @@ def add(session: Session, rule: Any, *, run_id: int | None, by: str, origin: str
     row = AlertRuleRow(run_id=run_id, kind=rule.kind, rule=rule.model_dump(mode="json"), origin=origin, created_by=by)
     session.add(row)
     session.flush()
+    if run_id is not None and isinstance(rule, ThresholdRule | ThroughputRule):
+        _judge_newest(session, row, rule, run_id)
     return row
+
+
+def _judge_newest(session: Session, row: AlertRuleRow, rule: Any, run_id: int) -> None:
+    """Judge a just added threshold/throughput rule of run ``run_id`` at the newest stored step of its series (a
+    run already over the threshold fires now, not at its next point; one not over it is ``ok`` from that step on:
+    :func:`on_metrics` goes on after it). Flushes only."""
+    series = _series(session, run_id, rule.source, rule.metric, None, rule.window + 1)
+    run = session.get(Run, run_id)
+    if not series or run is None:
+        return
+    holding, data = _holds_at(rule, series, len(series) - 1)
+    _set(
+        session,
+        row,
+        rule,
+        run,
+        _states(session, run_id, [stored_id(row)])[stored_id(row)],
+        holding,
+        series[-1][0],
+        **data,
+    )
+    session.flush()
 
 
 def _check_room(session: Session, *, run_id: int | None, by: str) -> None:
@@ -162,6 +188,30 @@ def _record(
     return ev
 
 
+def on_engine_event(session: Session, run: Run, event: str, reason: str, data: dict[str, Any]) -> AlertEvent | None:
+    """Fire the built-in rule of run event ``event`` (``worker.alert_rules.BUILTIN_RULES``), if it has one: an
+    ``alert_events`` row without a rule (``kind`` the built-in's) and a delivery to every endpoint whose filter has that
+    kind, through the same signed webhook path as the stored rules. Call it once per recorded event (the caller skips
+    a resent one, so each event alerts once). Flushes only."""
+    kind = next((k for k, ev in BUILTIN_RULES.items() if ev == event), None)
+    if kind is None:
+        return None
+    step = data.get("step") if isinstance(data.get("step"), int) else None
+    ev = AlertEvent(
+        rule_id=None,
+        run_id=stored_id(run),
+        kind=kind,
+        state="fired",
+        step=step,
+        message=f"{event} (built-in rule {kind}): {reason}"[:2000],
+        data={"event": event, "reason": reason, **{k: v for k, v in data.items() if k != "reason"}},
+    )
+    session.add(ev)
+    session.flush()
+    webhooks.fan_out(session, ev, run)
+    return ev
+
+
 def _set(
     session: Session,
     row: AlertRuleRow,
@@ -187,8 +237,9 @@ def _set(
 
 
 def on_status(session: Session, run: Run, old: RunStatus | None, new: RunStatus | str, reason: str = "") -> None:
-    """Fire the ``status`` rules that watch this change: a transition, or ``requeued`` (a resume moves a failed or
-    cancelled run back to queued; a Slurm requeue of the run's job records a ``requeued`` event)."""
+    """Fire the ``status`` rules that watch this change: a transition, ``requeued`` (a resume moves a failed or
+    cancelled run back to queued; a Slurm requeue of the run's job records a ``requeued`` event), or ``stalled`` (the
+    hang watchdog's event, ``runs.record_engine_events``)."""
     resumed = new == RunStatus.queued and old in (RunStatus.failed, RunStatus.cancelled)
     name = "requeued" if resumed else str(new)
     reason = reason or run.status_reason
@@ -198,14 +249,14 @@ def on_status(session: Session, run: Run, old: RunStatus | None, new: RunStatus 
             _record(session, row, run, "fired", message, None, status=name, previous=old and old.value)
 
 
-def _series(session: Session, run_id: int, source: str, name: str, upto: int, n: int) -> list[tuple[int, float]]:
-    """The last ``n`` points (step, value) of one series at or before step ``upto``, oldest first."""
-    rows = session.exec(
-        select(Metric.step, Metric.value)
-        .where(Metric.run_id == run_id, Metric.source == source, Metric.name == name, col(Metric.step) <= upto)
-        .order_by(col(Metric.step).desc())
-        .limit(n)
-    ).all()
+def _series(session: Session, run_id: int, source: str, name: str, upto: int | None, n: int) -> list[tuple[int, float]]:
+    """The last ``n`` points (step, value) of one series at or before step ``upto`` (None: any), oldest first."""
+    query = select(Metric.step, Metric.value).where(
+        Metric.run_id == run_id, Metric.source == source, Metric.name == name
+    )
+    if upto is not None:
+        query = query.where(col(Metric.step) <= upto)
+    rows = session.exec(query.order_by(col(Metric.step).desc()).limit(n)).all()
     return [(int(s), float(v)) for s, v in reversed(rows)]
 
 

@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     """Per-request timeout of a delivery (connect, read)."""
     ALERT_STALL_CHECK_S: Annotated[float, Field(ge=1.0)] = 15.0
     """Celery beat checks ``stall`` alert rules this often."""
+    SWEEP_TICK_S: Annotated[float, Field(ge=0.5)] = 10.0
+    """Celery beat advances running sweeps (prune, start trials: ``server/services/sweeps.py``) and pipelines (next
+    stage: ``server/services/pipelines.py``) this often."""
 
     # -- limits: concurrent runs and the capacity a worker declares (server/services/capacity.py)
     MAX_RUNS_PER_USER: Annotated[int, Field(ge=1)] = 4
@@ -103,6 +106,10 @@ class Settings(BaseSettings):
     """Folders a submitted spec's ``model.name`` may name a path under (besides a hub id ``org/name``); empty =
     ``ASYNCRL_OUTPUT_DIR`` (where SFT runs and ``asyncrl model init`` write models). Relative entries are taken from
     the process's working folder, as relative model paths are (``server/services/spec_policy.py``)."""
+    DATA_ROOTS: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Folders a submitted SFT spec's ``data.path`` / ``data.eval_path`` may name a path under; empty =
+    ``ASYNCRL_OUTPUT_DIR``. Relative entries are taken from the process's working folder
+    (``server/services/spec_policy.py`` ``check_data_path``)."""
     RUN_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Worker variables passed to a run's processes besides ``worker.procs.run_environ``'s list (e.g.
     ``HF_TOKEN``); never the database or broker URL, the secret key, ``ASYNCRL_HOME`` or a run token."""
@@ -137,6 +144,7 @@ class Settings(BaseSettings):
         "INFERENCE_ALLOW_FLAGS",
         "JOB_ENV_ALLOW",
         "MODEL_ROOTS",
+        "DATA_ROOTS",
         "RUN_ENV_ALLOW",
         mode="before",
     )
@@ -154,6 +162,8 @@ class Settings(BaseSettings):
             self.CELERY_BROKER_URL = "filesystem://"
         if not self.MODEL_ROOTS:
             self.MODEL_ROOTS = [str(self.ASYNCRL_OUTPUT_DIR)]
+        if not self.DATA_ROOTS:
+            self.DATA_ROOTS = [str(self.ASYNCRL_OUTPUT_DIR)]
         return self
 
     @property

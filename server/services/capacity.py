@@ -23,7 +23,7 @@ from server.core.config import settings
 from server.core.db import serialize
 from server.models import Run, RunStatus, WorkerCapacity, utcnow
 from worker.capacity import Capacity, check, detect
-from worker.spec import RLSpec, SFTSpec, SpecError
+from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
 
 LIVE = (RunStatus.starting, RunStatus.running, RunStatus.paused)
 WAITING = "waiting for a slot: "
@@ -63,7 +63,7 @@ def declared(session: Session) -> list[Capacity]:
     return sorted(caps, key=lambda c: (c.gpus, c.cores, c.memory_gib), reverse=True) or [local()]
 
 
-def check_fits(session: Session, spec: RLSpec | SFTSpec) -> None:
+def check_fits(session: Session, spec: RLSpec | SFTSpec | EvalSpec) -> None:
     """Refuse a spec no declared worker can hold.
 
     Raises:

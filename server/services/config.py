@@ -38,9 +38,37 @@ def revisions(session: Session, run_id: int, *, after: int = 0) -> list[ConfigRe
 
 
 def current(session: Session, run: Run) -> tuple[list[ConfigRevision], dict[str, Any]]:
-    """All revisions of ``run`` (oldest first) and every live key's value once they are applied."""
+    """All revisions of ``run`` (oldest first) and every live key's value once they are applied (none for an SFT
+    run)."""
     rows = revisions(session, stored_id(run))
+    if run.kind != "rl":  # an SFT run has no live keys (its supervisor still polls this)
+        return rows, {}
     return rows, live_values(replay(run.spec, (rev.changes for rev in rows)))
+
+
+def in_effect(session: Session, run: Run) -> dict[str, Any]:
+    """Every live key's value as the run's processes have taken it up (``runs.spec_in_effect``: only acknowledged
+    revisions count); differs from :func:`current`'s values while a revision is pending, or forever when the run
+    ended before a process applied it. None for an SFT run (no live keys)."""
+    if run.kind != "rl":
+        return {}
+    return live_values(runs.spec_in_effect(session, run))
+
+
+def state(row: ConfigRevision, run: Run) -> str:
+    """Where revision ``row`` of ``run`` stands, one line: ``in effect`` (every process that applies one of its keys
+    acknowledged it), ``pending`` (the run is live and a process has not yet reached its next step boundary) or
+    ``not applied: the run ended first (<process>, …)`` (the run ended before that process applied it: nothing
+    trained with it; a resume of a failed or cancelled run applies it at its first step, which the text says)."""
+    owners = sorted({LIVE_KEYS[k] for k in row.changes if k in LIVE_KEYS})
+    missing = [p for p in owners if p not in row.applied]
+    if not missing:
+        return "in effect"
+    status = RunStatus(run.status)
+    if status not in TERMINAL:
+        return "pending" if len(missing) == len(owners) else f"pending ({', '.join(missing)})"
+    later = "; a resume applies it" if status in runs.RESUMABLE else ""
+    return f"not applied: the run ended first ({', '.join(missing)}){later}"
 
 
 def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRevision:
@@ -50,7 +78,7 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
     Raises:
         RunNotFound: no such run.
         RunNotLive: the run is completed, failed or cancelled.
-        SpecError: empty changes, a non-live key (the message lists the live keys), a value the schema
+        SpecError: an SFT run (live config is for RL runs), empty changes, a non-live key (the message lists the live keys), a value the schema
             refuses (the message starts with the dotted key), or a ``batch_size``/``group_size`` whose step no
             declared worker holds (``capacity.check_fits``).
     """
@@ -60,6 +88,8 @@ def create(session: Session, run_id: int, changes: Any, *, by: str) -> ConfigRev
         raise RunNotLive(
             f"run {run_id} is {status.value}: config changes only while it is queued, starting, running or paused"
         )
+    if run.kind != "rl":
+        raise SpecError(f"kind: live config changes apply to 'rl' runs; run {run_id} is an {run.kind!r} run")
     existing = revisions(session, run_id)
     spec = replay(run.spec, (rev.changes for rev in existing))
     normalised = validate_changes(spec, changes)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col
 
 from server.core.telemetry import POINTS_INSERTED, POINTS_RECEIVED
-from server.models import Metric, MetricPoint, MetricSeries
+from server.models import TERMINAL, Metric, MetricPoint, MetricSeries, Run, RunStatus, utcnow
 
 CHUNK = 5000
 """Rows per INSERT statement on SQLite."""
@@ -151,3 +153,43 @@ def latest(session: Session, *, run_ids: Sequence[int], source: str, name: str) 
         .where(col(Metric.source) == source, col(Metric.name) == name)
     ).all()
     return {run_id: (step, value if math.isfinite(value) else None) for run_id, step, value in rows}
+
+
+ETA_WINDOW = 20
+"""Trainer steps whose wall-clock rate the ETA extrapolates (the newest ones: a run's pace changes)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands: ``step`` of ``max_steps`` (the newest trainer step with a ``step_time_s`` point; 0: none),
+    ``elapsed_s`` since it first ran (to its end once ended; None: never ran) and ``eta_s``, the seconds to
+    ``max_steps`` at the pace of its newest steps (None: ended, done, or fewer than 2 steps to measure)."""
+
+    step: int
+    max_steps: int
+    elapsed_s: float | None
+    eta_s: float | None
+
+
+def progress(session: Session, run: Run, *, now: datetime | None = None) -> Progress:
+    """The :class:`Progress` of ``run`` at ``now`` (default: the current time).
+
+    ETA = (max_steps - step) x (t_newest - t_oldest) / (step_newest - step_oldest) over the newest ``ETA_WINDOW`` + 1
+    trainer ``step_time_s`` points (their measurement times, unix seconds): the wall-clock pace, waits and evals
+    included.
+    """
+    rows = session.execute(
+        select(col(Metric.step), col(Metric.time))
+        .where(col(Metric.run_id) == run.id, col(Metric.source) == "trainer", col(Metric.name) == "step_time_s")
+        .order_by(col(Metric.step).desc())
+        .limit(ETA_WINDOW + 1)
+    ).all()
+    max_steps = int(run.spec.get("max_steps", 0))
+    step = int(rows[0][0]) if rows else 0
+    end = run.finished_at or now or utcnow()
+    elapsed = None if run.started_at is None else max(0.0, (end - run.started_at).total_seconds())
+    eta = None
+    if RunStatus(run.status) not in TERMINAL and len(rows) >= 2 and step < max_steps:
+        (newest, t_newest), (oldest, t_oldest) = rows[0], rows[-1]
+        eta = (max_steps - step) * max(0.0, t_newest - t_oldest) / (newest - oldest)
+    return Progress(step=step, max_steps=max_steps, elapsed_s=elapsed, eta_s=eta)

@@ -3,7 +3,7 @@
 - A viewer, or a read token (scope ``read``), only reads: every write is refused (:func:`require_write`).
 - A member submits runs and adds global alert rules and webhook endpoints; a run belongs to the user that created
   it (a fork to the user that forked it), and only its owner or an admin stops, resumes, forks from, changes the
-  live config or the alert rules of, exports, reports the status or metrics of it (:func:`require_run`). A global rule or a
+  live config, the alert rules, tags, notes or group of, exports, reports the status or metrics of it (:func:`require_run`). A global rule or a
   webhook endpoint belongs to the user that added it (:func:`require_owner`).
 - An admin may do everything.
 - A run token reaches only its own run, and writes to it only while the run is live: once its final status is
@@ -34,7 +34,7 @@ class RunTokenExpired(Exception):
     """A run token writing to a run that has ended (401)."""
 
 
-RunAction = Literal["stop", "resume", "fork", "config", "delete", "alerts", "status", "metrics", "export"]
+RunAction = Literal["stop", "resume", "fork", "config", "delete", "alerts", "status", "metrics", "export", "annotate"]
 VERBS: dict[RunAction, str] = {
     "stop": "stop it",
     "resume": "resume it",
@@ -45,6 +45,7 @@ VERBS: dict[RunAction, str] = {
     "status": "report its status",
     "metrics": "write its metrics",
     "export": "export it",
+    "annotate": "change its tags, notes or group",
 }
 
 

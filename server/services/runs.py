@@ -15,26 +15,41 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal, get_args
 
-from sqlalchemy import delete, func
+from sqlalchemy import ColumnElement, delete, exists, func, type_coerce
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Session, col, select
 
 from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.core.db import hold_write_lock, serialize
-from server.models import TERMINAL, ForkRequest, Metric, Run, RunEvent, RunStatus, stored_id, utcnow
-from server.services import capacity, permissions, spec_policy
+from server.models import (
+    TERMINAL,
+    ConfigRevision,
+    ForkRequest,
+    Metric,
+    Run,
+    RunEvent,
+    RunStatus,
+    RunUpdate,
+    stored_id,
+    utcnow,
+)
+from server.services import capacity, launch_checks, permissions, spec_policy
 from server.services.tokens import Principal
 from worker.celery_app import TaskName, enqueue
 from worker.checkpoint import PARTS as CHECKPOINT_PARTS
-from worker.dotted_keys import DottedKeyError, with_keys
+from worker.dotted_keys import DottedKeyError, flatten, replay, with_keys
+from worker.export import WEIGHTS_FILE, is_source_file
+from worker.live_config import replay_in_effect
+from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
 from worker.run_files import RunFileError, RunFileMissing, copy_run_folder, is_run_file, list_run_folder, open_run_file
 from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json
-from worker.spec import LoraConfig, RLSpec, SpecError, validate_spec
+from worker.spec import EvalSpec, LoraConfig, RLSpec, SFTSpec, SpecError, validate_spec
 
 S = RunStatus
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
@@ -50,8 +65,42 @@ MAX_ID = 2**31 - 1
 """Largest run id (a Postgres ``integer`` key)."""
 RESUMABLE = frozenset({S.failed, S.cancelled})
 """States that ``resume`` (and only it) moves back to ``queued``."""
-LogProcess = Literal["trainer", "orchestrator", "inference", "supervisor"]
+LogProcess = Literal["trainer", "orchestrator", "inference", "eval", "supervisor"]
 LOG_PROCESSES: tuple[LogProcess, ...] = get_args(LogProcess)
+LOG_PROCESS_RULE = (
+    "'trainer', 'orchestrator', 'inference', 'inference-<i>' (replica i, 1-63, of several), 'eval' or 'supervisor'"
+)
+_REPLICA_LOG = re.compile(r"inference-[1-9][0-9]?")
+
+
+def is_log_process(name: str) -> bool:
+    """Whether ``name`` is a process with a log of its own (:data:`LOG_PROCESS_RULE`): a replica ``i > 0`` of a run
+    with ``inference.replicas`` writes ``logs/inference-<i>.log`` (``worker.launchers.local.replica_name``)."""
+    return name in LOG_PROCESSES or _REPLICA_LOG.fullmatch(name) is not None
+
+
+def log_processes(run: Run) -> list[str]:
+    """The processes of ``run`` with a log: :data:`LOG_PROCESSES`, and ``inference-1`` ... for the replicas its
+    launcher starts (``inference.replicas``)."""
+    if run.kind == "eval":  # an eval job: its eval process and the vLLM server it started
+        return ["eval", "inference", "supervisor"]
+    if run.kind == "sft":
+        return ["trainer", "supervisor"]
+    replicas = (run.spec.get("inference") or {}).get("replicas", 1)
+    extra = [f"inference-{i}" for i in range(1, replicas)] if isinstance(replicas, int) else []
+    return ["trainer", "orchestrator", "inference", *extra, "supervisor"]
+
+
+def failed_process(run: Run) -> LogProcess | None:
+    """The process a failed run's status reason names first, whose log says why (``trainer exited with code 1: ...``,
+    ``inference exited``, ``supervisor 123 is gone``: ``worker.launchers.local``, :func:`worker.tasks.reconcile`);
+    None for a run that has not failed or a reason that names none of ``LOG_PROCESSES``."""
+    if RunStatus(run.status) != S.failed or not run.status_reason:
+        return None
+    first = run.status_reason.split(maxsplit=1)[0]
+    return next((p for p in LOG_PROCESSES if p == first), None)
+
+
 MAX_LOG_LINES = 5000
 
 
@@ -63,6 +112,10 @@ class InvalidTransition(ValueError):
     pass
 
 
+class QueueFull(SpecError):
+    """The owner has ``MAX_QUEUED_RUNS_PER_USER`` queued runs: a run submitted now is refused; later it may not be."""
+
+
 def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -70,23 +123,30 @@ def spec_hash(spec: dict[str, Any]) -> str:
 def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = False) -> Run:
     """Validate a raw spec mapping and add a ``queued`` run for ``owner`` (``admin``: an admin's, who may use what
     ``spec_policy.check`` keeps from members). The run directory is
-    ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match.
+    ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>``: ``output_dir`` of the stored spec is set to match. An eval job of a
+    run's weights gets a copy of them (:func:`attach_eval_source`).
 
     Raises:
-        SpecError: ``owner`` has ``MAX_QUEUED_RUNS_PER_USER`` queued runs; the spec is invalid (one line naming the field), names code or an address the service does
+        SpecError: ``owner`` has ``MAX_QUEUED_RUNS_PER_USER`` queued runs; the spec is invalid (one line naming the field),
+            an eval job's ``model.run`` / ``model.step`` names no run's weights (:func:`resolve_eval_source`), names code or an address the service does
             not allow (``spec_policy.check``: ``CodeNotAllowed``, ``AddressNotAllowed``), or no worker can hold it (the
-            key, the value and the worker's declared capacity: ``server.services.capacity.check_fits``).
+            key, the value and the worker's declared capacity: ``server.services.capacity.check_fits``), or the launch
+            would refuse it (``server.services.launch_checks``: SFT data rows, LoRA targets, dead ``inference.urls``).
+        permissions.Forbidden: a path of the spec is inside another user's run folder (:func:`check_run_files_used`).
     """
     kind = data.get("kind", "rl")
     spec = validate_spec(kind if isinstance(kind, str) else repr(kind), data)
-    if spec.kind != "rl":
-        raise SpecError(f"kind: the service launches 'rl' runs, got {spec.kind!r}")
+    source = None
+    if isinstance(spec, EvalSpec):  # model.run: the run's weights (checked, its base model named)
+        spec, source = resolve_eval_source(session, spec, owner=owner, admin=admin)
     spec_policy.check(spec, admin=admin)
+    check_run_files_used(session, spec, owner=owner, admin=admin)
     capacity.check_fits(session, spec)
+    launch_checks.check(spec)  # what the launch would refuse: data rows, LoRA targets, inference.urls (<= 2 s)
     serialize(session, f"asyncrl:submit:{owner}")  # count, then add
     waiting = select(func.count()).select_from(Run).where(Run.owner == owner, Run.status == S.queued)
     if (n := int(session.exec(waiting).one())) >= settings.MAX_QUEUED_RUNS_PER_USER:
-        raise SpecError(
+        raise QueueFull(
             f"queued: {owner} has {n} runs waiting to start, the most one user may queue "
             f"({settings.MAX_QUEUED_RUNS_PER_USER}); stop or delete some first"
         )
@@ -100,7 +160,39 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     session.add(RunEvent(run_id=stored_id(run), kind="status", to_status=S.queued, reason=f"submitted by {owner}"))
     alert_rules.add_spec_rules(session, run)
     session.flush()
+    if source is not None:
+        attach_eval_source(session, run, source)  # its weights into the job's folder, an event on the source run
     return run
+
+
+def check_run_files_used(session: Session, spec: RLSpec | SFTSpec | EvalSpec, *, owner: str, admin: bool) -> None:
+    """Refuse a spec of ``owner`` whose ``model.name`` (or an SFT run's ``data.path`` / ``data.eval_path``) is a path
+    inside another user's run folder ``<ASYNCRL_OUTPUT_DIR>/runs/<id>/``: a run's weights, checkpoints and rollouts
+    are its owner's, as they are for an eval job's ``model.run`` and for exports. The path is judged with its
+    symlinks resolved; an admin may use any run's files.
+
+    Raises:
+        permissions.Forbidden: the path is in a run folder of another owner, or in a folder there that is no run's.
+    """
+    if admin:
+        return
+    runs_root = os.path.realpath(Path(settings.ASYNCRL_OUTPUT_DIR) / "runs")
+    paths = [("model.name", spec.model.name)]
+    if isinstance(spec, SFTSpec):
+        paths += [("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)]
+    for key, value in paths:
+        if not value:
+            continue
+        rel = os.path.relpath(os.path.realpath(os.path.join(os.getcwd(), value)), runs_root)
+        if rel == os.curdir or rel.startswith(os.pardir):
+            continue  # not inside a run folder
+        folder = rel.split(os.sep)[0]
+        run = session.get(Run, int(folder)) if folder.isdigit() and 1 <= int(folder) <= MAX_ID else None
+        if run is None or run.owner != owner:
+            raise permissions.Forbidden(
+                f"{key}: {value!r} is inside the folder of run {folder}, which is not yours: only a run's owner or "
+                "an admin may use its files (an eval job of its weights: model.run)"
+            )
 
 
 def get(session: Session, run_id: int, *, lock: bool = False) -> Run:
@@ -123,15 +215,35 @@ def get(session: Session, run_id: int, *, lock: bool = False) -> Run:
     return run
 
 
+def has_tag(session: Session, tag: str) -> ColumnElement[bool]:
+    """A WHERE clause: the run's ``tags`` list holds ``tag`` (exactly). Postgres: JSONB containment ``@>``;
+    SQLite: a ``json_each`` lookup."""
+    if session.get_bind().dialect.name == "postgresql":
+        return type_coerce(col(Run.tags), JSONB).contains([tag])
+    each = func.json_each(col(Run.tags)).table_valued("value")
+    return exists(select(1).select_from(each).where(each.c.value == tag))
+
+
 def list_runs(
-    session: Session, *, status: RunStatus | None = None, name: str | None = None, offset: int = 0, limit: int = 50
+    session: Session,
+    *,
+    status: RunStatus | None = None,
+    name: str | None = None,
+    tags: Sequence[str] = (),
+    group: str | None = None,
+    offset: int = 0,
+    limit: int = 50,
 ) -> tuple[list[Run], int]:
-    """Runs newest first, filtered by status and by a substring of the name; returns (page, total)."""
+    """Runs newest first, filtered by status, a substring of the name, tags (a run must carry every one) and
+    group (exact); returns (page, total)."""
     where = []
     if status is not None:
         where.append(col(Run.status) == status.value)
     if name:
         where.append(col(Run.name).contains(name, autoescape=True))
+    where.extend(has_tag(session, tag) for tag in tags)
+    if group:
+        where.append(col(Run.group) == group)
     total = session.exec(select(func.count()).select_from(Run).where(*where)).one()
     rows = session.exec(select(Run).where(*where).order_by(col(Run.id).desc()).offset(offset).limit(limit)).all()
     return list(rows), int(total)
@@ -182,8 +294,10 @@ def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **d
 def record_engine_events(session: Session, run: Run, events: list[dict[str, Any]]) -> int:
     """Record events of the run's processes (``{"event", "time", "reason", "process", "data"}``, kinds of
     ``worker.rundir.ENGINE_EVENTS``) as run events of their kind, at the time they were written, each once: one
-    whose kind and time the run already has is skipped (a supervisor that resends after a restart adds nothing).
-    Returns how many were new. Flushes only."""
+    whose kind and time the run already has is skipped (a supervisor that resends after a restart adds nothing). A new
+    one fires its built-in alert rule, if it has one (``policy_check_failed``: ``server.alerts.rules.on_engine_event``),
+    and a new ``stalled`` event (the hang watchdog's, ``worker/progress.py``) fires the ``status`` alert rules that
+    watch ``stalled``. Returns how many were new. Flushes only."""
     kinds = sorted({e["event"] for e in events})
     rows = session.exec(select(RunEvent).where(RunEvent.run_id == run.id, col(RunEvent.kind).in_(kinds))).all()
     seen = {(r.kind, r.data.get("time")) for r in rows}
@@ -195,9 +309,87 @@ def record_engine_events(session: Session, run: Run, events: list[dict[str, Any]
         data = {**e["data"], "time": e["time"], "process": e["process"]}
         when = datetime.fromtimestamp(e["time"], UTC)
         session.add(RunEvent(run_id=stored_id(run), time=when, kind=e["event"], reason=e["reason"], data=data))
+        alert_rules.on_engine_event(session, run, e["event"], e["reason"], data)  # built-in rules (C14's check)
         new += 1
+        if e["event"] == "stalled":
+            session.flush()
+            alert_rules.on_status(session, run, None, "stalled", e["reason"])
     session.flush()
     return new
+
+
+def act_on_stalls(session: Session, run: Run, events: list[dict[str, Any]]) -> bool:
+    """Do what the run's stored ``watchdog.on_stall`` (``run.spec``, never the event's own data: a run-token holder
+    may post a ``stalled`` event, not choose what it does) asks for the ``stalled`` events among ``events`` (just
+    recorded by :func:`record_engine_events`): ``stop`` and ``restart`` request the normal stop (:func:`request_stop`,
+    by ``watchdog``; ``restart`` marks the request, so that the stop task resumes the run from its newest complete
+    checkpoint once it is cancelled: :func:`watchdog_restart`). Returns whether the caller must enqueue ``stop_run``
+    after its commit (once per live run: a stop already requested is not asked again)."""
+    on_stall = run.spec.get("watchdog", {}).get("on_stall", "event")  # a spec stored before the watchdog: "event"
+    if on_stall not in ("stop", "restart"):
+        return False
+    since = run.updated_at  # the last transition: a stall written before it is of an earlier attempt
+    stalls = [e for e in events if e["event"] == "stalled" and e["time"] >= since.timestamp()]
+    if not stalls or RunStatus(run.status) in TERMINAL or RunStatus(run.status) == S.queued:
+        return False
+    asked = session.exec(
+        select(RunEvent).where(
+            RunEvent.run_id == run.id, RunEvent.kind == "stop_requested", col(RunEvent.time) >= since
+        )
+    ).first()
+    if asked is not None:
+        return False
+    return request_stop(session, run, by="watchdog", restart=on_stall == "restart", why=stalls[-1]["reason"])
+
+
+def restart_requested(session: Session, run: Run) -> bool:
+    """Whether the newest ``stop_requested`` event of ``run`` is the watchdog's asking for a restart
+    (``watchdog.on_stall = "restart"``, :func:`act_on_stalls`)."""
+    event = session.exec(
+        select(RunEvent)
+        .where(RunEvent.run_id == run.id, RunEvent.kind == "stop_requested")
+        .order_by(col(RunEvent.id).desc())
+    ).first()
+    return event is not None and bool(event.data.get("restart"))
+
+
+MAX_WATCHDOG_RESTARTS = 3
+"""Restarts the hang watchdog (``watchdog.on_stall = "restart"``) makes of one run at most; at the next stall the run
+stays cancelled (a ``restart_failed`` event says why)."""
+
+
+def watchdog_restart(session: Session, run: Run) -> int | None:
+    """Resume the just cancelled ``run`` from its newest complete checkpoint (:func:`resume`, by ``watchdog``) when
+    its stop was the watchdog's asking for a restart (:func:`restart_requested`); returns that step, or None: not
+    asked, or refused, with a ``restart_failed`` event naming why. Refused when
+
+    - the watchdog already restarted the run ``MAX_WATCHDOG_RESTARTS`` times;
+    - the newest complete checkpoint is not past the step the last watchdog restart resumed from (the run stalled
+      again before it saved one: a restart would resume the same state and stall again, forever);
+    - :func:`resume` refuses (no complete checkpoint, its supervisor still runs).
+
+    Flushes only; the caller commits and enqueues the launch."""
+    if RunStatus(run.status) != S.cancelled or not restart_requested(session, run):
+        return None
+    resumed = session.exec(
+        select(RunEvent).where(RunEvent.run_id == run.id, RunEvent.kind == "resumed").order_by(col(RunEvent.id))
+    ).all()
+    restarts = [e for e in resumed if e.data.get("by") == "watchdog"]
+    steps = checkpoint_steps(run)
+    if len(restarts) >= MAX_WATCHDOG_RESTARTS:
+        why = f"run {run.id} was restarted by the watchdog {len(restarts)} times, the most it does per run"
+    elif restarts and steps and steps[-1] <= int(restarts[-1].data.get("step", -1)):
+        why = (
+            f"run {run.id}: its newest checkpoint is step {steps[-1]}, as at the last watchdog restart (from step "
+            f"{restarts[-1].data['step']}); restarting from it again would stall again"
+        )
+    else:
+        try:
+            return resume(session, run, by="watchdog")
+        except InvalidTransition as err:
+            why = str(err)
+    record_event(session, run, "restart_failed", reason=f"watchdog restart: {why}")
+    return None
 
 
 def hold(session: Session, run: Run, reason: str) -> bool:
@@ -211,9 +403,11 @@ def hold(session: Session, run: Run, reason: str) -> bool:
     return True
 
 
-def request_stop(session: Session, run: Run, *, by: str) -> bool:
+def request_stop(session: Session, run: Run, *, by: str, restart: bool = False, why: str = "") -> bool:
     """Stop a run: a queued one is cancelled at once (returns False); a launched one gets a
-    ``stop_requested`` event and the caller enqueues ``stop_run`` after the commit (returns True).
+    ``stop_requested`` event and the caller enqueues ``stop_run`` after the commit (returns True). ``restart`` (the
+    watchdog's ``on_stall = "restart"``) is recorded in the event: the stop task then resumes the run; ``why`` is
+    added to the reason.
 
     Raises:
         InvalidTransition: the run has already ended.
@@ -224,7 +418,8 @@ def request_stop(session: Session, run: Run, *, by: str) -> bool:
     if current == S.queued and not run.launcher_handle:
         transition(session, run, S.cancelled, reason=f"stopped by {by} before launch")
         return False
-    record_event(session, run, "stop_requested", reason=f"stopped by {by}")
+    reason = f"{'restarted' if restart else 'stopped'} by {by}" + (f": {why}" if why else "")
+    record_event(session, run, "stop_requested", reason=reason[:2000], **({"restart": True} if restart else {}))
     return True
 
 
@@ -309,6 +504,29 @@ def delete_by(session: Session, run_id: int, user: Principal) -> None:
     session.commit()
 
 
+def update_by(session: Session, run_id: int, user: Principal, change: RunUpdate) -> Run:
+    """``user`` (the run's owner or an admin) sets the tags, notes and/or group of run ``run_id`` (any state; the
+    fields ``change`` leaves unset stay), committed. The one path of ``PATCH /api/runs/{id}`` and the dashboard.
+
+    Raises:
+        NotFound, Forbidden (``permissions.require_run``).
+    """
+    run = get(session, run_id, lock=True)
+    permissions.require_run(user, run, "annotate")
+    given = change.model_fields_set
+    if "tags" in given:
+        run.tags = list(change.tags or [])  # a new list: the JSON column sees the change
+    if "notes" in given:
+        run.notes = change.notes or ""
+    if "group" in given:
+        run.group = change.group
+    run.updated_at = utcnow()
+    session.add(run)
+    session.commit()
+    session.refresh(run)
+    return run
+
+
 def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) -> tuple[list[RunEvent], int]:
     total = session.exec(select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id)).one()
     rows = session.exec(
@@ -363,7 +581,11 @@ then stops its reporter and exits (a second or two with the run's modules loaded
 def resume(session: Session, run: Run, *, by: str) -> int:
     """Put a failed or cancelled run back to ``queued`` to continue from its newest complete checkpoint; returns
     that step. Metrics of later steps are deleted (the resumed run measures them again, as ``--resume`` prunes
-    ``metrics.jsonl``). The caller commits and then enqueues the launch, which resumes since a checkpoint exists.
+    ``metrics.jsonl``), and so are acknowledgements of live config revisions at later steps
+    (:func:`forget_acks_after`). The resumed processes replay every revision of the run's ``live_config.jsonl`` at
+    their first step (``worker.live_config.LiveConfig``: one sent in the run's last seconds and never applied too),
+    so the run continues with its newest live values, not its spec's: the ``resumed`` event names them
+    (``live_config``, ``{"dotted.key": value}`` of the keys that differ from the spec). The caller commits and then enqueues the launch, which resumes since a checkpoint exists.
 
     Raises:
         InvalidTransition: the run is not failed/cancelled, its supervisor still runs, or it has no complete
@@ -385,10 +607,31 @@ def resume(session: Session, run: Run, *, by: str) -> int:
         raise InvalidTransition(f"run {run.id}: no complete checkpoint in {run_file(run, 'checkpoints')}")
     step = steps[-1]
     session.execute(delete(Metric).where(col(Metric.run_id) == run.id, col(Metric.step) > step))
+    forget_acks_after(session, run, step)
     reason = f"resumed by {by} from checkpoint step {step}"
     transition(session, run, S.queued, reason=reason, _resume=True, step=step)
-    record_event(session, run, "resumed", reason=reason, step=step, by=by)
+    revisions = config_revisions(session, run)
+    live = _live_changes(run.spec, replay(run.spec, (r.changes for r in revisions)))
+    record_event(session, run, "resumed", reason=reason, step=step, by=by, **({"live_config": live} if live else {}))
     return step
+
+
+def config_revisions(session: Session, run: Run) -> list[ConfigRevision]:
+    """Every live config revision of ``run``, oldest first (``server.services.config`` creates them)."""
+    stmt = select(ConfigRevision).where(ConfigRevision.run_id == run.id).order_by(col(ConfigRevision.revision))
+    return list(session.exec(stmt).all())
+
+
+def forget_acks_after(session: Session, run: Run, step: int) -> None:
+    """A run resumed from checkpoint ``step`` re-does the later steps: a live config revision a process acknowledged
+    after ``step`` is no longer in effect from there (its process re-applies it at its first step and acknowledges
+    that step, ``worker.live_config.LiveConfig``); until then it is pending, as metrics of those steps are gone."""
+    rows = config_revisions(session, run)
+    for row in rows:
+        kept = {p: s for p, s in row.applied.items() if int(s) <= step}
+        if kept != row.applied:
+            row.applied = kept  # a new dict: SQLAlchemy sees the change
+            session.add(row)
 
 
 def requeued(session: Session, run: Run, *, restarts: int, resume_step: int | None, job: str) -> bool:
@@ -434,24 +677,46 @@ def apply_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, An
         raise SpecError(f"changes.{err.key}: {err}") from None
 
 
-def check_fork_lora(parent: dict[str, Any], child: RLSpec) -> None:
+def spec_in_effect(session: Session, run: Run, step: int | None = None) -> dict[str, Any]:
+    """``run``'s stored spec with its live config revisions applied as far as they were in effect at ``step`` (None:
+    by the run's end; ``worker.live_config.replay_in_effect``): a key counts once the process that applies it
+    acknowledged it at a step ``<= step``; a revision never acknowledged (sent in the run's last seconds, or after
+    the checkpoint) is not part of it. An SFT run has no live config: its stored spec."""
+    rows = config_revisions(session, run)
+    if run.kind != "rl" or not rows:
+        return dict(run.spec)
+    return replay_in_effect(run.spec, ((r.changes, r.applied) for r in rows), step)
+
+
+def _live_changes(spec: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``{"dotted.key": value}`` of the keys whose value in ``now`` differs from ``spec`` (live revisions in effect)."""
+    before, after = flatten(spec), flatten(now)
+    return {k: v for k, v in after.items() if before.get(k, _MISSING) != v}
+
+
+_MISSING = object()
+
+
+def check_fork_keeps(parent: dict[str, Any], child: RLSpec) -> None:
     """A fork keeps its parent's ``trainer.lora``: the parent's checkpoint holds full weights or an adapter of that
     rank and those target modules (``worker/trainer/checkpointer.py``), which a child with another setting cannot
     load (a full fine-tune from a LoRA checkpoint, LoRA from a full one, another rank or other targets); alpha and
     dropout would change the policy the checkpoint's adapter encodes.
 
-    A LoRA fork also keeps ``model.name``: the adapter is a delta on the base it was trained on.
+    A fork also keeps ``model.name``: it trains from the parent's checkpoint, whose weights (or adapter: a delta on
+    its base) were trained from that model; another name would only mislabel the fork (the same architecture and
+    tokenizer) or not load.
 
     Raises:
-        SpecError: ``trainer.lora`` differs, one line naming it and both settings; ``model.name`` differs in a fork
-            of a LoRA run.
+        SpecError: ``trainer.lora`` differs, one line naming it and both settings; ``model.name`` differs.
     """
     before = (parent.get("trainer") or {}).get("lora")
     base = (parent.get("model") or {}).get("name")
-    if before is not None and child.model.name != base:  # the adapter is a delta on its base: only on that one
+    if child.model.name != base:
+        held = "adapter" if before is not None else "weights"
         raise SpecError(
-            f"model.name: a fork of a LoRA run keeps its base model ({base}): the checkpoint's adapter was trained on "
-            f"it, not on {child.model.name}"
+            f"model.name: a fork keeps its parent's model ({base}): it starts from the checkpoint's {held}, trained "
+            f"from it, not from {child.model.name}; start a new run for another model"
         )
     mine = LoraConfig.model_validate(before).model_dump() if before is not None else None
     theirs = child.trainer.lora.model_dump() if child.trainer.lora is not None else None
@@ -484,28 +749,36 @@ def _lora_text(lora: dict[str, Any]) -> str:
 
 
 def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, admin: bool = False) -> Run:
-    """A new queued run of ``owner`` (``admin``: see :func:`create`): the parent's spec with ``request.changes``
-    (named ``request.name``, default the parent's name), starting from the parent's checkpoint ``request.step``
-    (default: the newest complete one). The checkpoint is hard-linked (or copied) into the child's run
-    directory with the child's ``config.json``, so the child's launch resumes from it: weights, optimizer,
-    scheduler, RNG and data cursor continue at ``step + 1`` under the changed spec. The child gets a ``forked``
-    event (parent run id, step, changes) and the parent a ``fork`` event (child id). The caller commits and then
-    enqueues the child's launch.
+    """A new queued run of ``owner`` (``admin``: see :func:`create`): the parent's config as it was in effect at the
+    fork step (its spec with the live revisions its processes had taken up by then, :func:`spec_in_effect`: a
+    parent switched live to lr 5e-5 at step 3 forks at step 4 with 5e-5, at step 2 with the spec's value) with
+    ``request.changes`` on top (named ``request.name``, default the parent's name), starting from the parent's
+    checkpoint ``request.step`` (default: the newest complete one). The checkpoint is hard-linked (or copied) into
+    the child's run directory with the child's ``config.json``, so the child's launch resumes from it: weights,
+    optimizer, scheduler, RNG and data cursor continue at ``step + 1`` under that spec. The child gets a ``forked``
+    event (parent run id, step, changes, and ``in_effect``: the live values it inherited, when any) and the parent a
+    ``fork`` event (child id). The caller commits and then enqueues the child's launch.
 
     Raises:
-        SpecError: the changed spec is invalid (names the dotted key), changes ``trainer.lora``
-            (:func:`check_fork_lora`), ``step`` has no complete checkpoint, or ``max_steps`` leaves nothing to train
+        SpecError: the parent is an SFT run (fork is for RL runs), the changed spec is invalid (names the dotted key), changes ``trainer.lora``
+            (:func:`check_fork_keeps`), ``step`` has no complete checkpoint, or ``max_steps`` leaves nothing to train
             after ``step``.
         InvalidTransition: the parent has no complete checkpoint at all.
     """
-    data, step = apply_changes(parent.spec, request.changes), request.step
+    if parent.kind != "rl":
+        raise SpecError(
+            f"kind: fork starts an 'rl' run from an 'rl' run's checkpoint; run {parent.id} is an {parent.kind!r} run"
+        )
+    step, steps = request.step, checkpoint_steps(parent)
+    at = step if step is not None else (steps[-1] if steps else None)  # no checkpoint: refused below
+    base = spec_in_effect(session, parent, at) if at is not None else dict(parent.spec)
+    data = apply_changes(base, request.changes)
     data.pop("output_dir", None)
     if request.name is not None:
         data["name"] = request.name
     child_spec = validate_spec("rl", data)
     spec_policy.check(child_spec, admin=admin)  # a bad key, value or code: named before the copy
-    check_fork_lora(parent.spec, child_spec)
-    steps = checkpoint_steps(parent)
+    check_fork_keeps(parent.spec, child_spec)
     if not steps:
         raise InvalidTransition(f"run {parent.id}: no complete checkpoint in {run_file(parent, 'checkpoints')}")
     if step is None:
@@ -537,6 +810,7 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
         parent_run_id=parent.id,
         step=step,
         changes=request.changes,
+        **({"in_effect": inherited} if (inherited := _live_changes(parent.spec, base)) else {}),
     )
     record_event(
         session,
@@ -547,6 +821,110 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
         step=step,
     )
     return child
+
+
+# ----------------------------------------------------------------------------- eval jobs of a run's weights
+
+TRAINING_KINDS = ("rl", "sft")
+"""Kinds of run whose weights an eval job (``kind = "eval"``, ``model.run``) evaluates."""
+EVAL_EVENT = "evaluation"
+"""Event kind recorded on the evaluated run: ``{"eval_run_id", "step"}`` (``step`` null: final weights); read by
+``server.services.evals.evals_of``."""
+
+
+def _has_weights(run: Run, top: str) -> bool:
+    """Whether ``<run_dir>/<top>`` holds full weights (``model.safetensors``) or a LoRA adapter (regular files)."""
+    home = run_home(run)
+    if is_run_file(home, run_file(run, *top.split("/"), WEIGHTS_FILE)):
+        return True
+    return any(
+        all(is_run_file(home, run_file(run, *top.split("/"), *sub, f)) for f in ADAPTER_FILES)
+        for sub in ((), (ADAPTER_DIR,))
+    )
+
+
+def eval_source_folder(step: int | None) -> str:
+    """The folder of a run directory holding the weights of checkpoint ``step`` (its trainer part) or, for
+    None, the final weights: ``checkpoints/step_<N>/trainer`` or ``final``."""
+    return "final" if step is None else f"checkpoints/step_{step}/trainer"
+
+
+def resolve_eval_source(session: Session, spec: EvalSpec, *, owner: str, admin: bool) -> tuple[EvalSpec, Run | None]:
+    """Check the source of an eval job submitted by ``owner`` (``admin``: an admin) and return the spec with
+    ``model.name`` / ``model.dtype`` set from the source run's spec, and that run (None for a model path).
+
+    Raises:
+        SpecError: ``model.run`` names no run or a run that is not a training run; ``model.step`` has no complete
+            checkpoint (the complete steps listed); no ``model.step`` and the run has no final weights;
+            ``model.name`` given and not the source run's base model.
+        Forbidden: ``owner`` is neither the source run's owner nor an admin (its weights are its owner's, as an
+            export of them is).
+    """
+    if spec.model.run is None:
+        return spec, None
+    rid = spec.model.run
+    try:
+        source = get(session, rid)
+    except RunNotFound:
+        raise SpecError(f"model.run: no run {rid}; give the id of a run of this service") from None
+    if source.kind not in TRAINING_KINDS:
+        raise SpecError(f"model.run: run {rid} is an {source.kind!r} run; evaluate an 'rl' or 'sft' run's weights")
+    if not admin and source.owner != owner:
+        raise permissions.Forbidden(
+            f"run {rid} belongs to {source.owner}: only its owner or an admin may evaluate its weights"
+        )
+    step = spec.model.step
+    if step is not None:
+        try:
+            steps = checkpoint_steps(source)
+        except InvalidTransition as err:
+            raise SpecError(f"model.step: {err}") from None
+        if step not in steps:
+            listed = ", ".join(map(str, steps)) or "none"
+            raise SpecError(f"model.step: run {rid} has no complete checkpoint at step {step} (complete: {listed})")
+    elif not _has_weights(source, "final"):
+        raise SpecError(
+            f"model.step: run {rid} has no final weights (final/ is written when it completes); name a checkpoint step"
+        )
+    model = source.spec.get("model") or {}
+    base, dtype = str(model.get("name", "")), str(model.get("dtype", "float32"))
+    if spec.model.name and spec.model.name != base:
+        raise SpecError(
+            f"model.name: with model.run the base model is run {rid}'s ({base}); leave model.name out, got "
+            f"{spec.model.name!r}"
+        )
+    resolved = spec.model.model_copy(update={"name": base, "dtype": dtype})
+    return spec.model_copy(update={"model": resolved}), source
+
+
+def attach_eval_source(session: Session, job: Run, source: Run) -> None:
+    """Copy the evaluated weights of ``source`` into the new eval job's ``<run_dir>/source/`` and record the
+    ``evaluation`` event on ``source``. Flushes only.
+
+    Raises:
+        SpecError: the weights cannot be copied (a link or special file in them: ``worker.run_files``), as
+            ``model.step``; nothing of the job's folder is left.
+    """
+    step = job.spec["model"]["step"]
+    rel = run_file(source, *eval_source_folder(step).split("/"))
+    dst = RunDir(job.run_dir).eval_source
+    try:
+        copy_run_folder(run_home(source), rel, dst, link=False, keep=is_source_file)
+    except RunFileError as err:
+        shutil.rmtree(run_home(job), ignore_errors=True)
+        raise SpecError(f"model.step: the weights of run {source.id} ({rel}) cannot be copied: {err}") from None
+    except BaseException:
+        shutil.rmtree(run_home(job), ignore_errors=True)
+        raise
+    what = "final weights" if step is None else f"checkpoint step {step}"
+    record_event(
+        session,
+        source,
+        EVAL_EVENT,
+        reason=f"{what} evaluated by {job.owner} in run {job.id}",
+        eval_run_id=job.id,
+        step=step,
+    )
 
 
 def log_file(run: Run, process: str) -> str:
@@ -576,70 +954,3 @@ def tail(f: BinaryIO, lines: int, block: int = 65536) -> list[str]:
         f.seek(pos)
         data = f.read(size) + data
     return data.decode(errors="replace").splitlines()[-lines:] if lines > 0 else []
-
-
-_ROLLOUT_FILE = re.compile(r"^step_(\d+)\.jsonl$")
-MAX_ROLLOUT_BYTES = 64 << 20
-"""The most of one ``rollouts/step_<n>.jsonl`` file read for a page or an answer."""
-
-
-def rollout_steps(run: Run) -> list[int]:
-    """Steps with a ``rollouts/step_<n>.jsonl`` regular file in the run directory, ascending.
-
-    Raises:
-        RunFileRefused: ``rollouts`` (or the run directory) is a symbolic link or not a folder.
-    """
-    found = list_run_folder(run_home(run), run_file(run, "rollouts"))
-    return sorted(int(m.group(1)) for name, d in found.items() if not d and (m := _ROLLOUT_FILE.match(name)))
-
-
-ROLLOUT_FIELDS = ("advantage",)
-"""Keys every shown rollout record has (the run page and the API read them)."""
-
-
-@dataclass(frozen=True)
-class Rollouts:
-    step: int | None
-    """The step shown (None: the run wrote no rollouts yet)."""
-    records: list[dict[str, Any]]
-    skipped: int
-    """Lines of the file (among those read) that were not a JSON object with the ``ROLLOUT_FIELDS``."""
-
-
-def rollouts(run: Run, *, step: int | None = None, limit: int = 20) -> Rollouts:
-    """The first ``limit`` rollout records of ``step`` (default: the newest step with rollouts) as the orchestrator
-    wrote them (task, completion, reward, advantage, policy_span, ...). A line that is not a JSON object with a
-    numeric ``advantage`` is skipped and counted (a torn last line included). No file: no records.
-
-    Raises:
-        RunFileRefused: the file or a folder on its way is a symbolic link or not a regular file.
-    """
-    if step is None:
-        steps = rollout_steps(run)
-        if not steps:
-            return Rollouts(None, [], 0)
-        step = steps[-1]
-    records: list[dict[str, Any]] = []
-    skipped = 0
-    try:
-        f = open_run_file(run_home(run), run_file(run, "rollouts", f"step_{step}.jsonl"))
-    except RunFileMissing:
-        return Rollouts(step, [], 0)
-    with f:
-        for line in f.read(MAX_ROLLOUT_BYTES).splitlines():
-            if len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:  # not JSON, or not UTF-8
-                rec = None
-            ok = isinstance(rec, dict) and all(
-                isinstance(rec.get(k), int | float) and not isinstance(rec.get(k), bool) for k in ROLLOUT_FIELDS
-            )
-            if ok:
-                records.append(rec)
-            else:
-                skipped += 1
-    return Rollouts(step, records, skipped)

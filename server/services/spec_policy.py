@@ -13,8 +13,9 @@ shared worker, so it may name only
   (:func:`check_run_host`): vLLM's weight-loading routes have no authentication, so it never listens elsewhere;
 - a ``model.name`` that is a hub id (``org/name``) or a path under an admin's ``MODEL_ROOTS``
   (:func:`check_model_name`): not ``/etc``, ``/proc/self/...``, ``~`` or ``..`` out of a root, nor a symlink out
-  of one. ``output_dir`` is set by the service; the spec has no other path (data is generated, a fork's
-  checkpoint is the parent's);
+  of one; an SFT run's ``data.path`` / ``data.eval_path`` only under an admin's ``DATA_ROOTS``
+  (:func:`check_data_path`, the same rule without hub ids). ``output_dir`` is set by the service; the spec has no
+  other path (RL data is generated, a fork's checkpoint is the parent's);
 - ``inference.extra_args`` flags from :data:`VLLM_FLAGS` (tuning and parallelism) or ``INFERENCE_ALLOW_FLAGS``:
   others load code (``--worker-extension-cls``, ``--middleware``, ``--trust-remote-code``, ``--tool-parser-plugin``)
   or files;
@@ -38,7 +39,7 @@ from urllib.parse import urlsplit
 
 from server.core.config import settings
 from server.services.permissions import Forbidden
-from worker.spec import RLSpec, SFTSpec, SpecError
+from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
 from worker.spec.user_code import check_spec_code
 
 
@@ -55,8 +56,8 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def check_inference_url(url: str | None, allowed_hosts: Collection[str]) -> None:
-    """Refuse an ``inference.url`` whose host is not loopback (``localhost``, ``127.0.0.0/8``, ``::1``) or one of
+def check_inference_url(url: str | None, allowed_hosts: Collection[str], key: str = "inference.url") -> None:
+    """Refuse an ``inference.url`` (or the ``key`` given: ``inference.urls.<i>``) whose host is not loopback (``localhost``, ``127.0.0.0/8``, ``::1``) or one of
     ``allowed_hosts``. Names are not resolved: a name is allowed only when listed.
 
     Raises:
@@ -76,7 +77,7 @@ def check_inference_url(url: str | None, allowed_hosts: Collection[str]) -> None
             return
     listed = ", ".join(sorted(allowed_hosts)) or "none"
     raise AddressNotAllowed(
-        f"inference.url: {url!r} is not allowed in a run submitted to the service; allowed: an http(s) URL of a "
+        f"{key}: {url!r} is not allowed in a run submitted to the service; allowed: an http(s) URL of a "
         f"loopback address (127.0.0.1, localhost, ::1) or of a host in INFERENCE_ALLOW_HOSTS ({listed})"
     )
 
@@ -87,6 +88,17 @@ HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-
 
 def _under(path: str, roots: Collection[str]) -> bool:
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def root_here(path: str, roots: Collection[str]) -> str | None:
+    """The folder of ``roots`` (relative ones from this process's working folder, as written or with symlinks
+    resolved) that holds ``path`` and exists on this machine, or None: a path under a root the server does not see
+    (mounted on the workers only) is judged at launch."""
+    cwd = os.getcwd()
+    local = os.path.normpath(os.path.join(cwd, path))
+    absolute = [os.path.normpath(os.path.join(cwd, r)) for r in roots]
+    here = [r for r in absolute + [os.path.realpath(r) for r in absolute] if _under(local, [r]) and os.path.isdir(r)]
+    return here[0] if here else None
 
 
 def check_model_name(name: str, roots: Collection[str]) -> None:
@@ -125,12 +137,40 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
     if plain and HUB_ID.match(name) and not os.path.lexists(name):
         return  # a hub id: the worker downloads (or finds in its cache) it
     local = os.path.normpath(os.path.join(cwd, name))
-    roots_here = [r for r in absolute + real if _under(local, [r]) and os.path.isdir(r)]
-    if roots_here:  # a root this server sees (the shared outputs folder): the model must be there now
+    if (root := root_here(name, roots)) is not None:  # a root this server sees (the shared outputs folder)
         if not os.path.isdir(local):
-            raise SpecError(f"model.name: {name!r}: no such model folder (under MODEL_ROOTS {roots_here[0]})")
+            raise SpecError(f"model.name: {name!r}: no such model folder (under MODEL_ROOTS {root})")
         if not os.path.isfile(os.path.join(local, "config.json")):
             raise SpecError(f"model.name: {name!r}: not a model folder (no config.json)")
+
+
+def check_data_path(field: str, path: str, roots: Collection[str]) -> None:
+    """Refuse an SFT data path (``data.path``, ``data.eval_path``) that is not under one of ``roots`` (relative ones
+    from this process's working folder), judged as :func:`check_model_name` judges a local model path: as written
+    (``..``, ``~`` refused) and, where it exists here, with its symlinks resolved. Whether the file exists and its rows
+    are well formed is checked next, where the server sees the root (``server.services.launch_checks``), and at
+    launch (``worker.trainer.sft.sft_preflight``).
+
+    Raises:
+        SpecError: ``data.path: '/etc/passwd' is not allowed in a run submitted to the service; allowed: a path
+            under DATA_ROOTS (/srv/asyncrl/outputs), without '..' or '~'``.
+    """
+    cwd = os.getcwd()
+    absolute = [os.path.normpath(os.path.join(cwd, r)) for r in roots]
+    real = [os.path.realpath(r) for r in absolute]
+    parts = path.replace("\\", "/").split("/")
+    plain = "\0" not in path and ".." not in parts and not path.startswith("~")
+    local = os.path.normpath(os.path.join(cwd, path)) if plain else ""
+    ok = (
+        bool(local)
+        and (_under(local, absolute) or _under(local, real))
+        and (not os.path.lexists(local) or _under(os.path.realpath(local), real))
+    )
+    if not ok:
+        raise SpecError(
+            f"{field}: {path!r} is not allowed in a run submitted to the service; allowed: a path under DATA_ROOTS "
+            f"({', '.join(absolute) or 'none'}), without '..' or '~'"
+        )
 
 
 def nodelist(spec: RLSpec) -> set[str]:
@@ -264,14 +304,15 @@ class AllocationNotAllowed(Forbidden):
     """A member's spec runs inside an existing Slurm allocation (403)."""
 
 
-def check(spec: RLSpec | SFTSpec, *, admin: bool) -> None:
+def check(spec: RLSpec | SFTSpec | EvalSpec, *, admin: bool) -> None:
     """Refuse a validated spec that names code or an address the service does not allow (see the module docstring).
 
     Raises:
         CodeNotAllowed: an import path not allowed (names its key).
         AddressNotAllowed: ``inference.url`` not loopback or allowed; ``inference.host`` or
             ``trainer.weight_sync.master_addr`` not loopback or a node of the run.
-        SpecError: ``model.name`` neither a hub id nor under ``MODEL_ROOTS``.
+        SpecError: ``model.name`` neither a hub id nor under ``MODEL_ROOTS``; an SFT ``data.path`` or
+            ``data.eval_path`` not under ``DATA_ROOTS``.
         SpecError: an ``inference.extra_args`` flag, ``launcher.slurm.extra_sbatch`` option or ``launcher.slurm.env``
             name not allowed (names the key).
         AllocationNotAllowed: ``launcher.slurm.allocation`` in the spec of a non-admin (``admin`` false): every job of
@@ -279,9 +320,15 @@ def check(spec: RLSpec | SFTSpec, *, admin: bool) -> None:
     """
     check_spec_code(spec, settings.ALLOWED_CODE_PACKAGES)
     check_model_name(spec.model.name, settings.MODEL_ROOTS)
-    if not isinstance(spec, RLSpec):
+    if isinstance(spec, SFTSpec):
+        for field, path in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
+            if path:
+                check_data_path(field, path, settings.DATA_ROOTS)
+    if not isinstance(spec, RLSpec):  # an SFT run or an eval job: no addresses, flags or Slurm options
         return
     check_inference_url(spec.inference.url, settings.INFERENCE_ALLOW_HOSTS)
+    for i, url in enumerate(spec.inference.urls):
+        check_inference_url(url, settings.INFERENCE_ALLOW_HOSTS, key=f"inference.urls.{i}")
     nodes = nodelist(spec)
     check_run_host("inference.host", spec.inference.host, nodes)
     check_run_host("trainer.weight_sync.master_addr", spec.trainer.weight_sync.master_addr, nodes)

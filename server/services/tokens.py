@@ -24,7 +24,10 @@ from datetime import timedelta
 from sqlmodel import Session, col, delete, func, select
 
 from server.core.config import settings
-from server.models import ApiToken, DashboardSession, Role, Run, User, stored_id, utcnow
+from server.models import ApiToken, DashboardSession, Role, Run, User, check_label, stored_id, utcnow
+
+MAX_USER_NAME = 128
+"""The longest user (token) name: ``users.name`` holds 128 characters."""
 
 _RUN_TOKEN = re.compile(r"^asr_run_(\d+)_([0-9a-f]{64})$")
 
@@ -107,8 +110,11 @@ def create(session: Session, *, name: str, scope: str = "write", role: str | Non
     plain token (shown once, never stored).
 
     Raises:
-        ValueError: ``scope`` is not one of ``SCOPES``, or ``role`` as in :func:`ensure_user`.
+        ValueError: ``name`` empty, longer than 128 characters, with a control character or surrounding spaces
+            (``models.check_label``); ``scope`` is not one of ``SCOPES``, or ``role`` as in :func:`ensure_user`.
     """
+    if check_label(name, "name", MAX_USER_NAME) != name:
+        raise ValueError(f"name: no leading or trailing spaces, got {name!r}")
     if scope not in SCOPES:
         raise ValueError(f"scope: expected one of {', '.join(SCOPES)}, got {scope!r}")
     ensure_user(session, name, role)

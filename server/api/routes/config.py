@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
+from server.models import ConfigRevision, Run
 from server.services import config, permissions, runs
 from worker.live_config import LIVE_KEYS
 
@@ -38,6 +39,7 @@ class ConfigRevisionPublic(BaseModel):
                     "revision": 1,
                     "changes": _CHANGES_EXAMPLE,
                     "applied": {"trainer": 12, "orchestrator": 13},
+                    "state": "in effect",
                     "created_by": "me",
                     "created_at": _NOW,
                 }
@@ -48,6 +50,9 @@ class ConfigRevisionPublic(BaseModel):
     changes: dict[str, Any]
     applied: dict[str, int]
     """Process -> first step it ran with this revision (absent until that process acknowledged it)."""
+    state: str = "pending"
+    """``in effect`` (every process that applies one of its keys acknowledged it), ``pending`` (the run is live), or
+    ``not applied: the run ended first (<process>, …)`` (``server.services.config.state``)."""
     created_by: str
     created_at: datetime
 
@@ -66,12 +71,20 @@ class LiveConfigPublic(BaseModel):
                         "orchestrator.max_off_policy_steps": 8,
                         "orchestrator.eval.interval": 40,
                     },
+                    "in_effect": {
+                        "trainer.optim.lr": 5e-5,
+                        "orchestrator.temperature": 1.2,
+                        "orchestrator.max_tokens": 48,
+                        "orchestrator.max_off_policy_steps": 8,
+                        "orchestrator.eval.interval": 40,
+                    },
                     "owners": {**LIVE_KEYS},
                     "data": [
                         {
                             "revision": 1,
                             "changes": _CHANGES_EXAMPLE,
                             "applied": {"trainer": 12, "orchestrator": 13},
+                            "state": "in effect",
                             "created_by": "me",
                             "created_at": _NOW,
                         }
@@ -84,7 +97,10 @@ class LiveConfigPublic(BaseModel):
     revision: int
     """Newest revision number (0: none yet)."""
     values: dict[str, Any]
-    """Every live key's value once all revisions are applied."""
+    """Every live key's value once all revisions are applied (what was asked for)."""
+    in_effect: dict[str, Any]
+    """Every live key's value as the run's processes took it up: acknowledged revisions only (a pending revision, or
+    one the run ended before applying, is not in it)."""
     owners: dict[str, str]
     """Live key -> the process that applies it."""
     data: list[ConfigRevisionPublic]
@@ -113,7 +129,7 @@ def change_config(run_id: int, body: ConfigChange, session: SessionDep, user: Us
     row = config.create(session, run_id, body.changes, by=user.name)
     session.commit()
     session.refresh(row)
-    return row
+    return _public(row, runs.get(session, run_id))
 
 
 @router.get("/{run_id}/config", response_model=LiveConfigPublic)
@@ -126,14 +142,21 @@ def get_config(
     """The live values in effect and the revisions after ``after``, each with the step every process applied
     it at."""
     permissions.check_run_access(principal, run_id)
-    rows, values = config.current(session, runs.get(session, run_id))
+    run = runs.get(session, run_id)
+    rows, values = config.current(session, run)
     return LiveConfigPublic(
         run_id=run_id,
         revision=rows[-1].revision if rows else 0,
         values=values,
+        in_effect=config.in_effect(session, run),
         owners=LIVE_KEYS,
-        data=[ConfigRevisionPublic.model_validate(r) for r in rows if r.revision > after],
+        data=[_public(r, run) for r in rows if r.revision > after],
     )
+
+
+def _public(row: ConfigRevision, run: Run) -> ConfigRevisionPublic:
+    """The revision as the API shows it, with its :func:`server.services.config.state`."""
+    return ConfigRevisionPublic.model_validate(row).model_copy(update={"state": config.state(row, run)})
 
 
 @router.post(
@@ -151,4 +174,4 @@ def ack_config(run_id: int, revision: int, body: ConfigAck, session: SessionDep,
     row = config.ack(session, run_id, revision, process=body.process, step=body.step)
     session.commit()
     session.refresh(row)
-    return row
+    return _public(row, runs.get(session, run_id))

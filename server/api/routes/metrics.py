@@ -1,18 +1,23 @@
-"""``/api/runs/{id}/metrics``: batched idempotent ingestion and downsampled series."""
+"""``/api/runs/{id}/metrics``: batched idempotent ingestion and downsampled series; ``/api/runs/{id}/metrics/export``
+and ``/api/metrics/export`` (several runs): the stored points as CSV or Parquet."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Response
+from sqlmodel import Session
 
 from server.alerts import rules as alert_rules
 from server.api.deps import PrincipalDep, SessionDep
 from server.core.config import settings
 from server.models import MetricBatch, MetricIngestResult, MetricSeriesPublic
-from server.services import metrics, permissions, runs
+from server.services import metric_export, metrics, permissions, runs
+from server.services.metric_export import ExportFormat
+from server.services.tokens import Principal
 
 router = APIRouter(prefix="/runs", tags=["metrics"])
+export_router = APIRouter(prefix="/metrics", tags=["metrics"])
 
 
 @router.post("/{run_id}/metrics", response_model=MetricIngestResult)
@@ -45,3 +50,51 @@ def get_metrics(
         name=name,
         series=metrics.series(session, run_id=run_id, name=name, since_step=since_step, max_points=max_points),
     )
+
+
+_EXPORT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the file: columns run_id, source, step, name, value, time (``server.services.metric_export``)",
+        "content": {"text/csv": {}, "application/vnd.apache.parquet": {}},
+    },
+    404: {"description": "no such run, or a metric none of the runs has"},
+}
+NamesQuery = Annotated[
+    list[str] | None,
+    Query(max_length=metric_export.MAX_NAMES, description="metric names (repeat); default every metric"),
+]
+
+
+def _export(
+    session: Session, principal: Principal, run_ids: list[int], names: list[str], fmt: ExportFormat
+) -> Response:
+    for run_id in run_ids:
+        permissions.check_run_access(principal, run_id)
+        runs.get(session, run_id)
+    body = metric_export.export(session, run_ids=run_ids, names=list(dict.fromkeys(names)), fmt=fmt)
+    disposition = f'attachment; filename="{metric_export.filename(run_ids, fmt)}"'
+    return Response(body, media_type=metric_export.MEDIA_TYPES[fmt], headers={"Content-Disposition": disposition})
+
+
+@router.get("/{run_id}/metrics/export", response_class=Response, responses=_EXPORT_RESPONSES)
+def export_run_metrics(
+    run_id: int,
+    session: SessionDep,
+    principal: PrincipalDep,
+    name: NamesQuery = None,
+    format: ExportFormat = "csv",
+) -> Response:
+    """Every stored point of the run (or of the metrics ``name``) as a CSV or Parquet file, one row per point."""
+    return _export(session, principal, [run_id], name or [], format)
+
+
+@export_router.get("/export", response_class=Response, responses=_EXPORT_RESPONSES)
+def export_compared_metrics(
+    session: SessionDep,
+    principal: PrincipalDep,
+    run: Annotated[list[int], Query(min_length=1, max_length=metric_export.MAX_RUNS, description="run ids (repeat)")],
+    name: NamesQuery = None,
+    format: ExportFormat = "csv",
+) -> Response:
+    """The stored points of several runs (a comparison) in one CSV or Parquet file, told apart by ``run_id``."""
+    return _export(session, principal, list(dict.fromkeys(run)), name or [], format)

@@ -1,4 +1,4 @@
-"""``/api/runs``: submit, list, show, stop, resume, fork, delete, status reports, events and logs."""
+"""``/api/runs``: submit, list, show, stop, resume, fork, lineage, delete, status reports, events and logs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from pydantic import BaseModel, Field
 from server.api.deps import PrincipalDep, SessionDep, UserDep
 from server.errors import is_json_type
 from server.models import (
+    MAX_GROUP_LEN,
+    MAX_TAG_LEN,
+    MAX_TAGS,
     TERMINAL,
     EngineEvents,
     ForkRequest,
@@ -22,10 +25,12 @@ from server.models import (
     RunPublic,
     RunsPublic,
     RunStatus,
+    RunUpdate,
     StatusReport,
+    check_label,
     stored_id,
 )
-from server.services import permissions, runs
+from server.services import lineage, permissions, rollouts, runs
 from worker.celery_app import TaskName, enqueue
 from worker.run_files import RunFileError, RunFileMissing
 from worker.spec import parse_text
@@ -91,6 +96,15 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
     return data
 
 
+def check_query_label(value: str, field: str, max_len: int = MAX_TAG_LEN) -> str:
+    """``models.check_label`` for a tag or group given as a query parameter; its ValueError is a 422 naming
+    ``field``."""
+    try:
+        return check_label(value, field, max_len)
+    except ValueError as err:
+        raise HTTPException(422, str(err)) from None
+
+
 SubmittedSpec = Annotated[dict[str, Any], Depends(_spec_from_request)]
 
 
@@ -119,10 +133,17 @@ def list_runs(
     _user: UserDep,
     status: RunStatus | None = None,
     name: str | None = Query(None, max_length=128, description="substring of the run name"),
+    tag: Annotated[
+        list[str] | None,
+        Query(max_length=MAX_TAGS, description="runs carrying every tag given (repeat: ?tag=a&tag=b)"),
+    ] = None,
+    group: str | None = Query(None, max_length=MAX_GROUP_LEN, description="the run group (exact)"),
     offset: int = Query(0, ge=0),
     limit: int = Query(50, ge=1, le=500),
 ) -> Any:
-    data, count = runs.list_runs(session, status=status, name=name, offset=offset, limit=limit)
+    tags = [check_query_label(t, "tag") for t in tag or []]
+    group = check_query_label(group, "group", MAX_GROUP_LEN) if group is not None else None
+    data, count = runs.list_runs(session, status=status, name=name, tags=tags, group=group, offset=offset, limit=limit)
     return RunsPublic(data=[RunPublic.model_validate(r) for r in data], count=count)
 
 
@@ -130,6 +151,13 @@ def list_runs(
 def get_run(run_id: int, session: SessionDep, principal: PrincipalDep) -> Any:
     permissions.check_run_access(principal, run_id)
     return runs.get(session, run_id)
+
+
+@router.patch("/{run_id}", response_model=RunPublic, responses={422: {"description": "a bad tag, notes or group"}})
+def update_run(run_id: int, change: RunUpdate, session: SessionDep, user: UserDep) -> Any:
+    """Set the run's ``tags`` (the whole list), ``notes`` and/or ``group`` (its owner or an admin, in any state);
+    fields left out stay. A tag is 1-64 printable characters (no control characters); at most 32 tags."""
+    return runs.update_by(session, run_id, user, change)
 
 
 @router.post("/{run_id}/stop", response_model=RunPublic)
@@ -197,13 +225,19 @@ class EngineEventsResult(BaseModel):
     responses={401: {"description": "the run has ended (run token)"}, 422: {"description": "invalid event"}},
 )
 def report_events(run_id: int, body: EngineEvents, session: SessionDep, principal: PrincipalDep) -> Any:
-    """Events of the run's processes (``disk_full``, ``truncated``) sent by its supervisor (run token, while the run
-    is live) or its owner or an admin; each is recorded once as a run event of its kind (a repeat is skipped)."""
+    """Events of the run's processes (``disk_full``, ``truncated``, the watchdog's ``stalled``...) sent by its
+    supervisor (run token, while the run is live) or its owner or an admin; each is recorded once as a run event of its
+    kind (a repeat is skipped). A new ``stalled`` event fires the alert rules and, with ``watchdog.on_stall`` ``stop`` or
+    ``restart``, asks the run's stop (``runs.act_on_stalls``)."""
     permissions.check_run_access(principal, run_id)
     run = runs.get(session, run_id, lock=True)
     permissions.require_run(principal, run, "status")
-    recorded = runs.record_engine_events(session, run, [e.model_dump() for e in body.events])
+    events = [e.model_dump() for e in body.events]
+    recorded = runs.record_engine_events(session, run, events)
+    stop = runs.act_on_stalls(session, run, events)  # watchdog.on_stall = "stop" | "restart"
     session.commit()
+    if stop:
+        enqueue(TaskName.stop_run, run_id)
     return EngineEventsResult(recorded=recorded)
 
 
@@ -219,6 +253,13 @@ def list_events(
     runs.get(session, run_id)
     data, count = runs.events(session, run_id, offset=offset, limit=limit)
     return {"data": data, "count": count}
+
+
+@router.get("/{run_id}/lineage", response_model=lineage.Lineage)
+def run_lineage(run_id: int, session: SessionDep, _user: UserDep) -> Any:
+    """The fork tree that holds the run: its root, every fork below it (depth-first), each fork's checkpoint step,
+    the changes it asked for and the spec keys that differ from the parent's config in effect at that step."""
+    return lineage.lineage(session, run_id)
 
 
 @router.post(
@@ -260,11 +301,13 @@ def get_logs(
     run_id: int,
     session: SessionDep,
     principal: PrincipalDep,
-    process: runs.LogProcess = "trainer",
+    process: str = Query("trainer", max_length=32, description=f"one of {runs.LOG_PROCESS_RULE}"),
     tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines"),
 ) -> Any:
     """The last ``tail`` lines of one process's log (read-only; user token or this run's token). The log is read
     only as a regular file inside the run's folder (``worker.run_files``): a symbolic link gets 403."""
+    if not runs.is_log_process(process):
+        raise HTTPException(422, f"query.process: expected {runs.LOG_PROCESS_RULE}, got {process!r}")
     permissions.check_run_access(principal, run_id)
     run = runs.get(session, run_id)
     try:
@@ -281,9 +324,13 @@ def get_logs(
 class RolloutsPublic(BaseModel):
     run_id: int
     step: int | None
-    """The step shown (None: the run wrote no rollouts yet)."""
+    """The step read (None: every step, newest first, or the run wrote no rollouts yet)."""
     data: list[dict[str, Any]]
-    """Rollout records as the orchestrator wrote them: task, completion, reward, advantage, policy_span, ..."""
+    """Rollout records as the orchestrator wrote them (task, completion, reward, advantage, policy_span, group, env,
+    token ids, log-probs, mask, ...), each with its ``id`` (``<run>-<step>-<line>``)."""
+    total: int
+    """Records that pass the filters (``data`` is ``limit`` of them from ``offset``)."""
+    offset: int = 0
     skipped: int = 0
     """Lines read that were not a JSON object with a numeric ``advantage`` (left out of ``data``)."""
 
@@ -297,14 +344,74 @@ def get_rollouts(
     run_id: int,
     session: SessionDep,
     principal: PrincipalDep,
-    step: int | None = Query(None, ge=0, le=2**62, description="default: the newest step with rollouts"),
-    limit: int = Query(20, ge=1, le=1000),
+    step: int | None = Query(None, ge=0, le=2**62, description="default: the newest step (every step with `task`)"),
+    group: int | None = Query(None, ge=0, le=2**31, description="the group's index in its step"),
+    env: str | None = Query(None, max_length=200, description="environment name (mixtures)"),
+    policy_version: int | None = Query(None, ge=0, le=2**62, description="rollouts whose policy span holds it"),
+    task: str | None = Query(None, max_length=500, description="exact task key; searches every step"),
+    offset: int = Query(0, ge=0, le=2**31),
+    limit: int = Query(20, ge=1, le=rollouts.MAX_PAGE),
 ) -> Any:
-    """Rollout samples of one step, read from the run directory's ``rollouts/step_<n>.jsonl`` (a regular file
-    inside the run's folder: a symbolic link gets 403; bad lines are skipped and counted in ``skipped``)."""
+    """Rollout records of a run, read from the run directory's ``rollouts/step_<n>.jsonl`` (regular files inside
+    the run's folder: a symbolic link gets 403; bad lines are skipped and counted in ``skipped``), filtered and
+    paged (``server.services.rollouts.browse``). Without ``step``: the newest step, or every step when ``task`` is
+    given."""
     permissions.check_run_access(principal, run_id)
+    run = runs.get(session, run_id)
     try:
-        shown = runs.rollouts(runs.get(session, run_id), step=step, limit=limit)
+        if step is None and task is None:
+            steps = rollouts.rollout_steps(run)
+            step = steps[-1] if steps else None
+        if step is None and task is None:
+            return RolloutsPublic(run_id=run_id, step=None, data=[], total=0)
+        filters = rollouts.Filters(step=step, group=group, env=env, policy_version=policy_version, task=task)
+        page = rollouts.browse(run, filters, offset=offset, limit=limit)
+
     except RunFileError as err:
         raise HTTPException(403, f"step: run {run_id}'s rollouts are refused: {err}") from None
-    return RolloutsPublic(run_id=run_id, step=shown.step, data=shown.records, skipped=shown.skipped)
+    return RolloutsPublic(
+        run_id=run_id, step=step, data=page.records, total=page.total, offset=offset, skipped=page.skipped
+    )
+
+
+class RolloutTokens(BaseModel):
+    run_id: int
+    id: str
+    summary: dict[str, Any]
+    """Step, group, env, task, policy_span, reward, advantage, finish_reason, truncated, dropped, completion."""
+    decoded: bool
+    """Whether token texts come from the run's tokenizer (``model.name``); False: ``text`` is null, ids only."""
+    prompt: list[dict[str, Any]]
+    """Prompt tokens: ``{"index", "id", "text"}``."""
+    turns: list[dict[str, Any]]
+    """The completion as turns ``{"kind": "model" | "env", "tokens": [{"index", "id", "text", "logprob",
+    "entropy", "masked"}]}``: ``logprob`` the recorded sampling log-prob (nats), null on masked env tokens."""
+
+
+@router.get(
+    "/{run_id}/rollouts/{rid}",
+    response_model=RolloutTokens,
+    responses={
+        403: {"description": "the rollouts file is a link or not a file"},
+        404: {"description": "no such rollout in this run (or the id names another run)"},
+        422: {"description": "the id is not <run>-<step>-<line>"},
+    },
+)
+def get_rollout(run_id: int, rid: str, session: SessionDep, principal: PrincipalDep) -> Any:
+    """One rollout's tokens (``server.services.rollouts.rollout``): its prompt, then its completion as model and
+    environment turns with the recorded log-probs; decoded with the run's tokenizer where it is a local folder.
+    A malformed id is 422 and an id of another run 404 (``server/errors.py``), both naming ``rid``."""
+    permissions.check_run_access(principal, run_id)
+    run = runs.get(session, run_id)
+    try:
+        view = rollouts.rollout(run, rid, tokenizer=rollouts.run_tokenizer(run))
+    except RunFileError as err:
+        raise HTTPException(403, f"rid: run {run_id}'s rollouts are refused: {err}") from None
+    return RolloutTokens(
+        run_id=run_id,
+        id=rid,
+        summary=view.summary,
+        decoded=view.decoded,
+        prompt=view.prompt,
+        turns=[{"kind": t.kind, "tokens": t.tokens} for t in view.turns],
+    )

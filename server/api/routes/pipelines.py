@@ -1,0 +1,133 @@
+"""``/api/pipelines``: submit a pipeline (stages run one after another, each an ordinary run starting from an earlier
+stage's output), list, show, stop, resume."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+
+from server.api.deps import SessionDep, UserDep
+from server.api.responses import creates
+from server.api.routes.runs import SubmittedSpec
+from server.models import Role, stored_id
+from server.services import pipelines
+
+router = APIRouter(prefix="/pipelines", tags=["pipelines"])
+_PIPELINE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"type": "object"},
+                "example": {
+                    "name": "reverse",
+                    "stages": [
+                        {"kind": "sft", "base": {"model": {"name": "outputs/models/tiny"}, "max_steps": 40}},
+                        {"kind": "rl", "base": {"max_steps": 20}},
+                        {"kind": "eval", "base": {"eval": {"num_examples": 16, "temperature": 0.0}}},
+                    ],
+                },
+            },
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {"file": {"type": "string", "format": "binary", "description": "pipeline spec"}},
+                }
+            },
+        },
+    }
+}
+
+
+class StagePublic(BaseModel):
+    index: int
+    kind: str
+    name: str
+    """The stage's run name."""
+    from_: int | None = Field(None, alias="from")
+    """The stage it starts from (None: the first stage, from its own spec)."""
+    step: int | None
+    """Eval stages: the checkpoint step of the ``from`` stage (None: its final weights)."""
+    status: str
+    """``pending`` (no run yet), ``running``, ``completed``, ``failed`` or ``cancelled``."""
+    reason: str
+    run_id: int | None
+    run_status: str | None
+
+
+class PipelinePublic(BaseModel):
+    id: int
+    name: str
+    owner: str
+    status: str
+    """``running``, ``completed``, ``failed`` or ``cancelled``; ``status_reason`` names the stage that stopped it."""
+    status_reason: str
+    spec: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    stages: list[StagePublic]
+
+
+class PipelineSummary(BaseModel):
+    id: int
+    name: str
+    owner: str
+    status: str
+    created_at: datetime
+
+
+class PipelinesPublic(BaseModel):
+    data: list[PipelineSummary]
+    count: int
+
+
+@creates(
+    router,
+    "",
+    PipelinePublic,
+    invalid="invalid pipeline spec (the message names the stage and field); nothing created",
+    openapi_extra=_PIPELINE_BODY,
+)
+def create_pipeline(session: SessionDep, user: UserDep, data: SubmittedSpec) -> Any:
+    """Submit a pipeline spec (JSON body, or a TOML/JSON file upload with each stage's base spec inline); its first
+    stage's run is queued at once, each later one when the stage before it completed."""
+    pipeline = pipelines.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
+    session.commit()
+    pipeline_id = stored_id(pipeline)
+    pipelines.tick(session, pipeline_id)
+    return pipelines.public(session, pipelines.get(session, pipeline_id))
+
+
+@router.get("", response_model=PipelinesPublic)
+def list_pipelines(
+    session: SessionDep, _user: UserDep, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)
+) -> Any:
+    data, count = pipelines.list_pipelines(session, offset=offset, limit=limit)
+    return {"data": [PipelineSummary.model_validate(p, from_attributes=True) for p in data], "count": count}
+
+
+@router.get("/{pipeline_id}", response_model=PipelinePublic)
+def get_pipeline(pipeline_id: int, session: SessionDep, _user: UserDep) -> Any:
+    """The pipeline's stages (kind, the stage each starts from, status, run and its status)."""
+    return pipelines.public(session, pipelines.get(session, pipeline_id))
+
+
+@router.post("/{pipeline_id}/stop", response_model=PipelinePublic)
+def stop_pipeline(pipeline_id: int, session: SessionDep, user: UserDep) -> Any:
+    """Stop the pipeline (its owner or an admin): no later stage starts; the live stage's run stops with its
+    checkpoints."""
+    pipelines.stop_by(session, pipeline_id, user)
+    return pipelines.public(session, pipelines.get(session, pipeline_id))
+
+
+@router.post("/{pipeline_id}/resume", response_model=PipelinePublic)
+def resume_pipeline(pipeline_id: int, session: SessionDep, user: UserDep) -> Any:
+    """Resume a failed or stopped pipeline (its owner or an admin) from the stage that stopped it: that stage's run
+    resumes from its newest complete checkpoint (or runs again when it has none), then the later stages follow."""
+    pipelines.resume_by(session, pipeline_id, user)
+    return pipelines.public(session, pipelines.get(session, pipeline_id))
