@@ -28,6 +28,7 @@ from server.services.tokens import Principal
 from webui.errors import HTMLErrorRoute
 from webui.page import FormDep, Page, SessionDep, page
 from worker.alert_rules import (
+    EVENT_KINDS,
     KNOWN_METRICS,
     RULE_KINDS,
     STATUS_EVENTS,
@@ -132,7 +133,7 @@ def alerts_context(db: Any, run_id: int | None, user: Principal) -> dict[str, An
         "kinds": KIND_FIELDS,
         "metrics": KNOWN_METRICS,
         "statuses": STATUS_EVENTS,
-        "event_names": RULE_KINDS,
+        "event_names": EVENT_KINDS,
     }
 
 

@@ -34,40 +34,47 @@ class Chart:
     threshold: float | None = None
     stacked: bool = False
     """Draw the lines as bars stacked per step (a histogram per step; the compare page overlays them as lines)."""
+    unit: str = ""
+    """Title of the y axis: the unit of the plotted values (the x axis is always the trainer step)."""
 
 
-CHARTS: tuple[Chart, ...] = (
-    Chart("reward", "Reward", (("orchestrator", "reward_mean", "train"), ("eval", "reward_mean", "eval"))),
-    Chart("loss", "Loss", (("trainer", "loss", "loss"),)),
-    Chart("entropy", "Entropy", (("trainer", "entropy", "entropy"),)),
-    Chart(
-        "mismatch_kl",
-        "Mismatch KL",
-        (("trainer", "mismatch_kl", "mismatch_kl"),),
-        log_y=True,
-        threshold=MISMATCH_KL_THRESHOLD,
-    ),
-    Chart("grad_norm", "Grad norm", (("trainer", "grad_norm", "grad norm"),)),
-    Chart("lr", "Learning rate", (("trainer", "lr", "lr"),)),
-    Chart(
-        "staleness",
-        "Staleness (policy versions) and dropped rollouts",
-        (
-            ("orchestrator", "staleness_mean", "mean"),
-            ("orchestrator", "staleness_max", "max"),
-            ("orchestrator", "dropped_stale", "dropped"),
-        ),
-    ),
-    Chart(
-        "lag_hist",
-        "Policy lag of trained samples (count per lag bucket)",
-        tuple(
-            ("orchestrator", name, "lag " + name.removeprefix("lag_hist/").replace("plus", "+"))
-            for name in LAG_HIST_METRICS
-        ),
-        stacked=True,
-    ),
-    Chart("tokens_per_s", "Trainer tokens/s", (("trainer", "tokens_per_s", "tokens/s"),)),
+def _lines(text: str) -> tuple[tuple[str, str, str], ...]:
+    """``"trainer/loss=loss, sft/loss=sft loss"`` -> ``(("trainer", "loss", "loss"), ("sft", "loss", "sft loss"))``:
+    a chart's lines as ``<source>/<metric>=<legend label>``, comma-separated (a metric may hold ``/``)."""
+    out = []
+    for part in text.split(","):
+        key, _, label = part.strip().rpartition("=")
+        source, _, name = key.partition("/")
+        out.append((source, name, label))
+    return tuple(out)
+
+
+LAG_LINES = ", ".join(
+    f"orchestrator/{name}=lag {name.removeprefix('lag_hist/').replace('plus', '+')}" for name in LAG_HIST_METRICS
+)
+# fmt: off
+CHART_TABLE: tuple[tuple[str, str, str, str], ...] = (
+    # key           title                   y axis unit                 lines (see _lines)
+    ("reward",      "Reward",               "reward per sample",
+     "orchestrator/reward_mean=train, eval/reward_mean=eval, sft/eval_reward_greedy=greedy eval"),  # sft: an SFT run's
+    ("loss",        "Loss",                 "loss (unitless)",          "trainer/loss=loss, sft/loss=sft loss, sft/eval_loss=held-out"),
+    ("entropy",     "Entropy",              "nats per token",           "trainer/entropy=entropy"),
+    ("mismatch_kl", "Mismatch KL",          "nats per token",           "trainer/mismatch_kl=mismatch_kl"),
+    ("grad_norm",   "Grad norm",            "L2 norm",                  "trainer/grad_norm=grad norm, sft/grad_norm=sft grad norm"),
+    ("lr",          "Learning rate",        "learning rate",            "trainer/lr=lr, sft/lr=sft lr"),
+    ("staleness",   "Staleness (policy versions) and dropped rollouts", "policy versions; rollouts",
+     "orchestrator/staleness_mean=mean, orchestrator/staleness_max=max, orchestrator/dropped_stale=dropped"),
+    ("lag_hist",    "Policy lag of trained samples (count per lag bucket)", "samples", LAG_LINES),
+    ("tokens_per_s", "Trainer tokens/s",    "tokens/s",                 "trainer/tokens_per_s=tokens/s, sft/tokens_per_s=sft tokens/s"),
+)
+# fmt: on
+"""The run page's charts in order: ``(key, title, unit, lines)``; options of a few charts in :data:`CHART_OPTIONS`."""
+CHART_OPTIONS: dict[str, dict[str, Any]] = {
+    "mismatch_kl": {"log_y": True, "threshold": MISMATCH_KL_THRESHOLD},
+    "lag_hist": {"stacked": True},
+}
+CHARTS: tuple[Chart, ...] = tuple(
+    Chart(key, title, _lines(lines), unit=unit, **CHART_OPTIONS.get(key, {})) for key, title, unit, lines in CHART_TABLE
 )
 BOTTLENECK_LINES = (("trainer", "wait_for_batch_s"), ("trainer", "step_time_s"), ("orchestrator", "wait_for_policy_s"))
 SERIES_KEYS = sorted({(src, name) for c in CHARTS for src, name, _ in c.lines} | set(BOTTLENECK_LINES))
@@ -110,7 +117,19 @@ def revision_marks(revisions: list[ConfigRevision]) -> list[tuple[int, str]]:
     return sorted(marks)
 
 
-def _layout(title: str, marks: list[tuple[int, str]], *, log_y: bool = False) -> dict[str, Any]:
+X_TITLE = "trainer step"
+"""Title of the x axis of every chart over steps."""
+LEGEND = {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top", "font": {"size": 11}}
+"""Every chart's legend: a column right of the plot area (Plotly pushes the right margin to fit it), so it never
+meets the x axis title below the plot or the y axis title left of it, however many entries it has."""
+
+
+def _layout(
+    title: str, marks: list[tuple[int, str]], *, log_y: bool = False, y_title: str = "", x_title: str = X_TITLE
+) -> dict[str, Any]:
+    """The layout of every dashboard chart (the one place it is made): ``title`` on top, the axis titles
+    ``x_title`` and ``y_title`` (units) with plain-number ticks, the legend right of the plot (:data:`LEGEND`), and a
+    dotted vertical line with a label at each of ``marks`` (``(step, label)``)."""
     shapes = [
         {
             "type": "line",
@@ -141,15 +160,33 @@ def _layout(title: str, marks: list[tuple[int, str]], *, log_y: bool = False) ->
     ]
     return {
         "title": {"text": title, "font": {"size": 14}},
-        "height": 250,
-        "margin": {"l": 50, "r": 10, "t": 30, "b": 30},
-        "xaxis": {"title": {"text": "step"}},
-        "yaxis": {"type": "log" if log_y else "linear"},
+        "height": 260,
+        "margin": {"l": 60, "r": 10, "t": 30, "b": 45},
+        # d3 "~g": plain numbers (0.0005, 1e-05, 12000), never SI prefixes mixed with decimals (500µ beside 0.5)
+        "xaxis": {"title": {"text": x_title, "standoff": 4}, "tickformat": "~g", "automargin": True},
+        "yaxis": {
+            "title": {"text": y_title, "standoff": 4},
+            "type": "log" if log_y else "linear",
+            "tickformat": "~g",
+            "automargin": True,
+        },
         "shapes": shapes,
         "annotations": notes,
-        "legend": {"orientation": "h", "y": -0.25},
+        "legend": dict(LEGEND),
         "uirevision": title,
     }
+
+
+NO_DATA = "No data yet"
+"""The note a chart without a single point shows in its middle (an empty chart alone reads as a drawing bug)."""
+
+
+def _noted(fig: dict[str, Any]) -> dict[str, Any]:
+    """``fig`` (``{"data", "layout"}``) with the :data:`NO_DATA` note when none of its traces has a point."""
+    if not any(len(t.get("x") or []) for t in fig["data"]):
+        note = {"text": NO_DATA, "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5, "showarrow": False}
+        fig["layout"]["annotations"] = [*fig["layout"].get("annotations", []), {**note, "font": {"color": "#6b7280"}}]
+    return fig
 
 
 def _trace(label: str, s: MetricSeries) -> dict[str, Any]:
@@ -171,7 +208,7 @@ def run_figures(
     for chart in CHARTS:
         lines = chart_lines(chart, envs or [])
         data = [_trace(label, series[(src, name)]) for src, name, label in lines if (src, name) in series]
-        layout = _layout(chart.title, marks, log_y=chart.log_y)
+        layout = _layout(chart.title, marks, log_y=chart.log_y, y_title=chart.unit)
         if chart.stacked:
             data = [{"type": "bar", "name": t["name"], "x": t["x"], "y": t["y"]} for t in data]
             layout["barmode"] = "stack"
@@ -186,23 +223,48 @@ def run_figures(
                         "x": [min(steps), max(steps)],
                         "y": [chart.threshold] * 2,
                         "line": {"color": "#dc2626", "dash": "dash"},
+                        "meta": "threshold",  # never smoothed (webui/static/dashboard.js)
                     }
                 )
-        figs[chart.key] = {"data": data, "layout": layout}
+        figs[chart.key] = _noted({"data": data, "layout": layout})
     return figs
 
 
+RUN_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+"""Colour of the n-th compared run (cycled): Plotly's default qualitative palette (D3 ``category10``)."""
+LINE_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+"""Dash of the n-th line of a chart (cycled): within a run's colour, its lines differ by dash."""
+
+
 def compare_figures(runs: list[tuple[str, dict[tuple[str, str], MetricSeries]]]) -> dict[str, Any]:
-    """Chart key -> Plotly figure with every line of every run overlaid (legend ``<run label> <line label>``)."""
+    """Chart key -> Plotly figure with every line of every run overlaid (legend ``<run label> <line label>``): each
+    run keeps one colour on every chart (``RUN_COLORS``, in the order of ``runs``), each line of a chart one dash
+    (``LINE_DASHES``), so a run is found by its colour whichever lines it has."""
     figs = {}
     for chart in CHARTS:
         data = [
-            _trace(f"{run_label} {label}", series[(src, name)])
-            for run_label, series in runs
-            for src, name, label in chart.lines
+            {
+                **_trace(f"{run_label} {label}", series[(src, name)]),
+                "line": {"color": RUN_COLORS[r % len(RUN_COLORS)], "dash": LINE_DASHES[i % len(LINE_DASHES)]},
+                "marker": {"color": RUN_COLORS[r % len(RUN_COLORS)]},
+            }
+            for r, (run_label, series) in enumerate(runs)
+            for i, (src, name, label) in enumerate(chart.lines)
             if (src, name) in series
         ]
-        figs[chart.key] = {"data": data, "layout": _layout(chart.title, [], log_y=chart.log_y)}
+        layout = _layout(chart.title, [], log_y=chart.log_y, y_title=chart.unit)
+        figs[chart.key] = _noted({"data": data, "layout": layout})
     return figs
 
 
@@ -290,11 +352,95 @@ def bottleneck_figure(bn: Bottleneck, marks: list[tuple[int, str]]) -> dict[str,
             "y": bn.policy_share,
         },
     ]
-    layout = _layout("Waits as share of step time", marks)
-    layout["yaxis"] = {"range": [0, 1], "tickformat": ".0%"}
-    return {"data": data, "layout": layout}
+    layout = _layout("Waits as share of step time", marks, y_title="share of step time")
+    layout["yaxis"].update(range=[0, 1], tickformat=".0%")
+    return _noted({"data": data, "layout": layout})
 
 
 def figures_json(figs: dict[str, Any]) -> str:
     """Figures as JSON safe inside ``<script type="application/json">`` (no ``</`` can end the element)."""
     return json.dumps(figs, allow_nan=False, default=str).replace("</", "<\\/")
+
+
+PRUNED_COLOR = "#b91c1c"
+KEPT_COLOR = "#1d4ed8"
+
+
+def sweep_figures(sweep: dict[str, Any], curves: dict[int, MetricSeries]) -> dict[str, Any]:
+    """Figures of a sweep page from ``server.services.sweeps.public(...)``: per swept key ``swept-<n>``, the metric's
+    best value of each trial over that key's values (pruned trials as red crosses, labelled ``#<run id>``); and
+    ``by-step``, each trial's metric over steps (``curves``: trial index -> series; pruned trials dashed red, with a
+    cross at the pruning step)."""
+    metric, figs = sweep["metric"], {}
+    keys = list(dict.fromkeys(k for t in sweep["trials"] for k in t["params"]))
+    for n, key in enumerate(keys):
+        data = []
+        for pruned in (False, True):
+            rows = [t for t in sweep["trials"] if t["best"] and (t["status"] == "pruned") == pruned]
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers+text",
+                    "name": "pruned" if pruned else "kept",
+                    "x": [t["params"][key] for t in rows],
+                    "y": [t["best"]["value"] for t in rows],
+                    "text": [f"#{t['run_id']}" for t in rows],
+                    "textposition": "top center",
+                    "marker": {
+                        "size": 11,
+                        "symbol": "x" if pruned else "circle",
+                        "color": PRUNED_COLOR if pruned else KEPT_COLOR,
+                    },
+                }
+            )
+        values = [t["params"][key] for t in sweep["trials"]]
+        numeric = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        log_x = len(numeric) == len(values) and min(numeric, default=0) > 0 and max(numeric) / min(numeric) >= 10
+        layout = _layout(f"best {metric} over {key}", [], y_title=metric, x_title=key)
+        layout["xaxis"]["type"] = "log" if log_x else "-"
+        figs[f"swept-{n}"] = {"data": data, "layout": layout}
+    lines = []
+    for t in sweep["trials"]:
+        s = curves.get(t["index"])
+        if s is None:
+            continue
+        pruned = t["status"] == "pruned"
+        label = f"#{t['run_id']} " + ", ".join(
+            f"{k.rsplit('.', 1)[-1]}={v:g}" if isinstance(v, float) else f"{k.rsplit('.', 1)[-1]}={v}"
+            for k, v in t["params"].items()
+        )
+        trace = _trace(label + (" (pruned)" if pruned else ""), s)
+        if pruned:
+            trace["line"] = {"dash": "dash", "color": PRUNED_COLOR}
+        lines.append(trace)
+    marks = sorted({(t["pruned_step"], "pruned") for t in sweep["trials"] if t["pruned_step"] is not None})
+    layout = _layout(f"{metric} by step", marks, y_title=metric)
+    layout["height"] = 320
+    figs["by-step"] = {"data": lines, "layout": layout}
+    return figs
+
+
+def checkpoint_evals_figure(points: list[Any]) -> dict[str, Any]:
+    """Eval reward over a training run's checkpoints: one point per eval job of its weights that stored metrics
+    (``server.services.evals.evals_of``: ``x`` the checkpoint step, ``metrics``), a line for ``reward_mean`` and
+    ``pass_at_k`` and one per environment's ``reward_mean/<env>``; each point's hover names its eval run."""
+    done = [p for p in points if p.metrics]
+    names = ["reward_mean", "pass_at_k"]
+    names += sorted({n for p in done for n in p.metrics if n.startswith("reward_mean/")})
+    data = []
+    for name in names:
+        shown = [p for p in done if name in p.metrics]
+        if shown:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": name,
+                    "x": [p.x for p in shown],
+                    "y": [p.metrics[name] for p in shown],
+                    "text": [f"eval run #{p.run_id}" for p in shown],
+                }
+            )
+    layout = _layout("Eval reward over checkpoints", [])
+    layout["xaxis"] = {"title": {"text": "checkpoint step"}, "tickformat": "~g"}
+    return _noted({"data": data, "layout": layout})

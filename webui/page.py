@@ -39,7 +39,17 @@ def age(when: datetime) -> str:
     return f"{s}s"
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as ``42s``, ``7m 05s``, ``3h 02m`` or ``2d 04h`` (rounded down to the second)."""
+    s = max(0, int(seconds))
+    for big, small, size, sub in (("d", "h", 86400, 3600), ("h", "m", 3600, 60), ("m", "s", 60, 1)):
+        if s >= size:
+            return f"{s // size}{big} {(s % size) // sub:02d}{small}"
+    return f"{s}s"
+
+
 templates.env.filters["age"] = age
+templates.env.filters["duration"] = duration
 
 
 def db_session() -> Iterator[Session]:

@@ -1,4 +1,4 @@
-"""Site-wide dashboard routes: static files (pinned htmx, Plotly's bundle, the dashboard's own JS and CSS), the
+"""Site-wide dashboard routes: static files (pinned htmx and Swagger UI, Plotly's bundle, the dashboard's own JS and CSS), the
 home redirect, login with an API token and logout (which ends the session on the server)."""
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ from webui.page import HERE, FormDep, SessionDep, page
 
 HTMX_VERSION = "2.0.8"
 """Pinned in scripts/setup.sh, which unpacks it from the npm package into static/vendor."""
+SWAGGER_UI_VERSION = "5.35.0"
+"""Pinned in scripts/setup.sh, which unpacks its bundle, CSS and icon from the npm package into static/vendor."""
+SWAGGER_UI = HERE / "static" / "vendor" / f"swagger-ui-{SWAGGER_UI_VERSION}"
 STATIC = {
     "htmx.js": HERE / "static" / "vendor" / f"htmx-{HTMX_VERSION}.min.js",
+    "swagger-ui-bundle.js": SWAGGER_UI / "swagger-ui-bundle.js",  # the API docs (/docs: server/main.py)
+    "swagger-ui.css": SWAGGER_UI / "swagger-ui.css",
+    "swagger-ui-favicon.png": SWAGGER_UI / "favicon-32x32.png",
     "plotly.js": Path(plotly.__file__).parent / "package_data" / "plotly.min.js",  # the bundle the package ships
     "dashboard.js": HERE / "static" / "dashboard.js",
     "dashboard.css": HERE / "static" / "dashboard.css",
