@@ -5,7 +5,8 @@ once: ``METRICS`` maps each process (``source``) to every name it writes to ``me
 
 Kinds (``kind`` picks one; each fires once when it starts holding and again only after it cleared):
 
-- ``status``: the run became ``failed``, ``completed``, ``cancelled``, or was ``requeued`` (resumed).
+- ``status``: the run became ``failed``, ``completed``, ``cancelled``, was ``requeued`` (resumed), or ``stalled`` (the
+  hang watchdog's event: no progress for ``watchdog.no_progress_s``).
 - ``threshold``: ``metric <op> value`` at each of the last ``window`` steps, from ``after_step`` on
   (``mismatch_kl > 0.01`` for 3 steps; ``reward_mean < 0.2`` after step 50).
 - ``stall``: a running run sent no metric for ``seconds``.
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from worker.dotted_keys import closest, did_you_mean
 from worker.orchestrator.staleness import LAG_HIST_METRICS
+from worker.system_metrics import GPU_METRICS, PROCESS_METRICS
 
 Source = Literal["trainer", "orchestrator", "eval", "inference"]
 """A process that reports metrics to ``metrics.jsonl``."""
@@ -48,6 +50,8 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "mfu",
         "peak_memory_gib",
         "trainer_ranks",
+        *PROCESS_METRICS,
+        *GPU_METRICS,
     ),
     "orchestrator": (
         "reward_mean",
@@ -83,12 +87,21 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "trained_gen_time_ratio",
         "trained_len_ratio",
         *LAG_HIST_METRICS,
+        *PROCESS_METRICS,
     ),
     "eval": ("reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"),
-    "inference": ("weight_update_s", "policy_check_max_abs_diff", "policy_moved_from_base"),
+    "inference": (
+        "weight_update_s",
+        "weight_update_pause_s",
+        "weight_update_load_s",
+        "policy_check_max_abs_diff",
+        "policy_moved_from_base",
+        "replicas_healthy",
+        "policy_check_replica_max_abs_diff",
+    ),
 }
-"""Process -> every metric name it writes to an RL run's ``metrics.jsonl`` (some only on some machines: ``mfu`` and
-``peak_memory_gib``), so every logged metric can be used in an alert rule. ``tests/e2e/test_rl.py`` fails on a
+"""Process -> every metric name it writes to an RL run's ``metrics.jsonl`` (some only on some machines: ``mfu``,
+``peak_memory_gib`` and the trainer's ``system/gpu_*``, ``worker/system_metrics.py``), so every logged metric can be used in an alert rule. ``tests/e2e/test_rl.py`` fails on a
 logged name missing here."""
 PER_ENV_METRICS: dict[Source, tuple[str, ...]] = {
     "trainer": ("mismatch_kl",),
@@ -120,23 +133,45 @@ PER_ENV_METRICS: dict[Source, tuple[str, ...]] = {
 """Process -> the metrics a run of several environments (``[[env]]``) also logs per environment, as
 ``<metric>/<env name>`` (``worker/orchestrator/mixture.py``); ``num_groups`` is logged only so; ``pool_size_*`` (as
 the step's) only with ``curriculum.type = "difficulty_pool"``."""
+PER_REPLICA_METRICS: dict[Source, tuple[str, ...]] = {
+    "inference": (
+        "requests_in_flight",
+        "rollout_groups",
+        "tokens_per_s",
+        "weight_update_s",
+        "policy_check_max_abs_diff",
+    ),
+}
+"""Process -> the metrics a run of several inference replicas (``inference.replicas`` or ``inference.urls``) logs per
+replica, as ``<metric>/r<index>`` (``worker/inference/pool.py``); ``replicas_healthy`` and
+``policy_check_replica_max_abs_diff`` (max over probe tokens of |replica i - replica 0|) only with replicas."""
 KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
-STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued")
+STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued", "stalled")
 MAX_RULES_PER_RUN = 100
 """Alert rules of one run at most (its spec's ``alerts`` and those added through the API): each metrics upload
 checks every rule of its run, and 10,000 rules made an upload take seconds."""
 MAX_GLOBAL_RULES_PER_USER = 100
 """Rules for every run (``POST /api/alerts/rules``) one user may add: they are checked for every run's uploads."""
 RULE_KINDS = ("status", "threshold", "stall", "non_finite", "throughput")
-"""Also the event names a webhook endpoint filters on."""
+"""The kinds of the rules users add."""
+BUILTIN_RULES = {"policy_check": "policy_check_failed"}
+"""Built-in rules: alert kind -> the run event (``worker.rundir.ENGINE_EVENTS``) that fires it, for every run. Not
+stored rows (no rule id; nothing to add, so they never count toward ``MAX_RULES_PER_RUN``): ``policy_check`` fires once
+per ``policy_check_failed`` event the server records (the served-policy check, case C14; also with ``on_fail =
+"warn"``), its message the check's reason (``server.alerts.rules.on_engine_event``)."""
+EVENT_KINDS = (*RULE_KINDS, *BUILTIN_RULES)
+"""The event names a webhook endpoint filters on (default: all)."""
 
 
 def reports(source: Source, metric: str) -> bool:
     """True when process ``source`` logs ``metric``: a name of ``METRICS`` (some hold a ``/``: ``lag_hist/0``), or
-    ``<name>/<env>`` of ``PER_ENV_METRICS`` (any env name: the run's spec names them)."""
+    ``<name>/<env>`` of ``PER_ENV_METRICS`` (any env name: the run's spec names them), or ``<name>/r<i>`` of
+    ``PER_REPLICA_METRICS``."""
     if metric in METRICS[source]:
         return True
     base, sep, env = metric.partition("/")
+    if sep and env[:1] == "r" and env[1:].isdigit() and base in PER_REPLICA_METRICS.get(source, ()):
+        return True
     if sep:
         return bool(env) and "/" not in env and base in PER_ENV_METRICS.get(source, ())
     return False
@@ -195,7 +230,9 @@ class _MetricRule(_Rule):
 
 class StatusRule(_Rule):
     kind: Literal["status"]
-    statuses: list[Literal["failed", "completed", "cancelled", "requeued"]] = Field(["failed"], min_length=1)
+    statuses: list[Literal["failed", "completed", "cancelled", "requeued", "stalled"]] = Field(["failed"], min_length=1)
+    """``stalled``: the hang watchdog found the run without progress (``worker/progress.py``; the message names the
+    stalled component)."""
 
 
 class ThresholdRule(_MetricRule):

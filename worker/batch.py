@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 from typing import NotRequired, TypedDict
 
-from worker.rundir import atomic_write_text
+import msgspec
+
+from worker.rundir import atomic_write_bytes
 
 
 class TrainSample(TypedDict):
@@ -42,9 +44,38 @@ class Batch(TypedDict):
     micro_batches: list[list[TrainSample]]
 
 
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder()
+
+
 def write_batch(path: Path, batch: Batch) -> None:
-    atomic_write_text(path, json.dumps(batch))
+    """Write ``batch`` as JSON to ``path`` atomically (``rundir.atomic_write_bytes``).
+
+    msgspec encodes it (a 4 MB batch of 2,048 samples: 6 ms against 144 ms for ``json.dumps``,
+    ``benchmarks/orchestrator_scale.py``). msgspec writes a non-finite float as ``null``; a batch with one (there is
+    ``null`` in the text: no field of a batch is None otherwise) is written by ``json.dumps`` instead, which keeps
+    ``NaN`` / ``Infinity`` as before.
+
+    Raises:
+        DiskFull: the filesystem is full.
+        OSError: any other failure to write.
+    """
+    data = _ENCODER.encode(batch)
+    if b"null" in data:
+        data = json.dumps(batch).encode()
+    atomic_write_bytes(path, data)
 
 
 def read_batch(path: Path) -> Batch:
-    return json.loads(path.read_text())
+    """The batch written by :func:`write_batch` (msgspec's decoder; ``json.loads`` for a batch with ``NaN``, which
+    msgspec does not read).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON (``json.JSONDecodeError``).
+    """
+    data = path.read_bytes()
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError:
+        return json.loads(data)

@@ -15,7 +15,7 @@ import subprocess
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.spec import RLSpec, SFTSpec, SpecError
+from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
 
 ROLLOUT_TOKEN_BYTES = 256
 """Host memory one rollout token may take, all processes together (a rough upper bound): the token id, its
@@ -77,7 +77,7 @@ def detect() -> Capacity:
     return Capacity(cores=max(cores, 1), memory_gib=max(_memory_gib(), 0.1), gpus=_gpus())
 
 
-def check(spec: RLSpec | SFTSpec, cap: Capacity) -> None:
+def check(spec: RLSpec | SFTSpec | EvalSpec, cap: Capacity) -> None:
     """Refuse a spec whose local run would not fit ``cap``. A Slurm run's processes run on the cluster, not on the
     worker: only the static bounds of the spec apply to it.
 
@@ -91,6 +91,8 @@ def check(spec: RLSpec | SFTSpec, cap: Capacity) -> None:
     if isinstance(spec, SFTSpec):
         if spec.threads > cap.cores:
             raise refuse("threads", spec.threads, f"at most {cap.cores}")
+        return
+    if not isinstance(spec, RLSpec):  # an eval job: one vLLM server of the model, sized by vLLM itself
         return
     if spec.launcher.kind != "local":
         return
@@ -116,4 +118,44 @@ def check(spec: RLSpec | SFTSpec, cap: Capacity) -> None:
             f"{orch.batch_size} (x group_size {orch.group_size} x inference.max_model_len "
             f"{spec.inference.max_model_len} = {tokens} rollout tokens per step)",
             f"at most {limit} tokens ({ROLLOUT_TOKEN_BYTES} bytes each in {MEMORY_SHARE:g} of the memory)",
+        )
+
+
+TRAINER_BYTES_PER_TRAINED_PARAM = 16
+"""GPU bytes per trained parameter that the trainer holds at least: fp32 master weight (4), its gradient (4) and
+AdamW's two moments (8); activations, the packed batch and the CUDA context come on top."""
+TRAINER_BYTES_PER_FROZEN_PARAM = 4
+"""GPU bytes per frozen parameter (a LoRA run's base weights, kept in fp32)."""
+
+
+def check_trainer_memory(
+    spec: RLSpec, *, params: int, trained_params: int, gpu_bytes: int, gpu_name: str = "the GPU"
+) -> None:
+    """Refuse a run whose trainer state cannot fit its share of one GPU, before anything is allocated.
+
+    The state, at least ``16 B x trained + 4 B x frozen`` parameters (:data:`TRAINER_BYTES_PER_TRAINED_PARAM`), is
+    split over the trainer's FSDP2 ranks; the share is ``trainer.gpu_memory_fraction``, else what vLLM leaves on a
+    shared GPU (``1 - inference.gpu_memory_utilization``), else the whole GPU. ``params``: all parameters of the
+    model; ``trained_params``: those the optimizer updates (all, or the LoRA adapters); ``gpu_bytes``: one GPU's total
+    memory in bytes.
+
+    Raises:
+        SpecError: ``trainer.gpu_memory_fraction: the trainer needs at least 9.5 GiB ... but its share is ...``.
+    """
+    frozen = params - trained_params
+    need = (TRAINER_BYTES_PER_TRAINED_PARAM * trained_params + TRAINER_BYTES_PER_FROZEN_PARAM * frozen) / max(
+        spec.trainer_ranks, 1
+    )
+    share = spec.trainer.gpu_memory_fraction
+    if share is None:
+        share = 1 - spec.inference.gpu_memory_utilization if spec.colocated else 1.0
+    have = share * gpu_bytes
+    if need > have:
+        gib = 2**30
+        per_rank = f" over {spec.trainer_ranks} ranks" if spec.trainer_ranks > 1 else ""
+        raise SpecError(
+            f"trainer.gpu_memory_fraction: the trainer needs at least {need / gib:.1f} GiB per GPU ({params / 1e6:.0f}M "
+            f"parameters, {trained_params / 1e6:.0f}M trained: {TRAINER_BYTES_PER_TRAINED_PARAM} B each for fp32 "
+            f"weights, gradients and AdamW moments, {TRAINER_BYTES_PER_FROZEN_PARAM} B per frozen one{per_rank}) but "
+            f"its share is {share:g} of {gpu_name}'s {gpu_bytes / gib:.1f} GiB = {have / gib:.1f} GiB"
         )

@@ -8,7 +8,9 @@ folder in ASYNCRL_HOME (kombu's filesystem transport): embedded mode needs no Re
 
 Celery beat enqueues ``asyncrl.reconcile`` every ``RECONCILE_INTERVAL_S``; ``asyncrl worker`` embeds beat
 (``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A worker.celery_app beat``).
-Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALERT_STALL_CHECK_S``.
+Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALERT_STALL_CHECK_S`` and
+``asyncrl.tick_sweeps`` (prune and start the trials of running sweeps) and ``asyncrl.tick_pipelines`` (start the
+next stage of running pipelines) every ``SWEEP_TICK_S``.
 
 Exports (``asyncrl.export_run``: minutes and GiBs of memory each) go to a queue of their own
 (``settings.export_queue``), consumed by the export worker ``asyncrl worker`` starts beside its control-plane
@@ -28,6 +30,7 @@ from celery import Celery
 from celery.signals import beat_embedded_init
 
 from server.core.config import settings
+from worker.embedded_broker import register as register_embedded_broker
 from worker.procs import die_with_parent
 
 
@@ -54,8 +57,12 @@ class TaskName(enum.StrEnum):
     check_stalls = "asyncrl.check_stalls"
     start_waiting = "asyncrl.start_waiting"
     export_run = "asyncrl.export_run"
+    tick_sweeps = "asyncrl.tick_sweeps"
+    tick_pipelines = "asyncrl.tick_pipelines"
 
 
+if settings.embedded_broker:
+    register_embedded_broker()  # filesystem:// with whole-message writes (worker/embedded_broker.py)
 app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["worker.tasks"])
 app.conf.update(
     task_acks_late=True,
@@ -77,6 +84,16 @@ app.conf.update(
             "task": TaskName.check_stalls.value,
             "schedule": settings.ALERT_STALL_CHECK_S,
             "options": {"expires": settings.ALERT_STALL_CHECK_S},
+        },
+        "tick-sweeps": {
+            "task": TaskName.tick_sweeps.value,
+            "schedule": settings.SWEEP_TICK_S,
+            "options": {"expires": settings.SWEEP_TICK_S},
+        },
+        "tick-pipelines": {
+            "task": TaskName.tick_pipelines.value,
+            "schedule": settings.SWEEP_TICK_S,
+            "options": {"expires": settings.SWEEP_TICK_S},
         },
     },
     beat_schedule_filename=str(settings.ASYNCRL_HOME / "celerybeat-schedule"),

@@ -21,8 +21,12 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json, step_dirs, writing
+
+if TYPE_CHECKING:
+    from worker.spec import EvalSpec, RLSpec, SFTSpec
 
 PARTS = ("trainer", "orchestrator")
 logger = logging.getLogger(__name__)
@@ -125,4 +129,52 @@ def due(run: RunDir, step: int, interval: int) -> bool:
     try:
         return int(json.loads((run.root / REQUEST_FILE).read_text())["step"]) == step
     except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def check_run_dir(spec: RLSpec | SFTSpec | EvalSpec, *, resume: bool = False, overwrite: bool = False) -> int | None:
+    """Check that the run directory allows this start; creates and changes nothing.
+
+    Returns the checkpoint step to resume from (with ``resume``), else None.
+
+    Raises:
+        SpecError: ``output_dir`` is a file or not writable; the run directory exists without ``--resume`` or
+            ``--overwrite`` (sft: ``--overwrite``); ``--resume`` without a run config or a complete checkpoint.
+    """
+    from worker.spec import EvalSpec, SpecError
+
+    run = RunDir(spec.run_dir)
+    out = Path(spec.output_dir or ".")
+    existing = next(p for p in (out, *out.parents, Path(".")) if p.exists())  # Path(".") ends a relative path
+    if not existing.is_dir():
+        raise SpecError(f"output_dir: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError(f"output_dir: cannot create run directories under {existing} (permission denied)")
+    if run.root.exists() and not run.root.is_dir():
+        raise SpecError(f"name: {run.root} exists and is not a directory")
+    if resume:
+        if isinstance(spec, EvalSpec):
+            raise SpecError("--resume: an eval job has no checkpoints; submit it again")
+        if not run.config.exists():
+            hint = "pass --overwrite to start over" if run.root.exists() else "start it without --resume"
+            raise SpecError(f"--resume: no run config at {run.config} ({hint})")
+        step = resume_step(run)
+        if step is None:
+            raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
+        if step >= spec.max_steps and _completed(run):
+            raise SpecError(
+                f"max_steps: the run completed at step {step} and max_steps is {spec.max_steps}: nothing "
+                f"to resume (raise --max_steps to train further)"
+            )
+        return step
+    if run.root.exists() and not overwrite:
+        raise SpecError(f"run directory {run.root} exists: pass --resume to continue it or --overwrite to replace it")
+    return None
+
+
+def _completed(run: RunDir) -> bool:
+    """Whether the run's ``summary.json`` says it completed."""
+    try:
+        return json.loads(run.summary.read_text()).get("status") == "completed"
+    except (OSError, ValueError, AttributeError):
         return False

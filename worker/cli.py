@@ -10,6 +10,8 @@
     asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
     asyncrl slurm render SPEC [@ more.toml] [--launcher.slurm.nodes 4]   (print the Slurm job script)
     asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
+    asyncrl sweep SWEEP.toml | sweep show ID | sweep stop ID   (a sweep of runs through the server)
+    asyncrl pipeline PIPELINE.toml | pipeline show|stop|resume ID   (stages sft -> rl -> eval through the server)
 
 Spec files are TOML (or JSON), later ones win; ``--dotted.key value`` overrides win over files.
 Bad input exits with code 2 and one line naming the field.
@@ -18,13 +20,14 @@ Bad input exits with code 2 and one line naming the field.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from worker.cli_parser import ArgParser
-from worker.spec import RLSpec, SpecError, load_spec_data, validate_spec
+from worker.spec import RLSpec, SFTSpec, SpecError, load_spec_data, validate_spec
 
 FLAGS = {"--dry-run", "--resume", "--overwrite", "--quiet"}
 
@@ -76,10 +79,11 @@ def split_spec_args(argv: list[str]) -> tuple[list[str | Path], list[tuple[str, 
 SPEC_USAGE = """usage: asyncrl {kind} @ SPEC.toml [@ MORE.toml ...] [--dotted.key VALUE ...] [flags]
 
   @ FILE          spec files (TOML or JSON); later files win
-  --a.b VALUE     override one key (VALUE is a TOML literal: 1e-5, true, [0.5, 5], or text)
+  --a.b VALUE     override one key (VALUE is a TOML literal: 1e-5, true, [0.5, 5], or text; a table or list
+                  may be JSON: --launcher.slurm.env '{{"A": "1"}}')
   --dry-run       run the launch's cheap checks (model dir, tokenizer, env, lengths, run dir), print the
                   resolved spec as JSON and exit; starts and writes nothing
-  --resume        (rl) continue the run from its newest complete checkpoint
+  --resume        continue the run from its newest complete checkpoint
   --overwrite     replace an existing run directory
   --quiet         (rl) no step lines on the console
 """
@@ -92,11 +96,10 @@ def _spec_command(kind: str, argv: list[str]) -> int:
     files, overrides, flags = split_spec_args(argv)
     if not files and not overrides:
         raise SpecError(f"no spec given: asyncrl {kind} @ SPEC.toml [--key value ...] (-h for help)")
-    if kind == "sft" and "--resume" in flags:
-        raise SpecError("--resume: sft runs do not resume; pass --overwrite to start over")
     spec = validate_spec(kind, load_spec_data(files, overrides))
+    assert isinstance(spec, RLSpec | SFTSpec)  # kind is "rl" or "sft" (an eval job runs through the service)
     if "--dry-run" in flags:  # the same cheap checks as the launch, in the same order; nothing is created
-        from worker.launchers.local import check_run_dir
+        from worker.checkpoint import check_run_dir
 
         check_run_dir(spec, resume="--resume" in flags, overwrite="--overwrite" in flags)
         if isinstance(spec, RLSpec):
@@ -118,7 +121,7 @@ def _spec_command(kind: str, argv: list[str]) -> int:
         return 0 if summary["status"] == "completed" else 1
     from worker.trainer.sft import run_sft
 
-    run_sft(spec, overwrite="--overwrite" in flags)
+    run_sft(spec, overwrite="--overwrite" in flags, resume="--resume" in flags)
     return 0
 
 
@@ -159,7 +162,7 @@ def _eval_command(argv: list[str]) -> int:
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         what = "is a directory" if args.out.is_dir() else f"is in a folder that does not exist ({args.out.parent})"
         raise SpecError(f"--out: expected a file path for the result JSON; {args.out} {what}")
-    from worker.evaluation import env_of_spec, run_eval
+    from worker.evaluation import EvalSettings, env_of_spec, run_eval
 
     env_id = args.env or "reverse_text"
     if args.spec is not None:
@@ -173,10 +176,7 @@ def _eval_command(argv: list[str]) -> int:
         tokenizer=args.tokenizer,
         env_id=env_id,
         env_args=env_args,
-        num_examples=args.num_examples,
-        temperature=args.temperature,
-        max_tokens=args.max_tokens,
-        pass_k=args.pass_k,
+        settings=EvalSettings(args.num_examples, args.temperature, args.max_tokens, args.pass_k),
         seed=args.seed,
         adapter=args.adapter,
     )
@@ -314,8 +314,19 @@ def _config_command(argv: list[str]) -> int:
     return 0
 
 
+SLURM_USAGE = """usage: asyncrl slurm render SPEC.toml [@ MORE.toml ...] [--dotted.key VALUE ...] [--resume]
+
+Print the Slurm job script (sbatch) of an RL spec without submitting it; the spec is validated first.
+  SPEC.toml       the run spec ('@' before it is optional); later '@ FILE's win
+  --dotted.key    an override, e.g. --launcher.slurm.nodes 3 --launcher.slurm.inference_nodes 1
+  --resume        the script of a resume from the run's last complete checkpoint"""
+
+
 def _slurm_command(argv: list[str]) -> int:
     """``asyncrl slurm render SPEC [@ more.toml] [--key value]``: print the Slurm job script of an RL spec."""
+    if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["render", "-h"], ["render", "--help"]):
+        print(SLURM_USAGE)  # noqa: T201
+        return 0
     if not argv or argv[0] != "render":
         got = f", got {argv[0]!r}" if argv else ""
         raise SpecError(f"asyncrl slurm: expected 'render SPEC' (prints the job script without submitting){got}")
@@ -344,7 +355,7 @@ COMMANDS: dict[str, Any] = {
     "config": _config_command,
     "slurm": _slurm_command,
 }
-CONTROL_PLANE_COMMANDS = ("server", "worker", "token", "submit", "runs")
+CONTROL_PLANE_COMMANDS = ("server", "worker", "token", "submit", "runs", "sweep", "pipeline")
 """Commands of ``server/cli.py``: imported only when used (the engine's commands need no server packages), and
 ``server.cli`` never imports this module."""
 
@@ -361,7 +372,45 @@ def _control_plane(name: str) -> Callable[[list[str]], int]:
 COMMANDS.update({name: _control_plane(name) for name in CONTROL_PLANE_COMMANDS})
 
 
+SIGPIPE_EXIT = 128 + 13
+"""Exit status of a command whose reader closed its output (``asyncrl runs ls | head -1``): a shell's for SIGPIPE."""
+
+
+def _closed_stdout(err: BrokenPipeError) -> int:
+    """Quiet end of a command whose stdout reader went away (Python's SIGPIPE note): the rest of the output goes
+    to ``/dev/null`` so the interpreter's flush at exit raises nothing, and no traceback is printed. A broken pipe
+    that is not stdout's (``err`` from a socket: stdout's pipe still has a reader) is raised again.
+
+    Returns:
+        :data:`SIGPIPE_EXIT`.
+    """
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        closed = any(events & select.POLLERR for _, events in poller.poll(0))  # a pipe without a reader
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output)
+        closed = False
+    if not closed:
+        raise err
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return SIGPIPE_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``asyncrl``: run a command, its bad input as one line and exit status 2; a closed stdout ends it quietly
+    (:data:`SIGPIPE_EXIT`)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError as err:
+        return _closed_stdout(err)
+
+
+def _main(argv: list[str] | None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")

@@ -1,4 +1,9 @@
-"""``asyncrl eval``: held-out reward and pass@k of a model path or of a running vLLM server.
+"""``asyncrl eval`` and eval jobs: held-out reward and pass@k of a model path or of a running vLLM server.
+
+``run_eval`` (one environment, the CLI) and ``run_evals`` (several: an eval job, ``kind = "eval"``) share one path:
+the checks, one vLLM server for the whole eval, :func:`worker.orchestrator.eval.evaluate` per environment and
+:func:`worker.orchestrator.mixture.combine_evals` over them. ``python -m worker.evaluation --run-dir DIR`` is the one
+process of an eval job (:func:`run_job`; the local launcher's ``launch_eval`` starts it).
 
 A taskset with tools runs through verifiers' agent harness (`worker.orchestrator.harness.HarnessRunner`, default
 `[orchestrator.harness]` settings), as in RL: the model's tool calls are executed by verifiers and the finished
@@ -12,13 +17,16 @@ import asyncio
 import json
 import os
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from worker.envs import load_environment
 from worker.inference.client import InferenceClient
 from worker.orchestrator.eval import evaluate
-from worker.spec import EnvConfig
+from worker.orchestrator.mixture import combine_evals
+from worker.rundir import RunDir, atomic_write_json
+from worker.spec import EnvConfig, EvalSpec
 
 
 def env_of_spec(envs: list[EnvConfig], name: str | None, spec_path: str) -> EnvConfig:
@@ -43,6 +51,19 @@ def env_of_spec(envs: list[EnvConfig], name: str | None, spec_path: str) -> EnvC
     raise SpecError(f"--env: no environment named {name!r} in {spec_path}; its environments: {names}")
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How each environment is evaluated: the keywords :func:`worker.orchestrator.eval.evaluate` takes besides the
+    client, environment and tokenizer (``num_examples`` tasks of the eval split, ``pass_k`` samples each of at most
+    ``max_tokens`` tokens at ``temperature``; a sample passes at reward >= ``pass_threshold``)."""
+
+    num_examples: int
+    temperature: float
+    max_tokens: int
+    pass_k: int
+    pass_threshold: float = 1.0
+
+
 def run_eval(
     *,
     model: str | None,
@@ -50,28 +71,57 @@ def run_eval(
     tokenizer: str | None,
     env_id: str,
     env_args: dict[str, Any],
-    num_examples: int,
-    temperature: float,
-    max_tokens: int,
-    pass_k: int,
+    settings: EvalSettings,
     seed: int,
     adapter: Path | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` (a vLLM server is started for it and stopped after) or the server at ``url``.
+    """Evaluate ``model`` (a vLLM server is started for it and stopped after) or the server at ``url`` on one
+    environment: :func:`run_evals` with ``envs = [EnvConfig(id=env_id, args=env_args)]``.
+
+    Returns:
+        The result of :func:`worker.orchestrator.eval.evaluate` plus ``model``, ``env`` and ``temperature``.
+
+    Raises:
+        SpecError: as :func:`run_evals` (an environment's error names ``--env``/``--env-args``).
+    """
+    env = EnvConfig.model_construct(id=env_id, args=env_args, name=env_id, weight=1.0)
+    return run_evals(
+        model=model, url=url, tokenizer=tokenizer, envs=[env], settings=settings, seed=seed, adapter=adapter
+    )
+
+
+def run_evals(
+    *,
+    model: str | None,
+    url: str | None,
+    tokenizer: str | None,
+    envs: list[EnvConfig],
+    settings: EvalSettings,
+    seed: int,
+    adapter: Path | None = None,
+    env_field: str = "--env-",
+    server_log: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``model`` (a vLLM server is started for it and stopped after; its log at ``server_log``, default a
+    temporary file) or the server at ``url`` on each of ``envs`` in turn, as ``settings`` says (its eval split,
+    ``num_examples`` tasks, ``pass_k`` samples each).
 
     With ``adapter`` (a PEFT LoRA folder, e.g. ``asyncrl export --adapter-only``; needs ``model``, its base), the
     server runs with LoRA enabled up to the adapter's rank, loads it as ``ADAPTER_NAME``, and every eval request names
     it, as a LoRA run's rollouts name their policy version.
 
     Returns:
-        The result of :func:`worker.orchestrator.eval.evaluate` plus ``model`` and ``env``.
+        ``model``, ``env`` (the id with one environment, else the names joined by ``,``), ``temperature`` and
+        :func:`worker.orchestrator.mixture.combine_evals` of the environments' results (one environment: its
+        :func:`worker.orchestrator.eval.evaluate` result; several: each under ``<metric>/<name>`` plus the whole).
 
     Raises:
         SpecError: neither or both of ``model`` and ``url``; ``adapter`` with ``url``, or a folder without
             ``adapter_config.json`` (or with a rank vLLM does not serve); a model or tokenizer that fails
             :func:`worker.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
             does not load, or that the orchestrator cannot run (`Environment.unsupported`, e.g. tools without
-            ``uv``). All are checked before a server starts.
+            ``uv``), named ``<env_field>id`` / ``<env_field>args`` (several: ``env.<i>.id``). All are checked before
+            a server starts.
     """
     from worker.envs import EnvironmentLoadError, env_error_field
     from worker.models import check_model, load_tokenizer
@@ -90,12 +140,16 @@ def run_eval(
             tok = load_tokenizer(tokenizer)
         except (FileNotFoundError, ValueError) as err:
             raise SpecError(f"--tokenizer: {err}") from None
-    try:
-        env = load_environment(env_id, split="eval", seed=seed, **env_args)
-    except (EnvironmentLoadError, TypeError, ValueError) as err:
-        raise SpecError(f"{env_error_field(err, '--env-')}: {err}") from None
-    if env.unsupported is not None:
-        raise SpecError(f"--env: {env.unsupported}")
+    loaded = {}
+    for i, cfg in enumerate(envs):
+        field = env_field if len(envs) == 1 else f"env.{i}."
+        try:
+            env = load_environment(cfg.id, split="eval", seed=seed, **cfg.args)
+        except (EnvironmentLoadError, TypeError, ValueError) as err:
+            raise SpecError(f"{env_error_field(err, field)}: {err}") from None
+        if env.unsupported is not None:
+            raise SpecError(f"{field}id: {env.unsupported}")
+        loaded[cfg.name or cfg.id] = env
     proc = None
     if url is None:
         from worker.inference.auth import API_KEY_VAR, new_api_key
@@ -103,13 +157,13 @@ def run_eval(
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        log = Path(tempfile.gettempdir()) / f"asyncrl-eval-{port}.log"
+        log = server_log or Path(tempfile.gettempdir()) / f"asyncrl-eval-{port}.log"
         key = os.environ[API_KEY_VAR] = new_api_key()  # our clients (and the harness's) read it from here
         proc = start_server(
             str(model),
             port=port,
             log_path=log,
-            max_model_len=max(512, 4 * max_tokens),
+            max_model_len=max(512, 4 * settings.max_tokens),
             api_key=key,
             lora_rank=lora_rank,
         )
@@ -128,23 +182,17 @@ def run_eval(
                         served_tok = load_tokenizer(served)
                     except (FileNotFoundError, ValueError) as err:
                         raise SpecError(f"--tokenizer: needed for the server's model {served!r} ({err})") from None
-                harness = None
-                if env.needs_harness:
-                    from worker.orchestrator.harness import HarnessRunner
-                    from worker.spec import HarnessConfig
+                results = {}
+                for name, env in loaded.items():
+                    harness = None
+                    if env.needs_harness:
+                        from worker.orchestrator.harness import HarnessRunner
+                        from worker.spec import HarnessConfig
 
-                    template = tokenizer or (str(model) if model is not None else await client.served_model())
-                    harness = HarnessRunner(template, str(url), HarnessConfig())
-                return await evaluate(
-                    client,
-                    env,
-                    served_tok,
-                    num_examples=num_examples,
-                    temperature=temperature,
-                    max_tokens=max_tokens,
-                    pass_k=pass_k,
-                    harness=harness,
-                )
+                        template = tokenizer or (str(model) if model is not None else await client.served_model())
+                        harness = HarnessRunner(template, str(url), HarnessConfig())
+                    results[name] = await evaluate(client, env, served_tok, **asdict(settings), harness=harness)
+                return combine_evals(results)
 
         result = asyncio.run(go())
     finally:
@@ -153,7 +201,8 @@ def run_eval(
 
             stop_server(proc)
     served = {"adapter": str(adapter)} if adapter is not None else {}
-    return {"model": model or url, **served, "env": env_id, "temperature": temperature, **result}
+    shown = envs[0].id if len(envs) == 1 else ",".join(loaded)
+    return {"model": model or url, **served, "env": shown, "temperature": settings.temperature, **result}
 
 
 ADAPTER_NAME = "eval-adapter"
@@ -184,3 +233,102 @@ def adapter_rank(adapter: Path, *, served_by_url: bool) -> int:
     if not isinstance(rank, int) or not 1 <= rank <= top:
         raise SpecError(f"--adapter: {config}: expected an integer rank 'r' in [1, {top}] (vLLM's), got {rank!r}")
     return rank
+
+
+# ----------------------------------------------------------------------------- eval jobs
+
+
+def job_step(spec: EvalSpec) -> int:
+    """The step an eval job's metrics are stored at: the evaluated checkpoint's step; 0 for a model path or a run's
+    final weights (whose chart point the service places at that run's ``max_steps``)."""
+    return spec.model.step if spec.model.step is not None else 0
+
+
+def job_model(spec: EvalSpec, run: RunDir) -> str:
+    """The model folder an eval job serves: ``model.name`` itself, or, with ``model.run``, ``<run_dir>/model`` made
+    from ``<run_dir>/source`` (the evaluated run's weights the service copied in) on top of the base model
+    ``model.name`` by :func:`worker.export.write_export` (a LoRA adapter merged), the same folder
+    ``asyncrl export`` writes.
+
+    Raises:
+        SpecError: ``model.run`` without ``source/`` (a spec run outside the service) or with neither weights nor an
+            adapter in it; the export's own errors (``worker.export.ExportError``) as ``model.run``.
+    """
+    from worker.export import ExportError, ExportSource, adapter_folder, source_kind, write_export
+    from worker.spec import SpecError
+
+    if spec.model.run is None:
+        return spec.model.name
+    source, out = run.eval_source, run.eval_model
+    kind = source_kind(source) if source.is_dir() else None
+    if kind is None:
+        raise SpecError(
+            f"model.run: no weights of run {spec.model.run} in {source} (the service copies them there when it "
+            "creates the eval run); evaluate a model folder with model.name or asyncrl eval --model"
+        )
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)  # an earlier attempt's: made again from source/
+    path = adapter_folder(source) if kind == "lora" else source
+    try:
+        write_export(ExportSource(run.root, spec.model.step, kind, path, spec.model.name, spec.model.dtype), out)
+    except ExportError as err:
+        raise SpecError(f"model.run: {err}") from None
+    return str(out)
+
+
+def run_job(spec: EvalSpec, run: RunDir) -> dict[str, Any]:
+    """The eval job ``spec`` in its run directory ``run`` (made by the launcher): its model (:func:`job_model`) on
+    each of its environments (:func:`run_evals`, vLLM's log ``logs/inference.log``). The numeric results are appended
+    to ``metrics.jsonl`` as source ``eval`` at :func:`job_step`, the whole result is ``summary.json``; returns it.
+
+    Raises:
+        SpecError: as :func:`job_model` and :func:`run_evals` (environments named ``env.id`` / ``env.<i>.id``).
+    """
+    ev = spec.eval
+    result = run_evals(
+        model=job_model(spec, run),
+        url=None,
+        tokenizer=None,
+        envs=spec.envs,
+        settings=EvalSettings(ev.num_examples, ev.temperature, ev.max_tokens, ev.pass_k, ev.pass_threshold),
+        seed=spec.seed,
+        env_field="env.",
+        server_log=run.logs / "inference.log",
+    )
+    numbers: dict[str, float | int | None] = {
+        k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    run.log_metrics("eval", job_step(spec), numbers)
+    atomic_write_json(run.summary, {"status": "completed", **result})
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m worker.evaluation --run-dir DIR``: the eval job of ``DIR/config.json`` in the run directory the
+    local launcher prepared; exit 2 with ``error: <field>: ...`` on bad input."""
+    import argparse
+    import logging
+    import sys
+
+    from worker.spec import SpecError, validate_spec
+
+    p = argparse.ArgumentParser(prog="python -m worker.evaluation")
+    p.add_argument("--run-dir", type=Path, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = RunDir(args.run_dir)
+    try:
+        spec = validate_spec("eval", json.loads(run.config.read_text()))
+        result = run_job(spec, run)
+    except SpecError as err:
+        run.log_event("failed", process="eval", reason=str(err))
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 2
+    logging.getLogger("asyncrl.eval").info("eval done: %s", json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from worker.checkpoint import complete_steps
 from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
-from worker.rundir import RunDir, writing
+from worker.rundir import DiskFull, RunDir, writing
 
 EXPORTS_DIR = "exports"
 """In a run's home folder (beside the run directory): one folder per export made through the service
@@ -294,13 +294,17 @@ def write_export(
     out = Path(out).resolve()
     tokenizer = load_tokenizer(source.base)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with writing(f"the export of {source.label}", out, partial=tmp):
-        try:
+    what = f"the export of {source.label}"
+    try:  # a folder that cannot be made is the user's --out, before any write (a full disk stays DiskFull)
+        with writing(what, out, partial=tmp):
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        except (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError) as err:  # full: DiskFull
-            raise ExportError(f"--out: cannot create {out} ({err.strerror or err}); choose a writable folder") from None
+    except DiskFull:
+        raise
+    except OSError as err:  # EACCES, ENOENT (/proc), EROFS, ENOTDIR: the kernel's errno says it is no space
+        raise ExportError(f"--out: cannot create {out} ({err.strerror or err}); choose a writable folder") from None
+    with writing(what, out, partial=tmp):
         if adapter_only:
             say("writing the adapter")
             _write_adapter(source, tmp)

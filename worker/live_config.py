@@ -25,6 +25,7 @@ import fcntl
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,31 @@ def live_values(spec: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def applied_changes(changes: dict[str, Any], applied: dict[str, int], step: int | None = None) -> dict[str, Any]:
+    """The keys of one revision that were in effect at ``step``: those whose process (:data:`LIVE_KEYS`) acknowledged
+    the revision at a step ``<= step`` (``applied``: process -> first step it ran with the revision; ``step`` None:
+    at any step, i.e. in effect by the run's end). A key whose process never acknowledged it (the run ended or was
+    stopped first, or the checkpoint is older than the acknowledgement) is left out: it never trained anything.
+
+    Example: ``{"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.2}`` acknowledged ``{"trainer": 7}``, at
+    step 6 -> ``{}``, at step 7 -> ``{"trainer.optim.lr": 5e-5}`` (the orchestrator never took the temperature)."""
+    out = {}
+    for key, value in changes.items():
+        at = applied.get(LIVE_KEYS.get(key, ""))
+        if at is not None and (step is None or int(at) <= step):
+            out[key] = value
+    return out
+
+
+def replay_in_effect(
+    spec: dict[str, Any], revisions: Iterable[tuple[dict[str, Any], dict[str, int]]], step: int | None = None
+) -> dict[str, Any]:
+    """The spec mapping as it was in effect at ``step`` (None: at the run's end): each revision's
+    ``(changes, applied)``, oldest first, contributes only its keys acknowledged by then (:func:`applied_changes`).
+    A fork from checkpoint ``step`` continues from this spec, not from the submitted one; a compare shows it."""
+    return replay(spec, (applied_changes(changes, applied, step) for changes, applied in revisions))
+
+
 def read_revisions(run_dir: Path) -> list[dict[str, Any]]:
     """Every revision line of ``<run_dir>/live_config.jsonl``, in file order."""
     return read_jsonl(Path(run_dir) / LIVE_CONFIG_FILE)
@@ -168,7 +194,7 @@ def set_local(run_dir: Path, assignments: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise SpecError(f"expected key=value, got {item!r}")
-        changes[key.strip()] = parse_override_value(raw.strip())
+        changes[key.strip()] = parse_override_value(raw.strip(), key.strip())
     with open(config) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two writers never pick the same number
         revisions = read_revisions(run_dir)

@@ -20,6 +20,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 """The adapter's A and B tensors (safetensors, PEFT's names ``base_model.model.<module>.lora_A.weight``)."""
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 """An adapter folder's files."""
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""``trainer.lora.target_modules`` when unset: every linear layer of a decoder block (attention and MLP)."""
 ADAPTER_DIR = "adapter"
 """A LoRA checkpoint's adapter folder inside its ``trainer`` part (``trainer/adapter/``), and ``final/adapter/``."""
 

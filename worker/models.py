@@ -410,6 +410,35 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", *
         raise ValueError(f"{src}: cannot load model ({_first_line(e)})") from e
 
 
+def parameter_counts(
+    name_or_path: str | Path, lora_rank: int | None = None, lora_targets: list[str] | None = None
+) -> tuple[int, int]:
+    """``(all parameters, trained parameters)`` of the model, built from its config on the meta device (no weights
+    read). With ``lora_rank`` the trained ones are the adapters, ``rank * (in + out)`` for every linear layer whose
+    name is or ends with ``.<target>`` (PEFT's suffix matching), and they count in the total too.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`load_model`.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = check_model_source(name_or_path)
+    config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    base = sum(p.numel() for p in model.parameters())  # a tied lm_head counts once
+    if lora_rank is None:
+        return base, base
+    targets = lora_targets or []
+    adapters = sum(
+        lora_rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)
+    )
+    return base + adapters, adapters
+
+
 def load_tokenizer(name_or_path: str | Path, **kwargs: Any) -> PreTrainedTokenizerBase:
     """Load a tokenizer by hub name or local path with ``AutoTokenizer``; it must have a chat template.
 

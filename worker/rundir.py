@@ -7,11 +7,13 @@ outputs/<name>/
   metrics.jsonl               one JSON object per (source, step): {"source", "step", "time", <name>: value, ...}
   logs/<process>.log          stdout/stderr of inference, orchestrator, trainer
   batches/step_<n>.json       orchestrator -> trainer: packed micro-batches for trainer step n
-  rollouts/step_<n>.jsonl     every rollout of step n (prompt, completion, reward, advantage, policy span)
+  rollouts/step_<n>.jsonl     every rollout of step n (group, task, completion, reward, advantage, policy span, token
+                              ids, sampling log-probs and loss mask: ``Rollout.record``)
   weights/step_<n>/           trainer -> inference: policy version n (safetensors, STABLE marker last)
   checkpoints/step_<n>/{trainer,orchestrator}/   each part renamed into place, `.complete` marker inside
   policy_check/probe.json     trainer -> orchestrator: the served-policy check's probe tokens (``worker.policy_check``)
   policy_check/step_<n>.json  the trainer's log-probs of the probe under policy version n (0: the base), all kept
+  progress/<process>.json     trainer, orchestrator: progress record rewritten every second (``worker.progress``)
   final/                      the trained model (save_pretrained), loadable by name-or-path code
   summary.json
 ```
@@ -268,11 +270,16 @@ def atomic_write_text(path: Path, text: str, what: str | None = None) -> None:
         DiskFull: the filesystem is full (``what``, default the file's name, says what was written).
         OSError: any other failure to write.
     """
+    atomic_write_bytes(path, text.encode(), what)
+
+
+def atomic_write_bytes(path: Path, data: bytes, what: str | None = None) -> None:
+    """:func:`atomic_write_text` of bytes (UTF-8 text already encoded). Errors: as :func:`atomic_write_text`."""
     with writing(what or path.name, path):
         path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with writing(what or path.name, path, partial=tmp):
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
 
 
@@ -281,7 +288,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def append_jsonl(path: Path, obj: dict[str, Any]) -> None:
-    """Append one JSON line; a single ``write`` on an O_APPEND file keeps concurrent writers' lines whole. A write the
+    """Append one JSON line (:func:`append_jsonl_rows` of one row). Errors: as :func:`append_jsonl_rows`."""
+    append_jsonl_rows(path, [obj])
+
+
+def append_jsonl_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append one JSON line per row of ``rows`` in one ``write`` (a step's rollout records: one open and one write,
+    not one per rollout); a single ``write`` on an O_APPEND file keeps concurrent writers' lines whole. A write the
     full disk cut short is taken back (the file is truncated to where the line began, unless another writer
     appended meanwhile), so no torn line is left for a later line to be glued to.
 
@@ -289,7 +302,7 @@ def append_jsonl(path: Path, obj: dict[str, Any]) -> None:
         DiskFull: the filesystem is full.
         OSError: any other failure to write.
     """
-    line = (json.dumps(obj, allow_nan=True) + "\n").encode()
+    line = "".join(json.dumps(obj, allow_nan=True) + "\n" for obj in rows).encode()
     with writing(path.name, path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -382,6 +395,10 @@ class RunDir:
     weights = property(lambda self: self.root / "weights")
     checkpoints = property(lambda self: self.root / "checkpoints")
     final = property(lambda self: self.root / "final")
+    eval_source = property(lambda self: self.root / "source")
+    """An eval job's copy of the weights it evaluates (``server.services.runs.attach_eval_source``)."""
+    eval_model = property(lambda self: self.root / "model")
+    """An eval job's model folder made from ``eval_source`` (``worker.evaluation.job_model``)."""
     summary = property(lambda self: self.root / "summary.json")
     policy_check = property(lambda self: self.root / "policy_check")
     policy_check_probe = property(lambda self: self.policy_check / "probe.json")
@@ -479,10 +496,21 @@ def run_process(process: str, main: Callable[[], int], argv: list[str] | None = 
         return 1
 
 
-EngineEventKind = Literal["disk_full", "truncated", "policy_check_failed"]
+EngineEventKind = Literal[
+    "disk_full",
+    "truncated",
+    "policy_check_failed",
+    "stalled",
+    "progress_resumed",
+    "eval_abandoned",
+    "inference_resumed",
+]
 ENGINE_EVENTS: tuple[str, ...] = get_args(EngineEventKind)
 """Events of ``events.jsonl`` that the supervisor forwards to the server's run events (``worker.reporter``): what a
-run process warns about (``truncated``, case C24) or died of (``disk_full``; ``policy_check_failed``, case C14, either). The launcher's own events (``starting``,
+run process warns about (``truncated``, case C24) or died of (``disk_full``; ``policy_check_failed``, case C14, either);
+the hang watchdog's ``stalled`` and ``progress_resumed`` (``worker/progress.py``, case C18) and an abandoned eval
+(``eval_abandoned``, case C19); an inference server found left paused by a killed orchestrator and resumed
+(``inference_resumed``). The launcher's own events (``starting``,
 ``running``, the final status) reach the server as status reports instead."""
 
 FINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})

@@ -4,13 +4,17 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
 
 - holds an exclusive ``flock`` on ``<home>/supervisor.lock`` for its whole life, so at most one supervisor
   (and one set of run processes) exists per run, and a redelivered launch finds and adopts it;
-- runs the run with the local launcher (``worker.launchers.local.launch_rl``), whose processes inherit its
+- runs the run with the local launcher (``worker.launchers.local.launch_rl``; ``launch_sft`` for a
+  ``kind = "sft"`` run: one process, the SFT trainer; ``launch_eval`` for an eval job), whose processes inherit its
   environment: ``ASYNCRL_RUN_ID``, ``ASYNCRL_RUN_TOKEN``, ``ASYNCRL_SERVER_URL`` and the worker's variables that
   :func:`worker.procs.run_environ` lets through (never the database or broker URL, the server's secret or
   another run's token);
 - talks to the server over HTTP only, through :class:`worker.reporter.Reporter`: metrics, live config, status
   changes, and the final status, spooled in ``<home>/final.json`` before it is reported;
 - turns SIGTERM (``asyncrl runs stop``) into a clean cancel: the launcher tears its processes down;
+- is the hang watchdog's decider (``worker/progress.py``): the launcher's follow loop reads the processes' progress
+  records and probes inference, and writes ``stalled`` / ``progress_resumed`` events, which the reporter forwards; the
+  service fires the alert rules and applies ``watchdog.on_stall`` (``launch_rl(act_on_stall=False)``);
 - inside a Slurm job, checkpoints and requeues before the time limit and resumes a requeued attempt
   (:mod:`worker.launchers.slurm_job`).
 
@@ -29,7 +33,9 @@ import json
 import logging
 import os
 import pwd
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -136,8 +142,17 @@ def run_user(name: str, *, run_id: int | None = None, uid_base: int = 0, home: P
 
 
 def give_home(home: Path, user: RunUser) -> None:
-    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's."""
-    for path in (home, *home.rglob("*")):
+    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's.
+
+    A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run_files``) is first
+    replaced by a copy of its own: changing the owner of the shared inode would give the child run's uid the
+    parent's files to rewrite (found by a helper, 2026-12-04)."""
+    for path in [home, *home.rglob("*")]:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            private = path.with_name(f".{path.name}.own")
+            shutil.copy2(path, private)
+            os.replace(private, path)
         os.lchown(path, user.uid, user.gid)
 
 
@@ -351,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("could not write the pid into %s: %s", home.lock, err)
     signal.signal(signal.SIGTERM, _on_sigterm)
 
-    from worker.spec import RLSpec, SpecError, validate_spec
+    from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError, validate_spec
 
     run_id = int(os.environ["ASYNCRL_RUN_ID"])
     client = httpx.Client(
@@ -359,11 +374,14 @@ def main(argv: list[str] | None = None) -> int:
         timeout=30.0,
         headers={"Authorization": f"Bearer {os.environ['ASYNCRL_RUN_TOKEN']}"},
     )
-    spec = validate_spec("rl", json.loads(home.spec.read_text()))
-    assert isinstance(spec, RLSpec)
+    data = json.loads(home.spec.read_text())
+    spec = validate_spec(str(data.get("kind", "rl")), data)
     resume, attempt = args.resume, slurm_job.attempt()
     requeue: dict[str, Any] | None = None
+    if attempt is not None and not isinstance(spec, RLSpec):
+        attempt = None  # an SFT run or an eval job is launched locally only (no Slurm job)
     if attempt is not None:
+        assert isinstance(spec, RLSpec)
         slurm_job.on_time_limit(spec.run_dir, spec.launcher.slurm.signal_before_end_s)
     if attempt:
         requeue = slurm_job.start_requeued(attempt, spec.run_dir, home)
@@ -378,9 +396,14 @@ def main(argv: list[str] | None = None) -> int:
     reporter.requeue = requeue
     reporter.start()
     try:
-        from worker.launchers.local import launch_rl
+        from worker.launchers.local import launch_eval, launch_rl, launch_sft
 
-        summary = launch_rl(spec, resume=resume, quiet=True)
+        if isinstance(spec, SFTSpec):
+            summary = launch_sft(spec, resume=resume, quiet=True)
+        elif isinstance(spec, EvalSpec):
+            summary = launch_eval(spec, quiet=True)
+        else:
+            summary = launch_rl(spec, resume=resume, quiet=True, act_on_stall=False)  # the service acts on a stall
         status, reason = summary["status"], str(summary.get("reason") or _last_reason(spec.run_dir))
     except SpecError as err:
         status, reason = "failed", f"preflight: {err}"

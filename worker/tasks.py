@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,10 @@ from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
 from server.models import TERMINAL, EngineEvent, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
-from server.services import capacity, exports, metrics, runs, spec_policy, tokens
+from server.services import capacity, exports, metrics, pipelines, runs, spec_policy, sweeps, tokens
 from server.services.permissions import Forbidden
 from worker import cgroups, supervisor
-from worker.celery_app import TaskName, app
+from worker.celery_app import TaskName, app, enqueue
 from worker.procs import alive, live_processes, started_at
 from worker.reporter import row_to_event, rows_to_points
 from worker.run_files import RunFileRefused, copy_run_folder, open_run_file
@@ -88,28 +89,33 @@ def launch(run_id: int) -> str:
             if (waiting := _hold_for_slot(session, run, worker=capacity.worker_name())) is not None:
                 return waiting
             resume = bool(runs.checkpoint_steps(run))
-            unit, unit_line = _run_unit(run)
-            try:
-                pid = supervisor.start(
-                    home,
-                    run_id=run_id,
-                    spec=run.spec,
-                    token=tokens.run_token(run),
-                    server_url=settings.server_url(),
-                    resume=resume,
-                    attempt=attempt,
-                    allow_env=settings.RUN_ENV_ALLOW,
-                    user=supervisor.run_user(
-                        settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home
-                    ),
-                    cgroup=unit,
-                )
-            except (
-                ValueError,
-                OSError,
-            ) as err:  # RUN_USER / RUN_UID_BASE unusable, the home cannot be written, or no supervisor
-                cgroups.end_run(unit, None, started_before=None)
-                return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
+            for tries in range(1, CGROUP_TRIES + 1):
+                unit, unit_line = _run_unit(run)
+                try:
+                    pid = supervisor.start(
+                        home,
+                        run_id=run_id,
+                        spec=run.spec,
+                        token=tokens.run_token(run),
+                        server_url=settings.server_url(),
+                        resume=resume,
+                        attempt=attempt,
+                        allow_env=settings.RUN_ENV_ALLOW,
+                        user=supervisor.run_user(
+                            settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home
+                        ),
+                        cgroup=unit,
+                    )
+                    break
+                except (
+                    ValueError,
+                    OSError,
+                ) as err:  # RUN_USER / RUN_UID_BASE unusable, the home cannot be written, or no supervisor
+                    if unit is not None and not unit.exists() and tries < CGROUP_TRIES:
+                        time.sleep(0.5)  # the stop of the previous attempt removed the cgroup before we joined it
+                        continue
+                    cgroups.end_run(unit, None, started_before=None)
+                    return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
         run.launcher, run.launcher_handle, run.worker = "local", str(pid), capacity.worker_name()
         reason = "adopted the running supervisor" if adopted else "launched"
         runs.transition(session, run, RunStatus.starting, reason=reason, pid=pid, adopted=adopted)
@@ -129,6 +135,11 @@ def _launch_error(err: Exception, home: Path) -> str:
         if where.is_relative_to(home) or home.is_relative_to(where):
             return describe_os_error(err)
     return str(err)
+
+
+CGROUP_TRIES = 3
+"""Starts of a supervisor whose cgroup vanished between ``prepare`` and its join: a resume launched while the stop of
+the run's previous attempt (``supervisor.terminate``) is still ending it removes the cgroup of the same name."""
 
 
 def _run_unit(run: Run) -> tuple[cgroups.RunCgroup | None, str]:
@@ -174,7 +185,8 @@ def _refusal(session: Session, run: Run) -> str | None:
     started, never against one an earlier delivery already started."""
     owner = tokens.user(session, run.owner)
     try:
-        spec_policy.check(validate_spec("rl", run.spec), admin=owner is not None and owner.role == Role.admin)
+        spec = validate_spec(str(run.spec.get("kind", "rl")), run.spec)
+        spec_policy.check(spec, admin=owner is not None and owner.role == Role.admin)
     except (SpecError, Forbidden) as err:
         return f"refused at launch: {err}"
     return None
@@ -257,7 +269,11 @@ def _launch_slurm(session: Session, run: Run) -> str:
 
 
 def stop(run_id: int, grace_s: float = 30.0) -> str:
-    """Terminate the run's process group (not holding the row lock meanwhile), then mark it ``cancelled``."""
+    """Terminate the run's process group (not holding the row lock meanwhile), then mark it ``cancelled``. A stop the
+    hang watchdog asked with a restart (``watchdog.on_stall = "restart"``: ``runs.restart_requested``) then resumes the
+    run from its newest complete checkpoint and enqueues its launch; refused (no checkpoint, the checkpoint has not
+    moved since the last watchdog restart, ``runs.MAX_WATCHDOG_RESTARTS`` reached: ``runs.watchdog_restart``) it stays
+    cancelled with a ``restart_failed`` event."""
     with Session(engine) as session:
         try:
             run = runs.get(session, run_id)
@@ -277,14 +293,19 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
         supervisor.terminate(int(handle), grace_s=grace_s, cgroup=unit)
     with Session(engine) as session:
         run = runs.get(session, run_id, lock=True)
-        if RunStatus(run.status) in TERMINAL:  # the supervisor reported its own end first
-            return f"stopped: run {run_id} is {run.status}"
         if run.launcher_handle != handle:  # resumed meanwhile (a new launch): that one is not ours to cancel
             return f"stopped: run {run_id} was relaunched (handle {run.launcher_handle})"
-        runs.transition(session, run, RunStatus.cancelled, reason="stopped", pid=handle)
+        ended = RunStatus(run.status) in TERMINAL  # the supervisor reported its own end first
+        if not ended:
+            runs.transition(session, run, RunStatus.cancelled, reason="stopped", pid=handle)
+        restarted = runs.watchdog_restart(session, run)
+        status = run.status  # read inside the session: the row is detached after it closes
         session.commit()
+    if restarted is not None:
+        enqueue(TaskName.launch_run, run_id)
+        return f"restarted: run {run_id} from checkpoint step {restarted}"
     start_waiting()  # its slot is free
-    return f"stopped: run {run_id}"
+    return f"stopped: run {run_id} is {status}" if ended else f"stopped: run {run_id}"
 
 
 def _last_lines(home: Path, rel: str, n: int) -> str:
@@ -303,6 +324,7 @@ def reconcile() -> list[int]:
     """End every starting/running/paused local run whose supervisor process is gone: with the final status the
     supervisor spooled for this attempt (``<home>/final.json``, written when it could not reach the server), else
     ``failed`` with the reason ``supervisor <pid> is gone`` and the last lines of its events and supervisor log.
+    Either way the metric points of ``metrics.jsonl`` it had not forwarded are stored first.
     Idempotent (an ended run is no longer checked). Assumes the worker running it shares the machine (and /proc)
     with the supervisors, as the local launcher does. Returns the ids of the runs it failed (not those it ended
     from a spool).
@@ -337,8 +359,8 @@ def reconcile() -> list[int]:
             _record_leftovers(session, run, killed, pid, "supervisor gone")
             final = SupervisorHome(home).read_final(current_attempt(session, run_id))
             _ingest_spooled_events(session, run, home)  # e.g. the disk_full that ended it, written after the last send
+            points = _ingest_spooled_metrics(session, run, home)  # what it measured but had not sent, either way
             if final is not None:  # the supervisor ended but could not tell the server: deliver what it spooled
-                points = _ingest_spooled_metrics(session, run, home)
                 _apply_final(session, run, final, pid=pid, by="reconcile")
                 session.commit()
                 logger.info(
@@ -486,8 +508,9 @@ def _ingest_spooled_events(session: Session, run: Run, home: Path) -> int:
 
 def _reconcile_slurm(session: Session, run: Run) -> bool:
     """End a live Slurm run whose job has ended or is gone (``scontrol``/``squeue``; no accounting database):
-    ``cancelled`` when the job was cancelled, else ``failed`` with the job state, Slurm's reason and the last lines
-    of the job's log. Returns whether it ended the run. A worker without Slurm commands leaves it alone."""
+    ``cancelled`` when the job was cancelled, else ``failed`` with the job state, Slurm's reason, the nodes it lost
+    (``NODE_FAIL``: ``lost node asrl-n3 (DOWN: ...)``) and the last lines of the job's log. Returns whether it ended
+    the run. A worker without Slurm commands leaves it alone."""
     from worker.launchers import slurm
 
     try:
@@ -508,6 +531,12 @@ def _reconcile_slurm(session: Session, run: Run) -> bool:
         if x
     )
     what = "is gone" if job is None else f"ended {job.state} (reason {job.reason}, exit code {job.exit_code})"
+    try:  # a node of the job lost (Slurm ends the job NODE_FAIL): named, as the supervisor names it
+        lost = slurm.lost_nodes(job.nodes) if job is not None and job.state == "NODE_FAIL" else {}
+    except slurm.SlurmError as err:
+        logger.warning("reconcile: run %s: cannot ask Slurm for its nodes (%s)", run.id, err)
+        lost = {}
+    what += "".join(f"; lost node {node} ({state})" for node, state in lost.items())
     reason = f"Slurm job {run.launcher_handle} {what}" + (f"; last lines:\n{context}" if context else "")
     to = RunStatus.cancelled if job is not None and job.state == "CANCELLED" else RunStatus.failed
     runs.transition(session, run, to, reason=reason[:2000], job=run.launcher_handle, by="reconcile")
@@ -527,6 +556,51 @@ def reconcile_runs() -> list[int]:
     for result in start_waiting():
         logger.info(result)
     return failed
+
+
+def _tick_each(
+    kind: str, running_ids: Callable[[Session], Sequence[int]], tick: Callable[[Session, int], list[str]]
+) -> list[str]:
+    """Advance every running sweep or pipeline (``kind``) once with ``tick``, each in its own session; returns what
+    was done, one line each. One whose tick fails is logged and tried again next time; the others still advance."""
+    with Session(engine) as session:
+        ids = running_ids(session)
+    done = []
+    for item_id in ids:
+        try:
+            with Session(engine) as session:
+                done += [f"{kind} {item_id}: {line}" for line in tick(session, item_id)]
+        except Exception:
+            logger.exception("tick of %s %s failed", kind, item_id)
+    return done
+
+
+def tick_sweeps() -> list[str]:
+    """Advance every running sweep once (``server.services.sweeps.tick``: decide its due rungs and stop the pruned
+    runs, start trials up to ``max_parallel``, complete it); returns what was done."""
+    return _tick_each("sweep", sweeps.running_ids, sweeps.tick)
+
+
+def tick_pipelines() -> list[str]:
+    """Advance every running pipeline once (``server.services.pipelines.tick``: end the current stage whose run ended,
+    start the next stage's run, complete or fail the pipeline); returns what was done."""
+    return _tick_each("pipeline", pipelines.running_ids, pipelines.tick)
+
+
+def _logged(done: list[str]) -> list[str]:
+    for line in done:
+        logger.info(line)
+    return done
+
+
+@app.task(name=TaskName.tick_sweeps.value)
+def tick_sweeps_task() -> list[str]:
+    return _logged(tick_sweeps())
+
+
+@app.task(name=TaskName.tick_pipelines.value)
+def tick_pipelines_task() -> list[str]:
+    return _logged(tick_pipelines())
 
 
 @app.task(name=TaskName.start_waiting.value)

@@ -22,6 +22,7 @@ import verifiers.v1 as vf
 from pydantic import Field, ValidationError
 from verifiers.v1.graph import MessageNode
 
+from worker import progress
 from worker.orchestrator.harness_runtime import harness_missing
 from worker.spec.user_code import BUILTIN_ENVS, ENV_ID
 
@@ -231,14 +232,16 @@ class Environment:
         respond = getattr(task, "env_response", None)
         if respond is None:
             raise TypeError(f"{self.id}: task {task.key} has no env_response (single-turn)")
-        return await respond(self.trace(task, turns))
+        with progress.recorder.call("environment", f"{self.id} env_response"):
+            return await respond(self.trace(task, turns))
 
     async def score_conversation(self, task: vf.Task, turns: list[dict[str, Any]]) -> vf.Trace:
         """The scored verifiers trace of the task's prompt followed by `turns` (chat messages after the
         prompt): `trace.rewards` (name -> score, weight), `trace.metrics`, and `trace.reward`, the weighted sum."""
         trace = self.trace(task, turns)
         try:
-            await task.score(trace)  # no runtime: rewards that need one are skipped, as in `vf replay`
+            with progress.recorder.call("environment", f"{self.id} score"):
+                await task.score(trace)  # no runtime: rewards that need one are skipped, as in `vf replay`
         except vf.TaskError as e:
             logger.warning("%s: scoring task %s failed: %s", self.id, task.key, e)
         return trace

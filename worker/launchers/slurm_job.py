@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.checkpoint import complete_steps, request, resume_step
-from worker.launchers.slurm import SlurmError, state
+from worker.launchers.slurm import SlurmError, lost_nodes, state
 from worker.rundir import RunDir, SupervisorHome, read_jsonl
 
 logger = logging.getLogger("asyncrl.supervisor")
@@ -96,21 +96,27 @@ def start_requeued(restarts: int, run_dir: Path, home: SupervisorHome) -> dict[s
     return {"restarts": restarts, "resume_step": step, "job": job}
 
 
-def requeued(restarts: int) -> bool:
-    """After SIGTERM: whether Slurm requeued the job (its restart count went past attempt ``restarts``) rather than
-    cancelled it (``scancel`` leaves the count alone)."""
-    try:
-        current = state(os.environ["SLURM_JOB_ID"])
-    except SlurmError as err:
-        logger.warning("cannot ask Slurm whether the job was requeued: %s", err)
-        return False
-    return current is not None and current.restarts > restarts
-
-
 def end_status(restarts: int) -> tuple[str | None, str]:
     """The status and reason to report after Slurm's SIGTERM in attempt ``restarts``: none when the job was requeued
-    (the next attempt reports), else ``cancelled`` (``scancel`` or the time limit)."""
+    (the next attempt reports), else ``failed`` naming the lost nodes when a node of the job is down, drained or not
+    responding (Slurm ends the job on the loss of a node: ``lost node asrl-n3 (DOWN: test)``) or the job ended
+    ``NODE_FAIL`` (a node that is back already), else ``cancelled`` (``scancel`` or the time limit)."""
     job = os.environ["SLURM_JOB_ID"]
-    if requeued(restarts):
-        return None, f"Slurm job {job} requeued"
+    try:
+        lost = lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""))
+    except SlurmError as err:
+        logger.warning("cannot ask Slurm for the state of the job's nodes: %s", err)
+        lost = {}
+    why = "; ".join(f"lost node {node} ({what})" for node, what in lost.items())
+    try:
+        current = state(job)
+    except SlurmError as err:
+        logger.warning("cannot ask Slurm whether the job was requeued: %s", err)
+        current = None
+    if current is not None and current.restarts > restarts:  # requeued (scancel leaves the count alone)
+        return None, f"Slurm job {job} requeued" + (f" after it {why}" if why else "")
+    if current is not None and current.state == "NODE_FAIL":  # the node may be back already (ReturnToService=2)
+        why = why or "lost a node (NODE_FAIL)"
+    if why:
+        return "failed", f"Slurm job {job} {why}"
     return "cancelled", f"Slurm job {job} terminated (scancel or time limit)"

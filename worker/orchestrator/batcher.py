@@ -53,9 +53,15 @@ class Rollout:
         """The completion's loss mask (aligned with ``completion_ids``)."""
         return [1] * len(self.completion_ids) if self.completion_mask is None else self.completion_mask
 
-    def record(self, step: int) -> dict[str, Any]:
+    def record(self, step: int, group: int | None = None) -> dict[str, Any]:
+        """The rollout's line of ``rollouts/step_<step>.jsonl`` (``worker.rundir``), ``group`` its group's index in
+        the step. The token fields are as sampled: ``prompt_ids`` (P,), and ``completion_ids``,
+        ``completion_logprobs`` (vLLM's log-probs of the sampled tokens, nats; 0.0 on environment tokens) and
+        ``completion_mask`` (1: sampled by the model, 0: an environment/tool turn), all (C,); ``dropped`` says why
+        the batcher did not train it (None: trained)."""
         return {
             "step": step,
+            **({"group": group} if group is not None else {}),
             "task": self.task_key,
             "completion": self.completion_text,
             "reward": self.reward,
@@ -67,6 +73,11 @@ class Rollout:
             **({"role": self.role, "episode": self.episode} if self.role is not None else {}),
             **({"env": self.env} if self.env else {}),
             "generation_s": self.generation_s,
+            "dropped": self.dropped,
+            "prompt_ids": list(self.prompt_ids),
+            "completion_ids": list(self.completion_ids),
+            "completion_logprobs": list(self.completion_logprobs),
+            "completion_mask": list(self.loss_mask),
         }
 
 

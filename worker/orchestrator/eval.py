@@ -11,6 +11,7 @@ import asyncio
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from worker import progress
 from worker.envs import Environment
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.rollouts import rollout_group
@@ -70,6 +71,7 @@ async def evaluate(
             max_len=max_len,
             seed=None if seed is None else request_seed(seed, index),
         )
+        progress.recorder.tick("eval_groups")
         return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
 
     results = await asyncio.gather(*(one(i) for i in range(count)))

@@ -20,9 +20,14 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
 - **weight watcher**: when the trainer publishes a newer version, pause inference (in-flight
   requests kept), load the weights in place (by path, or received over the weight-sync process group:
   ``worker/weight_sync/load.py``), reset the prefix cache, resume.
-- **eval**: held-out reward and pass@k at the start, every ``eval.interval`` steps and at the end.
+- **eval**: held-out reward and pass@k at the start, every ``eval.interval`` steps and at the end; the eval of step
+  n is of policy version n (it waits for the trainer's version n: the version served when batch n is written is
+  older, up to ``max_async_level`` behind, so evals would land at steps 8/18/28 of an interval of 10).
+- **replicas** (``inference.replicas`` / ``inference.urls``, one ``--inference-url`` each): a ``ReplicaPool``
+  (``worker/inference/pool.py``) routes each rollout group to one replica, publishes each version to all of them and
+  drops / takes back a lost one; one URL: the single client, as above.
 
-Run as ``python -m worker.orchestrator --run-dir DIR --inference-url URL [--resume-step K]``.
+Run as ``python -m worker.orchestrator --run-dir DIR --inference-url URL [--inference-url URL2 ...] [--resume-step K]``.
 """
 
 from __future__ import annotations
@@ -31,17 +36,23 @@ import argparse
 import asyncio
 import contextvars
 import logging
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from worker import progress
 from worker.batch import TrainSample, write_batch
 from worker.checkpoint import due as checkpoint_due
 from worker.checkpoint import write_part
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
+from worker.inference.pool import Loader, Replica, ReplicaPool
+from worker.inference.warmup import warm_up
 from worker.live_config import LiveConfig
 from worker.lora_adapters import ADAPTER_CONFIG, adapters_in_use, lora_adapter_name
 from worker.orchestrator import advantages
@@ -57,14 +68,19 @@ from worker.packing import pack, pack_shared_prompt, prompt_keys
 from worker.policy_check import (
     DEFAULT_TOLERANCE,
     LORA_UNSUPPORTED,
+    CheckResult,
     PolicyCheckFailed,
+    Probe,
     compare,
+    max_abs_diff,
     read_logprobs,
     read_probe,
 )
 from worker.policy_check import applies as policy_check_applies
-from worker.rundir import RunDir, append_jsonl, read_jsonl
+from worker.rundir import RunDir, append_jsonl_rows, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
+from worker.system_metrics import ProcessSampler
+from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 
 T = TypeVar("T")
 TRUNCATED_WARN_FRACTION = 0.5
@@ -75,17 +91,28 @@ _STEP_SPEC: contextvars.ContextVar[RLSpec] = contextvars.ContextVar("asyncrl_ste
 
 
 class Orchestrator:
-    def __init__(self, spec: RLSpec, run: RunDir, inference_url: str, start_step: int) -> None:
+    pool: ReplicaPool | None = None
+    """Several inference replicas (``worker/inference/pool.py``); None: one server, ``self.client`` alone."""
+
+    def __init__(self, spec: RLSpec, run: RunDir, inference_url: str | list[str], start_step: int) -> None:
         from transformers import AutoTokenizer
 
         self.spec, self.run, self.start_step = spec, run, start_step
+        self.system = ProcessSampler()  # CPU % and RSS of this process, logged each step
         inf = spec.inference
-        self.client = InferenceClient(
-            inference_url,
-            connect_timeout_s=inf.connect_timeout_s,
-            read_timeout_s=inf.read_timeout_s,
-            max_retries=inf.max_retries,
-        )
+        urls = [inference_url] if isinstance(inference_url, str) else list(inference_url)
+        inference_url = urls[0]
+        clients = [
+            InferenceClient(
+                url,
+                connect_timeout_s=inf.connect_timeout_s,
+                read_timeout_s=inf.read_timeout_s,
+                max_retries=inf.max_retries,
+            )
+            for url in urls
+        ]
+        self.client = clients[0]
+        self.pool = ReplicaPool(clients, run, version=start_step) if len(clients) > 1 else None
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
         self.sampler = EnvMixture.load(
             spec.envs,
@@ -100,6 +127,10 @@ class Orchestrator:
         cursors (and curriculum state) of the checkpoint resumed from."""
         self.train_env: Environment = self.sampler.envs[0].train
         self.eval_env: Environment = self.sampler.envs[0].eval
+        if self.pool is not None and any(e.train.needs_harness for e in self.sampler.envs):  # refused at launch
+            raise ValueError(
+                "inference.replicas: tasksets with tools (the agent harness) run on one inference server for now"
+            )
         self.harness: HarnessRunner | None = (
             HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
             if any(e.train.needs_harness for e in self.sampler.envs)
@@ -124,13 +155,14 @@ class Orchestrator:
         collide with the first's, and with seeded sampling it would give the same numbers)."""
         self._truncation_warned = False
         self._policy_check_warned: set[int] = set()
-        """Versions whose failed served-policy check was warned about already (``on_fail = "warn"``); -1: the LoRA skip."""
+        """Versions whose failed served-policy check was warned about already (``on_fail = "warn"``); -1: the skip of a
+        LoRA run targeting lm_head."""
         self._policy_check_failure: tuple[int, str] | None = None
         """The (version, reason) of the last failed served-policy check, until :meth:`fail_policy_check` sees it."""
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
         self.weight_sync = None
         """Loads versions the trainer sends over the weight-sync process group (None: filesystem only)."""
-        if spec.trainer.weight_sync.kind == "process_group":
+        if spec.trainer.weight_sync.kind in ("process_group", "cuda_ipc"):
             from worker.weight_sync.load import WeightReceiver
 
             self.weight_sync = WeightReceiver(self.client, run, spec.trainer.weight_sync)
@@ -148,27 +180,47 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ policy versions
 
-    async def load_policy(self, path: Path, version: int) -> float:
-        """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume; seconds.
+    async def load_policy(self, path: Path, version: int) -> dict[str, float]:
+        """Pause (in-flight requests kept), load weights in place, reset prefix cache, resume.
+
+        Returns the ``inference`` metrics of the update, wall seconds as the orchestrator saw them:
+        ``weight_update_s`` (pause -> resume; with replicas until every replica acked) and, when the reply has them
+        (:meth:`InferenceClient.publish_weights`; with replicas the first acked replica's), its parts
+        ``weight_update_pause_s`` (until the engine stopped: it finishes the step it is in) and
+        ``weight_update_load_s`` (the load itself, request included); the rest is the prefix-cache reset and resume.
 
         A LoRA policy version (``path`` holds ``adapter_config.json``: ``[trainer.lora]``) is loaded as vLLM adapter
         ``lora_adapter_name(run, version)`` instead, and rollouts from then on name it as their ``model``; adapters
         older than the newest ``adapters_in_use(max_async_level)`` are unloaded (``worker/lora_adapters.py``: running
-        rollouts may still name the others). A full model folder (a LoRA run's version 0 on a shared server) is
+        rollouts may still name the others). With the test-only ``ASYNCRL_TEST_SKIP_WEIGHT_LOAD`` in the
+        orchestrator's environment an adapter is not loaded and rollouts keep naming the model served before (case
+        C14 for LoRA; a full-weight load is skipped by the server: ``worker.weight_sync.load.TEST_SKIP_LOAD_VAR``). A full model folder (a LoRA run's version 0 on a shared server) is
         loaded in place and rollouts name the base model.
         """
         adapter = lora_adapter_name(self.run.root, version) if (path / ADAPTER_CONFIG).is_file() else None
         load: Callable[[Path], Awaitable[dict[str, Any]]] | None
-        if adapter is not None:
+        if adapter is not None and os.environ.get(TEST_SKIP_LOAD_VAR):  # test only (case C14 for LoRA)
+            adapter = self.client.model  # the adapter never reaches inference: rollouts keep naming the old model
+
+            async def load(folder: Path) -> dict[str, Any]:  # noqa: ARG001
+                return {}
+
+        elif adapter is not None:
 
             async def load(folder: Path) -> dict[str, Any]:
                 return await self.client.load_lora_adapter(adapter, folder)
 
         else:
             load = self.weight_sync.load if self.weight_sync is not None else None
-        info = await self.client.publish_weights(path, load=load)
+        if self.pool is not None:
+            info = await self.pool.publish(path, version, self._loader(adapter, load))
+        else:
+            info = await self.client.publish_weights(path, load=load)
         async with self._version_changed:
-            self.client.model = adapter  # None: the server's base model
+            if self.pool is not None:
+                self.pool.model = adapter  # every replica's requests name it
+            else:
+                self.client.model = adapter  # None: the server's base model
             if self.harness is not None:
                 self.harness.adapter = adapter
             self.policy_version = version
@@ -177,22 +229,52 @@ class Orchestrator:
             self._adapters.append(adapter)
             while len(self._adapters) > adapters_in_use(self.spec.orchestrator.max_async_level):
                 old = self._adapters.pop(0)
-                try:
-                    await self.client.unload_lora_adapter(old)
-                except InferenceError as e:  # the run goes on; the server keeps one more small adapter
-                    logger.warning("could not unload LoRA adapter %s: %s", old, e)
-        return float(info["total_s"])
+                for client in [self.client] if self.pool is None else [r.client for r in self.pool.healthy()]:
+                    try:
+                        await client.unload_lora_adapter(old)
+                    except InferenceError as e:  # the run goes on; the server keeps one more small adapter
+                        logger.warning("could not unload LoRA adapter %s: %s", old, e)
+        out = {"weight_update_s": float(info["total_s"])}
+        for part in ("pause_s", "load_s"):
+            if isinstance(info.get(part), int | float):
+                out[f"weight_update_{part}"] = float(info[part])
+        return out
+
+    @staticmethod
+    def _loader(adapter: str | None, load: Callable[[Path], Awaitable[dict[str, Any]]] | None) -> Loader:
+        """Each replica's ``load`` of a version (``ReplicaPool.publish``): its own LoRA adapter load, the test-only
+        skip, or an in-place load by path (the spec allows only the filesystem weight sync with replicas)."""
+        if adapter is None or load is None:
+            return lambda client: load
+
+        def loader(client: InferenceClient) -> Callable[[Path], Awaitable[dict[str, Any]]]:
+            if os.environ.get(TEST_SKIP_LOAD_VAR):
+                return load
+
+            async def load_on(folder: Path) -> dict[str, Any]:
+                return await client.load_lora_adapter(adapter, folder)
+
+            return load_on
+
+        return loader
 
     async def watch_weights(self) -> None:
         while True:
             latest = self.run.latest_stable_weights()
             if latest is not None and latest[0] > self.policy_version:
                 version, path = latest
-                seconds = await self.load_policy(path, version)
+                update = await self.load_policy(path, version)
                 checked = await self.check_policy(version)
-                self.run.log_metrics("inference", version, {"weight_update_s": seconds, **checked})
+                replicas = self.pool.metrics() if self.pool is not None else {}
+                self.run.log_metrics("inference", version, {**update, **checked, **replicas})
                 self.fail_policy_check(version)
-                logger.info("policy version %d loaded in %.2fs", version, seconds)
+                logger.info(
+                    "policy version %d loaded in %.2fs (pause %.3fs, load %.3fs)",
+                    version,
+                    update["weight_update_s"],
+                    update.get("weight_update_pause_s", float("nan")),
+                    update.get("weight_update_load_s", float("nan")),
+                )
             await asyncio.sleep(0.05)
 
     async def check_policy(self, version: int, wait_s: float = 0.0) -> dict[str, float | int | None]:
@@ -223,6 +305,10 @@ class Orchestrator:
         if trainer is None or base is None:
             logger.warning("policy check of version %d skipped: the trainer wrote no log-probs of it", version)
             return {}
+        t0 = time.monotonic()
+        tolerance = check.tolerance or DEFAULT_TOLERANCE[self.spec.model.dtype]
+        if self.pool is not None:
+            return await self._check_replicas(version, probe, trainer, base, tolerance, check.base_updates)
         try:
             served = await asyncio.gather(
                 *(
@@ -233,14 +319,65 @@ class Orchestrator:
         except InferenceError as e:  # a server that died fails the run through its rollouts; this check only warns
             logger.warning("policy check of version %d skipped: inference did not answer the probe: %s", version, e)
             return {}
-        tolerance = check.tolerance or DEFAULT_TOLERANCE[self.spec.model.dtype]
         result = compare(version, served, trainer, base, tolerance=tolerance, base_updates=check.base_updates)
+        return self._checked(version, result, tolerance, t0)
+
+    async def _check_replicas(
+        self,
+        version: int,
+        probe: Probe,
+        trainer: list[list[float]],
+        base: list[list[float]],
+        tolerance: float,
+        base_updates: int,
+    ) -> dict[str, float | int | None]:
+        """The served-policy check on every replica that acked ``version``: one ``compare`` each; the failure of the
+        first replica that fails is the run's; metrics: the worst replica's, ``policy_check_max_abs_diff/r<i>`` of
+        each and ``policy_check_replica_max_abs_diff`` = max over probe tokens and replicas of |served_i - served_0|."""
+        t0 = time.monotonic()
+        acked = [r for r in (self.pool.healthy() if self.pool is not None else []) if r.version == version]
+
+        async def served(replica: Replica) -> list[list[float]] | None:
+            try:
+                return await asyncio.gather(
+                    *(
+                        replica.client.prompt_logprobs(s, i)
+                        for s, i in zip(probe.sequences, probe.completion_start, strict=True)
+                    )
+                )
+            except InferenceError as e:
+                logger.warning("policy check of version %d on replica %s skipped: %s", version, replica.name, e)
+                return None
+
+        answers = [(r, a) for r, a in zip(acked, await asyncio.gather(*(served(r) for r in acked)), strict=True) if a]
+        if not answers:
+            return {}
+        results = [
+            (r, compare(version, a, trainer, base, tolerance=tolerance, base_updates=base_updates)) for r, a in answers
+        ]
+        failed = [  # the reason names the replica that serves another policy
+            replace(res, reason=f"{res.reason} (inference replica {r.name} at {r.url})")
+            for r, res in results
+            if res.reason is not None
+        ]
+        worst = failed[0] if failed else max((res for _, res in results), key=lambda res: res.max_abs_diff)
+        metrics = self._checked(version, worst, tolerance, t0)
+        for r, res in results:
+            metrics[f"policy_check_max_abs_diff/{r.name}"] = res.max_abs_diff
+        metrics["policy_check_replica_max_abs_diff"] = max(max_abs_diff(a, answers[0][1]) for _, a in answers)
+        return metrics
+
+    def _checked(self, version: int, result: CheckResult, tolerance: float, t0: float) -> dict[str, float | int | None]:
+        """Log the served-policy check ``result`` of ``version``; its failure becomes an event and is kept for
+        :meth:`fail_policy_check`. Returns its metrics."""
+        check = self.spec.orchestrator.policy_check
         logger.info(
-            "policy check of version %d: max |served - trainer| %.3g, moved from base %s (tolerance %g)",
+            "policy check of version %d: max |served - trainer| %.3g, moved from base %s (tolerance %g) in %.3fs",
             version,
             result.max_abs_diff,
             result.moved_from_base,
             tolerance,
+            time.monotonic() - t0,
         )
         if result.reason is not None and version not in self._policy_check_warned:
             self._policy_check_warned.add(version)
@@ -271,8 +408,11 @@ class Orchestrator:
 
     async def wait_for_version(self, version: int) -> float:
         t0 = time.perf_counter()
+        if self.policy_version < version:
+            progress.recorder.state("waiting_for_policy", version=version)
         async with self._version_changed:
             await self._version_changed.wait_for(lambda: self.policy_version >= version)
+        progress.recorder.state("generating")
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ rollouts
@@ -284,24 +424,40 @@ class Orchestrator:
     async def rollout_group(self, index: int, seed: int | None, env: int = 0) -> list[Rollout]:
         orch = self.spec.orchestrator
         max_len = min(orch.seq_len, self.spec.inference.max_model_len)
-        group = await rollout_group(
-            self.client,
-            self.tokenizer,
-            self.sampler.envs[env].train,
-            index,
-            harness=self.harness,
-            n=orch.group_size,
-            max_tokens=orch.max_tokens,
-            temperature=orch.temperature,
-            policy_version=lambda: self.policy_version,
-            max_len=max_len,
-            # harness: no new model turn once a call's context leaves less than max_tokens of max_len (a longer
-            # sample is dropped by build_batch as dropped_overlong)
-            max_total_tokens=max(1, max_len - orch.max_tokens),
-            seed=seed,
-        )
+
+        def on(client: InferenceClient, version: Callable[[], int]) -> Awaitable[list[Rollout]]:
+            return rollout_group(
+                client,
+                self.tokenizer,
+                self.sampler.envs[env].train,
+                index,
+                harness=self.harness,
+                n=orch.group_size,
+                max_tokens=orch.max_tokens,
+                temperature=orch.temperature,
+                policy_version=version,
+                max_len=max_len,
+                # harness: no new model turn once a call's context leaves less than max_tokens of max_len (a longer
+                # sample is dropped by build_batch as dropped_overlong)
+                max_total_tokens=max(1, max_len - orch.max_tokens),
+                seed=seed,
+            )
+
+        if self.pool is None:
+            group = await on(self.client, lambda: self.policy_version)
+        else:  # the whole group (every turn of a multi-turn rollout) on one replica, under the version it acked
+
+            async def work(replica: Replica) -> list[Rollout]:
+                done = await on(
+                    replica.client, lambda: self.policy_version if replica.version is None else replica.version
+                )
+                ReplicaPool.count_tokens(replica, sum(len(r.completion_ids) for r in done))
+                return done
+
+            group = await self.pool.run_on(work)
         for r in group:
             r.env = self.sampler.envs[env].config.name
+        progress.recorder.tick("rollout_groups")
         return group
 
     async def generate_step(
@@ -407,28 +563,63 @@ class Orchestrator:
 
     async def run_eval(self) -> dict[str, float | int | None] | None:
         """Evaluate the policy version inference serves now (``eval`` metrics at that version); None when that
-        version was evaluated already."""
+        version was evaluated already, or when the eval took longer than ``orchestrator.eval.timeout_s``: it is then
+        cancelled and an ``eval_abandoned`` event says so (version, eval groups done of those asked), case C19."""
         ev = self.spec.orchestrator.eval
         version = self.policy_version
         if version in self._evaluated:
             logger.info("eval at policy version %d: done already, skipped", version)
             return None
         self._evaluated.add(version)
-        results = {}
-        for env in self.sampler.envs:  # each environment of a mixture on its own eval split
-            results[env.config.name] = await evaluate(
-                self.client,
-                env.eval,
-                self.tokenizer,
-                num_examples=ev.num_examples,
-                temperature=ev.temperature,
-                max_tokens=self.spec.orchestrator.max_tokens,
-                max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
-                pass_k=ev.pass_k,
-                pass_threshold=ev.pass_threshold,
-                harness=self.harness,
-                seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
+        results: dict[str, dict[str, float | int | None]] = {}
+        done_before, t0 = progress.recorder.counts.get("eval_groups", 0), time.monotonic()
+        progress.recorder.state("eval", version=version)
+        try:
+            async with asyncio.timeout(ev.timeout_s):
+                for env in self.sampler.envs:  # each environment of a mixture on its own eval split
+
+                    def run(client: InferenceClient, env: Any = env) -> Awaitable[dict[str, float | int | None]]:
+                        return evaluate(
+                            client,
+                            env.eval,
+                            self.tokenizer,
+                            num_examples=ev.num_examples,
+                            temperature=ev.temperature,
+                            max_tokens=self.spec.orchestrator.max_tokens,
+                            max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
+                            pass_k=ev.pass_k,
+                            pass_threshold=ev.pass_threshold,
+                            harness=self.harness,
+                            seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
+                        )
+
+                    if self.pool is None:
+                        results[env.config.name] = await run(self.client)
+                    else:  # one replica per environment's eval (a lost one: the eval again on another)
+                        results[env.config.name] = await self.pool.run_on(partial(_on_client, run))
+        except TimeoutError:
+            asked = sum(
+                ev.num_examples if e.eval.num_tasks is None else min(ev.num_examples, e.eval.num_tasks)
+                for e in self.sampler.envs
             )
+            done = progress.recorder.counts.get("eval_groups", 0) - done_before
+            reason = (
+                f"eval at policy version {version} abandoned after {time.monotonic() - t0:.1f} s "
+                f"(orchestrator.eval.timeout_s = {ev.timeout_s:g}): {done} of {asked} eval groups done, no eval metrics"
+            )
+            logger.warning("%s", reason)
+            self.run.log_event(
+                "eval_abandoned",
+                process="orchestrator",
+                step=version,
+                groups_done=done,
+                groups_asked=asked,
+                timeout_s=ev.timeout_s,
+                reason=reason,
+            )
+            return None
+        finally:
+            progress.recorder.state("generating")
         result = combine_evals(results)
         self.run.log_metrics("eval", version, result)
         logger.info("eval at policy version %d: %s", version, result)
@@ -438,14 +629,39 @@ class Orchestrator:
 
     async def main_loop(self) -> None:
         spec = self.spec
-        await self.client.wait_ready(spec.inference.startup_timeout_s)
-        if self.weight_sync is not None:  # the vLLM workers join the trainer's group (warning + filesystem on failure)
+        clients = [self.client] if self.pool is None else [r.client for r in self.pool.replicas]
+        await asyncio.gather(*(c.wait_ready(spec.inference.startup_timeout_s) for c in clients))
+        # a server left paused by an orchestrator killed mid weight update (its resume never came) would hold every
+        # request of this one forever: resumed once no update can still own the pause
+        for client, resumed in zip(
+            clients, await asyncio.gather(*(c.resume_if_left_paused() for c in clients)), strict=True
+        ):
+            if resumed:
+                logger.warning("inference server %s was left paused; resumed it", client.base_url)
+                self.run.log_event(
+                    "inference_resumed",
+                    process="orchestrator",
+                    url=client.base_url,
+                    reason=f"{client.base_url} was left paused (an orchestrator killed mid weight update?): resumed",
+                )
+        # first-time costs of a fresh server paid now, not inside the step a weight update waits for (case C25)
+        # no pause cycle on a server the run did not start (inference.url(s)): it would pause other runs' requests
+        prompt = self.tokenizer.encode("Warm up the server, please.")
+        cycle = spec.inference.url is None and not spec.inference.urls
+        for client, warm in zip(
+            clients,
+            await asyncio.gather(*(warm_up(c, prompt, seed=spec.seed, pause_cycle=cycle) for c in clients)),
+            strict=True,
+        ):
+            logger.info("inference warm-up of %s in %.2fs: %s", client.base_url, warm["total_s"], warm)
+        if self.weight_sync is not None and spec.trainer.weight_sync.kind == "process_group":
+            # the vLLM workers join the trainer's group (warning + filesystem on failure)
             await self.weight_sync.join(spec.inference.startup_timeout_s, start_step=self.start_step)
         if self.start_step > 0:
             trainer_part = self.run.checkpoint_dir(self.start_step) / "trainer"
             if (trainer_part / "adapter").is_dir():  # a LoRA checkpoint: its adapter (worker/trainer/checkpointer.py)
                 trainer_part = trainer_part / "adapter"
-            seconds = await self.load_policy(trainer_part, self.start_step)
+            update = await self.load_policy(trainer_part, self.start_step)
             # the served-policy check of the resumed version, before the first rollout (the trainer writes its
             # log-probs once it loaded the checkpoint, when the attempt before had not)
             checked = await self.check_policy(self.start_step, wait_s=spec.inference.startup_timeout_s)
@@ -453,13 +669,16 @@ class Orchestrator:
                 r["source"] == "inference" and r["step"] == self.start_step for r in read_jsonl(self.run.metrics)
             ):
                 # the attempt before stopped ahead of loading it: this load is version start_step's update
-                self.run.log_metrics("inference", self.start_step, {"weight_update_s": seconds, **checked})
+                self.run.log_metrics("inference", self.start_step, {**update, **checked})
             self.fail_policy_check(self.start_step)
-        elif spec.inference.url is not None and Path(spec.model.name).is_dir():
+        elif (spec.inference.url is not None or spec.inference.urls) and Path(spec.model.name).is_dir():
             await self.load_policy(Path(spec.model.name), 0)  # a shared server may hold another run's weights
         if self.start_step == 0:
             await self.run_eval()
         watcher = asyncio.create_task(self.watch_weights())
+        if self.pool is not None:  # a lost replica is dropped, a returning one taken back; none left: the run fails
+            pool_watch = asyncio.create_task(self.pool.watch())
+            watcher = asyncio.create_task(_both(watcher, pool_watch))
         producer = asyncio.create_task(self.produce())
         try:
             for step in range(self.start_step + 1, spec.max_steps + 1):
@@ -474,10 +693,12 @@ class Orchestrator:
                 samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage, rejected)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
                 metrics.update(env_step_metrics(step, groups, samples, self.sampler.names))
-                self.write_step(step, samples)
-                for group in groups:
-                    for r in group:
-                        append_jsonl(self.run.rollout_file(step), r.record(step))
+                # the hand-off off the event loop: the loop keeps serving rollouts while the batch is encoded and
+                # written, and a step's rollout records go out in one write (benchmarks/orchestrator_scale.py)
+                await asyncio.to_thread(self.write_step, step, samples)
+                progress.recorder.tick("batches")
+                records = [r.record(step, g) for g, group in enumerate(groups) for r in group]
+                await asyncio.to_thread(append_jsonl_rows, self.run.rollout_file(step), records)
                 n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
                 self.run.log_metrics(
                     "orchestrator",
@@ -491,6 +712,7 @@ class Orchestrator:
                         "batch_wait_s": gen_s,
                         "policy_version": self.policy_version,
                         "temperature": step_spec.orchestrator.temperature,
+                        **self.system.sample(),
                     },
                 )
                 self.warn_truncated(step, metrics["truncated_fraction"], step_spec.orchestrator.max_tokens)
@@ -498,13 +720,31 @@ class Orchestrator:
                     self.save_state(step)
                 ev = step_spec.orchestrator.eval
                 if ev.interval and step % ev.interval == 0 and step < spec.max_steps:
+                    await until(self.wait_for_version(step), watcher)  # version `step`, not the older one served now
                     await self.run_eval()
             await until(self.wait_for_version(spec.max_steps), watcher)
             await self.run_eval()
         finally:
             for task in (watcher, producer, *self._steps.values()):
                 task.cancel()
-            await self.client.aclose()
+            if self.pool is not None:
+                self.run.log_event("inference_replicas", process="orchestrator", replicas=self.pool.summary())
+                await self.pool.aclose()
+            else:
+                await self.client.aclose()
+
+
+def _on_client(work: Callable[[InferenceClient], Awaitable[T]], replica: Replica) -> Awaitable[T]:
+    return work(replica.client)
+
+
+async def _both(*tasks: asyncio.Task[Any]) -> None:
+    """Run background ``tasks`` as one: the first error of one cancels the others and is raised."""
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def raise_failed(*tasks: asyncio.Task[Any]) -> None:
@@ -536,7 +776,9 @@ async def until(aw: Awaitable[T], *watched: asyncio.Task[Any]) -> T:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.orchestrator")
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--inference-url", required=True)
+    parser.add_argument(
+        "--inference-url", required=True, action="append", help="the inference server; once per replica"
+    )
     parser.add_argument("--resume-step", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
@@ -544,12 +786,15 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(args.run_dir)
     spec = RLSpec.model_validate_json(run.config.read_text())
     orchestrator = Orchestrator(spec, run, args.inference_url, args.resume_step)
+    progress.recorder.start(run.root, "orchestrator")
     try:
         asyncio.run(orchestrator.main_loop())
     except (InferenceError, PolicyCheckFailed) as err:
         run.log_event("failed", process="orchestrator", reason=str(err))
         logger.error("%s", err)
         return 1
+    finally:
+        progress.recorder.finish()
     return 0
 
 

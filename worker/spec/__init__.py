@@ -6,7 +6,7 @@ writes the resolved spec as JSON into the run directory and the service stores i
 | module            | holds                                                                          |
 |-------------------|--------------------------------------------------------------------------------|
 | ``strict.py``      | ``StrictModel`` (base of every table), ``SpecError``                            |
-| ``runs.py``        | ``RLSpec``, ``SFTSpec``, ``SPEC_TYPES``; model, env and inference tables        |
+| ``runs.py``        | ``RLSpec``, ``SFTSpec``, ``EvalSpec``, ``SPEC_TYPES``; model, env and inference tables |
 | ``orchestrator.py`` | ``[orchestrator]``: advantages, curricula, gates (unions on ``type``), harness, eval |
 | ``trainer.py``     | ``[trainer]``, ``[ckpt]``: optimizer, scheduler, losses (union on ``type``), weight sync |
 | ``launcher.py``    | ``[launcher]``: local GPU placement, Slurm                                      |
@@ -55,11 +55,16 @@ from worker.spec.runs import (
     RUN_NAME_RULE,
     SPEC_TYPES,
     EnvConfig,
+    EvalModelConfig,
+    EvalSettings,
+    EvalSpec,
     InferenceConfig,
     ModelConfig,
+    MonitorConfig,
     RLSpec,
     SFTDataConfig,
     SFTSpec,
+    WandbConfig,
 )
 from worker.spec.strict import SpecError, StrictModel
 from worker.spec.trainer import (
@@ -94,6 +99,9 @@ __all__ = [
     "DppoKlLoss",
     "EnvConfig",
     "EvalConfig",
+    "EvalModelConfig",
+    "EvalSettings",
+    "EvalSpec",
     "GateConfig",
     "GrpoAdvantage",
     "HarnessConfig",
@@ -106,6 +114,7 @@ __all__ = [
     "LossConfig",
     "MaxRLAdvantage",
     "ModelConfig",
+    "MonitorConfig",
     "OptimConfig",
     "OrchestratorConfig",
     "PolicyCheckConfig",
@@ -114,6 +123,7 @@ __all__ = [
     "RaeAdvantage",
     "SFTDataConfig",
     "SFTSpec",
+    "WandbConfig",
     "SchedulerConfig",
     "SlurmConfig",
     "SpecError",

@@ -31,8 +31,10 @@ class SlurmConfig(StrictModel):
     """Nodes of the job (at most 1024)."""
     gpus_per_node: int = Field(default=0, ge=0, le=64)
     """GPUs requested per node (at most 64: no node has more)."""
-    inference_nodes: int = Field(default=0, ge=0, le=1023)
-    """With ``nodes > 1``: the first k nodes serve inference, the rest train (orchestrator on the first trainer node)."""
+    inference_nodes: int = Field(default=0, ge=0, le=1023, validate_default=True)
+    """With ``nodes > 1``: the first k nodes serve inference, the other ``nodes - k`` train (orchestrator on the first
+    trainer node). The trainer's node count has no key of its own: it is always the rest, so no node is left idle
+    (``trainer_nodes``, briefly a key that had to equal ``nodes - inference_nodes``, is refused as unknown)."""
     allocation: str | None = None
     """Run inside this existing job id (``srun --jobid=<id> --overlap``) instead of submitting a new job."""
     signal_before_end_s: int = Field(default=120, ge=0, le=86_400)
@@ -42,7 +44,8 @@ class SlurmConfig(StrictModel):
     rdzv_port: int = Field(default=29500, ge=1, le=65535)
     """Port of the trainer's torchrun c10d rendezvous on the first trainer node."""
     inference_port: int = Field(default=8000, ge=1, le=65535)
-    """Port of the vLLM server on the first inference node (multi-node layouts)."""
+    """Port of the vLLM server on each inference node (multi-node layouts); with ``inference.replicas`` more than the
+    inference nodes, a node's second server listens on ``inference_port + 1``, and so on."""
     extra_sbatch: list[str] = Field(default_factory=list)
     """More ``#SBATCH`` options, each ``--name`` or ``--name=value``."""
     env: dict[str, str] = Field(default_factory=dict)

@@ -24,7 +24,7 @@ from worker.spec.orchestrator import (
     RaeAdvantage,
     StandardCurriculum,
 )
-from worker.spec.runs import ENV_TAGS, SPEC_TYPES, RLSpec, SFTSpec
+from worker.spec.runs import ENV_TAGS, SPEC_TYPES, EvalSpec, RLSpec, SFTSpec
 from worker.spec.strict import SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
 
@@ -111,6 +111,13 @@ def _submodel(annotation: Any, value: Any) -> type[BaseModel] | None:
     return None
 
 
+RETIRED_KEYS = {
+    "launcher.slurm.trainer_nodes": "the trainer runs on the nodes after the inference ones, nodes - inference_nodes: "
+    "remove the key",
+}
+"""Keys a spec once had, with what to do instead (said in place of the closest valid key)."""
+
+
 def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> None:
     """Reject keys the schema does not know, naming the dotted key and the closest valid one.
 
@@ -126,6 +133,7 @@ def check_unknown_keys(model: type[BaseModel], data: dict[str, Any], prefix: str
             hint = closest(key, model.model_fields, cutoff=0.5)
             valid = ", ".join(sorted(model.model_fields))
             suggestion = f"did you mean '{prefix}{hint}'?" if hint else f"valid keys here: {valid}"
+            suggestion = RETIRED_KEYS.get(dotted, suggestion)
             raise SpecError(f"unknown key '{dotted}' ({suggestion})")
         annotation = model.model_fields[key].annotation
         if isinstance(value, list):  # arrays of tables ([[env]], [[orchestrator.gates]]): keys ``<key>.<i>.<field>``
@@ -189,9 +197,11 @@ def validate_spec(kind: Literal["rl"], data: dict[str, Any]) -> RLSpec: ...
 @overload
 def validate_spec(kind: Literal["sft"], data: dict[str, Any]) -> SFTSpec: ...
 @overload
-def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec: ...
-def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec:
-    """Validate a raw mapping into a spec of ``kind`` (``rl`` or ``sft``).
+def validate_spec(kind: Literal["eval"], data: dict[str, Any]) -> EvalSpec: ...
+@overload
+def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec | EvalSpec: ...
+def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec | EvalSpec:
+    """Validate a raw mapping into a spec of ``kind`` (``rl``, ``sft`` or ``eval``).
 
     Raises:
         SpecError: one line naming the field and what is allowed.
@@ -223,16 +233,28 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def parse_override_value(text: str) -> Any:
-    """A CLI value as a TOML literal (``1e-5``, ``true``, ``[0.5, 5]``), else as a plain string.
+def parse_override_value(text: str, key: str = "value") -> Any:
+    """A CLI value as a TOML literal (``1e-5``, ``true``, ``[0.5, 5]``, ``{A = "1"}``), else, when it opens a table
+    or an array (``{`` / ``[``), as JSON (``{"A": "1"}`` for a table-valued key such as ``launcher.slurm.env``),
+    else as a plain string.
 
     Raises:
-        SpecError: the literal is nested deeper than ``MAX_DEPTH`` levels.
+        SpecError: the literal is nested deeper than ``MAX_DEPTH`` levels; a value opening with ``{`` or ``[`` that
+            is neither TOML nor JSON (``<key>: not a JSON object or array: ...``: ``key`` as the caller names it,
+            ``--launcher.slurm.env``).
     """
     try:
         return parse_text(f"v = {text}", "TOML", "value")["v"]
     except tomllib.TOMLDecodeError:
+        pass
+    if not text.lstrip().startswith(("{", "[")):
         return text
+    try:
+        return parse_text(text, "JSON", key)
+    except json.JSONDecodeError as err:
+        raise SpecError(
+            f"{key}: not a JSON object or array ({err}); expected e.g. '{{\"A\": \"1\"}}' or '[1, 2]'"
+        ) from None
 
 
 def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) -> dict[str, Any]:
@@ -268,5 +290,5 @@ def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) ->
             raise SpecError(f"--{dotted}: expected a dotted key such as --trainer.optim.lr")
         if dotted.count(".") >= MAX_DEPTH:
             raise SpecError(f"--{dotted.split('.')[0]}...: nested deeper than {MAX_DEPTH} levels")
-        data = deep_merge(data, with_keys({}, {dotted: parse_override_value(raw)}))
+        data = deep_merge(data, with_keys({}, {dotted: parse_override_value(raw, f"--{dotted}")}))
     return data

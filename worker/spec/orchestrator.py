@@ -210,6 +210,10 @@ class EvalConfig(StrictModel):
     """Samples per eval task; reports mean reward and pass@k (reward >= ``pass_threshold``); at most 1024."""
     pass_threshold: float = Field(default=1.0, ge=0, le=1)
     """Reward at which an eval sample counts as passed (rewards are in [0, 1])."""
+    timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    """Seconds one eval may take (at most a day); a slower one is abandoned: cancelled, an ``eval_abandoned`` event
+    with the policy version and the groups done, no ``eval`` metrics. So a run whose last step is done ends at most
+    this long after its final eval started (case C19)."""
 
 
 class PolicyCheckConfig(StrictModel):
@@ -229,8 +233,10 @@ class PolicyCheckConfig(StrictModel):
     when one update moves the probe less than that: from ``base_updates`` on, a served policy nearer (mean over the
     tokens) the base than the trainer's fails (``worker.policy_check.compare``).
 
-    Skipped for LoRA runs (``worker.policy_check.LORA_UNSUPPORTED``: vLLM 0.31's ``prompt_logprobs`` kills a
-    LoRA-enabled engine); an adapter binding to no module is refused by vLLM at its load instead."""
+    LoRA runs are checked the same way (their server's LoRA layers cover ``trainer.lora.target_modules`` only:
+    ``worker.inference.server.lora_args``), except those whose adapters target ``lm_head``
+    (``worker.policy_check.LORA_UNSUPPORTED``: vLLM 0.31's ``prompt_logprobs`` through a LoRA lm_head kills the
+    engine); an adapter binding to no module is refused by vLLM at its load."""
 
     enabled: bool = True
     tolerance: float | None = Field(default=None, gt=0, le=100)

@@ -1,4 +1,4 @@
-"""The run specs (``RLSpec``, ``SFTSpec``) and the tables they share: the model, the environment, inference."""
+"""The run specs (``RLSpec``, ``SFTSpec``, ``EvalSpec``) and the tables they share: the model, the environment, inference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
 from worker.spec.launcher import LauncherConfig
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
-from worker.spec.trainer import CheckpointConfig, OptimConfig, SchedulerConfig, TrainerConfig
+from worker.spec.trainer import CheckpointConfig, LoraConfig, OptimConfig, SchedulerConfig, TrainerConfig
 from worker.spec.user_code import ENV_ID
 
 # ----------------------------------------------------------------------------- model / env
@@ -100,12 +100,34 @@ def check_envs(v: EnvConfig | list[EnvConfig]) -> None:
 # ----------------------------------------------------------------------------- inference
 
 
+MAX_REPLICAS = 64
+"""Most inference replicas of one run (``inference.replicas``, ``inference.urls``)."""
+
+
+def _host_port(url: str) -> tuple[str, int | None]:
+    """``(host, port)`` of an http(s) URL (the scheme's default port when it names none); raises ValueError."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s) URL with a host, got {url!r}")
+    host = "127.0.0.1" if parts.hostname in ("localhost", "::1") else parts.hostname
+    return host, parts.port or (443 if parts.scheme == "https" else 80)
+
+
 class InferenceConfig(StrictModel):
     url: str | None = None
     """Use an already running vLLM server at this base URL instead of starting one."""
+    urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
+    """Use these already running vLLM servers as the run's replicas (``worker/inference/pool.py``) instead of starting
+    any; each must answer ``GET /health`` at launch. Not with ``url`` or ``replicas``."""
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
+    """vLLM servers the launcher starts (each on its own port: ``port + i``, or free ports when ``port`` is 0; logs
+    ``inference.log``, ``inference-<i>.log``); the orchestrator spreads rollouts over them (``worker/inference/pool.py``).
+    1: one server, the orchestrator talks to it alone."""
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
-    """0 picks a free port."""
+    """0 picks a free port (for each replica)."""
     max_model_len: int = Field(default=512, ge=16, le=1_048_576)
     """vLLM context length in tokens (at most 2**20, past every released model's context)."""
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
@@ -120,6 +142,103 @@ class InferenceConfig(StrictModel):
     """Retries of one request (exponential backoff) before the run fails."""
     startup_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
     """Seconds vLLM may take to come up (at most a day)."""
+
+    def check_replicas(self) -> None:
+        """``urls`` / ``replicas`` / ``url`` together, and no two replicas on one port (an RL spec's cross check).
+
+        Raises:
+            ValueError: one line naming the key.
+        """
+        if self.urls and self.url is not None:
+            raise ValueError("inference.urls: give either inference.url (one server) or inference.urls, not both")
+        if self.urls and self.replicas != 1:
+            raise ValueError(
+                f"inference.replicas: set by inference.urls (one replica per URL, {len(self.urls)}); "
+                f"leave replicas at 1, got {self.replicas}"
+            )
+        if self.url is not None and self.replicas != 1:
+            raise ValueError(
+                f"inference.replicas: inference.url names one running server, got replicas = {self.replicas}"
+            )
+        seen: dict[tuple[str, int | None], str] = {}
+        for i, url in enumerate(self.urls):
+            try:
+                key = _host_port(url)
+            except ValueError as err:
+                raise ValueError(f"inference.urls.{i}: {err}") from None
+            if key in seen:
+                raise ValueError(
+                    f"inference.urls.{i}: two replicas on the same port {key[1]} of {key[0]} ({seen[key]!r} and {url!r})"
+                )
+            seen[key] = url
+        if self.port and self.port + self.replicas - 1 > 65535:
+            raise ValueError(
+                f"inference.replicas: {self.replicas} replicas from port {self.port} need ports up to "
+                f"{self.port + self.replicas - 1}, above 65535"
+            )
+
+    @property
+    def num_replicas(self) -> int:
+        """Inference servers of the run: ``len(urls)`` when set, else ``replicas``."""
+        return len(self.urls) or self.replicas
+
+
+# ----------------------------------------------------------------------------- hang watchdog
+
+
+class WatchdogConfig(StrictModel):
+    """The hang watchdog (``worker/progress.py``): the supervisor reads the processes' progress records and writes a
+    ``stalled`` event naming the stalled component when the run made no progress for ``no_progress_s``."""
+
+    no_progress_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    """Seconds without progress (a trainer step, a rollout group, a batch, an eval group) that make a stall (at most a
+    week); unset: 10x the median trainer step time so far, at least 120 s."""
+    on_stall: Literal["event", "stop", "restart"] = "event"
+    """What a stall does besides its event and alerts: nothing more, stop the run (cancelled, checkpoint kept), or
+    restart it from its newest complete checkpoint (through the service's resume; a local run is stopped)."""
+
+
+# ----------------------------------------------------------------------------- monitor
+
+
+_WANDB_NAME = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
+
+
+class WandbConfig(StrictModel):
+    """Export of the run's metrics, events and config revisions to one Weights & Biases run
+    (``worker/wandb_export.py``); ``mode = "offline"`` writes the W&B run under the run directory without network
+    (``wandb sync`` uploads it later)."""
+
+    project: str = Field(min_length=1, max_length=128)
+    entity: str | None = Field(default=None, min_length=1, max_length=128)
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+    """The W&B run's display name; unset: the run's ``name``."""
+    group: str | None = Field(default=None, min_length=1, max_length=128)
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    """At most 64 tags of 1-64 characters without control characters (W&B's own limit)."""
+    mode: Literal["online", "offline"] = "online"
+
+    @field_validator("project", "entity", "name", "group")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        if v is not None and not _WANDB_NAME.match(v):
+            raise ValueError(f"expected 1-128 characters without control characters, got {v!r}")
+        return v
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: list[str]) -> list[str]:
+        for tag in v:
+            if not 1 <= len(tag) <= 64 or re.search(r"[\x00-\x1f\x7f]", tag):
+                raise ValueError(f"expected tags of 1-64 characters without control characters, got {tag!r}")
+        return v
+
+
+class MonitorConfig(StrictModel):
+    """Where a run's metrics go besides ``metrics.jsonl`` and the service."""
+
+    wandb: WandbConfig | None = None
+    """``[monitor.wandb]``: absent = no W&B export."""
 
 
 # ----------------------------------------------------------------------------- runs
@@ -164,6 +283,8 @@ class RLSpec(StrictModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     alerts: list[AlertRule] = Field(default_factory=list)
     """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission. At
     most ``MAX_RULES_PER_RUN``: every metrics upload checks each rule."""
@@ -201,25 +322,76 @@ class RLSpec(StrictModel):
                 f"launcher.local.trainer_processes: one rank per trainer GPU ({len(local.trainer_gpus)}) or 0, "
                 f"got {local.trainer_processes}"
             )
+        share = self.trainer.gpu_memory_fraction
+        if share is not None and self.colocated and share + self.inference.gpu_memory_utilization > 1 + 1e-9:
+            raise ValueError(
+                f"trainer.gpu_memory_fraction: {share:g} + inference.gpu_memory_utilization "
+                f"{self.inference.gpu_memory_utilization:g} = {share + self.inference.gpu_memory_utilization:g} of the "
+                f"GPU the trainer shares with vLLM: at most 1"
+            )
+        if self.trainer.weight_sync.kind == "cuda_ipc" and self.trainer.device == "cuda" and not self.colocated:
+            raise ValueError(
+                "trainer.weight_sync.kind: 'cuda_ipc' needs vLLM on the trainer's GPU: launcher.local.inference_gpus "
+                "and trainer_gpus share no device (or inference.url is another server): use 'process_group'"
+            )
+        if self.trainer.weight_sync.kind == "cuda_ipc" and self.trainer.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_sync.kind: 'cuda_ipc' shares the trainer's GPU memory with vLLM and needs "
+                f"trainer.device = 'cuda', got {self.trainer.device!r}"
+            )
+        if (
+            self.trainer.weight_sync.kind == "cuda_ipc"
+            and self.launcher.kind == "slurm"
+            and self.launcher.slurm.inference_nodes > 0
+            and self.launcher.slurm.nodes > 1
+        ):
+            raise ValueError(
+                "trainer.weight_sync.kind: 'cuda_ipc' needs vLLM on the trainer's GPU; launcher.slurm puts inference "
+                "on its own nodes: use 'process_group'"
+            )
         if self.trainer.lora is not None and self.trainer.weight_sync.kind != "filesystem":
             raise ValueError(
                 "trainer.lora: a LoRA run publishes its adapter through trainer.weight_sync.kind = 'filesystem'"
             )
-        if self.trainer.lora is not None and self.trainer_ranks > 1:
-            raise ValueError("trainer.lora: LoRA trains in one trainer process for now (launcher.local: one rank)")
         slurm = self.launcher.slurm
-        if self.trainer.lora is not None and self.launcher.kind == "slurm" and slurm.nodes > 1:
-            ranks = (slurm.nodes - slurm.inference_nodes) * max(slurm.gpus_per_node, 1)  # the job script's torchrun
-            if ranks > 1:
+        self.inference.check_replicas()
+        if self.inference.num_replicas > 1 and self.trainer.weight_sync.kind != "filesystem":
+            raise ValueError(
+                f"trainer.weight_sync.kind: several inference replicas load each policy version from the filesystem "
+                f"for now ('filesystem'), got {self.trainer.weight_sync.kind!r}"
+            )
+        if self.trainer.lora is not None and self.trainer_ranks > 1:
+            if self.launcher.kind == "slurm" and slurm.nodes > 1:  # the job's torchrun
                 raise ValueError(
                     f"trainer.lora: LoRA trains in one trainer process for now (launcher.slurm: one trainer node with "
-                    f"gpus_per_node <= 1), got {ranks} trainer ranks"
+                    f"gpus_per_node <= 1), got {self.trainer_ranks} trainer ranks"
                 )
+            raise ValueError("trainer.lora: LoRA trains in one trainer process for now (launcher.local: one rank)")
         return self
 
     @property
+    def colocated(self) -> bool:
+        """True when the trainer computes on a GPU that the run's own vLLM server also uses: a local launch (or a
+        one-node Slurm job) with ``trainer.device = "cuda"``, no ``inference.url``, and inference and trainer GPU lists
+        that overlap or leave either process on every visible GPU (an empty list)."""
+        if self.trainer.device != "cuda" or self.inference.url is not None:
+            return False
+        if self.launcher.kind == "slurm":
+            return self.launcher.slurm.nodes <= 1
+        local = self.launcher.local
+        return (
+            not local.inference_gpus
+            or not local.trainer_gpus
+            or bool(set(local.inference_gpus) & set(local.trainer_gpus))
+        )
+
+    @property
     def trainer_ranks(self) -> int:
-        """Trainer processes a local launch starts (``launcher.local``): 1 means a plain process, no torchrun."""
+        """Trainer processes a launch starts: a multi-node Slurm job's ``torchrun`` runs ``max(gpus_per_node, 1)``
+        on each trainer node (``nodes - inference_nodes``); else ``launcher.local``'s, 1 meaning a plain process."""
+        slurm = self.launcher.slurm
+        if self.launcher.kind == "slurm" and slurm.nodes > 1:
+            return (slurm.nodes - slurm.inference_nodes) * max(slurm.gpus_per_node, 1)
         local = self.launcher.local
         return local.trainer_processes or max(len(local.trainer_gpus), 1)
 
@@ -229,10 +401,27 @@ class RLSpec(StrictModel):
 
 
 class SFTDataConfig(StrictModel):
+    path: str = ""
+    """Training rows: a JSONL (``.jsonl``) or Parquet (``.parquet``) file, or a Hugging Face ``datasets`` folder
+    written by ``save_to_disk``; each row ``{"messages": [{"role": ..., "content": ...}, ...]}`` (optional
+    ``"tools"``) or ``{"prompt": ..., "completion": ...}`` (text or messages). Empty: the environment's reference
+    answers (``env``, ``num_examples`` of its train tasks)."""
+    eval_path: str = ""
+    """Held-out rows of the same forms for the eval loss; empty: with environment data the environment's eval tasks
+    with their reference answers (``eval_examples`` of them), with a file no eval loss."""
+    split: str = Field(default="train", min_length=1, max_length=100)
+    """The split of a ``datasets`` folder holding a ``DatasetDict`` (``path``)."""
+    eval_split: str = Field(default="test", min_length=1, max_length=100)
+    """The split of a ``datasets`` folder holding a ``DatasetDict`` (``eval_path``)."""
     num_examples: int = Field(default=4096, ge=1, le=10_000_000)
-    """Generated prompt/completion pairs (from the environment's train split; held in memory: at most 10**7)."""
+    """Generated prompt/completion pairs (from the environment's train split; held in memory: at most 10**7);
+    environment data only."""
     batch_size: int = Field(default=32, ge=1, le=65_536)
     """Samples per optimizer step (at most 65,536)."""
+    shuffle: bool = True
+    """Each epoch in its own seeded random order (``seed``, epoch); false: the rows' order, every epoch."""
+    eval_reward: bool | None = None
+    """Greedy reward of ``env``'s eval tasks at each eval; default (unset): with environment data only."""
 
 
 class SFTSpec(StrictModel):
@@ -257,6 +446,19 @@ class SFTSpec(StrictModel):
     """Greedy held-out eval every this many steps (0 = at the end only)."""
     eval_examples: int = Field(default=64, ge=1, le=100_000)
     """Held-out examples of each eval (at most 100,000, as ``orchestrator.eval.num_examples``)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer runs; under ``torchrun`` (``WORLD_SIZE`` > 1) FSDP2 over the ranks, as the RL trainer."""
+    attention: Literal["sdpa", "flex_attention"] = "sdpa"
+    """Attention kernel of packed rows (as ``trainer.attention``)."""
+    compile: bool = False
+    """``torch.compile`` each decoder block and the fused LM head's chunk kernels (as ``trainer.compile``)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (as ``trainer.activation_checkpointing``)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of the full weights (``worker/trainer/lora.py``); one process."""
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints every ``ckpt.interval`` steps (0 = none), the RL layout (``worker/checkpoint.py``): the
+    ``trainer`` part (weights, optimizer, scheduler, RNG) and the ``orchestrator`` part (the data cursor)."""
     alerts: list[AlertRule] = Field(default_factory=list)
     """Alert rules of this run (``worker/alert_rules.py``), at most ``MAX_RULES_PER_RUN``."""
 
@@ -276,8 +478,84 @@ class SFTSpec(StrictModel):
         return v
 
     @property
+    def uses_file(self) -> bool:
+        """Whether the rows come from ``data.path`` (else: the environment's reference answers)."""
+        return bool(self.data.path)
+
+    @property
+    def greedy_reward(self) -> bool:
+        """Whether evals take ``env``'s greedy reward (``data.eval_reward``; unset: with environment data)."""
+        return (not self.uses_file) if self.data.eval_reward is None else self.data.eval_reward
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
 
 
-SPEC_TYPES: dict[str, type[RLSpec] | type[SFTSpec]] = {"rl": RLSpec, "sft": SFTSpec}
+class EvalModelConfig(StrictModel):
+    """What an eval run evaluates: a model (``name``: a path or hub id), or the weights of a run of the service
+    (``run``: its checkpoint ``step``, or its final weights when ``step`` is unset)."""
+
+    name: str = ""
+    """A model path or hub id; with ``run``: that run's base model, set by the service from the run's spec."""
+    run: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    """Id of a run of the service whose weights are evaluated (the service copies them into this run's folder)."""
+    step: int | None = Field(default=None, ge=0, le=MAX_STEPS)
+    """With ``run``: a step with a complete checkpoint; unset: the run's final weights (``final/``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype (with ``run``: that run's, set by the service)."""
+
+
+class EvalSettings(StrictModel):
+    """The settings of ``asyncrl eval`` (same names, same defaults): an eval job given the same ones measures the
+    same thing."""
+
+    num_examples: int = Field(default=64, ge=1, le=100_000)
+    """Eval tasks per environment (as ``orchestrator.eval.num_examples``)."""
+    temperature: float = Field(default=1.0, ge=0, le=10)
+    """Sampling temperature (0 = greedy)."""
+    max_tokens: int = Field(default=64, ge=1, le=65_536)
+    """Tokens sampled per turn."""
+    pass_k: int = Field(default=1, ge=1, le=1024)
+    """Samples per task; pass@k counts a task passed when one of them scores >= ``pass_threshold``."""
+    pass_threshold: float = Field(default=1.0, ge=0, le=1)
+    """Reward at which a sample counts as passed."""
+
+
+class EvalSpec(StrictModel):
+    """An eval job: reward mean, pass@k and completion lengths of one model on one or more environments
+    (``worker/evaluation.py``), stored as ``eval`` metrics at the evaluated checkpoint's step (final weights: the
+    run's ``max_steps``; a model path: 0)."""
+
+    kind: Literal["eval"] = "eval"
+    name: str = "eval"
+    output_dir: str = "outputs"
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seeds the environments' eval tasks (as ``asyncrl eval --seed``)."""
+    model: EvalModelConfig
+    env: Envs = Field(default_factory=EnvConfig)
+    """One ``[env]`` table or several (``[[env]]``, each named): each environment's eval split is evaluated; with
+    several, metrics per environment (``reward_mean/<name>``) and over all (weighted by tasks)."""
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+
+    _name = field_validator("name")(_check_run_name)
+
+    @property
+    def envs(self) -> list[EnvConfig]:
+        return [self.env] if isinstance(self.env, EnvConfig) else list(self.env)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> EvalSpec:
+        check_envs(self.env)
+        if self.model.run is None and not self.model.name:
+            raise ValueError("model.name: give a model path or hub id, or model.run (a run of the service)")
+        if self.model.run is None and self.model.step is not None:
+            raise ValueError("model.step: a checkpoint step needs model.run (the run it belongs to)")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+SPEC_TYPES: dict[str, type[RLSpec] | type[SFTSpec] | type[EvalSpec]] = {"rl": RLSpec, "sft": SFTSpec, "eval": EvalSpec}

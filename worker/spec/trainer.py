@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from worker.lora_adapters import DEFAULT_LORA_TARGETS
 from worker.spec.strict import StrictModel
 from worker.spec.user_code import CustomCode
 
@@ -109,10 +110,13 @@ class WeightSyncConfig(StrictModel):
 
     ``filesystem``: safetensors in ``weights/step_n`` loaded by path. ``process_group``: the weights are
     broadcast in buckets from trainer rank 0 to the vLLM workers over a separate process group (NCCL on
-    cuda, gloo on cpu), no disk; any failure falls back to the filesystem route with a logged warning.
+    cuda, gloo on cpu), no disk. ``cuda_ipc``: colocated on one GPU (trainer rank 0 and vLLM see the same
+    device): vLLM reads each version from the trainer's GPU buffer through a CUDA IPC handle
+    (``worker/weight_sync/cuda_ipc.py``); needs ``trainer.device = "cuda"``. Any failure of the last two falls
+    back to the filesystem route with a logged warning.
     """
 
-    kind: Literal["filesystem", "process_group"] = "filesystem"
+    kind: Literal["filesystem", "process_group", "cuda_ipc"] = "filesystem"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``auto``: nccl when the trainer runs on cuda, else gloo."""
     master_addr: str = Field(default="127.0.0.1", min_length=1)
@@ -141,9 +145,7 @@ class LoraConfig(StrictModel):
     """Dropout on the adapter's input during training (``[0, 1)``). vLLM samples without it, so above 0 the trainer's
     log-probs of the sampled tokens are those of a randomly thinned adapter, not of the policy that sampled them: the
     importance ratio and ``mismatch_kl`` get that noise on top of the real mismatch. Keep 0 for RL (the default)."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     """Names (module-name suffixes, PEFT's matching) of the linear layers that get adapters; each must match a module
     of the model (checked at launch)."""
 
@@ -174,6 +176,11 @@ class TrainerConfig(StrictModel):
     """``torch.compile`` each decoder block (fuses the elementwise kernels around the matmuls; GPU)."""
     slow_step_s: float = Field(default=0.0, ge=0, le=3600)
     """Testing aid: sleep this long after every step to make the trainer the bottleneck (at most an hour)."""
+    gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    """Share of each trainer GPU's memory the trainer may allocate (``torch.cuda.set_per_process_memory_fraction``;
+    None: no cap). With vLLM on the same GPU (colocated, ``worker.capacity.colocated``) it and
+    ``inference.gpu_memory_utilization`` must add up to at most 1; a model whose trainer state does not fit the share
+    is refused at launch with the numbers (``worker.capacity.check_trainer_memory``)."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
     lora: LoraConfig | None = None

@@ -18,6 +18,7 @@ One code path for one CPU process, ``torchrun`` on CPU (gloo) and one or more GP
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -184,14 +185,16 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full HF-named state dict on CPU; with FSDP2 gathered from the shards (a collective).
+def full_state_dict(model: torch.nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full HF-named state dict, on CPU (``cpu_offload``) or on the parameters' device; with FSDP2
+    gathered from the shards (a collective).
 
-    Every rank must call it; ranks other than 0 of a sharded model get ``{}``.
+    Every rank must call it; with ``cpu_offload`` ranks other than 0 of a sharded model get ``{}``, without it every
+    rank gets the full tensors.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
     return cast(dict[str, torch.Tensor], state)  # full_state_dict=True: every value is a plain tensor
 
 
@@ -204,3 +207,26 @@ def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+
+def weight_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """HF names and full shapes of the tensors :func:`iter_full_weights` yields, in its order (a tied
+    ``lm_head.weight`` left out); a sharded parameter (FSDP2 ``DTensor``) reports its global shape."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return {k: v.shape for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+
+def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named tensors one at a time, each in full on the parameters' device, not cloned (read each before the
+    next is asked for, and all before the next optimizer step); a tied ``lm_head.weight`` left out. With FSDP2 each
+    sharded tensor is gathered as it is read (a collective: every rank must read them all, in order), so the peak is
+    one full tensor, not the model. The colocated weight sync (``worker/weight_sync/cuda_ipc.py``) copies them into
+    its GPU buffer without a trip through host memory.
+    """
+    from torch.distributed.tensor import DTensor
+
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()

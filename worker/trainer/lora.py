@@ -65,43 +65,45 @@ def tied_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     return [t for t in targets if any(_matches(name, t) for name in tied)]
 
 
-def _check(model: torch.nn.Module, targets: list[str], model_type: str) -> None:
-    """Raise the one-line ``trainer.lora.target_modules`` error of :func:`check_targets` for ``model``."""
+RL_FIELD = "trainer.lora.target_modules"
+"""The spec key of the targets in an RL spec; an SFT spec's is ``lora.target_modules``."""
+
+
+def _check(model: torch.nn.Module, targets: list[str], model_type: str, field: str = RL_FIELD) -> None:
+    """Raise the one-line ``field`` error of :func:`check_targets` for ``model``."""
     missing = unmatched_targets(model, targets)
     if missing:
         leaves = sorted(
             {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         )
-        raise ValueError(
-            f"trainer.lora.target_modules: {missing} match no linear layer of {model_type} "
-            f"(its linear layers: {leaves})"
-        )
+        raise ValueError(f"{field}: {missing} match no linear layer of {model_type} (its linear layers: {leaves})")
     tied = tied_targets(model, targets)
     if tied:
         raise ValueError(
-            f"trainer.lora.target_modules: {tied} target layers whose weights {model_type} ties "
+            f"{field}: {tied} target layers whose weights {model_type} ties "
             f"({', '.join(tied_modules(model))}: tie_word_embeddings), which LoRA cannot merge; leave them out"
         )
 
 
-def check_targets(model_dir: str | Path, targets: list[str]) -> None:
+def check_targets(model_dir: str | Path, targets: list[str], field: str = RL_FIELD) -> None:
     """Launch check: every ``targets`` entry names a linear layer of the model in ``model_dir`` and none names a
     layer with tied weights (:func:`tied_targets`); the model is built from its config on the meta device, no
     weights are read.
 
     Raises:
-        ValueError: one line naming ``trainer.lora.target_modules``: the entries that match nothing and the model's
-            linear layer names that would, or the entries that match a tied layer.
+        ValueError: one line naming ``field`` (``trainer.lora.target_modules``; ``lora.target_modules`` for SFT): the
+            entries that match nothing and the model's linear layer names that would, or the entries that match a tied
+            layer.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    _check(model, targets, config.model_type)
+    _check(model, targets, config.model_type, field)
 
 
-def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
+def wrap(model: torch.nn.Module, cfg: LoraConfig, field: str = RL_FIELD) -> PeftModel:
     """Inject adapters into ``model`` in place (PEFT ``get_peft_model``) and freeze everything else.
 
     ``model`` keeps working as before (its targeted linears now add the adapter's output); the returned
@@ -115,7 +117,7 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    _check(model, cfg.target_modules, getattr(getattr(model, "config", None), "model_type", "the model"))
+    _check(model, cfg.target_modules, getattr(getattr(model, "config", None), "model_type", "the model"), field)
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cast(int, cfg.alpha),  # PEFT annotates int; it scales by alpha / r in float

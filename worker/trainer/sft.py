@@ -1,24 +1,26 @@
-"""Supervised fine-tuning on an environment's own (prompt, reference answer) pairs, in one process.
+"""Supervised fine-tuning: the SFT trainer, one process or FSDP2 ranks under ``torchrun`` as the RL trainer.
 
-Examples: for each of ``data.num_examples`` training tasks, the environment's chat prompt with the
-assistant turn opened plus the task's reference answer (``task.data.answer``) and the end-of-turn
-token; an environment with its own SFT conversation (``env.sft_conversation``, tool calls included)
-gives the whole conversation instead, with the loss on the assistant turns. Step ``n`` takes the next
-``data.batch_size`` examples in a fixed cycle over them. The loss is cross-entropy on the loss-mask
-tokens only, a token-level mean over the step's batch; samples are packed into rows of at most
-``seq_len`` tokens with attention kept inside each sample (bf16 autocast when ``model.dtype`` is
-bfloat16); AdamW and the warmup/decay schedule of ``worker/trainer/optim.py``.
+Data (``[data]``, read and checked by ``worker/trainer/sft_data.py`` before any weights load): rows of a JSONL or
+Parquet file or a ``datasets`` folder (``data.path``; chat messages or prompt/completion pairs, the loss on every
+assistant turn), or the environment's own tasks with their reference answers (``num_examples`` of its train split;
+an environment with its own SFT conversation, ``env.sft_conversation``, gives the whole conversation). Step ``n``
+takes the next ``data.batch_size`` rows from the data cursor (epoch, offset) in each epoch's seeded order
+(``data.shuffle``). The loss is cross-entropy on the loss-mask tokens only, a token-level mean over the step's
+batch; samples are packed into rows of at most ``seq_len`` tokens (``worker/packing.py``) and run through the RL
+trainer's packed forward and fused LM head (``worker/trainer/packed.py``, ``worker/trainer/logprobs.py``); the
+model is prepared by the RL trainer's ``prepare_model`` (FSDP2 when sharded, ``compile``, activation checkpointing),
+LoRA by ``worker/trainer/lora.py``; AdamW and the warmup/decay schedule of ``worker/trainer/optim.py``.
 
-A greedy held-out eval (the environment's reward on the first ``eval_examples`` eval tasks) runs
-every ``eval_interval`` steps and at the end, except for environments whose rollouts call tools
-(these need the agent harness on vLLM: ``asyncrl eval``).
+Evals every ``eval_interval`` steps and at the end: the held-out loss (``data.eval_path``, or the environment's eval
+tasks with their reference answers) and, with environment data or ``data.eval_reward``, the greedy reward on the
+first ``eval_examples`` eval tasks (not for environments whose rollouts call tools: ``asyncrl eval``).
 
-What it writes into the run directory: ``config.json`` (the spec), one ``metrics.jsonl`` row per
-step (source ``sft``: loss, grad_norm, lr, tokens_per_s, step_time_s, eval_reward_greedy), the
-trained model with its tokenizer at the end (``save_pretrained`` to ``<run>/final``) and
-``summary.json``. It writes no checkpoints (``SFTSpec`` has no ``ckpt`` section): an interrupted SFT
-run cannot resume; run again with ``overwrite`` and it starts over from the base model in a fresh run
-directory.
+What it writes into the run directory: ``config.json`` (the spec); one ``metrics.jsonl`` row per step (source
+``sft``: loss, grad_norm, lr, tokens_per_s, step_time_s, epoch, eval_loss, eval_reward_greedy); checkpoints every
+``ckpt.interval`` steps in the RL layout (``worker/checkpoint.py``: the ``trainer`` part with weights or adapter,
+optimizer, scheduler and RNG states, and the ``orchestrator`` part with the data cursor), from which
+``asyncrl sft --resume`` continues exactly; the trained model with its tokenizer at the end (``<run>/final``) and
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -26,84 +28,96 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import shutil
 import statistics
 import time
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from worker.checkpoint import due as checkpoint_due
+from worker.checkpoint import prune, write_part
 from worker.envs import load_environment
 from worker.orchestrator.data import data_order
 from worker.orchestrator.prompts import prompt_ids
 from worker.packing import pack
 from worker.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError
-from worker.trainer.checkpointer import save_final
-from worker.trainer.logprobs import selective_log_softmax
+from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
+from worker.trainer.dist import (
+    DistInfo,
+    all_ranks_max,
+    all_ranks_sum,
+    broadcast_from_main,
+    grad_norm_value,
+    prepare_model,
+    setup,
+)
+from worker.trainer.logprobs import fused_logprob_entropy
+from worker.trainer.lora import wrap
 from worker.trainer.optim import build_optimizer, build_scheduler
-from worker.trainer.packed import micro_batch_tensors
+from worker.trainer.packed import forward_hidden, micro_batch_tensors
+from worker.trainer.sft_data import (
+    DataCursor,
+    EpochOrder,
+    check_rows,
+    read_rows,
+    sft_conversation_sample,
+    sft_sample,
+    tokenize_rows,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger("asyncrl.sft")
+SFT_LORA_FIELD = "lora.target_modules"
+"""The spec key of an SFT spec's LoRA targets (``trainer.lora.target_modules`` in an RL spec)."""
 
 
-def sft_sample(tokenizer: Any, messages: list[dict[str, Any]], answer: str) -> dict[str, list[int]]:
-    """Token ids of prompt + answer + end-of-turn, with the loss mask on the answer tokens."""
-    prompt = prompt_ids(tokenizer, messages)
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    completion = tokenizer.encode(answer, add_special_tokens=False) + [end]
-    return {"input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion)}
+def sft_loss(
+    model: PreTrainedModel,
+    samples: list[dict[str, list[int]]],
+    n_tokens: int,
+    info: DistInfo,
+    *,
+    autocast: bool,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy over the loss-mask tokens of one packed micro-batch, divided by ``n_tokens``.
 
+    The row goes through the RL trainer's packed forward (``forward_hidden``: attention kept inside each sample)
+    and the fused chunked LM head (``fused_logprob_entropy``: the ``[T, vocab]`` logits are never built), on the
+    hidden states of the masked positions only: ``loss = -sum_t log p(x_t | x_<t) * mask_t / n_tokens``.
 
-def sft_conversation_sample(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> dict[str, list[int]]:
-    """Token ids of a whole conversation (OpenAI chat messages, assistant tool calls included) rendered as the
-    RL rollouts render it (renderers' `DefaultRenderer`: the model's chat template with `tools`, as verifiers'
-    TrainClient uses it), cut after the last assistant turn's end-of-turn token. The loss mask is 1 on what the
-    model samples in a rollout: each assistant turn's tokens after its ``<|im_start|>assistant\\n`` opener up to and
-    including its ``<|im_end|>``; system, user and tool turns and the template scaffold are 0.
+    Args:
+        samples: ``{"input_ids": [L], "loss_mask": [L]}`` dicts packed into one row.
+        n_tokens: the step's loss-token count over every micro-batch and rank (token-level mean).
+        info: this rank (device, FSDP2's ``loss_scale``); the returned value is not scaled by it.
 
-    Raises:
-        ValueError: no assistant message, or the template renders a conversation prefix differently from the
-            start of the whole conversation (then rollouts and SFT would see different tokens).
+    Returns:
+        A 0-dim float32 tensor (differentiable; the caller runs ``backward`` on it times ``info.loss_scale``).
     """
-    from renderers import DefaultRenderer
-
-    renderer = DefaultRenderer(tokenizer)
-    full = renderer.render_ids(messages, tools=tools)
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    mask = [0] * len(full)
-    end = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prefix = renderer.render_ids(messages[:i], tools=tools, add_generation_prompt=True)
-        if full[: len(prefix)] != prefix:
-            raise ValueError(f"chat template: the conversation up to message {i} does not render as a prefix of it")
-        end = full.index(end_id, len(prefix)) + 1
-        mask[len(prefix) : end] = [1] * (end - len(prefix))
-    if end == 0:
-        raise ValueError("sft conversation: no assistant message to train on")
-    return {"input_ids": full[:end], "loss_mask": mask[:end]}
-
-
-def sft_loss(model: torch.nn.Module, samples: list[dict[str, list[int]]], n_tokens: int) -> torch.Tensor:
-    """Cross-entropy over the loss-mask tokens of one packed micro-batch, divided by ``n_tokens``."""
-    t = micro_batch_tensors(samples)
-    logits = model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=t.attention_mask).logits[0]
-    total = logits.new_zeros(())
-    for start, length in t.spans:
-        lp = selective_log_softmax(
-            logits[start : start + length - 1].float(), t.input_ids[0, start + 1 : start + length]
-        )
-        total = total - lp[t.loss_mask[start + 1 : start + length]].sum()
-    return total / max(n_tokens, 1)
+    t = micro_batch_tensors(samples).to(info.device)
+    hidden, weight = forward_hidden(model, t, autocast)  # [T, D], [vocab, D]
+    rows = [r[torch.tensor(s["loss_mask"][1:], dtype=torch.bool)] for r, s in zip(t.rows, samples, strict=True)]
+    targets = [
+        torch.tensor([x for x, m in zip(s["input_ids"][1:], s["loss_mask"][1:], strict=True) if m]) for s in samples
+    ]
+    sel = t.sample_logits(hidden, torch.cat(rows))  # [N, D]
+    lp, _ = fused_logprob_entropy(sel, weight, torch.cat(targets).to(info.device), compiled=compiled)
+    return -lp.sum() / max(n_tokens, 1)
 
 
 @torch.no_grad()
 def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new_tokens: int = 64) -> float:
-    """Mean environment reward of greedy completions on the first ``num_examples`` eval tasks."""
+    """Mean environment reward of greedy completions on the first ``num_examples`` eval tasks.
+
+    The left-padded prompts ``[num_examples, width]`` go to the model's device (``model.device``: the trainer's
+    ``cuda`` device in a GPU run). Returns NaN when no completion was scored."""
     model.eval()
     tokenizer.padding_side = "left"
     count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
@@ -111,14 +125,15 @@ def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new
     prompts = [prompt_ids(tokenizer, env.prompt_messages(t)) for t in tasks]
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(
         input_ids=ids,
         attention_mask=attn,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=pad,
+        use_cache=True,  # the trainer's prepare_model turns the cache off for training
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
@@ -131,14 +146,49 @@ def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new
     return statistics.fmean(rewards) if rewards else float("nan")
 
 
-def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
+@dataclass
+class SFTData:
+    """What :func:`sft_preflight` prepared: the tokenizer, the training and held-out samples (``input_ids`` and
+    ``loss_mask`` lists), and the environment whose eval tasks give the greedy reward (None: no greedy reward)."""
+
+    tokenizer: Any
+    train: list[dict[str, list[int]]]
+    held_out: list[dict[str, list[int]]]
+    eval_env: Any | None
+
+
+def _env_samples(tokenizer: Any, env: Any, spec: SFTSpec, count: int, ordered: bool) -> list[dict[str, list[int]]]:
+    """``count`` samples of ``env``'s tasks with their reference answers (in ``data_order`` when ``ordered``)."""
+    out = []
+    n = count if ordered or env.num_tasks is None else min(count, env.num_tasks)
+    for p in range(n):
+        task = env.task(data_order(p, env.num_tasks, spec.seed) if ordered else p)
+        if (conversation := env.sft_conversation(task)) is not None:
+            try:
+                out.append(sft_conversation_sample(tokenizer, *conversation))
+            except ValueError as err:
+                raise SpecError(f"env.id: {spec.env.id!r}: {err}") from None
+            continue
+        answer = getattr(task.data, "answer", None)
+        if answer is None:
+            raise SpecError(f"env.id: {spec.env.id!r} tasks have no reference 'answer' to fine-tune on")
+        out.append(sft_sample(tokenizer, env.prompt_messages(task), str(answer)))
+    return out
+
+
+def sft_preflight(spec: SFTSpec, *, tokenize: bool = True) -> SFTData:
     """The cheap checks of an SFT spec, before any weights load; ``asyncrl sft --dry-run`` runs them too.
 
-    Returns ``(tokenizer, eval_env, examples)``; examples hold the token ids of every training sample.
+    Reads and tokenizes every training and held-out row (``data.path`` / ``data.eval_path``, or the environment's
+    tasks with their reference answers) and loads the eval environment when evals take its greedy reward. Without
+    ``tokenize`` (the local launcher, whose trainer process then runs it in full) file rows are checked for
+    structure only (``worker.trainer.sft_data.check_rows``), environment tasks are not turned into samples, and the
+    returned ``train`` / ``held_out`` are empty (no ``seq_len`` check): the rows are tokenized once, by the trainer.
 
     Raises:
-        SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable,
-            its tasks have no reference answer, or an example is longer than ``seq_len``.
+        SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable, its
+            tasks have no reference answer, a data file is missing, empty or has a row without an assistant turn
+            (``data.path: row 3 has no assistant turn ...``), or a sample is longer than ``seq_len``.
     """
     from worker.envs import EnvironmentLoadError, env_error_field
     from worker.models import check_model
@@ -151,103 +201,263 @@ def sft_preflight(spec: SFTSpec) -> tuple[Any, Any, list[dict[str, list[int]]]]:
         raise SpecError(
             f"model.name: {spec.model.name}: tokenizer has no '<|im_end|>' token (SFT ends answers with it)"
         )
-    try:
-        env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
-        eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
-    except (EnvironmentLoadError, TypeError, ValueError) as err:
-        raise SpecError(f"{env_error_field(err)}: {err}") from None
-    examples = []
-    for p in range(spec.data.num_examples):
-        task = env.task(data_order(p, env.num_tasks, spec.seed))
-        if (conversation := env.sft_conversation(task)) is not None:
-            try:
-                examples.append(sft_conversation_sample(tokenizer, *conversation))
-            except ValueError as err:
-                raise SpecError(f"env.id: {spec.env.id!r}: {err}") from None
-            continue
-        answer = getattr(task.data, "answer", None)
-        if answer is None:
-            raise SpecError(f"env.id: {spec.env.id!r} tasks have no reference 'answer' to fine-tune on")
-        examples.append(sft_sample(tokenizer, env.prompt_messages(task), str(answer)))
-    too_long = max(len(e["input_ids"]) for e in examples)
+    if spec.lora is not None:  # every target names a linear layer (the model's config, no weights read): case C15
+        from worker.trainer.lora import check_targets
+
+        try:
+            check_targets(spec.model.name, spec.lora.target_modules, field=SFT_LORA_FIELD)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
+    train: list[dict[str, list[int]]] = []
+    held_out: list[dict[str, list[int]]] = []
+    files = [("data.path", spec.data.path, spec.data.split)] if spec.uses_file else []
+    if spec.data.eval_path:
+        files.append(("data.eval_path", spec.data.eval_path, spec.data.eval_split))
+    for field, path, split in files:  # the rows first: a missing or broken file is named before any environment loads
+        rows = read_rows(path, field, split)
+        if not tokenize:
+            check_rows(rows, field)
+        elif field == "data.path":
+            train = tokenize_rows(tokenizer, rows, field)
+        else:
+            held_out = tokenize_rows(tokenizer, rows, field)
+    eval_env = None
+    if not spec.uses_file or spec.greedy_reward:
+        try:
+            env = load_environment(spec.env.id, split="train", seed=spec.seed, **spec.env.args)
+            eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
+        except (EnvironmentLoadError, TypeError, ValueError) as err:
+            raise SpecError(f"{env_error_field(err)}: {err}") from None
+        if not spec.uses_file and tokenize:
+            train = _env_samples(tokenizer, env, spec, spec.data.num_examples, ordered=True)
+        if not spec.uses_file and not spec.data.eval_path and tokenize:
+            held_out = _env_samples(tokenizer, eval_env, spec, spec.eval_examples, ordered=False)
+        if not spec.greedy_reward:
+            eval_env = None
+    if not tokenize:
+        return SFTData(tokenizer, train, held_out, eval_env)
+    too_long = max(len(e["input_ids"]) for e in [*train, *held_out])
     if too_long > spec.seq_len:
         raise SpecError(
             f"seq_len: {spec.seq_len} tokens cannot hold a {too_long}-token example; use at least {too_long}"
         )
-    return tokenizer, eval_env, examples
+    return SFTData(tokenizer, train, held_out, eval_env)
 
 
-def run_sft(spec: SFTSpec, *, overwrite: bool = False) -> dict[str, Any]:
-    """Train ``spec`` to ``max_steps``; returns ``{"final": path, "eval_reward_greedy": r, "wall_s": s}``.
+def _step_loss(
+    model: PreTrainedModel, samples: list[dict[str, list[int]]], spec: SFTSpec, info: DistInfo, *, train: bool
+) -> tuple[float, int, int]:
+    """One pass over ``samples`` packed into ``seq_len`` rows, this rank's rows (``rank::world``) with padding passes
+    so every rank runs as many FSDP2 forwards; with ``train`` each row's loss is back-propagated (gradients summed).
 
-    ``r`` is the greedy eval's mean reward after the last step (None for environments whose rollouts call
-    tools, which get no greedy eval here).
+    Returns ``(loss, loss_tokens, trained_tokens)`` summed over ranks; ``loss`` is the token-level mean."""
+    n_tokens = sum(sum(s["loss_mask"][1:]) for s in samples)
+    bins = pack([len(s["input_ids"]) for s in samples], spec.seq_len)
+    mine = bins[info.rank :: info.world_size]
+    autocast = spec.model.dtype == "bfloat16" and not info.sharded  # FSDP2's policy casts to bf16 itself
+    total, trained = 0.0, 0
+    for k in range(all_ranks_max(len(mine), info)):
+        pad = k >= len(mine)  # padding pass: same collectives, no gradient
+        rows = [{"input_ids": [0, 0], "loss_mask": [0, 0]}] if pad else [samples[i] for i in mine[k]]
+        with torch.set_grad_enabled(train):
+            loss = sft_loss(model, rows, n_tokens, info, autocast=autocast, compiled=spec.compile)
+            if train:
+                (loss * (0.0 if pad else info.loss_scale)).backward()
+        if not pad:
+            total += float(loss.detach())
+            trained += sum(len(r["input_ids"]) for r in rows)
+    sums = all_ranks_sum({"loss": total, "trained": float(trained)}, info)
+    return sums["loss"], n_tokens, int(sums["trained"])
 
-    The cheap checks (run directory state, then :func:`sft_preflight`) run before the weights load, and the
-    run directory is created only after everything loaded.
+
+def _write_data_cursor(run: RunDir, step: int, cursor: DataCursor, n_rows: int, spec: SFTSpec) -> None:
+    """The ``orchestrator`` part of an SFT checkpoint: the data cursor (epoch, offset), the row count and order."""
+
+    def write(folder: Path) -> None:
+        state = {"step": step, **cursor.to_json(), "num_rows": n_rows, **_order_keys(spec)}
+        (folder / "data_cursor.json").write_text(json.dumps(state))
+
+    write_part(run, step, "orchestrator", write)
+
+
+def _order_keys(spec: SFTSpec) -> dict[str, Any]:
+    """The spec keys that fix the training order after a data cursor: ``{spec key: value}``."""
+    return {"seed": spec.seed, "data.shuffle": spec.data.shuffle, "data.batch_size": spec.data.batch_size}
+
+
+def _read_data_cursor(run: RunDir, step: int, n_rows: int, spec: SFTSpec) -> DataCursor:
+    """The data cursor of checkpoint ``step``.
 
     Raises:
-        SpecError: the run directory exists (without ``overwrite``), the model or environment cannot load.
+        SpecError: the dataset now has another row count, or ``seed`` / ``data.shuffle`` / ``data.batch_size``
+            differs from when the checkpoint was written (the steps after it would take other rows)."""
+    state = json.loads((run.checkpoint_dir(step) / "orchestrator" / "data_cursor.json").read_text())
+    if state["num_rows"] != n_rows:
+        raise SpecError(
+            f"data.path: the training data has {n_rows} rows, checkpoint step {step} was written with "
+            f"{state['num_rows']}; resume with the same data"
+        )
+    for key, value in _order_keys(spec).items():
+        if key in state and state[key] != value:
+            raise SpecError(
+                f"{key}: {value!r} differs from {state[key]!r} of checkpoint step {step} (the data order would "
+                f"change); resume with {key} = {json.dumps(state[key])}"
+            )
+    return DataCursor(int(state["epoch"]), int(state["offset"]))
+
+
+def run_sft(spec: SFTSpec, *, overwrite: bool = False, resume: bool = False, prepared: bool = False) -> dict[str, Any]:
+    """Train ``spec`` to ``max_steps``; returns ``{"status": "completed", "final": path, "eval_reward_greedy": r,
+    "eval_loss": l, "wall_s": s, "resumed_from": k}``.
+
+    ``r`` is the greedy eval's mean reward after the last step (None without a greedy eval: file data without
+    ``data.eval_reward``, or an environment whose rollouts call tools); ``l`` the held-out loss (None without
+    held-out rows). With ``resume`` it continues from the newest complete checkpoint: weights (or the LoRA adapter),
+    optimizer, scheduler, RNG states and the data cursor, and the metrics of later steps are dropped; the steps
+    after it then repeat an uninterrupted run's (``tests/e2e/test_sft_resume.py``).
+
+    The cheap checks (run directory state, then :func:`sft_preflight`) run before the weights load, and a fresh run
+    directory is created only after everything loaded. Under ``torchrun`` every rank calls it (FSDP2); rank 0
+    writes. With ``prepared`` the local launcher (``worker.launchers.local.launch_sft``) made the run directory
+    (config, logs, events): it is kept as it is.
+
+    Raises:
+        SpecError: the run directory exists (without ``overwrite`` or ``resume``), ``resume`` finds no complete
+            checkpoint, the model, data or environment cannot load.
     """
-    from worker.launchers.local import check_run_dir
+    from worker.checkpoint import check_run_dir
     from worker.models import load_model
 
-    check_run_dir(spec, overwrite=overwrite)
-    tokenizer, eval_env, examples = sft_preflight(spec)
+    resume_from = check_run_dir(spec, resume=resume, overwrite=overwrite or prepared)
+    data = sft_preflight(spec)
+    info = setup(spec.device)
+    if spec.lora is not None and info.world_size > 1:
+        raise SpecError("lora: LoRA SFT trains in one process for now (run it without torchrun)")
+    run = RunDir(spec.run_dir)
+    order = EpochOrder(len(data.train), spec.seed, spec.data.shuffle)
+    cursor = _read_data_cursor(run, resume_from, len(data.train), spec) if resume_from is not None else DataCursor()
     try:
-        model = load_model(spec.model.name, dtype="float32", attn_implementation="sdpa")
+        model = load_model(spec.model.name, dtype="float32", attn_implementation=spec.attention)
     except (FileNotFoundError, ValueError) as err:
         raise SpecError(f"model.name: {err}") from None
 
-    run = RunDir(spec.run_dir)
-    if run.root.exists():
-        shutil.rmtree(run.root)
-    run.root.mkdir(parents=True)
-    atomic_write_json(run.config, json.loads(spec.model_dump_json()))
+    if resume_from is None and info.is_main and not prepared:
+        if run.root.exists():
+            shutil.rmtree(run.root)
+        run.root.mkdir(parents=True)
+    if info.is_main:
+        atomic_write_json(run.config, json.loads(spec.model_dump_json()))
     torch.manual_seed(spec.seed)
+    random.seed(spec.seed)
     torch.set_num_threads(spec.threads)
 
+    adapter = wrap(model, spec.lora, field=SFT_LORA_FIELD) if spec.lora is not None else None
     model.train()
+    prepare_model(
+        model,
+        info,
+        bf16=spec.model.dtype == "bfloat16",
+        activation_checkpointing=spec.activation_checkpointing,
+        compile=spec.compile,
+    )
     optimizer = build_optimizer(model, spec.optim)
     scheduler = build_scheduler(optimizer, spec.scheduler, spec.max_steps)
-    autocast = spec.model.dtype == "bfloat16"
+    start = 0
+    if resume_from is not None:
+        start = load_trainer_state(
+            run.checkpoint_dir(resume_from) / "trainer", model, optimizer, scheduler, adapter=adapter
+        )
+        if info.is_main:
+            run.prune_after(start)
+        logger.info("resumed from checkpoint step %d (data epoch %d, row %d)", start, cursor.epoch, cursor.offset)
+    checkpointer = BackgroundCheckpointer(run, keep=spec.ckpt.keep)
     t_start = time.time()
-    reward: float | None = float("nan")
-    can_eval = not eval_env.needs_harness
-    if not can_eval:  # its rollouts call tools: only verifiers' agent harness on a vLLM server can run them
-        reward = None
+    reward: float | None = None
+    eval_loss: float | None = None
+    eval_env = data.eval_env
+    if eval_env is not None and eval_env.needs_harness:  # its rollouts call tools: verifiers' agent harness on vLLM
+        eval_env = None
         print(f"sft: {spec.env.id!r} tasks use tools; no greedy eval here (run `asyncrl eval --model <run>/final`)")  # noqa: T201
-    for step in range(1, spec.max_steps + 1):
+    for step in range(start + 1, spec.max_steps + 1):
+        checkpointer.check()  # a failed background checkpoint write (a full disk) ends the run here
         t0 = time.perf_counter()
-        batch = [examples[((step - 1) * spec.data.batch_size + j) % len(examples)] for j in range(spec.data.batch_size)]
-        n_tokens = sum(sum(e["loss_mask"]) for e in batch)
-        loss_sum = 0.0
-        for bin_ in pack([len(e["input_ids"]) for e in batch], spec.seq_len):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = sft_loss(model, [batch[i] for i in bin_], n_tokens)
-            loss.backward()
-            loss_sum += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
+        idx, cursor = order.take(cursor, spec.data.batch_size)
+        loss, _, trained = _step_loss(model, [data.train[i] for i in idx], spec, info, train=True)
+        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm))
         lr = float(scheduler.get_last_lr()[0])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         values: dict[str, float | int | None] = {
-            "loss": loss_sum,
-            "grad_norm": float(grad_norm),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": lr,
-            "tokens_per_s": sum(len(e["input_ids"]) for e in batch) / dt,
+            "tokens_per_s": trained / dt if dt > 0 else 0.0,
             "step_time_s": dt,
+            "epoch": cursor.epoch,
         }
-        if can_eval and (step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0)):
-            reward = greedy_eval(model, tokenizer, eval_env, spec.eval_examples)
-            values["eval_reward_greedy"] = reward
-        run.log_metrics("sft", step, values)
-        if step % 20 == 0 or "eval_reward_greedy" in values:
-            extra = f" eval_reward_greedy {reward:.3f}" if "eval_reward_greedy" in values else ""
-            print(f"sft step {step:>4}/{spec.max_steps} | loss {loss_sum:.4f} | lr {lr:.2e}{extra}", flush=True)  # noqa: T201
-    save_final(model, spec.model.name, run.final)
-    result = {"final": str(run.final), "eval_reward_greedy": reward, "wall_s": round(time.time() - t_start, 1)}
-    atomic_write_json(run.summary, result)
+        if step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0):
+            if data.held_out:
+                model.eval()
+                with torch.no_grad():
+                    eval_loss = values["eval_loss"] = _step_loss(model, data.held_out, spec, info, train=False)[0]
+                model.train()
+            if eval_env is not None:
+                reward = values["eval_reward_greedy"] = greedy_eval(model, data.tokenizer, eval_env, spec.eval_examples)
+        if info.is_main:
+            run.log_metrics("sft", step, values)
+        if step % 20 == 0 or "eval_reward_greedy" in values or "eval_loss" in values:
+            extra = "".join(f" {k} {values[k]:.3f}" for k in ("eval_loss", "eval_reward_greedy") if k in values)
+            if info.is_main:
+                print(f"sft step {step:>4}/{spec.max_steps} | loss {loss:.4f} | lr {lr:.2e}{extra}", flush=True)  # noqa: T201
+        if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
+            checkpointer.save(step, model, optimizer, scheduler, adapter=adapter)
+            checkpointer.wait()  # the trainer part first: a data cursor never stands beside no weights
+            if info.is_main:
+                _write_data_cursor(run, step, cursor, len(data.train), spec)
+                prune(run, spec.ckpt.keep)  # again: the step is complete only now
+    checkpointer.wait()
+    save_final(model, spec.model.name, run.final, adapter=adapter)
+    result = {
+        "status": "completed",
+        "final": str(run.final),
+        "eval_reward_greedy": reward,
+        "eval_loss": eval_loss,
+        "wall_s": round(time.time() - t_start, 1),
+        "resumed_from": resume_from,
+    }
+    if info.is_main:
+        atomic_write_json(run.summary, result)
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m worker.trainer.sft --run-dir DIR [--resume]``: the SFT run of ``DIR/config.json`` in the run
+    directory the local launcher prepared; exit 2 with ``error: <field>: ...`` on bad input."""
+    import argparse
+    import sys
+
+    from worker.spec import validate_spec
+
+    p = argparse.ArgumentParser(prog="python -m worker.trainer.sft")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = RunDir(args.run_dir)
+    try:
+        spec = validate_spec("sft", json.loads(run.config.read_text()))
+        assert isinstance(spec, SFTSpec)
+        run_sft(spec, resume=args.resume, prepared=True)
+    except SpecError as err:
+        run.log_event("failed", process="trainer", reason=str(err))
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from worker import progress
 from worker.batch import Batch, read_batch
 from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
@@ -33,6 +34,7 @@ from worker.policy_check import applies as policy_check_applies
 from worker.policy_check import probe_from_batch, probe_logprobs, read_probe, write_logprobs, write_probe
 from worker.rundir import RunDir
 from worker.spec import RLSpec
+from worker.system_metrics import ProcessSampler
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
 from worker.trainer.dist import (
     DistInfo,
@@ -41,10 +43,12 @@ from worker.trainer.dist import (
     broadcast_from_main,
     flops_per_step,
     grad_norm_value,
+    iter_full_weights,
     peak_flops,
     peak_memory_gib,
     prepare_model,
     setup,
+    weight_shapes,
     weights_state_dict,
 )
 from worker.trainer.logprobs import fused_logprob_entropy
@@ -52,6 +56,7 @@ from worker.trainer.lora import wrap
 from worker.trainer.loss import LossInputs, compute_sample_loss
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import forward_hidden, micro_batch_tensors
+from worker.weight_sync.cuda_ipc import IpcSender
 from worker.weight_sync.publish import WeightSender, inference_workers, publish_adapter, publish_weights
 
 if TYPE_CHECKING:
@@ -64,8 +69,10 @@ EMPTY_STEP_METRICS = ("loss", "entropy", "mismatch_kl", "mismatch_kl_on_policy",
 def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch, float]:
     """Block until batch ``step`` exists; returns it and the wait in seconds."""
     path, t0 = run.batch(step), time.perf_counter()
+    progress.recorder.state("waiting_for_batch", step=step)
     while not path.exists():
         time.sleep(poll_s)
+    progress.recorder.state("training", step=step)
     return read_batch(path), time.perf_counter() - t0
 
 
@@ -183,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
     info = setup(spec.trainer.device)
+    if info.device.type == "cuda" and spec.trainer.gpu_memory_fraction is not None:  # its share of a shared GPU
+        torch.cuda.set_per_process_memory_fraction(spec.trainer.gpu_memory_fraction, info.device)
     sync = spec.trainer.weight_sync
     sender = (  # rank 0's end of the weight-sync group, formed in the background while the model loads
         WeightSender(
@@ -195,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if sync.kind == "process_group" and info.is_main
         else None
+    )
+
+    ipc = (  # colocated: rank 0 shares its GPU with vLLM (worker/weight_sync/cuda_ipc.py)
+        IpcSender(run, sync, info.device, getattr(torch, spec.model.dtype)) if sync.kind == "cuda_ipc" else None
     )
 
     from worker.models import load_model
@@ -213,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         compile=spec.trainer.compile,
     )
     peak = peak_flops(info.device)
+    system = ProcessSampler(info.device)  # CPU %, RSS, GPU use of this process (worker/system_metrics.py)
     optimizer = build_optimizer(model, spec.trainer.optim)
     scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)
     start = 0
@@ -233,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         if info.is_main:
             write_logprobs(run, start, lps)
 
+    if info.is_main:
+        progress.recorder.start(run.root, "trainer")
     for step in range(start + 1, spec.max_steps + 1):
         checkpointer.check()  # a failed background checkpoint write (a full disk) ends the run here
         batch, waited = wait_for_batch(run, step)
@@ -276,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                 write_logprobs(run, step, lps)
         if adapter is not None:  # LoRA: only the adapter ships (vLLM loads it by name, policy-<step>)
             publish_adapter(adapter, run, step, keep_versions=keep_versions)
+        elif ipc is not None:  # colocated: through the trainer's GPU buffer (filesystem fallback inside)
+            if info.is_main:
+                ipc.publish(iter_full_weights(model), weight_shapes(model), step, keep_versions)
+            else:  # the other FSDP2 ranks take part in each tensor's gather
+                for _ in iter_full_weights(model):
+                    pass
         elif sender is not None:  # over the process group (filesystem fallback inside)
             sender.publish(weights_state_dict(model), step, keep_versions)
         else:  # with FSDP2 the other ranks take part in the gather here
@@ -300,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                     "wait_for_batch_s": waited,
                     "policy_version": step,
                     "trainer_ranks": info.world_size,
+                    **system.sample(),
                 },
             )
         logger.info(
@@ -313,11 +336,16 @@ def main(argv: list[str] | None = None) -> int:
         # periodic, or requested (preemption); rank 0 decides, since every rank takes part in the save
         if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
             checkpointer.save(step, model, optimizer, scheduler, adapter=adapter)
+        progress.recorder.tick("steps")
         if spec.trainer.slow_step_s:
             time.sleep(spec.trainer.slow_step_s)
+    progress.recorder.state("saving_final")
+    if ipc is not None and info.is_main:
+        ipc.settle()  # the buffer dies with this process: inference reads the last version first (or gets the file)
     checkpointer.wait()
     save_final(model, spec.model.name, run.final, adapter=adapter)
     logger.info("done: %d steps", spec.max_steps)
+    progress.recorder.finish()
     return 0
 
 

@@ -10,11 +10,13 @@ Two parts (the trainer end, and the drawing of the whole path, is ``worker/weigh
   - ``{"method": "init_weight_update_group", "args": [addr, port, rank_offset, world_size, backend, timeout_s]}``
     then ``{"method": "update_weights_from_group", "args": [metadata]}``: the weights broadcast in buckets from
     trainer rank 0 over a separate process group (``publish.py`` describes the metadata and the handshake).
+  - ``{"method": "update_weights_from_ipc", "args": [metadata]}``: the colocated route, the weights read from the
+    trainer's GPU buffer through a CUDA IPC handle (``cuda_ipc.py`` describes the metadata and the handshake).
 
-  Both routes feed one loader (:meth:`WeightUpdateExtension._load`: layerwise reload + tied lm_head fix); only
+  All routes feed one loader (:meth:`WeightUpdateExtension._load`: layerwise reload + tied lm_head fix); only
   the source of the ``(name, tensor)`` pairs differs.
 - :class:`WeightReceiver`, in the orchestrator: makes the workers join the trainer's group and loads a version
-  sent over it, through the HTTP calls of ``worker/inference/client.py``.
+  sent over it or through CUDA IPC, through the HTTP calls of ``worker/inference/client.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from worker.inference.client import InferenceError
 from worker.rundir import RunDir
+from worker.weight_sync.cuda_ipc import IPC_FILE, import_handle, views
 from worker.weight_sync.publish import (
     FAILED,
     GROUP_FILE,
@@ -194,6 +197,24 @@ class WeightUpdateExtension:
         }
         return {**info, **transfer, "seconds": time.perf_counter() - t0}
 
+    def update_weights_from_ipc(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Load the version described by ``meta`` (``cuda_ipc.py``'s ``ipc.json``: the trainer's flat GPU buffer and
+        each tensor's ``[name, shape, offset]``) in place, reading the trainer's memory through its CUDA IPC handle,
+        which is closed again before it returns (the trainer may exit once the version is acknowledged). Call it while
+        generation is paused.
+
+        Raises:
+            RuntimeError: the trainer's GPU is not visible in this worker (not colocated) or the handle cannot be opened.
+        """
+        t0 = time.perf_counter()
+        flat = import_handle(meta["handle"])
+        opened = time.perf_counter()
+        info = self._load(iter(views(flat, meta["tensors"])))
+        torch.cuda.synchronize()
+        nbytes = flat.numel() * flat.element_size()
+        del flat  # released at once: the trainer may exit after the acknowledgement
+        return {**info, "bytes": nbytes, "open_s": opened - t0, "seconds": time.perf_counter() - t0}
+
 
 def _fix_cpu_tied_lm_head(model: torch.nn.Module) -> dict[str, Any]:
     """Re-tie ``lm_head`` to the (reloaded) input embedding and re-pack its CPU GEMM weight.
@@ -272,23 +293,22 @@ class WeightReceiver:
             InferenceError: the fallback file did not appear within ``timeout_s`` or the path load failed.
         """
         meta_path = folder / META_FILE
-        if (folder / WEIGHTS_FILE).exists() or not meta_path.exists():
+        ipc_path = folder / IPC_FILE
+        if (folder / WEIGHTS_FILE).exists() or not (meta_path.exists() or ipc_path.exists()):
             return {**await self.client.update_weights(folder), "route": "filesystem"}
+        route = "cuda_ipc" if ipc_path.exists() else "process_group"
         try:
-            if not self.joined:
+            if route == "process_group" and not self.joined:
                 raise InferenceError("the vLLM workers are not in the group")
-            meta = json.loads(meta_path.read_text())
-            info = await self.client.collective_rpc(
-                "update_weights_from_group", [meta], timeout_s=self.cfg.timeout_s + 10
-            )
+            method = "update_weights_from_ipc" if route == "cuda_ipc" else "update_weights_from_group"
+            meta = json.loads((ipc_path if route == "cuda_ipc" else meta_path).read_text())
+            info = await self.client.collective_rpc(method, [meta], timeout_s=self.cfg.timeout_s + 10)
             (folder / LOADED).write_text("")
-            return {**info, "route": "process_group"}
+            return {**info, "route": route}
         except Exception as e:  # noqa: BLE001 - fall back to the filesystem
             self.joined = False
             (folder / FAILED).write_text(str(e))
-            logger.warning(
-                "weight sync over the process group failed for %s (%s); loading it from the filesystem", folder, e
-            )
+            logger.warning("weight sync over %s failed for %s (%s); loading it from the filesystem", route, folder, e)
         deadline = time.monotonic() + self.cfg.timeout_s + 30
         while not (folder / WEIGHTS_FILE).exists():
             if time.monotonic() > deadline:

@@ -317,10 +317,10 @@ class WeightSender:
         """
         final = self.run.weight_dir(version)
         if not self.usable():
-            path = _write_version(self.run, version, state, None)
+            path = write_version(self.run, version, state, None)
         else:
             meta = {"version": version, **plan_buckets(state, self.cfg.bucket_mb * 2**20)}
-            path = _write_version(self.run, version, None, meta)
+            path = write_version(self.run, version, None, meta)
             try:
                 send(self.group, state, meta, self.device, self.cfg.timeout_s)
                 ack = _wait_ack(final, self.cfg.timeout_s)
@@ -331,8 +331,8 @@ class WeightSender:
             except Exception as e:  # noqa: BLE001 - fall back, never lose a version
                 self._give_up(str(e).splitlines()[0] if str(e) else type(e).__name__)
                 with writing(f"policy version {version}", final / WEIGHTS_FILE, partial=final):
-                    _write_file(final / WEIGHTS_FILE, state)
-        _prune_versions(self.run, version, keep_versions)
+                    write_file(final / WEIGHTS_FILE, state)
+        prune_versions(self.run, version, keep_versions)
         return path
 
 
@@ -348,8 +348,8 @@ def publish_weights(model: torch.nn.Module, run: RunDir, version: int, keep_vers
     weights = weights_state_dict(model)
     if not is_main_rank():
         return run.weight_dir(version)
-    final = _write_version(run, version, weights, None)
-    _prune_versions(run, version, keep_versions)
+    final = write_version(run, version, weights, None)
+    prune_versions(run, version, keep_versions)
     return final
 
 
@@ -370,8 +370,8 @@ def publish_adapter(peft_model: Any, run: RunDir, version: int, keep_versions: i
         if os.environ.get(TEST_ADAPTER_TARGETS_VAR):
             _retarget_adapter(tmp, os.environ[TEST_ADAPTER_TARGETS_VAR])
 
-    final = _write_version(run, version, None, None, write=write)
-    _prune_versions(run, version, keep_versions)
+    final = write_version(run, version, None, None, write=write)
+    prune_versions(run, version, keep_versions)
     return final
 
 
@@ -397,14 +397,19 @@ def _retarget_adapter(folder: Path, module: str) -> None:
     save_file(renamed, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-def _prune_versions(run: RunDir, version: int, keep_versions: int) -> None:
+def prune_versions(run: RunDir, version: int, keep_versions: int) -> None:
     """Delete the version folders older than the newest ``keep_versions`` (``version`` is the newest)."""
     for n, p in step_dirs(run.weights).items():
         if n <= version - keep_versions:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
+def write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """``state`` as safetensors at ``path``, through a temporary name in the same folder (never half-written).
+
+    Raises:
+        DiskFull: the filesystem is full (the temporary file is removed).
+    """
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -413,7 +418,7 @@ def _write_file(path: Path, state: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
-def _write_version(
+def write_version(
     run: RunDir,
     version: int,
     state: dict[str, torch.Tensor] | None,
@@ -433,7 +438,7 @@ def _write_version(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if state is not None:
-            _write_file(tmp / WEIGHTS_FILE, state)
+            write_file(tmp / WEIGHTS_FILE, state)
         if meta is not None:
             (tmp / META_FILE).write_text(json.dumps(meta))
         if write is not None:
