@@ -8,15 +8,24 @@ Every test leaves a full-page screenshot in ``$ASYNCRL_ARTIFACTS`` (default ``te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.server import fresh_database
+from tests.support.server import (
+    STATE,
+    ApiServer,
+    fresh_database,
+    processes,
+    start_celery_worker,
+    stop_process_group,
+)
 
 CHROMIUM = os.environ.get("ASYNCRL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -83,3 +92,35 @@ def _login(page: Any, base: str, token: str) -> None:
 def login() -> Any:
     """``login(page, base_url, token)``: log in through the form, keyboard only."""
     return _login
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``asyncrl server`` and a Celery worker, both real processes; yields the server URL. Runs left running by a
+    test that failed mid-run are killed at the end (:func:`kill_run_sessions`)."""
+    from worker.celery_app import app
+
+    app.control.purge()  # launches queued by earlier tests of this session
+    logs = tmp_path_factory.mktemp("service")
+    api = ApiServer(logs / "server.log")
+    api.start()
+    worker = start_celery_worker(api.url, logs / "worker.log")
+    try:
+        yield api.url
+    finally:
+        stop_process_group(worker)
+        api.kill()
+        kill_run_sessions()
+
+
+def kill_run_sessions() -> None:
+    """SIGKILL every process of run supervisors' sessions under this test session's output dir (a test that fails
+    mid-run leaves its run training: the supervisor has its own session)."""
+    procs = processes()
+    sessions = {
+        pid for pid, (sid, cmd) in procs.items() if pid == sid and "worker.supervisor" in cmd and str(STATE) in cmd
+    }
+    for pid, (sid, _) in procs.items():
+        if sid in sessions:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -3,6 +3,7 @@ inline spec errors, live charts and compare on stored metrics (the real-run flow
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Any
@@ -22,7 +23,7 @@ def test_runs_list_filters_without_javascript(nojs_page: Any, login: Any, live_s
     login(page, live_server, new_token(f"nojs-{tag}"))
     page.get_by_label("Name contains").fill(f"nojs-{tag}")
     page.get_by_role("button", name="Filter").click()
-    page.wait_for_url(f"**/runs?status=&q=nojs-{tag}")
+    page.wait_for_url(f"**/runs?status=&q=nojs-{tag}&tag=&group=")  # the tag and group filters, left empty
     assert page.locator("tr[data-run-id]").evaluate_all("rs => rs.map(r => r.dataset.runId)") == [
         str(b["id"]),
         str(a["id"]),
@@ -180,3 +181,45 @@ def test_run_page_draws_the_lag_histogram_as_stacked_bars(
         ["bar", "lag 1", [0, 3]],
         ["bar", "lag 8+", [0, 0]],
     ]
+
+
+def test_docs_draw_the_api_with_every_request_outside_the_app_blocked(page: Any, live_server: str) -> None:
+    """``/docs`` offline: a request to any other host is aborted (and recorded); Swagger UI still draws the API."""
+    outside: list[str] = []
+
+    def only_the_app(route: Any) -> None:
+        if route.request.url.startswith(f"{live_server}/"):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_the_app)
+    page.goto(f"{live_server}/docs")
+    page.locator(".opblock-summary-path[data-path='/api/runs']").first.wait_for()
+    assert page.locator(".info .title").inner_text().startswith("asyncrl")
+    assert page.locator(".opblock").count() == sum(
+        len(ops) for ops in httpx.get(f"{live_server}/openapi.json").json()["paths"].values()
+    )
+    assert outside == []
+
+
+def test_axis_numbers_are_plain_numbers_without_si_prefixes(
+    page: Any, login: Any, live_server: str, make_run: Any, auth: dict[str, str]
+) -> None:
+    """A loss of 1e-05 to 3e-05 over steps 10000-30000: ticks read 0.00002 and 20000, never 20µ or 20k."""
+    run = make_run(max_steps=50000)
+    pts = [
+        {"source": "trainer", "step": s, "name": "loss", "value": s * 1e-9, "time": time.time()}
+        for s in (10000, 20000, 30000)
+    ]
+    assert (
+        httpx.post(f"{live_server}/api/runs/{run['id']}/metrics", json={"points": pts}, headers=auth).status_code == 200
+    )
+    login(page, live_server, new_token(f"ticks-{secrets.token_hex(3)}"))
+    page.goto(f"{live_server}/runs/{run['id']}")
+    page.locator("#chart-loss .ytick text").first.wait_for()
+    y = page.locator("#chart-loss .ytick text").all_text_contents()
+    x = page.locator("#chart-loss .xtick text").all_text_contents()
+    assert y and x and all(re.fullmatch(r"[0-9.e+-]+", t) for t in y + x), (y, x)  # no µ, m or k
+    assert "0.00002" in y and "20000" in x, (y, x)

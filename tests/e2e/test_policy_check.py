@@ -93,3 +93,29 @@ def test_c14_warn_only_completes_with_one_event_per_version(
     assert [(r["step"], r["policy_moved_from_base"]) for r in rows] == [(1, 0.0), (2, 0.0)]
     assert all(r["policy_check_max_abs_diff"] > DEFAULT_TOLERANCE["float32"] for r in rows)
     assert [r["step"] for r in by_source(run, "trainer")] == [1, 2]
+
+
+def test_c14_one_replica_serving_another_policy_fails_the_check_naming_it(
+    tiny_model: Path, vllm_server: VLLMServer, frozen_server: VLLMServer, tmp_path: Path
+) -> None:
+    """Two running servers as replicas (``inference.urls``): replica 0 loads every version, replica 1 (frozen) acks
+    and loads nothing. The check runs on each: replica 0 agrees with the trainer, replica 1 fails it, and the run's
+    failure names replica 1 (issue 19)."""
+    spec = rl_spec(tiny_model, vllm_server.url, tmp_path, "replica-frozen", max_steps=3, **FAST)
+    spec.inference.url = None
+    spec.inference.urls = [vllm_server.url, frozen_server.url]
+    summary = launch_rl(spec, quiet=True)
+    run = RunDir(spec.run_dir)
+    assert summary["status"] == "failed", summary
+    [event] = _events(run, "policy_check_failed")
+    assert event["step"] == 1 and event["reason"].endswith(f"(inference replica r1 at {frozen_server.url})")
+    assert summary["reason"].endswith(event["reason"] + f" (log: {run.logs / 'orchestrator.log'})"), summary["reason"]
+    [row] = by_source(run, "inference")
+    tol = DEFAULT_TOLERANCE["float32"]
+    assert row["step"] == 1 and row["replicas_healthy"] == 2
+    assert row["policy_check_max_abs_diff/r0"] <= tol < row["policy_check_max_abs_diff/r1"]
+    assert row["policy_check_max_abs_diff"] == row["policy_check_max_abs_diff/r1"] == event["max_abs_diff"]
+    assert row["policy_check_replica_max_abs_diff"] > tol  # the two replicas serve different policies
+    assert row["rollout_groups/r0"] > 0 and row["rollout_groups/r1"] > 0  # step 1's groups went to both
+    [running] = _events(run, "running")
+    assert running["inference_urls"] == [vllm_server.url, frozen_server.url]

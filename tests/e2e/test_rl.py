@@ -29,6 +29,7 @@ from worker.orchestrator.staleness import LAG_HIST_METRICS
 from worker.policy_check import DEFAULT_TOLERANCE
 from worker.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, SFTSpec, load_spec_data, validate_spec
+from worker.system_metrics import PROCESS_METRICS
 
 pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
@@ -48,6 +49,7 @@ TRAINER_METRICS = {
     "num_samples",
     "num_loss_tokens",
     "policy_version",
+    *PROCESS_METRICS,
 }
 ORCHESTRATOR_METRICS = {
     "reward_mean",
@@ -70,6 +72,7 @@ ORCHESTRATOR_METRICS = {
     "trained_gen_time_ratio",
     "trained_len_ratio",
     *LAG_HIST_METRICS,
+    *PROCESS_METRICS,
 }
 LEARN_STEPS = 48
 EVAL_METRICS = {"reward_mean", "pass_at_k", "k", "num_examples"}

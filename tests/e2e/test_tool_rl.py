@@ -226,7 +226,7 @@ def test_rl_run_on_tool_env(tool_run: RunDir, tool_model: Path) -> None:
 
 
 def test_asyncrl_eval_on_tool_taskset(served: Any, tool_model: Path) -> None:
-    from worker.evaluation import run_eval
+    from worker.evaluation import EvalSettings, run_eval
 
     result = run_eval(
         model=None,
@@ -234,10 +234,7 @@ def test_asyncrl_eval_on_tool_taskset(served: Any, tool_model: Path) -> None:
         tokenizer=str(tool_model),
         env_id="reverse_tool",
         env_args=ENV_ARGS,
-        num_examples=4,
-        temperature=1.0,
-        max_tokens=64,
-        pass_k=2,
+        settings=EvalSettings(num_examples=4, temperature=1.0, max_tokens=64, pass_k=2),
         seed=0,
     )
     print("asyncrl eval:", result)  # noqa: T201

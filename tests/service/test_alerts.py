@@ -50,7 +50,7 @@ def endpoint(client: Any, auth: dict[str, str]) -> Any:
         ({"kind": "stall", "seconds": 0}, "body.stall.seconds: Input should be greater than 0"),
         (
             {"kind": "status", "statuses": ["exploded"]},
-            "body.status.statuses.0: Input should be 'failed', 'completed', 'cancelled' or 'requeued'",
+            "body.status.statuses.0: Input should be 'failed', 'completed', 'cancelled', 'requeued' or 'stalled'",
         ),
         (
             {"kind": "non_finite", "metrics": ["loss", "rewardd"]},
@@ -77,7 +77,7 @@ def test_bad_rules_are_422_naming_the_field(
         ({"url": "ftp://example.org/x"}, "body.url: URL scheme should be 'http' or 'https'"),
         (
             {"url": "http://127.0.0.1:9/x", "events": ["threshold", "earthquake"]},
-            "body.events.1: Input should be 'status', 'threshold', 'stall', 'non_finite' or 'throughput'",
+            "body.events.1: Input should be 'status', 'threshold', 'stall', 'non_finite', 'throughput' or 'policy_check'",
         ),
         ({"url": "http://127.0.0.1:9/x", "format": "xml"}, "body.format: Input should be 'json' or 'slack'"),
         ({"url": "http://127.0.0.1:9/x", "secret": "short"}, "body.secret: String should have at least 16 characters"),
@@ -282,7 +282,7 @@ def test_secret_is_shown_once_then_only_its_prefix(client: Any, auth: dict[str, 
         shown = client.get(f"/api/webhooks/{created['id']}", headers=auth).text
         listed = client.get("/api/webhooks", headers=auth).text
         assert secret[:5] not in shown and secret[:5] not in listed and '"secret_prefix":"s3cr"' in shown
-        assert created["events"] == ["status", "threshold", "stall", "non_finite", "throughput"]
+        assert created["events"] == ["status", "threshold", "stall", "non_finite", "throughput", "policy_check"]
         from sqlmodel import Session
 
         from server.alerts.models import WebhookEndpoint
@@ -564,3 +564,28 @@ def test_editing_a_rule_changes_what_fires(client: Any, auth: dict[str, str]) ->
     assert bad.status_code == 422
     assert bad.json()["detail"].startswith("body.rule.threshold.window: Input should be greater than or equal to 1")
     assert client.patch("/api/alerts/rules/999999", json={"enabled": True}, headers=auth).status_code == 404
+
+
+def test_a_rule_added_while_the_run_is_over_its_threshold_fires_at_once(client: Any, auth: dict[str, str]) -> None:
+    """Judged at the newest stored step when added, not only at the next point (issue 21: it said "ok" until then)."""
+    run_id = new_run()
+    post_metrics(client, run_id, "mismatch_kl", {1: 0.0, 2: 0.5, 3: 0.6})
+    url = f"/api/runs/{run_id}/alerts/rules"
+    over = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.1, "window": 2}
+    assert client.post(url, headers=auth, json=over).status_code == 201
+    assert alert_events(client, auth, run_id) == [("threshold", "fired", 3)]
+    # a rule not holding at step 3 is ok from there: the next points are judged as they come, once each
+    under = {"kind": "threshold", "metric": "mismatch_kl", "op": ">", "value": 0.55, "window": 2}
+    assert client.post(url, headers=auth, json=under).status_code == 201
+    assert alert_events(client, auth, run_id) == [("threshold", "fired", 3)]
+    post_metrics(client, run_id, "mismatch_kl", {4: 0.7})
+    assert alert_events(client, auth, run_id) == [("threshold", "fired", 3), ("threshold", "fired", 4)]
+    # a throughput rule: the newest value under half the median of the 2 before it
+    post_metrics(client, run_id, "tokens_per_s", {1: 100.0, 2: 120.0, 3: 40.0})
+    slow = {"kind": "throughput", "metric": "tokens_per_s", "fraction": 0.5, "window": 2}
+    assert client.post(url, headers=auth, json=slow).status_code == 201
+    assert alert_events(client, auth, run_id)[-1] == ("throughput", "fired", 3)
+    # a run without points yet: nothing to judge, nothing recorded
+    empty = new_run()
+    assert client.post(f"/api/runs/{empty}/alerts/rules", headers=auth, json=over).status_code == 201
+    assert alert_events(client, auth, empty) == []

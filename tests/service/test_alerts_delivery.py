@@ -21,7 +21,7 @@ from tests.support.alerts import (
     post_metrics,
     signed_ok,
 )
-from tests.support.server import wait_for
+from tests.support.server import run_token_headers, wait_for
 
 
 @pytest.fixture
@@ -114,3 +114,46 @@ def test_replay_sends_the_same_body_and_key(
     assert [r.key for r in receiver.requests] == [first["idempotency_key"]] * 2
     assert receiver.requests[0].body == receiver.requests[1].body and len(receiver.bodies) == 1
     assert client.post("/api/deliveries/999999/replay", headers=auth).status_code == 404
+
+
+@pytest.mark.usefixtures("worker")
+def test_failed_policy_check_alerts_once_through_the_built_in_rule(
+    client: Any, auth: dict[str, str], receiver: Receiver
+) -> None:
+    """Case C14's alert with no rule added: the run's ``policy_check_failed`` event, as its supervisor forwards it
+    (sent twice: the second records nothing), fires the built-in ``policy_check`` rule once, signed, with the check's
+    reason. The rule is no stored row: the run's rule list stays empty (its cap untouched)."""
+    resp = client.post("/api/webhooks", json={"url": receiver.url}, headers=auth)  # default filter: every kind
+    assert resp.status_code == 201 and "policy_check" in resp.json()["events"], resp.text
+    hook = resp.json()
+    run_id = new_run()
+    reason = (
+        "orchestrator.policy_check: policy version 1: the served log-probs differ from the trainer's by up to 0.727 "
+        "nats (tolerance 0.001): inference does not serve the published policy"
+    )
+    data = {"step": 1, "max_abs_diff": 0.727, "moved_from_base": False, "tolerance": 0.001, "on_fail": "fail"}
+    event = {"event": "policy_check_failed", "time": time.time(), "reason": reason, "process": "orchestrator"}
+    for recorded in (1, 0):
+        sent = client.post(
+            f"/api/runs/{run_id}/events", json={"events": [{**event, "data": data}]}, headers=run_token_headers(run_id)
+        )
+        assert sent.status_code == 200 and sent.json() == {"recorded": recorded}, sent.text
+    (log,) = delivered(client, auth, hook["id"], 1)
+    time.sleep(2)  # nothing more arrives
+    assert len(receiver.requests) == 1 and signed_ok(hook["secret"], receiver.requests[0])
+    body = json.loads(receiver.requests[0].body)
+    assert (body["event"], body["state"], body["step"], body["rule_id"], body["run"]["id"]) == (
+        "policy_check",
+        "fired",
+        1,
+        None,
+        run_id,
+    )
+    assert body["message"] == f"policy_check_failed (built-in rule policy_check): {reason}"
+    assert body["data"] == {"event": "policy_check_failed", "reason": reason, **data, "time": event["time"]} | {
+        "process": "orchestrator"
+    }
+    assert body["id"] == log["idempotency_key"]
+    assert alert_events(client, auth, run_id) == [("policy_check", "fired", 1)]
+    assert client.get(f"/api/runs/{run_id}/alerts/rules", headers=auth).json()["count"] == 0
+    client.delete(f"/api/webhooks/{hook['id']}", headers=auth)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
 
-from tests.support.server import BAD_MODEL, new_token, run_token_headers, spec
+from tests.support.server import BAD_MODEL, new_token, run_token_headers, sft_data, spec
 
 
 def run_count(client: Any, auth: dict[str, str]) -> int:
@@ -103,8 +104,36 @@ def test_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:
             spec(max_steps=0), 422, "max_steps: Input should be greater than or equal to 1, got 0", id="bad-value"
         ),
         pytest.param({"name": "x"}, 422, "model: Field required", id="missing-field"),
-        pytest.param(spec(kind="sft"), 422, "kind: the service launches 'rl' runs, got 'sft'", id="sft-kind"),
-        pytest.param(spec(kind=3), 422, "kind: expected one of ['rl', 'sft'], got '3'", id="kind-not-string"),
+        pytest.param(
+            spec(kind="sft", data={"path": "/etc/passwd"}),
+            422,
+            "data.path: '/etc/passwd' is not allowed in a run submitted to the service; allowed: a path under "
+            f"DATA_ROOTS ({os.environ['ASYNCRL_OUTPUT_DIR']}), without '..' or '~'",
+            id="sft-data-path-outside-roots",
+        ),
+        pytest.param(
+            spec(kind="sft", data={"path": f"{os.environ['ASYNCRL_OUTPUT_DIR']}/a.jsonl", "eval_path": "~/b.jsonl"}),
+            422,
+            "data.eval_path: '~/b.jsonl' is not allowed in a run submitted to the service; allowed: a path under "
+            f"DATA_ROOTS ({os.environ['ASYNCRL_OUTPUT_DIR']}), without '..' or '~'",
+            id="sft-eval-path-home",
+        ),
+        pytest.param(
+            spec(kind="sft", data={"path": f"{os.environ['ASYNCRL_OUTPUT_DIR']}/../x/a.jsonl"}),
+            422,
+            f"data.path: '{os.environ['ASYNCRL_OUTPUT_DIR']}/../x/a.jsonl' is not allowed in a run submitted to the "
+            f"service; allowed: a path under DATA_ROOTS ({os.environ['ASYNCRL_OUTPUT_DIR']}), without '..' or '~'",
+            id="sft-data-path-dotdot",
+        ),
+        pytest.param(
+            spec(kind="sft", orchestrator={"batch_size": 4}),
+            422,
+            "unknown key 'orchestrator' (valid keys here: activation_checkpointing, alerts, attention, ckpt, compile, "
+            "data, device, env, eval_examples, eval_interval, kind, lora, max_steps, model, name, optim, output_dir, "
+            "scheduler, seed, seq_len, threads)",
+            id="sft-with-rl-key",
+        ),
+        pytest.param(spec(kind=3), 422, "kind: expected one of ['eval', 'rl', 'sft'], got '3'", id="kind-not-string"),
         pytest.param([1, 2], 422, "body: expected a JSON object (the run spec), got list", id="not-an-object"),
     ],
 )
@@ -267,3 +296,38 @@ def test_a_missing_local_model_is_refused_at_submit_and_a_hub_id_is_not(
     assert run_count(client, auth) == before
     hub = client.post("/api/runs", json=spec(model={"name": "Qwen/Qwen3-0.6B"}), headers=auth)
     assert hub.status_code == 201, hub.text
+
+
+def test_sft_spec_is_queued_as_an_sft_run(client: Any, auth: dict[str, str]) -> None:
+    """``kind = "sft"`` goes through the service (issue 22): queued with its data path (under DATA_ROOTS) kept and
+    its output_dir set by the service, as an RL run's."""
+    data = sft_data()
+    resp = client.post("/api/runs", json=spec(kind="sft", data={"path": data}), headers=auth)
+    assert resp.status_code == 201, resp.text
+    run = resp.json()
+    assert (run["kind"], run["status"], run["spec"]["data"]["path"]) == ("sft", "queued", data)
+    assert run["spec"]["output_dir"] == f"{os.environ['ASYNCRL_OUTPUT_DIR']}/runs/{run['id']}"
+    assert run["run_dir"] == f"{run['spec']['output_dir']}/{run['name']}"
+
+
+def test_live_config_and_fork_of_an_sft_run_are_refused(client: Any, auth: dict[str, str]) -> None:
+    """An SFT run reads its spec once and its checkpoints are not an RL run's: a live config change or a fork of it
+    is one 422 line naming ``kind``, and nothing is added."""
+    data = sft_data()
+    run = client.post("/api/runs", json=spec(kind="sft", data={"path": data}), headers=auth).json()
+    before = run_count(client, auth)
+    resp = client.patch(f"/api/runs/{run['id']}/config", json={"changes": {"optim.lr": 1e-4}}, headers=auth)
+    assert (resp.status_code, resp.json()["detail"]) == (
+        422,
+        f"kind: live config changes apply to 'rl' runs; run {run['id']} is an 'sft' run",
+    )
+    resp = client.post(f"/api/runs/{run['id']}/fork", json={"changes": {}}, headers=auth)
+    assert (resp.status_code, resp.json()["detail"]) == (
+        422,
+        f"kind: fork starts an 'rl' run from an 'rl' run's checkpoint; run {run['id']} is an 'sft' run",
+    )
+    live = client.get(f"/api/runs/{run['id']}/config", headers=auth)  # what its supervisor polls: no live keys
+    assert (live.status_code, live.json()["data"], live.json()["values"]) == (200, [], {}), live.text
+    events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
+    assert [e["kind"] for e in events] == ["status"]  # queued: no config_revision, no fork
+    assert run_count(client, auth) == before

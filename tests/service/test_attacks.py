@@ -470,6 +470,13 @@ ADDRESSES = [
         submit(**{"inference.url": "http://vllm.attacker.example"}),
     ),
     Attack(
+        "inference.urls = a loopback replica and a foreign host",
+        "POST /api/runs",
+        422,
+        "inference.urls.1: 'http://10.0.0.1:8000' " + NOT_ALLOWED,
+        submit(**{"inference.urls": ["http://127.0.0.1:8000", "http://10.0.0.1:8000"]}),
+    ),
+    Attack(
         "inference.host = 0.0.0.0 (vLLM's weight routes on the network)",
         "POST /api/runs",
         422,
@@ -758,9 +765,11 @@ AUTH = [
 API_WRITES = [  # (method, route as listed, path, body, verb): every write on something alice owns
     ("POST", "/api/runs/{run_id}/stop", "/api/runs/{run}/stop", None, "stop it"),
     ("DELETE", "/api/runs/{run_id}", "/api/runs/{run}", None, "delete it"),
+    ("PATCH", "/api/runs/{run_id}", "/api/runs/{run}", {"tags": ["mine"]}, "change its tags, notes or group"),
     ("POST", "/api/runs/{run_id}/resume", "/api/runs/{run}/resume", None, "resume it"),
     ("POST", "/api/runs/{run_id}/fork", "/api/runs/{run}/fork", {"changes": {"max_steps": 4}}, "fork from it"),
     ("POST", "/api/runs/{run_id}/exports", "/api/runs/{run}/exports", {"step": 1}, "export it"),
+    ("POST", "/api/runs/{run_id}/evals", "/api/runs/{run}/evals", {"step": 1}, "evaluate its weights"),
     (
         "PATCH",
         "/api/runs/{run_id}/config",
@@ -823,8 +832,35 @@ OWNED_WRITES = [  # writes on alice's global rule, webhook endpoint and delivery
         None,
         "webhook endpoint {hook} belongs to {owner}: only its owner or an admin may replay its deliveries",
     ),
+    (
+        "POST",
+        "/api/sweeps/{sweep_id}/stop",
+        "/api/sweeps/{sweep}/stop",
+        None,
+        "sweep {sweep} belongs to {owner}: only its owner or an admin may stop it",
+    ),
+    (
+        "POST",
+        "/api/pipelines/{pipeline_id}/stop",
+        "/api/pipelines/{pipeline}/stop",
+        None,
+        "pipeline {pipeline} belongs to {owner}: only its owner or an admin may stop it",
+    ),
+    (
+        "POST",
+        "/api/pipelines/{pipeline_id}/resume",
+        "/api/pipelines/{pipeline}/resume",
+        None,
+        "pipeline {pipeline} belongs to {owner}: only its owner or an admin may resume it",
+    ),
 ]
-CREATES = {("POST", "/api/runs"), ("POST", "/api/alerts/rules"), ("POST", "/api/webhooks")}
+CREATES = {
+    ("POST", "/api/runs"),
+    ("POST", "/api/alerts/rules"),
+    ("POST", "/api/webhooks"),
+    ("POST", "/api/sweeps"),
+    ("POST", "/api/pipelines"),
+}
 """Writes that own nothing yet: any member may (a viewer may not: the viewer rows)."""
 RUN_TOKEN_ONLY = {("POST", "/api/runs/{run_id}/config/{revision}/ack")}
 FORMS = [  # (form route, path, fields, verb): every dashboard form on something alice owns
@@ -838,7 +874,9 @@ FORMS = [  # (form route, path, fields, verb): every dashboard form on something
     ),
     ("/runs/{run_id}/fork", "/runs/{run}/fork", {"changes": "max_steps = 4"}, BELONGS + "fork from it"),
     ("/runs/{run_id}/export", "/runs/{run}/export", {"step": "1"}, BELONGS + "export it"),
+    ("/runs/{run_id}/evaluate", "/runs/{run}/evaluate", {"step": "1"}, BELONGS + "evaluate its weights"),
     ("/runs/{run_id}/config", "/runs/{run}/config", {"trainer.optim.lr": "5e-5"}, BELONGS + "change its live config"),
+    ("/runs/{run_id}/annotate", "/runs/{run}/annotate", {"tags": "mine"}, BELONGS + "change its tags, notes or group"),
     (
         "/alerts/rules/{rule_id}/enabled",
         "/alerts/rules/{rule}/enabled",
@@ -882,6 +920,20 @@ VIEWER_ROWS = (
     ]
     + [
         Attack("viewer submits a run", "POST /api/runs", 403, VIEWER, call("POST", "/api/runs", spec(), who="viewer")),
+        Attack(
+            "viewer submits a sweep",
+            "POST /api/sweeps",
+            403,
+            VIEWER,
+            call("POST", "/api/sweeps", {"base": spec(), "grid": {"trainer.optim.lr": [1e-4]}}, who="viewer"),
+        ),
+        Attack(
+            "viewer submits a pipeline",
+            "POST /api/pipelines",
+            403,
+            VIEWER,
+            call("POST", "/api/pipelines", {"stages": [{"kind": "rl", "base": spec()}]}, who="viewer"),
+        ),
         Attack(
             "viewer adds a global rule",
             "POST /api/alerts/rules",
@@ -927,14 +979,14 @@ TRAVERSAL = [
         "log process ../../etc/passwd",
         "GET /api/runs/{id}/logs",
         422,
-        "query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'",
+        "query.process: expected 'trainer', 'orchestrator', 'inference', 'inference-<i>'",
         call("GET", "/api/runs/{run}/logs?process=../../etc/passwd"),
     ),
     Attack(
         "log process %2e%2e%2f (encoded)",
         "GET /api/runs/{id}/logs",
         422,
-        "query.process: Input should be",
+        "query.process: expected 'trainer'",
         call("GET", "/api/runs/{run}/logs?process=%2e%2e%2fsecret_key"),
     ),
     Attack(
@@ -943,6 +995,27 @@ TRAVERSAL = [
         422,
         "query.step: Input should be greater than or equal to 0",
         call("GET", "/api/runs/{run}/rollouts?step=-1"),
+    ),
+    Attack(
+        "a rollout id of another run",
+        "GET /api/runs/{id}/rollouts/{rid}",
+        404,
+        "rid: rollout {ended}-1-0 is of run {ended}, not of run {run}",
+        call("GET", "/api/runs/{run}/rollouts/{ended}-1-0"),
+    ),
+    Attack(
+        "rollout id 1-2 (not <run>-<step>-<line>)",
+        "GET /api/runs/{id}/rollouts/{rid}",
+        422,
+        "rid: expected <run>-<step>-<line> (whole numbers, e.g. {run}-1-0), got '1-2'",
+        call("GET", "/api/runs/{run}/rollouts/1-2"),
+    ),
+    Attack(
+        "a run's token reads another run's rollout",
+        "GET /api/runs/{id}/rollouts/{rid}",
+        403,
+        "this run token belongs to run {run}, not run {ended}",
+        call("GET", "/api/runs/{ended}/rollouts/{ended}-1-0", who="run"),
     ),
     Attack(
         "fork from a checkpoint step that does not exist",
@@ -1130,6 +1203,12 @@ def ctx(client: Any) -> Iterator[Ctx]:
         headers=run_token_headers(run["id"]),
     )
     assert fired.status_code == 200, fired.text
+    sweep = client.post(
+        "/api/sweeps", json={"base": spec(), "grid": {"trainer.optim.lr": [1e-4]}}, headers=h["alice"]
+    ).json()
+    pipeline = client.post(
+        "/api/pipelines", json={"stages": [{"kind": "rl", "base": spec()}]}, headers=h["alice"]
+    ).json()
     revision = client.patch(
         f"/api/runs/{run['id']}/config", json={"changes": {"trainer.optim.lr": 5e-5}}, headers=h["alice"]
     ).json()
@@ -1146,6 +1225,8 @@ def ctx(client: Any) -> Iterator[Ctx]:
         "delivery": delivery.id,
         "event": event.id,
         "revision": revision["revision"],
+        "sweep": sweep["id"],
+        "pipeline": pipeline["id"],
         "owner": names["alice"],
         "viewer": names["viewer"],
         "gone": names["gone"],

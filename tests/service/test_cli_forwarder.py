@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.server import BAD_MODEL, free_port, run_token_headers, stored
+from tests.support.server import BAD_MODEL, free_port, run_token_headers, sft_data, stored
 from worker.cli import main
 
 
@@ -39,6 +43,35 @@ def test_token_submit_runs(
     code, out, _ = cli(capsys, "runs", "show", str(run["id"]))
     assert code == 0 and json.loads(out)["status"] == "cancelled"
 
+    sft = tmp_path / "sft.toml"  # issue 22: an SFT spec file is submitted as it is (kind = "sft" in the file)
+    data = sft_data()
+    sft.write_text(f'kind = "sft"\nname = "cli-sft"\n[model]\nname = "{BAD_MODEL}"\n[data]\npath = "{data}"\n')
+    code, out, _ = cli(capsys, "submit", str(sft))
+    assert code == 0 and json.loads(out)["status"] == "queued"
+    code, out, _ = cli(capsys, "runs", "show", str(json.loads(out)["id"]))
+    assert code == 0 and (json.loads(out)["kind"], json.loads(out)["spec"]["data"]["path"]) == ("sft", data)
+    sft.write_text(f'kind = "sft"\nname = "cli-sft"\n[model]\nname = "{BAD_MODEL}"\n[data]\npath = "/etc/passwd"\n')
+    code, _, err = cli(capsys, "submit", str(sft))
+    assert code == 2 and err.strip().startswith(
+        "error: 422: data.path: '/etc/passwd' is not allowed in a run submitted"
+    )
+
+    job = tmp_path / "eval.toml"  # an eval job: a model path on two environments; then a run that does not exist
+    envs = '[[env]]\nid = "reverse_text"\nname = "a"\n[[env]]\nid = "arithmetic"\nname = "b"\n'
+    job.write_text(f'kind = "eval"\nname = "cli-eval"\n[model]\nname = "{BAD_MODEL}"\n{envs}[eval]\ntemperature = 0\n')
+    code, out, _ = cli(capsys, "submit", str(job))
+    assert code == 0 and json.loads(out)["status"] == "queued"
+    code, out, _ = cli(capsys, "runs", "show", str(json.loads(out)["id"]))
+    shown = json.loads(out)
+    assert (shown["kind"], [e["name"] for e in shown["spec"]["env"]], shown["spec"]["eval"]["temperature"]) == (
+        "eval",
+        ["a", "b"],
+        0.0,
+    )
+    job.write_text('kind = "eval"\nname = "cli-eval"\n[model]\nrun = 2147483000\nstep = 5\n')
+    code, _, err = cli(capsys, "submit", str(job))
+    assert code == 2 and err.strip() == "error: 422: model.run: no run 2147483000; give the id of a run of this service"
+
     spec.write_text(f'name = "cli-run"\n[model]\nname = "{BAD_MODEL}"\n[trainer.optim]\nlrr = 1\n')
     code, _, err = cli(capsys, "submit", str(spec))
     assert code == 2 and err.strip() == "error: 422: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)"
@@ -65,6 +98,27 @@ def test_token_submit_runs(
     assert code == 2 and "revoked" in err
     code, _, err = cli(capsys, "token", "revoke", "--name", "cli-user")
     assert code == 2 and "no live token called 'cli-user'" in err
+
+
+def test_runs_ls_into_a_closed_pipe_ends_quietly(capsys: pytest.CaptureFixture[str], live_server: str) -> None:
+    """``asyncrl runs ls | head -1``: the first line reaches ``head``; a reader gone before the output is written
+    ends the command with the shell's SIGPIPE status (141) and nothing on stderr (no BrokenPipeError traceback)."""
+    code, out, _ = cli(capsys, "token", "create", "--name", "cli-pipe")
+    env = {**os.environ, "ASYNCRL_URL": live_server, "ASYNCRL_TOKEN": out.strip(), "PYTHONPATH": os.getcwd()}
+    for i in range(2):  # two runs: ``runs ls`` prints three lines
+        body = {"name": f"cli-pipe-{i}", "max_steps": 2, "model": {"name": BAD_MODEL}}
+        auth = {"Authorization": f"Bearer {env['ASYNCRL_TOKEN']}"}
+        assert httpx.post(f"{live_server}/api/runs", json=body, headers=auth).status_code == 201
+    cmd = [sys.executable, "-m", "worker.cli", "runs", "ls"]
+    shell = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{shlex.join(cmd)} | head -1"], env=env, capture_output=True, text=True
+    )
+    assert shell.stderr == "" and shell.returncode in (0, 141) and len(shell.stdout.splitlines()) == 1
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the command writes its first line
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=60), err) == (141, b"")
 
 
 def write_rows(path: Path, steps: range) -> int:

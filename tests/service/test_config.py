@@ -212,6 +212,49 @@ def test_ack_is_recorded_once_and_shown(client: Any, auth: dict[str, str], make_
     assert client.get(f"/api/runs/{run_id}/config", headers=auth).json()["data"][1]["applied"] == {}
 
 
+def _status(client: Any, run_id: int, *statuses: str) -> None:
+    for status in statuses:
+        resp = client.post(
+            f"/api/runs/{run_id}/status", json={"status": status, "reason": status}, headers=run_token_headers(run_id)
+        )
+        assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize(
+    ("end", "later"), [("completed", ""), ("cancelled", "; a resume applies it"), ("failed", "; a resume applies it")]
+)
+def test_a_change_the_run_ended_before_applying_is_not_reported_in_effect(
+    web: tuple[Any, str], auth: dict[str, str], make_run: Any, end: str, later: str
+) -> None:
+    """Revision 1 (lr 1e-4 -> 5e-5) is taken up by the trainer at step 3; revision 2 (lr 2e-5, temperature 1.0 ->
+    1.3) arrives in the run's last seconds: the orchestrator takes it at step 9, the trainer never does, and the run
+    ends. Its lr is then not in effect: ``in_effect`` keeps 5e-5 (and the temperature 1.3 the orchestrator took),
+    the revision says which process never applied it."""
+    client = web[0]  # logged in to the dashboard too
+    run_id = make_run(trainer={"optim": {"lr": 1e-4}}, orchestrator={"temperature": 1.0}, max_steps=9)["id"]
+    rt = run_token_headers(run_id)
+    _status(client, run_id, "starting", "running")
+    patch(client, run_id, {"trainer.optim.lr": 5e-5}, auth)
+    client.post(f"/api/runs/{run_id}/config/1/ack", json={"process": "trainer", "step": 3}, headers=rt)
+    patch(client, run_id, {"trainer.optim.lr": 2e-5, "orchestrator.temperature": 1.3}, auth)
+    live = client.get(f"/api/runs/{run_id}/config", headers=auth).json()
+    assert [r["state"] for r in live["data"]] == ["in effect", "pending"]
+    assert live["values"]["trainer.optim.lr"] == 2e-5 and live["in_effect"]["trainer.optim.lr"] == 5e-5
+    acked = client.post(f"/api/runs/{run_id}/config/2/ack", json={"process": "orchestrator", "step": 9}, headers=rt)
+    assert acked.json()["state"] == "pending (trainer)", acked.text
+    _status(client, run_id, end)
+
+    body = client.get(f"/api/runs/{run_id}/config", headers=auth).json()
+    assert [r["state"] for r in body["data"]] == ["in effect", f"not applied: the run ended first (trainer){later}"]
+    assert body["values"]["trainer.optim.lr"] == 2e-5  # what was asked for
+    assert body["in_effect"]["trainer.optim.lr"] == 5e-5 and body["in_effect"]["orchestrator.temperature"] == 1.3
+    assert body["values"]["orchestrator.temperature"] == 1.3
+    page = client.get(f"/runs/{run_id}")  # the dashboard says the same
+    assert page.status_code == 200, page.text
+    assert f"not applied: the run ended first (trainer){later}" in page.text
+    assert '<td id="in-effect-trainer-optim-lr">5e-05</td>' in page.text
+
+
 def test_openapi_has_the_config_operations_with_examples(client: Any) -> None:
     doc = client.get("/openapi.json").json()
     ops = {op["operationId"] for path in doc["paths"].values() for op in path.values()}

@@ -7,6 +7,7 @@ import pytest
 from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
 from server.errors import HTTP_STATUS, http_status
 from server.services.config import RevisionNotFound, RunNotLive
+from server.services.rollouts import BadRolloutId, RolloutNotFound
 from server.services.runs import InvalidTransition, RunNotFound
 from worker.live_config import LiveConfigError
 from worker.spec import SpecError
@@ -20,6 +21,8 @@ from worker.spec import SpecError
         (UnsafeURL("url: bad"), 422),
         (RunNotFound("run 1 not found"), 404),
         (RevisionNotFound("no revision"), 404),
+        (RolloutNotFound("rid: rollout 2-1-0 is of run 2, not of run 1"), 404),
+        (BadRolloutId("rid: expected <run>-<step>-<line>"), 422),
         (NotFound("rule 1 not found"), 404),
         (InvalidTransition("run 1 is completed"), 409),
         (RunNotLive("run 1 is completed"), 409),

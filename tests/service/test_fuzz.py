@@ -29,10 +29,12 @@ from tests.support.server import new_token, run_token_headers
 from worker.checkpoint import write_part
 from worker.rundir import RunDir
 
+pytestmark = pytest.mark.serial
+
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-OPERATIONS = 34
+OPERATIONS = 50
 """Operations of the schema: every ``/api`` route and ``/healthz`` (the Prometheus ``/metrics`` is not in it)."""
-RUN_OPERATIONS = 20
+RUN_OPERATIONS = 26
 """Those with a ``{run_id}``."""
 ADMIN_EXAMPLES = 25
 OTHER_EXAMPLES = 8

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.server import run_token_headers, stop_process_group, stored, wait_for
+from tests.support.server import BAD_MODEL, run_token_headers, stop_process_group, stored, wait_for
 from worker.checkpoint import write_part
 from worker.rundir import RunDir
 
@@ -210,6 +211,11 @@ def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: 
             "changes ask for rank = 16, alpha = 16.0, dropout = 0.0, target_modules = ['q_proj', 'k_proj', 'v_proj', "
             "'o_proj', 'gate_proj', 'up_proj', 'down_proj']; start a new run instead",
         ),
+        (  # a full fine-tune's checkpoint holds weights trained from its model: another name would mislabel them
+            {"changes": {"model.name": "other/model"}},
+            422,
+            "model.name: a fork keeps its parent's model (",
+        ),
     ],
 )
 def test_fork_bad_input_names_the_field(
@@ -242,8 +248,10 @@ def test_fork_of_a_lora_run_keeps_its_lora_setting(client: Any, auth: dict[str, 
     # the adapter is a delta on its base: another base model cannot take it
     resp = client.post(f"/api/runs/{parent['id']}/fork", json={"changes": {"model.name": "other/base"}}, headers=auth)
     assert resp.status_code == 422, resp.text
-    assert resp.json()["detail"].startswith("model.name: a fork of a LoRA run keeps its base model ("), resp.text
-    assert resp.json()["detail"].endswith("not on other/base")
+    assert resp.json()["detail"].startswith("model.name: a fork keeps its parent's model ("), resp.text
+    assert resp.json()["detail"].endswith(
+        "checkpoint's adapter, trained from it, not from other/base; start a new run for another model"
+    )
     resp = client.post(
         f"/api/runs/{parent['id']}/fork",
         json={"changes": {"trainer.optim.lr": 1e-5, "trainer.lora.rank": 4}},
@@ -269,6 +277,85 @@ def test_fork_takes_the_parents_policy_check_probe(client: Any, auth: dict[str, 
     assert (copied / "step_2.json").read_text() == '{"file": "step_2.json"}'
     other = client.post(f"/api/runs/{bare['id']}/fork", json={}, headers=auth).json()
     assert not RunDir(other["run_dir"]).policy_check.exists()
+
+
+def ack(client: Any, run_id: int, revision: int, process: str, step: int) -> None:
+    body = {"process": process, "step": step}
+    resp = client.post(f"/api/runs/{run_id}/config/{revision}/ack", json=body, headers=run_token_headers(run_id))
+    assert resp.status_code == 200, resp.text
+
+
+def test_fork_resume_and_compare_use_the_config_in_effect_at_the_step(
+    web: tuple[Any, str], auth: dict[str, str], make_run: Any
+) -> None:
+    """The parent (spec lr 1.5e-4, temperature 1.0) is switched live: r1 lr 5e-5 taken up by the trainer at step 3;
+    r2 temperature 1.3 + lr 3e-5, taken up by the orchestrator at step 5 and by the trainer at step 7; r3 lr 1e-5
+    sent as the run ended, never applied. Checkpoints at 2, 4 and 6. Hand-checked:
+
+    fork at 2 -> lr 1.5e-4, temperature 1.0 (nothing in effect yet); at 4 -> lr 5e-5, 1.0; at 6 -> lr 5e-5 (r2's lr
+    came at 7), 1.3; at 6 with lr 2e-5 asked -> 2e-5, 1.3. The compare page shows the parent at its end: lr 3e-5
+    (r3 never applied), temperature 1.3. Resumed from 6: r2's trainer ack at 7 is forgotten (step 7 is re-done), and
+    the resumed trainer starts with every revision replayed, lr 1e-5 (r3 included), as the ``resumed`` event says."""
+    from worker.live_config import ACKS_FILE, LiveConfig, append_revision
+    from worker.spec import validate_spec
+
+    client = web[0]
+    parent = make_run(max_steps=12, trainer={"optim": {"lr": 1.5e-4}}, orchestrator={"temperature": 1.0})
+    pid = parent["id"]
+    set_status(client, pid, "starting", "running")
+    for step in (2, 4, 6):
+        checkpoint(parent, step)
+    for changes in (
+        {"trainer.optim.lr": 5e-5},
+        {"orchestrator.temperature": 1.3, "trainer.optim.lr": 3e-5},
+        {"trainer.optim.lr": 1e-5},
+    ):
+        assert client.patch(f"/api/runs/{pid}/config", json={"changes": changes}, headers=auth).status_code == 201
+    ack(client, pid, 1, "trainer", 3)
+    ack(client, pid, 2, "orchestrator", 5)
+    ack(client, pid, 2, "trainer", 7)
+    set_status(client, pid, "failed")
+
+    def fork(**body: Any) -> dict[str, Any]:
+        resp = client.post(f"/api/runs/{pid}/fork", json=body, headers=auth)
+        assert resp.status_code == 201, resp.text
+        return dict(resp.json())
+
+    expected = {2: (1.5e-4, 1.0), 4: (5e-5, 1.0), 6: (5e-5, 1.3)}
+    children = {}
+    for step, (lr, temperature) in expected.items():
+        child = children[step] = fork(step=step)
+        assert (child["spec"]["trainer"]["optim"]["lr"], child["spec"]["orchestrator"]["temperature"]) == (
+            lr,
+            temperature,
+        )
+        assert json.loads(RunDir(child["run_dir"]).config.read_text()) == child["spec"]  # what its trainer reads
+    inherited = [events(client, auth, children[s]["id"])[-1]["data"].get("in_effect") for s in expected]
+    assert inherited == [None, {"trainer.optim.lr": 5e-5}, {"trainer.optim.lr": 5e-5, "orchestrator.temperature": 1.3}]
+    asked = fork(changes={"trainer.optim.lr": 2e-5})  # the newest checkpoint (6), the change on top
+    assert (asked["spec"]["trainer"]["optim"]["lr"], asked["spec"]["orchestrator"]["temperature"]) == (2e-5, 1.3)
+
+    page = client.get("/compare", params={"run": [pid, children[2]["id"]]}).text
+    rows = dict(re.findall(r"<tr><th scope=\"row\"><code>([^<]+)</code></th><td>([^<]*)</td>", page))
+    assert rows["trainer.optim.lr"] == "3e-05" and rows["orchestrator.temperature"] == "1.3", page
+
+    resp = client.post(f"/api/runs/{pid}/resume", headers=auth)
+    assert resp.status_code == 200, resp.text
+    resumed = events(client, auth, pid)[-1]
+    assert resumed["kind"] == "resumed" and resumed["data"]["step"] == 6
+    assert resumed["data"]["live_config"] == {"trainer.optim.lr": 1e-5, "orchestrator.temperature": 1.3}
+    revs = client.get(f"/api/runs/{pid}/config", headers=auth).json()["data"]
+    assert [r["applied"] for r in revs] == [{"trainer": 3}, {"orchestrator": 5}, {}]
+    assert [r["state"] for r in revs] == ["in effect", "pending (trainer)", "pending"]
+    # the engine agrees: the resumed trainer's live config (the run's file, acks of the first life) gives lr 1e-5
+    rd = RunDir(parent["run_dir"])
+    for rev in revs:
+        append_revision(rd.root, rev["revision"], rev["changes"])
+    acks = [(1, "trainer", 3), (2, "orchestrator", 5), (2, "trainer", 7)]
+    lines = [{"revision": r, "process": p, "step": s} for r, p, s in acks]
+    (rd.root / ACKS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    spec, changed = LiveConfig(rd.root, "trainer", start_step=6).apply(validate_spec("rl", parent["spec"]), 7)
+    assert spec.trainer.optim.lr == 1e-5 and changed == {"trainer.optim.lr": 1e-5}
 
 
 def test_fork_without_checkpoint_is_409(client: Any, auth: dict[str, str], make_run: Any) -> None:
@@ -301,8 +388,13 @@ def test_logs_tail_process_and_access(client: Any, auth: dict[str, str], make_ru
     assert sup.status_code == 200 and sup.json()["lines"] == ["started", "bad byte \ufffd"]
     bad = client.get(url, params={"process": "vllm"}, headers=auth)
     assert bad.status_code == 422 and bad.json()["detail"] == (
-        "query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'"
+        "query.process: expected 'trainer', 'orchestrator', 'inference', 'inference-<i>' (replica i, 1-63, of several), "
+        "'eval' or 'supervisor', got 'vllm'"
     )
+    (logs / "inference-1.log").write_text("replica 1 ready\n")  # a run with inference.replicas = 2
+    replica = client.get(url, params={"process": "inference-1"}, headers=auth)
+    assert replica.status_code == 200 and replica.json()["lines"] == ["replica 1 ready"]
+    assert client.get(url, params={"process": "inference-0"}, headers=auth).status_code == 422  # replica 0: inference
     assert client.get(url, params={"tail": 5001}, headers=auth).status_code == 422
     assert client.get(url, params={"tail": 0}, headers=auth).status_code == 422
     assert client.get(url, headers=run_token_headers(other["id"])).status_code == 403
@@ -340,6 +432,9 @@ def test_reconcile_fails_runs_whose_supervisor_is_gone(client: Any, auth: dict[s
     run_dir = Path(client.get(f"/api/runs/{crashed}", headers=auth).json()["run_dir"])
     run_dir.mkdir(parents=True)
     (run_dir / "events.jsonl").write_text('{"event": "starting"}\n{"event": "running", "pids": {}}\n')
+    # measured, never forwarded (the supervisor was killed before its next send): stored by reconcile
+    rows = [{"source": "trainer", "step": s, "time": 1.0 + s, "loss": 0.5 / s} for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     alive = subprocess.Popen(["sleep", "60"])
     try:
         healthy = launched_run(make_run, "running", alive.pid)
@@ -351,6 +446,8 @@ def test_reconcile_fails_runs_whose_supervisor_is_gone(client: Any, auth: dict[s
         assert run["status_reason"].startswith(f"supervisor {gone} is gone; last lines:\n")
         assert '{"event": "running", "pids": {}}' in run["status_reason"]
         assert client.get(f"/api/runs/{paused}", headers=auth).json()["status_reason"] == f"supervisor {gone} is gone"
+        [series] = client.get(f"/api/runs/{crashed}/metrics", params={"name": "loss"}, headers=auth).json()["series"]
+        assert (series["step"], series["value"]) == ([1, 2, 3], [0.5, 0.25, 0.5 / 3])
         assert client.get(f"/api/runs/{healthy}", headers=auth).json()["status"] == "running"
         last = events(client, auth, crashed)[-1]
         assert (last["from_status"], last["to_status"], last["data"]) == (
@@ -455,7 +552,8 @@ def test_cli_runs_resume_fork_logs(
     assert code == 0 and out == "b\nc\n"
     code, _, err = cli("runs", "logs", str(parent["id"]), "--process", "gpu")
     assert code == 2 and err.strip() == (
-        "error: 422: query.process: Input should be 'trainer', 'orchestrator', 'inference' or 'supervisor'"
+        "error: 422: query.process: expected 'trainer', 'orchestrator', 'inference', 'inference-<i>' (replica i, 1-63, "
+        "of several), 'eval' or 'supervisor', got 'gpu'"
     )
     code, _, err = cli("runs", "logs", str(parent["id"]))
     assert code == 2 and err.strip().startswith(f"error: 404: process: run {parent['id']} has no trainer log yet")
@@ -490,3 +588,34 @@ def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(
     monkeypatch.setattr(tasks.supervisor, "terminate", terminate_then_resume)
     assert tasks.stop(run_id) == f"stopped: run {run_id} was relaunched (handle None)"
     assert client.get(f"/api/runs/{run_id}", headers=auth).json()["status"] == "queued"
+
+
+def test_cli_submit_takes_set_overrides(
+    capsys: pytest.CaptureFixture[str],
+    live_server: str,
+    client: Any,
+    auth: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``asyncrl submit SPEC --set k=v`` stores the spec with the changes (values as TOML literals); without ``--set``
+    the file goes as it is; a key the server refuses is one line, exit 2, no run made."""
+    from worker.cli import main
+
+    monkeypatch.setenv("ASYNCRL_URL", live_server)
+    monkeypatch.setenv("ASYNCRL_TOKEN", auth["Authorization"].split()[1])
+    config = str(Path(__file__).resolve().parents[2] / "configs/reverse_text/rl.toml")
+    sets = ["trainer.optim.lr=5e-5", "name=cli-set", "max_steps=7", f"model.name={BAD_MODEL}"]
+    code = main(["submit", config, *(a for s in sets for a in ("--set", s))])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    run = client.get(f"/api/runs/{json.loads(out)['id']}", headers=auth).json()
+    assert (run["name"], run["spec"]["trainer"]["optim"]["lr"], run["spec"]["max_steps"]) == ("cli-set", 5e-5, 7)
+    assert run["spec"]["orchestrator"]["temperature"] == 1.5  # the file's other values stay
+    before = client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"]
+    code = main(["submit", config, "--set", "trainer.optim.lr=-1", "--set", f"model.name={BAD_MODEL}"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.startswith("error: 422: trainer.optim.lr: "), err
+    code = main(["submit", config, "--set", 'kind=["rl"]'])  # not a string: one line, not a TypeError
+    _, err = capsys.readouterr()
+    assert code == 2 and err.startswith("error: kind: expected one of ['eval', 'rl', 'sft'], got ['rl']"), err
+    assert client.get("/api/runs", params={"limit": 1}, headers=auth).json()["count"] == before

@@ -116,7 +116,14 @@ def test_rollouts_through_a_symbolic_link_are_refused(
     )
     # the newest-step listing leaves the link out: nothing to show, nothing read
     newest = client.get(f"/api/runs/{run['id']}/rollouts", headers=auth)
-    assert newest.status_code == 200 and newest.json() == {"run_id": run["id"], "step": None, "data": [], "skipped": 0}
+    assert newest.status_code == 200 and newest.json() == {
+        "run_id": run["id"],
+        "step": None,
+        "data": [],
+        "total": 0,
+        "offset": 0,
+        "skipped": 0,
+    }
     page = client.get(f"/runs/{run['id']}", params={"part": "rollouts"})
     assert page.status_code == 200 and SECRET not in page.text and "No rollouts yet" in page.text
     # the rollouts folder itself a link: 403 on the API, a one-line reason on the page
@@ -173,7 +180,9 @@ def test_bad_rollout_records_are_skipped_and_counted(web: tuple[Any, str], make_
     assert body["step"] == 5 and body["skipped"] == 6
     assert [r["completion"] for r in body["data"]] == ["c", "bad reward", "last"]
     limited = client.get(f"/api/runs/{run['id']}/rollouts", params={"limit": 2}, headers=auth).json()
-    assert [r["completion"] for r in limited["data"]] == ["c", "bad reward"] and limited["skipped"] == 4
+    # the whole file is read for the total: every bad line counts, whatever the page
+    assert [r["completion"] for r in limited["data"]] == ["c", "bad reward"] and limited["skipped"] == 6
+    assert limited["total"] == 3 and [r["id"] for r in limited["data"]] == [f"{run['id']}-5-0", f"{run['id']}-5-5"]
     page = client.get(f"/runs/{run['id']}", params={"part": "rollouts"})
     assert page.status_code == 200, page.text
     assert "Step 5 (first 3; 6 bad lines skipped)" in page.text

@@ -114,6 +114,31 @@ def test_launch_says_which_unit_and_nothing_of_the_run_is_left_when_it_ends(
 
 
 @pytest.mark.usefixtures("server_url")
+def test_a_launch_whose_cgroup_the_previous_stop_removed_tries_again(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume launched while the stop of the run's previous attempt is still ending it: that stop removes the
+    cgroup of the same name between the launch's ``prepare`` and the new supervisor's join (seen in the pipeline e2e:
+    the resumed RL stage failed with 'cannot start the supervisor in cgroup'). The launch prepares it again."""
+    from worker import supervisor, tasks
+
+    run = make_run()
+    real_start, calls = supervisor.start, []
+
+    def start_after_the_stop_removed_it(*args: Any, **kwargs: Any) -> int:
+        calls.append(kwargs["cgroup"].name)
+        if len(calls) == 1:
+            kwargs["cgroup"].remove()  # what the previous attempt's supervisor.terminate does at its end
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(supervisor, "start", start_after_the_stop_removed_it)
+    assert tasks.launch(run["id"]).startswith(f"launched: run {run['id']} pid")
+    assert len(calls) == 2 and calls[0] == calls[1]  # prepared again, under the same name
+    done = wait_for(lambda: (r := run_of(client, auth, run["id"]))["status"] == "failed" and r, 60, "run ended")
+    assert done["status_reason"].startswith("preflight: model.name:"), done["status_reason"]  # it really ran
+
+
+@pytest.mark.usefixtures("server_url")
 def test_stop_kills_what_left_the_supervisor_session_and_removes_the_cgroup(
     make_run: Any, started: list[subprocess.Popen[bytes]]
 ) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from server.models import MetricSeries
-from tests.support.server import new_token, spec
+from tests.support.server import new_token, sft_data, spec
 from tests.support.webui import csrf_of, login
 from webui import figures
 from webui.launch import error_line, key_line
@@ -380,12 +380,90 @@ def test_run_page_figures_marks_rollouts_and_config_diff(web: tuple[Any, str], m
     html = client.get(f"/runs/{rid}", params={"part": "charts"}).text
     figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
     assert figs["loss"]["data"][0]["x"] == [1, 2, 3] and figs["loss"]["data"][0]["y"] == [0.5, 0.25, 0.5 / 3]
-    assert [a["text"] for a in figs["lr"]["layout"]["annotations"]] == ["r1 trainer"]
+    assert [a["text"] for a in figs["loss"]["layout"]["annotations"]] == ["r1 trainer"]
+    assert [a["text"] for a in figs["lr"]["layout"]["annotations"]] == ["r1 trainer", "No data yet"]  # no lr posted
     assert all(f["layout"]["shapes"][0]["x0"] == 2 for f in figs.values())
     kl = figs["mismatch_kl"]["data"]
     assert kl[-1]["name"] == "alert threshold 0.001" and kl[-1]["y"] == [1e-3, 1e-3] and kl[-1]["x"] == [1, 3]
     assert figs["bottleneck"]["data"][0]["y"] == [0.75, 0.75, 0.75]
     assert '<strong id="verdict">inference-bound</strong>' in html
+
+
+def test_sft_run_page_draws_its_loss_and_offers_no_live_config_or_fork(
+    web: tuple[Any, str], make_run: Any, auth: Any
+) -> None:
+    """An SFT run logs under source ``sft`` (``worker/trainer/sft.py``): its loss, held-out loss, lr and tokens/s are
+    drawn on the run page's charts; it has no live keys and no fork (both refused for SFT), so neither form shows."""
+    import json
+
+    client, _ = web
+    data = sft_data()
+    run = make_run(kind="sft", data={"path": data})
+    rid, now = run["id"], time.time()
+    points = [
+        {"source": "sft", "step": s, "name": n, "value": v, "time": now}
+        for s in (1, 2, 3)
+        for n, v in (("loss", 2.0 / s), ("lr", 1e-3), ("tokens_per_s", 100.0 * s))
+    ]
+    points.append({"source": "sft", "step": 3, "name": "eval_loss", "value": 0.9, "time": now})
+    assert client.post(f"/api/runs/{rid}/metrics", json={"points": points}, headers=auth).status_code == 200
+    html = client.get(f"/runs/{rid}", params={"part": "charts"}).text
+    figs = json.loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
+    loss = {t["name"]: (t["x"], t["y"]) for t in figs["loss"]["data"]}
+    assert loss == {"sft loss": ([1, 2, 3], [2.0, 1.0, 2.0 / 3]), "held-out": ([3], [0.9])}
+    assert [(t["name"], t["y"]) for t in figs["lr"]["data"]] == [("sft lr", [1e-3, 1e-3, 1e-3])]
+    assert [(t["name"], t["y"]) for t in figs["tokens_per_s"]["data"]] == [("sft tokens/s", [100.0, 200.0, 300.0])]
+    page = client.get(f"/runs/{rid}").text
+    assert 'id="no-live-config">An sft run has no live config' in page
+    assert 'id="config-form"' not in page and 'id="fork-panel"' not in page and 'name="trainer.optim.lr"' not in page
+
+
+def test_fork_form_is_outside_every_refreshed_fragment(web: tuple[Any, str], make_run: Any) -> None:
+    """What is typed in the fork form must survive the page's polling: no ``?part=`` fragment (each replaces its
+    block every few seconds) holds it, and on the page it sits in no block with ``hx-get``."""
+    from webui.run_page import PARTS
+
+    client, _ = web
+    rid = make_run()["id"]
+    for part in PARTS:
+        fragment = client.get(f"/runs/{rid}", params={"part": part}).text
+        assert 'id="fork-changes"' not in fragment and "/fork" not in fragment, part
+    page = client.get(f"/runs/{rid}").text
+    assert page.count('id="fork-changes"') == 1
+    assert _ancestors_of(page, "fork-changes")[:2] == [("form", ""), ("details", "")]  # no hx-get anywhere above
+    assert all(hx == "" for _, hx in _ancestors_of(page, "fork-changes")), _ancestors_of(page, "fork-changes")
+    assert any(hx == f"/runs/{rid}?part=status" for _, hx in _ancestors_of(page, "stop"))  # the check sees hx-get
+
+
+def _ancestors_of(html: str, element_id: str) -> list[tuple[str, str]]:
+    """(tag, its hx-get or "") of every element enclosing the element with ``element_id``, innermost first."""
+    from html.parser import HTMLParser
+
+    void = {"input", "br", "img", "meta", "link", "hr", "source", "col", "area", "base", "wbr", "embed", "track"}
+
+    class Walk(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack: list[tuple[str, str]] = []
+            self.found: list[tuple[str, str]] | None = None
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            a = dict(attrs)
+            if a.get("id") == element_id and self.found is None:
+                self.found = self.stack[::-1]
+            if tag not in void:
+                self.stack.append((tag, a.get("hx-get") or ""))
+
+        def handle_endtag(self, tag: str) -> None:
+            for i in range(len(self.stack) - 1, -1, -1):
+                if self.stack[i][0] == tag:
+                    del self.stack[i:]
+                    break
+
+    walk = Walk()
+    walk.feed(html)
+    assert walk.found is not None, element_id
+    return walk.found
 
 
 def test_rollouts_api_and_fragment_read_the_run_dir(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
@@ -444,3 +522,166 @@ def test_resume_and_fork_errors_show_on_the_run_page(web: tuple[Any, str], make_
     assert resp.status_code == 422 and 'id="page-error">name: String should have at most 128 characters' in resp.text
     resp = client.post(f"/runs/{rid}/fork", data={"csrf": csrf, "changes": "max_steps = 9"})
     assert resp.status_code == 409 and f'id="page-error">run {rid}: no complete checkpoint in ' in resp.text
+
+
+def _fail(run_id: int, reason: str) -> None:
+    """Move run ``run_id`` through starting and running to ``failed`` with ``reason`` (no launch happens here)."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunStatus
+    from server.services import runs
+
+    with Session(engine) as s:
+        run = runs.get(s, run_id)
+        for status in (RunStatus.starting, RunStatus.running):
+            runs.transition(s, run, status)
+        runs.transition(s, run, RunStatus.failed, reason=reason)
+        s.commit()
+
+
+def test_a_failed_run_page_opens_the_failed_process_log_and_offers_resume_only_with_a_checkpoint(
+    web: tuple[Any, str], make_run: Any
+) -> None:
+    from pathlib import Path
+
+    client, _ = web
+    run = make_run()
+    rid, run_dir = run["id"], Path(run["run_dir"])
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / "trainer.log").write_text("trainer step 3 done\n")
+    (run_dir / "logs" / "orchestrator.log").write_text("Traceback: KeyError 'answer'\n")
+    _fail(rid, f"orchestrator exited with code 1: KeyError (log: {run_dir / 'logs' / 'orchestrator.log'})")
+
+    html = client.get(f"/runs/{rid}").text
+    assert 'aria-label="orchestrator log, last 1 lines">Traceback: KeyError &#39;answer&#39;</pre>' in html
+    assert "<option selected>orchestrator</option>" in html
+    assert f'hx-get="/runs/{rid}?part=logs&process=orchestrator"' in html  # the refresh keeps the same process
+    assert 'id="resume"' not in html  # no complete checkpoint: resume would be refused
+    assert 'id="no-resume">No complete checkpoint: nothing to resume from.</span>' in html
+    # the process asked for is shown; an unknown one is a 422
+    assert (
+        'aria-label="trainer log, last 1 lines">trainer step 3 done</pre>'
+        in client.get(f"/runs/{rid}?process=trainer").text
+    )
+    assert client.get(f"/runs/{rid}?process=vllm").status_code == 422
+
+    for part in ("trainer", "orchestrator"):  # a complete checkpoint of step 2
+        folder = run_dir / "checkpoints" / "step_2" / part
+        folder.mkdir(parents=True)
+        (folder / ".complete").write_text("2")
+    status = client.get(f"/runs/{rid}?part=status").text
+    assert 'id="resume">Resume</button>' in status and 'id="no-resume"' not in status
+
+    # a failed run whose reason names no process opens on the trainer
+    other = make_run()
+    _fail(other["id"], "launch refused: no worker")
+    assert "<option selected>trainer</option>" in client.get(f"/runs/{other['id']}").text
+
+
+def test_a_run_without_metrics_shows_the_no_data_note_on_every_chart(web: tuple[Any, str], make_run: Any) -> None:
+    import json
+
+    client, _ = web
+    rid = make_run()["id"]
+    html = client.get(f"/runs/{rid}?part=charts").text
+    figs = json.loads(re.search(r"<script type=\"application/json\" data-figures>(.*?)</script>", html, re.S)[1])
+    assert len(figs) == len(figures.CHARTS) + 1  # and the bottleneck chart
+    for key, fig in figs.items():
+        notes = [a["text"] for a in fig["layout"]["annotations"]]
+        assert notes == ["No data yet"], key
+        # plain tick numbers (d3 "~g"), no SI prefixes beside decimals; the bottleneck shares are percentages
+        assert (fig["layout"]["xaxis"]["tickformat"], fig["layout"]["yaxis"]["tickformat"]) == (
+            "~g",
+            ".0%" if key == "bottleneck" else "~g",
+        ), key
+    # one point is data: no note
+    one = figures.run_figures({("trainer", "loss"): _series("trainer", [1], [0.5])}, [])
+    loss = next(c.key for c in figures.CHARTS if ("trainer", "loss") in [(s, n) for s, n, _ in c.lines])
+    assert [a["text"] for a in one[loss]["layout"]["annotations"]] == []
+
+
+def test_the_run_page_shows_step_of_max_steps_elapsed_time_and_eta(
+    web: tuple[Any, str], make_run: Any, auth: Any
+) -> None:
+    from datetime import timedelta
+
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.models import RunStatus
+    from server.services import metrics, runs
+    from webui.page import duration
+
+    assert [duration(s) for s in (0, 42.9, 425, 10920, 187200)] == ["0s", "42s", "7m 05s", "3h 02m", "2d 04h"]
+    client, _ = web
+    rid = make_run(max_steps=10)["id"]
+    assert 'id="progress">step <strong id="progress-step">0</strong> of 10' in client.get(f"/runs/{rid}").text
+    t0 = 1_800_000_000.0
+    points = [  # trainer steps 1-3 measured 4 s apart: 7 steps left at 4 s a step
+        {"source": "trainer", "step": s, "name": "step_time_s", "value": 3.5, "time": t0 + 4 * s} for s in (1, 2, 3)
+    ]
+    assert client.post(f"/api/runs/{rid}/metrics", json={"points": points}, headers=auth).status_code == 200
+    with Session(engine) as s:
+        run = runs.get(s, rid)
+        runs.transition(s, run, RunStatus.starting)
+        runs.transition(s, run, RunStatus.running)
+        run.started_at = run.started_at - timedelta(seconds=125)  # type: ignore[operator]
+        s.add(run)
+        s.commit()
+        at = metrics.progress(s, run, now=run.started_at + timedelta(seconds=125.5))
+    assert at == metrics.Progress(step=3, max_steps=10, elapsed_s=125.5, eta_s=28.0)
+    status = client.get(f"/runs/{rid}?part=status").text
+    assert 'step <strong id="progress-step">3</strong> of 10' in status
+    assert re.search(r'elapsed <span id="elapsed">2m 0[5-9]s</span>', status), status  # 125 s and the request's own
+    assert 'ETA <span id="eta">28s</span>' in status
+    # ended: elapsed stops at the end, no ETA
+    with Session(engine) as s:
+        run = runs.get(s, rid)
+        runs.transition(s, run, RunStatus.failed, reason="launch refused")
+        run.finished_at = run.started_at + timedelta(seconds=3725)  # type: ignore[operator]
+        s.add(run)
+        s.commit()
+    status = client.get(f"/runs/{rid}?part=status").text
+    assert 'elapsed <span id="elapsed">1h 02m</span>' in status and 'id="eta"' not in status
+
+
+def test_docs_serve_swagger_ui_from_the_app_not_a_cdn(client: Any) -> None:
+    """``/docs`` names only this app's assets (offline it still draws); FastAPI's ``/redoc`` (a CDN script) is gone."""
+    html = client.get("/docs").text
+    assert sorted(re.findall(r'(?:src|href)="([^"]+)"', html)) == [
+        "/static/swagger-ui-bundle.js",
+        "/static/swagger-ui-favicon.png",
+        "/static/swagger-ui.css",
+    ]
+    assert "url: '/openapi.json'" in html and "https://" not in html
+    for name, kind, start in (
+        (
+            "swagger-ui-bundle.js",
+            "javascript",
+            b"/*! For license information please see swagger-ui-bundle.js.LICENSE.txt",
+        ),
+        ("swagger-ui.css", "text/css", b".swagger-ui"),
+        ("swagger-ui-favicon.png", "image/png", b"\x89PNG"),
+    ):
+        resp = client.get(f"/static/{name}")
+        assert resp.status_code == 200 and kind in resp.headers["content-type"], name
+        assert resp.content.startswith(start), (name, resp.content[:80])
+    assert client.get("/redoc").status_code == 404
+
+
+def test_compare_colours_follow_the_run_and_dashes_the_line(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
+    """Run a has train and eval reward, run b eval only: b's eval line has b's colour (not the second trace's)."""
+    client, _ = web
+    a, b = make_run(), make_run()
+    for run, lines in ((a, ("orchestrator", "eval")), (b, ("eval",))):
+        pts = [{"source": src, "step": 1, "name": "reward_mean", "value": 0.5, "time": 1.0} for src in lines]
+        assert client.post(f"/api/runs/{run['id']}/metrics", json={"points": pts}, headers=auth).status_code == 200
+    html = client.get("/compare", params=[("run", a["id"]), ("run", b["id"])]).text
+    figs = __import__("json").loads(re.search(r"data-figures>(.*?)</script>", html, re.S).group(1))
+    assert [(t["name"], t["line"], t["marker"]) for t in figs["reward"]["data"]] == [
+        (f"#{a['id']} {a['name']} train", {"color": "#1f77b4", "dash": "solid"}, {"color": "#1f77b4"}),
+        (f"#{a['id']} {a['name']} eval", {"color": "#1f77b4", "dash": "dash"}, {"color": "#1f77b4"}),
+        (f"#{b['id']} {b['name']} eval", {"color": "#ff7f0e", "dash": "dash"}, {"color": "#ff7f0e"}),
+    ]
+    assert figs["loss"]["data"] == [] and figs["loss"]["layout"]["annotations"][-1]["text"] == "No data yet"

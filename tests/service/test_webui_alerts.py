@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.support.alerts import Receiver, delivered, fire_once, new_run, signed_ok
-from tests.support.server import new_token, wait_for
+from tests.support.server import new_token, run_token_headers, wait_for
 from tests.support.webui import login
 
 XSS = '"><script>alert(1)</script>'
@@ -124,7 +125,7 @@ def test_rule_added_disabled_and_edited_through_forms(
         (
             {"kind": "status", "statuses": "failed, exploded"},
             "statuses",
-            "statuses.1: Input should be &#39;failed&#39;, &#39;completed&#39;, &#39;cancelled&#39; or &#39;requeued&#39;",
+            "statuses.1: Input should be &#39;failed&#39;, &#39;completed&#39;, &#39;cancelled&#39;, &#39;requeued&#39; or &#39;stalled&#39;",
         ),
         (
             {"kind": "bogus"},
@@ -302,3 +303,18 @@ def test_run_page_links_to_its_alerts_and_bad_filters(web: tuple[Any, str]) -> N
     resp = client.get("/alerts?run=999999")
     assert resp.status_code == 404 and resp.json()["detail"] == "run 999999 not found"
     assert client.get("/alerts/webhooks/999999").status_code == 404
+
+
+def test_built_in_policy_check_alert_is_listed_without_a_rule(web: tuple[Any, str]) -> None:
+    """A run's ``policy_check_failed`` event fires the built-in ``policy_check`` rule: the run's alerts page lists the
+    event as built-in (no rule to link to), with the check's reason."""
+    client, _ = web
+    run_id = new_run()
+    reason = "orchestrator.policy_check: policy version 2: the served log-probs are nearer the base model"
+    event = {"event": "policy_check_failed", "time": time.time(), "reason": reason, "data": {"step": 2}}
+    sent = client.post(f"/api/runs/{run_id}/events", json={"events": [event]}, headers=run_token_headers(run_id))
+    assert sent.status_code == 200 and sent.json() == {"recorded": 1}, sent.text
+    page = client.get(f"/alerts?run={run_id}").text
+    row = '<td><span class="muted">built-in</span></td><td>policy_check</td><td>fired</td>\n    <td class="num">2</td>'
+    assert row in page, page
+    assert f"<td>policy_check_failed (built-in rule policy_check): {reason}</td>" in page

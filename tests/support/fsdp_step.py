@@ -19,7 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support.models import tiny_qwen3  # noqa: E402
 from worker.spec import validate_spec  # noqa: E402
-from worker.trainer.dist import full_state_dict, grad_norm_value, prepare_model, setup  # noqa: E402
+from worker.trainer.dist import (  # noqa: E402
+    full_state_dict,
+    grad_norm_value,
+    iter_full_weights,
+    prepare_model,
+    setup,
+    weight_shapes,
+)
 from worker.trainer.optim import build_optimizer  # noqa: E402
 from worker.trainer.train import train_step  # noqa: E402
 
@@ -74,7 +81,15 @@ def one_step(
     metrics = train_step(model, batch(), spec, step=1, info=info)
     grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.optim.max_grad_norm))
     opt.step()
-    return {"metrics": metrics, "grad_norm": grad_norm, "params": full_state_dict(model), "world_size": info.world_size}
+    one_by_one = {name: t.cpu().clone() for name, t in iter_full_weights(model)}  # every rank: a gather per tensor
+    return {
+        "metrics": metrics,
+        "grad_norm": grad_norm,
+        "params": full_state_dict(model),
+        "one_by_one": one_by_one,
+        "shapes": dict(weight_shapes(model)),
+        "world_size": info.world_size,
+    }
 
 
 def main() -> None:

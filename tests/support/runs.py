@@ -86,3 +86,50 @@ def ended(client: Any, auth: dict[str, str], run_id: int, timeout: float = 400) 
         timeout,
         f"run {run_id} ended",
     )
+
+
+def multiturn_run(model: Path, run_dir: Path, *, max_steps: int = 2) -> RunDir:
+    """A real short multi-turn RL run (``reverse_twice``: the environment answers the model's first turn) of the
+    tiny ``model`` written into ``run_dir``, with its own vLLM server (``launch_rl``); 2 groups of 2 rollouts a step,
+    16 tokens a turn, 2 eval examples at the start and end. Used by the rollout browser tests.
+
+    Raises:
+        AssertionError: the run did not complete.
+    """
+    from worker.launchers.local import launch_rl
+
+    pairs = [
+        ("model.name", str(model)),
+        ("output_dir", str(run_dir.parent)),
+        ("name", run_dir.name),
+        ("max_steps", str(max_steps)),
+        ("env.id", "reverse_twice"),
+        ("orchestrator.batch_size", "2"),
+        ("orchestrator.group_size", "2"),
+        ("orchestrator.max_tokens", "16"),
+        ("orchestrator.eval.num_examples", "2"),
+        ("orchestrator.eval.interval", "0"),
+        ("ckpt.interval", "0"),
+    ]
+    spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))
+    summary = launch_rl(spec, quiet=True)  # type: ignore[arg-type]
+    assert summary["status"] == "completed", summary
+    return RunDir(run_dir)
+
+
+def asyncrl_eval(
+    model: Path, env: dict[str, Any], settings: dict[str, Any], out: Path, seed: int = 0
+) -> dict[str, Any]:
+    """What ``asyncrl eval`` measures of ``model`` on ``env`` (``{"id", "args"}``) with an eval job's ``settings``
+    (``num_examples``, ``temperature``, ``max_tokens``): its ``--out`` JSON. The reference an eval job of the service
+    must equal."""
+    import subprocess
+    import sys
+
+    argv = ["--model", str(model), "--env", env["id"], "--env-args", json.dumps(env.get("args", {}))]
+    argv += ["--seed", str(seed), "--num-examples", str(settings["num_examples"])]
+    argv += ["--temperature", str(settings["temperature"]), "--max-tokens", str(settings["max_tokens"])]
+    repo = CONFIGS.parents[1]
+    cmd = [sys.executable, "-m", "worker.cli", "eval", *argv, "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=repo, stdout=subprocess.DEVNULL)
+    return dict(json.loads(out.read_text()))

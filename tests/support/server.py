@@ -9,6 +9,7 @@ server or in Redis is touched.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -50,6 +51,19 @@ os.environ.update(
 
 BAD_MODEL = "/nonexistent/asyncrl-test-model"
 """Specs in these tests name a model path that does not exist: a launched run fails in preflight at once."""
+
+
+SFT_ROW = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+"""A well-formed SFT row (a user and an assistant turn)."""
+
+
+def sft_data(name: str = "train.jsonl", rows: list[Any] | None = None) -> str:
+    """An SFT data file under ``ASYNCRL_OUTPUT_DIR/data`` (a ``DATA_ROOTS`` folder the server sees, so the submit
+    reads it: ``server.services.launch_checks``) with ``rows`` (two :data:`SFT_ROW` by default); its path."""
+    path = Path(os.environ["ASYNCRL_OUTPUT_DIR"]) / "data" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in ([SFT_ROW, SFT_ROW] if rows is None else rows)))
+    return str(path)
 
 
 def pg_admin(sql: str) -> None:
@@ -183,17 +197,28 @@ def _ready(url: str) -> bool:
 
 class ApiServer:
     """``asyncrl server --no-migrate`` (the test database is migrated already) as a child process in its own
-    process group on a fixed 127.0.0.1 port, so it can be killed and restarted at the same URL."""
+    process group on a fixed port of ``host`` (default 127.0.0.1), so it can be killed and restarted at the same
+    URL."""
 
-    def __init__(self, log: Path) -> None:
-        self.port, self.log = free_port(), log
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, log: Path, host: str = "127.0.0.1") -> None:
+        self.port, self.log, self.host = free_port(), log, host
+        self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", "server", "--no-migrate", "--port", str(self.port)],
+                [
+                    sys.executable,
+                    "-m",
+                    "worker.cli",
+                    "server",
+                    "--no-migrate",
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -64,7 +64,8 @@ def test_a_run_cgroup_holds_every_process_and_ending_it_leaves_none(tmp_path: Pa
     shell = start_in(cg, THREE)
     pids = wait_for(lambda: len(p := cg.pids()) == 4 and p, 10, "the shell and its 3 sleeps in the cgroup")
     assert shell.pid in pids
-    assert len(session_members(shell.pid)) == 3  # the setsid one left the session, not the cgroup
+    # the setsid one leaves the session (not the cgroup) once its setsid ran: until then it is a fourth member
+    wait_for(lambda: len(session_members(shell.pid)) == 3, 10, "the setsid sleep out of the session")
     assert cgroups.of_process(shell.pid) == cg
     assert cgroups.of_process(os.getpid()) is None
 
@@ -133,8 +134,13 @@ def test_without_cgroups_the_session_is_the_unit(tmp_path: Path) -> None:
     )
 
     shell = start_in(None, THREE)
-    members = wait_for(lambda: len(m := session_members(shell.pid)) == 3 and m, 10, "the shell and 2 sleeps")
-    escaped = wait_for(lambda: children(shell.pid) - members, 10, "the setsid sleep")
+
+    def settled() -> tuple[set[int], set[int]] | None:
+        """(session members, children out of the session) once all 3 children exist and the setsid one left."""
+        kids, members = children(shell.pid), session_members(shell.pid)
+        return (members, kids - members) if len(kids) == 3 and len(members) == 3 else None
+
+    members, escaped = wait_for(settled, 10, "the shell and 2 sleeps in its session, the setsid sleep out of it")
     try:
         assert cgroups.end_run(None, shell.pid, started_before=time.time()) == members
         shell.wait()

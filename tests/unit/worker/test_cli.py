@@ -144,6 +144,31 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
     "at-without-file": (["rl", "@", "--dry-run"], "error: '@' must be followed by a config file, got '--dry-run'"),
     "at-at-end": (["sft", "@"], "error: '@' must be followed by a config file"),
     "no-spec": (["rl", "--dry-run"], "error: no spec given: asyncrl rl @ SPEC.toml [--key value ...] (-h for help)"),
+    "gpu-split-over-one": (
+        ["rl", "@", RL_TOML, "--trainer.device", "cuda", "--trainer.gpu_memory_fraction", "0.8", "--dry-run"],
+        "error: trainer.gpu_memory_fraction: 0.8 + inference.gpu_memory_utilization 0.3 = 1.1 of the GPU the trainer "
+        "shares with vLLM: at most 1",
+    ),
+    "cuda-on-a-machine-without-gpu": (
+        ["rl", "@", RL_TOML, "--trainer.device", "cuda", "--trainer.weight_sync.kind", "cuda_ipc", "--dry-run"],
+        'error: trainer.device: "cuda" but no CUDA GPU is visible on this machine; use "cpu"',
+    ),
+    "cuda-ipc-on-separate-gpus": (
+        ["rl", "@", RL_TOML, "--trainer.device", "cuda", "--trainer.weight_sync.kind", "cuda_ipc"]
+        + ["--launcher.local.inference_gpus", "[0]", "--launcher.local.trainer_gpus", "[1]", "--dry-run"],
+        "error: trainer.weight_sync.kind: 'cuda_ipc' needs vLLM on the trainer's GPU: launcher.local.inference_gpus "
+        "and trainer_gpus share no device (or inference.url is another server): use 'process_group'",
+    ),
+    "slurm-nodes-without-inference-nodes": (  # the default 0 is checked too: no layout with no inference node
+        ["slurm", "render", RL_TOML, "--launcher.kind", "slurm", "--launcher.slurm.nodes", "3"],
+        "error: launcher.slurm.inference_nodes: must be between 1 and nodes - 1 (2) with nodes = 3, got 0",
+    ),
+    "slurm-trainer-nodes-is-not-a-key": (  # always nodes - inference_nodes: no second home for that number
+        ["slurm", "render", RL_TOML, "--launcher.slurm.nodes", "3", "--launcher.slurm.inference_nodes", "1"]
+        + ["--launcher.slurm.trainer_nodes", "2"],
+        "error: unknown key 'launcher.slurm.trainer_nodes' (the trainer runs on the nodes after the inference ones, "
+        "nodes - inference_nodes: remove the key)",
+    ),
     "seed-out-of-range": (
         ["sft", "@", SFT_TOML, "--seed", "-1", "--dry-run"],
         "error: seed: Input should be greater than or equal to 0, got -1",
@@ -300,15 +325,92 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
     ),
     "sft-run-dir-exists-before-model-load": (
         ["sft", "@", SFT_TOML, "--output_dir", "{out}", "--name", "old"],
-        "error: run directory {out}/old exists: pass --overwrite to replace it",
+        "error: run directory {out}/old exists: pass --resume to continue it or --overwrite to replace it",
     ),
     "rl-resume-nothing": (
         ["rl", "@", RL_TOML, "--output_dir", "{out}", "--resume", "--dry-run"],
         "error: --resume: no run config at {out}/reverse-text-rl/config.json (start it without --resume)",
     ),
-    "sft-resume": (
-        ["sft", "@", SFT_TOML, "--resume"],
-        "error: --resume: sft runs do not resume; pass --overwrite to start over",
+    "sft-resume-nothing": (
+        ["sft", "@", SFT_TOML, "--output_dir", "{out}", "--resume"],
+        "error: --resume: no run config at {out}/reverse-text-sft/config.json (start it without --resume)",
+    ),
+    # several inference servers (issue 19): replicas < 1, two replicas on one port, a URL that does not answer
+    "inference-replicas-zero": (
+        ["rl", "@", RL_TOML, "--inference.replicas", "0", "--dry-run"],
+        "error: inference.replicas: Input should be greater than or equal to 1, got 0",
+    ),
+    "inference-urls-same-port": (
+        ["rl", "@", RL_TOML, "--inference.urls", '["http://127.0.0.1:8000", "http://localhost:8000/"]', "--dry-run"],
+        "error: inference.urls.1: two replicas on the same port 8000 of 127.0.0.1 ('http://127.0.0.1:8000' and "
+        "'http://localhost:8000/')",
+    ),
+    "inference-replicas-from-port-past-65535": (
+        ["rl", "@", RL_TOML, "--inference.replicas", "3", "--inference.port", "65534", "--dry-run"],
+        "error: inference.replicas: 3 replicas from port 65534 need ports up to 65536, above 65535",
+    ),
+    "inference-urls-unreachable": (
+        ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}"]
+        + ["--inference.urls", '["http://127.0.0.1:9"]'],
+        "error: inference.urls.0: http://127.0.0.1:9 does not answer GET /health within 2 s",
+    ),
+    "inference-replicas-with-tools": (
+        ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--env.id", "reverse_tool"]
+        + ["--inference.replicas", "2"],
+        "error: inference.replicas: reverse_tool runs through the agent harness (tools), which uses one inference "
+        "server for now; got 2 replicas",
+    ),
+    # SFT data files (issue 22): missing, empty, a row without an assistant turn (named), not a data file
+    "sft-data-file-missing": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/no.jsonl"],
+        "error: data.path: {tmp}/no.jsonl does not exist (expected a .jsonl or .parquet file or a datasets folder)",
+    ),
+    "sft-data-file-empty": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/empty.jsonl"],
+        "error: data.path: {tmp}/empty.jsonl is empty (no rows)",
+    ),
+    "sft-data-row-without-assistant-turn": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/noasst.jsonl"],
+        "error: data.path: row 2 has no assistant turn to train on (roles: ['system', 'user'])",
+    ),
+    "sft-data-row-neither-form": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/other.jsonl"],
+        "error: data.path: row 1 has keys ['text']; expected {'messages': [...]} with an assistant message, or "
+        "{'prompt': ..., 'completion': ...}",
+    ),
+    "sft-data-content-not-a-string": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/num.jsonl"],
+        "error: data.path: row 2 message 2 content is int; expected a string (or null in an assistant message "
+        "with tool_calls)",
+    ),
+    "sft-data-content-list-of-parts": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/parts.jsonl"],
+        "error: data.path: row 1 message 1 content is list; expected a string (or null in an assistant message "
+        "with tool_calls)",
+    ),
+    "sft-data-line-not-json": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/bad.jsonl"],
+        "error: data.path: {tmp}/bad.jsonl line 2 is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+    ),
+    "sft-dry-run-eval-data-missing": (
+        [
+            "sft",
+            "@",
+            SFT_TOML,
+            "--model.name",
+            "{model}",
+            "--output_dir",
+            "{out}",
+            "--data.eval_path",
+            "{tmp}/no.parquet",
+            "--dry-run",
+        ],
+        "error: data.eval_path: {tmp}/no.parquet does not exist (expected a .jsonl or .parquet file or a datasets "
+        "folder)",
+    ),
+    "sft-data-not-a-data-file": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/latin1.toml"],
+        "error: data.path: {tmp}/latin1.toml: expected a .jsonl or .parquet file or a datasets folder (save_to_disk)",
     ),
     # the model (dry-run runs the launch's preflight)
     "rl-dry-run-missing-model": (
@@ -433,6 +535,12 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: trainer.lora.target_modules: ['no_such_proj'] match no linear layer of qwen3 (its linear layers: "
         "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])",
     ),
+    # the same for an SFT spec, named by its own key (fresh user, 2026-12-04: exit 0, then the trainer failed)
+    "sft-dry-run-lora-target-matches-nothing-c15": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--lora.target_modules", '["nope"]', "--dry-run"],
+        "error: lora.target_modules: ['nope'] match no linear layer of qwen3 (its linear layers: "
+        "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])",
+    ),
     # a target with tied weights (the tiny model ties lm_head to embed_tokens): its merge would change both layers
     "rl-dry-run-lora-target-tied-embeddings": (
         [
@@ -503,6 +611,11 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
             "--dry-run",
         ],
         "re:error: env.id: .*'nope\\.module:make'.*",
+    ),
+    "override-table-bad-json": (
+        ["rl", "@", RL_TOML, "--launcher.slurm.env", '{"A": "1"', "--output_dir", "{out}", "--dry-run"],
+        "re:error: --launcher\\.slurm\\.env: not a JSON object or array \\(Expecting .*\\); expected e\\.g\\. "
+        "'\\{\"A\": \"1\"\\}' or '\\[1, 2\\]'",
     ),
     "rl-dry-run-difficulty-pool-endless-taskset": (
         [
@@ -647,6 +760,30 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: config file {tmp}/folder is a directory; expected a .toml or .json run spec",
     ),
     "submit-missing": (["submit", "{tmp}/nope.toml"], "error: config file not found: {tmp}/nope.toml"),
+    "submit-set-unknown-key": (  # named before any connection (no server runs here)
+        ["submit", RL_TOML, "--set", "trainer.optim.lrr=1e-4"],
+        "error: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+    ),
+    "submit-set-sft-unknown-key": (
+        ["submit", SFT_TOML, "--set", "data.batchsize=8"],
+        "error: unknown key 'data.batchsize' (did you mean 'data.batch_size'?)",
+    ),
+    "submit-set-no-value": (
+        ["submit", RL_TOML, "--set", "trainer.optim.lr"],
+        "error: --set: expected key=value such as trainer.optim.lr=5e-5, got 'trainer.optim.lr'",
+    ),
+    "submit-set-empty-key-part": (
+        ["submit", RL_TOML, "--set", "trainer..lr=1"],
+        "error: --trainer..lr: expected a dotted key such as --trainer.optim.lr",
+    ),
+    "sweep-missing": (["sweep", "{tmp}/nope.toml"], "error: config file not found: {tmp}/nope.toml"),
+    "sweep-base-missing": (["sweep", "{tmp}/sweep.toml"], "error: base: run spec file not found: {tmp}/nope-base.toml"),
+    "sweep-show-no-id": (["sweep", "show"], "error: asyncrl sweep show: expected a sweep id"),
+    "pipeline-stage-base-missing": (
+        ["pipeline", "{tmp}/pipeline.toml"],
+        "error: stages[1].base: run spec file not found: {tmp}/nope-rl.toml",
+    ),
+    "pipeline-resume-no-id": (["pipeline", "resume"], "error: asyncrl pipeline resume: expected a pipeline id"),
     "runs-show-not-an-id": (["runs", "show", "abc"], "error: asyncrl runs show: argument id: invalid int value: 'abc'"),
     "token-create-no-name": (
         ["token", "create"],
@@ -752,7 +889,25 @@ def test_bad_input_one_line_exit_2_nothing_made(
     (tmp_path / "bad.toml").write_text('name = "x"\n[trainer\n')
     (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "sweep.toml").write_text('base = "nope-base.toml"\n[grid]\n"trainer.optim.lr" = [1e-4]\n')
+    (tmp_path / "pipeline.toml").write_text(
+        '[[stages]]\nkind = "sft"\n[[stages]]\nkind = "rl"\nbase = "nope-rl.toml"\n'
+    )
     (tmp_path / "mix.toml").write_text(MIXTURE_TOML)
+    ok = '{"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}\n'
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "noasst.jsonl").write_text(
+        ok + '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]}\n' + ok
+    )
+    (tmp_path / "other.jsonl").write_text('{"text": "ab"}\n')
+    (tmp_path / "num.jsonl").write_text(
+        ok + '{"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": 5}]}\n'
+    )
+    (tmp_path / "parts.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}, '
+        '{"role": "assistant", "content": "ba"}]}\n'
+    )
+    (tmp_path / "bad.jsonl").write_text(ok + "{oops\n")
     (tmp_path / "outputs" / "old").mkdir(parents=True)
     (tmp_path / "outputs" / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
     places = {
@@ -898,7 +1053,22 @@ def test_token_roles_on_a_fresh_install(tmp_path: Path) -> None:
     )
     changed = token("role", "--name", "carol", "--role", "member")
     assert changed.returncode == 0 and changed.stdout.strip() == "user 'carol' is now member"
+    for name, line in (  # a user name is a label: one line, exit 2, no user made
+        ("", "error: --name: expected 1 to 128 characters, got 0"),
+        ("x" * 129, "error: --name: expected 1 to 128 characters, got 129"),
+        ("x\ny", "error: --name: control character '\\n' not allowed (printable text only)"),
+        (" bob", "error: --name: no leading or trailing spaces, got ' bob'"),
+    ):
+        bad = token("create", "--name", name)
+        assert (bad.returncode, bad.stderr.strip(), bad.stdout) == (2, line, ""), name
     missing = token("role", "--name", "nobody", "--role", "admin")
     assert missing.returncode == 2 and missing.stderr.strip() == "error: --name: no user called 'nobody'"
     bad = token("create", "--name", "x", "--role", "root")
     assert bad.returncode == 2 and "argument --role: invalid choice: 'root'" in bad.stderr
+
+
+@pytest.mark.parametrize("argv", [["slurm", "-h"], ["slurm", "--help"], ["slurm", "render", "-h"]])
+def test_slurm_help_prints_usage_and_exits_0(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: asyncrl slurm render SPEC.toml") and "--resume" in out and err == ""

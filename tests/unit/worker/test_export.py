@@ -290,3 +290,9 @@ def test_an_out_that_cannot_be_created_is_named(
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out: cannot create {out} (") and err.endswith("; choose a writable folder\n"), err
     assert (tmp_path / "a-file").read_text() == "not a folder"
+    # on a filesystem with 0 bytes free (/proc), a folder that cannot be made was taken for a full disk (fresh user,
+    # 2026-12-04: "disk full ... (free 0 B of 0 B)", a traceback, exit 1): the kernel's errno says what it is
+    assert main(["export", str(run), "--out", "/proc/asyncrl-export"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --out: cannot create /proc/asyncrl-export (No such file or directory); choose a writable folder\n"
+    )

@@ -17,7 +17,9 @@ from worker.live_config import (
     LIVE_CONFIG_FILE,
     LiveConfig,
     append_revision,
+    applied_changes,
     read_revisions,
+    replay_in_effect,
     set_base_lr,
     set_local,
 )
@@ -320,3 +322,32 @@ def test_a_curriculum_weight_of_the_standard_curriculum_is_refused_naming_its_ty
         "orchestrator.curriculum.weights.hard: not a field of this run's orchestrator.curriculum (type 'standard')"
     )
     assert read_revisions(run_dir) == []
+
+
+def test_replay_in_effect_counts_a_key_from_the_step_its_process_acknowledged() -> None:
+    """Spec lr 1e-4, temperature 1.0. r1 = lr 5e-5 (trainer from step 3); r2 = temperature 1.3 + lr 3e-5 (orchestrator
+    from 5, trainer from 7); r3 = lr 1e-5, never acknowledged. By hand, (lr, temperature) in effect at step:
+    2 -> (1e-4, 1.0); 3 and 4 -> (5e-5, 1.0); 5 and 6 -> (5e-5, 1.3); 7 and at the end -> (3e-5, 1.3): r3 never."""
+    spec = {"trainer": {"optim": {"lr": 1e-4}}, "orchestrator": {"temperature": 1.0}, "max_steps": 9}
+    revisions = [
+        ({"trainer.optim.lr": 5e-5}, {"trainer": 3}),
+        ({"orchestrator.temperature": 1.3, "trainer.optim.lr": 3e-5}, {"orchestrator": 5, "trainer": 7}),
+        ({"trainer.optim.lr": 1e-5}, {}),
+    ]
+
+    def at(step: int | None) -> tuple[float, float]:
+        out = replay_in_effect(spec, revisions, step)
+        return out["trainer"]["optim"]["lr"], out["orchestrator"]["temperature"]
+
+    assert [at(s) for s in (2, 3, 4, 5, 6, 7, None)] == [
+        (1e-4, 1.0),
+        (5e-5, 1.0),
+        (5e-5, 1.0),
+        (5e-5, 1.3),
+        (5e-5, 1.3),
+        (3e-5, 1.3),
+        (3e-5, 1.3),
+    ]
+    assert spec["trainer"]["optim"]["lr"] == 1e-4  # not changed in place
+    assert applied_changes(*revisions[1], step=6) == {"orchestrator.temperature": 1.3}
+    assert applied_changes(*revisions[2]) == {}

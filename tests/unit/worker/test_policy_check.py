@@ -111,3 +111,17 @@ def test_probe_logprobs_are_log_softmax_of_the_previous_position_in_eval_mode() 
     lp = torch.log_softmax(emb.weight, dim=-1)  # row t: the log-probs after token t (no dropout: eval mode)
     assert got == [[pytest.approx(lp[3, 1].item()), pytest.approx(lp[1, 4].item())]]
     assert model.training  # mode restored
+
+
+def test_lora_runs_are_checked_unless_their_adapters_target_the_lm_head() -> None:
+    """A LoRA run's server wraps only its targets (``--lora-target-modules``): checked. An lm_head target makes vLLM
+    wrap the lm_head, whose LoRA ``prompt_logprobs`` kills the engine beside other requests: skipped."""
+    from worker.policy_check import applies
+    from worker.spec import validate_spec
+
+    def spec(**extra: object) -> object:
+        return validate_spec("rl", {"model": {"name": "x"}, **extra})  # type: ignore[arg-type]
+
+    assert applies(spec()) and applies(spec(trainer={"lora": {"rank": 8}}))  # type: ignore[arg-type]
+    assert not applies(spec(trainer={"lora": {"target_modules": ["q_proj", "lm_head"]}}))  # type: ignore[arg-type]
+    assert not applies(spec(orchestrator={"policy_check": {"enabled": False}}))  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from worker.rundir import (
     RunDir,
     SupervisorHome,
     append_jsonl,
+    append_jsonl_rows,
     atomic_write_text,
     describe_os_error,
     human_bytes,
@@ -185,3 +186,13 @@ def test_is_disk_full_believes_the_kernel_then_the_message_then_the_free_space(d
     torch_save = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
     assert is_disk_full(torch_save, disk) and not is_disk_full(torch_save, tmp_path)  # the free space decides
     assert not is_disk_full(KeyboardInterrupt(), disk)
+
+
+def test_append_jsonl_rows_appends_every_row_as_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts" / "step_2.jsonl"
+    path.parent.mkdir()
+    append_jsonl(path, {"step": 1})
+    append_jsonl_rows(path, [{"step": 2, "reward": 0.5}, {"step": 2, "reward": float("nan")}, {"step": 2}])
+    append_jsonl_rows(path, [])
+    lines = path.read_text().splitlines()
+    assert lines == ['{"step": 1}', '{"step": 2, "reward": 0.5}', '{"step": 2, "reward": NaN}', '{"step": 2}']

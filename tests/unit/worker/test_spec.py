@@ -131,7 +131,7 @@ def test_unknown_top_level_key() -> None:
     msg = _error("rl", {**MODEL, "zzzzqqq": 3})
     assert msg == (
         "unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, launcher, max_steps, "
-        "model, name, orchestrator, output_dir, seed, trainer)"
+        "model, monitor, name, orchestrator, output_dir, seed, trainer, watchdog)"
     )
 
 
@@ -191,6 +191,17 @@ def test_parse_override_value(text: str, value: Any) -> None:
     got = parse_override_value(text)
     assert got == value
     assert type(got) is type(value)
+
+
+def test_json_table_override_sets_a_table_valued_key() -> None:
+    """``--launcher.slurm.env '{"A": "1"}'``: a JSON object (or array) as a dotted-key override value is parsed, so a
+    table-valued key takes it; TOML's inline table still works and a bad one names the key."""
+    overrides = [("launcher.slurm.env", '{"A": "1", "B": "x y"}'), ("launcher.slurm.extra_sbatch", '["--qos=low"]')]
+    spec = validate_spec("rl", load_spec_data([], [("model.name", "m"), *overrides]))
+    assert (spec.launcher.slurm.env, spec.launcher.slurm.extra_sbatch) == ({"A": "1", "B": "x y"}, ["--qos=low"])
+    assert parse_override_value('{A = "1"}') == {"A": "1"}
+    with pytest.raises(SpecError, match=r"^--launcher\.slurm\.env: not a JSON object or array \(Expecting"):
+        load_spec_data([], [("launcher.slurm.env", '{"A": 1,}')])
 
 
 def test_missing_and_invalid_files(tmp_path: Path) -> None:
@@ -312,7 +323,7 @@ def test_other_field_errors_name_the_field() -> None:
         "model.dtype: Input should be 'float32' or 'bfloat16', got 'fp8'"
     )
     assert _error("rl", {**MODEL, "kind": "sft"}) == "kind: this command runs 'rl' specs, got 'sft'"
-    assert _error("nope", MODEL) == "kind: expected one of ['rl', 'sft'], got 'nope'"
+    assert _error("nope", MODEL) == "kind: expected one of ['eval', 'rl', 'sft'], got 'nope'"
 
 
 # ----------------------------------------------------------------------------- limits
@@ -342,7 +353,10 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
 
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
-    assert len(keys) == 83 and {
+    assert len(keys) == 92 and {  # trainer.gpu_memory_fraction, inference.replicas; SFT's lora.*, ckpt.*
+        "inference.replicas",  # issue 19
+        "watchdog.no_progress_s",
+        "orchestrator.eval.timeout_s",
         "orchestrator.advantage.std_floor",
         "orchestrator.advantage.decay",
         "orchestrator.policy_check.tolerance",

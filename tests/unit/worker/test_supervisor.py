@@ -283,3 +283,19 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
         os.kill(victim, 9)
     finally:
         shutil.rmtree(base)
+
+
+def test_give_home_copies_a_hard_linked_file_before_changing_its_owner(tmp_path: Path) -> None:
+    """A fork's checkpoint files are hard links to its parent's: the child's uid must get a copy, never the parent's
+    inode (which it could then rewrite)."""
+    parent = tmp_path / "parent.safetensors"
+    parent.write_bytes(b"weights of the parent")
+    home = tmp_path / "runs" / "8"
+    (home / "ckpt").mkdir(parents=True)
+    os.link(parent, home / "ckpt" / "model.safetensors")
+    owner = (parent.stat().st_uid, parent.stat().st_gid)
+    supervisor.give_home(home, supervisor.RunUser("run-8", 60_008, 60_008, str(home)))
+    child = home / "ckpt" / "model.safetensors"
+    assert (child.stat().st_uid, child.stat().st_gid) == (60_008, 60_008) and child.read_bytes() == parent.read_bytes()
+    assert (parent.stat().st_uid, parent.stat().st_gid) == owner and parent.stat().st_nlink == 1
+    assert [p.name for p in (home / "ckpt").iterdir()] == ["model.safetensors"]  # no temporary left

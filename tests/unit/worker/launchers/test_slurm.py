@@ -1,24 +1,23 @@
-"""The Slurm job script rendered from ``deploy/slurm/rl.sbatch.j2``: #SBATCH lines, the node split of a 4-node layout
-(2 inference, 2 trainer) run through the real ``scontrol show hostnames``, the rendezvous and ports, the 1-node
-script, and ``asyncrl slurm render``."""
+"""The Slurm job script rendered from ``deploy/slurm/rl.sbatch.j2``: #SBATCH lines, the 1-node and multi-node
+scripts (both run the supervisor), the steps a 4-node layout (2 inference, 2 trainer) starts (``srun`` argv, the
+rendezvous and ports), the split of the real multi-node cluster's nodes (``scontrol``), and ``asyncrl slurm render``."""
 
 from __future__ import annotations
 
-import os
-import re
-import shlex
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from worker.cli import main
 from worker.inference.server import EXTENSION_CLS, run_server_command
-from worker.launchers.slurm import render
+from worker.launchers.slurm import SlurmError, render
+from worker.launchers.slurm_layout import Layout, from_job
 from worker.spec import SpecError, validate_spec
 
 HOME = Path("/srv/asyncrl/runs/7")
+MULTI_CONF = "/etc/slurm-multi/slurm.conf"
 
 
 def spec_of(**slurm: object) -> object:
@@ -67,53 +66,116 @@ def test_four_node_layout_sbatch_lines() -> None:
     ]
     assert "export NCCL_DEBUG=WARN\nexport HF_HOME='/data/hf cache'\n" in script
     assert f"LOG_DIR={HOME}/slurm/attempt-$ATTEMPT" in script and "ATTEMPT=${SLURM_RESTART_COUNT:-0}" in script
-    assert "worker.supervisor" not in script
-
-
-def test_four_node_layout_roles_rendezvous_and_ports() -> None:
-    script = render(spec_of(**FOUR_NODES), home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
-    sruns = [" ".join(block.split()) for block in re.findall(r"^srun .*?&$", script, flags=re.M | re.S)]
-    assert [s.split(" \\ ")[0] for s in sruns] == [
-        'srun --nodes=2 --ntasks=2 --nodelist="$INFERENCE_LIST"',
-        'srun --nodes=2 --ntasks=2 --nodelist="$TRAINER_LIST"',
-        'srun --nodes=1 --ntasks=1 --nodelist="$TRAINER_HEAD" --overlap',
-    ]
-    inference, trainer, orchestrator = sruns
-    server = run_server_command(spec_of(**FOUR_NODES), "0.0.0.0", 8100, require_key=True, python="/venv/bin/python")
-    assert f"env VLLM_SERVER_DEV_MODE=1 {shlex.join(server)} >>{HOME}/big/logs/inference.log" in inference
-    assert "--middleware worker.inference.auth.RequireApiKey" in " ".join(server)  # every interface: keyed
-    # the job's key is made at the job's start, never written into the script, and reaches every srun's environment
-    key_line = "ASYNCRL_INFERENCE_API_KEY=$(/venv/bin/python -c 'from worker.inference.auth import new_api_key; "
-    assert key_line in script and "export ASYNCRL_INFERENCE_API_KEY VLLM_API_KEY=$ASYNCRL_INFERENCE_API_KEY" in script
-    assert script.index(key_line) < script.index("srun --nodes=2")
-    assert server[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/q"]
-    assert "--enable-lora" not in server
+    assert "/venv/bin/python -m worker.supervisor --home /srv/asyncrl/runs/7 >>" in script
     assert (
-        "/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=8 \\ --rdzv-backend=c10d "
-        '--rdzv-endpoint="$ASYNCRL_RDZV_ENDPOINT" --rdzv-id=asyncrl-run-7 \\ -m worker.trainer '
-        f"--run-dir {HOME}/big >>{HOME}/big/logs/trainer.log"
-    ) in trainer
-    assert f'-m worker.orchestrator --run-dir {HOME}/big \\ --inference-url "$ASYNCRL_INFERENCE_URL"' in orchestrator
+        "# 4 nodes: the first 2 serve inference (1 vLLM server(s): replica i on inference node i mod 2, port 8100 + i "
+        "div 2), the other 2 train\n"
+    ) in script
+    assert "rendezvous on port 29555 of the first trainer node, 8 rank(s) a node" in script
+
+
+LAYOUT = Layout(
+    job_id="42",
+    inference=("gpu07", "gpu08"),
+    trainer=("gpu09", "gpu11"),
+    addresses={"gpu07": "10.0.0.7", "gpu08": "10.0.0.8", "gpu09": "10.0.0.9", "gpu11": "10.0.0.11"},
+)
+
+
+def test_four_node_layout_steps_rendezvous_and_ports() -> None:
+    spec = spec_of(**FOUR_NODES)
+    assert LAYOUT.placement() == {"inference": ["gpu07"], "trainer": ["gpu09", "gpu11"], "orchestrator": ["gpu09"]}
+    assert LAYOUT.inference_url(8100) == "http://10.0.0.7:8100"
+    # inference.replicas = 3 on 2 inference nodes: round robin over the nodes, a node's second server one port up
+    # (2 servers a node: each gets half of the node's 8 GPUs; 3 GPUs a node do not split: every server sees all)
+    assert LAYOUT.replicas(3, 8100, 8) == [
+        ("gpu07", 8100, [0, 1, 2, 3]),
+        ("gpu08", 8100, [0, 1, 2, 3]),
+        ("gpu07", 8101, [4, 5, 6, 7]),
+    ]
+    assert LAYOUT.replicas(3, 8100, 3) == [("gpu07", 8100, []), ("gpu08", 8100, []), ("gpu07", 8101, [])]
+    assert [r[1:] for r in LAYOUT.replicas(8, 8000, 8)[::2]] == [
+        (8000, [0, 1]),
+        (8001, [2, 3]),
+        (8002, [4, 5]),
+        (8003, [6, 7]),
+    ]
+    assert LAYOUT.placement(3)["inference"] == ["gpu07", "gpu08"]
+    assert LAYOUT.inference_url(8100, "gpu08") == "http://10.0.0.8:8100"
+    replica = LAYOUT.inference_command(spec, 8101, "gpu08", "inference-2", [4, 5, 6, 7])
+    assert replica[5:11] == [
+        "--nodelist=gpu08", "--overlap", "--kill-on-bad-exit=1", "--job-name=inference-2", "env", "CUDA_VISIBLE_DEVICES=4,5,6,7"
+    ]  # fmt: skip
+    assert replica[replica.index("--host") + 1] == "10.0.0.8" and replica[replica.index("--port") + 1] == "8101"
+    assert LAYOUT.srun(["gpu09"], "orchestrator") == [
+        "srun",
+        "--jobid=42",
+        "--nodes=1",
+        "--ntasks=1",
+        "--ntasks-per-node=1",
+        "--nodelist=gpu09",
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        "--job-name=orchestrator",
+    ]
+    trainer = LAYOUT.trainer_command(spec, ["--run-dir", "/r/big"])
+    assert trainer[:6] == [
+        "srun",
+        "--jobid=42",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--nodelist=gpu09,gpu11",
+    ]
+    assert trainer[9:] == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.9:29555",
+        "--rdzv-id=42",
+        "--max-restarts=0",
+        "-m",
+        "worker.trainer",
+        "--run-dir",
+        "/r/big",
+    ]
+    assert spec.trainer_ranks == 16  # 2 trainer nodes x 8 GPUs
+
+
+def test_multi_node_server_listens_on_the_inference_nodes_address_only() -> None:
+    """The vLLM step listens on the first inference node's NodeAddr, the address the other nodes reach it at: never
+    0.0.0.0, which the service refuses for ``inference.host`` (``spec_policy.check_run_host``)."""
+    cmd = LAYOUT.inference_command(spec_of(**FOUR_NODES), 8100)
+    assert cmd[:9] == LAYOUT.srun(["gpu07"], "inference")
+    assert cmd[cmd.index("--host") + 1] == "10.0.0.7" and cmd[cmd.index("--port") + 1] == "8100"
+    assert "0.0.0.0" not in cmd and LAYOUT.inference_url(8100) == "http://10.0.0.7:8100"
+    assert "--middleware" in cmd  # keyed: reachable from the other nodes
 
 
 @pytest.mark.slurm
-def test_four_node_split_with_scontrol_hostnames() -> None:
-    """The split lines of the script, run by bash with Slurm's own hostlist expansion."""
-    assert shutil.which("scontrol"), "Slurm's scontrol is needed (deploy/slurm/local-cluster.sh start)"
-    script = render(spec_of(**FOUR_NODES), home=HOME, name="asyncrl-run-7")
-    split = script[script.index("mapfile") : script.index("srun ")]
-    probe = split + 'echo "$ASYNCRL_INFERENCE_URL|$ASYNCRL_RDZV_ENDPOINT|$INFERENCE_LIST|$TRAINER_LIST|$TRAINER_HEAD"\n'
-    out = subprocess.run(
-        ["bash", "-c", probe],
-        env={**os.environ, "SLURM_JOB_NODELIST": "gpu[07-09],gpu11"},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    assert out == [
-        "inference: gpu07 gpu08 trainer: gpu09 gpu11 rendezvous: gpu09:29555",
-        "http://gpu07:8100|gpu09:29555|gpu07,gpu08|gpu09,gpu11|gpu09",
-    ]
+def test_layout_of_the_multi_node_cluster_from_scontrol() -> None:
+    """The split of the real 3-node cluster (deploy/slurm/multi-node-cluster.sh): node names from Slurm's hostlist
+    expansion, each node's address from its NodeAddr."""
+    if not Path(MULTI_CONF).exists():
+        pytest.fail("start the cluster: bash deploy/slurm/multi-node-cluster.sh start")
+    spec = spec_of(nodes=3, inference_nodes=1)
+    environ = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "asrl-n[1-3]"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", MULTI_CONF)
+        assert from_job(spec, environ) == Layout(
+            job_id="42",
+            inference=("asrl-n1",),
+            trainer=("asrl-n2", "asrl-n3"),
+            addresses={"asrl-n1": "10.77.0.11", "asrl-n2": "10.77.0.12", "asrl-n3": "10.77.0.13"},
+        )
+        with pytest.raises(SlurmError) as e:
+            from_job(spec, {**environ, "SLURM_JOB_NODELIST": "asrl-n[1-2]"})
+        assert str(e.value) == "job 42 has 2 nodes (asrl-n1,asrl-n2), launcher.slurm.nodes = 3"
+        assert from_job(spec_of(), environ) is None  # one node: every process here
+        assert from_job(spec, {}) is None  # not inside a job
 
 
 def test_single_node_script_runs_the_supervisor() -> None:
@@ -186,18 +248,18 @@ LORA_TWO_NODES = {
 }
 
 
-def test_multi_node_lora_job_serves_adapters_as_the_local_launcher_does() -> None:
-    """The multi-node script's inference step runs the run's server as built for the local launcher
-    (``run_server_command``: one builder), so a LoRA run's server has ``--enable-lora``, ``--max-lora-rank``,
-    ``--max-loras`` for its ``max_async_level`` and runtime adapter loading, and the weight-update extension."""
+def test_multi_node_lora_server_is_built_as_the_local_launchers() -> None:
+    """The inference step runs the run's server as built for the local launcher (``run_server_command``: one
+    builder), so a LoRA run's server has ``--enable-lora``, ``--max-lora-rank``, ``--max-loras`` for its
+    ``max_async_level`` and runtime adapter loading, and the weight-update extension."""
     spec = validate_spec("rl", LORA_TWO_NODES)
-    script = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
-    server = run_server_command(spec, "0.0.0.0", 8100, require_key=True, python="/venv/bin/python")
-    settings = "env VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
-    assert f"  {settings} {shlex.join(server)} >>{HOME}/big/logs/inference.log 2>&1 &\n" in script
+    server = run_server_command(spec, "10.0.0.7", 8100, require_key=True, python="/venv/bin/python")
     flags = " ".join(server)
-    assert "--enable-lora --max-lora-rank 16 --max-loras 4" in flags  # adapters_in_use(2) = 4
+    assert "--middleware worker.inference.auth.RequireApiKey" in flags  # reached from the other nodes: keyed
+    targets = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"  # trainer.lora.target_modules' default
+    assert f"--enable-lora --max-lora-rank 16 --max-loras 4 --lora-target-modules {targets}" in flags  # 4: (2) + 2
     assert f"--logprobs-mode processed_logprobs --worker-extension-cls {EXTENSION_CLS}" in flags
+    script = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
     subprocess.run(["bash", "-n", "-c", script], check=True)
 
 
@@ -224,6 +286,15 @@ def test_lora_job_with_more_than_one_trainer_rank_is_refused() -> None:
         (
             {"nodes": 2, "inference_nodes": 0},
             "launcher.slurm.inference_nodes: must be between 1 and nodes - 1 (1) with nodes = 2, got 0",
+        ),
+        (
+            {"nodes": 3, "inference_nodes": 3},
+            "launcher.slurm.inference_nodes: must be between 1 and nodes - 1 (2) with nodes = 3, got 3",
+        ),
+        (
+            {"nodes": 3, "inference_nodes": 1, "trainer_nodes": 2},
+            "unknown key 'launcher.slurm.trainer_nodes' (the trainer runs on the nodes after the inference ones, "
+            "nodes - inference_nodes: remove the key)",
         ),
         ({"allocation": "my-job"}, "launcher.slurm.allocation: expected a Slurm job id (digits), got 'my-job'"),
         (
@@ -257,3 +328,53 @@ def test_checkpoint_request_adds_one_step_to_the_periodic_ones(tmp_path: Path) -
     request(run, 7)
     assert [s for s in range(1, 13) if due(run, s, 4)] == [4, 7, 8, 12]
     assert [s for s in range(1, 13) if due(run, s, 0)] == [7]
+
+
+NODES_OUT = (
+    "NodeName=asrl-n1 Arch=x86_64 CPUAlloc=1 NodeAddr=10.77.0.11 State=MIXED ThreadsPerCore=1 Partitions=multi\n"
+    "NodeName=asrl-n2 Arch=x86_64 CPUAlloc=1 NodeAddr=10.77.0.12 State=MIXED* ThreadsPerCore=1 Partitions=multi\n"
+    "NodeName=asrl-n3 Arch=x86_64 CPUAlloc=0 NodeAddr=10.77.0.13 State=DOWN ThreadsPerCore=1 Partitions=multi "
+    "Reason=node lost in test [root@2026-12-04T03:50:00]\n"
+    "NodeName=asrl-n4 Arch=x86_64 NodeAddr=10.77.0.14 State=IDLE+DRAIN Partitions=multi Reason=maint [root@2026]\n"
+    "NodeName=asrl-n5 Arch=x86_64 NodeAddr=10.77.0.15 State=ALLOCATED Partitions=multi\n"
+)
+
+
+def test_lost_nodes_are_the_down_drained_or_not_responding_ones() -> None:
+    from worker.launchers.slurm import lost_nodes_of
+
+    assert lost_nodes_of(NODES_OUT) == {
+        "asrl-n2": "MIXED*",
+        "asrl-n3": "DOWN: node lost in test",
+        "asrl-n4": "IDLE+DRAIN: maint",
+    }
+    assert lost_nodes_of("") == {}
+
+
+def test_a_sigterm_after_a_lost_node_fails_the_run_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm ends a job that lost a node with SIGTERM to its batch step, as ``scancel`` does: the supervisor
+    reports ``failed`` naming the node (not ``cancelled``), or, when Slurm requeued the job, says why in the
+    ``requeued`` line."""
+    from worker.launchers import slurm, slurm_job
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "asrl-n[1-3]")
+    asked: list[list[str]] = []
+
+    def scontrol(argv: list[str], env: dict[str, str] | None = None) -> str:  # noqa: ARG001 - slurm_command's
+        asked.append(argv)
+        return NODES_OUT if argv[:3] == ["scontrol", "show", "node"] else "JobId=42 JobState=CANCELLED Restarts=0"
+
+    monkeypatch.setattr(slurm, "slurm_command", scontrol)
+    assert slurm_job.end_status(0) == (
+        "failed",
+        "Slurm job 42 lost node asrl-n2 (MIXED*); lost node asrl-n3 (DOWN: node lost in test); "
+        "lost node asrl-n4 (IDLE+DRAIN: maint)",
+    )
+    assert ["scontrol", "show", "node", "-o", "asrl-n[1-3]"] in asked
+    assert slurm_job.end_status(-1)[0] is None  # Restarts=0 > -1: requeued, the next attempt reports
+    monkeypatch.setattr(slurm, "slurm_command", lambda argv, env=None: "JobId=42 JobState=CANCELLED Restarts=0")
+    assert slurm_job.end_status(0) == ("cancelled", "Slurm job 42 terminated (scancel or time limit)")
+    # the node is back already (ReturnToService=2), the job's state still says it
+    monkeypatch.setattr(slurm, "slurm_command", lambda argv, env=None: "JobId=42 JobState=NODE_FAIL Restarts=0")
+    assert slurm_job.end_status(0) == ("failed", "Slurm job 42 lost a node (NODE_FAIL)")

@@ -29,7 +29,7 @@ class FakeClient:
         self.calls.append(("pause",))
         info = await load(path) if load is not None else {"full": str(path)}
         self.calls.append(("resume",))
-        return {**info, "total_s": 0.5}
+        return {**info, "pause_s": 0.125, "load_s": 0.25, "reset_s": 0.0625, "resume_s": 0.0625, "total_s": 0.5}
 
     async def load_lora_adapter(self, name: str, path: Path) -> dict[str, Any]:
         self.calls.append(("load", name, Path(path).name))
@@ -75,7 +75,11 @@ def test_adapter_versions_are_named_and_old_ones_unloaded(tmp_path: Path) -> Non
         orch._version_changed = asyncio.Condition()
         names = []
         for v in (1, 2, 3):
-            assert await orch.load_policy(_adapter(tmp_path, v), v) == 0.5
+            assert await orch.load_policy(_adapter(tmp_path, v), v) == {
+                "weight_update_s": 0.5,
+                "weight_update_pause_s": 0.125,
+                "weight_update_load_s": 0.25,
+            }
             names.append(client.model)
             assert orch.policy_version == v
         await orch.load_policy(base, 0)

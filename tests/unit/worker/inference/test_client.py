@@ -1,0 +1,109 @@
+"""``InferenceClient.generate`` reads vLLM's ``/v1/completions`` answer (token ids, sampled-token logprobs, finish
+reason) with msgspec, skipping the fields it does not use; and the simulated server of
+``benchmarks/sim_inference.py`` answers in that shape."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from worker.inference.client import Completion, InferenceClient, InferenceError
+
+SIM = Path(__file__).resolve().parents[4] / "benchmarks" / "sim_inference.py"
+
+
+def _choice(index: int, ids: list[int], lps: list[float] | None, finish: str) -> dict[str, Any]:
+    """One choice as vLLM 0.31 gives it with logprobs 0, return_token_ids and return_tokens_as_token_ids."""
+    tokens = [f"token_id:{t}" for t in ids]
+    return {
+        "index": index,
+        "text": "".join(chr(t) for t in ids),
+        "logprobs": None
+        if lps is None
+        else {
+            "text_offset": list(range(len(ids))),
+            "token_logprobs": lps,
+            "tokens": tokens,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=False)],
+        },
+        "finish_reason": finish,
+        "stop_reason": None,
+        "token_ids": ids,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+    }
+
+
+def _generate(reply: dict[str, Any] | None = None, app: Any = None, **kw: Any) -> tuple[list[Completion], list[Any]]:
+    sent: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=reply)
+
+    async def go() -> list[Completion]:
+        async with InferenceClient("http://sim", max_retries=0) as client:
+            transport = httpx.ASGITransport(app=app) if app is not None else httpx.MockTransport(handler)
+            client._http = httpx.AsyncClient(base_url="http://sim", transport=transport)
+            return await client.generate([1, 2, 3], temperature=1.0, **kw)
+
+    return asyncio.run(go()), sent
+
+
+def test_generate_reads_ids_logprobs_and_finish_in_index_order() -> None:
+    reply = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "m",
+        "choices": [
+            _choice(1, [70, 71], [-0.5, -0.25], "stop"),
+            _choice(0, [65, 66, 67], [-1.0, -2.0, -3.0], "length"),
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
+    out, sent = _generate(reply, n=2, max_tokens=3)
+    assert out == [
+        Completion(token_ids=[65, 66, 67], logprobs=[-1.0, -2.0, -3.0], finish_reason="length"),
+        Completion(token_ids=[70, 71], logprobs=[-0.5, -0.25], finish_reason="stop"),
+    ]
+    assert sent[0]["prompt"] == [1, 2, 3] and sent[0]["n"] == 2 and sent[0]["logprobs"] == 0
+
+
+@pytest.mark.parametrize(
+    ("choice", "says"),
+    [
+        (_choice(0, [65, 66], None, "stop"), "Expected `object`, got `null` - at `$.choices[0].logprobs`"),
+        (_choice(0, [65, 66], [-1.0], "stop"), "2 token ids but 1 logprobs"),
+        ({**_choice(0, [65], [-1.0], "stop"), "token_ids": ["A"]}, "Expected `int`, got `str`"),
+    ],
+)
+def test_generate_refuses_an_answer_it_cannot_train_on(choice: dict[str, Any], says: str) -> None:
+    with pytest.raises(InferenceError, match="POST http://sim/v1/completions: unexpected response") as err:
+        _generate({"choices": [choice]}, n=1, max_tokens=2)
+    assert says in str(err.value)
+
+
+def _sim_app(**config: Any) -> Any:
+    spec = importlib.util.spec_from_file_location("sim_inference", SIM)
+    assert spec is not None and spec.loader is not None
+    sim = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sim  # dataclasses resolve the module's annotations through it
+    spec.loader.exec_module(sim)
+    return sim.make_app(sim.SimConfig(**config))
+
+
+def test_simulated_server_answers_as_vllm_with_its_lengths() -> None:
+    fixed = {"ttft_ms": 0.0, "per_token_ms": 0.0, "jitter_sigma": 0.0, "len_mean": 5.0, "len_sigma": 0.0}
+    out, _ = _generate(app=_sim_app(**fixed), n=3, max_tokens=10)  # every completion 5 tokens: stopped
+    assert [(len(c.token_ids), len(c.logprobs), c.finish_reason) for c in out] == [(5, 5, "stop")] * 3
+    assert all(32 <= t < 127 for c in out for t in c.token_ids)
+    assert all(lp <= 0.0 for c in out for lp in c.logprobs)
+    out, _ = _generate(app=_sim_app(**fixed), n=2, max_tokens=4)  # cut at max_tokens
+    assert [(len(c.token_ids), c.finish_reason) for c in out] == [(4, "length")] * 2
