@@ -306,3 +306,81 @@ def percentile(xs: list[float], q: float) -> float:
 def server_ms(resp: Any) -> float:
     """The app's own time of an httpx response, from the server's ``Server-Timing: app;dur=<ms>`` header."""
     return float(resp.headers["server-timing"].removeprefix("app;dur="))
+
+
+WARMUP_ROUNDS = 2
+"""Rounds of a request loop that are sent but not timed (caches, connections, the first query plan)."""
+LATENCY_HEADERS = ["server p50 ms", "server p99 ms", "client p50 ms", "client p99 ms"]
+"""Table columns of :meth:`Timings.cells`."""
+
+
+class Timings:
+    """Times of timed requests to the asyncrl server, in ms: ``server`` the app's own (:func:`server_ms`), ``client``
+    the round trip measured here. The request loops of ``dashboard_page.py``, ``metric_export.py`` and
+    ``service_throughput.py`` (thread-safe :meth:`add` for its concurrent clients)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.server: list[float] = []
+        self.client: list[float] = []
+        self._lock = threading.Lock()
+
+    def send(self, request: Any, round_: int = WARMUP_ROUNDS) -> Any:
+        """Call ``request()`` (an httpx call), keep its times unless ``round_`` is a warm-up round
+        (< :data:`WARMUP_ROUNDS`); returns the response."""
+        t = time.perf_counter()
+        resp = request()
+        if round_ >= WARMUP_ROUNDS:
+            self.add(resp, (time.perf_counter() - t) * 1000)
+        return resp
+
+    def add(self, resp: Any, client_ms: float) -> None:
+        """Keep one response's server time and its client time ``client_ms``."""
+        with self._lock:
+            self.server.append(server_ms(resp))
+            self.client.append(client_ms)
+
+    def summary(self) -> dict[str, float]:
+        """``server_ms_p50/p99`` and ``latency_ms_p50/p99`` (client), rounded to 0.1 ms."""
+        return {
+            "server_ms_p50": round(percentile(self.server, 50), 1),
+            "server_ms_p99": round(percentile(self.server, 99), 1),
+            "latency_ms_p50": round(percentile(self.client, 50), 1),
+            "latency_ms_p99": round(percentile(self.client, 99), 1),
+        }
+
+    @staticmethod
+    def cells(result: dict[str, Any]) -> list[Any]:
+        """The :data:`LATENCY_HEADERS` cells of a result that holds a :meth:`summary`."""
+        return [result[k] for k in ("server_ms_p50", "server_ms_p99", "latency_ms_p50", "latency_ms_p99")]
+
+
+SERVER_SETUP = "one uvicorn process (asyncrl server) and the client on the same machine, Postgres on 127.0.0.1"
+"""The ``setup`` of a result measured against :func:`stored_server`."""
+
+
+@contextlib.contextmanager
+def stored_server(store: Any, log: Path) -> Iterator[tuple[Any, float, str]]:
+    """A scratch database (:func:`scratch_database`) filled by ``store()``, then ``asyncrl server`` on it
+    (:func:`api_server`, its output in ``log``); yields ``(store's result, seconds store took, server URL)``."""
+    with scratch_database():
+        t0 = time.perf_counter()
+        stored = store()
+        seconds = time.perf_counter() - t0
+        with api_server(log) as url:
+            yield stored, seconds, url
+
+
+def rounds_args(doc: str, *, rounds: int, quick: int, points: str) -> tuple[Any, int]:
+    """The command line of a benchmark of timed request rounds on ``--points`` stored metric points (help ``points``):
+    ``--quick`` (``quick`` rounds instead of ``rounds``), ``--points`` (default 100,000), ``--rounds``. Returns the
+    parsed arguments and the number of timed rounds."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"{quick} rounds instead of {rounds}")
+    ap.add_argument("--points", type=int, default=100_000, help=points)
+    ap.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {rounds}; quick {quick})")
+    args = ap.parse_args()
+    return args, args.rounds or (quick if args.quick else rounds)

@@ -14,7 +14,6 @@ Goal: the run page <= 300 ms server time. Run: ``.venv/bin/python benchmarks/das
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
@@ -75,45 +74,26 @@ def login(client, token: str) -> None:  # noqa: ANN001 - httpx.Client
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 rounds instead of 30")
-    ap.add_argument("--points", type=int, default=100_000, help="metric points stored for the run")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 30; quick 5)")
-    args = ap.parse_args()
-    rounds = args.rounds or (5 if args.quick else 30)
+    args, rounds = C.rounds_args(__doc__, rounds=30, quick=5, points="metric points stored for the run")
     started, machine = time.time(), C.machine_facts()
     import httpx
 
-    with C.scratch_database():
-        t0 = time.perf_counter()
-        token, run_id, steps = store(args.points)
-        C.say(f"[bench] stored {args.points:,} points ({steps} steps per series) in {time.perf_counter() - t0:.1f}s")
-        with C.api_server(C.TMP / "dashboard_page_server.log") as url, httpx.Client(base_url=url, timeout=60) as client:
+    log = C.TMP / "dashboard_page_server.log"
+    with C.stored_server(lambda: store(args.points), log) as ((token, run_id, steps), s, url):
+        C.say(f"[bench] stored {args.points:,} points ({steps} steps per series) in {s:.1f}s")
+        with httpx.Client(base_url=url, timeout=60) as client:
             login(client, token)
-            srv: dict[str, list[float]] = {p: [] for p in PARTS}
-            lat: dict[str, list[float]] = {p: [] for p in PARTS}
+            times = {p: C.Timings() for p in PARTS}
             size: dict[str, int] = {}
-            for r in range(rounds + 2):
+            for r in range(rounds + C.WARMUP_ROUNDS):
                 for part in PARTS:
-                    t = time.perf_counter()
-                    resp = client.get(f"/runs/{run_id}", params={"part": part} if part else None)
-                    dt = (time.perf_counter() - t) * 1000
+                    params = {"part": part} if part else None
+                    resp = times[part].send(lambda params=params: client.get(f"/runs/{run_id}", params=params), r)
                     if resp.status_code != 200 or (not part and "data-figures" not in resp.text):
                         raise RuntimeError(f"/runs/{run_id}?part={part}: {resp.status_code} {resp.text[:200]}")
                     size[part] = len(resp.content)
-                    if r >= 2:
-                        srv[part].append(C.server_ms(resp))
-                        lat[part].append(dt)
     results = [
-        {
-            "request": "/runs/{id}" + (f"?part={p}" if p else ""),
-            "bytes": size[p],
-            "server_ms_p50": round(C.percentile(srv[p], 50), 1),
-            "server_ms_p99": round(C.percentile(srv[p], 99), 1),
-            "latency_ms_p50": round(C.percentile(lat[p], 50), 1),
-            "latency_ms_p99": round(C.percentile(lat[p], 99), 1),
-        }
-        for p in PARTS
+        {"request": "/runs/{id}" + (f"?part={p}" if p else ""), "bytes": size[p], **times[p].summary()} for p in PARTS
     ]
     payload = {
         "points": args.points,
@@ -121,29 +101,12 @@ def main() -> int:
         "rounds": rounds,
         "results": results,
         "goals": {"page_server_ms": 300},
-        "setup": "one uvicorn process (asyncrl server) and the client on the same machine, Postgres on 127.0.0.1",
+        "setup": C.SERVER_SETUP,
     }
     out = C.write_result("dashboard_page", payload, quick=args.quick, started=started, machine=machine)
     table = C.md_table(
-        [
-            f"request ({args.points:,} points stored)",
-            "KiB",
-            "server p50 ms",
-            "server p99 ms",
-            "client p50 ms",
-            "client p99 ms",
-        ],
-        [
-            [
-                r["request"],
-                round(r["bytes"] / 1024),
-                r["server_ms_p50"],
-                r["server_ms_p99"],
-                r["latency_ms_p50"],
-                r["latency_ms_p99"],
-            ]
-            for r in results
-        ],
+        [f"request ({args.points:,} points stored)", "KiB", *C.LATENCY_HEADERS],
+        [[r["request"], round(r["bytes"] / 1024), *C.Timings.cells(r)] for r in results],
     )
     return C.finish(out, table)
 

@@ -50,20 +50,16 @@ def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, con
 
     per_step = size // len(NAMES)
     bodies = [batch(offset + i * per_step, size, NAMES) for i in range(batches)]
-    lat, srv, errors = [], [], []
-    lock = threading.Lock()
+    times, errors = C.Timings(), []
 
     def worker(k: int) -> None:
         with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
             for body in bodies[k::concurrency]:
                 t0 = time.perf_counter()
                 resp = client.post(f"/api/runs/{run_id}/metrics", json=body)
-                dt = time.perf_counter() - t0
-                with lock:
-                    if resp.status_code != 200 or resp.json()["inserted"] != len(body["points"]):
-                        errors.append(resp.text[:200])
-                    lat.append(dt * 1000)
-                    srv.append(C.server_ms(resp))
+                times.add(resp, (time.perf_counter() - t0) * 1000)
+                if resp.status_code != 200 or resp.json()["inserted"] != len(body["points"]):
+                    errors.append(resp.text[:200])  # list.append is atomic: the threads share the list
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
     t0 = time.perf_counter()
@@ -81,10 +77,7 @@ def ingest(url: str, headers: dict, run_id: int, *, batches: int, size: int, con
         "points": batches * size,
         "wall_s": round(wall, 3),
         "points_per_s": round(batches * size / wall),
-        "latency_ms_p50": round(C.percentile(lat, 50), 1),
-        "latency_ms_p99": round(C.percentile(lat, 99), 1),
-        "server_ms_p50": round(C.percentile(srv, 50), 1),
-        "server_ms_p99": round(C.percentile(srv, 99), 1),
+        **times.summary(),
     }
 
 
@@ -120,29 +113,39 @@ def _measure(
             }
             client.post(f"/api/runs/{ids[1]}/metrics", json=body).raise_for_status()
         params = {"name": "bench/series", "max_points": args.max_points}
-        srv, lat = [], []
-        for q in range(queries + 2):
-            t0 = time.perf_counter()
-            resp = client.get(f"/api/runs/{ids[1]}/metrics", params=params)
-            dt = (time.perf_counter() - t0) * 1000
+        times = C.Timings()
+        for q in range(queries + C.WARMUP_ROUNDS):
+            resp = times.send(lambda: client.get(f"/api/runs/{ids[1]}/metrics", params=params), q)
             resp.raise_for_status()
             series = resp.json()["series"][0]
             assert series["total"] == args.series_points and len(series["step"]) <= args.max_points + 1
-            if q >= 2:
-                srv.append(C.server_ms(resp))
-                lat.append(dt)
     query = {
         "series_points": args.series_points,
         "max_points": args.max_points,
         "returned": len(series["step"]),
         "queries": queries,
-        "server_ms_p50": round(C.percentile(srv, 50), 1),
-        "server_ms_p99": round(C.percentile(srv, 99), 1),
-        "latency_ms_p50": round(C.percentile(lat, 50), 1),
-        "latency_ms_p99": round(C.percentile(lat, 99), 1),
+        **times.summary(),
     }
     C.say(f"[bench] series query: server p50 {query['server_ms_p50']} ms p99 {query['server_ms_p99']} ms")
     return seq, par, query
+
+
+def store() -> tuple[str, list]:
+    """A user token and the ids of two empty runs (the ingestion run and the query run)."""
+    from sqlmodel import Session
+
+    from server.core.db import engine
+    from server.services import runs, tokens
+
+    with Session(engine) as s:
+        _, token = tokens.create(s, name="bench")
+        ids = [
+            runs.create(s, data={"name": f"bench-{i}", "model": {"name": "bench/no-such-model"}}, owner="bench").id
+            for i in range(2)
+        ]
+        s.commit()
+    engine.dispose()
+    return token, ids
 
 
 def main() -> int:
@@ -159,29 +162,15 @@ def main() -> int:
     queries = args.queries or (5 if args.quick else 20)
     started, machine = time.time(), C.machine_facts()
 
-    with C.scratch_database():
-        from sqlmodel import Session
-
-        from server.core.db import engine
-        from server.services import runs, tokens
-
-        with Session(engine) as s:
-            _, token = tokens.create(s, name="bench")
-            ids = [
-                runs.create(s, data={"name": f"bench-{i}", "model": {"name": "bench/no-such-model"}}, owner="bench").id
-                for i in range(2)
-            ]
-            s.commit()
-        engine.dispose()
-        with C.api_server(C.TMP / "service_throughput_server.log") as url:
-            headers = {"Authorization": f"Bearer {token}"}
-            seq, par, query = _measure(args, url, headers, ids, batches, queries)
+    with C.stored_server(store, C.TMP / "service_throughput_server.log") as ((token, ids), _, url):
+        headers = {"Authorization": f"Bearer {token}"}
+        seq, par, query = _measure(args, url, headers, ids, batches, queries)
 
     payload = {
         "ingestion": [seq, par],
         "query": query,
         "goals": {"ingestion_points_per_s": 20_000, "query_server_ms": 300},
-        "setup": "one uvicorn process (asyncrl server) and the client on the same machine, Postgres on 127.0.0.1",
+        "setup": C.SERVER_SETUP,
     }
     out = C.write_result("service_throughput", payload, quick=args.quick, started=started, machine=machine)
     rows = [

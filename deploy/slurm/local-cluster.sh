@@ -51,11 +51,14 @@ CONF
   chown munge:munge /etc/munge/munge.key /run/munge; chmod 400 /etc/munge/munge.key
 }
 
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
 start() {
   install; configure
   pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
-  pgrep -x slurmctld >/dev/null || slurmctld
-  pgrep -x slurmd >/dev/null || slurmd
+  # by pid file, not by name: multi-node-cluster.sh runs another slurmctld and slurmd beside these
+  alive /run/slurmctld.pid || slurmctld
+  alive /run/slurmd.pid || slurmd
   for _ in $(seq 1 30); do
     if sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then sinfo; return 0; fi
     sleep 1
