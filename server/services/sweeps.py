@@ -28,11 +28,15 @@ States (literal tables below). A sweep is ``running → completed | cancelled``.
 :func:`tick` advances one sweep, a synchronous successive halving over the rungs (the pruning steps) in order:
 
 1. trials whose run ended are ``finished``;
-2. at the first undecided rung ``s``, a running trial that logged the metric at ``s`` (or later) and has a complete
-   checkpoint at or after ``s`` is *held*: its run is stopped through the normal stop path (``runs.request_stop`` +
-   ``stop_run``: the run ends ``cancelled`` with its checkpoints kept) and the trial is ``waiting`` (``held`` event on
-   the run), which frees its slot for a pending trial. A run that cannot be held (``ckpt.interval = 0``, or its
-   directory is not readable here) takes part in the rung while it trains on;
+2. each trial's run is created with the rungs in its ``ckpt.hold_at`` (:func:`trial_run_data`): its trainer
+   checkpoints at each rung and holds there (trains no further; the orchestrator runs its eval of that version and
+   holds too, ``worker/checkpoint.end_of_leg``), so the step a trial is held at is the rung itself, however late the
+   tick comes. At the first undecided rung ``s``, a running trial that logged the metric at ``s`` and has its
+   complete checkpoint of ``s`` (or whose directory is not readable here: then on the metric alone) is *held*: its
+   run, idle at ``s``, is stopped through the normal stop path (``runs.request_stop`` + ``stop_run``: the run ends
+   ``cancelled`` with its checkpoints kept) and the trial is ``waiting`` (``held`` event on the run), which frees its
+   slot for a pending trial. A run that does not hold at ``s`` (made before ``ckpt.hold_at``) takes part in the rung
+   while it trains on;
 3. the rung is decided once every trial reached it or ended before it (none pending, none running below it, none
    promoted at an earlier rung and not yet resumed), on each trial's value AT ``s`` (its last at or before ``s``, not
    later ones): the trials the rule names are ``pruned`` (``pruned`` event; a held run stays stopped with its
@@ -392,15 +396,35 @@ def _fmt(x: float) -> str:
 
 
 def _newest_checkpoint(run: Run) -> int | None:
-    """The step of ``run``'s newest complete checkpoint (0: none yet), or None when the trial cannot be held: the run
-    saves none (``ckpt.interval = 0``) or its directory cannot be read here (nothing to resume from)."""
-    interval = int(((run.spec or {}).get("ckpt") or {}).get("interval") or 0)
-    if not interval or not run.run_dir:
+    """The step of ``run``'s newest complete checkpoint (0: none yet), or None when its directory cannot be read
+    here."""
+    if not run.run_dir:
         return None
     try:
         return max(complete_steps(RunDir(run.run_dir)), default=0)
     except OSError:
         return None
+
+
+def _hold_steps(run: Run) -> list[int]:
+    """The steps ``run`` holds at (its spec's ``ckpt.hold_at``)."""
+    return list(((run.spec or {}).get("ckpt") or {}).get("hold_at") or [])
+
+
+def trial_run_data(spec: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The run spec mapping of a trial with swept values ``params``: the base with them set and, with pruning, the
+    pruning steps added to ``ckpt.hold_at``, so the trial's trainer checkpoints at each rung and holds there: the
+    step it is held at is the rung, whenever the tick sees it.
+
+    Raises:
+        DottedKeyError: a swept key goes through a value that is not a table (refused by :func:`plan` already).
+    """
+    data = with_keys(spec["base"], params)
+    rungs = (spec.get("pruning") or {}).get("at_steps") or []
+    if rungs:
+        given = ((data.get("ckpt") or {}).get("hold_at")) or []
+        data = with_keys(data, {"ckpt.hold_at": sorted({*given, *rungs})})
+    return data
 
 
 def _value_at(history: list[tuple[int, float]], step: int) -> float | None:
@@ -457,7 +481,9 @@ def tick(session: Session, sweep_id: int) -> list[str]:
             newest = _newest_checkpoint(run)
             if not pruning.reached(hist.get(t.index, []), step):
                 blocked = True
-            elif newest is not None and newest >= step:  # hold it: stopped, its checkpoint kept, resumed if promoted
+            elif step not in _hold_steps(run):
+                pass  # a run that does not hold at the rung (made before ckpt.hold_at): it takes part as it trains on
+            elif newest is None or newest >= step:  # held at the rung by its trainer: stopped, resumed if promoted
                 value = _value_at(hist[t.index], step)
                 reason = f"held at step {step} until the rung is decided: {spec['metric']} {_shown(value)}"
                 _move(t, T.waiting, reason)
@@ -468,9 +494,8 @@ def tick(session: Session, sweep_id: int) -> list[str]:
                 if runs.request_stop(session, locked, by=f"sweep {sweep_id} ({reason})"):
                     stops.append(stored_id(locked))
                 done.append(f"trial {t.index} (run {run.id}): {reason}")
-            elif newest is not None:
+            else:
                 blocked = True  # its checkpoint of the rung is being written
-            # newest None: the run cannot be held; it takes part while it trains on (stopped if pruned)
         if blocked:
             break
         taking = {t.index: hist[t.index] for t in ts if t.status != T.pruned and t.index in hist}
@@ -540,7 +565,7 @@ def tick(session: Session, sweep_id: int) -> list[str]:
     for t in ts:
         if t.status != T.pending or live >= spec["max_parallel"]:
             continue
-        data = with_keys(spec["base"], t.params)
+        data = trial_run_data(spec, t.params)
         data["name"] = f"{sweep.name}-{t.index}"
         try:
             new = runs.create(session, data=data, owner=sweep.owner, admin=admin)
