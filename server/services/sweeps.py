@@ -66,11 +66,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from server.models import TERMINAL, Metric, Role, Run, RunStatus, Sweep, SweepStatus, SweepTrial, stored_id, utcnow
-from server.services import capacity, launch_checks, permissions, pruning, runs, spec_policy, tokens
+from server.models import TERMINAL, Metric, Run, RunStatus, Sweep, SweepStatus, SweepTrial, stored_id, utcnow
+from server.services import capacity, job_groups, launch_checks, permissions, pruning, runs, spec_policy
 from server.services.tokens import Principal
 from worker.alert_rules import METRICS, metric_hint, reports
 from worker.celery_app import TaskName, enqueue
@@ -333,30 +332,19 @@ def get(session: Session, sweep_id: int, *, lock: bool = False) -> Sweep:
     Raises:
         SweepNotFound: no sweep with this id.
     """
-    if not 1 <= sweep_id <= runs.MAX_ID:
-        raise SweepNotFound(f"sweep {sweep_id} not found")
-    stmt = select(Sweep).where(Sweep.id == sweep_id)
-    if lock:
-        stmt = stmt.with_for_update()
-    sweep = session.exec(stmt).first()
-    if sweep is None:
-        raise SweepNotFound(f"sweep {sweep_id} not found")
-    return sweep
+    return job_groups.get(session, Sweep, sweep_id, lock=lock, missing=SweepNotFound, what="sweep")
 
 
 def trials(session: Session, sweep_id: int) -> list[SweepTrial]:
-    stmt = select(SweepTrial).where(SweepTrial.sweep_id == sweep_id).order_by(col(SweepTrial.index))
-    return list(session.exec(stmt).all())
+    return job_groups.members(session, SweepTrial, sweep_id)
 
 
 def list_sweeps(session: Session, *, offset: int = 0, limit: int = 50) -> tuple[list[Sweep], int]:
-    total = session.exec(select(func.count()).select_from(Sweep)).one()
-    rows = session.exec(select(Sweep).order_by(col(Sweep.id).desc()).offset(offset).limit(limit)).all()
-    return list(rows), int(total)
+    return job_groups.page(session, Sweep, offset=offset, limit=limit)
 
 
 def running_ids(session: Session) -> list[int]:
-    return [i for i in session.exec(select(Sweep.id).where(Sweep.status == SW.running)).all() if i is not None]
+    return job_groups.running_ids(session, Sweep, SW.running)
 
 
 def histories(session: Session, sweep: Sweep, ts: list[SweepTrial]) -> dict[int, list[tuple[int, float]]]:
@@ -451,7 +439,7 @@ def tick(session: Session, sweep_id: int) -> list[str]:
         session.rollback()
         return []
     ts = trials(session, sweep_id)
-    run_of = {t.index: session.get(Run, t.run_id) if t.run_id is not None else None for t in ts}
+    run_of = {t.index: job_groups.run_of(session, t) for t in ts}
     done: list[str] = []
     launches: list[int] = []
     stops: list[int] = []
@@ -560,8 +548,7 @@ def tick(session: Session, sweep_id: int) -> list[str]:
         launches.append(stored_id(locked))
         live += 1
         done.append(f"trial {t.index} (run {run.id}): {reason}")
-    owner = tokens.user(session, sweep.owner)
-    admin = owner is not None and owner.role == Role.admin
+    admin = job_groups.owner_is_admin(session, sweep.owner)
     for t in ts:
         if t.status != T.pending or live >= spec["max_parallel"]:
             continue
@@ -642,14 +629,8 @@ def stop_by(session: Session, sweep_id: int, user: Principal) -> Sweep:
     permissions.require_owner(user, sweep.owner, f"sweep {sweep_id}", "stop it")
     _end(sweep, SW.cancelled, f"stopped by {user.name}")
     session.add(sweep)
-    stops = []
-    for t in trials(session, sweep_id):
-        run = session.get(Run, t.run_id) if t.run_id is not None else None
-        if run is not None and RunStatus(run.status) not in TERMINAL:
-            if runs.request_stop(
-                session, runs.get(session, stored_id(run), lock=True), by=f"{user.name} (sweep {sweep_id})"
-            ):
-                stops.append(stored_id(run))
+    live = [run for t in trials(session, sweep_id) if (run := job_groups.run_of(session, t)) is not None]
+    stops = job_groups.request_stops(session, live, by=f"{user.name} (sweep {sweep_id})")
     session.commit()
     for run_id in stops:
         enqueue(TaskName.stop_run, run_id)
@@ -664,7 +645,7 @@ def public(session: Session, sweep: Sweep) -> dict[str, Any]:
     mode = sweep.spec["mode"]
     rows = []
     for t in ts:
-        run = session.get(Run, t.run_id) if t.run_id is not None else None
+        run = job_groups.run_of(session, t)
         h = hist.get(t.index, [])
         top = pruning.best_value(h, mode)
         rows.append(
@@ -683,17 +664,10 @@ def public(session: Session, sweep: Sweep) -> dict[str, Any]:
         )
     b = best(sweep, ts, hist)
     return {
-        "id": sweep.id,
-        "name": sweep.name,
-        "owner": sweep.owner,
-        "status": sweep.status,
-        "status_reason": sweep.status_reason,
+        **job_groups.summary_fields(sweep),
         "metric": sweep.spec["metric"],
         "mode": mode,
-        "spec": sweep.spec,
         "decided_steps": sweep.decided,
-        "created_at": sweep.created_at,
-        "finished_at": sweep.finished_at,
         "trials": rows,
         "best": None
         if b is None
