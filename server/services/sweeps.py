@@ -77,6 +77,7 @@ from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, closest, flatten, with_keys
 from worker.rundir import RunDir
 from worker.spec import SpecError, validate_spec
+from worker.spec.trainer import MAX_HOLD_STEPS
 
 
 class TrialStatus:
@@ -128,8 +129,8 @@ class RandomRange(BaseModel):
 class PruningSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     rule: Literal["median", "successive_halving"]
-    at_steps: list[int] = Field(min_length=1, max_length=32)
-    """Trainer steps at which the rule decides (rungs)."""
+    at_steps: list[int] = Field(min_length=1, max_length=MAX_HOLD_STEPS)
+    """Trainer steps at which the rule decides (rungs); each trial's run holds at them (``ckpt.hold_at``)."""
     reduction_factor: float = Field(2.0, gt=1.0, le=100.0)
     """``successive_halving`` keeps ``ceil(n / reduction_factor)`` trials at each rung."""
 
@@ -292,6 +293,10 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
                 f"pruning.at_steps: step {spec.pruning.at_steps[-1]} is not before max_steps {run_spec.max_steps} of "
                 f"the trial ({shown})"
             )
+        try:  # as the tick creates it: the rungs in ckpt.hold_at (with the base's own, at most MAX_HOLD_STEPS)
+            run_spec = validate_spec("rl", trial_run_data(spec.model_dump(mode="json", exclude_none=True), p))
+        except SpecError as err:
+            raise SpecError(f"grid ({shown}): {err}") from None
         spec_policy.check(run_spec, admin=admin)
         trials.append(run_spec)
     launch_checks.check_many(trials)  # what the launch would refuse (LoRA targets, dead inference.urls), once each

@@ -333,6 +333,10 @@ BAD = [
         {"base": {**spec(max_steps=4), "trainer": {"optim": {"lrr": 1e-4}}}},
         "base: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
     ),
+    (  # the rungs join the base's own ckpt.hold_at in each trial's run: 32 + rung 2 is one too many
+        {"base": spec(max_steps=40, ckpt={"hold_at": list(range(3, 35))})},
+        "grid (trainer.optim.lr = 0.0001, orchestrator.temperature = 0.7): ckpt.hold_at: List should have at most 32",
+    ),
     (  # what the launch would refuse is refused at submit (server.services.launch_checks); port 9: nothing listens
         {"base": spec(max_steps=4, inference={"urls": ["http://127.0.0.1:9"]})},
         "inference.urls.0: http://127.0.0.1:9 does not answer GET /health within 2 s",
