@@ -395,6 +395,21 @@ def runs_command(argv: list[str]) -> int:
     return 0
 
 
+def _read_base(spec_file: Path, base: str, where: str) -> dict[str, Any]:
+    """The run spec file ``base`` named in ``spec_file`` (relative to its folder), read as a mapping.
+
+    Raises:
+        SpecError: ``<where>: run spec file not found: <path>``, or the file does not parse.
+    """
+    from worker.spec import load_spec_data
+
+    path = Path(base)
+    path = path if path.is_absolute() else spec_file.parent / path
+    if not path.is_file():
+        raise SpecError(f"{where}: run spec file not found: {path}")
+    return load_spec_data([path], [])
+
+
 def load_sweep(path: Path) -> dict[str, Any]:
     """A sweep spec file (TOML, or JSON by its suffix) with ``base = "run.toml"`` (relative to the sweep file) read
     inline, as ``POST /api/sweeps`` takes it.
@@ -406,39 +421,8 @@ def load_sweep(path: Path) -> dict[str, Any]:
 
     data = load_spec_data([path], [])
     if isinstance(data.get("base"), str):
-        base = Path(data["base"])
-        base = base if base.is_absolute() else path.parent / base
-        if not base.is_file():
-            raise SpecError(f"base: run spec file not found: {base}")
-        data["base"] = load_spec_data([base], [])
+        data["base"] = _read_base(path, data["base"], "base")
     return data
-
-
-def sweep_command(argv: list[str]) -> int:
-    """``asyncrl sweep SPEC`` submits a sweep and prints its id, trials and first runs; ``show ID`` / ``stop ID``."""
-    p = ArgParser(prog="asyncrl sweep", description="submit a sweep spec, or show / stop a sweep")
-    p.add_argument("spec", help="sweep spec (.toml or .json), or 'show' / 'stop'")
-    p.add_argument("id", nargs="?", type=int, help="sweep id (show, stop)")
-    _api_args(p)
-    args = p.parse_args(argv)
-    if args.spec in ("show", "stop"):
-        if args.id is None:
-            raise SpecError(f"asyncrl sweep {args.spec}: expected a sweep id")
-        with _client(args.url, args.token) as client:
-            method, path = (
-                ("GET", f"/api/sweeps/{args.id}") if args.spec == "show" else ("POST", f"/api/sweeps/{args.id}/stop")
-            )
-            out = _call(client, method, path)
-        print(json.dumps(out, indent=2))  # noqa: T201
-        return 0
-    if args.id is not None:
-        raise SpecError(f"asyncrl sweep: unexpected argument {args.id} after the spec file")
-    data = load_sweep(Path(args.spec))
-    with _client(args.url, args.token) as client:
-        sweep = _call(client, "POST", "/api/sweeps", json=data)
-    runs = [t["run_id"] for t in sweep["trials"] if t["run_id"] is not None]
-    print(json.dumps({"id": sweep["id"], "name": sweep["name"], "trials": len(sweep["trials"]), "runs": runs}))  # noqa: T201
-    return 0
 
 
 def load_pipeline(path: Path) -> dict[str, Any]:
@@ -453,40 +437,55 @@ def load_pipeline(path: Path) -> dict[str, Any]:
     data = load_spec_data([path], [])
     for i, stage in enumerate(data.get("stages") or []):
         if isinstance(stage, dict) and isinstance(stage.get("base"), str):
-            base = Path(stage["base"])
-            base = base if base.is_absolute() else path.parent / base
-            if not base.is_file():
-                raise SpecError(f"stages[{i}].base: run spec file not found: {base}")
-            stage["base"] = load_spec_data([base], [])
+            stage["base"] = _read_base(path, stage["base"], f"stages[{i}].base")
     return data
+
+
+def _group_command(argv: list[str], noun: str, actions: tuple[str, ...], load: Any, members: str, about: str) -> int:
+    """``asyncrl <noun> SPEC`` submits a spec file read by ``load`` to ``/api/<noun>s`` and prints its id, name, how
+    many ``members`` (trials, stages) it has and the runs started; ``asyncrl <noun> ACTION ID`` shows it
+    (``show``: ``GET``) or posts ``ACTION`` (``stop``, ``resume``) and prints the answer.
+
+    Raises:
+        SpecError: an action without an id, an id after a spec file, or a spec file ``load`` refuses (exit 2).
+    """
+    shown = " / ".join(actions)
+    p = ArgParser(prog=f"asyncrl {noun}", description=f"submit a {noun} spec, or {about}")
+    p.add_argument("spec", help=f"{noun} spec (.toml or .json), or " + " / ".join(f"'{a}'" for a in actions))
+    p.add_argument("id", nargs="?", type=int, help=f"{noun} id ({shown.replace(' /', ',')})")
+    _api_args(p)
+    args = p.parse_args(argv)
+    if args.spec in actions:
+        if args.id is None:
+            raise SpecError(f"asyncrl {noun} {args.spec}: expected a {noun} id")
+        with _client(args.url, args.token) as client:
+            if args.spec == "show":
+                out = _call(client, "GET", f"/api/{noun}s/{args.id}")
+            else:
+                out = _call(client, "POST", f"/api/{noun}s/{args.id}/{args.spec}")
+        print(json.dumps(out, indent=2, default=str))  # noqa: T201
+        return 0
+    if args.id is not None:
+        raise SpecError(f"asyncrl {noun}: unexpected argument {args.id} after the spec file")
+    data = load(Path(args.spec))
+    with _client(args.url, args.token) as client:
+        group = _call(client, "POST", f"/api/{noun}s", json=data)
+    runs = [m["run_id"] for m in group[members] if m["run_id"] is not None]
+    print(json.dumps({"id": group["id"], "name": group["name"], members: len(group[members]), "runs": runs}))  # noqa: T201
+    return 0
+
+
+def sweep_command(argv: list[str]) -> int:
+    """``asyncrl sweep SPEC`` submits a sweep and prints its id, trials and first runs; ``show ID`` / ``stop ID``."""
+    return _group_command(argv, "sweep", ("show", "stop"), load_sweep, "trials", "show / stop a sweep")
 
 
 def pipeline_command(argv: list[str]) -> int:
     """``asyncrl pipeline SPEC`` submits a pipeline and prints its id and first run; ``show ID`` / ``stop ID`` /
     ``resume ID``."""
-    p = ArgParser(prog="asyncrl pipeline", description="submit a pipeline spec, or show / stop / resume a pipeline")
-    p.add_argument("spec", help="pipeline spec (.toml or .json), or 'show' / 'stop' / 'resume'")
-    p.add_argument("id", nargs="?", type=int, help="pipeline id (show, stop, resume)")
-    _api_args(p)
-    args = p.parse_args(argv)
-    if args.spec in ("show", "stop", "resume"):
-        if args.id is None:
-            raise SpecError(f"asyncrl pipeline {args.spec}: expected a pipeline id")
-        with _client(args.url, args.token) as client:
-            if args.spec == "show":
-                out = _call(client, "GET", f"/api/pipelines/{args.id}")
-            else:
-                out = _call(client, "POST", f"/api/pipelines/{args.id}/{args.spec}")
-        print(json.dumps(out, indent=2, default=str))  # noqa: T201
-        return 0
-    if args.id is not None:
-        raise SpecError(f"asyncrl pipeline: unexpected argument {args.id} after the spec file")
-    data = load_pipeline(Path(args.spec))
-    with _client(args.url, args.token) as client:
-        pipeline = _call(client, "POST", "/api/pipelines", json=data)
-    runs = [s["run_id"] for s in pipeline["stages"] if s["run_id"] is not None]
-    print(json.dumps({"id": pipeline["id"], "name": pipeline["name"], "stages": len(pipeline["stages"]), "runs": runs}))  # noqa: T201
-    return 0
+    return _group_command(
+        argv, "pipeline", ("show", "stop", "resume"), load_pipeline, "stages", "show / stop / resume a pipeline"
+    )
 
 
 COMMANDS: dict[str, Any] = {

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -122,14 +122,27 @@ def request(run: RunDir, step: int) -> None:
     atomic_write_json(run.root / REQUEST_FILE, {"step": step})
 
 
-def due(run: RunDir, step: int, interval: int) -> bool:
-    """Whether ``step`` ends with a checkpoint: every ``interval`` steps (0 = never), or ``request``-ed."""
-    if interval and step % interval == 0:
+def due(run: RunDir, step: int, interval: int, hold_at: Collection[int] = ()) -> bool:
+    """Whether ``step`` ends with a checkpoint: every ``interval`` steps (0 = never), a step the run holds at
+    (``ckpt.hold_at``), or ``request``-ed."""
+    if (interval and step % interval == 0) or step in hold_at:
         return True
     try:
         return int(json.loads((run.root / REQUEST_FILE).read_text())["step"]) == step
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def end_of_leg(start: int, max_steps: int, hold_at: Collection[int]) -> int:
+    """The last step a process started (or resumed) at ``start`` runs: the first ``ckpt.hold_at`` step after
+    ``start``, where the run holds until it is stopped, else ``max_steps``."""
+    return min((s for s in hold_at if start < s < max_steps), default=max_steps)
+
+
+HELD = "held"
+"""The progress state (``worker/progress.py``) and ``events.jsonl`` event of a process that reached its
+:func:`end_of_leg` before ``max_steps``: its checkpoint of that step is complete; it does nothing more until the run is
+stopped (no stall)."""
 
 
 def check_run_dir(spec: RLSpec | SFTSpec | EvalSpec, *, resume: bool = False, overwrite: bool = False) -> int | None:

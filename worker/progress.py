@@ -250,7 +250,8 @@ def classify(
     No verdict either while a process of ``alive`` has written no record yet: it is starting (loading the model,
     importing torch), which ``inference.startup_timeout_s`` and the process's own exit bound, not the watchdog; and
     while one's record still says ``starting`` (waiting for the server, the warm-up, a resume's weight load) only
-    rules 1-3 apply: the other process waiting for it is no stall of its own. A record in state ``exiting`` (its
+    rules 1-3 apply: the other process waiting for it is no stall of its own; nor while the trainer's says ``held``
+    (a ``ckpt.hold_at`` step: the run waits to be stopped). A record in state ``exiting`` (its
     main returned; :meth:`ProgressRecorder.finish`) is never frozen: the interpreter's shutdown writes no heartbeat.
 
     Args:
@@ -304,6 +305,8 @@ def classify(
     trainer = records.get("trainer", {})
     if any(r.get("state") == "starting" for r in (trainer, orch)):
         return None  # the other one waits for it to start: bounded by the start-up timeouts, not a stall
+    if trainer.get("state") == "held":
+        return None  # at a ckpt.hold_at step, its checkpoint complete: it waits to be stopped, by design
     if trainer.get("state") == "waiting_for_batch":
         step = (trainer.get("detail") or {}).get("step")
         return stall(

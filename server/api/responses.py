@@ -33,3 +33,23 @@ def creates(
         responses=error_responses(invalid=invalid, not_found=not_found),
         **extra,
     )
+
+
+def spec_body(example: dict[str, Any], file_description: str) -> dict[str, Any]:
+    """``openapi_extra=`` of a route that takes a submitted spec (``SubmittedSpec``): a JSON object (``example``) or a
+    TOML/JSON file upload in the multipart field ``file`` (``file_description``)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"type": "object"}, "example": example},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["file"],
+                        "properties": {"file": {"type": "string", "format": "binary", "description": file_description}},
+                    }
+                },
+            },
+        }
+    }

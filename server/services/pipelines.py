@@ -52,7 +52,6 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from server.models import (
@@ -60,14 +59,13 @@ from server.models import (
     Pipeline,
     PipelineStage,
     PipelineStatus,
-    Role,
     Run,
     RunEvent,
     RunStatus,
     stored_id,
     utcnow,
 )
-from server.services import capacity, permissions, runs, spec_policy, tokens
+from server.services import capacity, job_groups, permissions, runs, spec_policy
 from server.services.tokens import Principal
 from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import DottedKeyError, closest, with_keys
@@ -293,30 +291,19 @@ def get(session: Session, pipeline_id: int, *, lock: bool = False) -> Pipeline:
     Raises:
         PipelineNotFound: no pipeline with this id.
     """
-    if not 1 <= pipeline_id <= runs.MAX_ID:
-        raise PipelineNotFound(f"pipeline {pipeline_id} not found")
-    stmt = select(Pipeline).where(Pipeline.id == pipeline_id)
-    if lock:
-        stmt = stmt.with_for_update()
-    pipeline = session.exec(stmt).first()
-    if pipeline is None:
-        raise PipelineNotFound(f"pipeline {pipeline_id} not found")
-    return pipeline
+    return job_groups.get(session, Pipeline, pipeline_id, lock=lock, missing=PipelineNotFound, what="pipeline")
 
 
 def stages(session: Session, pipeline_id: int) -> list[PipelineStage]:
-    stmt = select(PipelineStage).where(PipelineStage.pipeline_id == pipeline_id).order_by(col(PipelineStage.index))
-    return list(session.exec(stmt).all())
+    return job_groups.members(session, PipelineStage, pipeline_id)
 
 
 def list_pipelines(session: Session, *, offset: int = 0, limit: int = 50) -> tuple[list[Pipeline], int]:
-    total = session.exec(select(func.count()).select_from(Pipeline)).one()
-    rows = session.exec(select(Pipeline).order_by(col(Pipeline.id).desc()).offset(offset).limit(limit)).all()
-    return list(rows), int(total)
+    return job_groups.page(session, Pipeline, offset=offset, limit=limit)
 
 
 def running_ids(session: Session) -> list[int]:
-    return [i for i in session.exec(select(Pipeline.id).where(Pipeline.status == P.running)).all() if i is not None]
+    return job_groups.running_ids(session, Pipeline, P.running)
 
 
 def of_run(session: Session, run_id: int) -> tuple[int, int] | None:
@@ -356,8 +343,8 @@ def _start(session: Session, pipeline: Pipeline, stage: PipelineStage, ss: list[
         if source_id is None:
             raise SpecError(f"stages[{stage.index}].from: stage {src}'s run was deleted; its weights are gone")
         data = chained(data, stage.kind, runs.get(session, source_id), spec.stages[stage.index].step)
-    owner = tokens.user(session, pipeline.owner)
-    run = runs.create(session, data=data, owner=pipeline.owner, admin=owner is not None and owner.role == Role.admin)
+    admin = job_groups.owner_is_admin(session, pipeline.owner)
+    run = runs.create(session, data=data, owner=pipeline.owner, admin=admin)
     runs.record_event(
         session,
         run,
@@ -391,7 +378,7 @@ def tick(session: Session, pipeline_id: int) -> list[str]:
         if stage.status == T.completed:
             continue
         if stage.status == T.running:
-            run = session.get(Run, stage.run_id) if stage.run_id is not None else None
+            run = job_groups.run_of(session, stage)
             status = RunStatus(run.status) if run is not None else None
             if status is not None and status not in TERMINAL:
                 break  # live: wait
@@ -450,21 +437,19 @@ def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
     permissions.require_owner(user, pipeline.owner, f"pipeline {pipeline_id}", "stop it")
     _set(pipeline, P.cancelled, f"stopped by {user.name}")
     session.add(pipeline)
-    stop = None
+    stops: list[int] = []
     for stage in stages(session, pipeline_id):
         if stage.status != T.running:
             continue
-        run = session.get(Run, stage.run_id) if stage.run_id is not None else None
-        if run is not None and RunStatus(run.status) not in TERMINAL:
-            locked = runs.get(session, stored_id(run), lock=True)
-            if runs.request_stop(session, locked, by=f"{user.name} (pipeline {pipeline_id})"):
-                stop = stored_id(locked)
+        run = job_groups.run_of(session, stage)
+        if run is not None:
+            stops += job_groups.request_stops(session, [run], by=f"{user.name} (pipeline {pipeline_id})")
         if run is None or RunStatus(run.status) != RunStatus.completed:
             _move(stage, T.cancelled, f"stopped by {user.name}")
             session.add(stage)
     session.commit()
-    if stop is not None:
-        enqueue(TaskName.stop_run, stop)
+    for run_id in stops:
+        enqueue(TaskName.stop_run, run_id)
     return pipeline
 
 
@@ -489,7 +474,7 @@ def resume_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
     launch = None
     how = "no stage left"
     if stage is not None and stage.status in (T.failed, T.cancelled):
-        run = session.get(Run, stage.run_id) if stage.run_id is not None else None
+        run = job_groups.run_of(session, stage)
         if run is not None and RunStatus(run.status) not in TERMINAL:
             raise runs.InvalidTransition(
                 f"pipeline {pipeline_id}: stage {stage.index}'s run {run.id} is still {run.status}; resume once it ended"
@@ -527,7 +512,7 @@ def public(session: Session, pipeline: Pipeline) -> dict[str, Any]:
     spec = PipelineSpec.model_validate(pipeline.spec)
     rows = []
     for s in stages(session, stored_id(pipeline)):
-        run = session.get(Run, s.run_id) if s.run_id is not None else None
+        run = job_groups.run_of(session, s)
         rows.append(
             {
                 "index": s.index,
@@ -541,15 +526,4 @@ def public(session: Session, pipeline: Pipeline) -> dict[str, Any]:
                 "run_status": run.status if run is not None else None,
             }
         )
-    return {
-        "id": pipeline.id,
-        "name": pipeline.name,
-        "owner": pipeline.owner,
-        "status": pipeline.status,
-        "status_reason": pipeline.status_reason,
-        "spec": pipeline.spec,
-        "created_at": pipeline.created_at,
-        "updated_at": pipeline.updated_at,
-        "finished_at": pipeline.finished_at,
-        "stages": rows,
-    }
+    return {**job_groups.summary_fields(pipeline), "updated_at": pipeline.updated_at, "stages": rows}

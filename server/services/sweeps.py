@@ -28,11 +28,15 @@ States (literal tables below). A sweep is ``running → completed | cancelled``.
 :func:`tick` advances one sweep, a synchronous successive halving over the rungs (the pruning steps) in order:
 
 1. trials whose run ended are ``finished``;
-2. at the first undecided rung ``s``, a running trial that logged the metric at ``s`` (or later) and has a complete
-   checkpoint at or after ``s`` is *held*: its run is stopped through the normal stop path (``runs.request_stop`` +
-   ``stop_run``: the run ends ``cancelled`` with its checkpoints kept) and the trial is ``waiting`` (``held`` event on
-   the run), which frees its slot for a pending trial. A run that cannot be held (``ckpt.interval = 0``, or its
-   directory is not readable here) takes part in the rung while it trains on;
+2. each trial's run is created with the rungs in its ``ckpt.hold_at`` (:func:`trial_run_data`): its trainer
+   checkpoints at each rung and holds there (trains no further; the orchestrator runs its eval of that version and
+   holds too, ``worker/checkpoint.end_of_leg``), so the step a trial is held at is the rung itself, however late the
+   tick comes. At the first undecided rung ``s``, a running trial that logged the metric at ``s`` and has its
+   complete checkpoint of ``s`` (or whose directory is not readable here: then on the metric alone) is *held*: its
+   run, idle at ``s``, is stopped through the normal stop path (``runs.request_stop`` + ``stop_run``: the run ends
+   ``cancelled`` with its checkpoints kept) and the trial is ``waiting`` (``held`` event on the run), which frees its
+   slot for a pending trial. A run that does not hold at ``s`` (made before ``ckpt.hold_at``) takes part in the rung
+   while it trains on;
 3. the rung is decided once every trial reached it or ended before it (none pending, none running below it, none
    promoted at an earlier rung and not yet resumed), on each trial's value AT ``s`` (its last at or before ``s``, not
    later ones): the trials the rule names are ``pruned`` (``pruned`` event; a held run stays stopped with its
@@ -62,11 +66,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from server.models import TERMINAL, Metric, Role, Run, RunStatus, Sweep, SweepStatus, SweepTrial, stored_id, utcnow
-from server.services import capacity, launch_checks, permissions, pruning, runs, spec_policy, tokens
+from server.models import TERMINAL, Metric, Run, RunStatus, Sweep, SweepStatus, SweepTrial, stored_id, utcnow
+from server.services import capacity, job_groups, launch_checks, permissions, pruning, runs, spec_policy
 from server.services.tokens import Principal
 from worker.alert_rules import METRICS, metric_hint, reports
 from worker.celery_app import TaskName, enqueue
@@ -74,6 +77,7 @@ from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, closest, flatten, with_keys
 from worker.rundir import RunDir
 from worker.spec import SpecError, validate_spec
+from worker.spec.trainer import MAX_HOLD_STEPS
 
 
 class TrialStatus:
@@ -125,8 +129,8 @@ class RandomRange(BaseModel):
 class PruningSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     rule: Literal["median", "successive_halving"]
-    at_steps: list[int] = Field(min_length=1, max_length=32)
-    """Trainer steps at which the rule decides (rungs)."""
+    at_steps: list[int] = Field(min_length=1, max_length=MAX_HOLD_STEPS)
+    """Trainer steps at which the rule decides (rungs); each trial's run holds at them (``ckpt.hold_at``)."""
     reduction_factor: float = Field(2.0, gt=1.0, le=100.0)
     """``successive_halving`` keeps ``ceil(n / reduction_factor)`` trials at each rung."""
 
@@ -289,6 +293,10 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
                 f"pruning.at_steps: step {spec.pruning.at_steps[-1]} is not before max_steps {run_spec.max_steps} of "
                 f"the trial ({shown})"
             )
+        try:  # as the tick creates it: the rungs in ckpt.hold_at (with the base's own, at most MAX_HOLD_STEPS)
+            run_spec = validate_spec("rl", trial_run_data(spec.model_dump(mode="json", exclude_none=True), p))
+        except SpecError as err:
+            raise SpecError(f"grid ({shown}): {err}") from None
         spec_policy.check(run_spec, admin=admin)
         trials.append(run_spec)
     launch_checks.check_many(trials)  # what the launch would refuse (LoRA targets, dead inference.urls), once each
@@ -329,30 +337,19 @@ def get(session: Session, sweep_id: int, *, lock: bool = False) -> Sweep:
     Raises:
         SweepNotFound: no sweep with this id.
     """
-    if not 1 <= sweep_id <= runs.MAX_ID:
-        raise SweepNotFound(f"sweep {sweep_id} not found")
-    stmt = select(Sweep).where(Sweep.id == sweep_id)
-    if lock:
-        stmt = stmt.with_for_update()
-    sweep = session.exec(stmt).first()
-    if sweep is None:
-        raise SweepNotFound(f"sweep {sweep_id} not found")
-    return sweep
+    return job_groups.get(session, Sweep, sweep_id, lock=lock, missing=SweepNotFound, what="sweep")
 
 
 def trials(session: Session, sweep_id: int) -> list[SweepTrial]:
-    stmt = select(SweepTrial).where(SweepTrial.sweep_id == sweep_id).order_by(col(SweepTrial.index))
-    return list(session.exec(stmt).all())
+    return job_groups.members(session, SweepTrial, sweep_id)
 
 
 def list_sweeps(session: Session, *, offset: int = 0, limit: int = 50) -> tuple[list[Sweep], int]:
-    total = session.exec(select(func.count()).select_from(Sweep)).one()
-    rows = session.exec(select(Sweep).order_by(col(Sweep.id).desc()).offset(offset).limit(limit)).all()
-    return list(rows), int(total)
+    return job_groups.page(session, Sweep, offset=offset, limit=limit)
 
 
 def running_ids(session: Session) -> list[int]:
-    return [i for i in session.exec(select(Sweep.id).where(Sweep.status == SW.running)).all() if i is not None]
+    return job_groups.running_ids(session, Sweep, SW.running)
 
 
 def histories(session: Session, sweep: Sweep, ts: list[SweepTrial]) -> dict[int, list[tuple[int, float]]]:
@@ -392,15 +389,35 @@ def _fmt(x: float) -> str:
 
 
 def _newest_checkpoint(run: Run) -> int | None:
-    """The step of ``run``'s newest complete checkpoint (0: none yet), or None when the trial cannot be held: the run
-    saves none (``ckpt.interval = 0``) or its directory cannot be read here (nothing to resume from)."""
-    interval = int(((run.spec or {}).get("ckpt") or {}).get("interval") or 0)
-    if not interval or not run.run_dir:
+    """The step of ``run``'s newest complete checkpoint (0: none yet), or None when its directory cannot be read
+    here."""
+    if not run.run_dir:
         return None
     try:
         return max(complete_steps(RunDir(run.run_dir)), default=0)
     except OSError:
         return None
+
+
+def _hold_steps(run: Run) -> list[int]:
+    """The steps ``run`` holds at (its spec's ``ckpt.hold_at``)."""
+    return list(((run.spec or {}).get("ckpt") or {}).get("hold_at") or [])
+
+
+def trial_run_data(spec: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The run spec mapping of a trial with swept values ``params``: the base with them set and, with pruning, the
+    pruning steps added to ``ckpt.hold_at``, so the trial's trainer checkpoints at each rung and holds there: the
+    step it is held at is the rung, whenever the tick sees it.
+
+    Raises:
+        DottedKeyError: a swept key goes through a value that is not a table (refused by :func:`plan` already).
+    """
+    data = with_keys(spec["base"], params)
+    rungs = (spec.get("pruning") or {}).get("at_steps") or []
+    if rungs:
+        given = ((data.get("ckpt") or {}).get("hold_at")) or []
+        data = with_keys(data, {"ckpt.hold_at": sorted({*given, *rungs})})
+    return data
 
 
 def _value_at(history: list[tuple[int, float]], step: int) -> float | None:
@@ -427,7 +444,7 @@ def tick(session: Session, sweep_id: int) -> list[str]:
         session.rollback()
         return []
     ts = trials(session, sweep_id)
-    run_of = {t.index: session.get(Run, t.run_id) if t.run_id is not None else None for t in ts}
+    run_of = {t.index: job_groups.run_of(session, t) for t in ts}
     done: list[str] = []
     launches: list[int] = []
     stops: list[int] = []
@@ -457,7 +474,9 @@ def tick(session: Session, sweep_id: int) -> list[str]:
             newest = _newest_checkpoint(run)
             if not pruning.reached(hist.get(t.index, []), step):
                 blocked = True
-            elif newest is not None and newest >= step:  # hold it: stopped, its checkpoint kept, resumed if promoted
+            elif step not in _hold_steps(run):
+                pass  # a run that does not hold at the rung (made before ckpt.hold_at): it takes part as it trains on
+            elif newest is None or newest >= step:  # held at the rung by its trainer: stopped, resumed if promoted
                 value = _value_at(hist[t.index], step)
                 reason = f"held at step {step} until the rung is decided: {spec['metric']} {_shown(value)}"
                 _move(t, T.waiting, reason)
@@ -468,9 +487,8 @@ def tick(session: Session, sweep_id: int) -> list[str]:
                 if runs.request_stop(session, locked, by=f"sweep {sweep_id} ({reason})"):
                     stops.append(stored_id(locked))
                 done.append(f"trial {t.index} (run {run.id}): {reason}")
-            elif newest is not None:
+            else:
                 blocked = True  # its checkpoint of the rung is being written
-            # newest None: the run cannot be held; it takes part while it trains on (stopped if pruned)
         if blocked:
             break
         taking = {t.index: hist[t.index] for t in ts if t.status != T.pruned and t.index in hist}
@@ -535,12 +553,11 @@ def tick(session: Session, sweep_id: int) -> list[str]:
         launches.append(stored_id(locked))
         live += 1
         done.append(f"trial {t.index} (run {run.id}): {reason}")
-    owner = tokens.user(session, sweep.owner)
-    admin = owner is not None and owner.role == Role.admin
+    admin = job_groups.owner_is_admin(session, sweep.owner)
     for t in ts:
         if t.status != T.pending or live >= spec["max_parallel"]:
             continue
-        data = with_keys(spec["base"], t.params)
+        data = trial_run_data(spec, t.params)
         data["name"] = f"{sweep.name}-{t.index}"
         try:
             new = runs.create(session, data=data, owner=sweep.owner, admin=admin)
@@ -617,14 +634,8 @@ def stop_by(session: Session, sweep_id: int, user: Principal) -> Sweep:
     permissions.require_owner(user, sweep.owner, f"sweep {sweep_id}", "stop it")
     _end(sweep, SW.cancelled, f"stopped by {user.name}")
     session.add(sweep)
-    stops = []
-    for t in trials(session, sweep_id):
-        run = session.get(Run, t.run_id) if t.run_id is not None else None
-        if run is not None and RunStatus(run.status) not in TERMINAL:
-            if runs.request_stop(
-                session, runs.get(session, stored_id(run), lock=True), by=f"{user.name} (sweep {sweep_id})"
-            ):
-                stops.append(stored_id(run))
+    live = [run for t in trials(session, sweep_id) if (run := job_groups.run_of(session, t)) is not None]
+    stops = job_groups.request_stops(session, live, by=f"{user.name} (sweep {sweep_id})")
     session.commit()
     for run_id in stops:
         enqueue(TaskName.stop_run, run_id)
@@ -639,7 +650,7 @@ def public(session: Session, sweep: Sweep) -> dict[str, Any]:
     mode = sweep.spec["mode"]
     rows = []
     for t in ts:
-        run = session.get(Run, t.run_id) if t.run_id is not None else None
+        run = job_groups.run_of(session, t)
         h = hist.get(t.index, [])
         top = pruning.best_value(h, mode)
         rows.append(
@@ -658,17 +669,10 @@ def public(session: Session, sweep: Sweep) -> dict[str, Any]:
         )
     b = best(sweep, ts, hist)
     return {
-        "id": sweep.id,
-        "name": sweep.name,
-        "owner": sweep.owner,
-        "status": sweep.status,
-        "status_reason": sweep.status_reason,
+        **job_groups.summary_fields(sweep),
         "metric": sweep.spec["metric"],
         "mode": mode,
-        "spec": sweep.spec,
         "decided_steps": sweep.decided,
-        "created_at": sweep.created_at,
-        "finished_at": sweep.finished_at,
         "trials": rows,
         "best": None
         if b is None

@@ -1,5 +1,5 @@
-"""``/api/sweeps`` on the real Postgres: a 2x2 grid whose worst trial is pruned at the rung and stopped through the
-normal stop path (C17, with the metric posted by hand through the runs' own metric route), and every bad input of a
+"""``/api/sweeps`` on the real Postgres: a 2x2 grid whose trials are held at the rung (each run's ``ckpt.hold_at``)
+and stopped through the normal stop path, the worst pruned there (C17, with the metric posted by hand through the runs' own metric route), and every bad input of a
 sweep spec answered 422 naming the field with nothing created."""
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def test_c17_grid_2x2_prunes_the_worst_at_the_rung_and_reports_the_best(
         assert run["name"] == f"c17-{trial['index']}" and run["status"] == "queued"
         assert run["spec"]["trainer"]["optim"]["lr"] == trial["params"]["trainer.optim.lr"]
         assert run["spec"]["orchestrator"]["temperature"] == trial["params"]["orchestrator.temperature"]
+        assert run["spec"]["ckpt"]["hold_at"] == [2]  # its trainer checkpoints at the rung and holds there
         events = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
         assert [e["data"]["sweep_id"] for e in events if e["kind"] == "sweep"] == [sw["id"]]  # points back
     for run_id in ids:
@@ -80,36 +81,49 @@ def test_c17_grid_2x2_prunes_the_worst_at_the_rung_and_reports_the_best(
     values = {0: {1: 0.30, 2: 0.40}, 1: {1: 0.35, 2: 0.55}, 2: {1: 0.20, 2: 0.30}, 3: {1: 0.10, 2: 0.05}}
     for i in (0, 1, 2):
         post_metric(client, ids[i], values[i])
+        checkpoint(client, auth, ids[i], 2)  # what its trainer does at a ckpt.hold_at step: checkpoint, then hold
     post_metric(client, ids[3], {1: 0.10})
-    assert sweeps.tick(session, sw["id"]) == []  # trial 3 has not reached step 2: the rung waits
+    held = "held at step 2 until the rung is decided: eval/reward_mean"
+    assert sweeps.tick(session, sw["id"]) == [
+        f"trial 0 (run {ids[0]}): {held} 0.4",
+        f"trial 1 (run {ids[1]}): {held} 0.55",
+        f"trial 2 (run {ids[2]}): {held} 0.3",
+    ]  # trial 3 has not reached step 2: the rung waits
     post_metric(client, ids[3], {2: 0.05})
+    checkpoint(client, auth, ids[3], 2)
     done = sweeps.tick(session, sw["id"])
     reason = "pruned at step 2 by successive_halving: eval/reward_mean 0.05"
-    assert done == [f"trial 3 (run {ids[3]}): {reason}", "rung 2 decided: 1 pruned, 0 promoted"]
+    promoted = "promoted at step 2 by successive_halving: eval/reward_mean"
+    assert done == [
+        f"trial 3 (run {ids[3]}): {held} 0.05",
+        f"trial 0 (run {ids[0]}): {promoted} 0.4",
+        f"trial 1 (run {ids[1]}): {promoted} 0.55",
+        f"trial 2 (run {ids[2]}): {promoted} 0.3",
+        f"trial 3 (run {ids[3]}): {reason}",
+        "rung 2 decided: 1 pruned, 3 promoted",
+    ]  # the held runs still stop: none resumes yet
     now = client.get(f"/api/sweeps/{sw['id']}", headers=auth).json()
-    assert [t["status"] for t in now["trials"]] == ["running", "running", "running", "pruned"]
+    assert [t["status"] for t in now["trials"]] == ["waiting", "waiting", "waiting", "pruned"]
     assert (now["trials"][3]["pruned_step"], now["trials"][3]["reason"]) == (2, reason)
     assert now["decided_steps"] == [2]
     assert now["best"] == {"trial": 1, "run_id": ids[1], "params": sw["trials"][1]["params"], "step": 2, "value": 0.55}
-    events = client.get(f"/api/runs/{ids[3]}/events", headers=auth).json()["data"]
-    assert [(e["kind"], e["data"].get("step")) for e in events if e["kind"] in ("pruned", "stop_requested")] == [
-        ("pruned", 2),
-        ("stop_requested", None),
-    ]  # the normal stop path: stop_run (worker) cancels it and keeps its checkpoints
-    for i in (0, 1, 2):
-        assert not [
-            e
-            for e in client.get(f"/api/runs/{ids[i]}/events", headers=auth).json()["data"]
-            if e["kind"] == "stop_requested"
+    for i in range(4):  # every run stopped once, through the normal stop path, at the rung it was held at
+        events = client.get(f"/api/runs/{ids[i]}/events", headers=auth).json()["data"]
+        kinds = [
+            (e["kind"], e["data"].get("step")) for e in events if e["kind"] in ("held", "pruned", "stop_requested")
         ]
-    assert sweeps.tick(session, sw["id"]) == []  # decided once
+        assert kinds == [("held", 2), ("stop_requested", None), *([("pruned", 2)] if i == 3 else [])]
+    assert sweeps.tick(session, sw["id"]) == []  # decided once; the held runs still stop
     login(client, new_token(f"sweep-web-{sw['id']}"))
     frag = client.get(f"/sweeps/{sw['id']}", params={"part": "trials"}, headers={"HX-Request": "true"})
     assert frag.status_code == 200 and '<tr data-trial="3" class="trial-pruned">' in frag.text  # htmx keeps polling
     assert "<html" not in frag.text
-    report(ids[3], "cancelled")
+    for run_id in ids:
+        report(run_id, "cancelled")  # what stop_run does: cancelled, checkpoints kept
+    resumed = "resumed from checkpoint step 2 after the rung at step 2"
+    assert sweeps.tick(session, sw["id"]) == [f"trial {i} (run {ids[i]}): {resumed}" for i in (0, 1, 2)]
     for i in (0, 1, 2):
-        report(ids[i], "completed")
+        report(ids[i], "starting", "running", "completed")
     assert sweeps.tick(session, sw["id"]) == [
         f"sweep completed: best: trial 1 (run {ids[1]}) eval/reward_mean 0.55 at step 2"
     ]
@@ -318,6 +332,10 @@ BAD = [
     (
         {"base": {**spec(max_steps=4), "trainer": {"optim": {"lrr": 1e-4}}}},
         "base: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+    ),
+    (  # the rungs join the base's own ckpt.hold_at in each trial's run: 32 + rung 2 is one too many
+        {"base": spec(max_steps=40, ckpt={"hold_at": list(range(3, 35))})},
+        "grid (trainer.optim.lr = 0.0001, orchestrator.temperature = 0.7): ckpt.hold_at: List should have at most 32",
     ),
     (  # what the launch would refuse is refused at submit (server.services.launch_checks); port 9: nothing listens
         {"base": spec(max_steps=4, inference={"urls": ["http://127.0.0.1:9"]})},

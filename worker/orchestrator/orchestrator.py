@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 
 from worker import progress
 from worker.batch import TrainSample, write_batch
+from worker.checkpoint import HELD, end_of_leg, write_part
 from worker.checkpoint import due as checkpoint_due
-from worker.checkpoint import write_part
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.inference.pool import Loader, Replica, ReplicaPool
@@ -98,6 +98,8 @@ class Orchestrator:
         from transformers import AutoTokenizer
 
         self.spec, self.run, self.start_step = spec, run, start_step
+        self.end = end_of_leg(start_step, spec.max_steps, spec.ckpt.hold_at)
+        """The last step this process runs: ``max_steps``, or the ``ckpt.hold_at`` step it holds at."""
         self.system = ProcessSampler()  # CPU % and RSS of this process, logged each step
         inf = spec.inference
         urls = [inference_url] if isinstance(inference_url, str) else list(inference_url)
@@ -488,7 +490,7 @@ class Orchestrator:
         return {**metrics, **(gated.metrics() if orch.gates else {})}
 
     async def produce(self) -> None:
-        for step in range(self.start_step + 1, self.spec.max_steps + 1):
+        for step in range(self.start_step + 1, self.end + 1):
             orch = self.spec.orchestrator  # the gate: min(max_async_level, max_off_policy_steps) (case C23)
             waited = await self.wait_for_version(
                 min_start_version(step, orch.max_async_level, orch.max_off_policy_steps)
@@ -681,7 +683,7 @@ class Orchestrator:
             watcher = asyncio.create_task(_both(watcher, pool_watch))
         producer = asyncio.create_task(self.produce())
         try:
-            for step in range(self.start_step + 1, spec.max_steps + 1):
+            for step in range(self.start_step + 1, self.end + 1):
                 while step not in self._steps:
                     await asyncio.sleep(0.01)
                     raise_failed(producer, watcher)
@@ -716,14 +718,18 @@ class Orchestrator:
                     },
                 )
                 self.warn_truncated(step, metrics["truncated_fraction"], step_spec.orchestrator.max_tokens)
-                if checkpoint_due(self.run, step, spec.ckpt.interval):
+                if checkpoint_due(self.run, step, spec.ckpt.interval, spec.ckpt.hold_at):
                     self.save_state(step)
                 ev = step_spec.orchestrator.eval
-                if ev.interval and step % ev.interval == 0 and step < spec.max_steps:
+                if ev.interval and step % ev.interval == 0 and step < self.end:
                     await until(self.wait_for_version(step), watcher)  # version `step`, not the older one served now
                     await self.run_eval()
-            await until(self.wait_for_version(spec.max_steps), watcher)
-            await self.run_eval()
+            await until(self.wait_for_version(self.end), watcher)
+            await self.run_eval()  # at max_steps, or at a hold step: a sweep's rung has its eval/ value
+            if self.end < spec.max_steps:  # ckpt.hold_at: nothing more until the run is stopped
+                progress.recorder.state(HELD, step=self.end)
+                self.run.log_event(HELD, process="orchestrator", step=self.end, reason="held until stopped")
+                await until(asyncio.Event().wait(), watcher)
         finally:
             for task in (watcher, producer, *self._steps.values()):
                 task.cancel()

@@ -12,7 +12,14 @@ from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
 from worker.spec.launcher import LauncherConfig
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
-from worker.spec.trainer import CheckpointConfig, LoraConfig, OptimConfig, SchedulerConfig, TrainerConfig
+from worker.spec.trainer import (
+    CheckpointConfig,
+    LoraConfig,
+    OptimConfig,
+    RLCheckpointConfig,
+    SchedulerConfig,
+    TrainerConfig,
+)
 from worker.spec.user_code import ENV_ID
 
 # ----------------------------------------------------------------------------- model / env
@@ -281,7 +288,7 @@ class RLSpec(StrictModel):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    ckpt: RLCheckpointConfig = Field(default_factory=RLCheckpointConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -309,6 +316,8 @@ class RLSpec(StrictModel):
         group_relative["hierarchical_grpo"] = "hierarchical_grpo needs at least 2 episodes"  # proposers: across them
         if adv.type in group_relative and orch.group_size < 2:  # a group of one scores every rollout 0: no signal
             raise ValueError(f"orchestrator.group_size: {group_relative[adv.type]} per group, got {orch.group_size}")
+        if self.ckpt.hold_at and self.ckpt.hold_at[-1] >= self.max_steps:
+            raise ValueError(f"ckpt.hold_at: step {self.ckpt.hold_at[-1]} is not before max_steps {self.max_steps}")
         if orch.max_tokens >= self.inference.max_model_len:
             raise ValueError(
                 f"orchestrator.max_tokens: must be below inference.max_model_len ({self.inference.max_model_len}), "

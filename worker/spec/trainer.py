@@ -192,3 +192,24 @@ class CheckpointConfig(StrictModel):
     """Save trainer and orchestrator state every this many steps (0 = never); bounded like ``max_steps``."""
     keep: int = Field(default=2, ge=1, le=1000)
     """Complete checkpoints kept on disk (each a full copy of weights and optimizer: 1000 already fills disks)."""
+
+
+MAX_HOLD_STEPS = 32
+"""Most ``ckpt.hold_at`` steps of one run (a sweep's pruning steps are bounded the same)."""
+
+
+class RLCheckpointConfig(CheckpointConfig):
+    """An RL run's checkpoints: the periodic ones, and the steps it holds at."""
+
+    hold_at: list[int] = Field(default_factory=list, max_length=MAX_HOLD_STEPS)
+    """Steps at which the run checkpoints (whatever ``interval`` says) and then holds: trainer and orchestrator do no
+    further step (the orchestrator runs its eval of that version first) until the run is stopped; resumed, it goes on
+    to the next one or ``max_steps``. Each from 1 to ``max_steps - 1``, distinct; kept ascending. A sweep sets its
+    pruning steps here (``server/services/sweeps.py``), so a trial stops exactly at a rung."""
+
+    @field_validator("hold_at")
+    @classmethod
+    def _hold_at(cls, v: list[int]) -> list[int]:
+        if any(s < 1 for s in v) or len(set(v)) != len(v):
+            raise ValueError(f"expected distinct steps >= 1, got {v}")
+        return sorted(v)

@@ -28,6 +28,7 @@ import torch
 
 from worker import progress
 from worker.batch import Batch, read_batch
+from worker.checkpoint import HELD, end_of_leg
 from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
 from worker.policy_check import applies as policy_check_applies
@@ -175,6 +176,18 @@ def train_step(
     metrics["trained_tokens"] = int(counts["trained_tokens"])
     metrics["attended_pairs"] = int(counts["attended_pairs"])
     return metrics
+
+
+def hold(run: RunDir, checkpointer: BackgroundCheckpointer, step: int, main: bool) -> None:
+    """``ckpt.hold_at`` step ``step``: wait for its checkpoint, then do nothing until the run is stopped (SIGTERM,
+    the service's stop path; a resume goes on from this checkpoint). Never returns."""
+    checkpointer.wait()
+    if main:
+        progress.recorder.state(HELD, step=step)
+        run.log_event(HELD, process="trainer", step=step, reason=f"checkpoint step {step} complete; held until stopped")
+    logger.info("held at step %d (ckpt.hold_at) until the run is stopped", step)
+    while True:
+        time.sleep(60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             waited,
         )
         # periodic, or requested (preemption); rank 0 decides, since every rank takes part in the save
-        if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
+        if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval, spec.ckpt.hold_at), info):
             checkpointer.save(step, model, optimizer, scheduler, adapter=adapter)
         progress.recorder.tick("steps")
+        if step == end_of_leg(start, spec.max_steps, spec.ckpt.hold_at) < spec.max_steps:
+            hold(run, checkpointer, step, info.is_main)
         if spec.trainer.slow_step_s:
             time.sleep(spec.trainer.slow_step_s)
     progress.recorder.state("saving_final")

@@ -6,41 +6,28 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from server.api.deps import SessionDep, UserDep
-from server.api.responses import creates
+from server.api.job_groups import GroupSummary, Limit, Offset, page, submitted
+from server.api.responses import creates, spec_body
 from server.api.routes.runs import SubmittedSpec
-from server.models import Role, stored_id
+from server.models import Role
 from server.services import pipelines
 
 router = APIRouter(prefix="/pipelines", tags=["pipelines"])
-_PIPELINE_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {"type": "object"},
-                "example": {
-                    "name": "reverse",
-                    "stages": [
-                        {"kind": "sft", "base": {"model": {"name": "outputs/models/tiny"}, "max_steps": 40}},
-                        {"kind": "rl", "base": {"max_steps": 20}},
-                        {"kind": "eval", "base": {"eval": {"num_examples": 16, "temperature": 0.0}}},
-                    ],
-                },
-            },
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {"file": {"type": "string", "format": "binary", "description": "pipeline spec"}},
-                }
-            },
-        },
-    }
-}
+_PIPELINE_BODY = spec_body(
+    {
+        "name": "reverse",
+        "stages": [
+            {"kind": "sft", "base": {"model": {"name": "outputs/models/tiny"}, "max_steps": 40}},
+            {"kind": "rl", "base": {"max_steps": 20}},
+            {"kind": "eval", "base": {"eval": {"num_examples": 16, "temperature": 0.0}}},
+        ],
+    },
+    "pipeline spec",
+)
 
 
 class StagePublic(BaseModel):
@@ -73,12 +60,8 @@ class PipelinePublic(BaseModel):
     stages: list[StagePublic]
 
 
-class PipelineSummary(BaseModel):
-    id: int
-    name: str
-    owner: str
-    status: str
-    created_at: datetime
+class PipelineSummary(GroupSummary):
+    pass
 
 
 class PipelinesPublic(BaseModel):
@@ -97,18 +80,12 @@ def create_pipeline(session: SessionDep, user: UserDep, data: SubmittedSpec) -> 
     """Submit a pipeline spec (JSON body, or a TOML/JSON file upload with each stage's base spec inline); its first
     stage's run is queued at once, each later one when the stage before it completed."""
     pipeline = pipelines.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
-    session.commit()
-    pipeline_id = stored_id(pipeline)
-    pipelines.tick(session, pipeline_id)
-    return pipelines.public(session, pipelines.get(session, pipeline_id))
+    return submitted(session, pipeline, pipelines.tick, pipelines.get, pipelines.public)
 
 
 @router.get("", response_model=PipelinesPublic)
-def list_pipelines(
-    session: SessionDep, _user: UserDep, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)
-) -> Any:
-    data, count = pipelines.list_pipelines(session, offset=offset, limit=limit)
-    return {"data": [PipelineSummary.model_validate(p, from_attributes=True) for p in data], "count": count}
+def list_pipelines(session: SessionDep, _user: UserDep, offset: Offset = 0, limit: Limit = 50) -> Any:
+    return page(*pipelines.list_pipelines(session, offset=offset, limit=limit), PipelineSummary)
 
 
 @router.get("/{pipeline_id}", response_model=PipelinePublic)

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, UserDep
+from server.api.responses import spec_body
 from server.errors import is_json_type
 from server.models import (
     MAX_GROUP_LEN,
@@ -46,23 +47,7 @@ _SPEC_EXAMPLE = {
     "inference": {"max_model_len": 256},
     "trainer": {"optim": {"lr": 1e-4}},
 }
-_SUBMIT_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": {"type": "object"}, "example": _SPEC_EXAMPLE},
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {
-                        "file": {"type": "string", "format": "binary", "description": "run spec, .toml or .json"}
-                    },
-                }
-            },
-        },
-    }
-}
+_SUBMIT_BODY = spec_body(_SPEC_EXAMPLE, "run spec, .toml or .json")
 
 
 async def _spec_from_request(request: Request) -> dict[str, Any]:

@@ -5,42 +5,29 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 from pydantic import BaseModel
 
 from server.api.deps import SessionDep, UserDep
-from server.api.responses import creates
+from server.api.job_groups import GroupSummary, Limit, Offset, page, submitted
+from server.api.responses import creates, spec_body
 from server.api.routes.runs import SubmittedSpec
-from server.models import Role, stored_id
+from server.models import Role
 from server.services import sweeps
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
-_SWEEP_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {"type": "object"},
-                "example": {
-                    "name": "lr-temp",
-                    "base": {"name": "reverse-text-rl", "max_steps": 20, "model": {"name": "outputs/models/tiny"}},
-                    "grid": {"trainer.optim.lr": [1e-4, 3e-4], "orchestrator.temperature": [0.7, 1.0]},
-                    "max_parallel": 4,
-                    "metric": "eval/reward_mean",
-                    "mode": "max",
-                    "pruning": {"rule": "successive_halving", "at_steps": [10], "reduction_factor": 1.5},
-                },
-            },
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {"file": {"type": "string", "format": "binary", "description": "sweep spec"}},
-                }
-            },
-        },
-    }
-}
+_SWEEP_BODY = spec_body(
+    {
+        "name": "lr-temp",
+        "base": {"name": "reverse-text-rl", "max_steps": 20, "model": {"name": "outputs/models/tiny"}},
+        "grid": {"trainer.optim.lr": [1e-4, 3e-4], "orchestrator.temperature": [0.7, 1.0]},
+        "max_parallel": 4,
+        "metric": "eval/reward_mean",
+        "mode": "max",
+        "pruning": {"rule": "successive_halving", "at_steps": [10], "reduction_factor": 1.5},
+    },
+    "sweep spec",
+)
 
 
 class Point(BaseModel):
@@ -90,12 +77,8 @@ class SweepPublic(BaseModel):
     best: BestPublic | None
 
 
-class SweepSummary(BaseModel):
-    id: int
-    name: str
-    owner: str
-    status: str
-    created_at: datetime
+class SweepSummary(GroupSummary):
+    pass
 
 
 class SweepsPublic(BaseModel):
@@ -114,18 +97,12 @@ def create_sweep(session: SessionDep, user: UserDep, data: SubmittedSpec) -> Any
     """Submit a sweep spec (JSON body, or a TOML/JSON file upload with the base spec inline); its first
     ``max_parallel`` runs are queued at once, the rest as runs end or are pruned."""
     sweep = sweeps.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
-    session.commit()
-    sweep_id = stored_id(sweep)
-    sweeps.tick(session, sweep_id)
-    return sweeps.public(session, sweeps.get(session, sweep_id))
+    return submitted(session, sweep, sweeps.tick, sweeps.get, sweeps.public)
 
 
 @router.get("", response_model=SweepsPublic)
-def list_sweeps(
-    session: SessionDep, _user: UserDep, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)
-) -> Any:
-    data, count = sweeps.list_sweeps(session, offset=offset, limit=limit)
-    return {"data": [SweepSummary.model_validate(s, from_attributes=True) for s in data], "count": count}
+def list_sweeps(session: SessionDep, _user: UserDep, offset: Offset = 0, limit: Limit = 50) -> Any:
+    return page(*sweeps.list_sweeps(session, offset=offset, limit=limit), SweepSummary)
 
 
 @router.get("/{sweep_id}", response_model=SweepPublic)

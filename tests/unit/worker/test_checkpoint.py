@@ -18,7 +18,17 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.tmpfs import fill, free_bytes
-from worker.checkpoint import complete_steps, is_complete, prune, remove_incomplete, resume_step, write_part
+from worker.checkpoint import (
+    complete_steps,
+    due,
+    end_of_leg,
+    is_complete,
+    prune,
+    remove_incomplete,
+    request,
+    resume_step,
+    write_part,
+)
 from worker.rundir import COMPLETE_MARKER, STABLE_MARKER, DiskFull, RunDir, append_jsonl, read_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
@@ -312,3 +322,13 @@ def test_latest_stable_weights_ignores_unmarked(run: RunDir) -> None:
     assert run.latest_stable_weights() == (3, run.weight_dir(3))
     (run.weight_dir(5) / STABLE_MARKER).write_text("5")
     assert run.latest_stable_weights() == (5, run.weight_dir(5))
+
+
+def test_a_hold_step_ends_the_leg_and_is_checkpointed(run: RunDir) -> None:
+    """``ckpt.hold_at = [2, 6]`` of a 10-step run: a fresh start runs to 2, a resume from 2 to 6, one from 6 to 10;
+    every hold step is checkpointed besides ``interval``'s (4, 8) and a requested step (7)."""
+    assert [end_of_leg(start, 10, [2, 6]) for start in (0, 1, 2, 5, 6, 9)] == [2, 2, 6, 6, 10, 10]
+    assert end_of_leg(0, 10, []) == 10
+    request(run, 7)
+    assert [s for s in range(1, 11) if due(run, s, 4, [2, 6])] == [2, 4, 6, 7, 8]
+    assert [s for s in range(1, 11) if due(run, s, 0, [2, 6])] == [2, 6, 7]

@@ -130,6 +130,13 @@ def test_orchestrator_waiting_for_a_policy_names_the_trainer() -> None:
     assert found.reason == "no progress for 40 s: orchestrator waiting for policy version 3 for 50 s; trainer training"
 
 
+def test_a_run_held_at_a_hold_step_is_no_stall() -> None:
+    held = [rec("trainer", state="held", detail={"step": 2}, state_age=500), rec("orchestrator", state="held")]
+    assert check(held) is None  # ckpt.hold_at: it waits to be stopped
+    frozen = [rec("trainer", beat=31, state="held", detail={"step": 2}), rec("orchestrator", state="held")]
+    assert check(frozen).component == "trainer"  # a heartbeat that stopped still counts
+
+
 def test_a_frozen_process_comes_first_unless_it_has_exited() -> None:
     records = [
         rec("trainer", beat=31, state="training"),  # its heartbeat stopped (SIGSTOP): frozen

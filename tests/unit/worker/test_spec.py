@@ -472,6 +472,21 @@ def test_absurd_values_name_the_bound(kind: str, data: dict[str, Any], message: 
     assert _error(kind, {**MODEL, **data}) == message
 
 
+def test_hold_steps_are_distinct_sorted_and_before_max_steps() -> None:
+    spec = validate_spec("rl", {**MODEL, "max_steps": 10, "ckpt": {"hold_at": [6, 2]}})
+    assert spec.ckpt.hold_at == [2, 6]  # kept ascending
+    assert _error("rl", {**MODEL, "max_steps": 10, "ckpt": {"hold_at": [10]}}) == (
+        "ckpt.hold_at: step 10 is not before max_steps 10"
+    )
+    assert (
+        _error("rl", {**MODEL, "ckpt": {"hold_at": [2, 2]}}) == "ckpt.hold_at: expected distinct steps >= 1, got [2, 2]"
+    )
+    assert _error("rl", {**MODEL, "ckpt": {"hold_at": [0]}}) == "ckpt.hold_at: expected distinct steps >= 1, got [0]"
+    assert _error("sft", {**MODEL, "ckpt": {"hold_at": [2]}}) == (
+        "unknown key 'ckpt.hold_at' (valid keys here: interval, keep)"
+    )  # RL only
+
+
 @pytest.mark.parametrize("kind", ["rl", "sft"])
 def test_alert_rules_per_run_are_capped(kind: str) -> None:
     rule = {"kind": "status"}
