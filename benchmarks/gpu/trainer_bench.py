@@ -13,6 +13,9 @@ machine, put its ``worker/`` first on ``PYTHONPATH`` (``git archive <commit> wor
 packed mask) or ``flex_attention`` (block mask) x activation checkpointing off/on x batch shape
 ``packed`` (16 samples of 1024 tokens, 256 prompt + 768 completion, one 16384-token row) or ``single``
 (one 16384-token sample); plus flex attention cells with ``trainer.compile`` (each decoder block compiled).
+SFT cells (issue 22: SFT at >= the RL trainer's tokens/s) run the SFT trainer's loss on the same row and model setup:
+``worker.trainer.sft.sft_loss`` (packed forward, fused LM head, cross-entropy on the completion tokens), the same
+backward, ``clip_grad_norm_`` and AdamW; named ``sft ...`` like the asyncrl cell they mirror.
 
 Baseline cells: plain transformers, bf16 weights, SDPA (``is_causal``, no mask), one 16384-token
 sequence, chunked log-probs (``selective_log_softmax``), mean NLL, AdamW; checkpointing off/on.
@@ -127,13 +130,17 @@ def asyncrl_cell(
     steps: int,
     profile_to: Path | None = None,
     compile: bool = False,
+    loss: str = "rl",
 ) -> dict[str, Any]:
+    """One cell of the asyncrl trainer: ``loss`` "rl" (``train_step``, the run's ``dppo_kl`` loss) or "sft"
+    (``sft_loss`` on the same row, backward scaled as the SFT trainer does)."""
     import torch
 
     from worker.spec import validate_spec
     from worker.trainer.dist import grad_norm_value, prepare_model
     from worker.trainer.optim import build_optimizer
     from worker.trainer.packed import micro_batch_tensors
+    from worker.trainer.sft import sft_loss
     from worker.trainer.train import train_step
 
     spec = validate_spec(
@@ -153,8 +160,17 @@ def asyncrl_cell(
     norms: list[float] = []
     losses: list[float] = []
 
+    samples = batch["micro_batches"][0]
+
     def step() -> None:
-        losses.append(train_step(model, batch, spec, step=1, info=info)["loss"])
+        if loss == "sft":
+            value = sft_loss(
+                model, samples, batch["num_loss_tokens"], info, autocast=not info.sharded, compiled=compile
+            )
+            (value * info.loss_scale).backward()
+            losses.append(float(value.detach()))
+        else:
+            losses.append(train_step(model, batch, spec, step=1, info=info)["loss"])
         norms.append(grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -228,13 +244,15 @@ def main() -> int:
     config = Qwen3Config(**QWEN3_0_6B)
     cells_spec = (
         [
-            (f"asyncrl {att} ac={int(ac)} {shape}", "asyncrl", att, ac, shape, False)
+            (f"{kind} {att} ac={int(ac)} {shape}", kind, att, ac, shape, False)
+            for kind in ("asyncrl", "sft")
             for shape in ("packed", "single")
             for att in ("sdpa", "flex_attention")
             for ac in (False, True)
         ]
         + [
-            (f"asyncrl flex_attention ac={int(ac)} {shape} compile", "asyncrl", "flex_attention", ac, shape, True)
+            (f"{kind} flex_attention ac={int(ac)} {shape} compile", kind, "flex_attention", ac, shape, True)
+            for kind in ("asyncrl", "sft")
             for shape in ("packed", "single")
             for ac in (False, True)
         ]
@@ -251,8 +269,10 @@ def main() -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             prof = args.out / ("profile_" + name.replace(" ", "_").replace("=", "") + ".txt")
         try:
-            if kind == "asyncrl":
-                r = asyncrl_cell(info, att, ac, shape, args.warmup, args.steps, prof, comp)
+            if kind in ("asyncrl", "sft"):
+                r = asyncrl_cell(
+                    info, att, ac, shape, args.warmup, args.steps, prof, comp, "sft" if kind == "sft" else "rl"
+                )
             else:
                 r = baseline_cell(ac, args.warmup, args.steps, prof)
         except Exception as e:  # noqa: BLE001 - a failing cell is recorded, the others still run
