@@ -895,6 +895,18 @@ FORMS = [  # (form route, path, fields, verb): every dashboard form on something
         {},
         "webhook endpoint {hook} belongs to {owner}: only its owner or an admin may replay its deliveries",
     ),
+    (
+        "/pipelines/{pipeline_id}/stop",
+        "/pipelines/{pipeline}/stop",
+        {},
+        "pipeline {pipeline} belongs to {owner}: only its owner or an admin may stop it",
+    ),
+    (
+        "/pipelines/{pipeline_id}/resume",
+        "/pipelines/{pipeline}/resume",
+        {},
+        "pipeline {pipeline} belongs to {owner}: only its owner or an admin may resume it",
+    ),
 ]
 FORM_CREATES = {"/launch", "/alerts/rules", "/alerts/webhooks"}
 
