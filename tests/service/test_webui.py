@@ -320,6 +320,12 @@ def _marked(html: str) -> tuple[int, str, str]:
             "TOML: Expected &#39;=&#39; after a key in a key/value pair (at line 3, column 7)",
         ),
         ('name = "bad"\nmax_steps = [\n', 2, "TOML: Invalid value (at end of document)"),
+        (
+            'name = "mine"\nmax_steps = 3\noutput_dir = "/tmp/mine"\n[model]\nname = "m"\n',
+            3,
+            "output_dir: the service chooses the run folder (&lt;ASYNCRL_OUTPUT_DIR&gt;/runs/&lt;id&gt;/&lt;name&gt;); "
+            "leave output_dir out of a submitted spec (line 3)",
+        ),
     ],
 )
 def test_launch_marks_unknown_keys_and_toml_syntax_errors_at_their_line(
