@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
 from server.models import Role, stored_id
-from server.services import permissions, runs
+from server.services import permissions, runs, spec_policy
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, FormDep, Page, SessionDep, page
 from worker.celery_app import TaskName, enqueue
@@ -113,6 +113,7 @@ def launch(request: Request, db: SessionDep, form: FormDep) -> Response:
         return _launch_page(p, text, chosen, 422, str(err))
     try:
         who = p.need_user()
+        spec_policy.check_submitted(data)
         run = runs.create(db, data=data, owner=who.name, admin=who.role == Role.admin)
     except SpecError as err:
         db.rollback()

@@ -56,13 +56,17 @@ def login_page(request: Request, db: SessionDep, next: str | None = None) -> HTM
 
 @router.post("/login")
 def login(request: Request, db: SessionDep, form: FormDep) -> Response:
+    """Log in with an API token. A bad token (unknown, revoked, a run token) is 401 with the login form again,
+    whatever the form's CSRF token (it starts nothing); a good one with a missing or wrong CSRF token is 403 (no
+    session is stored: login CSRF)."""
     p = page(request, db)
-    p.form(form, write=False)
     token, target = str(form.get("token", "")).strip(), _safe_next(str(form.get("next", "")))
     try:
         _, sid = tokens.start_session(db, token, max_age_s=auth.MAX_AGE_S)
     except tokens.AuthError as err:
+        db.rollback()
         return p.render("login.html", code=401, next=target, error=f"token: {err}")
+    p.form(form, write=False)  # raises 403 before the commit: the session row flushed above is rolled back
     db.commit()
     if p.web.sid:  # logging in again over a live session ends that one
         tokens.end_session(db, p.web.sid)

@@ -218,10 +218,10 @@ def _model_command(argv: list[str]) -> int:
 def _demo_command(argv: list[str]) -> int:
     p = ArgParser(
         prog="asyncrl demo",
-        description="tiny model -> SFT warm-up -> RL on reverse-text; "
-        "RL runs through the service (server + worker started here, embedded mode)",
+        description="tiny model -> SFT warm-up -> RL -> greedy eval on reverse-text, submitted as one pipeline to "
+        "the service (server + worker started here, embedded mode)",
     )
-    p.add_argument("--local", action="store_true", help="run the RL processes here, without the service")
+    p.add_argument("--local", action="store_true", help="run SFT and RL here, without the service (no eval stage)")
     p.add_argument("--summary", type=Path, default=Path("outputs/demo/summary.json"))
     p.add_argument(
         "--output-dir",

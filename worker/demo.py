@@ -1,17 +1,20 @@
-"""``asyncrl demo``: tiny model -> SFT warm-up -> async RL on reverse-text, with a summary.
+"""``asyncrl demo``: tiny model -> SFT warm-up -> async RL -> greedy eval on reverse-text, with a summary.
 
-Two ways to run the RL stage, same summary:
+Two ways to run it, same summary keys:
 
-- ``--local``: ``launch_rl`` in this process (the three run processes are its children);
-- default: through the service. ``asyncrl server`` and ``asyncrl worker`` start as children in embedded mode
-  (SQLite + a file broker under ``<output_dir>/service``, a free port on 127.0.0.1), the RL spec is submitted
-  over REST with a fresh token, followed to its end (step and reward from ``GET /api/runs/{id}/metrics``, status
-  changes from ``/events``), and the summary adds ``run_id`` and ``dashboard_url``. Server and worker die with
-  the demo (also on Ctrl-C, which first stops the run).
+- default: through the service, as ONE pipeline (issue 22). ``asyncrl server`` and ``asyncrl worker`` start as
+  children in embedded mode (SQLite + a file broker under ``<output_dir>/service``, a free port on 127.0.0.1); the
+  tiny model is made here, then ``examples/pipelines/reverse_text.toml`` (sft -> rl -> eval, each stage's base read
+  inline, the SFT stage from the tiny model) is submitted with ``POST /api/pipelines`` under a fresh token and each
+  stage's run is followed to its end in turn (step and reward from ``GET /api/runs/{id}/metrics``, status changes
+  from ``/events``); the summary adds ``pipeline_id``, the stages' run ids, the eval stage's greedy reward and
+  ``dashboard_url`` (the pipeline's page). Server and worker die with the demo (also on Ctrl-C, which first stops
+  the pipeline and its live run).
+- ``--local``: SFT in this process, then ``launch_rl`` (the three run processes are its children); no eval stage.
 
 The summary's ``reward_after_sft`` and ``reward_after_rl`` are the RL run's own online evals at policy version 0
 (the SFT model) and at the last version, on the same held-out tasks with the same sampling
-(``orchestrator.eval``), so the difference is what RL added. SFT is not a service run kind: it runs here first.
+(``orchestrator.eval``), so the difference is what RL added.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from worker.dotted_keys import with_keys
 from worker.rundir import SupervisorHome, atomic_write_json
 from worker.spec import SFTSpec, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
+PIPELINE = Path(__file__).resolve().parent.parent / "examples" / "pipelines" / "reverse_text.toml"
+"""The demo's pipeline through the service (sft -> rl -> eval)."""
+TICK_S = 2.0
+"""The embedded worker's ``SWEEP_TICK_S``: how soon a pipeline's next stage starts after one completed."""
 TERMINAL = {"completed", "failed", "cancelled"}
 
 
@@ -70,8 +78,10 @@ def _rl_data(model: str, rl_steps: int | None, **overrides: str) -> dict[str, An
 
 
 def _summary(
-    rl: dict[str, Any], sft: dict[str, Any], sft_spec: SFTSpec, t0: float, run_dir: str, **extra: Any
+    rl: dict[str, Any], sft: dict[str, Any], sft_steps: int, t0: float, run_dir: str, **extra: Any
 ) -> dict[str, Any]:
+    """The demo's summary from the RL run's ``summary.json`` (``rl``) and the SFT run's (``sft``: its
+    ``eval_reward_greedy`` and ``wall_s``); ``extra`` keys follow ``status``."""
     first, last = rl["eval_reward_first"], rl["eval_reward_last"]
     return {
         "status": rl["status"],
@@ -83,7 +93,7 @@ def _summary(
         "mismatch_kl": rl["mismatch_kl"],
         "mismatch_kl_on_policy": rl["mismatch_kl_on_policy"],
         "steps": rl["steps"],
-        "sft_steps": sft_spec.max_steps,
+        "sft_steps": sft_steps,
         "wall_s": round(time.time() - t0, 1),
         "rl_wall_s": rl["wall_s"],
         "sft_wall_s": sft["wall_s"],
@@ -108,7 +118,7 @@ def run_demo(
     data = _rl_data(sft["final"], rl_steps, output_dir=str(out), name="rl")
     rl_spec = validate_spec("rl", data)
     rl = launch_rl(rl_spec, overwrite=True)
-    summary = _summary(rl, sft, sft_spec, t0, str(rl_spec.run_dir))
+    summary = _summary(rl, sft, sft_spec.max_steps, t0, str(rl_spec.run_dir))
     _write(summary_path, summary)
     return summary
 
@@ -151,6 +161,7 @@ def embedded_service(
         "ASYNCRL_OUTPUT_DIR": str(home / "outputs"),
         "ASYNCRL_SERVER_URL": url,
         "MODEL_ROOTS": ",".join(str(p) for p in [home / "outputs", *(model_roots or [])]),
+        "SWEEP_TICK_S": str(TICK_S),  # a pipeline's next stage starts within TICK_S of the one before completing
     }
     cli = [sys.executable, "-m", "worker.cli"]
     procs = {
@@ -211,8 +222,9 @@ def follow_run(
     poll_s: float = 2.0,
     unreachable_s: float = 120.0,
     local_supervisor: bool = False,
+    label: str = "RL",
 ) -> dict[str, Any]:
-    """Poll the run until it ends: a rich progress line with step and reward (``GET .../metrics``), one line per
+    """Poll the run until it ends (``label``: what its progress bar is called): a rich progress line with step and reward (``GET .../metrics``), one line per
     status change and eval (``GET .../events``, eval points). Returns the final run (``RunPublic`` JSON).
     With ``local_supervisor`` (the worker runs on this machine) a launched run whose supervisor is gone while the
     run is still live is an error rather than a wait without end.
@@ -228,7 +240,7 @@ def follow_run(
     seen_events, last_step, evals_seen, reward, gone = 0, -1, -1, float("nan"), 0
     last_ok = time.monotonic()
     columns = (
-        TextColumn("[demo] RL"),
+        TextColumn(f"[demo] {label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.description}"),
@@ -297,62 +309,172 @@ def _interrupt(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_service_demo(
-    output_dir: str, summary_path: Path, *, rl_steps: int | None = None, sft_steps: int | None = None
-) -> dict[str, Any]:
-    """The demo with RL through the service (see the module doc); returns the summary, also written to
-    ``summary_path``. Everything below ``output_dir`` from an earlier demo is replaced.
+def pipeline_data(model: str, *, rl_steps: int | None = None, sft_steps: int | None = None) -> dict[str, Any]:
+    """The demo's pipeline mapping (``POST /api/pipelines``): :data:`PIPELINE` with each stage's ``base`` file read
+    inline (as ``asyncrl pipeline`` sends it), the SFT stage starting from ``model`` (a path) and the step counts
+    given set as overrides.
 
     Raises:
-        DemoError: the run did not complete (status and reason), or the service did not start.
+        SpecError: the pipeline file or a base file does not read (names the file).
+    """
+    data = load_spec_data([PIPELINE], [])
+    for stage in data["stages"]:
+        if isinstance(stage.get("base"), str):
+            stage["base"] = load_spec_data([PIPELINE.parent / stage["base"]], [])
+    sft, rl = data["stages"][0], data["stages"][1]
+    sft["overrides"] = {**sft.get("overrides", {}), "model.name": model}
+    if sft_steps:
+        sft["overrides"]["max_steps"] = sft_steps
+    if rl_steps:
+        rl["overrides"] = {**rl.get("overrides", {}), "max_steps": rl_steps}
+    return data
+
+
+def _stage_steps(data: dict[str, Any]) -> list[int]:
+    """Each stage's step count for its progress bar (an eval stage: 1); the training stages' specs are validated
+    here, so bad input fails before the service starts.
+
+    Raises:
+        SpecError: a training stage's spec is invalid (one line naming the field).
+    """
+    steps = []
+    for stage in data["stages"]:
+        if stage["kind"] == "eval":
+            steps.append(1)
+            continue
+        spec = validate_spec(stage["kind"], with_keys(stage["base"], stage.get("overrides", {})))
+        steps.append(spec.max_steps)
+    return steps
+
+
+def follow_pipeline(
+    client: Any, pipeline_id: int, steps: list[int], current: dict[str, Any], poll_s: float = 2.0
+) -> dict[str, Any]:
+    """Follow each stage's run of the pipeline in turn (:func:`follow_run`) until the pipeline ends; returns the
+    pipeline (``GET /api/pipelines/{id}`` JSON). ``current`` gets the run being followed (``{"run": RunPublic}``),
+    for the caller to stop on Ctrl-C.
+
+    Raises:
+        DemoError: as :func:`follow_run`, or the server did not answer for 120 s.
     """
     import httpx
 
+    index, last_ok = 0, time.monotonic()
+    while True:
+        try:
+            pipeline = client.get(f"/api/pipelines/{pipeline_id}").raise_for_status().json()
+            last_ok = time.monotonic()
+        except httpx.HTTPError as err:
+            if time.monotonic() - last_ok > 120.0:
+                raise DemoError(f"server unreachable for 120s: {err}") from None
+            time.sleep(poll_s)
+            continue
+        stages = pipeline["stages"]
+        if index < len(stages) and stages[index]["run_id"] is not None:
+            stage = stages[index]
+            say(f"pipeline {pipeline_id} stage {index} ({stage['kind']}): run {stage['run_id']}")
+            current["run"] = client.get(f"/api/runs/{stage['run_id']}").raise_for_status().json()
+            follow_run(
+                client, stage["run_id"], steps[index], poll_s, local_supervisor=True, label=stage["kind"].upper()
+            )
+            index += 1
+            continue
+        if pipeline["status"] != "running":
+            return dict(pipeline)
+        time.sleep(poll_s)
+
+
+def _stop_pipeline(client: Any, pipeline_id: int, run: dict[str, Any] | None) -> None:
+    """Stop the pipeline (its live stage's run through the normal stop path), then make sure that run ended
+    (:func:`_stop_run`)."""
+    import httpx
+
+    try:
+        client.post(f"/api/pipelines/{pipeline_id}/stop")
+    except httpx.HTTPError:
+        pass
+    if run is not None:
+        _stop_run(client, run)
+
+
+def _read_summary(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's ``summary.json`` (its run directory), {} when it wrote none."""
+    path = Path(run["run_dir"]) / "summary.json"
+    return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+def run_service_demo(
+    output_dir: str, summary_path: Path, *, rl_steps: int | None = None, sft_steps: int | None = None
+) -> dict[str, Any]:
+    """The demo as one pipeline through the service (see the module doc); returns the summary, also written to
+    ``summary_path``. Everything below ``output_dir`` from an earlier demo is replaced.
+
+    Raises:
+        DemoError: the pipeline did not complete (its status and reason, the logs to read), or the service did not
+            start.
+        SpecError: a stage's spec is invalid (before the service starts).
+    """
+    import httpx
+
+    from worker.models import init_model
+
     t0 = time.time()
     out = Path(output_dir).resolve()
-    sft, sft_spec = _model_and_sft(out, sft_steps)
-    data = _rl_data(str(Path(sft["final"]).resolve()), rl_steps)
-    max_steps = validate_spec("rl", data).max_steps  # bad input fails here, before the service starts
+    model_dir = init_model(out / "model", size="tiny", seed=0, overwrite=True).resolve()
+    say(f"tiny model: {model_dir}")
+    data = pipeline_data(str(model_dir), rl_steps=rl_steps, sft_steps=sft_steps)
+    steps = _stage_steps(data)
     home = out / "service"
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
+    current: dict[str, Any] = {}
     with (
-        embedded_service(home, model_roots=[Path(sft["final"]).resolve()]) as service,
+        embedded_service(home, model_roots=[model_dir]) as service,
         httpx.Client(
             base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=30.0
         ) as client,
     ):
-        resp = client.post("/api/runs", json=data)
+        resp = client.post("/api/pipelines", json=data)
         if resp.status_code != 201:
-            raise DemoError(f"POST /api/runs: {resp.status_code} {resp.text[:500]}")
-        run = resp.json()
-        dashboard = f"{service.url}/runs/{run['id']}"
-        say(f"server {service.url} (state: {home}); run {run['id']} submitted, dashboard: {dashboard}")
+            raise DemoError(f"POST /api/pipelines: {resp.status_code} {resp.text[:500]}")
+        pipeline = resp.json()
+        dashboard = f"{service.url}/pipelines/{pipeline['id']}"
+        say(f"server {service.url} (state: {home}); pipeline {pipeline['id']} submitted, dashboard: {dashboard}")
         previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill <demo>` cleans up like Ctrl-C
         try:
-            run = follow_run(client, run["id"], max_steps, local_supervisor=True)
+            pipeline = follow_pipeline(client, pipeline["id"], steps, current)
         except BaseException:  # Ctrl-C, SIGTERM or the server went away: leave no run behind
-            say(f"stopping run {run['id']}")
-            _stop_run(client, run)
+            say(f"stopping pipeline {pipeline['id']}")
+            _stop_pipeline(client, pipeline["id"], current.get("run"))
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
-    rl_summary, summary = Path(run["run_dir"]) / "summary.json", {}
-    if rl_summary.exists():
-        summary = _summary(
-            json.loads(rl_summary.read_text()),
-            sft,
-            sft_spec,
-            t0,
-            run["run_dir"],
-            run_id=run["id"],
-            dashboard_url=dashboard,
-        )
-        summary["status"] = run["status"]
-        _write(summary_path, summary)
-    if run["status"] != "completed" or not summary:
+        runs = {
+            s["kind"]: client.get(f"/api/runs/{s['run_id']}").raise_for_status().json()
+            for s in pipeline["stages"]
+            if s["run_id"] is not None
+        }
+    sft, rl, ev = (_read_summary(runs[k]) if k in runs else {} for k in ("sft", "rl", "eval"))
+    if pipeline["status"] != "completed" or not (sft and rl and ev):
+        logs = ", ".join(f"{r['run_dir']}/logs" for r in runs.values())
         raise DemoError(
-            f"run {run['id']} {run['status']}: {run['status_reason'] or 'no reason given'}"
-            f" (logs: {run['run_dir']}/logs, {home}/worker.log)"
+            f"pipeline {pipeline['id']} {pipeline['status']}: {pipeline['status_reason'] or 'no reason given'}"
+            f" (logs: {logs or '-'}, {home}/worker.log)"
         )
+    summary = _summary(
+        rl,
+        sft,
+        runs["sft"]["spec"]["max_steps"],
+        t0,
+        runs["rl"]["run_dir"],
+        pipeline_id=pipeline["id"],
+        run_id=runs["rl"]["id"],
+        sft_run_id=runs["sft"]["id"],
+        eval_run_id=runs["eval"]["id"],
+        eval_reward_greedy=ev.get("reward_mean"),
+        eval_temperature=ev.get("temperature"),
+        dashboard_url=dashboard,
+    )
+    summary["status"] = pipeline["status"]
+    _write(summary_path, summary)
     return summary

@@ -34,7 +34,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from server.core.config import settings
@@ -298,6 +299,23 @@ def check_job_env(names: Collection[str], allowed: Collection[str]) -> None:
                 f"launcher.slurm.env: {name!r} is not allowed in a run submitted to the service; allowed: "
                 f"{', '.join(sorted(JOB_ENV_NAMES | set(allowed)))} (more in JOB_ENV_ALLOW)"
             )
+
+
+SERVICE_SETS_OUTPUT_DIR = (
+    "output_dir: the service chooses the run folder (<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>); leave output_dir out "
+    "of a submitted spec"
+)
+
+
+def check_submitted(data: Mapping[str, Any]) -> None:
+    """Refuse a raw spec mapping submitted to the service (``POST /api/runs``, the dashboard's launch form) that sets
+    ``output_dir``: the service chooses every run's folder, so the value would be replaced, not used.
+
+    Raises:
+        SpecError: ``output_dir`` is given (one line naming it; 422).
+    """
+    if "output_dir" in data:
+        raise SpecError(SERVICE_SETS_OUTPUT_DIR)
 
 
 class AllocationNotAllowed(Forbidden):

@@ -105,6 +105,19 @@ def test_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:
         ),
         pytest.param({"name": "x"}, 422, "model: Field required", id="missing-field"),
         pytest.param(
+            spec(output_dir="/tmp/mine"),
+            422,
+            "output_dir: the service chooses the run folder (<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>); leave output_dir "
+            "out of a submitted spec",
+            id="output-dir-given",
+        ),
+        pytest.param(
+            spec(max_steps=True),
+            422,
+            "max_steps: expected an integer (a whole number), got true (a boolean)",
+            id="bool-for-int",
+        ),
+        pytest.param(
             spec(kind="sft", data={"path": "/etc/passwd"}),
             422,
             "data.path: '/etc/passwd' is not allowed in a run submitted to the service; allowed: a path under "

@@ -184,16 +184,6 @@ def symlink_model(c: Ctx) -> Any:
     return submit(**{"model.name": str(link)})(c)
 
 
-def ignored_output_dir(c: Ctx) -> Any:
-    """``output_dir`` elsewhere: stored as the service's own run folder (the answer is that folder's start)."""
-    resp = submit(output_dir="/etc")(c)
-    assert resp.status_code == 201, resp.text
-    out = resp.json()["spec"]["output_dir"]
-    resp._content = json.dumps({"detail": f"output_dir: {out}"}).encode()  # noqa: SLF001 - the row's one-line answer
-    resp.headers["content-type"] = "application/json"
-    return resp
-
-
 def xss_page(payload_at: str) -> Callable[[Ctx], Any]:
     """Store ``<script>`` through ``payload_at`` (a run's env.args value, a status reason, a webhook name), then read
     the dashboard page that shows it: the answer is whether it came back escaped."""
@@ -534,11 +524,11 @@ ADDRESSES = [
         call("POST", "/api/runs/{run}/fork", {"changes": {"model.name": "/etc/ssh"}}),
     ),
     Attack(
-        "output_dir = /etc (the service sets it)",
+        "output_dir = /etc (the service chooses the run folder)",
         "POST /api/runs",
-        201,
-        "output_dir: {outputs}",
-        ignored_output_dir,
+        422,
+        "output_dir: the service chooses the run folder",
+        submit(output_dir="/etc"),
     ),
     Attack(
         "run name ../../etc (a directory name)",
@@ -894,6 +884,18 @@ FORMS = [  # (form route, path, fields, verb): every dashboard form on something
         "/alerts/deliveries/{delivery}/replay",
         {},
         "webhook endpoint {hook} belongs to {owner}: only its owner or an admin may replay its deliveries",
+    ),
+    (
+        "/pipelines/{pipeline_id}/stop",
+        "/pipelines/{pipeline}/stop",
+        {},
+        "pipeline {pipeline} belongs to {owner}: only its owner or an admin may stop it",
+    ),
+    (
+        "/pipelines/{pipeline_id}/resume",
+        "/pipelines/{pipeline}/resume",
+        {},
+        "pipeline {pipeline} belongs to {owner}: only its owner or an admin may resume it",
     ),
 ]
 FORM_CREATES = {"/launch", "/alerts/rules", "/alerts/webhooks"}

@@ -262,3 +262,50 @@ def test_the_shipped_example_pipeline_is_accepted(client: Any, auth: dict[str, s
         ("eval", 1, "pending"),
     ]
     assert client.post(f"/api/pipelines/{p['id']}/stop", headers=auth).json()["status"] == "cancelled"
+
+
+def test_dashboard_stop_and_resume_forms_follow_the_pipeline_state(
+    client: Any, auth: dict[str, str], session: Session
+) -> None:
+    """The pipeline page's Stop (running) and Resume (failed, cancelled) forms: the same services as the REST routes,
+    CSRF-checked, refused to a viewer; a resume the state does not allow is a 409 with its one line on the page."""
+    one = {"name": "web1", "stages": [body()["stages"][0]]}
+    p = client.post("/api/pipelines", json=one, headers=auth).json()
+    pid, first = p["id"], p["stages"][0]["run_id"]
+    csrf = login(client, new_token("pipeline-web-admin"))
+    html = client.get(f"/pipelines/{pid}").text
+    assert 'id="pipeline-stop"' in html and 'id="pipeline-resume"' not in html
+    assert client.post(f"/pipelines/{pid}/stop", data={}).status_code == 403  # no CSRF token
+    assert show(client, auth, pid)["status"] == "running"
+
+    resp = client.post(f"/pipelines/{pid}/stop", data={"csrf": csrf}, follow_redirects=False)
+    assert (resp.status_code, resp.headers["location"]) == (303, f"/pipelines/{pid}")
+    assert states(show(client, auth, pid)) == ("cancelled", ["cancelled"])
+    assert client.get(f"/api/runs/{first}", headers=auth).json()["status"] == "cancelled"  # queued: cancelled at once
+    html = client.get(f"/pipelines/{pid}").text
+    assert 'id="pipeline-resume"' in html and 'id="pipeline-stop"' not in html
+
+    viewer_csrf = login(client, new_token("pipeline-web-viewer", role="viewer"))
+    html = client.get(f"/pipelines/{pid}").text
+    assert 'id="pipeline-resume"' not in html and 'id="pipeline-stop"' not in html
+    resp = client.post(f"/pipelines/{pid}/resume", data={"csrf": viewer_csrf})
+    assert resp.status_code == 403 and resp.json()["detail"].endswith("viewers may only read")
+
+    csrf = login(client, new_token("pipeline-web-admin"))
+    resp = client.post(f"/pipelines/{pid}/resume", data={"csrf": csrf}, follow_redirects=False)
+    assert resp.status_code == 303, resp.text
+    p = show(client, auth, pid)
+    again = p["stages"][0]["run_id"]
+    assert states(p) == ("running", ["running"]) and again != first  # no checkpoint: a new run
+    resp = client.post(f"/pipelines/{pid}/resume", data={"csrf": csrf})
+    assert resp.status_code == 409
+    assert f'id="page-error">pipeline {pid} is running: only failed or cancelled pipelines resume</p>' in resp.text
+
+    set_status(client, again, "starting", "running", "completed")
+    assert pipelines.tick(session, pid)[-1] == "every stage completed (1)"
+    resp = client.post(f"/pipelines/{pid}/resume", data={"csrf": csrf})
+    assert resp.status_code == 409
+    assert f'id="page-error">pipeline {pid} is completed: only failed or cancelled pipelines resume</p>' in resp.text
+    assert 'id="pipeline-status">completed<' in resp.text and 'id="pipeline-resume"' not in resp.text
+    resp = client.post(f"/pipelines/{pid}/stop", data={"csrf": csrf})
+    assert resp.status_code == 409 and f"pipeline {pid} is completed: cannot go to cancelled" in resp.text

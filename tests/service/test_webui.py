@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 import pytest
+from sqlmodel import Session, func, select
 
-from server.models import MetricSeries
+from server.core.db import engine
+from server.models import DashboardSession, MetricSeries
 from tests.support.server import new_token, sft_data, spec
 from tests.support.webui import csrf_of, login
 from webui import figures
@@ -121,8 +123,18 @@ def test_pages_need_login_and_a_bad_token_is_refused(client: Any) -> None:
     form = client.get("/login").text
     resp = client.post("/login", data={"csrf": csrf_of(form), "token": "asr_nope", "next": "/runs"})
     assert resp.status_code == 401 and "token: invalid token" in resp.text
-    resp = client.post("/login", data={"token": "asr_nope"})
+    resp = client.post("/login", data={"token": "asr_nope"})  # no CSRF token: still the token's answer (a 401)
+    assert resp.status_code == 401 and "token: invalid token" in resp.text
+    client.cookies.clear()  # a browser that never loaded the login page (no session cookie, no CSRF token)
+    resp = client.post("/login", data={"token": "asr_nope", "next": "/runs"}, headers={"accept": "text/html"})
+    assert resp.status_code == 401 and 'id="page-error">token: invalid token' in resp.text
+    good = new_token(f"login-{secrets.token_hex(3)}")
+    with Session(engine) as s:
+        before = s.exec(select(func.count()).select_from(DashboardSession)).one()
+    resp = client.post("/login", data={"token": good}, follow_redirects=False)  # a good token needs the CSRF token
     assert resp.status_code == 403 and resp.json()["detail"].startswith("csrf:")
+    with Session(engine) as s:
+        assert s.exec(select(func.count()).select_from(DashboardSession)).one() == before  # no session stored
 
 
 def test_csrf_missing_or_wrong_is_403_and_nothing_is_written(web: tuple[Any, str], make_run: Any) -> None:
@@ -308,6 +320,12 @@ def _marked(html: str) -> tuple[int, str, str]:
             "TOML: Expected &#39;=&#39; after a key in a key/value pair (at line 3, column 7)",
         ),
         ('name = "bad"\nmax_steps = [\n', 2, "TOML: Invalid value (at end of document)"),
+        (
+            'name = "mine"\nmax_steps = 3\noutput_dir = "/tmp/mine"\n[model]\nname = "m"\n',
+            3,
+            "output_dir: the service chooses the run folder (&lt;ASYNCRL_OUTPUT_DIR&gt;/runs/&lt;id&gt;/&lt;name&gt;); "
+            "leave output_dir out of a submitted spec (line 3)",
+        ),
     ],
 )
 def test_launch_marks_unknown_keys_and_toml_syntax_errors_at_their_line(

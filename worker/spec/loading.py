@@ -25,7 +25,7 @@ from worker.spec.orchestrator import (
     StandardCurriculum,
 )
 from worker.spec.runs import ENV_TAGS, SPEC_TYPES, EvalSpec, RLSpec, SFTSpec
-from worker.spec.strict import SpecError
+from worker.spec.strict import BoolText, SpecError
 from worker.spec.trainer import AipoLoss, DppoKlLoss, IcePopLoss, IpoLoss
 
 MAX_DEPTH = 32
@@ -171,6 +171,10 @@ _VARIANT_TAGS = (
 error's location; messages drop them."""
 
 
+_EXPECTED = {"int_parsing": "an integer (a whole number)", "float_parsing": "a number"}
+"""What a number field expects, by pydantic's error type, in the message that refuses a boolean there."""
+
+
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p in _VARIANT_TAGS))
@@ -181,6 +185,8 @@ def _format_validation_error(err: ValidationError) -> str:
         field = field if field.isidentifier() else "type"  # a callable discriminator (advantages) reads `type`
         return f"{loc}.{field}: expected one of {ctx.get('expected_tags')}, got {ctx.get('tag')!r}"
     given = first.get("input")
+    if isinstance(given, BoolText) and first["type"] in _EXPECTED:  # `max_steps = true`: not "unable to parse string"
+        return f"{loc}: expected {_EXPECTED[first['type']]}, got {given} (a boolean)"
     if first["type"] != "missing" and not isinstance(given, dict | list):
         shown = repr(given)  # the value as written, e.g. "max_steps: ... greater than or equal to 1, got -1"
         shown = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"

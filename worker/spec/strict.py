@@ -15,6 +15,13 @@ class SpecError(ValueError):
     """A spec that cannot be used; the message is one line naming the field and what is allowed."""
 
 
+class BoolText(str):
+    """A boolean given where a number is expected, passed on as its text (``"true"``) so the number field refuses it;
+    ``worker.spec.loading`` words that refusal as "expected an integer/a number, got true (a boolean)"."""
+
+    __slots__ = ()
+
+
 class StrictModel(BaseModel):
     """A spec table: unknown keys refused, assignments validated, numbers taken as text where text is expected."""
 
@@ -33,7 +40,7 @@ class StrictModel(BaseModel):
     @classmethod
     def _bool_is_not_a_number(cls, data: Any) -> Any:
         """``true`` is not a number, though pydantic reads it as 1 (``--orchestrator.batch_size true``): it is passed
-        on as the text ``"true"``, which the number field refuses naming its key."""
+        on as the text ``"true"`` (a :class:`BoolText`), which the number field refuses naming its key."""
         if not isinstance(data, dict):
             return data
         out = dict(data)
@@ -42,5 +49,5 @@ class StrictModel(BaseModel):
             if isinstance(value, bool) and field is not None:
                 kinds = set(get_args(field.annotation)) or {field.annotation}
                 if bool not in kinds and kinds & {int, float}:
-                    out[name] = str(value).lower()
+                    out[name] = BoolText(str(value).lower())
         return out

@@ -31,7 +31,7 @@ from server.models import (
     check_label,
     stored_id,
 )
-from server.services import lineage, permissions, rollouts, runs
+from server.services import lineage, permissions, rollouts, runs, spec_policy
 from worker.celery_app import TaskName, enqueue
 from worker.run_files import RunFileError, RunFileMissing
 from worker.spec import parse_text
@@ -106,6 +106,7 @@ SubmittedSpec = Annotated[dict[str, Any], Depends(_spec_from_request)]
 )
 def create_run(session: SessionDep, user: UserDep, data: SubmittedSpec) -> Any:
     """Submit a run spec (JSON body or a TOML/JSON file upload); the run is queued and launched by a worker."""
+    spec_policy.check_submitted(data)  # SpecError: 422 (output_dir: the service chooses it)
     run = runs.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
     session.commit()
     enqueue(TaskName.launch_run, stored_id(run))  # only after the commit: the worker must find the row

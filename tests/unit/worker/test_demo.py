@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.demo import TERMINAL, DemoError, embedded_service, follow_run
+from worker.demo import TERMINAL, DemoError, _stage_steps, embedded_service, follow_run, pipeline_data
 from worker.procs import alive  # the liveness check the service itself uses
 
 BAD_MODEL = "sft/final"  # under tmp_path: outside the service's own folder, as the demo's SFT model is; never made
@@ -141,3 +141,21 @@ def test_follow_run_stops_when_the_supervisor_died_unreported(tmp_path: Path) ->
         pytest.raises(DemoError, match=rf"run 7: its supervisor \(pid {dead.pid}\) exited without reporting an end"),
     ):
         follow_run(client, 7, max_steps=2, poll_s=0.01, local_supervisor=True)
+
+
+def test_the_demo_submits_the_example_pipeline_with_its_model_and_step_counts() -> None:
+    """``asyncrl demo`` sends ``examples/pipelines/reverse_text.toml`` (sft -> rl -> eval, bases inline) with the SFT
+    stage on the tiny model it made and the ``--sft-steps`` / ``--rl-steps`` counts as overrides."""
+    data = pipeline_data("/m/tiny", sft_steps=4, rl_steps=2)
+    assert data["name"] == "reverse-text"
+    assert [s["kind"] for s in data["stages"]] == ["sft", "rl", "eval"]
+    assert [s.get("overrides") for s in data["stages"]] == [
+        {"model.name": "/m/tiny", "max_steps": 4},
+        {"ckpt.interval": 20, "max_steps": 2},
+        None,
+    ]
+    assert data["stages"][0]["base"]["max_steps"] == 240 and data["stages"][1]["base"]["max_steps"] == 160
+    assert data["stages"][2]["base"]["eval"] == {"num_examples": 64, "temperature": 0.0, "max_tokens": 64}
+    assert "output_dir" not in json.dumps(data)  # the service chooses the run folders
+    assert _stage_steps(data) == [4, 2, 1]
+    assert _stage_steps(pipeline_data("/m/tiny")) == [240, 160, 1]
