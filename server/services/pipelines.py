@@ -168,7 +168,8 @@ def stage_data(spec: PipelineSpec, i: int) -> dict[str, Any]:
     """Stage ``i``'s run spec mapping before chaining: ``base`` with ``overrides``, its kind and run name.
 
     Raises:
-        SpecError: an override goes through a value that is not a table, or ``base.kind`` is another kind.
+        SpecError: an override goes through a value that is not a table, ``base.kind`` is another kind, or the stage
+            sets ``output_dir`` (the service chooses the run folder).
     """
     stage = spec.stages[i]
     if "kind" in stage.base and stage.base["kind"] != stage.kind:
@@ -177,9 +178,10 @@ def stage_data(spec: PipelineSpec, i: int) -> dict[str, Any]:
         data = with_keys(stage.base, stage.overrides)
     except DottedKeyError as err:
         raise SpecError(f"stages[{i}].overrides.{err.key}: {err}") from None
+    if "output_dir" in data:  # the service chooses every run's folder: a value would be replaced, not used
+        raise SpecError(f"stages[{i}].{spec_policy.SERVICE_SETS_OUTPUT_DIR}")
     data["kind"] = stage.kind
     data["name"] = stage.name or f"{spec.name}-{i}"
-    data.pop("output_dir", None)  # the service sets it
     return data
 
 

@@ -243,6 +243,8 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
         raise SpecError("grid: empty; give at least one dotted key with a list of values")
     if isinstance(data.get("base"), str):
         raise SpecError("base: expected the run spec as a table (the CLI reads base = 'path.toml' into it)")
+    if isinstance(data.get("base"), dict) and "output_dir" in data["base"]:
+        raise SpecError(f"base.{spec_policy.SERVICE_SETS_OUTPUT_DIR}")
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as err:

@@ -218,6 +218,10 @@ BAD = {
         {"stages": [_stage(0, base={"kind": "rl"})]},
         "stages[0].base.kind: 'rl', but the stage's kind is 'sft'",
     ),
+    "output_dir in a stage": (  # the service chooses every run's folder (it was dropped without a word)
+        {"stages": [_stage(0), _stage(1, overrides={"output_dir": "/tmp/x"})]},
+        "stages[1].output_dir: the service chooses the run folder",
+    ),
     "eval of a run that does not exist": (
         {"stages": [{"kind": "eval", "base": {"model": {"run": 2**31 - 1}}}]},
         f"stages[0].model.run: no run {2**31 - 1}; give the id of a run of this service",

@@ -328,6 +328,7 @@ BAD = [
     ),
     ({"grid": {"trainer.threads": [1, 512]}}, "grid (trainer.threads = 512): trainer.threads: 512 exceeds the worker"),
     ({"base": "configs/reverse_text/rl.toml"}, "base: expected the run spec as a table"),
+    ({"base": {**spec(max_steps=4), "output_dir": "/tmp/x"}}, "base.output_dir: the service chooses the run folder"),
     ({"max_paralel": 4}, "max_paralel: unknown sweep key (did you mean 'max_parallel'?); allowed: name, base, "),
     (
         {"base": {**spec(max_steps=4), "trainer": {"optim": {"lrr": 1e-4}}}},
