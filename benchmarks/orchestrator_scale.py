@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,31 @@ def tokenizer_model() -> Path:
 
         init_model(out, size="tiny", seed=0, overwrite=True)
     return out
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of process ``root`` and its live descendants (the scoring worker), from /proc."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / TICKS
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += [c for c, p in parents.items() if p == pid]
+    return total
 
 
 def rss_bytes() -> int:
@@ -131,10 +158,11 @@ def orchestrator(run_dir: Path, url: str, warmup_steps: int) -> int:
             while warmup_steps not in writes:
                 await asyncio.sleep(0.005)
             await http.post("/sim/stats/reset")
-            cpu0 = time.process_time()
+            cpu0, tree0 = time.process_time(), tree_cpu_s(os.getpid())
             while spec.max_steps not in writes:
                 await asyncio.sleep(0.005)
             window["cpu_s"] = time.process_time() - cpu0
+            window["tree_cpu_s"] = tree_cpu_s(os.getpid()) - tree0
             window["server"] = (await http.get("/sim/stats")).json()
 
     async def main() -> None:
@@ -163,8 +191,11 @@ def orchestrator(run_dir: Path, url: str, warmup_steps: int) -> int:
         "rss_peak_mb": max(b for _, b in rss) / 2**20,
         "rss_window_peak_mb": max(b for t, b in rss if t_first <= t <= t_last) / 2**20,
         "write_step_ms": [1000 * writes[s]["write_s"] for s in sorted(writes)],
-        "orchestrator_cpu_s": window["cpu_s"],
-        "orchestrator_cpu_ms_per_rollout": 1000 * window["cpu_s"] / rollouts,
+        "orchestrator_main_cpu_s": window["cpu_s"],
+        "orchestrator_main_cpu_ms_per_rollout": 1000 * window["cpu_s"] / rollouts,
+        "orchestrator_cpu_s": window["tree_cpu_s"],
+        "orchestrator_cpu_ms_per_rollout": 1000 * window["tree_cpu_s"] / rollouts,
+        "server_cpu_ms_per_rollout": 1000 * window["server"]["cpu_s"] / rollouts,
         "server": window["server"],
     }
     (run.root / "orchestrator_scale.json").write_text(json.dumps(result, indent=1))
@@ -301,6 +332,36 @@ def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path |
     }
 
 
+def gate_ceiling(level: int, args: argparse.Namespace, steps: int = 400, seed: int = 0) -> float:
+    """Rollouts/s of a zero-cost orchestrator, trainer and weight update at ``level`` under the same start gate.
+
+    The simulated server's latency model (``sim_inference.SimState``: group latency ``(ttft + per_token * longest of
+    group_size log-normal lengths cut at max_tokens) * log-normal jitter``) sampled for ``steps`` steps of
+    ``level / 2`` rollouts: with ``max_async_level`` 1, step n starts when batch n - 2 is written (its version
+    served), and batch n is written when its slowest group answered (and batch n - 1 was). Rollouts/s as measured:
+    the steps after ``--warmup-steps``. The bound the benchmark's gate puts on any orchestrator.
+    """
+    from sim_inference import SimConfig
+
+    c = SimConfig(ttft_ms=args.ttft_ms, per_token_ms=args.per_token_ms, len_mean=args.len_mean, seed=seed)
+    rng = random.Random(seed)
+
+    def group_s() -> float:
+        longest = max(
+            min(max(1, round(c.len_mean * math.exp(rng.gauss(0.0, c.len_sigma)))), args.max_tokens)
+            for _ in range(args.group_size)
+        )
+        return (c.ttft_ms + c.per_token_ms * longest) * math.exp(rng.gauss(0.0, c.jitter_sigma)) / 1000.0
+
+    groups = level // 2 // args.group_size
+    written = [0.0] * (steps + 1)
+    for n in range(1, steps + 1):
+        start = written[n - 2] if n > 2 else 0.0
+        written[n] = max(written[n - 1], start + max(group_s() for _ in range(groups)))
+    w = args.warmup_steps
+    return (steps - w) * level / 2 / (written[steps] - written[w])
+
+
 def summarize_profile(raw: Path, out: Path, top: int = 40) -> None:
     """py-spy's raw (collapsed stacks) output -> the top functions by own samples and by total (inclusive) samples."""
     own: Counter[str] = Counter()
@@ -357,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
         raw = C.TMP / "orchestrator_scale_profile.raw" if args.profile and level == max(args.levels) else None
         C.say(f"[bench] {level} rollouts in flight ...")
         row = run_level(level, args, model, raw)
-        C.say(f"[bench] {level}: {row['rollouts_per_s']:.0f} rollouts/s, lag p99 {row['loop_lag_p99_ms']:.1f} ms")
+        row["gate_ceiling_rollouts_per_s"] = gate_ceiling(level, args)
+        C.say(
+            f"[bench] {level}: {row['rollouts_per_s']:.0f} rollouts/s (gate ceiling "
+            f"{row['gate_ceiling_rollouts_per_s']:.0f}), lag p99 {row['loop_lag_p99_ms']:.1f} ms"
+        )
         rows.append(row)
         if raw is not None:
             summarize_profile(raw, C.RESULTS / "orchestrator_scale_profile.txt")
@@ -379,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             "in flight",
             "mean in flight (server)",
             "rollouts/s",
+            "gate ceiling rollouts/s",
             "orchestrator CPU ms / rollout",
+            "server CPU ms / rollout",
             "loop lag p50 ms",
             "loop lag p99 ms",
             "RSS peak MB",
@@ -392,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
                 r["inflight"],
                 r["inflight_mean_measured"],
                 r["rollouts_per_s"],
+                r["gate_ceiling_rollouts_per_s"],
                 r["orchestrator_cpu_ms_per_rollout"],
+                r["server_cpu_ms_per_rollout"],
                 r["loop_lag_p50_ms"],
                 r["loop_lag_p99_ms"],
                 r["rss_peak_mb"],

@@ -12,7 +12,8 @@ OpenAI server gives them, without a model:
 - ``/health``, ``/v1/models``, ``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``,
   ``/collective_rpc`` (a weight load that takes ``load_ms``), ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``;
   ``GET /sim/stats``: requests and completions served, and the completions in flight now and at most
-  (``inflight_max``), plus their time-average since the last ``POST /sim/stats/reset``.
+  (``inflight_max``), plus their time-average and the server's CPU seconds (``cpu_s``) since the last
+  ``POST /sim/stats/reset``.
 
 Completion lengths are log-normal around ``len_mean`` (sigma ``len_sigma``), cut to ``max_tokens`` (then
 ``finish_reason`` is ``length``). Token ids are drawn from ``[vocab_low, vocab_high)`` (default: the printable
@@ -76,6 +77,8 @@ class SimState:
     area: float = 0.0
     """Integral of ``inflight`` over time since ``since`` (completion-seconds)."""
     since: float = field(default_factory=time.monotonic)
+    cpu_since: float = field(default_factory=time.process_time)
+    """The server's CPU seconds at the last stats reset."""
     last: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -198,12 +201,14 @@ def make_app(config: SimConfig) -> Starlette:
                 "inflight_max": state.inflight_max,
                 "inflight_mean": state.area / span,
                 "window_s": span,
+                "cpu_s": time.process_time() - state.cpu_since,
             }
         )
 
     async def reset_stats(_: Request) -> Response:
         state.add_inflight(0)
         state.area, state.since, state.inflight_max = 0.0, state.last, state.inflight
+        state.cpu_since = time.process_time()
         return JSONResponse({"reset": True})
 
     return Starlette(

@@ -63,6 +63,7 @@ from worker.orchestrator.gates import GatedStep, fill_batch, group_rejects
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metrics
 from worker.orchestrator.rollouts import rollout_group
+from worker.orchestrator.scoring import SCORE_PROCESS_MIN_ROLLOUTS, ScoreProcess
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt, prompt_keys
 from worker.policy_check import (
@@ -162,6 +163,9 @@ class Orchestrator:
         self._policy_check_failure: tuple[int, str] | None = None
         """The (version, reason) of the last failed served-policy check, until :meth:`fail_policy_check` sees it."""
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
+        self.scoring: ScoreProcess | None = None
+        """Scores single-turn training groups in a worker process (``scoring.py``); None: in this process (steps of
+        fewer than ``SCORE_PROCESS_MIN_ROLLOUTS`` rollouts). Started by ``main_loop``."""
         self.weight_sync = None
         """Loads versions the trainer sends over the weight-sync process group (None: filesystem only)."""
         if spec.trainer.weight_sync.kind in ("process_group", "cuda_ipc"):
@@ -443,7 +447,16 @@ class Orchestrator:
                 # sample is dropped by build_batch as dropped_overlong)
                 max_total_tokens=max(1, max_len - orch.max_tokens),
                 seed=seed,
+                scorer=scorer,
             )
+
+        scorer = None
+        if self.scoring is not None:
+            name = self.sampler.envs[env].train.id
+
+            def scorer(texts: list[str]) -> Awaitable[list[float | None] | None]:
+                assert self.scoring is not None
+                return self.scoring.score(env, "train", index, texts, name)
 
         if self.pool is None:
             group = await on(self.client, lambda: self.policy_version)
@@ -533,6 +546,12 @@ class Orchestrator:
                 "micro_batches": [[samples[i] for i in b] for b in bins],
             },
         )
+
+    def write_rollouts(self, step: int, groups: list[list[Rollout]]) -> None:
+        """The step's rollout records (``Rollout.record``, ``group`` each one's group index) in one append to
+        ``rollouts/step_<step>.jsonl``; run in a thread, off the event loop."""
+        records = [r.record(step, g) for g, group in enumerate(groups) for r in group]
+        append_jsonl_rows(self.run.rollout_file(step), records)
 
     def save_state(self, step: int) -> None:
         """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``) and the
@@ -632,6 +651,11 @@ class Orchestrator:
     async def main_loop(self) -> None:
         spec = self.spec
         clients = [self.client] if self.pool is None else [r.client for r in self.pool.replicas]
+        orch = spec.orchestrator
+        if orch.batch_size * orch.group_size >= SCORE_PROCESS_MIN_ROLLOUTS and not all(
+            e.train.is_multi_turn for e in self.sampler.envs
+        ):
+            self.scoring = ScoreProcess([(c.id, dict(c.args)) for c in spec.envs], spec.seed)
         await asyncio.gather(*(c.wait_ready(spec.inference.startup_timeout_s) for c in clients))
         # a server left paused by an orchestrator killed mid weight update (its resume never came) would hold every
         # request of this one forever: resumed once no update can still own the pause
@@ -699,8 +723,7 @@ class Orchestrator:
                 # written, and a step's rollout records go out in one write (benchmarks/orchestrator_scale.py)
                 await asyncio.to_thread(self.write_step, step, samples)
                 progress.recorder.tick("batches")
-                records = [r.record(step, g) for g, group in enumerate(groups) for r in group]
-                await asyncio.to_thread(append_jsonl_rows, self.run.rollout_file(step), records)
+                await asyncio.to_thread(self.write_rollouts, step, groups)
                 n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
                 self.run.log_metrics(
                     "orchestrator",
@@ -733,6 +756,8 @@ class Orchestrator:
         finally:
             for task in (watcher, producer, *self._steps.values()):
                 task.cancel()
+            if self.scoring is not None:
+                self.scoring.close()
             if self.pool is not None:
                 self.run.log_event("inference_replicas", process="orchestrator", replicas=self.pool.summary())
                 await self.pool.aclose()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from worker.envs import Environment, EnvTask
@@ -24,6 +24,9 @@ from worker.orchestrator.batcher import Rollout
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.multiturn import run_group
 from worker.orchestrator.prompts import prompt_ids
+
+Scorer = Callable[[list[str]], Awaitable[list[float | None] | None]]
+"""Scores a group's completion texts elsewhere (``ScoreProcess.score`` of the group's task); None: it cannot."""
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient
@@ -42,11 +45,14 @@ async def single_turn_group(
     temperature: float,
     policy_version: Callable[[], int],
     seed: int | None = None,
+    scorer: Scorer | None = None,
 ) -> list[Rollout]:
     """`n` completions of `task`'s chat-templated prompt in one vLLM request, each scored by the environment.
 
     The policy span is the inference policy version before the request and after it returned (scoring not
-    counted); completion ids and sampling logprobs are vLLM's (never re-tokenized).
+    counted); completion ids and sampling logprobs are vLLM's (never re-tokenized). ``scorer``: scores the
+    completion texts elsewhere (``worker.orchestrator.scoring``), None when it cannot (then, and without one,
+    ``env.score`` here).
 
     Raises:
         InferenceError: the server did not answer within the client's bounded retries.
@@ -56,7 +62,9 @@ async def single_turn_group(
     completions = await client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
     span, seconds = (v_start, policy_version()), time.perf_counter() - t0
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-    rewards = await asyncio.gather(*(env.score(task, text) for text in texts))
+    rewards = await scorer(texts) if scorer is not None else None
+    if rewards is None:
+        rewards = await asyncio.gather(*(env.score(task, text) for text in texts))
     return [
         Rollout(
             task_key=task_key,
@@ -89,6 +97,7 @@ async def rollout_group(
     max_len: int | None = None,
     max_total_tokens: int | None = None,
     seed: int | None = None,
+    scorer: Scorer | None = None,
 ) -> list[Rollout]:
     """The `n` rollouts of task `index` of `env` (one group), by the path the environment needs (module table).
 
@@ -99,6 +108,8 @@ async def rollout_group(
         policy_version: reads the inference policy version (the rollouts' ``policy_span``).
         seed: vLLM sampling seed of the group (``data.request_seed``); None: unseeded. Single-turn and multi-turn
             paths seed every request from it; the harness path (verifiers makes the requests) is not seeded.
+        scorer: single-turn path only: scores the group's completion texts (of task ``index``) in another process
+            (``worker.orchestrator.scoring``); None, or when it answers None: ``env.score`` in this process.
 
     Returns:
         The group's rollouts (a harness rollout may give several records, one per trainable branch).
@@ -155,6 +166,7 @@ async def rollout_group(
         temperature=temperature,
         policy_version=policy_version,
         seed=seed,
+        scorer=scorer,
     )
 
 
