@@ -107,3 +107,68 @@ def test_simulated_server_answers_as_vllm_with_its_lengths() -> None:
     assert all(lp <= 0.0 for c in out for lp in c.logprobs)
     out, _ = _generate(app=_sim_app(**fixed), n=2, max_tokens=4)  # cut at max_tokens
     assert [(len(c.token_ids), c.finish_reason) for c in out] == [(4, "length")] * 2
+
+
+def test_a_weight_update_does_not_wait_behind_a_full_generation_pool() -> None:
+    """256 completions held open by a real HTTP server fill the generation pool; pause, ``/collective_rpc``, prefix
+    reset and resume still go through at once (their own pool), and the held completions then finish."""
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from worker.procs import free_port
+
+    held = 256
+    release = asyncio.Event()
+    arrived: list[float] = []
+    loop_of_server: list[asyncio.AbstractEventLoop] = []
+
+    async def completions(_: Request) -> JSONResponse:
+        loop_of_server[:1] = [asyncio.get_running_loop()]
+        arrived.append(time.monotonic())
+        await release.wait()
+        return JSONResponse({"choices": [_choice(0, [5], [-0.5], "length")]})
+
+    async def control(_: Request) -> JSONResponse:
+        return JSONResponse({"results": [{"tensors": 0}], "is_paused": False, "success": True})
+
+    routes = [Route("/v1/completions", completions, methods=["POST"])] + [
+        Route(p, control, methods=["GET", "POST"])
+        for p in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache")
+    ]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+
+    async def go() -> tuple[dict[str, Any], int]:
+        async with InferenceClient(f"http://127.0.0.1:{port}", max_retries=0, read_timeout_s=30) as client:
+            rollouts = [
+                asyncio.create_task(client.generate([1, 2], n=1, max_tokens=1, temperature=1.0))
+                for _ in range(held + 8)
+            ]
+            while len(arrived) < held:  # the generation pool is full; 8 more wait for a connection
+                await asyncio.sleep(0.01)
+            update = await asyncio.wait_for(client.publish_weights("/weights/step_1"), timeout=5)
+            in_flight_during_update = len(arrived)
+            loop_of_server[0].call_soon_threadsafe(release.set)
+            done = await asyncio.gather(*rollouts)
+            assert len(done) == held + 8
+            return update, in_flight_during_update
+
+    try:
+        update, in_flight = asyncio.run(go())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert in_flight == held  # the update went through while every generation connection was taken
+    assert update["total_s"] < 5

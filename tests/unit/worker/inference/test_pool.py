@@ -58,7 +58,9 @@ def _pool(tmp_path: Path, replicas: list[FakeReplica], version: int = 0) -> Repl
     clients = []
     for r in replicas:
         client = InferenceClient(f"http://{r.name}", max_retries=0, connect_timeout_s=1.0, read_timeout_s=5.0)
-        client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=r.app()), base_url=f"http://{r.name}")
+        client._http = client._control = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=r.app()), base_url=f"http://{r.name}"
+        )
         clients.append(client)
     return ReplicaPool(clients, RunDir(tmp_path), version=version, health_interval_s=0.01)
 
