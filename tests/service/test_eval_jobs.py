@@ -96,6 +96,39 @@ def test_eval_job_bad_input_and_refusals_start_nothing(client: Any, people: Peop
         (job(run=rid, step=2), people["other"][1], 403, f"run {rid} belongs to evaljob-owner-{SUFFIX}: only its owner"),
         (job(run=rid, step=2), people["viewer"][1], 403, f"user 'evaljob-viewer-{SUFFIX}' is a viewer"),
     ]
+    # an eval job (or an SFT run) as a Slurm job: one node, no RL layout or placement keys, the service's sbatch rules
+    path = {"name": str(model_dir)}
+    for slurm, code, line in [
+        (
+            {"nodes": 2, "inference_nodes": 1},
+            422,
+            "launcher.slurm.nodes: an eval job runs on one node, so use 1, got 2",
+        ),
+        (
+            {"rdzv_port": 29600},
+            422,
+            "launcher.slurm.rdzv_port: a key of an RL run's multi-node layout; an eval job runs on one node, so leave "
+            "it at 29500, got 29600",
+        ),
+        (
+            {"extra_sbatch": ["--output=/etc/x"]},
+            422,
+            "launcher.slurm.extra_sbatch: '--output' is not allowed in a run submitted",
+        ),
+        ({"allocation": "12"}, 403, "launcher.slurm.allocation: only an admin may run inside an existing allocation"),
+    ]:
+        cases.append(({**job(**path), "launcher": {"kind": "slurm", "slurm": slurm}}, h, code, line))
+    cases.append(
+        (
+            {**job(**path), "launcher": {"local": {"inference_gpus": [0]}}},
+            h,
+            422,
+            "launcher.local.inference_gpus: places an RL run's vLLM and trainer processes; an eval job is one process, "
+            "so leave it unset, got [0]",
+        )
+    )
+    sft = spec(kind="sft", model=path, launcher={"kind": "slurm", "slurm": {"nodes": 3, "inference_nodes": 1}})
+    cases.append((sft, h, 422, "launcher.slurm.nodes: an SFT run runs on one node, so use 1, got 3"))
     for body, headers, code, start in cases:
         resp = client.post("/api/runs", json=body, headers=headers)
         assert (resp.status_code, resp.json()["detail"][: len(start)]) == (code, start), body
