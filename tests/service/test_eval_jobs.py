@@ -315,3 +315,34 @@ def test_a_path_inside_another_users_run_folder_is_refused_for_every_kind(
         resp = client.post("/api/runs", json=named("eval", str(final)), headers=people[who][1])
         assert resp.status_code == 201, resp.text
     assert count_runs() == before + 2
+
+
+def test_an_eval_job_resumes_without_a_checkpoint(model_dir: Path) -> None:
+    """An eval job has no checkpoints: a cancelled one resumes (it goes on after the tasks it recorded,
+    ``worker.evaluation.run_job``) and its eval metrics are measured again; a training run without a checkpoint is
+    still refused."""
+    from server.core.db import engine
+    from server.models import Metric, RunStatus
+    from server.services import runs
+
+    owner = f"evaljob-owner-{SUFFIX}"
+    job = {"kind": "eval", "name": f"e-{secrets.token_hex(3)}", "model": {"name": str(model_dir)}}
+    with Session(engine) as s:
+        ev = runs.create(s, data=job, owner=owner)
+        rl = runs.create(s, data=spec(model={"name": str(model_dir)}), owner=owner)
+        for run in (ev, rl):
+            runs.transition(s, run, RunStatus.cancelled, reason="test")
+        s.add(Metric(run_id=ev.id, source="eval", step=0, name="reward_mean", value=0.5, time=1e9))
+        s.commit()
+        assert runs.resume(s, ev, by=owner) == 0
+        s.commit()
+        with pytest.raises(runs.InvalidTransition, match=rf"^run {rl.id}: no complete checkpoint in "):
+            runs.resume(s, rl, by=owner)
+        s.rollback()
+        ev = runs.get(s, ev.id)
+        assert ev.status == RunStatus.queued
+        assert s.exec(select(func.count()).select_from(Metric).where(Metric.run_id == ev.id)).one() == 0
+        resumed = [e for e in runs.events(s, ev.id)[0] if e.kind == "resumed"]
+        assert [(e.reason, e.data["step"]) for e in resumed] == [
+            (f"resumed by {owner}: continues after the eval tasks it recorded", 0)
+        ]
