@@ -63,9 +63,10 @@ def _stored(client: Any, auth: dict[str, str], run_id: int) -> dict[str, float]:
     return out
 
 
-def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
-    client: Any, auth: dict[str, str], service: str, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def source(client: Any, auth: dict[str, str], service: str) -> dict[str, Any]:
+    """A 30-step SFT run of the tiny model submitted by REST, with a complete checkpoint at step 15 (its public form):
+    the weights both tests evaluate (the base model's greedy reward is 0: nothing to compare)."""
     overrides = {
         "name": "sft-for-eval",
         "model.name": service,
@@ -82,11 +83,16 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
         headers=auth,
     )
     assert sft.status_code == 201, sft.text
-    source = sft.json()
-    done = ended(client, auth, source["id"], 300)
+    run = sft.json()
+    done = ended(client, auth, run["id"], 300)
     assert done["status"] == "completed", done["status_reason"]
-    assert EVERY in complete_steps(RunDir(source["run_dir"]))
+    assert EVERY in complete_steps(RunDir(run["run_dir"]))
+    return dict(run)
 
+
+def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
+    client: Any, auth: dict[str, str], service: str, source: dict[str, Any], tmp_path: Path
+) -> None:
     job = {"kind": "eval", "name": "eval-step", "seed": 0, "model": {"run": source["id"], "step": EVERY}}
     resp = client.post("/api/runs", json={**job, "env": ENVS, "eval": SETTINGS}, headers=auth)
     assert resp.status_code == 201, resp.text
@@ -122,17 +128,18 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
 
 
 def test_a_stopped_eval_job_resumes_where_it_stopped(
-    client: Any, auth: dict[str, str], service: str, tmp_path: Path
+    client: Any, auth: dict[str, str], source: dict[str, Any], tmp_path: Path
 ) -> None:
-    """8 greedy tasks; tasks 5-7 wait for a file to go (``tests/support/slow_env.py``): the job is stopped with tasks
-    0-4 recorded, resumed, evaluates 5-7 only, and stores what an uninterrupted job of the same spec stores."""
+    """8 greedy tasks of the SFT run's step-15 weights; tasks 5-7 wait for a file to go (``tests/support/slow_env.py``):
+    the job is stopped with tasks 0-4 recorded, resumed, evaluates 5-7 only, and stores what an uninterrupted job of
+    the same spec stores."""
     stall = tmp_path / "stall"
     stall.touch()
     args = {"system_message": False, "max_chars": 12, "stall_file": str(stall), "stall_eval_from": 5}
     body = {
         "kind": "eval",
         "seed": 0,
-        "model": {"name": service},
+        "model": {"run": source["id"], "step": EVERY},
         "env": {"id": "tests.support.slow_env:SlowReverseTextTaskset", "args": args},
         "eval": {"num_examples": 8, "temperature": 0.0, "max_tokens": 24},
     }
@@ -171,10 +178,14 @@ def test_a_stopped_eval_job_resumes_where_it_stopped(
         for name in ("reward_mean", "pass_at_k", "completion_len_mean", "num_examples", "reward_missing"):
             body = client.get(f"/api/runs/{run_id}/metrics", params={"name": name}, headers=auth).json()
             [series] = [s for s in body["series"] if s["source"] == "eval"]
-            assert series["step"] == [0], series
+            assert series["step"] == [EVERY], series
             out[name] = series["value"][0]
         return out
 
     resumed, uninterrupted = stored(run["id"]), stored(whole["id"])
     print("resumed:", resumed, "uninterrupted:", uninterrupted)  # noqa: T201
     assert resumed == uninterrupted and resumed["num_examples"] == 8  # exact: greedy, tasks combined in index order
+    assert resumed["reward_mean"] > 0  # the SFT weights score: the equality compares real rewards
+    by_task = sorted(rows, key=lambda r: r["index"])
+    whole_rows = sorted(read_jsonl(RunDir(whole["run_dir"]).eval_tasks), key=lambda r: r["index"])
+    assert [(r["rewards"], r["lengths"]) for r in by_task] == [(r["rewards"], r["lengths"]) for r in whole_rows]
