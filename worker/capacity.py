@@ -88,17 +88,17 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, cap: Capacity) -> None:
     def refuse(key: str, value: object, what: str) -> SpecError:
         return SpecError(f"{key}: {value} exceeds the worker's capacity ({cap}): {what}")
 
+    if spec.launcher.kind != "local":
+        return
+    limit = spec.launcher.memory_limit_gib
+    if limit is not None and limit > cap.memory_gib:
+        raise refuse("launcher.memory_limit_gib", f"{limit:g}", f"at most {cap.memory_gib:g}")
     if isinstance(spec, SFTSpec):
         if spec.threads > cap.cores:
             raise refuse("threads", spec.threads, f"at most {cap.cores}")
         return
     if not isinstance(spec, RLSpec):  # an eval job: one vLLM server of the model, sized by vLLM itself
         return
-    if spec.launcher.kind != "local":
-        return
-    limit = spec.launcher.memory_limit_gib
-    if limit is not None and limit > cap.memory_gib:
-        raise refuse("launcher.memory_limit_gib", f"{limit:g}", f"at most {cap.memory_gib:g}")
     if spec.trainer.threads > cap.cores:
         raise refuse("trainer.threads", spec.trainer.threads, f"at most {cap.cores}")
     local = spec.launcher.local

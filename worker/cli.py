@@ -323,7 +323,7 @@ Print the Slurm job script (sbatch) of an RL spec without submitting it; the spe
 
 
 def _slurm_command(argv: list[str]) -> int:
-    """``asyncrl slurm render SPEC [@ more.toml] [--key value]``: print the Slurm job script of an RL spec."""
+    """``asyncrl slurm render SPEC [@ more.toml] [--key value]``: print the Slurm job script of a spec (RL, SFT or eval)."""
     if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["render", "-h"], ["render", "--help"]):
         print(SLURM_USAGE)  # noqa: T201
         return 0
@@ -336,8 +336,8 @@ def _slurm_command(argv: list[str]) -> int:
     files, overrides, flags = split_spec_args(rest)
     if not files:
         raise SpecError("asyncrl slurm render: expected a spec file, e.g. asyncrl slurm render configs/x.toml")
-    spec = validate_spec("rl", load_spec_data(files, overrides))
-    assert isinstance(spec, RLSpec)
+    data = load_spec_data(files, overrides)
+    spec = validate_spec(str(data.get("kind", "rl")), data)  # any kind: an SFT run or an eval job too
     from worker.launchers.slurm import render
 
     home = Path(spec.output_dir).resolve()

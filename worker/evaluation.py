@@ -17,15 +17,16 @@ import asyncio
 import json
 import os
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from worker.envs import load_environment
 from worker.inference.client import InferenceClient
-from worker.orchestrator.eval import evaluate
+from worker.orchestrator.eval import TaskResult, evaluate
 from worker.orchestrator.mixture import combine_evals
-from worker.rundir import RunDir, atomic_write_json
+from worker.rundir import RunDir, append_jsonl, atomic_write_json, read_jsonl
 from worker.spec import EnvConfig, EvalSpec
 
 
@@ -101,6 +102,8 @@ def run_evals(
     adapter: Path | None = None,
     env_field: str = "--env-",
     server_log: Path | None = None,
+    done: Mapping[str, Mapping[int, TaskResult]] | None = None,
+    on_task: Callable[[str, int, TaskResult], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (a vLLM server is started for it and stopped after; its log at ``server_log``, default a
     temporary file) or the server at ``url`` on each of ``envs`` in turn, as ``settings`` says (its eval split,
@@ -109,6 +112,11 @@ def run_evals(
     With ``adapter`` (a PEFT LoRA folder, e.g. ``asyncrl export --adapter-only``; needs ``model``, its base), the
     server runs with LoRA enabled up to the adapter's rank, loads it as ``ADAPTER_NAME``, and every eval request names
     it, as a LoRA run's rollouts name their policy version.
+
+    Task i's requests are seeded with ``request_seed(seed, i)`` (``worker.orchestrator.eval.evaluate``), so an eval
+    at a temperature above 0 samples the same completions again. ``done`` (environment name -> task index -> result
+    of an interrupted eval job) and ``on_task(name, index, result)`` are passed on to ``evaluate`` per environment:
+    recorded tasks are not sampled again (an eval job's resume, :func:`run_job`).
 
     Returns:
         ``model``, ``env`` (the id with one environment, else the names joined by ``,``), ``temperature`` and
@@ -191,7 +199,17 @@ def run_evals(
 
                         template = tokenizer or (str(model) if model is not None else await client.served_model())
                         harness = HarnessRunner(template, str(url), HarnessConfig())
-                    results[name] = await evaluate(client, env, served_tok, **asdict(settings), harness=harness)
+                    record = None if on_task is None else (lambda i, r, name=name: on_task(name, i, r))
+                    results[name] = await evaluate(
+                        client,
+                        env,
+                        served_tok,
+                        **asdict(settings),
+                        harness=harness,
+                        seed=seed,
+                        done=(done or {}).get(name),
+                        on_task=record,
+                    )
                 return combine_evals(results)
 
         result = asyncio.run(go())
@@ -278,15 +296,38 @@ def job_model(spec: EvalSpec, run: RunDir) -> str:
     return str(out)
 
 
+def recorded_tasks(run: RunDir) -> dict[str, dict[int, TaskResult]]:
+    """The eval tasks an earlier attempt of the job in ``run`` finished (``eval_tasks.jsonl``, one line per task:
+    ``{"env", "index", "rewards", "lengths", "pid"}``; a line a kill tore is skipped): environment name -> task index
+    -> ``(rewards, lengths)``."""
+    done: dict[str, dict[int, TaskResult]] = {}
+    for row in read_jsonl(run.eval_tasks):
+        done.setdefault(str(row["env"]), {})[int(row["index"])] = (list(row["rewards"]), list(row["lengths"]))
+    return done
+
+
 def run_job(spec: EvalSpec, run: RunDir) -> dict[str, Any]:
     """The eval job ``spec`` in its run directory ``run`` (made by the launcher): its model (:func:`job_model`) on
     each of its environments (:func:`run_evals`, vLLM's log ``logs/inference.log``). The numeric results are appended
     to ``metrics.jsonl`` as source ``eval`` at :func:`job_step`, the whole result is ``summary.json``; returns it.
 
+    Resumable: each task's result is appended to ``eval_tasks.jsonl`` as it finishes, and a later attempt (a resume
+    after a stop or a failure, a requeued Slurm job) takes the tasks recorded there instead of sampling them again
+    (:func:`recorded_tasks`; event ``eval_tasks_reused`` with their count). Tasks are combined in index order and
+    their requests seeded, so the result equals an uninterrupted eval's (exactly at temperature 0).
+
     Raises:
         SpecError: as :func:`job_model` and :func:`run_evals` (environments named ``env.id`` / ``env.<i>.id``).
     """
     ev = spec.eval
+    done = recorded_tasks(run)
+    if done:
+        run.log_event("eval_tasks_reused", tasks=sum(map(len, done.values())))
+    pid = os.getpid()
+
+    def record(env: str, index: int, task: TaskResult) -> None:
+        append_jsonl(run.eval_tasks, {"env": env, "index": index, "rewards": task[0], "lengths": task[1], "pid": pid})
+
     result = run_evals(
         model=job_model(spec, run),
         url=None,
@@ -296,6 +337,8 @@ def run_job(spec: EvalSpec, run: RunDir) -> dict[str, Any]:
         seed=spec.seed,
         env_field="env.",
         server_log=run.logs / "inference.log",
+        done=done,
+        on_task=record,
     )
     numbers: dict[str, float | int | None] = {
         k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)

@@ -15,6 +15,8 @@ outputs/<name>/
   policy_check/step_<n>.json  the trainer's log-probs of the probe under policy version n (0: the base), all kept
   progress/<process>.json     trainer, orchestrator: progress record rewritten every second (``worker.progress``)
   final/                      the trained model (save_pretrained), loadable by name-or-path code
+  source/, model/             an eval job: the evaluated run's weights, the model folder made from them
+  eval_tasks.jsonl            an eval job: one line per finished task, not evaluated again on resume
   summary.json
 ```
 
@@ -399,6 +401,9 @@ class RunDir:
     """An eval job's copy of the weights it evaluates (``server.services.runs.attach_eval_source``)."""
     eval_model = property(lambda self: self.root / "model")
     """An eval job's model folder made from ``eval_source`` (``worker.evaluation.job_model``)."""
+    eval_tasks = property(lambda self: self.root / "eval_tasks.jsonl")
+    """An eval job's finished tasks, one line each, that a resumed attempt does not sample again
+    (``worker.evaluation.run_job``)."""
     summary = property(lambda self: self.root / "summary.json")
     policy_check = property(lambda self: self.root / "policy_check")
     policy_check_probe = property(lambda self: self.policy_check / "probe.json")

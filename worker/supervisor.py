@@ -15,8 +15,8 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
 - is the hang watchdog's decider (``worker/progress.py``): the launcher's follow loop reads the processes' progress
   records and probes inference, and writes ``stalled`` / ``progress_resumed`` events, which the reporter forwards; the
   service fires the alert rules and applies ``watchdog.on_stall`` (``launch_rl(act_on_stall=False)``);
-- inside a Slurm job, checkpoints and requeues before the time limit and resumes a requeued attempt
-  (:mod:`worker.launchers.slurm_job`).
+- inside a Slurm job (any kind of run), checkpoints and requeues before the time limit and resumes a requeued
+  attempt (:mod:`worker.launchers.slurm_job`).
 
 ``--attempt N`` names the launch attempt (the id of the run event that last queued the run; the launch task passes
 it): the spool records it, so a spool of an earlier attempt (before a resume) is never taken for this one's.
@@ -378,13 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = validate_spec(str(data.get("kind", "rl")), data)
     resume, attempt = args.resume, slurm_job.attempt()
     requeue: dict[str, Any] | None = None
-    if attempt is not None and not isinstance(spec, RLSpec):
-        attempt = None  # an SFT run or an eval job is launched locally only (no Slurm job)
-    if attempt is not None:
-        assert isinstance(spec, RLSpec)
-        slurm_job.on_time_limit(spec.run_dir, spec.launcher.slurm.signal_before_end_s)
+    if attempt is not None:  # an SFT run or an eval job has no checkpoint on request: USR1 requeues at once
+        checkpoint = isinstance(spec, RLSpec)
+        slurm_job.on_time_limit(spec.run_dir, spec.launcher.slurm.signal_before_end_s, checkpoint=checkpoint)
     if attempt:
-        requeue = slurm_job.start_requeued(attempt, spec.run_dir, home)
+        requeue = slurm_job.start_requeued(attempt, spec.run_dir, home, keep=isinstance(spec, EvalSpec))
         resume = requeue["resume_step"] is not None
     elif resume:
         try:

@@ -59,7 +59,7 @@ from worker.procs import alive, live_processes, started_at
 from worker.reporter import row_to_event, rows_to_points
 from worker.run_files import RunFileRefused, copy_run_folder, open_run_file
 from worker.rundir import ENGINE_EVENTS, SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
-from worker.spec import RLSpec, SpecError, validate_spec
+from worker.spec import SpecError, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
 
@@ -235,11 +235,10 @@ def _launch_slurm(session: Session, run: Run) -> str:
     run is ``failed`` with Slurm's own message and nothing is queued."""
     from worker.launchers import slurm
 
-    try:
-        spec = validate_spec("rl", run.spec)
+    try:  # any kind: an SFT run or an eval job is the same job script, its supervisor runs the kind's launcher
+        spec = validate_spec(str(run.spec.get("kind", "rl")), run.spec)
     except SpecError as err:  # stored before a rule changed: nothing can be started from it
         return _fail_launch(session, run, f"refused at launch: {err}")
-    assert isinstance(spec, RLSpec)
     home, run_id = Path(run.run_dir).parent, stored_id(run)
     try:
         job = slurm.find(run_id, home, spec.launcher.slurm.allocation)

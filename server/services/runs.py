@@ -586,6 +586,7 @@ def resume(session: Session, run: Run, *, by: str) -> int:
     their first step (``worker.live_config.LiveConfig``: one sent in the run's last seconds and never applied too),
     so the run continues with its newest live values, not its spec's: the ``resumed`` event names them
     (``live_config``, ``{"dotted.key": value}`` of the keys that differ from the spec). The caller commits and then enqueues the launch, which resumes since a checkpoint exists.
+    An eval job (no checkpoints) resumes at step 0 and goes on after the tasks it recorded (``worker.evaluation``).
 
     Raises:
         InvalidTransition: the run is not failed/cancelled, its supervisor still runs, or it has no complete
@@ -602,6 +603,12 @@ def resume(session: Session, run: Run, *, by: str) -> int:
         time.sleep(0.1)
     if pid is not None:
         raise InvalidTransition(f"run {run.id}: its supervisor (pid {pid}) is still running; wait for it to end")
+    if run.kind == "eval":  # no checkpoints: it continues after the tasks it recorded (worker.evaluation.run_job)
+        session.execute(delete(Metric).where(col(Metric.run_id) == run.id))  # measured again at its end
+        reason = f"resumed by {by}: continues after the eval tasks it recorded"
+        transition(session, run, S.queued, reason=reason, _resume=True, step=0)
+        record_event(session, run, "resumed", reason=reason, step=0, by=by)
+        return 0
     steps = checkpoint_steps(run)
     if not steps:
         raise InvalidTransition(f"run {run.id}: no complete checkpoint in {run_file(run, 'checkpoints')}")

@@ -342,7 +342,20 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, *, admin: bool) -> None:
         for field, path in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
             if path:
                 check_data_path(field, path, settings.DATA_ROOTS)
-    if not isinstance(spec, RLSpec):  # an SFT run or an eval job: no addresses, flags or Slurm options
+    slurm = spec.launcher.slurm  # every kind may run as a Slurm job: the same options, the same rules
+    check_flags(
+        "launcher.slurm.extra_sbatch",
+        slurm.extra_sbatch,
+        SBATCH_OPTIONS,
+        "options that write files or change the job's user or environment are not",
+    )
+    check_job_env(slurm.env, settings.JOB_ENV_ALLOW)
+    if slurm.allocation is not None and not admin:
+        raise AllocationNotAllowed(
+            f"launcher.slurm.allocation: only an admin may run inside an existing allocation (job {slurm.allocation}): "
+            "the worker's Slurm jobs include other users' runs"
+        )
+    if not isinstance(spec, RLSpec):  # an SFT run or an eval job: no addresses or vLLM flags
         return
     check_inference_url(spec.inference.url, settings.INFERENCE_ALLOW_HOSTS)
     for i, url in enumerate(spec.inference.urls):
@@ -358,16 +371,3 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, *, admin: bool) -> None:
         "vLLM flags that load code or files are not",
         "INFERENCE_ALLOW_FLAGS",
     )
-    slurm = spec.launcher.slurm
-    check_flags(
-        "launcher.slurm.extra_sbatch",
-        slurm.extra_sbatch,
-        SBATCH_OPTIONS,
-        "options that write files or change the job's user or environment are not",
-    )
-    check_job_env(slurm.env, settings.JOB_ENV_ALLOW)
-    if slurm.allocation is not None and not admin:
-        raise AllocationNotAllowed(
-            f"launcher.slurm.allocation: only an admin may run inside an existing allocation (job {slurm.allocation}): "
-            "the worker's Slurm jobs include other users' runs"
-        )

@@ -142,8 +142,8 @@ def test_unknown_run_is_404(client: Any, auth: dict[str, str]) -> None:
             spec(kind="sft", orchestrator={"batch_size": 4}),
             422,
             "unknown key 'orchestrator' (valid keys here: activation_checkpointing, alerts, attention, ckpt, compile, "
-            "data, device, env, eval_examples, eval_interval, kind, lora, max_steps, model, name, optim, output_dir, "
-            "scheduler, seed, seq_len, threads)",
+            "data, device, env, eval_examples, eval_interval, kind, launcher, lora, max_steps, model, name, optim, "
+            "output_dir, scheduler, seed, seq_len, threads)",
             id="sft-with-rl-key",
         ),
         pytest.param(spec(kind=3), 422, "kind: expected one of ['eval', 'rl', 'sft'], got '3'", id="kind-not-string"),

@@ -96,6 +96,39 @@ def test_eval_job_bad_input_and_refusals_start_nothing(client: Any, people: Peop
         (job(run=rid, step=2), people["other"][1], 403, f"run {rid} belongs to evaljob-owner-{SUFFIX}: only its owner"),
         (job(run=rid, step=2), people["viewer"][1], 403, f"user 'evaljob-viewer-{SUFFIX}' is a viewer"),
     ]
+    # an eval job (or an SFT run) as a Slurm job: one node, no RL layout or placement keys, the service's sbatch rules
+    path = {"name": str(model_dir)}
+    for slurm, code, line in [
+        (
+            {"nodes": 2, "inference_nodes": 1},
+            422,
+            "launcher.slurm.nodes: an eval job runs on one node, so use 1, got 2",
+        ),
+        (
+            {"rdzv_port": 29600},
+            422,
+            "launcher.slurm.rdzv_port: a key of an RL run's multi-node layout; an eval job runs on one node, so leave "
+            "it at 29500, got 29600",
+        ),
+        (
+            {"extra_sbatch": ["--output=/etc/x"]},
+            422,
+            "launcher.slurm.extra_sbatch: '--output' is not allowed in a run submitted",
+        ),
+        ({"allocation": "12"}, 403, "launcher.slurm.allocation: only an admin may run inside an existing allocation"),
+    ]:
+        cases.append(({**job(**path), "launcher": {"kind": "slurm", "slurm": slurm}}, h, code, line))
+    cases.append(
+        (
+            {**job(**path), "launcher": {"local": {"inference_gpus": [0]}}},
+            h,
+            422,
+            "launcher.local.inference_gpus: places an RL run's vLLM and trainer processes; an eval job is one process, "
+            "so leave it unset, got [0]",
+        )
+    )
+    sft = spec(kind="sft", model=path, launcher={"kind": "slurm", "slurm": {"nodes": 3, "inference_nodes": 1}})
+    cases.append((sft, h, 422, "launcher.slurm.nodes: an SFT run runs on one node, so use 1, got 3"))
     for body, headers, code, start in cases:
         resp = client.post("/api/runs", json=body, headers=headers)
         assert (resp.status_code, resp.json()["detail"][: len(start)]) == (code, start), body
@@ -282,3 +315,34 @@ def test_a_path_inside_another_users_run_folder_is_refused_for_every_kind(
         resp = client.post("/api/runs", json=named("eval", str(final)), headers=people[who][1])
         assert resp.status_code == 201, resp.text
     assert count_runs() == before + 2
+
+
+def test_an_eval_job_resumes_without_a_checkpoint(model_dir: Path) -> None:
+    """An eval job has no checkpoints: a cancelled one resumes (it goes on after the tasks it recorded,
+    ``worker.evaluation.run_job``) and its eval metrics are measured again; a training run without a checkpoint is
+    still refused."""
+    from server.core.db import engine
+    from server.models import Metric, RunStatus
+    from server.services import runs
+
+    owner = f"evaljob-owner-{SUFFIX}"
+    job = {"kind": "eval", "name": f"e-{secrets.token_hex(3)}", "model": {"name": str(model_dir)}}
+    with Session(engine) as s:
+        ev = runs.create(s, data=job, owner=owner)
+        rl = runs.create(s, data=spec(model={"name": str(model_dir)}), owner=owner)
+        for run in (ev, rl):
+            runs.transition(s, run, RunStatus.cancelled, reason="test")
+        s.add(Metric(run_id=ev.id, source="eval", step=0, name="reward_mean", value=0.5, time=1e9))
+        s.commit()
+        assert runs.resume(s, ev, by=owner) == 0
+        s.commit()
+        with pytest.raises(runs.InvalidTransition, match=rf"^run {rl.id}: no complete checkpoint in "):
+            runs.resume(s, rl, by=owner)
+        s.rollback()
+        ev = runs.get(s, ev.id)
+        assert ev.status == RunStatus.queued
+        assert s.exec(select(func.count()).select_from(Metric).where(Metric.run_id == ev.id)).one() == 0
+        resumed = [e for e in runs.events(s, ev.id)[0] if e.kind == "resumed"]
+        assert [(e.reason, e.data["step"]) for e in resumed] == [
+            (f"resumed by {owner}: continues after the eval tasks it recorded", 0)
+        ]

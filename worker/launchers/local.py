@@ -373,7 +373,9 @@ def launch_eval(spec: EvalSpec, *, quiet: bool = False) -> dict[str, Any]:
     ``logs/eval.log``; vLLM's ``logs/inference.log``), which writes its result as ``eval`` metrics and
     ``summary.json`` (``worker.evaluation.run_job``); returns the summary with ``reason`` as :func:`launch_sft` does.
     The run directory is kept as it is (the service copied the evaluated run's weights into its ``source/``); an
-    earlier attempt's model folder is made again. An eval job has no checkpoints: it is not resumed.
+    earlier attempt's model folder is made again. An eval job has no checkpoints; it continues from the tasks an
+    earlier attempt recorded (``eval_tasks.jsonl``, ``worker.evaluation.run_job``), so a resume after a stop or a
+    requeued Slurm job does not evaluate them again.
 
     Raises:
         SpecError: the output folder cannot hold the run directory (``worker.checkpoint.check_run_dir``).

@@ -1,8 +1,11 @@
 """Slurm launcher: a run as a Slurm job, controlled with Slurm's own commands (no accounting database).
 
+Every kind of run goes this one way: an RL run, an SFT run and an eval job (``kind = "rl" | "sft" | "eval"``) with
+``launcher.kind = "slurm"`` become the same job script, whose supervisor runs the kind's local launcher.
+
 - ``render`` fills ``deploy/slurm/rl.sbatch.j2`` from the run spec. On one node the job runs the run's supervisor
-  (``worker.supervisor``: the local launcher's code path, reporting to the server); on several nodes it splits
-  them between inference and trainer (torchrun c10d rendezvous on the first trainer node).
+  (``worker.supervisor``: the local launcher's code path, reporting to the server); on several nodes (RL runs only)
+  it splits them between inference and trainer (torchrun c10d rendezvous on the first trainer node).
 - ``submit`` creates the job with ``sbatch --parsable`` (the job id is the run's launcher handle), or, when the spec
   names an ``allocation``, starts the script as a step of that job with ``srun --jobid=<id> --overlap`` (the handle
   is ``<job>.<step>``). A run's job is named ``asyncrl-run-<id>`` and works in the run's home folder, which is how
@@ -27,7 +30,7 @@ from pathlib import Path
 from worker.checkpoint import complete_steps
 from worker.procs import run_environ
 from worker.rundir import SupervisorHome
-from worker.spec import RLSpec
+from worker.spec import EvalSpec, RLSpec, SFTSpec
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
 LIVE_STATES = frozenset(
@@ -49,6 +52,9 @@ LIVE_STATES = frozenset(
 )
 """Job states in which the run goes on (or will start again)."""
 COMMAND_TIMEOUT_S = 30.0
+JobSpec = RLSpec | SFTSpec | EvalSpec
+"""A spec the Slurm launcher submits: any kind of run (SFT runs and eval jobs on one node)."""
+KIND_NAMES = {"rl": "RL run", "sft": "SFT run", "eval": "eval job"}
 
 
 class SlurmError(RuntimeError):
@@ -91,7 +97,7 @@ def slurm_command(argv: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def render(
-    spec: RLSpec,
+    spec: JobSpec,
     *,
     home: Path,
     name: str,
@@ -100,7 +106,8 @@ def render(
     workdir: Path | None = None,
 ) -> str:
     """The job script of ``spec`` (text); ``home`` holds the run directory, logs and the supervisor's files;
-    ``name`` is the job name. ``resume``: start from the newest complete checkpoint."""
+    ``name`` is the job name. ``resume``: start from the newest complete checkpoint (an eval job continues after the
+    tasks it recorded either way)."""
     import jinja2
 
     env = jinja2.Environment(
@@ -117,6 +124,7 @@ def render(
     return env.get_template(TEMPLATE.name).render(
         spec=spec,
         s=spec.launcher.slurm,
+        kind=KIND_NAMES[spec.kind],
         name=spec.name,
         job_name=name,
         home=home,
@@ -155,7 +163,7 @@ def _step(allocation: str, name: str) -> str | None:
     return None
 
 
-def submit(spec: RLSpec, *, run_id: int, home: Path, env: dict[str, str], resume: bool = False) -> str:
+def submit(spec: JobSpec, *, run_id: int, home: Path, env: dict[str, str], resume: bool = False) -> str:
     """Write ``<home>/job.sbatch`` and submit it; returns the launcher handle (``<job>``, or ``<job>.<step>``
     inside an ``allocation``). The job's environment is ``env`` (``worker.supervisor.run_env``: run id, token,
     server URL) over the variables of this process that ``worker.procs.run_environ`` lets through (no database or

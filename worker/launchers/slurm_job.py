@@ -37,14 +37,21 @@ def attempt() -> int | None:
     return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
-def on_time_limit(run_dir: Path, signal_before_end_s: int) -> None:
+def on_time_limit(run_dir: Path, signal_before_end_s: int, *, checkpoint: bool = True) -> None:
     """Make USR1 start :func:`checkpoint_then_requeue` in a thread, waiting for the checkpoint up to 10 s less
-    than the ``signal_before_end_s`` seconds the time limit leaves (at least 10 s)."""
+    than the ``signal_before_end_s`` seconds the time limit leaves (at least 10 s). Without ``checkpoint`` (an SFT
+    run, which checkpoints at its ``ckpt.interval`` only, or an eval job, which records each task as it finishes) USR1
+    requeues the job at once (:func:`requeue`)."""
     wait_s = max(10.0, signal_before_end_s - 10.0)
-    signal.signal(
-        signal.SIGUSR1,
-        lambda *_: threading.Thread(target=checkpoint_then_requeue, args=(run_dir, wait_s), daemon=True).start(),
-    )
+    target, args = (checkpoint_then_requeue, (run_dir, wait_s)) if checkpoint else (requeue, ())
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=target, args=args, daemon=True).start())
+
+
+def requeue() -> None:
+    """``scontrol requeue`` this job (``SLURM_JOB_ID``); the next attempt resumes what the run kept on disk."""
+    job = os.environ["SLURM_JOB_ID"]
+    logger.info("USR1: requeueing job %s", job)
+    subprocess.run(["scontrol", "requeue", job], check=False)
 
 
 def checkpoint_then_requeue(run_dir: Path, wait_s: float) -> None:
@@ -69,23 +76,25 @@ def checkpoint_then_requeue(run_dir: Path, wait_s: float) -> None:
     subprocess.run(["scontrol", "requeue", job], check=False)
 
 
-def prepare_requeued(run_dir: Path, home: SupervisorHome) -> int | None:
+def prepare_requeued(run_dir: Path, home: SupervisorHome, *, keep: bool = False) -> int | None:
     """A requeued attempt: keep the run directory up to its newest complete checkpoint (returned) or, without one,
-    start over; the metrics forwarder replays from the start (ingestion is idempotent)."""
+    start over (``keep``: an eval job's directory is kept whole: the weights it evaluates and the tasks it recorded);
+    the metrics forwarder replays from the start (ingestion is idempotent)."""
     run = RunDir(run_dir)
     step = resume_step(run) if run.config.exists() else None
-    if step is None:
-        shutil.rmtree(run.root, ignore_errors=True)
-    else:
+    if step is not None:
         run.prune_after(step)
+    elif not keep:
+        shutil.rmtree(run.root, ignore_errors=True)
     home.forwarded_offset.unlink(missing_ok=True)
     return step
 
 
-def start_requeued(restarts: int, run_dir: Path, home: SupervisorHome) -> dict[str, Any]:
-    """Attempt ``restarts`` (> 0) of the job: :func:`prepare_requeued`, then the body of the ``requeued`` report
-    (``{"restarts", "resume_step", "job"}``; ``resume_step`` None: the run starts over)."""
-    step = prepare_requeued(run_dir, home)
+def start_requeued(restarts: int, run_dir: Path, home: SupervisorHome, *, keep: bool = False) -> dict[str, Any]:
+    """Attempt ``restarts`` (> 0) of the job: :func:`prepare_requeued` (``keep``: as there), then the body of the
+    ``requeued`` report (``{"restarts", "resume_step", "job"}``; ``resume_step`` None: the run starts over, or an
+    eval job goes on after the tasks it recorded)."""
+    step = prepare_requeued(run_dir, home, keep=keep)
     job = os.environ["SLURM_JOB_ID"]
     logger.info(
         "Slurm attempt %d of job %s: %s",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from worker import progress
@@ -19,6 +20,10 @@ from worker.orchestrator.rollouts import rollout_group
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient
     from worker.orchestrator.harness import HarnessRunner
+
+
+TaskResult = tuple[list[float | None], list[int]]
+"""One eval task's ``pass_k`` samples: their rewards (None: missing) and completion lengths in tokens."""
 
 
 async def evaluate(
@@ -34,6 +39,8 @@ async def evaluate(
     pass_threshold: float = 1.0,
     harness: HarnessRunner | None = None,
     seed: int | None = None,
+    done: Mapping[int, TaskResult] | None = None,
+    on_task: Callable[[int, TaskResult], None] | None = None,
 ) -> dict[str, float | int | None]:
     """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
 
@@ -44,6 +51,11 @@ async def evaluate(
     agent harness, ``worker.orchestrator.harness``).
 
     ``seed`` (None: unseeded) seeds task i's requests with ``request_seed(seed, i)``.
+
+    ``done`` (an interrupted eval's record, task index -> :data:`TaskResult`): those tasks are not sampled again, their
+    recorded results are used; ``on_task(index, result)`` is called as each other task finishes (the eval job records
+    it, ``worker.evaluation``). The result is the same whichever tasks came from ``done``: tasks are combined in index
+    order.
 
     Returns:
         ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
@@ -57,7 +69,11 @@ async def evaluate(
         raise ValueError(f"environment {env.id!r}: its tasks have tools; evaluating them needs a HarnessRunner")
     count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
 
-    async def one(index: int) -> tuple[list[float | None], list[int]]:
+    done = done or {}
+
+    async def one(index: int) -> TaskResult:
+        if index in done:
+            return done[index]
         rollouts = await rollout_group(
             client,
             tokenizer,
@@ -72,7 +88,10 @@ async def evaluate(
             seed=None if seed is None else request_seed(seed, index),
         )
         progress.recorder.tick("eval_groups")
-        return [r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts]
+        result: TaskResult = ([r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts])
+        if on_task is not None:
+            on_task(index, result)
+        return result
 
     results = await asyncio.gather(*(one(i) for i in range(count)))
     rewards = [r for rs, _ in results for r in rs if r is not None]

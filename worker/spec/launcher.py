@@ -139,3 +139,37 @@ class LauncherConfig(StrictModel):
     no limit of its own. At most 65536 here; at submit also at most the worker's declared memory
     (``worker/capacity.py``). Not enforced where the worker cannot make cgroups (a run event says so); not used by
     Slurm runs (use ``slurm.extra_sbatch = ["--mem=..."]``)."""
+
+
+MULTI_NODE_KEYS = ("inference_nodes", "rdzv_port", "inference_port")
+"""``launcher.slurm`` keys of an RL run's multi-node layout (``worker/launchers/slurm_layout.py``)."""
+PLACEMENT_KEYS = ("inference_gpus", "trainer_gpus", "trainer_processes")
+"""``launcher.local`` keys placing an RL run's vLLM server and trainer ranks."""
+
+
+def check_one_process_launcher(launcher: LauncherConfig, kind: str) -> None:
+    """Refuse what a job of one process (``kind``: ``"sft"``, ``"eval"``) cannot use: several Slurm nodes or a key
+    of the RL multi-node layout (:data:`MULTI_NODE_KEYS`) set to another value than its default, and
+    ``launcher.local``'s GPU placement (:data:`PLACEMENT_KEYS`, not empty). An SFT run or an eval job runs on one node
+    (the Slurm launcher's job script, the same as an RL run's) or as a local process; ``memory_limit_gib`` and every
+    other ``launcher.slurm`` key apply to it.
+
+    Raises:
+        ValueError: one line naming the key and what is allowed.
+    """
+    what = {"sft": "an SFT run", "eval": "an eval job"}.get(kind, f"a {kind} run")
+    slurm, local = launcher.slurm, launcher.local
+    if slurm.nodes != 1:
+        raise ValueError(f"launcher.slurm.nodes: {what} runs on one node, so use 1, got {slurm.nodes}")
+    for key in MULTI_NODE_KEYS:
+        if getattr(slurm, key) != SlurmConfig.model_fields[key].default:
+            raise ValueError(
+                f"launcher.slurm.{key}: a key of an RL run's multi-node layout; {what} runs on one node, so leave "
+                f"it at {SlurmConfig.model_fields[key].default}, got {getattr(slurm, key)}"
+            )
+    for key in PLACEMENT_KEYS:
+        if getattr(local, key):
+            raise ValueError(
+                f"launcher.local.{key}: places an RL run's vLLM and trainer processes; {what} is one process, so "
+                f"leave it unset, got {getattr(local, key)}"
+            )

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
-from worker.spec.launcher import LauncherConfig
+from worker.spec.launcher import LauncherConfig, check_one_process_launcher
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
 from worker.spec.trainer import (
@@ -470,9 +470,17 @@ class SFTSpec(StrictModel):
     ``trainer`` part (weights, optimizer, scheduler, RNG) and the ``orchestrator`` part (the data cursor)."""
     alerts: list[AlertRule] = Field(default_factory=list)
     """Alert rules of this run (``worker/alert_rules.py``), at most ``MAX_RULES_PER_RUN``."""
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    """Where the service runs the trainer: a local process, or a one-node Slurm job (``kind = "slurm"``); no
+    multi-node layout or GPU placement keys (``check_one_process_launcher``)."""
 
     _name = field_validator("name")(_check_run_name)
     _alerts = field_validator("alerts", mode="before")(_check_alert_count)
+
+    @model_validator(mode="after")
+    def _launcher(self) -> SFTSpec:
+        check_one_process_launcher(self.launcher, "sft")
+        return self
 
     @field_validator("env", mode="before")
     @classmethod
@@ -546,6 +554,9 @@ class EvalSpec(StrictModel):
     """One ``[env]`` table or several (``[[env]]``, each named): each environment's eval split is evaluated; with
     several, metrics per environment (``reward_mean/<name>``) and over all (weighted by tasks)."""
     eval: EvalSettings = Field(default_factory=EvalSettings)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    """Where the service runs the job (its eval process and the vLLM server it starts): a local process, or a
+    one-node Slurm job (``kind = "slurm"``); no multi-node layout or GPU placement keys."""
 
     _name = field_validator("name")(_check_run_name)
 
@@ -560,6 +571,7 @@ class EvalSpec(StrictModel):
             raise ValueError("model.name: give a model path or hub id, or model.run (a run of the service)")
         if self.model.run is None and self.model.step is not None:
             raise ValueError("model.step: a checkpoint step needs model.run (the run it belongs to)")
+        check_one_process_launcher(self.launcher, "eval")
         return self
 
     @property

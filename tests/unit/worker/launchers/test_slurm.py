@@ -378,3 +378,26 @@ def test_a_sigterm_after_a_lost_node_fails_the_run_naming_it(monkeypatch: pytest
     # the node is back already (ReturnToService=2), the job's state still says it
     monkeypatch.setattr(slurm, "slurm_command", lambda argv, env=None: "JobId=42 JobState=NODE_FAIL Restarts=0")
     assert slurm_job.end_status(0) == ("failed", "Slurm job 42 lost a node (NODE_FAIL)")
+
+
+@pytest.mark.parametrize(("kind", "extra", "title"), [("sft", {}, "SFT run"), ("eval", {"env": {}}, "eval job")])
+def test_an_sft_run_and_an_eval_job_render_the_one_node_script(kind: str, extra: dict[str, object], title: str) -> None:
+    """Issue 22: the other kinds are the same job script as a 1-node RL run (their supervisor runs the kind's local
+    launcher); only the title line names the kind."""
+    slurm = {"kind": "slurm", "slurm": {"partition": "gpu", "time_limit": "30:00", "gpus_per_node": 1}}
+    spec = validate_spec(kind, {"kind": kind, "name": "j", "model": {"name": "/models/q"}, "launcher": slurm, **extra})
+    rl = validate_spec("rl", {"name": "j", "model": {"name": "/models/q"}, "launcher": slurm})
+    args = {"home": HOME, "name": "asyncrl-run-7", "python": "/venv/bin/python", "workdir": Path("/srv/asyncrl")}
+    script, rl_script = render(spec, **args), render(rl, **args)  # type: ignore[arg-type]
+    title_line = f'# asyncrl {title} "j": rendered from deploy/slurm/rl.sbatch.j2 (asyncrl slurm render / the Slurm'
+    assert script.splitlines()[1] == title_line + " launcher)."
+    assert script.splitlines()[2:] == rl_script.splitlines()[2:]
+    assert "/venv/bin/python -m worker.supervisor --home /srv/asyncrl/runs/7 >>" in script
+    assert sbatch_lines(script)[:6] == [
+        "#SBATCH --job-name=asyncrl-run-7",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=30:00",
+    ]
