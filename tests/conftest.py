@@ -8,14 +8,13 @@ The ``database`` fixture creates and migrates that database; the folders that ne
 from __future__ import annotations
 
 import secrets
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.support.server import free_port, fresh_database, new_token, spec
+from tests.support.server import fresh_database, new_token, spec
+from tests.support.uvicorn_thread import serve
 
 
 @pytest.fixture(scope="session")
@@ -62,18 +61,7 @@ def make_run(client: Any, auth: dict[str, str]) -> Callable[..., dict[str, Any]]
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[str]:
     """The app served by uvicorn on a free port in a thread (for processes that call the API)."""
-    import uvicorn
-
     from server.main import app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve(app) as url:
+        yield url

@@ -112,16 +112,14 @@ def test_simulated_server_answers_as_vllm_with_its_lengths() -> None:
 def test_a_weight_update_does_not_wait_behind_a_full_generation_pool() -> None:
     """256 completions held open by a real HTTP server fill the generation pool; pause, ``/collective_rpc``, prefix
     reset and resume still go through at once (their own pool), and the held completions then finish."""
-    import threading
     import time
 
-    import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from worker.procs import free_port
+    from tests.support.uvicorn_thread import serve
 
     held = 256
     release = asyncio.Event()
@@ -141,17 +139,9 @@ def test_a_weight_update_does_not_wait_behind_a_full_generation_pool() -> None:
         Route(p, control, methods=["GET", "POST"])
         for p in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache")
     ]
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
 
     async def go() -> tuple[dict[str, Any], int]:
-        async with InferenceClient(f"http://127.0.0.1:{port}", max_retries=0, read_timeout_s=30) as client:
+        async with InferenceClient(url, max_retries=0, read_timeout_s=30) as client:
             rollouts = [
                 asyncio.create_task(client.generate([1, 2], n=1, max_tokens=1, temperature=1.0))
                 for _ in range(held + 8)
@@ -165,10 +155,7 @@ def test_a_weight_update_does_not_wait_behind_a_full_generation_pool() -> None:
             assert len(done) == held + 8
             return update, in_flight_during_update
 
-    try:
+    with serve(Starlette(routes=routes)) as url:
         update, in_flight = asyncio.run(go())
-    finally:
-        server.should_exit = True
-        thread.join(10)
     assert in_flight == held  # the update went through while every generation connection was taken
     assert update["total_s"] < 5
