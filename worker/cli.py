@@ -316,7 +316,7 @@ def _config_command(argv: list[str]) -> int:
 
 SLURM_USAGE = """usage: asyncrl slurm render SPEC.toml [@ MORE.toml ...] [--dotted.key VALUE ...] [--resume]
 
-Print the Slurm job script (sbatch) of an RL spec without submitting it; the spec is validated first.
+Print the Slurm job script (sbatch) of a spec (RL, SFT or eval) without submitting it; the spec is validated first.
   SPEC.toml       the run spec ('@' before it is optional); later '@ FILE's win
   --dotted.key    an override, e.g. --launcher.slurm.nodes 3 --launcher.slurm.inference_nodes 1
   --resume        the script of a resume from the run's last complete checkpoint"""

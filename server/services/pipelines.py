@@ -174,6 +174,8 @@ def stage_data(spec: PipelineSpec, i: int) -> dict[str, Any]:
     stage = spec.stages[i]
     if "kind" in stage.base and stage.base["kind"] != stage.kind:
         raise SpecError(f"stages[{i}].base.kind: {stage.base['kind']!r}, but the stage's kind is {stage.kind!r}")
+    if "kind" in stage.overrides:
+        raise SpecError(f"stages[{i}].overrides.kind: the stage's own 'kind' key sets it ({stage.kind!r})")
     try:
         data = with_keys(stage.base, stage.overrides)
     except DottedKeyError as err:
@@ -247,6 +249,12 @@ def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> 
             if spec.stages[src].kind not in TRAINING:
                 raise SpecError(f"stages[{i}].from: stage {src} is an eval stage; it writes no weights to start from")
             root = (resolved[src].get("model") or {}).get("name")  # the weights' base: what the schema checks
+            given = [k for k in ("name", "run", "step") if k in (item.get("model") or {})]
+            if stage.kind == "eval" and given:
+                raise SpecError(
+                    f"stages[{i}].model.{given[0]}: this eval stage evaluates stage {src}'s weights (its 'step', "
+                    f"else its final weights); leave model.{given[0]} out"
+                )
             if stage.kind == "eval":
                 model = {k: v for k, v in (item.get("model") or {}).items() if k not in ("run", "step", "name")}
                 item = {**item, "model": {**model, "name": root}}

@@ -104,6 +104,11 @@ def test_eval_job_bad_input_and_refusals_start_nothing(client: Any, people: Peop
             422,
             "launcher.slurm.nodes: an eval job runs on one node, so use 1, got 2",
         ),
+        (  # nodes alone: named first, not the RL layout's missing inference_nodes (fresh user)
+            {"nodes": 2},
+            422,
+            "launcher.slurm.nodes: an eval job runs on one node, so use 1, got 2",
+        ),
         (
             {"rdzv_port": 29600},
             422,
@@ -129,6 +134,8 @@ def test_eval_job_bad_input_and_refusals_start_nothing(client: Any, people: Peop
     )
     sft = spec(kind="sft", model=path, launcher={"kind": "slurm", "slurm": {"nodes": 3, "inference_nodes": 1}})
     cases.append((sft, h, 422, "launcher.slurm.nodes: an SFT run runs on one node, so use 1, got 3"))
+    sft = spec(kind="sft", model=path, launcher={"kind": "slurm", "slurm": {"nodes": 2}})
+    cases.append((sft, h, 422, "launcher.slurm.nodes: an SFT run runs on one node, so use 1, got 2"))
     for body, headers, code, start in cases:
         resp = client.post("/api/runs", json=body, headers=headers)
         assert (resp.status_code, resp.json()["detail"][: len(start)]) == (code, start), body

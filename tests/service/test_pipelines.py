@@ -222,6 +222,14 @@ BAD = {
         {"stages": [_stage(0), _stage(1, overrides={"output_dir": "/tmp/x"})]},
         "stages[1].output_dir: the service chooses the run folder",
     ),
+    "kind in a stage's overrides": (  # was dropped without a word (fresh user)
+        {"stages": [_stage(0, overrides={"kind": "rl"})]},
+        "stages[0].overrides.kind: the stage's own 'kind' key sets it ('sft')",
+    ),
+    "model.name in a chained eval stage": (  # was kept in the stored spec and not evaluated (fresh user)
+        {"stages": [_stage(0), _stage(1), _stage(2, base={"model": {"name": "x"}})]},
+        "stages[2].model.name: this eval stage evaluates stage 1's weights",
+    ),
     "eval of a run that does not exist": (
         {"stages": [{"kind": "eval", "base": {"model": {"run": 2**31 - 1}}}]},
         f"stages[0].model.run: no run {2**31 - 1}; give the id of a run of this service",

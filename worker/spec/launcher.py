@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -147,6 +147,24 @@ PLACEMENT_KEYS = ("inference_gpus", "trainer_gpus", "trainer_processes")
 """``launcher.local`` keys placing an RL run's vLLM server and trainer ranks."""
 
 
+def _one_process(kind: str) -> str:
+    return {"sft": "an SFT run", "eval": "an eval job"}.get(kind, f"a {kind} run")
+
+
+def check_one_process_nodes(data: Any, kind: str) -> None:
+    """The ``launcher.slurm.nodes`` rule of :func:`check_one_process_launcher` on the raw spec mapping ``data``,
+    before the launcher's own fields are validated: ``nodes = 2`` alone would otherwise be refused for its missing
+    ``inference_nodes`` (an RL layout rule), which sends the user the wrong way.
+
+    Raises:
+        ValueError: ``launcher.slurm.nodes`` is given and is not 1 (one line naming it).
+    """
+    slurm = (data.get("launcher") or {}).get("slurm") if isinstance(data, dict) else None
+    nodes = slurm.get("nodes", 1) if isinstance(slurm, dict) else 1
+    if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes != 1:
+        raise ValueError(f"launcher.slurm.nodes: {_one_process(kind)} runs on one node, so use 1, got {nodes}")
+
+
 def check_one_process_launcher(launcher: LauncherConfig, kind: str) -> None:
     """Refuse what a job of one process (``kind``: ``"sft"``, ``"eval"``) cannot use: several Slurm nodes or a key
     of the RL multi-node layout (:data:`MULTI_NODE_KEYS`) set to another value than its default, and
@@ -157,7 +175,7 @@ def check_one_process_launcher(launcher: LauncherConfig, kind: str) -> None:
     Raises:
         ValueError: one line naming the key and what is allowed.
     """
-    what = {"sft": "an SFT run", "eval": "an eval job"}.get(kind, f"a {kind} run")
+    what = _one_process(kind)
     slurm, local = launcher.slurm, launcher.local
     if slurm.nodes != 1:
         raise ValueError(f"launcher.slurm.nodes: {what} runs on one node, so use 1, got {slurm.nodes}")

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
-from worker.spec.launcher import LauncherConfig, check_one_process_launcher
+from worker.spec.launcher import LauncherConfig, check_one_process_launcher, check_one_process_nodes
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
 from worker.spec.trainer import (
@@ -477,6 +477,12 @@ class SFTSpec(StrictModel):
     _name = field_validator("name")(_check_run_name)
     _alerts = field_validator("alerts", mode="before")(_check_alert_count)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nodes(cls, data: Any) -> Any:
+        check_one_process_nodes(data, "sft")
+        return data
+
     @model_validator(mode="after")
     def _launcher(self) -> SFTSpec:
         check_one_process_launcher(self.launcher, "sft")
@@ -563,6 +569,12 @@ class EvalSpec(StrictModel):
     @property
     def envs(self) -> list[EnvConfig]:
         return [self.env] if isinstance(self.env, EnvConfig) else list(self.env)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nodes(cls, data: Any) -> Any:
+        check_one_process_nodes(data, "eval")
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> EvalSpec:
