@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from sqlmodel import Session
 
 from server.core.db import engine
 from server.services import sweeps
+from tests.support.checkpoints import mark_complete
 from tests.support.server import new_token, run_token_headers, spec
 
 pytestmark = pytest.mark.browser
@@ -57,13 +59,15 @@ def test_sweep_page_marks_the_pruned_run_and_the_best(page: Any, login: Any, liv
     for run_id, vals in zip(ids, values, strict=True):  # step 2 arrives; the rung is decided while the page is open
         step_2 = [{"source": "eval", "step": 2, "name": "reward_mean", "value": vals[2], "time": time.time()}]
         _post(live_server, f"/api/runs/{run_id}/metrics", {"points": step_2}, run_token_headers(run_id))
+        run_dir = httpx.get(f"{live_server}/api/runs/{run_id}", headers=h).json()["run_dir"]
+        mark_complete(Path(run_dir), 2)  # what its trainer does at the rung (ckpt.hold_at): checkpoint, then hold
     with Session(engine) as s:
-        assert sweeps.tick(s, sw["id"])[-1] == "rung 2 decided: 1 pruned, 0 promoted"
+        assert sweeps.tick(s, sw["id"])[-1] == "rung 2 decided: 1 pruned, 3 promoted"
     pruned = page.locator('tr[data-trial="3"].trial-pruned')
     pruned.wait_for(timeout=15_000)  # the htmx refresh (every 3 s)
     assert pruned.locator("strong.pruned").inner_text() == "pruned at step 2"
     assert pruned.locator("a").inner_text() == f"#{ids[3]}"
-    assert page.locator("tr.trial-running").count() == 3
+    assert page.locator("tr.trial-waiting").count() == 3  # held at the rung, promoted, resumed by the next ticks
     assert page.locator("#best-value").inner_text() == "0.55"
     assert f"run #{ids[1]}" in page.locator("#sweep-best").inner_text()
     page.wait_for_function("document.getElementById('chart-swept-0').data[1].x.length === 1")

@@ -14,6 +14,7 @@ from sqlmodel import Session, func, select
 
 from server.models import Run, Sweep
 from server.services import sweeps
+from tests.support.checkpoints import mark_complete
 from tests.support.server import new_token, run_token_headers, spec
 from tests.support.webui import login
 
@@ -150,11 +151,7 @@ def test_c17_grid_2x2_prunes_the_worst_at_the_rung_and_reports_the_best(
 
 def checkpoint(client: Any, auth: dict[str, str], run_id: int, step: int) -> None:
     """A complete checkpoint of ``step`` in the run's directory (both parts with their ``.complete`` marker)."""
-    run_dir = Path(client.get(f"/api/runs/{run_id}", headers=auth).json()["run_dir"])
-    for part in ("trainer", "orchestrator"):
-        folder = run_dir / "checkpoints" / f"step_{step}" / part
-        folder.mkdir(parents=True)
-        (folder / ".complete").touch()
+    mark_complete(Path(client.get(f"/api/runs/{run_id}", headers=auth).json()["run_dir"]), step)
 
 
 def test_synchronous_halving_holds_trials_at_the_rung_and_resumes_the_promoted(
