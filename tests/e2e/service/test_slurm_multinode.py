@@ -69,9 +69,10 @@ def node_of_netns() -> dict[int, str]:
 
 def job_processes(job: str) -> dict[int, tuple[str, str]]:
     """Live processes of Slurm job ``job`` (``SLURM_JOB_ID`` in their environment): pid -> (node from the kernel's
-    network namespace of the process, command line)."""
+    network namespace of the process, command line). A child with its parent's command line is a fork that has not
+    exec'd yet (the supervisor starting ``srun``: seen once by a CI run), not a second process of that role."""
     nodes = node_of_netns()
-    found = {}
+    found, parents = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -80,11 +81,12 @@ def job_processes(job: str) -> dict[int, tuple[str, str]]:
                 continue
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             netns = os.stat(entry / "ns" / "net").st_ino
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError, IndexError):
             continue
         if cmd:
             found[int(entry.name)] = (nodes.get(netns, f"netns {netns}"), cmd)
-    return found
+    return {pid: v for pid, v in found.items() if found.get(parents.get(pid, 0), (None, None))[1] != v[1]}
 
 
 def role(cmd: str) -> str | None:
