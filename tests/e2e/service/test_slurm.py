@@ -43,6 +43,13 @@ def submit(client: Any, auth: dict[str, str], spec: dict[str, Any]) -> dict[str,
     return dict(wait_for(lambda: (r := run_of(client, auth, run_id))["status"] != "queued" and r, 60, "launch"))
 
 
+def ended_job(handle: str) -> slurm.JobState | None:
+    """The job's state once Slurm no longer says it is pending, running or completing; None before."""
+    state = slurm.state(handle)
+    assert state is not None, f"Slurm no longer knows job {handle}"
+    return None if state.state in ("PENDING", "RUNNING", "COMPLETING") else state
+
+
 def events(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, Any]]:
     return list(client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"])
 
@@ -341,8 +348,10 @@ def test_an_sft_run_and_an_eval_job_of_its_weights_run_as_slurm_jobs(
         assert f"#SBATCH --job-name={slurm.job_name(run['id'])}" in script and "#SBATCH --time=20:00" in script
         first = (home / "slurm" / "attempt-0" / "job.log").read_text().splitlines()[0]
         assert first.startswith(f"job {handle} attempt 0 on {node} at "), first
-        state = slurm.state(handle)  # Slurm keeps an ended job for MinJobAge (300 s by default)
-        assert state is not None and (state.state, state.nodes) == ("COMPLETED", node), state
+        # The run is completed once its processes report it; the job script then still stops the job's own vLLM, so
+        # Slurm may say RUNNING a little longer. Slurm keeps an ended job for MinJobAge (300 s by default).
+        state = wait_for(lambda: ended_job(handle), 60, f"job {handle} to end")
+        assert (state.state, state.nodes) == ("COMPLETED", node), state
         assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == [
             "queued",
             "starting",
