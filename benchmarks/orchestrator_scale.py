@@ -9,8 +9,8 @@ Per level L, three processes on 127.0.0.1:
   groups of ``group_size`` through ``rollout_group`` on the ``reverse_text`` environment with the tiny model's
   tokenizer, batcher, ``batches/step_n.json`` write, rollout records, metrics, weight watcher with
   pause / load / reset / resume on every version). Each step holds ``L / (max_async_level + 1)`` rollouts and
-  ``max_async_level`` is 1, so the producer's gate allows at most L rollouts in flight; the server reports how
-  many were (time-average and maximum over the measured window);
+  ``max_async_level`` is ``--async-level`` (default 1), so the producer's gate allows at most L rollouts in flight;
+  the server reports how many were (time-average and maximum over the measured window);
 - a stand-in trainer (``--trainer``): reads each batch with ``worker.batch.read_batch`` as the trainer does (timed)
   and publishes version n at once (``weights/step_n/STABLE``), so the orchestrator is never held by training.
 
@@ -223,7 +223,7 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path | None) -> dict[str, Any]:
     from worker.rundir import RunDir
 
-    async_level = 1
+    async_level = args.async_level
     per_step = level // (async_level + 1)
     if per_step % args.group_size:
         raise SystemExit(f"--levels: {level} / {async_level + 1} is not a multiple of --group-size {args.group_size}")
@@ -287,6 +287,8 @@ def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path |
         cmd = [
             sys.executable,
             str(here),
+            "--async-level",
+            str(async_level),
             "--orchestrator",
             str(run.root),
             "--url",
@@ -320,6 +322,7 @@ def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path |
     t = json.loads((run.root / "trainer_handoff.json").read_text())[args.warmup_steps :]
     return {
         "inflight": level,
+        "max_async_level": async_level,
         "group_size": args.group_size,
         "rollouts_per_step": per_step,
         **{k: v for k, v in o.items() if k != "write_step_ms"},
@@ -337,7 +340,7 @@ def gate_ceiling(level: int, args: argparse.Namespace, steps: int = 400, seed: i
 
     The simulated server's latency model (``sim_inference.SimState``: group latency ``(ttft + per_token * longest of
     group_size log-normal lengths cut at max_tokens) * log-normal jitter``) sampled for ``steps`` steps of
-    ``level / 2`` rollouts: with ``max_async_level`` 1, step n starts when batch n - 2 is written (its version
+    ``level / (k + 1)`` rollouts, ``k = --async-level``: step n starts when batch n - 1 - k is written (its version
     served), and batch n is written when its slowest group answered (and batch n - 1 was). Rollouts/s as measured:
     the steps after ``--warmup-steps``. The bound the benchmark's gate puts on any orchestrator.
     """
@@ -353,13 +356,15 @@ def gate_ceiling(level: int, args: argparse.Namespace, steps: int = 400, seed: i
         )
         return (c.ttft_ms + c.per_token_ms * longest) * math.exp(rng.gauss(0.0, c.jitter_sigma)) / 1000.0
 
-    groups = level // 2 // args.group_size
+    k = args.async_level
+    per_step = level // (k + 1)
+    groups = per_step // args.group_size
     written = [0.0] * (steps + 1)
     for n in range(1, steps + 1):
-        start = written[n - 2] if n > 2 else 0.0
+        start = written[n - 1 - k] if n > 1 + k else 0.0
         written[n] = max(written[n - 1], start + max(group_s() for _ in range(groups)))
     w = args.warmup_steps
-    return (steps - w) * level / 2 / (written[steps] - written[w])
+    return (steps - w) * per_step / (written[steps] - written[w])
 
 
 def summarize_profile(raw: Path, out: Path, top: int = 40) -> None:
@@ -395,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-ms", type=float, default=50.0)
     p.add_argument("--per-token-ms", type=float, default=10.0)
     p.add_argument("--len-mean", type=float, default=48.0)
+    p.add_argument(
+        "--async-level",
+        type=int,
+        default=1,
+        help="orchestrator.max_async_level; each step holds level / (async_level + 1) rollouts",
+    )
     p.add_argument("--profile", action="store_true", help="py-spy the orchestrator of the largest level")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--trainer", type=Path, help=argparse.SUPPRESS)
@@ -430,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "env": "reverse_text (configs/reverse_text/rl.toml), tiny Qwen3 tokenizer",
             "group_size": args.group_size,
-            "max_async_level": 1,
+            "max_async_level": args.async_level,
             "max_tokens": args.max_tokens,
             "sim_server": {"ttft_ms": args.ttft_ms, "per_token_ms": args.per_token_ms, "len_mean": args.len_mean},
             "measured_steps": args.steps,
