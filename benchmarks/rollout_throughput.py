@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,14 @@ def loop_throughput(run_dir: Path, warmup_steps: int) -> dict:
     }
 
 
+def split_cpus(cpus: list[int]) -> dict[str, list[int]]:
+    """``--pin``: the first CPU of ``cpus`` for the vLLM server (API server and engine core), the rest for the
+    client and the RL run's trainer and orchestrator. Raises ``ValueError`` with fewer than 2 CPUs."""
+    if len(cpus) < 2:
+        raise ValueError(f"--pin: needs at least 2 CPUs in this process's affinity, got {cpus}")
+    return {"server": cpus[:1], "others": cpus[1:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny counts: 2 rounds, 4 RL steps")
@@ -103,11 +112,30 @@ def main() -> int:
     ap.add_argument("--rl-steps", type=int, default=None, help="RL steps (default 30; quick 4)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="RL steps left out (default 2; quick 1)")
     ap.add_argument("--sft-steps", type=int, default=60)
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="server on the first CPU, everything else (client, trainer, orchestrator) on the others, in both "
+        "measurements (default: no pinning)",
+    )
+    ap.add_argument(
+        "--async-level",
+        type=int,
+        default=None,
+        help="orchestrator.max_async_level of the RL run (default: rl.toml's, 1)",
+    )
+    ap.add_argument(
+        "--result-name",
+        default="rollout_throughput",
+        help="write benchmarks/results/<name>.json (default rollout_throughput, the one the README table shows)",
+    )
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 10)
     rl_steps = args.rl_steps or (4 if args.quick else 30)
     warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.quick else 2)
 
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        ap.error(f"--pin: needs at least 2 CPUs in this process's affinity, got {sorted(os.sched_getaffinity(0))}")
     started = time.time()
     machine = C.machine_facts()
     model = C.sft_model(args.sft_steps)
@@ -119,7 +147,13 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     log = C.TMP / "rollout_throughput.server.log"
     log.unlink(missing_ok=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = split_cpus(cpus) if args.pin else None
+    if pinned:  # children inherit the affinity at spawn: the server's processes get pinned["server"]
+        os.sched_setaffinity(0, pinned["server"])
     proc = start_server(str(model), port=port, log_path=log, max_model_len=256)
+    if pinned:  # this process (the client), and the RL run's trainer and orchestrator spawned below
+        os.sched_setaffinity(0, pinned["others"])
     try:
         boot_s = wait_ready(url, 600, proc, log)
         C.say(f"[bench] vLLM ready in {boot_s:.0f}s at {url}")
@@ -134,6 +168,7 @@ def main() -> int:
                 ("orchestrator.eval.interval", "0"),
                 ("orchestrator.eval.num_examples", "8"),
                 ("ckpt.interval", "0"),
+                *([("orchestrator.max_async_level", str(args.async_level))] if args.async_level is not None else []),
             ],
         )
         t0 = time.time()
@@ -164,6 +199,8 @@ def main() -> int:
             "trainer_threads": spec.trainer.threads,
             "max_async_level": spec.orchestrator.max_async_level,
             "server_boot_s": round(boot_s, 1),
+            "cpus": cpus,
+            "pinned": pinned,
         },
         "alone": alone,
         "alone_after_rl": alone_after,
@@ -172,7 +209,7 @@ def main() -> int:
         "ratio_loop_generation_vs_alone": ratio_gen,
         "ratio_loop_wall_vs_alone": ratio_wall,
     }
-    out = C.write_result("rollout_throughput", payload, quick=args.quick, started=started, machine=machine)
+    out = C.write_result(args.result_name, payload, quick=args.quick, started=started, machine=machine)
 
     def f(x):  # noqa: E306
         return "n/a" if x is None else x

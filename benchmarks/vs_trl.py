@@ -394,6 +394,11 @@ def main() -> int:
     ap.add_argument("--async-level", type=int, default=1, help="asyncrl orchestrator.max_async_level (default 1)")
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--only", choices=["asyncrl", "trl"], default=None, help="run one side only")
+    ap.add_argument(
+        "--result-name",
+        default="vs_trl",
+        help="write benchmarks/results/<name>.json (default vs_trl, the one the README table shows)",
+    )
     ap.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)  # MODE:THREADS, internal
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -463,7 +468,7 @@ def main() -> int:
         "goal": "asyncrl >= 2x the best TRL setting's samples/s",
         "goal_met": None if speedup is None else speedup >= 2.0,
     }
-    out = C.write_result("vs_trl", payload, quick=args.quick, started=started, machine=machine)
+    out = C.write_result(args.result_name, payload, quick=args.quick, started=started, machine=machine)
     rows = []
     if "asyncrl" in res:
         a = res["asyncrl"]
