@@ -221,11 +221,31 @@ def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec | EvalSpe
         raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
     check_depth(data)
     check_size(data)
+    if (foreign := spec_kind_of_keys(kind, data)) is not None:
+        other, keys = foreign
+        raise SpecError(
+            f"kind: {', '.join(map(repr, keys))} {'is a key' if len(keys) == 1 else 'are keys'} of {other} specs, "
+            f"not of {kind!r} ones: this looks like an {other} spec given as kind {kind!r}"
+        )
     check_unknown_keys(model, data)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation_error(err)) from None
+
+
+def spec_kind_of_keys(kind: str, data: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The other spec kind(s) a mapping given as ``kind`` belongs to: when the top-level keys that ``kind``'s schema
+    does not know (e.g. ``inference``, ``orchestrator`` in an ``eval`` spec) are all keys of another kind's schema
+    (``SPEC_TYPES``), those kinds quoted and joined by "or" (``"'rl' or 'sft'"`` for ``max_steps`` alone) and those
+    keys (sorted); None when every key is ``kind``'s, or an unknown one is a key of no other kind (a typo:
+    ``check_unknown_keys`` names it)."""
+    own = SPEC_TYPES[kind].model_fields
+    unknown = sorted(k for k in data if k not in own)
+    if not unknown:
+        return None
+    others = [o for o, model in SPEC_TYPES.items() if o != kind and all(k in model.model_fields for k in unknown)]
+    return (" or ".join(map(repr, others)), unknown) if others else None
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
