@@ -442,9 +442,10 @@ def tick(session: Session, pipeline_id: int) -> list[str]:
     return done
 
 
-def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
-    """``user`` (the owner or an admin) stops the running pipeline: it is ``cancelled``, no later stage starts, and
-    the live stage's run is stopped through the normal stop path (its checkpoints kept); committed, then the stop is
+def stop_by(session: Session, pipeline_id: int, user: Principal, *, via: str = "API") -> Pipeline:
+    """``user`` (the owner or an admin) stops the running pipeline from the surface ``via`` (``runs.STOP_SURFACES``):
+    it is ``cancelled``, no later stage starts, and the live stage's run is stopped through the normal stop path (its
+    checkpoints kept; its reason ``stopped by <user> via <surface> (pipeline <id>)``); committed, then the stop is
     enqueued. :func:`resume_by` continues that stage.
 
     Raises:
@@ -452,7 +453,7 @@ def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
     """
     pipeline = get(session, pipeline_id, lock=True)
     permissions.require_owner(user, pipeline.owner, f"pipeline {pipeline_id}", "stop it")
-    _set(pipeline, P.cancelled, f"stopped by {user.name}")
+    _set(pipeline, P.cancelled, f"stopped by {user.name} via {via}")
     session.add(pipeline)
     stops: list[int] = []
     for stage in stages(session, pipeline_id):
@@ -460,9 +461,9 @@ def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
             continue
         run = job_groups.run_of(session, stage)
         if run is not None:
-            stops += job_groups.request_stops(session, [run], by=f"{user.name} (pipeline {pipeline_id})")
+            stops += job_groups.request_stops(session, [run], by=f"{user.name} via {via} (pipeline {pipeline_id})")
         if run is None or RunStatus(run.status) != RunStatus.completed:
-            _move(stage, T.cancelled, f"stopped by {user.name}")
+            _move(stage, T.cancelled, f"stopped by {user.name} via {via}")
             session.add(stage)
     session.commit()
     for run_id in stops:
