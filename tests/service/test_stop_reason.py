@@ -108,14 +108,14 @@ def test_a_stop_before_launch_and_a_resumed_runs_end_are_not_mixed_up(
     assert client.get(f"/api/runs/{run_id}", headers=auth).json()["status_reason"] == "interrupted"
 
 
-def test_pipeline_stop_names_the_user_surface_and_pipeline(client: Any, auth: dict[str, str], make_run: Any) -> None:
+def test_pipeline_stop_names_the_user_surface_and_pipeline(client: Any, auth: dict[str, str]) -> None:
     p = client.post("/api/pipelines", json=body(name="stopper"), headers=auth).json()
-    rl_stage_run = p["stages"][0]["run_id"]
-    set_status(client, rl_stage_run, "starting", "running")
+    first_stage_run = p["stages"][0]["run_id"]
+    set_status(client, first_stage_run, "starting", "running")
     stopped = client.post(f"/api/pipelines/{p['id']}/stop", headers={**auth, "User-Agent": "asyncrl-cli/1"}).json()
     owner = stopped["owner"]
     assert stopped["status_reason"] == f"stopped by {owner} via CLI"
-    supervisor_reports(client, rl_stage_run, "interrupted")
-    run = client.get(f"/api/runs/{rl_stage_run}", headers=auth).json()
+    supervisor_reports(client, first_stage_run, "interrupted")
+    run = client.get(f"/api/runs/{first_stage_run}", headers=auth).json()
     assert run["status_reason"] == f"stopped by {owner} via CLI (pipeline {p['id']})"
     assert show(client, auth, p["id"])["stages"][0]["reason"] == f"stopped by {owner} via CLI"
