@@ -885,7 +885,8 @@ def eval_source_folder(step: int | None) -> str:
 
 def resolve_eval_source(session: Session, spec: EvalSpec, *, owner: str, admin: bool) -> tuple[EvalSpec, Run | None]:
     """Check the source of an eval job submitted by ``owner`` (``admin``: an admin) and return the spec with
-    ``model.name`` / ``model.dtype`` set from the source run's spec, and that run (None for a model path).
+    ``model.name`` / ``model.dtype`` set from the source run's spec (and, for its final weights, ``model.final_step``:
+    its ``max_steps``, the step its metrics are stored at), and that run (None for a model path).
 
     Raises:
         SpecError: ``model.run`` names no run or a run that is not a training run; ``model.step`` has no complete
@@ -927,7 +928,8 @@ def resolve_eval_source(session: Session, spec: EvalSpec, *, owner: str, admin: 
             f"model.name: with model.run the base model is run {rid}'s ({base}); leave model.name out, got "
             f"{spec.model.name!r}"
         )
-    resolved = spec.model.model_copy(update={"name": base, "dtype": dtype})
+    final = None if step is not None else int(source.spec.get("max_steps", 0)) or None  # final/: after the last step
+    resolved = spec.model.model_copy(update={"name": base, "dtype": dtype, "final_step": final})
     return spec.model_copy(update={"model": resolved}), source
 
 
