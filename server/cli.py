@@ -228,6 +228,11 @@ def token_command(argv: list[str]) -> int:
     return 0
 
 
+CLI_USER_AGENT = "asyncrl-cli"
+"""The ``User-Agent`` of this CLI's requests: the server records an action it asks as ``via CLI``
+(``server.api.deps.client_surface``)."""
+
+
 def _client(url: str | None, token: str | None) -> Any:
     import httpx
 
@@ -237,7 +242,8 @@ def _client(url: str | None, token: str | None) -> Any:
     if not token:
         raise SpecError("--token: set ASYNCRL_TOKEN or pass --token (asyncrl token create --name NAME)")
     base = url or os.environ.get("ASYNCRL_URL") or settings.server_url()
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
+    headers = {"Authorization": f"Bearer {token}", "User-Agent": CLI_USER_AGENT}  # the server records "via CLI"
+    return httpx.Client(base_url=base, headers=headers, timeout=30.0)
 
 
 def _call(client: Any, method: str, path: str, **kwargs: Any) -> Any:

@@ -76,7 +76,7 @@ def stop(request: Request, db: SessionDep, pipeline_id: int, form: FormDep) -> R
     """Stop the running pipeline (as ``POST /api/pipelines/{id}/stop``)."""
     p = page(request, db)
     p.form(form)
-    return _act(p, pipeline_id, lambda user: pipelines.stop_by(db, pipeline_id, user))
+    return _act(p, pipeline_id, lambda user: pipelines.stop_by(db, pipeline_id, user, via="dashboard"))
 
 
 @router.post("/pipelines/{pipeline_id}/resume")

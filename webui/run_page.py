@@ -191,7 +191,7 @@ def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
 def stop(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Response:
     p = page(request, db)
     p.form(form)
-    return _act(p, run_id, lambda user: f"/runs/{runs.stop_by(db, run_id, user).id}")
+    return _act(p, run_id, lambda user: f"/runs/{runs.stop_by(db, run_id, user, via='dashboard').id}")
 
 
 @router.post("/runs/{run_id}/resume")

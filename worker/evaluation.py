@@ -24,7 +24,7 @@ from typing import Any
 
 from worker.envs import load_environment
 from worker.inference.client import InferenceClient
-from worker.orchestrator.eval import TaskResult, evaluate
+from worker.orchestrator.eval import TaskResult, check_num_examples, evaluate
 from worker.orchestrator.mixture import combine_evals
 from worker.rundir import RunDir, append_jsonl, atomic_write_json, read_jsonl
 from worker.spec import EnvConfig, EvalSpec
@@ -101,6 +101,7 @@ def run_evals(
     seed: int,
     adapter: Path | None = None,
     env_field: str = "--env-",
+    count_field: str = "--num-examples",
     server_log: Path | None = None,
     done: Mapping[str, Mapping[int, TaskResult]] | None = None,
     on_task: Callable[[str, int, TaskResult], None] | None = None,
@@ -128,8 +129,9 @@ def run_evals(
             ``adapter_config.json`` (or with a rank vLLM does not serve); a model or tokenizer that fails
             :func:`worker.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
             does not load, or that the orchestrator cannot run (`Environment.unsupported`, e.g. tools without
-            ``uv``), named ``<env_field>id`` / ``<env_field>args`` (several: ``env.<i>.id``). All are checked before
-            a server starts.
+            ``uv``), named ``<env_field>id`` / ``<env_field>args`` (several: ``env.<i>.id``); ``settings.num_examples``
+            more than an environment's eval split has, named ``count_field`` (``check_num_examples``: never evaluated
+            on fewer without a word). All are checked before a server starts.
     """
     from worker.envs import EnvironmentLoadError, env_error_field
     from worker.models import check_model, load_tokenizer
@@ -157,6 +159,7 @@ def run_evals(
             raise SpecError(f"{env_error_field(err, field)}: {err}") from None
         if env.unsupported is not None:
             raise SpecError(f"{field}id: {env.unsupported}")
+        check_num_examples(env, settings.num_examples, count_field)
         loaded[cfg.name or cfg.id] = env
     proc = None
     if url is None:
@@ -257,9 +260,10 @@ def adapter_rank(adapter: Path, *, served_by_url: bool) -> int:
 
 
 def job_step(spec: EvalSpec) -> int:
-    """The step an eval job's metrics are stored at: the evaluated checkpoint's step; 0 for a model path or a run's
-    final weights (whose chart point the service places at that run's ``max_steps``)."""
-    return spec.model.step if spec.model.step is not None else 0
+    """The step an eval job's metrics are stored at: the step its weights come from (``model.weights_step``: the
+    evaluated checkpoint's step, a run's final weights at that run's ``max_steps``, where the service's
+    ``/api/runs/{id}/evals`` draws them too; 0 for a model path)."""
+    return spec.model.weights_step
 
 
 def job_model(spec: EvalSpec, run: RunDir) -> str:
@@ -317,7 +321,8 @@ def run_job(spec: EvalSpec, run: RunDir) -> dict[str, Any]:
     their requests seeded, so the result equals an uninterrupted eval's (exactly at temperature 0).
 
     Raises:
-        SpecError: as :func:`job_model` and :func:`run_evals` (environments named ``env.id`` / ``env.<i>.id``).
+        SpecError: as :func:`job_model` and :func:`run_evals` (environments named ``env.id`` / ``env.<i>.id``, the
+            count ``eval.num_examples``: more than an environment's eval split fails the job with that line).
     """
     ev = spec.eval
     done = recorded_tasks(run)
@@ -336,6 +341,7 @@ def run_job(spec: EvalSpec, run: RunDir) -> dict[str, Any]:
         settings=EvalSettings(ev.num_examples, ev.temperature, ev.max_tokens, ev.pass_k, ev.pass_threshold),
         seed=spec.seed,
         env_field="env.",
+        count_field="eval.num_examples",
         server_log=run.logs / "inference.log",
         done=done,
         on_task=record,

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from sqlmodel import Session
 
+from server.cli import CLI_USER_AGENT
 from server.core.db import get_session
 from server.services import permissions, tokens
 from server.services.tokens import Principal
@@ -48,3 +49,12 @@ def current_user(principal: Annotated[Principal, Depends(current_principal)]) ->
 
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 UserDep = Annotated[Principal, Depends(current_user)]
+
+
+def client_surface(request: Request) -> str:
+    """Where an API request comes from, as a stop's reason names it (``runs.STOP_SURFACES``): ``CLI`` for the
+    ``asyncrl`` CLI (its ``User-Agent``), else ``API``."""
+    return "CLI" if request.headers.get("user-agent", "").startswith(CLI_USER_AGENT) else "API"
+
+
+SurfaceDep = Annotated[str, Depends(client_surface)]

@@ -86,7 +86,8 @@ class EvalPoint:
     step: int | None
     """The evaluated checkpoint's step; None: the final weights."""
     x: int
-    """Where it is drawn: ``step``, or the source run's ``max_steps`` for its final weights."""
+    """Where it is drawn, the step its metrics are stored at (``worker.evaluation.job_step``): ``step``, or the source
+    run's ``max_steps`` for its final weights (the job's ``model.final_step``)."""
     status: str
     metrics: dict[str, float]
     """The job's finite ``eval`` metrics (empty until it completed)."""
@@ -112,6 +113,7 @@ def evals_of(session: Session, run: Run) -> list[EvalPoint]:
     points = []
     for jid, job in jobs.items():
         step = steps[jid]
-        x = last if step is None else int(step)
+        final = (job.spec.get("model") or {}).get("final_step")  # where the job stored its metrics
+        x = int(step) if step is not None else int(final) if final is not None else last
         points.append(EvalPoint(jid, step, x, str(job.status), values.get(jid, {})))
     return sorted(points, key=lambda p: (p.x, p.run_id))

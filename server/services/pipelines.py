@@ -41,9 +41,9 @@ every stage completed. Celery beat runs it for every running pipeline (``worker/
 ``POST /api/pipelines`` and resume run it once at once.
 
 :func:`stop_by` cancels the pipeline and stops its live stage's run through the normal stop path (checkpoints kept);
-:func:`resume_by` continues the failed or cancelled stage: its run through ``runs.resume`` (from its newest complete
-checkpoint), or a new run when it has none (an eval job, or a run stopped before its first checkpoint), then the
-stages after it.
+:func:`resume_by` continues the failed or cancelled stage: its run through ``runs.resume`` (a training run from its
+newest complete checkpoint; an eval job in place, after the tasks it recorded), or a new run when a training run has
+no checkpoint (stopped before its first one), then the stages after it.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from server.services import capacity, job_groups, permissions, runs, spec_policy
 from server.services.tokens import Principal
 from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import DottedKeyError, closest, with_keys
-from worker.spec import SpecError, validate_spec
+from worker.spec import SpecError, spec_kind_of_keys, validate_spec
 
 StageKind = Literal["sft", "rl", "eval"]
 KINDS: tuple[str, ...] = ("sft", "rl", "eval")
@@ -168,12 +168,19 @@ def stage_data(spec: PipelineSpec, i: int) -> dict[str, Any]:
     """Stage ``i``'s run spec mapping before chaining: ``base`` with ``overrides``, its kind and run name.
 
     Raises:
-        SpecError: an override goes through a value that is not a table, ``base.kind`` is another kind, or the stage
-            sets ``output_dir`` (the service chooses the run folder).
+        SpecError: an override goes through a value that is not a table, ``base.kind`` is another kind, ``base``
+            without a ``kind`` has keys of another kind's spec only (``spec_kind_of_keys``: an RL spec as an eval
+            stage's base), or the stage sets ``output_dir`` (the service chooses the run folder).
     """
     stage = spec.stages[i]
     if "kind" in stage.base and stage.base["kind"] != stage.kind:
         raise SpecError(f"stages[{i}].base.kind: {stage.base['kind']!r}, but the stage's kind is {stage.kind!r}")
+    if "kind" not in stage.base and (foreign := spec_kind_of_keys(stage.kind, stage.base)) is not None:
+        other, keys = foreign
+        raise SpecError(
+            f"stages[{i}].base: an {other} spec ({', '.join(map(repr, keys))} {'is a key' if len(keys) == 1 else 'are keys'} "
+            f"of {other} specs), but stage {i} is kind {stage.kind!r}: give an {stage.kind} spec as its base"
+        )
     if "kind" in stage.overrides:
         raise SpecError(f"stages[{i}].overrides.kind: the stage's own 'kind' key sets it ({stage.kind!r})")
     try:
@@ -435,9 +442,10 @@ def tick(session: Session, pipeline_id: int) -> list[str]:
     return done
 
 
-def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
-    """``user`` (the owner or an admin) stops the running pipeline: it is ``cancelled``, no later stage starts, and
-    the live stage's run is stopped through the normal stop path (its checkpoints kept); committed, then the stop is
+def stop_by(session: Session, pipeline_id: int, user: Principal, *, via: str = "API") -> Pipeline:
+    """``user`` (the owner or an admin) stops the running pipeline from the surface ``via`` (``runs.STOP_SURFACES``):
+    it is ``cancelled``, no later stage starts, and the live stage's run is stopped through the normal stop path (its
+    checkpoints kept; its reason ``stopped by <user> via <surface> (pipeline <id>)``); committed, then the stop is
     enqueued. :func:`resume_by` continues that stage.
 
     Raises:
@@ -445,7 +453,7 @@ def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
     """
     pipeline = get(session, pipeline_id, lock=True)
     permissions.require_owner(user, pipeline.owner, f"pipeline {pipeline_id}", "stop it")
-    _set(pipeline, P.cancelled, f"stopped by {user.name}")
+    _set(pipeline, P.cancelled, f"stopped by {user.name} via {via}")
     session.add(pipeline)
     stops: list[int] = []
     for stage in stages(session, pipeline_id):
@@ -453,9 +461,9 @@ def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
             continue
         run = job_groups.run_of(session, stage)
         if run is not None:
-            stops += job_groups.request_stops(session, [run], by=f"{user.name} (pipeline {pipeline_id})")
+            stops += job_groups.request_stops(session, [run], by=f"{user.name} via {via} (pipeline {pipeline_id})")
         if run is None or RunStatus(run.status) != RunStatus.completed:
-            _move(stage, T.cancelled, f"stopped by {user.name}")
+            _move(stage, T.cancelled, f"stopped by {user.name} via {via}")
             session.add(stage)
     session.commit()
     for run_id in stops:
@@ -465,8 +473,9 @@ def stop_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
 
 def resume_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
     """``user`` (the owner or an admin) resumes a failed or cancelled pipeline from its first stage not completed:
-    a failed or cancelled stage's run is resumed (``runs.resume``: from its newest complete checkpoint) or, with no
-    checkpoint to resume from (an eval job, a run stopped before its first one) or no run, replaced by a new run;
+    a failed or cancelled stage's run is resumed (``runs.resume``: a training run from its newest complete
+    checkpoint, an eval job in place after the tasks recorded in its ``eval_tasks.jsonl``) or, with no checkpoint
+    to resume from (a training run stopped before its first one) or no run, replaced by a new run;
     then the stages after it follow. Committed, then the launch is enqueued (and :func:`tick` run).
 
     Raises:
@@ -492,6 +501,13 @@ def resume_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
         if run is not None and RunStatus(run.status) == RunStatus.completed:
             _move(stage, T.running, "its run completed")
             how = f"stage {stage.index}'s run {run.id} had completed"
+        elif run is not None and run.kind == "eval":  # in place: it goes on after the eval tasks it recorded
+            runs.resume(
+                session, runs.get(session, stored_id(run), lock=True), by=f"{user.name} (pipeline {pipeline_id})"
+            )
+            _move(stage, T.running, "eval run resumed after the tasks it recorded")
+            launch = stored_id(run)
+            how = f"stage {stage.index}'s eval run {run.id} resumed after the tasks it recorded"
         elif run is not None and runs.checkpoint_steps(run):
             step = runs.resume(
                 session, runs.get(session, stored_id(run), lock=True), by=f"{user.name} (pipeline {pipeline_id})"

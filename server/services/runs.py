@@ -253,7 +253,9 @@ def transition(
     session: Session, run: Run, to: RunStatus, *, reason: str = "", _resume: bool = False, **data: Any
 ) -> bool:
     """Move ``run`` to ``to`` and record the event; a repeat of the current state is a no-op (returns False).
-    ``_resume`` (used by ``resume`` only) also allows ``failed | cancelled → queued``.
+    ``_resume`` (used by ``resume`` only) also allows ``failed | cancelled → queued``. A run ``cancelled`` while a
+    stop was asked (:func:`pending_stop`) takes that request's reason (``stopped by alice via CLI``), whoever reports
+    the end (the supervisor's ``interrupted``, the stop task's ``stopped``: kept as ``reported`` in the event).
 
     Raises:
         InvalidTransition: ``to`` is not reachable from the current state.
@@ -265,6 +267,10 @@ def transition(
     if to not in TRANSITIONS[current] and not resuming:
         allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none (terminal)"
         raise InvalidTransition(f"run {run.id} is {current.value}: cannot go to {to.value} (allowed: {allowed})")
+    if to == S.cancelled and (stop := pending_stop(session, run)) is not None and stop.reason != reason:
+        if reason:  # what the worker saw ("interrupted": the SIGINT of the stop) is kept in the event
+            data["reported"] = reason
+        reason = stop.reason  # "stopped by alice via CLI": who asked, not how the processes ended
     now = utcnow()
     run.status, run.status_reason, run.updated_at = to, reason, now
     if to == S.running and run.started_at is None:
@@ -403,6 +409,21 @@ def hold(session: Session, run: Run, reason: str) -> bool:
     return True
 
 
+def pending_stop(session: Session, run: Run) -> RunEvent | None:
+    """The ``stop_requested`` event of ``run``'s current launch (recorded after its newest move to ``queued``: a
+    launch or a resume), the newest one; None when no stop was asked since."""
+    launched = session.exec(
+        select(col(RunEvent.id))
+        .where(RunEvent.run_id == stored_id(run), RunEvent.kind == "status", RunEvent.to_status == S.queued)
+        .order_by(col(RunEvent.id).desc())
+        .limit(1)
+    ).first()
+    query = select(RunEvent).where(RunEvent.run_id == stored_id(run), RunEvent.kind == "stop_requested")
+    if launched is not None:
+        query = query.where(col(RunEvent.id) > launched)
+    return session.exec(query.order_by(col(RunEvent.id).desc()).limit(1)).first()
+
+
 def request_stop(session: Session, run: Run, *, by: str, restart: bool = False, why: str = "") -> bool:
     """Stop a run: a queued one is cancelled at once (returns False); a launched one gets a
     ``stop_requested`` event and the caller enqueues ``stop_run`` after the commit (returns True). ``restart`` (the
@@ -460,16 +481,22 @@ def delete_run(session: Session, run: Run) -> None:
     set_aside(run_home(run), f"{run.id}-{run.token_nonce}")
 
 
-def stop_by(session: Session, run_id: int, user: Principal) -> Run:
-    """``user`` stops run ``run_id`` (its owner or an admin; :func:`request_stop`), committed; the worker is asked to
-    stop a launched run after the commit. The one path of the API's and the dashboard's stop.
+STOP_SURFACES = ("API", "CLI", "dashboard")
+"""Where a user's stop comes from, named in its reason: ``stopped by alice via CLI``."""
+
+
+def stop_by(session: Session, run_id: int, user: Principal, *, via: str = "API") -> Run:
+    """``user`` stops run ``run_id`` (its owner or an admin; :func:`request_stop`) from the surface ``via`` (one of
+    :data:`STOP_SURFACES`), committed; the worker is asked to stop a launched run after the commit. The one path of
+    the API's, the CLI's and the dashboard's stop; the run's ``stop_requested`` event and its ``cancelled`` status
+    say ``stopped by <user> via <surface>``.
 
     Raises:
         NotFound, Forbidden (``permissions.require_run``), InvalidTransition: the run has ended.
     """
     run = get(session, run_id, lock=True)
     permissions.require_run(user, run, "stop")
-    needs_worker = request_stop(session, run, by=user.name)
+    needs_worker = request_stop(session, run, by=f"{user.name} via {via}")
     session.commit()
     if needs_worker:
         enqueue(TaskName.stop_run, run_id)
@@ -858,7 +885,8 @@ def eval_source_folder(step: int | None) -> str:
 
 def resolve_eval_source(session: Session, spec: EvalSpec, *, owner: str, admin: bool) -> tuple[EvalSpec, Run | None]:
     """Check the source of an eval job submitted by ``owner`` (``admin``: an admin) and return the spec with
-    ``model.name`` / ``model.dtype`` set from the source run's spec, and that run (None for a model path).
+    ``model.name`` / ``model.dtype`` set from the source run's spec (and, for its final weights, ``model.final_step``:
+    its ``max_steps``, the step its metrics are stored at), and that run (None for a model path).
 
     Raises:
         SpecError: ``model.run`` names no run or a run that is not a training run; ``model.step`` has no complete
@@ -900,7 +928,8 @@ def resolve_eval_source(session: Session, spec: EvalSpec, *, owner: str, admin: 
             f"model.name: with model.run the base model is run {rid}'s ({base}); leave model.name out, got "
             f"{spec.model.name!r}"
         )
-    resolved = spec.model.model_copy(update={"name": base, "dtype": dtype})
+    final = None if step is not None else int(source.spec.get("max_steps", 0)) or None  # final/: after the last step
+    resolved = spec.model.model_copy(update={"name": base, "dtype": dtype, "final_step": final})
     return spec.model_copy(update={"model": resolved}), source
 
 

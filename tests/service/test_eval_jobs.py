@@ -175,7 +175,13 @@ def test_eval_job_of_a_checkpoint_copies_its_weights_and_is_drawn_over_steps(
     assert resp.status_code == 201, resp.text
     job = resp.json()
     assert (job["kind"], job["status"], job["owner"]) == ("eval", "queued", f"evaljob-owner-{SUFFIX}")
-    assert job["spec"]["model"] == {"name": str(model_dir), "run": rid, "step": 2, "dtype": "float32"}
+    assert job["spec"]["model"] == {
+        "name": str(model_dir),
+        "run": rid,
+        "step": 2,
+        "dtype": "float32",
+        "final_step": None,
+    }
     source = RunDir(job["run_dir"]).eval_source
     ckpt = Path(run["run_dir"]) / "checkpoints" / "step_2" / "trainer"
     assert sorted(p.name for p in source.iterdir()) == ["model.safetensors"]  # no state.pt, no marker
@@ -353,3 +359,78 @@ def test_an_eval_job_resumes_without_a_checkpoint(model_dir: Path) -> None:
         assert [(e.reason, e.data["step"]) for e in resumed] == [
             (f"resumed by {owner}: continues after the eval tasks it recorded", 0)
         ]
+
+
+def test_a_final_weights_eval_stores_its_metrics_where_evals_draws_them(
+    client: Any, people: People, model_dir: Path
+) -> None:
+    """The eval of a run's final weights: its metrics are stored at the run's ``max_steps`` (the step ``final/`` comes
+    from), the step ``/api/runs/{id}/evals`` draws it at (they were stored at 0, drawn at ``max_steps``: fresh
+    user)."""
+    from worker.evaluation import job_step
+    from worker.rundir import RunDir
+    from worker.spec import validate_spec
+
+    run, _ = training_run(model_dir, step=2)
+    rid, h = run["id"], people["owner"][1]
+    assert run["spec"]["max_steps"] == 3
+    final = Path(run["run_dir"]) / "final"
+    shutil.copytree(Path(run["run_dir"]) / "checkpoints" / "step_2" / "trainer", final)  # what completing writes
+    resp = client.post(
+        "/api/runs",
+        json={"kind": "eval", "name": "final-eval", "model": {"run": rid}, "eval": {"num_examples": 3}},
+        headers=h,
+    )
+    assert resp.status_code == 201, resp.text
+    job = resp.json()
+    assert job["spec"]["model"] == {
+        "name": str(model_dir),
+        "run": rid,
+        "step": None,
+        "dtype": "float32",
+        "final_step": 3,
+    }
+    assert (RunDir(job["run_dir"]).eval_source / "model.safetensors").is_file()
+    step = job_step(validate_spec("eval", job["spec"]))  # where the job's process logs its eval metrics
+    assert step == 3
+
+    points = [{"source": "eval", "step": step, "name": "reward_mean", "value": 0.5, "time": time.time()}]
+    posted = client.post(
+        f"/api/runs/{job['id']}/metrics", json={"points": points}, headers=run_token_headers(job["id"])
+    )
+    assert posted.status_code == 200, posted.text
+    [drawn] = client.get(f"/api/runs/{rid}/evals", headers=h).json()["data"]
+    assert (drawn["run_id"], drawn["step"], drawn["x"], drawn["metrics"]) == (job["id"], None, 3, {"reward_mean": 0.5})
+    stored = client.get(f"/api/runs/{job['id']}/metrics", params={"name": "reward_mean"}, headers=h).json()
+    assert [(x["source"], x["step"], x["value"]) for x in stored["series"]] == [("eval", [drawn["x"]], [0.5])]
+
+    refused = client.post(
+        "/api/runs", json={"kind": "eval", "model": {"name": str(model_dir), "final_step": 3}}, headers=h
+    )
+    assert refused.status_code == 422
+    assert refused.json()["detail"] == (
+        "model.final_step: only with model.run and no model.step (the service sets it to that run's max_steps), got 3"
+    )
+
+
+def test_an_eval_job_of_more_tasks_than_its_environment_has_fails_at_start_naming_the_key(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``eval.num_examples`` above the eval split's size: the job fails before vLLM starts, its reason one line naming
+    the key and the size (it evaluated 200 of 512 without a word: fresh user); the CLI's ``--num-examples`` is
+    ``tests/unit/worker/test_cli.py``'s."""
+    from worker.evaluation import main
+    from worker.rundir import RunDir, read_jsonl
+
+    run = RunDir(tmp_path / "job")
+    run.create()
+    spec = {"kind": "eval", "model": {"name": str(model_dir)}, "env": [{"id": "reverse_text", "name": "rt"}]}
+    spec["env"].append({"id": "reverse_text", "name": "small", "args": {"num_eval": 50}})
+    spec["eval"] = {"num_examples": 64}
+    run.config.write_text(json.dumps(spec))
+    assert main(["--run-dir", str(run.root)]) == 2
+    [failed] = [e for e in read_jsonl(run.events) if e["event"] == "failed"]
+    assert failed["reason"] == (
+        "eval.num_examples: 64 eval tasks asked, but environment 'reverse_text' has 50 (its eval split); use at most 50"
+    )
+    assert not (run.logs / "inference.log").exists() and not run.eval_tasks.exists()  # nothing started or sampled

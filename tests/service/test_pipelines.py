@@ -1,7 +1,7 @@
 """``/api/pipelines`` on the real Postgres: an sft -> rl -> eval pipeline walked through its state machine with the
 runs' statuses reported by hand (each stage starts from the previous stage's final weights; stopping it stops the
 live stage's run, resuming resumes that run from its checkpoint; a failed stage fails the pipeline naming it, and
-resuming re-runs a stage without checkpoints), and every bad input of a pipeline spec answered 422 naming the stage
+resuming resumes a failed eval stage's run in place), and every bad input of a pipeline spec answered 422 naming the stage
 and field with nothing created."""
 
 from __future__ import annotations
@@ -122,19 +122,26 @@ def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
     p = show(client, auth, pid)
     assert states(p) == ("failed", ["completed", "completed", "failed"])
     assert p["status_reason"] == done[0]
+    tasks = Path(ev["run_dir"]) / "eval_tasks.jsonl"  # what the failed attempt recorded (worker.evaluation.run_job)
+    tasks.write_text('{"env": "reverse_text", "index": 0, "rewards": [1.0], "lengths": [3], "pid": 1}\n')
     resumed = client.post(f"/api/pipelines/{pid}/resume", headers=auth).json()
-    again = resumed["stages"][2]["run_id"]
-    assert states(resumed) == ("running", ["completed", "completed", "running"]) and again != ev_id  # a new run
-    set_status(client, again, "starting", "running", "completed")
+    assert states(resumed) == ("running", ["completed", "completed", "running"])
+    assert resumed["stages"][2]["run_id"] == ev_id  # the same eval run, resumed in place: its tasks are kept
+    assert resumed["status_reason"] == (
+        f"resumed by {p['owner']}: stage 2's eval run {ev_id} resumed after the tasks it recorded"
+    )
+    again = client.get(f"/api/runs/{ev_id}", headers=auth).json()
+    assert (again["status"], again["run_dir"]) == ("queued", ev["run_dir"]) and tasks.read_text().count("\n") == 1
+    set_status(client, ev_id, "starting", "running", "completed")
     assert pipelines.tick(session, pid) == [
-        f"stage 2 (eval, run {again}) completed",
+        f"stage 2 (eval, run {ev_id}) completed",
         "every stage completed (3)",
     ]
     p = show(client, auth, pid)
     assert states(p) == ("completed", ["completed", "completed", "completed"])
     assert [s["run_status"] for s in p["stages"]] == ["completed", "completed", "completed"]
     made = session.exec(select(func.count()).select_from(Run).where(Run.name.startswith("p3-"))).one()  # type: ignore[attr-defined]
-    assert made == 4  # sft, rl (resumed, same id), eval twice
+    assert made == 3  # sft, rl and eval (each resumed in place, same id)
     assert client.post(f"/api/pipelines/{pid}/resume", headers=auth).status_code == 409
     assert client.post(f"/api/pipelines/{pid}/stop", headers=auth).status_code == 409
 
@@ -217,6 +224,16 @@ BAD = {
     "base of another kind": (
         {"stages": [_stage(0, base={"kind": "rl"})]},
         "stages[0].base.kind: 'rl', but the stage's kind is 'sft'",
+    ),
+    "rl spec as an eval stage's base": (  # was "unknown key 'inference'" (fresh user)
+        {"stages": [_stage(0), _stage(1), _stage(2, base=spec(max_steps=4, inference={}, orchestrator={}))]},
+        "stages[2].base: an 'rl' spec ('inference', 'max_steps', 'orchestrator' are keys of 'rl' specs), but stage 2 "
+        "is kind 'eval': give an eval spec as its base",
+    ),
+    "sft spec as an rl stage's base": (
+        {"stages": [_stage(0), _stage(1, base={"data": {"batch_size": 4}, "eval_examples": 8})]},
+        "stages[1].base: an 'sft' spec ('data', 'eval_examples' are keys of 'sft' specs), but stage 1 is kind 'rl': "
+        "give an rl spec as its base",
     ),
     "output_dir in a stage": (  # the service chooses every run's folder (it was dropped without a word)
         {"stages": [_stage(0), _stage(1, overrides={"output_dir": "/tmp/x"})]},

@@ -76,8 +76,9 @@ def check_gpu_memory(spec: RLSpec) -> None:
 
 
 def preflight(spec: RLSpec) -> None:
-    """Check what the schema cannot: the model loads, the environment imports, prompts fit, plugin functions
-    (``type = "custom"``) import and take their registry's arguments.
+    """Check what the schema cannot: the model loads, the environment imports, its eval split has the
+    ``orchestrator.eval.num_examples`` tasks the online evals take (never fewer without a word), prompts fit, plugin
+    functions (``type = "custom"``) import and take their registry's arguments.
 
     Cheap (no weights loaded, no process started, nothing written); ``asyncrl rl --dry-run`` runs it too.
 
@@ -108,6 +109,7 @@ def preflight(spec: RLSpec) -> None:
         check_gpu_memory(spec)
 
     from worker.envs import EnvironmentLoadError, env_error_field, load_environment
+    from worker.orchestrator.eval import check_num_examples
     from worker.orchestrator.prompts import prompt_ids
 
     longest = 0
@@ -115,10 +117,12 @@ def preflight(spec: RLSpec) -> None:
         prefix = "env." if isinstance(spec.env, EnvConfig) else f"env.{i}."
         try:
             env = load_environment(cfg.id, split="train", seed=spec.seed, **cfg.args)
+            evals = load_environment(cfg.id, split="eval", seed=spec.seed, **cfg.args)  # evaluated at start and end
         except (EnvironmentLoadError, TypeError, ValueError) as err:
             raise SpecError(f"{env_error_field(err, prefix)}: {err}") from None
         if env.unsupported:
             raise SpecError(f"{prefix}id: {env.unsupported}")
+        check_num_examples(evals, spec.orchestrator.eval.num_examples, "orchestrator.eval.num_examples")
         if env.needs_harness and spec.inference.num_replicas > 1:
             raise SpecError(
                 f"inference.replicas: {cfg.id} runs through the agent harness (tools), which uses one inference server "

@@ -26,6 +26,25 @@ TaskResult = tuple[list[float | None], list[int]]
 """One eval task's ``pass_k`` samples: their rewards (None: missing) and completion lengths in tokens."""
 
 
+def check_num_examples(env: Environment, num_examples: int, field: str) -> None:
+    """Refuse an eval of more tasks than ``env`` (an eval split) has, instead of evaluating fewer without a word (a
+    fresh user asked 512 and got 200). ``field`` is the key that set the count, named in the error
+    (``eval.num_examples``, ``orchestrator.eval.num_examples``, ``eval_examples``, ``--num-examples``); an endless
+    taskset (``num_tasks`` None) has every count.
+
+    Raises:
+        SpecError: ``eval.num_examples: 512 eval tasks asked, but environment 'reverse_text' has 200 (its eval
+            split); use at most 200``.
+    """
+    from worker.spec import SpecError
+
+    if env.num_tasks is not None and num_examples > env.num_tasks:
+        raise SpecError(
+            f"{field}: {num_examples} eval tasks asked, but environment {env.id!r} has {env.num_tasks} (its "
+            f"{env.split} split); use at most {env.num_tasks}"
+        )
+
+
 async def evaluate(
     client: InferenceClient,
     env: Environment,
@@ -64,10 +83,12 @@ async def evaluate(
     Raises:
         InferenceError: the server did not answer within the client's bounded retries.
         ValueError: ``env`` needs the agent harness and ``harness`` is None.
+        SpecError: ``num_examples`` is more than ``env`` has (:func:`check_num_examples`; never fewer silently).
     """
     if env.needs_harness and harness is None:
         raise ValueError(f"environment {env.id!r}: its tasks have tools; evaluating them needs a HarnessRunner")
-    count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
+    check_num_examples(env, num_examples, "num_examples")  # callers check it first, naming their own key
+    count = num_examples
 
     done = done or {}
 

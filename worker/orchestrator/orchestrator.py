@@ -619,10 +619,7 @@ class Orchestrator:
                     else:  # one replica per environment's eval (a lost one: the eval again on another)
                         results[env.config.name] = await self.pool.run_on(partial(_on_client, run))
         except TimeoutError:
-            asked = sum(
-                ev.num_examples if e.eval.num_tasks is None else min(ev.num_examples, e.eval.num_tasks)
-                for e in self.sampler.envs
-            )
+            asked = ev.num_examples * len(self.sampler.envs)  # each eval split has them (checked at launch)
             done = progress.recorder.counts.get("eval_groups", 0) - done_before
             reason = (
                 f"eval at policy version {version} abandoned after {time.monotonic() - t0:.1f} s "

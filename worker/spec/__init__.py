@@ -29,6 +29,7 @@ from worker.spec.loading import (
     nesting_depth,
     parse_override_value,
     parse_text,
+    spec_kind_of_keys,
     validate_spec,
 )
 from worker.spec.orchestrator import (
@@ -88,6 +89,7 @@ __all__ = [
     "MAX_STEPS",
     "RUN_NAME_RULE",
     "SPEC_TYPES",
+    "spec_kind_of_keys",
     "AdvantageConfig",
     "AdvantageRangeGate",
     "CustomGate",

@@ -221,11 +221,36 @@ def validate_spec(kind: str, data: dict[str, Any]) -> RLSpec | SFTSpec | EvalSpe
         raise SpecError(f"kind: this command runs '{kind}' specs, got {data['kind']!r}")
     check_depth(data)
     check_size(data)
+    if (foreign := spec_kind_of_keys(kind, data)) is not None:
+        other, keys = foreign
+        raise SpecError(
+            f"kind: {', '.join(map(repr, keys))} {'is a key' if len(keys) == 1 else 'are keys'} of {other} specs, "
+            f"not of {kind!r} ones: this looks like an {other} spec given as kind {kind!r}"
+        )
     check_unknown_keys(model, data)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation_error(err)) from None
+
+
+MIN_FOREIGN_KEYS = 2
+"""Unknown top-level keys of one other kind that make a spec read as that kind's (:func:`spec_kind_of_keys`); one
+stray key (an ``orchestrator`` table in an SFT spec) is an unknown key, listed with the valid ones."""
+
+
+def spec_kind_of_keys(kind: str, data: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The other spec kind(s) a mapping given as ``kind`` belongs to: when at least :data:`MIN_FOREIGN_KEYS` top-level
+    keys are unknown to ``kind``'s schema (e.g. ``inference``, ``orchestrator`` in an ``eval`` spec) and all are keys
+    of another kind's schema (``SPEC_TYPES``), those kinds quoted and joined by "or" (``"'rl' or 'sft'"`` for
+    ``max_steps`` and ``ckpt`` in an eval spec: keys both have) and those keys (sorted); else None (``check_unknown_keys`` names
+    a stray key or a typo)."""
+    own = SPEC_TYPES[kind].model_fields
+    unknown = sorted(k for k in data if k not in own)
+    if len(unknown) < MIN_FOREIGN_KEYS:
+        return None
+    others = [o for o, model in SPEC_TYPES.items() if o != kind and all(k in model.model_fields for k in unknown)]
+    return (" or ".join(map(repr, others)), unknown) if others else None
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

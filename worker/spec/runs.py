@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
 from worker.spec.launcher import LauncherConfig, check_one_process_launcher, check_one_process_nodes
@@ -527,6 +527,24 @@ class EvalModelConfig(StrictModel):
     """With ``run``: a step with a complete checkpoint; unset: the run's final weights (``final/``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype (with ``run``: that run's, set by the service)."""
+    final_step: int | None = Field(default=None, ge=1, le=MAX_STEPS)
+    """With ``run`` and no ``step``: the step the run's final weights come from (its ``max_steps``: ``final/`` is
+    written after the last step), set by the service; the eval metrics are stored at it."""
+
+    @field_validator("final_step")
+    @classmethod
+    def _final_step(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and (info.data.get("run") is None or info.data.get("step") is not None):
+            raise ValueError("only with model.run and no model.step (the service sets it to that run's max_steps)")
+        return v
+
+    @property
+    def weights_step(self) -> int:
+        """The step the evaluated weights come from: ``step``, else ``final_step`` (a run's final weights), else 0
+        (a model path)."""
+        if self.step is not None:
+            return self.step
+        return self.final_step if self.final_step is not None else 0
 
 
 class EvalSettings(StrictModel):
@@ -547,8 +565,8 @@ class EvalSettings(StrictModel):
 
 class EvalSpec(StrictModel):
     """An eval job: reward mean, pass@k and completion lengths of one model on one or more environments
-    (``worker/evaluation.py``), stored as ``eval`` metrics at the evaluated checkpoint's step (final weights: the
-    run's ``max_steps``; a model path: 0)."""
+    (``worker/evaluation.py``), stored as ``eval`` metrics at the step the weights come from
+    (``model.weights_step``: the checkpoint's step; final weights: the run's ``max_steps``; a model path: 0)."""
 
     kind: Literal["eval"] = "eval"
     name: str = "eval"

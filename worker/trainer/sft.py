@@ -120,8 +120,7 @@ def greedy_eval(model: Any, tokenizer: Any, env: Any, num_examples: int, max_new
     ``cuda`` device in a GPU run). Returns NaN when no completion was scored."""
     model.eval()
     tokenizer.padding_side = "left"
-    count = num_examples if env.num_tasks is None else min(num_examples, env.num_tasks)
-    tasks = [env.task(i) for i in range(count)]
+    tasks = [env.task(i) for i in range(num_examples)]  # sft_preflight refused more than the split has
     prompts = [prompt_ids(tokenizer, env.prompt_messages(t)) for t in tasks]
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -160,8 +159,7 @@ class SFTData:
 def _env_samples(tokenizer: Any, env: Any, spec: SFTSpec, count: int, ordered: bool) -> list[dict[str, list[int]]]:
     """``count`` samples of ``env``'s tasks with their reference answers (in ``data_order`` when ``ordered``)."""
     out = []
-    n = count if ordered or env.num_tasks is None else min(count, env.num_tasks)
-    for p in range(n):
+    for p in range(count):  # ordered: passes over the train split; else the first ``count`` (checked) eval tasks
         task = env.task(data_order(p, env.num_tasks, spec.seed) if ordered else p)
         if (conversation := env.sft_conversation(task)) is not None:
             try:
@@ -187,11 +185,12 @@ def sft_preflight(spec: SFTSpec, *, tokenize: bool = True) -> SFTData:
 
     Raises:
         SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable, its
-            tasks have no reference answer, a data file is missing, empty or has a row without an assistant turn
+            tasks have no reference answer, ``eval_examples`` is more than its eval split has, a data file is missing, empty or has a row without an assistant turn
             (``data.path: row 3 has no assistant turn ...``), or a sample is longer than ``seq_len``.
     """
     from worker.envs import EnvironmentLoadError, env_error_field
     from worker.models import check_model
+    from worker.orchestrator.eval import check_num_examples
 
     try:
         tokenizer = check_model(spec.model.name)
@@ -228,6 +227,8 @@ def sft_preflight(spec: SFTSpec, *, tokenize: bool = True) -> SFTData:
             eval_env = load_environment(spec.env.id, split="eval", seed=spec.seed, **spec.env.args)
         except (EnvironmentLoadError, TypeError, ValueError) as err:
             raise SpecError(f"{env_error_field(err)}: {err}") from None
+        if (not spec.uses_file and not spec.data.eval_path) or spec.greedy_reward:  # held-out rows / greedy reward
+            check_num_examples(eval_env, spec.eval_examples, "eval_examples")
         if not spec.uses_file and tokenize:
             train = _env_samples(tokenizer, env, spec, spec.data.num_examples, ordered=True)
         if not spec.uses_file and not spec.data.eval_path and tokenize:

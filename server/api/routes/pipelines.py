@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from server.api.deps import SessionDep, UserDep
+from server.api.deps import SessionDep, SurfaceDep, UserDep
 from server.api.job_groups import GroupSummary, Limit, Offset, page, submitted
 from server.api.responses import creates, spec_body
 from server.api.routes.runs import SubmittedSpec
@@ -95,10 +95,10 @@ def get_pipeline(pipeline_id: int, session: SessionDep, _user: UserDep) -> Any:
 
 
 @router.post("/{pipeline_id}/stop", response_model=PipelinePublic)
-def stop_pipeline(pipeline_id: int, session: SessionDep, user: UserDep) -> Any:
+def stop_pipeline(pipeline_id: int, session: SessionDep, user: UserDep, via: SurfaceDep) -> Any:
     """Stop the pipeline (its owner or an admin): no later stage starts; the live stage's run stops with its
-    checkpoints."""
-    pipelines.stop_by(session, pipeline_id, user)
+    checkpoints (reason ``stopped by <user> via API (pipeline <id>)``, ``via CLI`` from ``asyncrl pipeline stop``)."""
+    pipelines.stop_by(session, pipeline_id, user, via=via)
     return pipelines.public(session, pipelines.get(session, pipeline_id))
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from server.api.deps import PrincipalDep, SessionDep, UserDep
+from server.api.deps import PrincipalDep, SessionDep, SurfaceDep, UserDep
 from server.api.responses import spec_body
 from server.errors import is_json_type
 from server.models import (
@@ -147,9 +147,10 @@ def update_run(run_id: int, change: RunUpdate, session: SessionDep, user: UserDe
 
 
 @router.post("/{run_id}/stop", response_model=RunPublic)
-def stop_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
-    """Cancel a queued run at once, or ask the worker to stop a launched one (status becomes ``cancelled``)."""
-    run = runs.stop_by(session, run_id, user)
+def stop_run(run_id: int, session: SessionDep, user: UserDep, via: SurfaceDep) -> Any:
+    """Cancel a queued run at once, or ask the worker to stop a launched one (status becomes ``cancelled``, its
+    reason ``stopped by <user> via API``, or ``via CLI`` from ``asyncrl runs stop``)."""
+    run = runs.stop_by(session, run_id, user, via=via)
     session.refresh(run)
     return run
 

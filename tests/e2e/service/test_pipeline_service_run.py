@@ -104,8 +104,8 @@ def test_sft_rl_eval_pipeline_stops_in_rl_resumes_and_matches_asyncrl_eval(
     assert sorted(set(trainer_steps(client, auth, rl_id))) == list(range(1, RL_STEPS + 1))
     assert sorted(_series(client, auth, rl_id, "orchestrator", "reward_mean")) == list(range(1, RL_STEPS + 1))
     stored = _series(client, auth, eval_id, "eval", "reward_mean")
-    assert list(stored) == [0]  # final weights: stored at step 0 (worker.evaluation.job_step)
+    assert list(stored) == [RL_STEPS]  # final weights: stored at the RL stage's max_steps (worker.evaluation.job_step)
     reference = asyncrl_eval(Path(rl_run["run_dir"]) / "final", ENV, SETTINGS, tmp_path / "eval.json")
     print("eval stage:", stored, "asyncrl eval:", reference["reward_mean"])  # noqa: T201
-    assert stored[0] == pytest.approx(reference["reward_mean"], abs=1e-9)
-    assert stored[0] > 0  # the SFT'd policy answers: the equality above compares real rewards, not two zeros
+    assert stored[RL_STEPS] == pytest.approx(reference["reward_mean"], abs=1e-9)
+    assert stored[RL_STEPS] > 0  # the SFT'd policy answers: the equality above compares real rewards, not two zeros

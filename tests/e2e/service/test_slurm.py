@@ -160,7 +160,7 @@ def test_api_stop_scancels_the_job(client: Any, auth: dict[str, str], service: s
     assert (run["status"], queued_jobs(run["id"])) == ("starting", [job])  # held: it waits in the queue
     assert client.post(f"/api/runs/{run['id']}/stop", headers=auth).status_code == 200
     done = ended(client, auth, run["id"], 60)
-    assert (done["status"], done["status_reason"]) == ("cancelled", "stopped")
+    assert (done["status"], done["status_reason"]) == ("cancelled", f"stopped by {run['owner']} via API")
     assert slurm.state(job).state == "CANCELLED" and queued_jobs(run["id"]) == []
 
 

@@ -360,6 +360,17 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: inference.replicas: reverse_tool runs through the agent harness (tools), which uses one inference "
         "server for now; got 2 replicas",
     ),
+    "rl-online-eval-more-examples-than-the-env-has": (  # was evaluated on fewer without a word (fresh user)
+        ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--env.args.num_eval", "32"]
+        + ["--orchestrator.eval.num_examples", "33"],
+        "error: orchestrator.eval.num_examples: 33 eval tasks asked, but environment 'reverse_text' has 32 (its eval "
+        "split); use at most 32",
+    ),
+    "sft-eval-examples-more-than-the-env-has": (
+        ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--eval_examples", "201"],
+        "error: eval_examples: 201 eval tasks asked, but environment 'reverse_text' has 200 (its eval split); use at "
+        "most 200",
+    ),
     # SFT data files (issue 22): missing, empty, a row without an assistant turn (named), not a data file
     "sft-data-file-missing": (
         ["sft", "@", SFT_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--data.path", "{tmp}/no.jsonl"],
@@ -822,6 +833,15 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
     "eval-env-does-not-import": (
         ["eval", "--model", "{model}", "--env", "nope"],
         "re:error: --env: unknown environment 'nope'; allowed: .*",
+    ),
+    "eval-more-examples-than-the-env-has": (  # was evaluated on 200 without a word (fresh user)
+        ["eval", "--model", "{model}", "--num-examples", "512"],
+        "error: --num-examples: 512 eval tasks asked, but environment 'reverse_text' has 200 (its eval split); use at "
+        "most 200",
+    ),
+    "eval-more-examples-than-env-args-make": (
+        ["eval", "--model", "{model}", "--env-args", '{"num_eval": 8}', "--num-examples", "9"],
+        "error: --num-examples: 9 eval tasks asked, but environment 'reverse_text' has 8 (its eval split); use at most 8",
     ),
     "eval-spec-unknown-env-name": (
         ["eval", "--model", "{model}", "--spec", "{tmp}/mix.toml", "--env", "reverse_text"],

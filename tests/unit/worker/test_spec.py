@@ -28,6 +28,7 @@ from worker.spec import (
     nesting_depth,
     parse_override_value,
     parse_text,
+    spec_kind_of_keys,
     validate_spec,
 )
 from worker.spec.loading import MAX_SPEC_BYTES
@@ -133,6 +134,28 @@ def test_unknown_top_level_key() -> None:
         "unknown key 'zzzzqqq' (valid keys here: alerts, ckpt, env, inference, kind, launcher, max_steps, "
         "model, monitor, name, orchestrator, output_dir, seed, trainer, watchdog)"
     )
+
+
+def test_a_spec_of_another_kind_is_named_as_such() -> None:
+    """An RL spec given as an eval spec (was: ``unknown key 'inference'``, fresh user); keys of two other kinds name
+    both; one stray key, or a typo among them, is an unknown key."""
+    rl = {**MODEL, "max_steps": 4, "inference": {}, "orchestrator": {}}
+    assert _error("eval", rl) == (
+        "kind: 'inference', 'max_steps', 'orchestrator' are keys of 'rl' specs, not of 'eval' ones: this looks like an "
+        "'rl' spec given as kind 'eval'"
+    )
+    assert _error("eval", {**MODEL, "max_steps": 4, "ckpt": {}}) == (
+        "kind: 'ckpt', 'max_steps' are keys of 'rl' or 'sft' specs, not of 'eval' ones: this looks like an 'rl' or "
+        "'sft' spec given as kind 'eval'"
+    )
+    assert _error("eval", {**MODEL, "max_steps": 4}) == (
+        "unknown key 'max_steps' (valid keys here: env, eval, kind, launcher, model, name, output_dir, seed)"
+    )
+    assert _error("eval", {**MODEL, "max_steps": 4, "evl": {}}) == (  # 'evl' is no kind's key: the plain check
+        "unknown key 'max_steps' (valid keys here: env, eval, kind, launcher, model, name, output_dir, seed)"
+    )
+    assert spec_kind_of_keys("rl", rl) is None and spec_kind_of_keys("sft", {"data": {}, "eval_examples": 2}) is None
+    assert spec_kind_of_keys("rl", {"data": {}, "eval_examples": 2}) == ("'sft'", ["data", "eval_examples"])
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
