@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -146,18 +148,31 @@ def multiturn_run(model: Path, run_dir: Path, *, max_steps: int = 2) -> RunDir:
 
 
 def asyncrl_eval(
-    model: Path, env: dict[str, Any], settings: dict[str, Any], out: Path, seed: int = 0
+    model: Path, env: dict[str, Any], settings: dict[str, Any], out: Path, seed: int = 0, url: str | None = None
 ) -> dict[str, Any]:
     """What ``asyncrl eval`` measures of ``model`` on ``env`` (``{"id", "args"}``) with an eval job's ``settings``
     (``num_examples``, ``temperature``, ``max_tokens``): its ``--out`` JSON. The reference an eval job of the service
-    must equal."""
+    must equal. With ``url``: ``asyncrl eval --url`` on a running vLLM server of ``model`` (one server for several
+    references: :func:`eval_server`), else ``--model`` (it starts a server of its own)."""
     import subprocess
     import sys
 
-    argv = ["--model", str(model), "--env", env["id"], "--env-args", json.dumps(env.get("args", {}))]
+    served = ["--url", url, "--tokenizer", str(model)] if url is not None else ["--model", str(model)]
+    argv = [*served, "--env", env["id"], "--env-args", json.dumps(env.get("args", {}))]
     argv += ["--seed", str(seed), "--num-examples", str(settings["num_examples"])]
     argv += ["--temperature", str(settings["temperature"]), "--max-tokens", str(settings["max_tokens"])]
     repo = CONFIGS.parents[1]
     cmd = [sys.executable, "-m", "worker.cli", "eval", *argv, "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=repo, stdout=subprocess.DEVNULL)
     return dict(json.loads(out.read_text()))
+
+
+@contextmanager
+def eval_server(model: Path, settings: dict[str, Any], log_dir: Path) -> Iterator[str]:
+    """A vLLM server of ``model`` started as ``asyncrl eval --model`` starts its own (``worker.evaluation.run_evals``:
+    ``max_model_len = max(512, 4 * max_tokens)``, the other arguments ``start_server``'s defaults); yields its URL
+    for :func:`asyncrl_eval` ``url=``, stopped on exit."""
+    from tests.support.vllm import serving
+
+    with serving(model, log_dir, max_model_len=max(512, 4 * settings["max_tokens"])) as server:
+        yield server.url

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.runs import asyncrl_eval, ended
+from tests.support.runs import asyncrl_eval, ended, eval_server
 from tests.support.server import wait_for
 from worker.checkpoint import complete_steps
 from worker.rundir import RunDir, read_jsonl
@@ -107,7 +107,11 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
     subprocess.run(
         [*cli, "export", source["run_dir"], "--step", str(EVERY), "--out", str(exported)], check=True, cwd=REPO
     )
-    results = {env["name"]: asyncrl_eval(exported, env, SETTINGS, tmp_path / f"{env['name']}.json") for env in ENVS}
+    with eval_server(exported, SETTINGS, tmp_path) as url:  # one server for both references (one vLLM start less)
+        results = {
+            env["name"]: asyncrl_eval(exported, env, SETTINGS, tmp_path / f"{env['name']}.json", url=url)
+            for env in ENVS
+        }
     print("eval job:", stored, "asyncrl eval:", {k: v["reward_mean"] for k, v in results.items()})  # noqa: T201
     assert stored["reward_mean/short"] == pytest.approx(results["short"]["reward_mean"], abs=1e-9)
     assert stored["reward_mean/long"] == pytest.approx(results["long"]["reward_mean"], abs=1e-9)
