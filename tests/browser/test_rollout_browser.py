@@ -1,7 +1,8 @@
 """The rollout browser in headless Chromium (issue 21's acceptance): a real 2-step multi-turn reverse_twice run of the
-tiny model (its own vLLM server) writes its run directory; from the run page a viewer opens the rollout list, filters
-it by group, opens a rollout and sees its model tokens carrying exactly the log-probs of the run's rollout record and
-the environment's turn shown as masked. The screenshot is the token view. Heavy: vLLM."""
+tiny model (its own vLLM server; once a session: ``multiturn_run``) writes its run directory; from the run page a
+viewer opens the rollout list, filters it by group, opens a rollout and sees its model tokens carrying exactly the
+log-probs of the run's rollout record and the environment's turn shown as masked. The screenshot is the token view.
+Heavy: vLLM."""
 
 from __future__ import annotations
 

@@ -192,32 +192,47 @@ def test_summary_and_final_model(learning_run: RunDir) -> None:
 # ----------------------------------------------------------------------------- on-policy mismatch
 
 
-def test_on_policy_mismatch_kl_is_tiny_in_fp32(sft_model: Path, vllm_server: Any, tmp_path: Path) -> None:
+SYNC_STEPS = 4
+SAME_SEED_KEYS = ("loss", "reward_mean", "mismatch_kl", "grad_norm", "rollout_tokens")
+
+
+@pytest.fixture(scope="module")
+def sync_runs(sft_model: Path, vllm_server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunDir, RunDir]:
+    """Two runs of one spec (``max_async_level = 0``, SYNC_STEPS steps) but their names, one after the other: the
+    first is the on-policy run of the mismatch test, both are the reruns of the same-seed test (one run fewer than
+    a run of each test's own)."""
+    out = tmp_path_factory.mktemp("sync")
+    runs = []
+    for name in ("sync-a", "sync-b"):
+        spec = rl_spec(
+            sft_model, vllm_server.url, out, name, max_steps=SYNC_STEPS, **{"orchestrator.max_async_level": 0}
+        )
+        assert launch_rl(spec, quiet=True)["status"] == "completed"
+        runs.append(RunDir(spec.run_dir))
+    return runs[0], runs[1]
+
+
+def test_on_policy_mismatch_kl_is_tiny_in_fp32(sync_runs: tuple[RunDir, RunDir]) -> None:
     """max_async_level = 0: every rollout comes from the trainer's current weights, so mismatch_kl
     is the vLLM-vs-transformers numerical gap alone."""
-    spec = rl_spec(sft_model, vllm_server.url, tmp_path, "sync", max_steps=4, **{"orchestrator.max_async_level": 0})
-    summary = launch_rl(spec, quiet=True)
-    assert summary["status"] == "completed"
-    trainer = by_source(RunDir(spec.run_dir), "trainer")
+    run = sync_runs[0]
+    trainer = by_source(run, "trainer")
     for r in trainer:
         assert r["mismatch_kl"] <= 1e-3 and r["mismatch_kl_on_policy"] <= 1e-3, r
-    assert [r["step"] for r in by_source(RunDir(spec.run_dir), "orchestrator")] == [1, 2, 3, 4]
-    assert all(r["staleness_max"] == 0 for r in by_source(RunDir(spec.run_dir), "orchestrator"))
+    assert [r["step"] for r in by_source(run, "orchestrator")] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] == 0 for r in by_source(run, "orchestrator"))
 
 
-def test_same_spec_same_seed_gives_bit_identical_metrics(sft_model: Path, vllm_server: Any, tmp_path: Path) -> None:
+def test_same_spec_same_seed_gives_bit_identical_metrics(sync_runs: tuple[RunDir, RunDir]) -> None:
     """orchestrator.seeded_sampling (default): each vLLM request is seeded by its place in the run, so a rerun of
     the same spec samples the same tokens and trains to the same numbers, step for step."""
-    keys = ("loss", "reward_mean", "mismatch_kl", "grad_norm", "rollout_tokens")
 
-    def values(name: str) -> list[tuple[int, str, str, float]]:
-        spec = rl_spec(sft_model, vllm_server.url, tmp_path, name, max_steps=3, **{"orchestrator.max_async_level": 0})
-        assert launch_rl(spec, quiet=True)["status"] == "completed"
-        rows = [r for r in read_jsonl(RunDir(spec.run_dir).metrics) if r["source"] in ("trainer", "orchestrator")]
-        return sorted((r["step"], r["source"], k, r[k]) for r in rows for k in keys if k in r)
+    def values(run: RunDir) -> list[tuple[int, str, str, float]]:
+        rows = [r for r in read_jsonl(run.metrics) if r["source"] in ("trainer", "orchestrator")]
+        return sorted((r["step"], r["source"], k, r[k]) for r in rows for k in SAME_SEED_KEYS if k in r)
 
-    first, second = values("seeded-a"), values("seeded-b")
-    assert len(first) == 3 * len(keys)
+    first, second = map(values, sync_runs)
+    assert len(first) == SYNC_STEPS * len(SAME_SEED_KEYS)
     assert first == second
 
 

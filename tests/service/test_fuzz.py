@@ -29,7 +29,7 @@ from tests.support.server import new_token, run_token_headers
 from worker.checkpoint import write_part
 from worker.rundir import RunDir
 
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.fuzz]  # scripts/test.sh: one process of its own, beside pass 1
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 OPERATIONS = 50

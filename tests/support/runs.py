@@ -3,11 +3,15 @@ and API). Used by the end-to-end tests (``tests/e2e``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.support.server import wait_for
+from tests.support.server import STATE, wait_for
 from worker.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
 
@@ -88,14 +92,37 @@ def ended(client: Any, auth: dict[str, str], run_id: int, timeout: float = 400) 
     )
 
 
+_MULTITURN_RUNS: dict[tuple[str, int], Path] = {}
+"""(model digest, max_steps) -> a completed :func:`multiturn_run` of this session, kept in the session's state
+directory (``tests.support.server.STATE``, removed at the session's end)."""
+
+
+def model_digest(model: Path) -> str:
+    """SHA-256 over a model folder's files (relative names and bytes): two folders that ``init_model`` wrote with
+    the same size and seed have the same digest."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in model.rglob("*") if p.is_file()):
+        h.update(f.relative_to(model).as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def multiturn_run(model: Path, run_dir: Path, *, max_steps: int = 2) -> RunDir:
     """A real short multi-turn RL run (``reverse_twice``: the environment answers the model's first turn) of the
     tiny ``model`` written into ``run_dir``, with its own vLLM server (``launch_rl``); 2 groups of 2 rollouts a step,
     16 tokens a turn, 2 eval examples at the start and end. Used by the rollout browser tests.
 
+    Once per session and inputs: a later call with a model of the same files (:func:`model_digest`) and the same
+    ``max_steps`` gets a copy of the first call's run directory (its ``config.json`` names the first call's
+    ``run_dir``), not a second identical run (its own vLLM server: ~1 min of the one-at-a-time pass).
+
     Raises:
         AssertionError: the run did not complete.
     """
+    key = (model_digest(model), max_steps)
+    if (done := _MULTITURN_RUNS.get(key)) is not None:
+        shutil.copytree(done, run_dir, dirs_exist_ok=True)
+        return RunDir(run_dir)
     from worker.launchers.local import launch_rl
 
     pairs = [
@@ -114,22 +141,38 @@ def multiturn_run(model: Path, run_dir: Path, *, max_steps: int = 2) -> RunDir:
     spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))
     summary = launch_rl(spec, quiet=True)  # type: ignore[arg-type]
     assert summary["status"] == "completed", summary
+    kept = STATE / "multiturn-runs" / f"{key[0][:16]}-{max_steps}" / run_dir.name
+    shutil.copytree(run_dir, kept)
+    _MULTITURN_RUNS[key] = kept
     return RunDir(run_dir)
 
 
 def asyncrl_eval(
-    model: Path, env: dict[str, Any], settings: dict[str, Any], out: Path, seed: int = 0
+    model: Path, env: dict[str, Any], settings: dict[str, Any], out: Path, seed: int = 0, url: str | None = None
 ) -> dict[str, Any]:
     """What ``asyncrl eval`` measures of ``model`` on ``env`` (``{"id", "args"}``) with an eval job's ``settings``
     (``num_examples``, ``temperature``, ``max_tokens``): its ``--out`` JSON. The reference an eval job of the service
-    must equal."""
+    must equal. With ``url``: ``asyncrl eval --url`` on a running vLLM server of ``model`` (one server for several
+    references: :func:`eval_server`), else ``--model`` (it starts a server of its own)."""
     import subprocess
     import sys
 
-    argv = ["--model", str(model), "--env", env["id"], "--env-args", json.dumps(env.get("args", {}))]
+    served = ["--url", url, "--tokenizer", str(model)] if url is not None else ["--model", str(model)]
+    argv = [*served, "--env", env["id"], "--env-args", json.dumps(env.get("args", {}))]
     argv += ["--seed", str(seed), "--num-examples", str(settings["num_examples"])]
     argv += ["--temperature", str(settings["temperature"]), "--max-tokens", str(settings["max_tokens"])]
     repo = CONFIGS.parents[1]
     cmd = [sys.executable, "-m", "worker.cli", "eval", *argv, "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=repo, stdout=subprocess.DEVNULL)
     return dict(json.loads(out.read_text()))
+
+
+@contextmanager
+def eval_server(model: Path, settings: dict[str, Any], log_dir: Path) -> Iterator[str]:
+    """A vLLM server of ``model`` started as ``asyncrl eval --model`` starts its own (``worker.evaluation.run_evals``:
+    ``max_model_len = max(512, 4 * max_tokens)``, the other arguments ``start_server``'s defaults); yields its URL
+    for :func:`asyncrl_eval` ``url=``, stopped on exit."""
+    from tests.support.vllm import serving
+
+    with serving(model, log_dir, max_model_len=max(512, 4 * settings["max_tokens"])) as server:
+        yield server.url

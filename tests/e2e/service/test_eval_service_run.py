@@ -10,6 +10,7 @@ uninterrupted job of the same model measures, exactly.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.runs import asyncrl_eval, ended
+from tests.support.runs import asyncrl_eval, ended, eval_server
 from tests.support.server import wait_for
 from worker.checkpoint import complete_steps
 from worker.rundir import RunDir, read_jsonl
@@ -51,6 +52,17 @@ def tests_code_allowed() -> Iterator[None]:
         os.environ.pop("ALLOWED_CODE_PACKAGES", None)
     else:
         os.environ["ALLOWED_CODE_PACKAGES"] = saved
+
+
+def publish(url: str, model: Path) -> None:
+    """Load ``model``'s weights into the vLLM server at ``url`` (pause, load, reset the prefix cache, resume)."""
+    from worker.inference.client import InferenceClient
+
+    async def go() -> None:
+        async with InferenceClient(url) as client:
+            await client.publish_weights(model)
+
+    asyncio.run(go())
 
 
 def _stored(client: Any, auth: dict[str, str], run_id: int) -> dict[str, float]:
@@ -107,7 +119,15 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
     subprocess.run(
         [*cli, "export", source["run_dir"], "--step", str(EVERY), "--out", str(exported)], check=True, cwd=REPO
     )
-    results = {env["name"]: asyncrl_eval(exported, env, SETTINGS, tmp_path / f"{env['name']}.json") for env in ENVS}
+    # one server for the three references (two vLLM starts less): the exported weights on both environments, then
+    # the base model's weights published into it (a load that failed would leave the exported ones: equal rewards)
+    with eval_server(exported, SETTINGS, tmp_path) as url:
+        results = {
+            env["name"]: asyncrl_eval(exported, env, SETTINGS, tmp_path / f"{env['name']}.json", url=url)
+            for env in ENVS
+        }
+        publish(url, Path(service))
+        base = asyncrl_eval(Path(service), ENVS[0], SETTINGS, tmp_path / "base.json", url=url)
     print("eval job:", stored, "asyncrl eval:", {k: v["reward_mean"] for k, v in results.items()})  # noqa: T201
     assert stored["reward_mean/short"] == pytest.approx(results["short"]["reward_mean"], abs=1e-9)
     assert stored["reward_mean/long"] == pytest.approx(results["long"]["reward_mean"], abs=1e-9)
@@ -115,7 +135,6 @@ def test_eval_job_of_a_checkpoint_equals_asyncrl_eval(
     assert stored["reward_mean"] == pytest.approx(mean, abs=1e-9)
     assert 0 < stored["completion_len_mean"] <= 32
     # case C16 at the eval level: the exported model evaluates as the checkpoint does, and not as the base model
-    base = asyncrl_eval(Path(service), ENVS[0], SETTINGS, tmp_path / "base.json")
     print("base model:", base["reward_mean"])  # noqa: T201
     assert base["reward_mean"] != pytest.approx(results["short"]["reward_mean"], abs=1e-6), base
 

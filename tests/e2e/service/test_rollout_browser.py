@@ -1,7 +1,8 @@
 """The rollout browser (issue 21, build 2) over a real run: a 2-step multi-turn reverse_twice run of the tiny model
-with its own vLLM server writes its run directory; the API and the pages show each rollout's tokens with the
-log-probs its ``rollouts/step_<n>.jsonl`` records, the environment turn as masked, filters that keep exactly the
-records that match, and refuse a rollout id of another run (404 naming ``rid``). Heavy: vLLM."""
+with its own vLLM server writes its run directory (once a session: ``multiturn_run``); the API and the pages show
+each rollout's tokens with the log-probs its ``rollouts/step_<n>.jsonl`` records, the environment turn as masked,
+filters that keep exactly the records that match, and refuse a rollout id of another run (404 naming ``rid``).
+Heavy: vLLM."""
 
 from __future__ import annotations
 

@@ -23,9 +23,11 @@ from worker.rundir import RunDir
 
 pytestmark = pytest.mark.vllm
 
-MAX_STEPS = 8
+MAX_STEPS = 4
 """Steps of each C17 trial. A trial's run holds at the rung by itself (``ckpt.hold_at``, set by the sweep): however
-late its stop lands (the solo test worker stops two held runs one after the other), it has trained exactly to step 2."""
+late its stop lands (the solo test worker stops two held runs one after the other), it has trained exactly to step 2.
+A promoted trial then trains steps 3 and 4 from its step-2 checkpoint: steps past the rung show its resume as well
+as six did (it was 8: the three promoted trials trained 12 steps more)."""
 
 
 @pytest.fixture(scope="module")
