@@ -350,7 +350,7 @@ def test_an_sft_run_and_an_eval_job_of_its_weights_run_as_slurm_jobs(
         assert first.startswith(f"job {handle} attempt 0 on {node} at "), first
         # The run is completed once its processes report it; the job script then still stops the job's own vLLM, so
         # Slurm may say RUNNING a little longer. Slurm keeps an ended job for MinJobAge (300 s by default).
-        state = wait_for(lambda: ended_job(handle), 60, f"job {handle} to end")
+        state = wait_for(lambda h=handle: ended_job(h), 60, f"job {handle} to end")
         assert (state.state, state.nodes) == ("COMPLETED", node), state
         assert [e["to_status"] for e in events(client, auth, run["id"]) if e["kind"] == "status"] == [
             "queued",
