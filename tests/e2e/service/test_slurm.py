@@ -335,7 +335,7 @@ def test_an_sft_run_and_an_eval_job_of_its_weights_run_as_slurm_jobs(
     reward = client.get(f"/api/runs/{ev['id']}/metrics", params={"name": "reward_mean"}, headers=auth).json()
     [series] = [s for s in reward["series"] if s["source"] == "eval"]
     summary = json.loads(RunDir(ev["run_dir"]).summary.read_text())
-    assert series["step"] == [0] and series["value"] == [pytest.approx(summary["reward_mean"], abs=1e-12)]
+    assert series["step"] == [4] and series["value"] == [pytest.approx(summary["reward_mean"], abs=1e-12)]
     assert summary["num_examples"] == 4 and len(read_jsonl(RunDir(ev["run_dir"]).eval_tasks)) == 4
     node = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
     jobs = set()
