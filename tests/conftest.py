@@ -65,3 +65,14 @@ def live_server() -> Iterator[str]:
 
     with serve(app) as url:
         yield url
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for ``--dist loadgroup`` (pass 2 of scripts/test.sh, two processes): the tests of one file stay in one
+    process (they share module fixtures: a vLLM server, a run), and every Slurm test runs in the same process, one
+    at a time (the single-node partition holds one run's job; the cluster-script test restarts the multi-node
+    cluster)."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
