@@ -625,19 +625,20 @@ def best(sweep: Sweep, ts: list[SweepTrial], hist: dict[int, list[tuple[int, flo
     return out
 
 
-def stop_by(session: Session, sweep_id: int, user: Principal) -> Sweep:
-    """``user`` (the owner or an admin) cancels the sweep: no more trials start, and its live runs are stopped through
-    the normal stop path (checkpoints kept); committed, then the stops are enqueued.
+def stop_by(session: Session, sweep_id: int, user: Principal, *, via: str = "API") -> Sweep:
+    """``user`` (the owner or an admin) cancels the sweep from the surface ``via`` (``runs.STOP_SURFACES``): no more
+    trials start, and its live runs are stopped through the normal stop path (checkpoints kept; their reason
+    ``stopped by <user> via <surface> (sweep <id>)``); committed, then the stops are enqueued.
 
     Raises:
         SweepNotFound, Forbidden, InvalidTransition: the sweep has ended.
     """
     sweep = get(session, sweep_id, lock=True)
     permissions.require_owner(user, sweep.owner, f"sweep {sweep_id}", "stop it")
-    _end(sweep, SW.cancelled, f"stopped by {user.name}")
+    _end(sweep, SW.cancelled, f"stopped by {user.name} via {via}")
     session.add(sweep)
     live = [run for t in trials(session, sweep_id) if (run := job_groups.run_of(session, t)) is not None]
-    stops = job_groups.request_stops(session, live, by=f"{user.name} (sweep {sweep_id})")
+    stops = job_groups.request_stops(session, live, by=f"{user.name} via {via} (sweep {sweep_id})")
     session.commit()
     for run_id in stops:
         enqueue(TaskName.stop_run, run_id)

@@ -276,10 +276,13 @@ def test_max_parallel_starts_trials_as_runs_end(client: Any, auth: dict[str, str
     now = client.get(f"/api/sweeps/{sw['id']}", headers=auth).json()
     assert [t["status"] for t in now["trials"]] == ["finished", "running", "pending"]
     assert now["trials"][0]["reason"] == "run failed"
-    stopped = client.post(f"/api/sweeps/{sw['id']}/stop", headers=auth).json()
+    stopped = client.post(f"/api/sweeps/{sw['id']}/stop", headers={**auth, "User-Agent": "asyncrl-cli"}).json()
     assert stopped["status"] == "cancelled"
     run = client.get(f"/api/runs/{now['trials'][1]['run_id']}", headers=auth).json()
     assert run["status"] == "cancelled"  # queued, never launched: cancelled at once
+    owner = run["owner"]
+    assert stopped["status_reason"] == f"stopped by {owner} via CLI"
+    assert run["status_reason"] == f"stopped by {owner} via CLI (sweep {sw['id']}) before launch"
     assert sweeps.tick(session, sw["id"]) == []
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from server.api.deps import SessionDep, UserDep
+from server.api.deps import SessionDep, SurfaceDep, UserDep
 from server.api.job_groups import GroupSummary, Limit, Offset, page, submitted
 from server.api.responses import creates, spec_body
 from server.api.routes.runs import SubmittedSpec
@@ -113,7 +113,8 @@ def get_sweep(sweep_id: int, session: SessionDep, _user: UserDep) -> Any:
 
 
 @router.post("/{sweep_id}/stop", response_model=SweepPublic)
-def stop_sweep(sweep_id: int, session: SessionDep, user: UserDep) -> Any:
-    """Cancel the sweep (its owner or an admin): no more trials start; its live runs stop with their checkpoints."""
-    sweeps.stop_by(session, sweep_id, user)
+def stop_sweep(sweep_id: int, session: SessionDep, user: UserDep, via: SurfaceDep) -> Any:
+    """Cancel the sweep (its owner or an admin): no more trials start; its live runs stop with their checkpoints
+    (reason ``stopped by <user> via API (sweep <id>)``, ``via CLI`` from ``asyncrl sweep stop``)."""
+    sweeps.stop_by(session, sweep_id, user, via=via)
     return sweeps.public(session, sweeps.get(session, sweep_id))
