@@ -67,12 +67,19 @@ def live_server() -> Iterator[str]:
         yield url
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for ``--dist loadgroup`` (pass 2 of scripts/test.sh, two processes): the tests of one file stay in one
-    process (they share module fixtures: a vLLM server, a run), and every Slurm test runs in the same process, one
-    at a time (the single-node partition holds one run's job; the cluster-script test restarts the multi-node
-    cluster)."""
-    for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with one change: every file named ``*slurm*`` is one unit of work, so the Slurm tests run in
+    one process, one at a time (the single-node partition holds one run's job; the cluster-script test restarts the
+    multi-node cluster). The tests of any other file stay in one process as with plain ``loadfile`` (they share module
+    fixtures: a vLLM server, a run). (xdist's own ``loadgroup`` marks do not group on pytest 9.2: it renames
+    ``item._nodeid``, which pytest 9.2 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrSlurm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "slurm" if "slurm" in path.rsplit("/", 1)[-1] else path
+
+    return FileOrSlurm(config, log)
