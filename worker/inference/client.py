@@ -8,9 +8,11 @@ Every call is bounded: connect (connection-pool wait included) and socket-read t
 the URL, the route and what happened (``ConnectTimeout``, ``ReadTimeout``, ``ConnectError``, ``HTTP 503``, ...).
 
 The transport is aiohttp (two sessions: the generation routes and the rest, ``GENERATION_ROUTES``). It replaced httpx
-(session 17 of ``benchmarks/README.md``, section 11): at 256 completions in flight httpx spent ~3.3 ms of CPU per
-request (httpcore's pool scans its connections on every request and release, and with 64 of 256 connections kept
-alive it opens and closes sockets all the time), aiohttp ~0.3 ms, measured by ``benchmarks/client_transport.py``.
+(``benchmarks/README.md``, section 11, session 17): with 256 completions of n = 16 in flight the client process spent
+2.6-2.7 ms of CPU per request with httpx (httpcore's pool scans every connection for every queued request on each
+request and release, and with 64 of 256 connections kept alive it opens and closes sockets all the time) and 0.68-0.73
+ms with aiohttp (``benchmarks/client_transport.py``); the orchestrator's event loop at 4,096 rollouts in flight went
+from 0.56-0.58 to 0.24-0.25 ms of CPU per rollout (``benchmarks/orchestrator_scale.py``).
 """
 
 from __future__ import annotations
