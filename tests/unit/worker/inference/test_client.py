@@ -213,7 +213,8 @@ def test_http_503_is_retried_and_reported_with_its_body_after_the_last_attempt()
 
 def test_the_key_goes_with_every_route_and_connections_are_kept_alive_across_event_loops() -> None:
     """``api_key`` on generation and control routes alike; sequential calls share one kept-alive connection per
-    pool; the same client used again under a new event loop (a second ``asyncio.run``) opens new connections."""
+    pool; the same client (built outside any loop, as the orchestrator builds it) serves a second ``asyncio.run``
+    after ``aclose`` in the first, on new connections."""
     from tests.support.uvicorn_thread import serve
 
     app, seen = _recording_app([])
@@ -226,13 +227,13 @@ def test_the_key_goes_with_every_route_and_connections_are_kept_alive_across_eve
         assert not await client.is_paused()
         await client.resume()
         assert await client.health()
+        await client.aclose()
 
     with serve(app) as url:
         client.base_url = url
         asyncio.run(calls())
         first = list(seen)
         asyncio.run(calls())
-        asyncio.run(client.aclose())
     routes = ["/v1/completions"] * 3 + ["/pause", "/is_paused", "/resume", "/health"]
     assert [r for r, _, _ in seen] == routes * 2
     assert [a for _, a, _ in seen] == ["Bearer k-123"] * 14
