@@ -2,15 +2,23 @@
 pause / update-weights / resume cycle that publishes a new policy version to vLLM (the HTTP calls of weight
 sync; both ends are in ``worker/weight_sync/``: ``publish.py`` draws the whole path).
 
-Every call is bounded: httpx connect/read timeouts, a hard per-attempt deadline
+Every call is bounded: connect (connection-pool wait included) and socket-read timeouts, a hard per-attempt deadline
 (``connect_timeout_s + read_timeout_s``), and at most ``max_retries`` retries with exponential backoff
 (tenacity). Network failures that survive the retries raise :class:`InferenceError` with one line naming
-the URL, the route and what happened.
+the URL, the route and what happened (``ConnectTimeout``, ``ReadTimeout``, ``ConnectError``, ``HTTP 503``, ...).
+
+The transport is aiohttp (two sessions: the generation routes and the rest, ``GENERATION_ROUTES``). It replaced httpx
+(``benchmarks/README.md``, section 11, session 17): with 256 completions of n = 16 in flight the client process spent
+2.6-2.7 ms of CPU per request with httpx (httpcore's pool scans every connection for every queued request on each
+request and release, and with 64 of 256 connections kept alive it opens and closes sockets all the time) and 0.68-0.73
+ms with aiohttp (``benchmarks/client_transport.py``); the orchestrator's event loop at 4,096 rollouts in flight went
+from 0.56-0.58 to 0.24-0.25 ms of CPU per rollout (``benchmarks/orchestrator_scale.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -18,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 import msgspec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -27,21 +35,47 @@ from worker.inference.auth import key_header
 
 RETRY_STATUS = frozenset({502, 503, 504})
 GENERATION_ROUTES = frozenset({"/v1/completions"})
-"""Routes that generate (held for seconds, up to ``max_connections`` at once); every other request (pause, resume,
-``/collective_rpc``, prefix-cache reset, adapters, health, models) goes through a pool of its own, so a weight update
-never waits for a connection behind hundreds of rollouts (measured with 4,096 in flight: pause -> resume 0.12-0.83 s
-with one shared 256-connection pool, ``benchmarks/orchestrator_scale.py``)."""
+"""Routes that generate (held for seconds, up to ``GENERATION_CONNECTIONS`` at once); every other request (pause,
+resume, ``/collective_rpc``, prefix-cache reset, adapters, health, models) goes through a pool of its own, so a weight
+update never waits for a connection behind hundreds of rollouts (measured with 4,096 in flight: pause -> resume
+0.12-0.83 s with one shared 256-connection pool, ``benchmarks/orchestrator_scale.py``)."""
+GENERATION_CONNECTIONS = 256
 CONTROL_CONNECTIONS = 8
+KEEPALIVE_S = 4.0
+"""An idle connection is closed after this long: under the 5 s after which vLLM's uvicorn closes it
+(``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), so a request is not sent on a connection the server is closing."""
 
 
 class InferenceError(RuntimeError):
     """The inference server could not be reached or answered with an error."""
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One answer of the inference server: its status and whole body (read before the connection went back to the
+    pool)."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON; ``ValueError`` when it is not JSON."""
+        return json.loads(self.content)
+
+
 class _RetryableStatus(Exception):
-    def __init__(self, response: httpx.Response):
+    def __init__(self, response: Reply):
         super().__init__(f"HTTP {response.status_code}")
         self.response = response
+
+
+_RETRIED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _RetryableStatus)
+"""What an attempt is retried on: connect errors and timeouts, connections the server closed, truncated bodies, the
+per-attempt deadline, HTTP 502/503/504. Other ``aiohttp.ClientError`` (an invalid URL) are not."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +110,14 @@ _COMPLETIONS = msgspec.json.Decoder(_Completions)
 
 
 def _describe(exc: BaseException, connect_s: float = 0.0, read_s: float = 0.0) -> str:
-    if isinstance(exc, httpx.ConnectTimeout):
+    """One line: what failed, in the words of the timeout or error class (``ConnectTimeout``, ``ReadTimeout``,
+    ``ConnectError``, ``HTTP <status>``, the per-attempt deadline, else the exception's class and first line)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the TCP connect, or the wait for a pooled connection
         return f"ConnectTimeout: no connection within {connect_s:g}s"
-    if isinstance(exc, httpx.ReadTimeout):
+    if isinstance(exc, aiohttp.SocketTimeoutError):
         return f"ReadTimeout: no response within {read_s:g}s"
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unreachable, unknown host
+        return f"ConnectError: {exc}"
     if isinstance(exc, _RetryableStatus):
         return f"HTTP {exc.response.status_code}: {exc.response.text[:200]!r}"
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
@@ -124,24 +162,14 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.model = model
-        timeout = httpx.Timeout(
-            connect=connect_timeout_s, read=read_timeout_s, write=read_timeout_s, pool=connect_timeout_s
-        )
-        headers = key_header(api_key)  # default: $ASYNCRL_INFERENCE_API_KEY (worker.inference.auth)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-            trust_env=False,
-            headers=headers,
-        )
-        self._control = httpx.AsyncClient(  # GENERATION_ROUTES use _http, every other route this pool
-            base_url=self.base_url,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=CONTROL_CONNECTIONS, max_keepalive_connections=CONTROL_CONNECTIONS),
-            trust_env=False,
-            headers=headers,
-        )
+        self._headers = key_header(api_key)  # default: $ASYNCRL_INFERENCE_API_KEY (worker.inference.auth)
+        self._timeout = self._timeouts(read_timeout_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._http: aiohttp.ClientSession | None = None
+        """GENERATION_ROUTES; made on the first request, in the event loop that runs it (aiohttp binds a session
+        to one loop; the orchestrator builds its client before its loop starts)."""
+        self._control: aiohttp.ClientSession | None = None
+        """Every other route."""
 
     # ------------------------------------------------------------------ plumbing
     def max_total_s(self, read_timeout_s: float | None = None) -> float:
@@ -149,6 +177,30 @@ class InferenceClient:
         per_attempt = self.connect_timeout_s + (read_timeout_s or self.read_timeout_s)
         backoff = sum(min(self.backoff_s * 2**k, self.max_backoff_s) for k in range(self.max_retries))
         return (self.max_retries + 1) * per_attempt + backoff
+
+    def _timeouts(self, read_s: float) -> aiohttp.ClientTimeout:
+        """``connect``: the wait for a pooled connection and the TCP connect; ``sock_read``: any gap in the answer
+        (with a non-streamed completion, the whole generation). The per-attempt deadline bounds the rest."""
+        c = self.connect_timeout_s
+        return aiohttp.ClientTimeout(total=None, connect=c, sock_connect=c, sock_read=read_s, ceil_threshold=c + read_s)
+
+    def _session(self, generation: bool) -> aiohttp.ClientSession:
+        """The running loop's session for a generation route (``generation``) or any other; both made at first use."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop or self._http is None or self._control is None:
+            self._loop = loop  # a new loop (or the first): sessions of a closed loop are dropped, not reused
+
+            def session(connections: int) -> aiohttp.ClientSession:
+                return aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_S),
+                    headers=self._headers,
+                    timeout=self._timeout,
+                    cookie_jar=aiohttp.DummyCookieJar(),
+                    json_serialize_bytes=msgspec.json.encode,
+                )
+
+            self._http, self._control = session(GENERATION_CONNECTIONS), session(CONTROL_CONNECTIONS)
+        return self._http if generation else self._control
 
     async def _request(
         self,
@@ -159,16 +211,18 @@ class InferenceClient:
         params: dict[str, Any] | None = None,
         read_timeout_s: float | None = None,
         retries: int | None = None,
-    ) -> httpx.Response:
+    ) -> Reply:
         read = read_timeout_s or self.read_timeout_s
-        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=read, write=read, pool=self.connect_timeout_s)
+        timeout = self._timeout if read == self.read_timeout_s else self._timeouts(read)
         deadline = self.connect_timeout_s + read
         attempts = (self.max_retries if retries is None else retries) + 1
-        http = self._http if route in GENERATION_ROUTES else self._control
+        http = self._session(route in GENERATION_ROUTES)
+        url = self.base_url + route
 
-        async def attempt() -> httpx.Response:
+        async def attempt() -> Reply:
             async with asyncio.timeout(deadline):
-                r = await http.request(method, route, json=json, params=params, timeout=timeout)
+                async with http.request(method, url, json=json, params=params, timeout=timeout) as response:
+                    r = Reply(response.status, await response.read())
             if r.status_code in RETRY_STATUS:
                 raise _RetryableStatus(r)
             return r
@@ -179,27 +233,28 @@ class InferenceClient:
                 async for a in AsyncRetrying(
                     stop=stop_after_attempt(attempts),
                     wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
-                    retry=retry_if_exception(
-                        lambda e: isinstance(e, httpx.TransportError | TimeoutError | _RetryableStatus)
-                    ),
+                    retry=retry_if_exception(lambda e: isinstance(e, _RETRIED)),
                     reraise=True,
                 ):
                     with a:
                         n += 1
                         r = await attempt()
-            except (httpx.TransportError, TimeoutError, _RetryableStatus) as e:
+            except _RETRIED as e:
                 raise InferenceError(
                     f"{method} {self.base_url}{route}: {_describe(e, self.connect_timeout_s, read)} after {n} attempt(s)"
                 ) from e
-            except httpx.HTTPError as e:  # e.g. invalid URL: not retried
+            except aiohttp.ClientError as e:  # e.g. invalid URL: not retried
                 raise InferenceError(f"{method} {self.base_url}{route}: {_describe(e)}") from e
         if r.status_code >= 400:
             raise InferenceError(f"{method} {self.base_url}{route}: HTTP {r.status_code}: {r.text[:300]!r}")
         return r
 
     async def aclose(self) -> None:
-        await self._http.aclose()
-        await self._control.aclose()
+        """Close both sessions (their connections); a later request opens new ones."""
+        sessions = [x for x in (self._http, self._control) if x is not None]
+        self._http = self._control = self._loop = None
+        for x in sessions:
+            await x.close()
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -432,11 +487,12 @@ class InferenceClient:
 
     async def health(self) -> bool:
         """True when ``/health`` answers 200 within the connect timeout; never raises for network errors."""
+        timeout = aiohttp.ClientTimeout(total=self.connect_timeout_s)
         try:
-            r = await self._control.get("/health", timeout=self.connect_timeout_s)
-        except httpx.HTTPError:
+            async with self._session(False).get(self.base_url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             return False
-        return r.status_code == 200
 
     async def wait_ready(self, timeout_s: float = 180.0, poll_s: float = 0.5) -> float:
         """Wait until :meth:`health` is True; return seconds waited or raise InferenceError after ``timeout_s``."""

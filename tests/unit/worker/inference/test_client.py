@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from worker.inference.client import Completion, InferenceClient, InferenceError
@@ -42,19 +40,27 @@ def _choice(index: int, ids: list[int], lps: list[float] | None, finish: str) ->
 
 
 def _generate(reply: dict[str, Any] | None = None, app: Any = None, **kw: Any) -> tuple[list[Completion], list[Any]]:
+    """``generate([1, 2, 3], **kw)`` against ``app`` (default: one route answering ``reply``) served by uvicorn;
+    the completions and the bodies the server received."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from tests.support.uvicorn_thread import serve
+
     sent: list[Any] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        sent.append(json.loads(request.content))
-        return httpx.Response(200, json=reply)
+    async def completions(request: Request) -> JSONResponse:
+        sent.append(await request.json())
+        return JSONResponse(reply)
 
-    async def go() -> list[Completion]:
-        async with InferenceClient("http://sim", max_retries=0) as client:
-            transport = httpx.ASGITransport(app=app) if app is not None else httpx.MockTransport(handler)
-            client._http = httpx.AsyncClient(base_url="http://sim", transport=transport)
+    async def go(url: str) -> list[Completion]:
+        async with InferenceClient(url, max_retries=0) as client:
             return await client.generate([1, 2, 3], temperature=1.0, **kw)
 
-    return asyncio.run(go()), sent
+    with serve(app or Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])) as url:
+        return asyncio.run(go(url)), sent
 
 
 def test_generate_reads_ids_logprobs_and_finish_in_index_order() -> None:
@@ -85,7 +91,9 @@ def test_generate_reads_ids_logprobs_and_finish_in_index_order() -> None:
     ],
 )
 def test_generate_refuses_an_answer_it_cannot_train_on(choice: dict[str, Any], says: str) -> None:
-    with pytest.raises(InferenceError, match="POST http://sim/v1/completions: unexpected response") as err:
+    with pytest.raises(
+        InferenceError, match=r"POST http://127\.0\.0\.1:\d+/v1/completions: unexpected response"
+    ) as err:
         _generate({"choices": [choice]}, n=1, max_tokens=2)
     assert says in str(err.value)
 
@@ -159,3 +167,76 @@ def test_a_weight_update_does_not_wait_behind_a_full_generation_pool() -> None:
         update, in_flight = asyncio.run(go())
     assert in_flight == held  # the update went through while every generation connection was taken
     assert update["total_s"] < 5
+
+
+def _recording_app(statuses: list[int]) -> tuple[Any, list[tuple[str, str, int]]]:
+    """Every route of the client: answers the next of ``statuses`` (200 once they run out) and records (route,
+    ``Authorization`` header, client port) per request."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    seen: list[tuple[str, str, int]] = []
+
+    async def route(request: Request) -> JSONResponse:
+        assert request.client is not None
+        seen.append((request.url.path, request.headers.get("authorization", ""), request.client.port))
+        status = statuses.pop(0) if statuses else 200
+        body = {"choices": [_choice(0, [5], [-0.5], "length")], "is_paused": False, "success": True}
+        return JSONResponse(body if status == 200 else {"error": "busy"}, status_code=status)
+
+    paths = ("/v1/completions", "/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/health")
+    return Starlette(routes=[Route(p, route, methods=["GET", "POST"]) for p in paths]), seen
+
+
+def test_http_503_is_retried_and_reported_with_its_body_after_the_last_attempt() -> None:
+    from tests.support.uvicorn_thread import serve
+
+    async def go(url: str, retries: int) -> list[Completion]:
+        async with InferenceClient(url, max_retries=retries, backoff_s=0.01) as client:
+            return await client.generate([1, 2], n=1, max_tokens=1, temperature=1.0)
+
+    statuses = [503, 503]  # two refusals, then an answer: the third attempt of 3 gets it
+    app, seen = _recording_app(statuses)
+    with serve(app) as url:
+        assert asyncio.run(go(url, retries=2)) == [Completion(token_ids=[5], logprobs=[-0.5], finish_reason="length")]
+    assert len(seen) == 3 and statuses == []
+
+    statuses = [503, 503, 503]  # more refusals than attempts (2)
+    app, seen = _recording_app(statuses)
+    with serve(app) as url, pytest.raises(InferenceError) as err:
+        asyncio.run(go(url, retries=1))
+    assert str(err.value) == f'POST {url}/v1/completions: HTTP 503: \'{{"error":"busy"}}\' after 2 attempt(s)'
+    assert len(seen) == 2 and statuses == [503]
+
+
+def test_the_key_goes_with_every_route_and_connections_are_kept_alive_across_event_loops() -> None:
+    """``api_key`` on generation and control routes alike; sequential calls share one kept-alive connection per
+    pool; the same client (built outside any loop, as the orchestrator builds it) serves a second ``asyncio.run``
+    after ``aclose`` in the first, on new connections."""
+    from tests.support.uvicorn_thread import serve
+
+    app, seen = _recording_app([])
+    client = InferenceClient("http://unset", max_retries=0, api_key="k-123")
+
+    async def calls() -> None:
+        for _ in range(3):
+            await client.generate([1, 2], n=1, max_tokens=1, temperature=1.0)
+        await client.pause()
+        assert not await client.is_paused()
+        await client.resume()
+        assert await client.health()
+        await client.aclose()
+
+    with serve(app) as url:
+        client.base_url = url
+        asyncio.run(calls())
+        first = list(seen)
+        asyncio.run(calls())
+    routes = ["/v1/completions"] * 3 + ["/pause", "/is_paused", "/resume", "/health"]
+    assert [r for r, _, _ in seen] == routes * 2
+    assert [a for _, a, _ in seen] == ["Bearer k-123"] * 14
+    ports = [p for _, _, p in first]
+    assert len(set(ports[:3])) == 1 and len(set(ports[3:])) == 1 and ports[0] != ports[3]  # one per pool
+    assert not set(ports) & {p for _, _, p in seen[7:]}  # the second loop's connections are new ones
