@@ -20,7 +20,10 @@ a zero-cost orchestrator at most ~1,500-1,650 rollouts/s at 4,096 in flight). Un
 | live config           | applied at each step boundary (when step n's batch starts filling): groups started from then on run with it, groups started before keep the spec they started with, and step n's batch is built with it |
 | checkpoint of step k  | the data cursor right after the last chunk taken before step k's batch was complete (``TaskSampler.write_state``: the last take keyed <= k): the groups of those chunks still running, queued or not started then are not in the checkpoint, and a resumed run never starts their tasks again (it skips them); chunks taken later are taken again |
 
-Which group lands in which batch depends on finish order, so a run under continuous admission is not repeatable the
+A group started under the gate (at most ``min(max_async_level, max_off_policy_steps)`` versions behind the step filling
+then) may land in a later step's batch when others finish first, so a trained group's lag can exceed
+``max_async_level`` (up to ``max_off_policy_steps``, the bound that drops it): set ``max_off_policy_steps`` to the lag
+you accept. Which group lands in which batch depends on finish order, so a run under continuous admission is not repeatable the
 way a ``step`` run is (each request still is: its seed is its position).
 
 :class:`AdmissionQueue` holds the slot accounting and the ready queue, with no asyncio in it; the orchestrator's

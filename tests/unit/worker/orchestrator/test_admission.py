@@ -297,3 +297,94 @@ def test_a_failed_group_fails_the_step_it_would_fill(tmp_path: Path) -> None:
         assert orch._steps == {} and all(f.cancelled() for f in groups.pending.values())
 
     asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------------------- the real loop, simulated server
+
+SIM = Path(__file__).resolve().parents[4] / "benchmarks" / "sim_inference.py"
+
+
+def _sim_app(**config: Any) -> Any:
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("sim_inference", SIM)
+    assert spec is not None and spec.loader is not None
+    sim = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sim  # dataclasses resolve the module's annotations through it
+    spec.loader.exec_module(sim)
+    return sim.make_app(sim.SimConfig(**config))
+
+
+def test_the_orchestrator_loop_runs_continuous_admission_against_the_simulated_server(tmp_path: Path) -> None:
+    """``Orchestrator.main_loop`` (warm-up, evals, weight watcher, batcher, checkpoint) on reverse_text with the tiny
+    model's tokenizer, against ``benchmarks/sim_inference.py`` in a thread and a stand-in trainer that publishes each
+    version as soon as its batch is written: 4 steps of 4 groups of 2, 8 groups (16 completions) in flight."""
+    import httpx
+
+    from tests.support.uvicorn_thread import serve
+    from worker.models import init_model
+    from worker.rundir import STABLE_MARKER, read_jsonl
+
+    model = init_model(tmp_path / "tiny", size="tiny", seed=0)
+    spec = validate_spec(
+        "rl",
+        {
+            "name": "continuous",
+            "output_dir": str(tmp_path / "runs"),
+            "max_steps": 4,
+            "model": {"name": str(model)},
+            "env": {"id": "reverse_text", "args": {"system_message": False}},
+            "inference": {"max_model_len": 256},
+            "orchestrator": {
+                "admission": "continuous",
+                "batch_size": 4,
+                "group_size": 2,
+                "max_tokens": 16,
+                "seq_len": 256,
+                "max_async_level": 1,
+                "eval": {"num_examples": 2},
+            },
+            "ckpt": {"interval": 2},
+        },
+    )
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.config.write_text(spec.model_dump_json())
+    app = _sim_app(ttft_ms=50.0, per_token_ms=1.0, len_mean=8.0, load_ms=1.0)
+
+    async def trainer(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
+            while not any(r["source"] == "eval" for r in read_jsonl(run.metrics)):  # warm-up and eval done
+                await asyncio.sleep(0.005)
+            await http.post("/sim/stats/reset")  # the maximum from the groups in flight now on
+        for step in range(1, 5):
+            while not run.batch(step).exists():
+                await asyncio.sleep(0.01)
+            run.weight_dir(step).mkdir(parents=True, exist_ok=True)
+            (run.weight_dir(step) / STABLE_MARKER).write_text("")
+
+    async def scenario(url: str) -> dict[str, Any]:
+        stand_in = asyncio.create_task(trainer(url))
+        await Orchestrator(spec, run, url, 0).main_loop()
+        await stand_in
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
+            return dict((await http.get("/sim/stats")).json())
+
+    with serve(app) as url:
+        stats = asyncio.run(scenario(url))
+    assert stats["inflight_max"] == 16  # 8 groups of n = 2 at once, never more
+    rows = [r for r in read_jsonl(run.metrics) if r["source"] == "orchestrator"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["admission_dropped_stale_groups"] for r in rows] == [0, 0, 0, 0]
+    tasks = []
+    for step in range(1, 5):
+        records = read_jsonl(run.rollout_file(step))
+        assert len(records) == 8 and {r["group"] for r in records} == {0, 1, 2, 3}
+        # started under the gate (at most 1 behind the step filling then), they may land in a later step: trained
+        # while they lag at most max_off_policy_steps (8)
+        assert all(0 <= (step - 1) - r["policy_span"][0] <= 8 for r in records)
+        tasks += [r["task"] for r in records if r["completion"] is not None][::2]
+    assert len(set(tasks)) == 16  # 16 groups of 16 distinct positions of the data order
+    state = json.loads((run.checkpoint_dir(2) / "orchestrator" / "state.json").read_text())
+    assert state["data_cursor"] % 4 == 0 and 8 < state["data_cursor"] <= 8 + 8 + 4  # chunks of 4 past the 8 trained
