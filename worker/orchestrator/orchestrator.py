@@ -578,7 +578,7 @@ class Orchestrator:
                     )
                 start = queue.start()
                 assert start is not None  # a slot is free and the chunk has tasks
-                task = asyncio.create_task(run(start), context=contexts[0])
+                task = asyncio.create_task(run(start), context=contexts[0].copy())  # one context per group
                 running.add(task)
                 task.add_done_callback(ended)
 
