@@ -23,6 +23,12 @@ batch hand-off: the orchestrator's ``write_step`` (pack + JSON + atomic write) a
 ``--profile`` records the orchestrator of the largest level with py-spy (``results/orchestrator_scale_profile.txt``:
 the top functions by own and total samples).
 
+``--admission continuous`` (or ``step continuous``: both, level by level) runs the orchestrator with
+``orchestrator.admission = "continuous"`` (``worker/orchestrator/admission.py``: ``L / group_size`` groups kept in
+flight, each batch the first groups to finish) and writes ``results/orchestrator_scale_continuous.json`` with a row per
+(admission, level); its ceiling is :func:`continuous_ceiling`. The default (``step``) writes
+``results/orchestrator_scale.json`` as before.
+
 Run: ``.venv/bin/python benchmarks/orchestrator_scale.py`` (~3 min); ``--quick``: 256 only, few steps.
 """
 
@@ -220,7 +226,9 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         time.sleep(0.1)
 
 
-def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path | None) -> dict[str, Any]:
+def run_level(
+    level: int, args: argparse.Namespace, model: Path, profile: Path | None, admission: str = "step"
+) -> dict[str, Any]:
     from worker.rundir import RunDir
 
     async_level = args.async_level
@@ -228,10 +236,12 @@ def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path |
     if per_step % args.group_size:
         raise SystemExit(f"--levels: {level} / {async_level + 1} is not a multiple of --group-size {args.group_size}")
     steps = args.warmup_steps + args.steps
+    name = f"inflight_{level}" if admission == "step" else f"inflight_{level}_{admission}"
     spec = C.rl_spec(
         model,
-        f"inflight_{level}",
+        name,
         [
+            ("orchestrator.admission", admission),
             ("output_dir", str(OUT_DIR)),
             ("max_steps", str(steps)),
             ("orchestrator.batch_size", str(per_step // args.group_size)),
@@ -244,7 +254,7 @@ def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path |
             ("orchestrator.eval.interval", "0"),
         ],
     )
-    run = RunDir(OUT_DIR / f"inflight_{level}")
+    run = RunDir(OUT_DIR / name)
     shutil.rmtree(run.root, ignore_errors=True)
     run.create()
     run.config.write_text(spec.model_dump_json(indent=1))
@@ -322,6 +332,7 @@ def run_level(level: int, args: argparse.Namespace, model: Path, profile: Path |
     t = json.loads((run.root / "trainer_handoff.json").read_text())[args.warmup_steps :]
     return {
         "inflight": level,
+        "admission": admission,
         "max_async_level": async_level,
         "group_size": args.group_size,
         "rollouts_per_step": per_step,
@@ -367,6 +378,24 @@ def gate_ceiling(level: int, args: argparse.Namespace, steps: int = 400, seed: i
     return (steps - w) * per_step / (written[steps] - written[w])
 
 
+def continuous_ceiling(level: int, args: argparse.Namespace, samples: int = 20_000, seed: int = 0) -> float:
+    """Rollouts/s of a zero-cost orchestrator under continuous admission at ``level``: ``level / group_size`` slots,
+    each starting a new group the moment its last one answers, so in the long run (renewal) the rate is
+    ``level / mean group latency``; the latency model as in :func:`gate_ceiling`, the mean over ``samples`` groups."""
+    from sim_inference import SimConfig
+
+    c = SimConfig(ttft_ms=args.ttft_ms, per_token_ms=args.per_token_ms, len_mean=args.len_mean, seed=seed)
+    rng = random.Random(seed)
+    total = 0.0
+    for _ in range(samples):
+        longest = max(
+            min(max(1, round(c.len_mean * math.exp(rng.gauss(0.0, c.len_sigma)))), args.max_tokens)
+            for _ in range(args.group_size)
+        )
+        total += (c.ttft_ms + c.per_token_ms * longest) * math.exp(rng.gauss(0.0, c.jitter_sigma)) / 1000.0
+    return level / (total / samples)
+
+
 def summarize_profile(raw: Path, out: Path, top: int = 40) -> None:
     """py-spy's raw (collapsed stacks) output -> the top functions by own samples and by total (inclusive) samples."""
     own: Counter[str] = Counter()
@@ -406,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="orchestrator.max_async_level; each step holds level / (async_level + 1) rollouts",
     )
+    p.add_argument(
+        "--admission",
+        nargs="+",
+        choices=["step", "continuous"],
+        default=["step"],
+        help="orchestrator.admission, one run per level each; with continuous: results/orchestrator_scale_continuous.json",
+    )
     p.add_argument("--profile", action="store_true", help="py-spy the orchestrator of the largest level")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--trainer", type=Path, help=argparse.SUPPRESS)
@@ -426,17 +462,19 @@ def main(argv: list[str] | None = None) -> int:
     model = tokenizer_model()
     rows = []
     for level in args.levels:
-        raw = C.TMP / "orchestrator_scale_profile.raw" if args.profile and level == max(args.levels) else None
-        C.say(f"[bench] {level} rollouts in flight ...")
-        row = run_level(level, args, model, raw)
-        row["gate_ceiling_rollouts_per_s"] = gate_ceiling(level, args)
-        C.say(
-            f"[bench] {level}: {row['rollouts_per_s']:.0f} rollouts/s (gate ceiling "
-            f"{row['gate_ceiling_rollouts_per_s']:.0f}), lag p99 {row['loop_lag_p99_ms']:.1f} ms"
-        )
-        rows.append(row)
-        if raw is not None:
-            summarize_profile(raw, C.RESULTS / "orchestrator_scale_profile.txt")
+        for admission in args.admission:
+            raw = C.TMP / "orchestrator_scale_profile.raw" if args.profile and level == max(args.levels) else None
+            C.say(f"[bench] {level} rollouts in flight, {admission} admission ...")
+            row = run_level(level, args, model, raw, admission)
+            ceiling = gate_ceiling if admission == "step" else continuous_ceiling
+            row["gate_ceiling_rollouts_per_s"] = ceiling(level, args)
+            C.say(
+                f"[bench] {level} {admission}: {row['rollouts_per_s']:.0f} rollouts/s (ceiling "
+                f"{row['gate_ceiling_rollouts_per_s']:.0f}), lag p99 {row['loop_lag_p99_ms']:.1f} ms"
+            )
+            rows.append(row)
+            if raw is not None:
+                summarize_profile(raw, C.RESULTS / "orchestrator_scale_profile.txt")
     payload = {
         "setup": {
             "env": "reverse_text (configs/reverse_text/rl.toml), tiny Qwen3 tokenizer",
@@ -449,10 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "levels": rows,
     }
-    path = C.write_result("orchestrator_scale", payload, quick=args.quick, started=started, machine=machine)
+    name = "orchestrator_scale" if args.admission == ["step"] else "orchestrator_scale_continuous"
+    path = C.write_result(name, payload, quick=args.quick, started=started, machine=machine)
     table = C.md_table(
         [
             "in flight",
+            "admission",
             "mean in flight (server)",
             "rollouts/s",
             "gate ceiling rollouts/s",
@@ -468,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             [
                 r["inflight"],
+                r["admission"],
                 r["inflight_mean_measured"],
                 r["rollouts_per_s"],
                 r["gate_ceiling_rollouts_per_s"],

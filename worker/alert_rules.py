@@ -84,6 +84,7 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "gate_resampled_groups",
         "gate_unfilled_groups",
         "dropped_stale_groups",
+        "admission_dropped_stale_groups",
         "trained_gen_time_ratio",
         "trained_len_ratio",
         *LAG_HIST_METRICS,

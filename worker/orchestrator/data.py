@@ -139,9 +139,15 @@ class TaskSampler:
 
     def write_state(self, part_dir: Path, step: int) -> None:
         """Write ``state.json`` of checkpoint ``step`` into ``part_dir``: the cursor right after step ``step``'s tasks
-        (the producer may already have taken later steps) and the curriculum's state after step ``step``."""
-        cursor = self._cursor_after.pop(step)
-        for done in [s for s in self._cursor_after if s < step]:
+        (the producer may already have taken later steps) and the curriculum's state after step ``step``.
+
+        The cursor is the one after the last ``take`` keyed ``<= step``: step ``step``'s own, or under continuous
+        admission (chunks keyed by the step filling when they were taken: ``worker/orchestrator/admission.py``) the
+        last chunk taken before step ``step``'s batch was complete; that take's cursor stays for a later checkpoint.
+        """
+        key = max(s for s in self._cursor_after if s <= step)
+        cursor = self._cursor_after[key]
+        for done in [s for s in self._cursor_after if s < key]:
             del self._cursor_after[done]
         state: dict[str, Any] = {"step": step, "data_cursor": cursor, "seed": self.seed}
         if self.pool is not None:

@@ -132,15 +132,31 @@ class EnvMixture:
     def names(self) -> list[str]:
         return [e.config.name for e in self.envs]
 
+    @property
+    def position(self) -> int:
+        """Tasks handed out so far over all environments (the sum of their cursors): the next global position."""
+        return sum(e.sampler.cursor for e in self.envs)
+
     def take(
-        self, step: int, batch_size: int, spares: int = 0, curriculum: CurriculumConfig | None = None
+        self,
+        step: int,
+        batch_size: int,
+        spares: int = 0,
+        curriculum: CurriculumConfig | None = None,
+        places: tuple[int, int] | None = None,
     ) -> list[tuple[int, int]]:
         """``(env index, task index)`` of each of the ``batch_size`` groups of step ``step``, then of its ``spares``
         spare groups (gates: slots ``batch_size + j``); advances each environment's cursor (and draws from its
-        curriculum) by the slots that chose it (steps are taken in order)."""
+        curriculum) by the slots that chose it (steps are taken in order).
+
+        Args:
+            places: ``(a, b)``: draw slot s's environment as ``choose_env(.., a, b + s)`` instead of ``(step, s)``
+                (continuous admission: ``(CONTINUOUS_SEED, the chunk's first position)``, ``admission.py``).
+        """
         if len(self.envs) == 1:
             return [(0, i) for i in self.envs[0].sampler.take(step, batch_size, spares, curriculum)]
-        chosen = [choose_env(self.weights, self.seed, step, slot) for slot in range(batch_size + spares)]
+        a, b = places if places is not None else (step, 0)
+        chosen = [choose_env(self.weights, self.seed, a, b + slot) for slot in range(batch_size + spares)]
         tasks = [iter(e.sampler.take(step, chosen.count(i), 0, curriculum)) for i, e in enumerate(self.envs)]
         return [(env, next(tasks[env])) for env in chosen]
 

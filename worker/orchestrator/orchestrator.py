@@ -10,6 +10,8 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
   saves (``data.TaskSampler``), so a resumed or forked run continues right after its parent's tasks.
   A ``difficulty_pool`` curriculum draws them by each task's pass rate instead (``curriculum.py``); with gates, a
   rejected group is replaced by a group of one of the step's spare tasks (``gates.py``).
+  With ``orchestrator.admission = "continuous"`` it keeps ``groups_in_flight()`` groups running instead and each step's
+  batch takes the first groups to finish (``admission.py``: chunks of tasks, seeds, stale drops, checkpoint cursor).
 - **group rollout**: one vLLM request with ``n = group_size`` on the chat-templated prompt ids; the
   completion token ids and sampled-token logprobs come from vLLM (never re-tokenized); rewards come
   from the environment's own reward functions; the request records the policy-version span
@@ -56,6 +58,7 @@ from worker.inference.warmup import warm_up
 from worker.live_config import LiveConfig
 from worker.lora_adapters import ADAPTER_CONFIG, adapters_in_use, lora_adapter_name
 from worker.orchestrator import advantages
+from worker.orchestrator.admission import CONTINUOUS_SEED, AdmissionQueue, Start, group_start_version
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.eval import evaluate
@@ -150,6 +153,17 @@ class Orchestrator:
         self._adapters: list[str] = []
         """A LoRA run's adapters loaded on the server, oldest first (at most ``adapters_in_use`` are kept)."""
         self._steps: dict[int, asyncio.Task[tuple[list[list[Rollout]], float, float]]] = {}
+        self.admission: AdmissionQueue[tuple[int, int], list[Rollout]] | None = None
+        """``admission = "continuous"``: the slots and the ready queue (``admission.py``); None: ``step`` admission."""
+        if spec.orchestrator.admission == "continuous":
+            self.admission = AdmissionQueue(spec.orchestrator.groups_in_flight(), next_step=start_step + 1)
+        self._admission_changed = asyncio.Event()
+        """Set when a continuous-admission group finishes (a slot freed, the ready queue grew) or fails."""
+        self._admission_wait = 0.0
+        """Seconds the continuous producer waited at the start gate since the last batch was taken."""
+        self._admission_error: BaseException | None = None
+        self._admission_dropped: dict[int, int] = {}
+        """Stale groups each step's batch dropped from the ready queue, until the main loop logs them."""
         self._step_specs: dict[int, RLSpec] = {}
         self._evaluated = {
             r["step"] for r in read_jsonl(run.metrics) if r["source"] == "eval" and r["step"] <= start_step
@@ -500,9 +514,14 @@ class Orchestrator:
         gated = self._gated.pop(step)
         started = [(task, [r.reward for r in group]) for task, group in gated.started]
         metrics = self.sampler.observe(step, started, orch.curriculum)
+        if self.admission is not None:
+            metrics["admission_dropped_stale_groups"] = self._admission_dropped.pop(step)
         return {**metrics, **(gated.metrics() if orch.gates else {})}
 
     async def produce(self) -> None:
+        if self.admission is not None:
+            await self.produce_continuous(self.admission)
+            return
         for step in range(self.start_step + 1, self.end + 1):
             orch = self.spec.orchestrator  # the gate: min(max_async_level, max_off_policy_steps) (case C23)
             waited = await self.wait_for_version(
@@ -520,6 +539,81 @@ class Orchestrator:
                 self._timed(self.generate_step(step, indices[: orch.batch_size], indices[orch.batch_size :]), waited),
                 context=context,
             )
+
+    async def produce_continuous(self, queue: AdmissionQueue[tuple[int, int], list[Rollout]]) -> None:
+        """``admission = "continuous"`` (``admission.py``): keep ``queue``'s slots full under the start gate, and hand
+        each step the first ``batch_size`` fresh groups to finish (``self._steps``, in step order)."""
+        running: set[asyncio.Task[None]] = set()
+        contexts = [contextvars.copy_context()]  # the spec groups start with, from the step boundary on
+
+        async def run(start: Start[tuple[int, int]]) -> None:
+            version = self.policy_version
+            env, index = start.task
+            group = await self.rollout_group(index, self._seed(CONTINUOUS_SEED, start.position), env)
+            queue.finish(start, group, group_start_version([r.policy_span for r in group], version))
+            self._admission_changed.set()
+
+        def ended(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self._admission_error = task.exception()
+                self._admission_changed.set()
+
+        async def starter() -> None:
+            while queue.next_step <= self.end:
+                orch = self._spec.orchestrator
+                gate = min_start_version(queue.next_step, orch.max_async_level, orch.max_off_policy_steps)
+                if self.policy_version < gate:
+                    self._admission_wait += await self.wait_for_version(gate)
+                    continue
+                if not queue.free():
+                    self._admission_changed.clear()
+                    await self._admission_changed.wait()
+                    continue
+                if queue.needs_chunk():  # keyed by the step filling: its checkpoint's cursor (admission.py)
+                    first = self.sampler.position
+                    places = (CONTINUOUS_SEED, first)
+                    queue.add_chunk(
+                        first, self.sampler.take(queue.next_step, orch.batch_size, 0, orch.curriculum, places)
+                    )
+                start = queue.start()
+                assert start is not None  # a slot is free and the chunk has tasks
+                task = asyncio.create_task(run(start), context=contexts[0].copy())  # one context per group
+                running.add(task)
+                task.add_done_callback(ended)
+
+        async def take(step: int) -> tuple[list[list[Rollout]], float, float]:
+            t0, orch = time.perf_counter(), self._step_specs[step].orchestrator
+            while (taken := queue.take(step, orch.batch_size, orch.max_off_policy_steps)) is None:
+                if self._admission_error is not None:
+                    raise self._admission_error
+                self._admission_changed.clear()
+                await self._admission_changed.wait()
+            groups = [f.group for f in taken.groups]
+            self._gated[step] = GatedStep(kept=groups, started=[(f.start.task, f.group) for f in taken.groups])
+            self._admission_dropped[step] = taken.dropped_stale
+            waited, self._admission_wait = self._admission_wait, 0.0
+            return groups, waited, time.perf_counter() - t0
+
+        async def steps() -> None:
+            for step in range(self.start_step + 1, self.end + 1):
+                # step boundary: live config revisions apply to every group started and every batch from this step on
+                self.spec, _ = self.live.apply(self._spec, step)
+                self._step_specs[step] = self._spec
+                queue.slots = self._spec.orchestrator.groups_in_flight()
+                context = contextvars.copy_context()
+                context.run(_STEP_SPEC.set, self._spec)
+                contexts[0] = context
+                self._admission_changed.set()  # the slots may have grown
+                self._steps[step] = task = asyncio.create_task(take(step))
+                await task  # the main loop gets its batch (or its error, which ends this producer too)
+
+        starting = asyncio.create_task(starter())
+        try:
+            await until(steps(), starting)
+        finally:
+            for task in [starting, *running]:  # the groups no batch needs (or the run ended)
+                task.cancel()
 
     @staticmethod
     async def _timed(coro: Any, waited: float) -> tuple[Any, float, float]:

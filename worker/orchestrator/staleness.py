@@ -18,6 +18,11 @@ started before a live config change lowered it, or a resumed run's. With ``max_o
 trained rollout's span is ``(n - 1, n - 1)`` (case C13): ``v_end <= n - 1`` always (v(n) needs batch n), so a
 rollout that a weight update reached mid-generation started under an older version and lags >= 1.
 
+Under ``orchestrator.admission = "continuous"`` (``worker/orchestrator/admission.py``) the start gate is the same with
+n the step whose batch is filling, and a finished group is admitted to step n's batch iff its oldest rollout's lag is
+``<= max_off_policy_steps``; a group lagging more is dropped whole before the batcher sees it
+(``admission_dropped_stale_groups``), so the table below applies to ``step`` admission only.
+
 What happens to a stale rollout (``orchestrator.stale_policy``; ``worker.orchestrator.batcher.build_batch``):
 
 | stale_policy      | the stale rollout | the rest of its group                                   | counted as                 |

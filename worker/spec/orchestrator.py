@@ -300,6 +300,15 @@ class OrchestratorConfig(StrictModel):
     """Groups started per step at most to replace rejected ones (each step reserves this many spare tasks)."""
     policy_check: PolicyCheckConfig = Field(default_factory=PolicyCheckConfig)
     """Does inference serve the policy the trainer published (``worker/policy_check.py``)?"""
+    admission: Literal["step", "continuous"] = "step"
+    """How rollout groups start (``worker/orchestrator/admission.py``). ``step``: step n's ``batch_size`` groups start
+    together at its start gate and its batch waits for the slowest of them. ``continuous``: ``inflight_groups`` groups
+    are kept running; each batch takes the first ``batch_size`` groups to finish (those lagging more than
+    ``max_off_policy_steps`` dropped, ``admission_dropped_stale_groups``) and a new group starts as soon as one
+    finishes (under the same start gate). Not with ``gates`` or a ``difficulty_pool`` curriculum."""
+    inflight_groups: int | None = Field(default=None, ge=1, le=1_048_576)
+    """``admission = "continuous"`` only: groups kept running at once (at most 2**20); None: ``batch_size *
+    (max_async_level + 1)``, the most the ``step`` admission's gate allows."""
 
     @field_validator("gates")
     @classmethod
@@ -313,3 +322,35 @@ class OrchestratorConfig(StrictModel):
                 f"gates judge groups by a stateless advantage (grpo, maxrl, custom), got orchestrator.advantage.type {kind!r}"
             )
         return gates
+
+    @field_validator("admission")
+    @classmethod
+    def _continuous_alone(cls, admission: str, info: ValidationInfo) -> str:
+        """Continuous admission builds a batch from whichever groups finish first: a gate's re-sampling rounds and a
+        ``difficulty_pool`` draw (both per step) have no place in it (``worker/orchestrator/admission.py``)."""
+        if admission == "continuous":
+            if info.data.get("gates"):
+                raise ValueError(
+                    'expected "step" with orchestrator.gates (continuous admission re-samples no group), got "continuous"'
+                )
+            kind = getattr(info.data.get("curriculum"), "type", "standard")
+            if kind != "standard":
+                raise ValueError(
+                    f'expected "step" with orchestrator.curriculum.type {kind!r} (continuous admission draws no tasks '
+                    'per step), got "continuous"'
+                )
+        return admission
+
+    @field_validator("inflight_groups")
+    @classmethod
+    def _inflight_needs_continuous(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("admission") != "continuous":
+            raise ValueError(
+                f'only with orchestrator.admission = "continuous", got admission {info.data.get("admission")!r}'
+            )
+        return value
+
+    def groups_in_flight(self) -> int:
+        """Groups ``continuous`` admission keeps running: ``inflight_groups``, or ``batch_size * (max_async_level +
+        1)``."""
+        return self.inflight_groups or self.batch_size * (self.max_async_level + 1)

@@ -243,6 +243,16 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "error: orchestrator.gates: gates judge groups by a stateless advantage (grpo, maxrl, custom), "
         "got orchestrator.advantage.type 'rae'",
     ),
+    "inflight-groups-without-continuous-admission": (
+        ["rl", "@", RL_TOML, "--orchestrator.inflight_groups", "64", "--dry-run"],
+        "error: orchestrator.inflight_groups: only with orchestrator.admission = \"continuous\", got admission 'step'",
+    ),
+    "continuous-admission-with-gates": (
+        ["rl", "@", RL_TOML, "--orchestrator.admission", "continuous", "--orchestrator.gates"]
+        + ['[{type = "advantage_range", reject_min = 0.0, reject_max = 0.1}]', "--dry-run"],
+        'error: orchestrator.admission: expected "step" with orchestrator.gates (continuous admission re-samples no '
+        'group), got "continuous"',
+    ),
     "curriculum-weight-negative": (
         [
             "rl",
