@@ -5,16 +5,12 @@ reason) with msgspec, skipping the fields it does not use; and the simulated ser
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.simulated_server import sim_app
 from worker.inference.client import Completion, InferenceClient, InferenceError
-
-SIM = Path(__file__).resolve().parents[4] / "benchmarks" / "sim_inference.py"
 
 
 def _choice(index: int, ids: list[int], lps: list[float] | None, finish: str) -> dict[str, Any]:
@@ -98,22 +94,13 @@ def test_generate_refuses_an_answer_it_cannot_train_on(choice: dict[str, Any], s
     assert says in str(err.value)
 
 
-def _sim_app(**config: Any) -> Any:
-    spec = importlib.util.spec_from_file_location("sim_inference", SIM)
-    assert spec is not None and spec.loader is not None
-    sim = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sim  # dataclasses resolve the module's annotations through it
-    spec.loader.exec_module(sim)
-    return sim.make_app(sim.SimConfig(**config))
-
-
 def test_simulated_server_answers_as_vllm_with_its_lengths() -> None:
     fixed = {"ttft_ms": 0.0, "per_token_ms": 0.0, "jitter_sigma": 0.0, "len_mean": 5.0, "len_sigma": 0.0}
-    out, _ = _generate(app=_sim_app(**fixed), n=3, max_tokens=10)  # every completion 5 tokens: stopped
+    out, _ = _generate(app=sim_app(**fixed), n=3, max_tokens=10)  # every completion 5 tokens: stopped
     assert [(len(c.token_ids), len(c.logprobs), c.finish_reason) for c in out] == [(5, 5, "stop")] * 3
     assert all(32 <= t < 127 for c in out for t in c.token_ids)
     assert all(lp <= 0.0 for c in out for lp in c.logprobs)
-    out, _ = _generate(app=_sim_app(**fixed), n=2, max_tokens=4)  # cut at max_tokens
+    out, _ = _generate(app=sim_app(**fixed), n=2, max_tokens=4)  # cut at max_tokens
     assert [(len(c.token_ids), c.finish_reason) for c in out] == [(4, "length")] * 2
 
 

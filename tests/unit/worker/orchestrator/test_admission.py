@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.simulated_server import sim_app
 from worker.orchestrator.admission import (
     CONTINUOUS_SEED,
     AdmissionQueue,
@@ -301,20 +302,6 @@ def test_a_failed_group_fails_the_step_it_would_fill(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- the real loop, simulated server
 
-SIM = Path(__file__).resolve().parents[4] / "benchmarks" / "sim_inference.py"
-
-
-def _sim_app(**config: Any) -> Any:
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("sim_inference", SIM)
-    assert spec is not None and spec.loader is not None
-    sim = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sim  # dataclasses resolve the module's annotations through it
-    spec.loader.exec_module(sim)
-    return sim.make_app(sim.SimConfig(**config))
-
 
 def test_the_orchestrator_loop_runs_continuous_admission_against_the_simulated_server(tmp_path: Path) -> None:
     """``Orchestrator.main_loop`` (warm-up, evals, weight watcher, batcher, checkpoint) on reverse_text with the tiny
@@ -351,7 +338,7 @@ def test_the_orchestrator_loop_runs_continuous_admission_against_the_simulated_s
     run = RunDir(tmp_path / "run")
     run.create()
     run.config.write_text(spec.model_dump_json())
-    app = _sim_app(ttft_ms=50.0, per_token_ms=1.0, len_mean=8.0, load_ms=1.0)
+    app = sim_app(ttft_ms=50.0, per_token_ms=1.0, len_mean=8.0, load_ms=1.0)
 
     async def trainer(url: str) -> None:
         async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
