@@ -34,6 +34,23 @@ def completion_length(loss_mask: Sequence[int | bool]) -> int:
     return sum(1 for m in loss_mask if m)
 
 
+def check_lengths(lengths: Sequence[int], seq_len: int) -> None:
+    """The input checks of ``pack`` and ``pack_shared_prompt``.
+
+    Raises:
+        ValueError: ``seq_len`` < 1, a negative length, or a sample longer than ``seq_len``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len: expected a token count >= 1, got {seq_len}")
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"pack: sample {i} has a negative length {n}")
+        if n > seq_len:
+            raise ValueError(
+                f"seq_len: sample {i} has {n} tokens, more than seq_len = {seq_len}; raise seq_len or lower max_tokens"
+            )
+
+
 def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
     """Bins of sample indices whose lengths sum to at most ``seq_len`` each (first-fit decreasing).
 
@@ -48,15 +65,7 @@ def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
     Raises:
         ValueError: ``seq_len`` < 1, a negative length, or a sample longer than ``seq_len``.
     """
-    if seq_len < 1:
-        raise ValueError(f"seq_len: expected a token count >= 1, got {seq_len}")
-    for i, n in enumerate(lengths):
-        if n < 0:
-            raise ValueError(f"pack: sample {i} has a negative length {n}")
-        if n > seq_len:
-            raise ValueError(
-                f"seq_len: sample {i} has {n} tokens, more than seq_len = {seq_len}; raise seq_len or lower max_tokens"
-            )
+    check_lengths(lengths, seq_len)
     bins: list[list[int]] = []
     free: list[int] = []  # tokens left in each bin
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):  # stable: ties keep index order
@@ -105,7 +114,7 @@ def pack_shared_prompt(
     Raises:
         ValueError: as ``pack``: ``seq_len`` < 1, or a sample longer than ``seq_len``.
     """
-    pack(lengths, seq_len)  # the same input checks
+    check_lengths(lengths, seq_len)
     by_prompt: dict[tuple[Hashable, int], list[int]] = {}
     for i, key in enumerate(zip(keys, prefix_lens, strict=True)):
         by_prompt.setdefault(key, []).append(i)

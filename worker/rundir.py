@@ -304,7 +304,12 @@ def append_jsonl_rows(path: Path, rows: list[dict[str, Any]]) -> None:
         DiskFull: the filesystem is full.
         OSError: any other failure to write.
     """
-    line = "".join(json.dumps(obj, allow_nan=True) + "\n" for obj in rows).encode()
+    append_jsonl_bytes(path, "".join(json.dumps(obj, allow_nan=True) + "\n" for obj in rows).encode())
+
+
+def append_jsonl_bytes(path: Path, line: bytes) -> None:
+    """Append ``line`` (whole JSON lines, each ending in a newline, encoded already) in one ``write``, as
+    :func:`append_jsonl_rows` does. Errors: as :func:`append_jsonl_rows`."""
     with writing(path.name, path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from worker.orchestrator.advantages import compute_advantages
-from worker.packing import completion_length
 from worker.rewards import present_reward
 from worker.spec import AdvantageConfig, AdvantageRangeGate, CustomGate, GateConfig
 from worker.spec.user_code import load_function
@@ -232,7 +231,7 @@ def group_rejects(gates: Sequence[GateConfig], advantage: AdvantageConfig) -> Ca
     scorer = make_advantage(advantage)  # stateless types only (the spec refuses gates with rae, hierarchical_grpo)
 
     def rejects(group: Any) -> bool:
-        lengths = [completion_length(r.loss_mask) for r in group]
+        lengths = [r.completion_len for r in group]
         advantages = trace_advantages(scorer, group, lengths).advantages
         return first_rejecting(gates, [r.reward for r in group], advantages) is not None
 

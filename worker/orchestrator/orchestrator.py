@@ -41,14 +41,14 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from worker import progress
-from worker.batch import TrainSample, write_batch
+from worker.batch import Batch, TrainSample, write_batch
 from worker.checkpoint import HELD, end_of_leg, write_part
 from worker.checkpoint import due as checkpoint_due
 from worker.envs import Environment
@@ -57,9 +57,9 @@ from worker.inference.pool import Loader, Replica, ReplicaPool
 from worker.inference.warmup import warm_up
 from worker.live_config import LiveConfig
 from worker.lora_adapters import ADAPTER_CONFIG, adapters_in_use, lora_adapter_name
-from worker.orchestrator import advantages
+from worker.orchestrator import advantages, heap
 from worker.orchestrator.admission import CONTINUOUS_SEED, AdmissionQueue, Start, group_start_version
-from worker.orchestrator.batcher import Rollout, build_batch
+from worker.orchestrator.batcher import Rollout, batch_groups, batch_metrics, encode_records
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.gates import GatedStep, fill_batch, group_rejects
@@ -81,7 +81,7 @@ from worker.policy_check import (
     read_probe,
 )
 from worker.policy_check import applies as policy_check_applies
-from worker.rundir import RunDir, append_jsonl_rows, read_jsonl
+from worker.rundir import RunDir, append_jsonl_bytes, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
 from worker.system_metrics import ProcessSampler
 from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
@@ -509,6 +509,19 @@ class Orchestrator:
         )
         return gated.kept
 
+    async def score_step(
+        self, step: int, groups: list[list[Rollout]], orch: OrchestratorConfig, rejected: list[list[Rollout]]
+    ) -> tuple[list[TrainSample], dict[str, Any]]:
+        """Step ``step``'s training samples and orchestrator metrics: ``build_batch`` (then ``env_step_metrics``) a
+        slice of groups at a time (:func:`slices`), back to the event loop between slices."""
+        samples: list[TrainSample] = []
+        for lo, hi in slices(groups):
+            samples += batch_groups(step, groups[lo:hi], orch, self.advantage, first=lo)
+            await asyncio.sleep(0)
+        metrics = batch_metrics(step, groups, rejected)
+        metrics.update(env_step_metrics(step, groups, samples, self.sampler.names))
+        return samples, metrics
+
     def observe_step(self, step: int, orch: OrchestratorConfig) -> dict[str, Any]:
         """Feed every group step ``step`` started to the curriculum (in step order); its curriculum and gate metrics."""
         gated = self._gated.pop(step)
@@ -623,7 +636,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ batches
 
-    def write_step(self, step: int, samples: list[TrainSample]) -> None:
+    def pack_step(self, step: int, samples: list[TrainSample]) -> Batch:
+        """Step ``step``'s batch: ``samples`` packed into micro-batches of at most ``orchestrator.seq_len`` tokens
+        (``pack_shared_prompt`` with ``share_prompt``, else ``pack``)."""
         orch = self.spec.orchestrator
         lengths = [len(s["input_ids"]) for s in samples]
         if orch.share_prompt:
@@ -631,21 +646,26 @@ class Orchestrator:
             bins = pack_shared_prompt(lengths, prefix_lens, prompt_keys(samples), orch.seq_len)
         else:
             bins = pack(lengths, orch.seq_len)
-        write_batch(
-            self.run.batch(step),
-            {
-                "step": step,
-                "num_samples": len(samples),
-                "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
-                "micro_batches": [[samples[i] for i in b] for b in bins],
-            },
-        )
+        return {
+            "step": step,
+            "num_samples": len(samples),
+            "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+            "micro_batches": [[samples[i] for i in b] for b in bins],
+        }
 
-    def write_rollouts(self, step: int, groups: list[list[Rollout]]) -> None:
+    def write_step(self, step: int, batch: Batch) -> None:
+        """Hand step ``step``'s batch to the trainer (``batches/step_<step>.json``: ``worker.batch.write_batch``)."""
+        write_batch(self.run.batch(step), batch)
+
+    async def write_rollouts(self, step: int, groups: list[list[Rollout]]) -> None:
         """The step's rollout records (``Rollout.record``, ``group`` each one's group index) in one append to
-        ``rollouts/step_<step>.jsonl``; run in a thread, off the event loop."""
-        records = [r.record(step, g) for g, group in enumerate(groups) for r in group]
-        append_jsonl_rows(self.run.rollout_file(step), records)
+        ``rollouts/step_<step>.jsonl``: encoded a slice of groups at a time on the event loop (:func:`slices`), the
+        write in a thread."""
+        lines = []
+        for lo, hi in slices(groups):
+            lines.append(encode_records([r.record(step, g) for g in range(lo, hi) for r in groups[g]]))
+            await asyncio.sleep(0)
+        await asyncio.to_thread(append_jsonl_bytes, self.run.rollout_file(step), b"".join(lines))
 
     def save_state(self, step: int) -> None:
         """The orchestrator part of checkpoint ``step``: the data cursor after the step's tasks (``TaskSampler``) and the
@@ -807,14 +827,18 @@ class Orchestrator:
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
                 rejected = self._gated[step].dropped()  # gate-rejected groups: finished, never trained
-                samples, metrics = build_batch(step, groups, step_spec.orchestrator, self.advantage, rejected)
+                # a step's CPU work (advantages, records) in slices on the event loop, not in a thread: a CPU-bound
+                # thread makes the loop wait up to the GIL's switch interval (5 ms) after each of its syscalls, and a
+                # rollout task's step took 0.4 s at 4,096 rollouts in flight (benchmarks/README.md section 11)
+                samples, metrics = await self.score_step(step, groups, step_spec.orchestrator, rejected)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
-                metrics.update(env_step_metrics(step, groups, samples, self.sampler.names))
                 # the hand-off off the event loop: the loop keeps serving rollouts while the batch is encoded and
                 # written, and a step's rollout records go out in one write (benchmarks/orchestrator_scale.py)
-                await asyncio.to_thread(self.write_step, step, samples)
+                # packed on the loop (Python), encoded and written in a thread (msgspec and the write hold or release
+                # the GIL in C: no Python in the thread to make the loop wait)
+                await asyncio.to_thread(self.write_step, step, self.pack_step(step, samples))
                 progress.recorder.tick("batches")
-                await asyncio.to_thread(self.write_rollouts, step, groups)
+                await self.write_rollouts(step, groups)
                 n_tokens = sum(len(r.completion_ids) for g in groups for r in g)
                 self.run.log_metrics(
                     "orchestrator",
@@ -832,6 +856,7 @@ class Orchestrator:
                     },
                 )
                 self.warn_truncated(step, metrics["truncated_fraction"], step_spec.orchestrator.max_tokens)
+                heap.after_step(step)  # the full garbage collections, at a step's end (heap.py)
                 if checkpoint_due(self.run, step, spec.ckpt.interval, spec.ckpt.hold_at):
                     self.save_state(step)
                 ev = step_spec.orchestrator.eval
@@ -854,6 +879,26 @@ class Orchestrator:
                 await self.pool.aclose()
             else:
                 await self.client.aclose()
+
+
+ROLLOUTS_PER_SLICE = 256
+"""Rollouts the orchestrator batches or encodes between two returns to the event loop (256: ~5 ms of
+``batch_groups`` or of records, so a step's 2,048 rollouts never hold the loop long: ``benchmarks/README.md``
+section 11)."""
+
+
+def slices(groups: Sequence[Sequence[Any]], size: int = ROLLOUTS_PER_SLICE) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of ``groups``, in order and covering them, each of whole groups holding at least ``size``
+    rollouts (the last one may hold fewer)."""
+    out, lo, count = [], 0, 0
+    for i, group in enumerate(groups):
+        count += len(group)
+        if count >= size:
+            out.append((lo, i + 1))
+            lo, count = i + 1, 0
+    if lo < len(groups):
+        out.append((lo, len(groups)))
+    return out
 
 
 def _on_client(work: Callable[[InferenceClient], Awaitable[T]], replica: Replica) -> Awaitable[T]:
@@ -909,6 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = RLSpec.model_validate_json(run.config.read_text())
     orchestrator = Orchestrator(spec, run, args.inference_url, args.resume_step)
     progress.recorder.start(run.root, "orchestrator")
+    heap.settle()
     try:
         asyncio.run(orchestrator.main_loop())
     except (InferenceError, PolicyCheckFailed) as err:

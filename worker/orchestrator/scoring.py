@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 SCORE_PROCESS_MIN_ROLLOUTS = 512
 """Rollouts per step (``batch_size * group_size``) from which single-turn groups are scored in a worker process:
 below it the process (~200 MB, seconds to import verifiers) costs more than the loop time it saves."""
+WORKER_NICENESS = 5
+"""The worker's niceness above the orchestrator's: scoring is throughput work, and where both want the one core left
+the event loop (requests, weight updates, batches) runs first; the worker takes the CPU the loop leaves
+(``benchmarks/orchestrator_scale.py``: loop lag p99 at 4,096 rollouts in flight, section 11)."""
 logger = logging.getLogger("asyncrl.orchestrator")
 
 _CONFIGS: list[tuple[str, dict[str, Any]]] = []
@@ -37,6 +42,7 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 def _init(configs: list[tuple[str, dict[str, Any]]], seed: int) -> None:
     global _SEED, _LOOP
+    os.nice(WORKER_NICENESS)
     _CONFIGS[:] = configs
     _SEED = seed
     _LOOP = asyncio.new_event_loop()
