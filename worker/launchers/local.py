@@ -252,7 +252,7 @@ def launch_rl(
     """
     check_run_dir(spec, resume=resume, overwrite=overwrite)  # cheapest first
     preflight(spec)
-    check_urls(spec.inference.urls)
+    check_urls(spec.inference.running_servers)
     run, start = prepare_run_dir(spec, resume=resume, overwrite=overwrite)
     shutil.rmtree(run.root / PROGRESS_DIR, ignore_errors=True)  # an earlier attempt's records: not of these processes
     t_start = time.time()
@@ -525,25 +525,26 @@ PROBE_TIMEOUT_S = 2.0
 """Seconds the watchdog's ``/health`` probe of a quiet run's inference server waits for an answer."""
 
 
-def check_urls(urls: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Every server of ``inference.urls`` answers ``GET /health`` (checked before anything starts; the service checks
-    it at submit too, ``server.services.launch_checks``). The servers are probed at once: the check takes at most
-    about ``timeout_s`` in all.
+def check_urls(servers: list[tuple[str, str]], timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Every already running server of a spec (``InferenceConfig.running_servers``: ``(key, url)`` pairs of
+    ``inference.url`` or ``inference.urls``) answers ``GET /health`` (checked before anything starts; the service
+    checks it at submit too, ``server.services.launch_checks``). The servers are probed at once: the check takes at
+    most about ``timeout_s`` in all.
 
     Raises:
-        SpecError: ``inference.urls.<i>: <url> does not answer GET /health within 2 s`` (the first such ``i``).
+        SpecError: ``inference.urls.<i>: <url> does not answer GET /health within 2 s`` (the first such server).
     """
     from concurrent.futures import ThreadPoolExecutor, wait
 
-    if not urls:
+    if not servers:
         return
-    pool = ThreadPoolExecutor(max_workers=min(len(urls), 16), thread_name_prefix="probe")
-    probes = [pool.submit(probe_inference, url, timeout_s) for url in urls]
+    pool = ThreadPoolExecutor(max_workers=min(len(servers), 16), thread_name_prefix="probe")
+    probes = [pool.submit(probe_inference, url, timeout_s) for _, url in servers]
     done, _ = wait(probes, timeout=timeout_s)  # one deadline for all: a server that accepts and hangs counts as dead
     pool.shutdown(wait=False, cancel_futures=True)
-    for i, (url, probe) in enumerate(zip(urls, probes, strict=True)):
+    for (key, url), probe in zip(servers, probes, strict=True):
         if probe not in done or not probe.result():
-            raise SpecError(f"inference.urls.{i}: {url} does not answer GET /health within {timeout_s:g} s")
+            raise SpecError(f"{key}: {url} does not answer GET /health within {timeout_s:g} s")
 
 
 def _failure_cause(run: RunDir, name: str, events_offset: int) -> str:

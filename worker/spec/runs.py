@@ -118,13 +118,20 @@ def _host_port(url: str) -> tuple[str, int | None]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"expected an http(s) URL with a host, got {url!r}")
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of 0-65535
+        port = 0
+    if port == 0:
+        raise ValueError(f"expected a port in 1-65535 (or none: the scheme's), got {url!r}")
     host = "127.0.0.1" if parts.hostname in ("localhost", "::1") else parts.hostname
-    return host, parts.port or (443 if parts.scheme == "https" else 80)
+    return host, port or (443 if parts.scheme == "https" else 80)
 
 
 class InferenceConfig(StrictModel):
     url: str | None = None
-    """Use an already running vLLM server at this base URL instead of starting one."""
+    """Use an already running vLLM server at this base URL instead of starting one; it must answer ``GET /health`` at
+    launch."""
     urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
     """Use these already running vLLM servers as the run's replicas (``worker/inference/pool.py``) instead of starting
     any; each must answer ``GET /health`` at launch. Not with ``url`` or ``replicas``."""
@@ -167,6 +174,11 @@ class InferenceConfig(StrictModel):
             raise ValueError(
                 f"inference.replicas: inference.url names one running server, got replicas = {self.replicas}"
             )
+        if self.url is not None:
+            try:
+                _host_port(self.url)
+            except ValueError as err:
+                raise ValueError(f"inference.url: {err}") from None
         seen: dict[tuple[str, int | None], str] = {}
         for i, url in enumerate(self.urls):
             try:
@@ -188,6 +200,14 @@ class InferenceConfig(StrictModel):
     def num_replicas(self) -> int:
         """Inference servers of the run: ``len(urls)`` when set, else ``replicas``."""
         return len(self.urls) or self.replicas
+
+    @property
+    def running_servers(self) -> list[tuple[str, str]]:
+        """``(key, url)`` of each already running server the run uses (``inference.url`` or ``inference.urls.<i>``);
+        empty when the launcher starts its own."""
+        if self.url is not None:
+            return [("inference.url", self.url)]
+        return [(f"inference.urls.{i}", url) for i, url in enumerate(self.urls)]
 
 
 # ----------------------------------------------------------------------------- hang watchdog
@@ -364,6 +384,21 @@ class RLSpec(StrictModel):
             )
         slurm = self.launcher.slurm
         self.inference.check_replicas()
+        if self.launcher.kind == "slurm" and slurm.nodes > 1 and slurm.inference_nodes > 0:
+            if self.inference.running_servers:
+                key = "inference.urls" if self.inference.urls else "inference.url"
+                raise ValueError(
+                    f"launcher.slurm.inference_nodes: {key} names running servers, so the job starts none and its "
+                    f"{slurm.inference_nodes} inference node(s) would sit idle; set inference_nodes = 0 (every node "
+                    f"trains) or leave {key} unset"
+                )
+            if self.inference.replicas < slurm.inference_nodes:
+                raise ValueError(
+                    f"launcher.slurm.inference_nodes: {slurm.inference_nodes} inference nodes for "
+                    f"{self.inference.replicas} replica(s) (inference.replicas) would leave "
+                    f"{slurm.inference_nodes - self.inference.replicas} idle; use at most {self.inference.replicas} "
+                    f"or raise inference.replicas"
+                )
         if self.inference.num_replicas > 1 and self.trainer.weight_sync.kind != "filesystem":
             raise ValueError(
                 f"trainer.weight_sync.kind: several inference replicas load each policy version from the filesystem "

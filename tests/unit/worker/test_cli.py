@@ -364,6 +364,37 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         + ["--inference.urls", '["http://127.0.0.1:9"]'],
         "error: inference.urls.0: http://127.0.0.1:9 does not answer GET /health within 2 s",
     ),
+    # inference.url is checked as each of inference.urls is (fresh user: a bad port ran 131 s, then failed unnamed)
+    "inference-url-port-not-a-number": (
+        ["rl", "@", RL_TOML, "--inference.url", "http://127.0.0.1:abc", "--dry-run"],
+        "error: inference.url: expected a port in 1-65535 (or none: the scheme's), got 'http://127.0.0.1:abc'",
+    ),
+    "inference-url-port-zero": (
+        ["rl", "@", RL_TOML, "--inference.url", "http://127.0.0.1:0", "--dry-run"],
+        "error: inference.url: expected a port in 1-65535 (or none: the scheme's), got 'http://127.0.0.1:0'",
+    ),
+    "inference-urls-port-past-65535": (
+        ["rl", "@", RL_TOML, "--inference.urls", '["http://127.0.0.1:99999"]', "--dry-run"],
+        "error: inference.urls.0: expected a port in 1-65535 (or none: the scheme's), got 'http://127.0.0.1:99999'",
+    ),
+    "inference-url-unreachable": (
+        ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}"]
+        + ["--inference.url", "http://127.0.0.1:9"],
+        "error: inference.url: http://127.0.0.1:9 does not answer GET /health within 2 s",
+    ),
+    # a multi-node job whose inference nodes would serve nothing (fresh user: accepted, nodes left idle)
+    "slurm-inference-nodes-above-replicas": (
+        ["rl", "@", RL_TOML, "--launcher.kind", "slurm", "--launcher.slurm.nodes", "3"]
+        + ["--launcher.slurm.inference_nodes", "2", "--dry-run"],
+        "error: launcher.slurm.inference_nodes: 2 inference nodes for 1 replica(s) (inference.replicas) would leave 1 "
+        "idle; use at most 1 or raise inference.replicas",
+    ),
+    "slurm-inference-nodes-with-running-servers": (
+        ["rl", "@", RL_TOML, "--launcher.kind", "slurm", "--launcher.slurm.nodes", "3"]
+        + ["--launcher.slurm.inference_nodes", "1", "--inference.urls", '["http://127.0.0.1:9"]', "--dry-run"],
+        "error: launcher.slurm.inference_nodes: inference.urls names running servers, so the job starts none and its "
+        "1 inference node(s) would sit idle; set inference_nodes = 0 (every node trains) or leave inference.urls unset",
+    ),
     "inference-replicas-with-tools": (
         ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--env.id", "reverse_tool"]
         + ["--inference.replicas", "2"],
