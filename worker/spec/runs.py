@@ -384,21 +384,13 @@ class RLSpec(StrictModel):
             )
         slurm = self.launcher.slurm
         self.inference.check_replicas()
-        if self.launcher.kind == "slurm" and slurm.nodes > 1 and slurm.inference_nodes > 0:
-            if self.inference.running_servers:
-                key = "inference.urls" if self.inference.urls else "inference.url"
-                raise ValueError(
-                    f"launcher.slurm.inference_nodes: {key} names running servers, so the job starts none and its "
-                    f"{slurm.inference_nodes} inference node(s) would sit idle; set inference_nodes = 0 (every node "
-                    f"trains) or leave {key} unset"
-                )
-            if self.inference.replicas < slurm.inference_nodes:
-                raise ValueError(
-                    f"launcher.slurm.inference_nodes: {slurm.inference_nodes} inference nodes for "
-                    f"{self.inference.replicas} replica(s) (inference.replicas) would leave "
-                    f"{slurm.inference_nodes - self.inference.replicas} idle; use at most {self.inference.replicas} "
-                    f"or raise inference.replicas"
-                )
+        if self.launcher.kind == "slurm" and slurm.nodes > 1 and self.inference.running_servers:
+            key = "inference.urls" if self.inference.urls else "inference.url"
+            raise ValueError(
+                f"launcher.slurm.nodes: a multi-node job serves inference on its own inference nodes, but {key} names "
+                f"running servers (the job would start none and its {slurm.inference_nodes} inference node(s) sit "
+                f"idle); use nodes = 1 or leave {key} unset"
+            )
         if self.inference.num_replicas > 1 and self.trainer.weight_sync.kind != "filesystem":
             raise ValueError(
                 f"trainer.weight_sync.kind: several inference replicas load each policy version from the filesystem "

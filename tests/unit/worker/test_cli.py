@@ -382,18 +382,13 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         + ["--inference.url", "http://127.0.0.1:9"],
         "error: inference.url: http://127.0.0.1:9 does not answer GET /health within 2 s",
     ),
-    # a multi-node job whose inference nodes would serve nothing (fresh user: accepted, nodes left idle)
-    "slurm-inference-nodes-above-replicas": (
-        ["rl", "@", RL_TOML, "--launcher.kind", "slurm", "--launcher.slurm.nodes", "3"]
-        + ["--launcher.slurm.inference_nodes", "2", "--dry-run"],
-        "error: launcher.slurm.inference_nodes: 2 inference nodes for 1 replica(s) (inference.replicas) would leave 1 "
-        "idle; use at most 1 or raise inference.replicas",
-    ),
-    "slurm-inference-nodes-with-running-servers": (
+    # a multi-node job whose inference nodes would serve nothing (fresh user: accepted, the nodes left idle)
+    "slurm-multi-node-with-running-servers": (
         ["rl", "@", RL_TOML, "--launcher.kind", "slurm", "--launcher.slurm.nodes", "3"]
         + ["--launcher.slurm.inference_nodes", "1", "--inference.urls", '["http://127.0.0.1:9"]', "--dry-run"],
-        "error: launcher.slurm.inference_nodes: inference.urls names running servers, so the job starts none and its "
-        "1 inference node(s) would sit idle; set inference_nodes = 0 (every node trains) or leave inference.urls unset",
+        "error: launcher.slurm.nodes: a multi-node job serves inference on its own inference nodes, but inference.urls "
+        "names running servers (the job would start none and its 1 inference node(s) sit idle); use nodes = 1 or "
+        "leave inference.urls unset",
     ),
     "inference-replicas-with-tools": (
         ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--env.id", "reverse_tool"]
