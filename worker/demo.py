@@ -290,7 +290,10 @@ def follow_run(
                         evals_seen = step
                         shown = "-" if value is None else f"{value:.3f}"
                         line(f"[demo] eval at policy version {step}: reward {shown}")
-            progress.update(bar, completed=max(last_step, 0), description=f"{run['status']} | reward {reward:.3f}")
+                        if last_step < 0 and value is not None:  # an eval stage: no training rows, its eval's reward
+                            reward = value
+            done = max_steps if run["status"] == "completed" else max(last_step, 0)  # an eval stage has no steps
+            progress.update(bar, completed=done, description=f"{run['status']} | reward {reward:.3f}")
             if run["status"] in TERMINAL:
                 return dict(run)
             home = Path(run["run_dir"]).parent

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -103,8 +104,11 @@ def test_demo_refuses_bad_arguments_before_doing_anything(
     assert not any(tmp_path.iterdir())
 
 
-def _scripted_server(run_dir: Path, pid: int, statuses: list[str]) -> httpx.Client:
-    """A server whose run reports ``statuses`` one per poll (the last one from then on), launched as ``pid``."""
+def _scripted_server(
+    run_dir: Path, pid: int, statuses: list[str], series: list[dict[str, Any]] | None = None
+) -> httpx.Client:
+    """A server whose run reports ``statuses`` one per poll (the last one from then on), launched as ``pid``, and
+    ``series`` as its ``reward_mean`` metric."""
     polls = iter(statuses)
     last = {"status": statuses[0]}
 
@@ -115,7 +119,7 @@ def _scripted_server(run_dir: Path, pid: int, statuses: list[str]) -> httpx.Clie
             return httpx.Response(200, json={"id": 7, "launcher_handle": str(pid), "run_dir": str(run_dir), **last})
         if path.endswith("/events"):
             return httpx.Response(200, json={"data": []})
-        return httpx.Response(200, json={"series": []})
+        return httpx.Response(200, json={"series": series or []})
 
     return httpx.Client(base_url="http://asyncrl.test", transport=httpx.MockTransport(answer))
 
@@ -159,3 +163,19 @@ def test_the_demo_submits_the_example_pipeline_with_its_model_and_step_counts() 
     assert "output_dir" not in json.dumps(data)  # the service chooses the run folders
     assert _stage_steps(data) == [4, 2, 1]
     assert _stage_steps(pipeline_data("/m/tiny")) == [240, 160, 1]
+
+
+def test_an_eval_stage_shows_its_eval_reward_and_a_full_bar_when_done(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An eval run logs no training rows: the demo's line showed ``0/1 ... reward nan`` for a completed eval stage
+    (fresh user, session 18); it shows the eval's reward and 1/1."""
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    series = [{"source": "eval", "step": [4], "value": [0.829]}]
+    with _scripted_server(tmp_path / "runs" / "7" / "run", finished.pid, ["completed"], series) as client:
+        run = follow_run(client, 7, max_steps=1, poll_s=0.01, label="EVAL")
+    out = capsys.readouterr().out
+    assert run["status"] == "completed"
+    assert "eval at policy version 4: reward 0.829" in out
+    assert "1/1" in out and "completed | reward 0.829" in out and "reward nan" not in out
