@@ -293,6 +293,33 @@ def api_server(log: Path) -> Iterator[str]:
             server.wait(timeout=30)
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+"""Clock ticks per second of ``/proc/<pid>/stat``'s CPU times."""
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of process ``root`` and its live descendants (an orchestrator's scoring worker, a
+    vLLM server's engine core), from /proc."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / TICKS
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += [c for c, p in parents.items() if p == pid]
+    return total
+
+
 def percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile ``q`` (0-100) of ``xs``."""
     import math

@@ -17,7 +17,7 @@ Per level L, three processes on 127.0.0.1:
 Measured in the orchestrator process over the steps after ``--warmup-steps``: rollouts/s (rollouts of the steps
 whose batches were written / seconds between the first and last of those writes), the event-loop lag (a ticker
 task that sleeps ``TICK_S`` and records its oversleep, p50/p99/max in ms), RSS (peak, sampled every tick), and the
-batch hand-off: the orchestrator's ``write_step`` (pack + JSON + atomic write) and the trainer's ``read_batch``
+batch hand-off: the orchestrator's ``write_step`` (JSON + atomic write; packing is ``pack_step``, before it) and the trainer's ``read_batch``
 (read + parse), median ms, with the batch's size. The run directory of each level stays under
 ``benchmarks/results/tmp/orchestrator_scale/`` as the record (config, batches, rollouts, metrics, weights markers).
 ``--profile`` records the orchestrator of the largest level with py-spy (``results/orchestrator_scale_profile.txt``:
@@ -25,9 +25,13 @@ the top functions by own and total samples).
 
 ``--admission continuous`` (or ``step continuous``: both, level by level) runs the orchestrator with
 ``orchestrator.admission = "continuous"`` (``worker/orchestrator/admission.py``: ``L / group_size`` groups kept in
-flight, each batch the first groups to finish) and writes ``results/orchestrator_scale_continuous.json`` with a row per
-(admission, level); its ceiling is :func:`continuous_ceiling`. The default (``step``) writes
-``results/orchestrator_scale.json`` as before.
+flight, each batch the first groups to finish), a row per (admission, level); its ceiling is
+:func:`continuous_ceiling`. A run that includes ``step`` (the default) writes ``results/orchestrator_scale.json`` (the
+README's table), ``continuous`` alone ``results/orchestrator_scale_continuous.json``. Each level's run directory also
+keeps, in its ``orchestrator_scale.json``, the ten largest loop lags with their time in the measured window, the times
+the batches were written, and the garbage collector's pauses by generation (``worker/orchestrator/heap.py``).
+``--slow-callback-ms N`` runs the orchestrator's loop in asyncio's debug mode and logs each callback that held it longer
+than N ms (its ``logs/orchestrator.log``); ``--full-gc-every N`` sets the steps between full collections.
 
 Run: ``.venv/bin/python benchmarks/orchestrator_scale.py`` (~3 min); ``--quick``: 256 only, few steps.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -66,31 +71,6 @@ def tokenizer_model() -> Path:
 
         init_model(out, size="tiny", seed=0, overwrite=True)
     return out
-
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system) of process ``root`` and its live descendants (the scoring worker), from /proc."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / TICKS
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += [c for c, p in parents.items() if p == pid]
-    return total
 
 
 def rss_bytes() -> int:
@@ -126,11 +106,15 @@ def trainer(run_dir: Path, steps: int) -> int:
 # ---------------------------------------------------------------------------------------------- orchestrator side
 
 
-def orchestrator(run_dir: Path, url: str, warmup_steps: int) -> int:
+def orchestrator(
+    run_dir: Path, url: str, warmup_steps: int, slow_callback_ms: float | None = None, full_gc_every: int | None = None
+) -> int:
     """Run the real orchestrator's main loop on ``run_dir`` with a lag ticker; results to ``orchestrator_scale.json``
-    in the run directory."""
+    in the run directory. ``slow_callback_ms``: asyncio debug mode, every callback or task step that holds the loop
+    longer is logged (``asyncio`` logger, ``Executing <Task ...> took 0.123 seconds``)."""
     import httpx
 
+    from worker.orchestrator import heap
     from worker.orchestrator.orchestrator import Orchestrator
     from worker.rundir import RunDir
     from worker.spec import RLSpec
@@ -141,12 +125,25 @@ def orchestrator(run_dir: Path, url: str, warmup_steps: int) -> int:
     window: dict[str, Any] = {}
 
     class Timed(Orchestrator):
-        def write_step(self, step: int, samples: list[Any]) -> None:
+        def write_step(self, step: int, batch: Any) -> None:
             t0 = time.perf_counter()
-            super().write_step(step, samples)
+            super().write_step(step, batch)
             writes[step] = {"t": time.perf_counter(), "write_s": time.perf_counter() - t0}
 
     orch = Timed(spec, run, url, 0)
+    gc_pauses: list[tuple[float, int, float]] = []  # (time, generation, seconds) of each cyclic GC collection
+    gc_started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[:] = [time.perf_counter()]
+        elif gc_started:
+            gc_pauses.append((time.perf_counter(), info["generation"], time.perf_counter() - gc_started[0]))
+
+    gc.callbacks.append(on_gc)
+    heap.settle()  # as the orchestrator's process does before its loop
+    if full_gc_every is not None:
+        heap.FULL_COLLECTION_EVERY = full_gc_every
     lags: list[tuple[float, float]] = []
     rss: list[tuple[float, int]] = []
 
@@ -164,14 +161,18 @@ def orchestrator(run_dir: Path, url: str, warmup_steps: int) -> int:
             while warmup_steps not in writes:
                 await asyncio.sleep(0.005)
             await http.post("/sim/stats/reset")
-            cpu0, tree0 = time.process_time(), tree_cpu_s(os.getpid())
+            cpu0, tree0 = time.process_time(), C.tree_cpu_s(os.getpid())
             while spec.max_steps not in writes:
                 await asyncio.sleep(0.005)
             window["cpu_s"] = time.process_time() - cpu0
-            window["tree_cpu_s"] = tree_cpu_s(os.getpid()) - tree0
+            window["tree_cpu_s"] = C.tree_cpu_s(os.getpid()) - tree0
             window["server"] = (await http.get("/sim/stats")).json()
 
     async def main() -> None:
+        if slow_callback_ms is not None:
+            loop = asyncio.get_running_loop()
+            loop.set_debug(True)
+            loop.slow_callback_duration = slow_callback_ms / 1000
         tick = asyncio.create_task(ticker())
         stats = asyncio.create_task(server_window())
         try:
@@ -193,10 +194,20 @@ def orchestrator(run_dir: Path, url: str, warmup_steps: int) -> int:
         "loop_lag_p50_ms": C.percentile(lag_ms, 50),
         "loop_lag_p99_ms": C.percentile(lag_ms, 99),
         "loop_lag_max_ms": max(lag_ms),
+        "loop_lag_top_ms_at_s": sorted(
+            ([round(1000 * x, 1), round(t - t_first, 3)] for t, x in lags if t_first <= t <= t_last), reverse=True
+        )[:10],
+        "batch_written_at_s": {s: round(w["t"] - t_first, 3) for s, w in sorted(writes.items())},
         "ticks": len(lag_ms),
         "rss_peak_mb": max(b for _, b in rss) / 2**20,
         "rss_window_peak_mb": max(b for t, b in rss if t_first <= t <= t_last) / 2**20,
         "write_step_ms": [1000 * writes[s]["write_s"] for s in sorted(writes)],
+        "gc_ms_by_generation": {
+            g: sorted(round(1000 * d, 1) for t, gen, d in gc_pauses if gen == g and t_first <= t <= t_last)
+            for g in (0, 1, 2)
+        },
+        "gc_full_ms_whole_run": [round(1000 * d, 1) for _, gen, d in gc_pauses if gen == 2],
+        "full_collection_every_steps": heap.FULL_COLLECTION_EVERY,
         "orchestrator_main_cpu_s": window["cpu_s"],
         "orchestrator_main_cpu_ms_per_rollout": 1000 * window["cpu_s"] / rollouts,
         "orchestrator_cpu_s": window["tree_cpu_s"],
@@ -305,6 +316,8 @@ def run_level(
             url,
             "--warmup-steps",
             str(args.warmup_steps),
+            *(["--slow-callback-ms", str(args.slow_callback_ms)] if args.slow_callback_ms is not None else []),
+            *(["--full-gc-every", str(args.full_gc_every)] if args.full_gc_every is not None else []),
         ]
         if profile is not None:
             cmd = [
@@ -440,9 +453,21 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=["step", "continuous"],
         default=["step"],
-        help="orchestrator.admission, one run per level each; with continuous: results/orchestrator_scale_continuous.json",
+        help="orchestrator.admission, one run per level each; continuous alone: results/orchestrator_scale_continuous.json",
     )
     p.add_argument("--profile", action="store_true", help="py-spy the orchestrator of the largest level")
+    p.add_argument(
+        "--full-gc-every",
+        type=int,
+        default=None,
+        help="steps between the orchestrator's full garbage collections (worker/orchestrator/heap.py; default its 50)",
+    )
+    p.add_argument(
+        "--slow-callback-ms",
+        type=float,
+        default=None,
+        help="asyncio debug mode in the orchestrator: log each callback holding the loop longer (its orchestrator.log)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--trainer", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--orchestrator", type=Path, help=argparse.SUPPRESS)
@@ -455,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        return orchestrator(args.orchestrator, args.url, args.warmup_steps)
+        return orchestrator(args.orchestrator, args.url, args.warmup_steps, args.slow_callback_ms, args.full_gc_every)
     if args.quick:
         args.levels, args.steps, args.warmup_steps = [256], 3, 2
     started, machine = time.time(), C.machine_facts()
@@ -487,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "levels": rows,
     }
-    name = "orchestrator_scale" if args.admission == ["step"] else "orchestrator_scale_continuous"
+    name = "orchestrator_scale" if "step" in args.admission else "orchestrator_scale_continuous"
     path = C.write_result(name, payload, quick=args.quick, started=started, machine=machine)
     table = C.md_table(
         [

@@ -15,6 +15,10 @@
      double-count time and understates the server's rate);
    - ``wall``: the same tokens / wall seconds between the orchestrator rows of the first and last
      counted step (everything the loop adds: weight updates, pauses, waiting for the trainer).
+   - ``server CPU s / wall s`` and ``tokens / server CPU s``: the server's processes' CPU time (``/proc``, sampled
+     every 0.2 s) over the same window, against the same for the alone rounds: how busy the server was in the loop
+     and whether a CPU second of it made as many tokens as alone (the loop waiting for the trainer shows as idle
+     time, the loop slowing the server as fewer tokens per CPU second).
 5. **Alone again** after the run (weights are now the RL policy's), to show the server itself did
    not change speed.
 
@@ -27,6 +31,7 @@ import argparse
 import asyncio
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,7 +53,15 @@ async def _alone_round(url: str, prompts: list[list[int]], n: int, max_tokens: i
 
 
 def measure_alone(
-    url: str, model: Path, *, rounds: int, offset: int, prompts: int = 8, n: int = 8, max_tokens: int = 48
+    url: str,
+    model: Path,
+    *,
+    rounds: int,
+    offset: int,
+    server_pid: int,
+    prompts: int = 8,
+    n: int = 8,
+    max_tokens: int = 48,
 ) -> dict:
     from worker.models import load_tokenizer
     from worker.orchestrator.prompts import prompt_ids
@@ -56,20 +69,63 @@ def measure_alone(
     tok = load_tokenizer(model)
     env = C.bench_env(model)  # the RL run's prompts
     per_round = []
+    cpu_s = 0.0
     for r in range(rounds + 1):  # round 0 is warm-up
         base = offset + r * prompts
         ids = [prompt_ids(tok, env.prompt_messages(env.task(base + i))) for i in range(prompts)]
+        cpu0 = C.tree_cpu_s(server_pid)
         tokens, dt = asyncio.run(_alone_round(url, ids, n, max_tokens))
         if r > 0:
+            cpu_s += C.tree_cpu_s(server_pid) - cpu0
             per_round.append({"tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1)})
+    tokens_all, wall_all = sum(x["tokens"] for x in per_round), sum(x["seconds"] for x in per_round)
     return {
         "rounds": per_round,
+        "server_cpu_s": round(cpu_s, 2),
+        "server_cpu_per_wall_s": round(cpu_s / wall_all, 3),
+        "tokens_per_server_cpu_s": round(tokens_all / cpu_s, 1) if cpu_s else None,
         "tokens_per_s_median": C.median([x["tokens_per_s"] for x in per_round]),
         "completion_len_mean": sum(x["tokens"] for x in per_round) / (len(per_round) * prompts * n),
     }
 
 
-def loop_throughput(run_dir: Path, warmup_steps: int) -> dict:
+class ServerCpu:
+    """Samples the CPU seconds of the vLLM server's processes (API server + engine core) every ``period_s`` in a
+    thread, so that the RL run's counted window can be cut out of them afterwards (:meth:`between`)."""
+
+    def __init__(self, pid: int, period_s: float = 0.2) -> None:
+        self.pid, self.period_s = pid, period_s
+        self.samples: list[tuple[float, float]] = []  # (time.time(), CPU seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), C.tree_cpu_s(self.pid)))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> ServerCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, t0: float, t1: float) -> float:
+        """Server CPU seconds between wall times ``t0`` and ``t1`` (linear between samples)."""
+
+        def at(t: float) -> float:
+            xs = self.samples
+            for (ta, ca), (tb, cb) in zip(xs, xs[1:], strict=False):
+                if ta <= t <= tb:
+                    return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else ca
+            raise ValueError(f"time {t} outside the sampled window {xs[0][0]}..{xs[-1][0]}")
+
+        return at(t1) - at(t0)
+
+
+def loop_throughput(run_dir: Path, warmup_steps: int, server_cpu: ServerCpu | None = None) -> dict:
     rows = C.read_metrics(run_dir)
     orch = sorted((r for r in rows if r["source"] == "orchestrator"), key=lambda r: r["step"])
     trainer = sorted((r for r in rows if r["source"] == "trainer"), key=lambda r: r["step"])
@@ -80,7 +136,11 @@ def loop_throughput(run_dir: Path, warmup_steps: int) -> dict:
     before = [r for r in orch if r["step"] == warmup_steps]
     t_first = before[0]["time"] if before else None
     wall_s = counted[-1]["time"] - t_first if counted and t_first else None
+    cpu_s = server_cpu.between(t_first, counted[-1]["time"]) if server_cpu and wall_s else None
     return {
+        "server_cpu_s": cpu_s,
+        "server_cpu_per_wall_s": cpu_s / wall_s if cpu_s and wall_s else None,
+        "tokens_per_server_cpu_s": tokens / cpu_s if cpu_s else None,
         "steps_counted": len(counted),
         "rollout_tokens": tokens,
         "generation_s_sum": gen_s,
@@ -125,6 +185,13 @@ def main() -> int:
         help="orchestrator.max_async_level of the RL run (default: rl.toml's, 1)",
     )
     ap.add_argument(
+        "--admission",
+        choices=["step", "continuous"],
+        default="step",
+        help="orchestrator.admission of the RL run (default step). With continuous, the server alone is measured "
+        "with as many prompts at once as the run keeps in flight (inflight_groups), so both sides get the same load",
+    )
+    ap.add_argument(
         "--result-name",
         default="rollout_throughput",
         help="write benchmarks/results/<name>.json (default rollout_throughput, the one the README table shows)",
@@ -157,8 +224,6 @@ def main() -> int:
     try:
         boot_s = wait_ready(url, 600, proc, log)
         C.say(f"[bench] vLLM ready in {boot_s:.0f}s at {url}")
-        alone = measure_alone(url, model, rounds=rounds, offset=100_000)
-        C.say(f"[bench] alone: {alone['tokens_per_s_median']:.0f} tok/s (median of {rounds})")
         spec = C.rl_spec(
             model,
             "bench-rollout",
@@ -169,21 +234,32 @@ def main() -> int:
                 ("orchestrator.eval.num_examples", "8"),
                 ("ckpt.interval", "0"),
                 *([("orchestrator.max_async_level", str(args.async_level))] if args.async_level is not None else []),
+                ("orchestrator.admission", args.admission),
             ],
         )
+        # prompts at once in the loop: a step's batch (step admission) or the groups kept in flight (continuous)
+        n_prompts = spec.orchestrator.batch_size if args.admission == "step" else spec.orchestrator.groups_in_flight()
+        alone = measure_alone(url, model, rounds=rounds, offset=100_000, server_pid=proc.pid, prompts=n_prompts)
+        C.say(f"[bench] alone: {alone['tokens_per_s_median']:.0f} tok/s (median of {rounds}, {n_prompts} prompts)")
         t0 = time.time()
-        summary = launch_rl(spec, overwrite=True, quiet=True)  # type: ignore[arg-type]
+        with ServerCpu(proc.pid) as server_cpu:
+            summary = launch_rl(spec, overwrite=True, quiet=True)  # type: ignore[arg-type]
         run_wall = time.time() - t0
         if summary["status"] != "completed":
             raise RuntimeError(f"RL run {summary['status']}: see {spec.run_dir}/logs")
-        loop = loop_throughput(spec.run_dir, warmup)
-        alone_after = measure_alone(url, model, rounds=rounds, offset=200_000)
+        loop = loop_throughput(spec.run_dir, warmup, server_cpu)
+        alone_after = measure_alone(url, model, rounds=rounds, offset=200_000, server_pid=proc.pid, prompts=n_prompts)
     finally:
         stop_server(proc)
 
     a = alone["tokens_per_s_median"]
     ratio_gen = loop["tokens_per_s_generation"] / a if loop["tokens_per_s_generation"] else None
     ratio_wall = loop["tokens_per_s_wall"] / a if loop["tokens_per_s_wall"] else None
+    cpu_eff = (
+        loop["tokens_per_server_cpu_s"] / alone["tokens_per_server_cpu_s"]
+        if loop["tokens_per_server_cpu_s"] and alone["tokens_per_server_cpu_s"]
+        else None
+    )
     payload = {
         "setup": {
             "model": str(model.relative_to(C.ROOT)),
@@ -198,6 +274,8 @@ def main() -> int:
             "server_omp_threads": 1,
             "trainer_threads": spec.trainer.threads,
             "max_async_level": spec.orchestrator.max_async_level,
+            "admission": args.admission,
+            "alone_prompts_at_once": n_prompts,
             "server_boot_s": round(boot_s, 1),
             "cpus": cpus,
             "pinned": pinned,
@@ -208,6 +286,7 @@ def main() -> int:
         "rl_run": {"run_dir": str(spec.run_dir), "wall_s": round(run_wall, 1), "summary": summary},
         "ratio_loop_generation_vs_alone": ratio_gen,
         "ratio_loop_wall_vs_alone": ratio_wall,
+        "ratio_loop_tokens_per_server_cpu_s_vs_alone": cpu_eff,
     }
     out = C.write_result(args.result_name, payload, quick=args.quick, started=started, machine=machine)
 
@@ -215,26 +294,46 @@ def main() -> int:
         return "n/a" if x is None else x
 
     table = C.md_table(
-        ["measure", "rollout tok/s", "vs alone", "completion len (mean)"],
         [
-            [f"server alone (median of {rounds} rounds)", a, "1.00", round(alone["completion_len_mean"], 1)],
+            "measure",
+            "rollout tok/s",
+            "vs alone",
+            "completion len (mean)",
+            "server CPU s / wall s",
+            "tokens / server CPU s",
+        ],
+        [
+            [
+                f"server alone (median of {rounds} rounds)",
+                a,
+                "1.00",
+                round(alone["completion_len_mean"], 1),
+                alone["server_cpu_per_wall_s"],
+                alone["tokens_per_server_cpu_s"],
+            ],
             [
                 "in RL loop: tokens / generation_s",
                 f(loop["tokens_per_s_generation"]),
                 f(ratio_gen and round(ratio_gen, 2)),
                 round(loop["completion_len_mean"] or 0, 1),
+                "",
+                "",
             ],
             [
                 "in RL loop: tokens / wall s",
                 f(loop["tokens_per_s_wall"]),
                 f(ratio_wall and round(ratio_wall, 2)),
                 "",
+                f(loop["server_cpu_per_wall_s"] and round(loop["server_cpu_per_wall_s"], 3)),
+                f(loop["tokens_per_server_cpu_s"] and round(loop["tokens_per_server_cpu_s"], 1)),
             ],
             [
                 "server alone after the RL run",
                 alone_after["tokens_per_s_median"],
                 round(alone_after["tokens_per_s_median"] / a, 2),
                 round(alone_after["completion_len_mean"], 1),
+                alone_after["server_cpu_per_wall_s"],
+                alone_after["tokens_per_server_cpu_s"],
             ],
         ],
     )
