@@ -10,7 +10,7 @@ spec key                  refused when                                          
 ``data.eval_path`` (SFT)  without an assistant turn (structure only, not tokenized)     ``read_rows``, ``check_rows``
 ``*lora.target_modules``  an entry matches no linear layer of the model, or a tied one  ``worker.trainer.lora``
                           (a local model folder with a ``config.json``; no weights)     ``check_targets``
-``inference.url(s)``      a server does not answer ``GET /health`` (all probed at       ``worker.launchers.local``
+``inference.urls``        a server does not answer ``GET /health`` (all probed at       ``worker.launchers.local``
                           once, :data:`URL_PROBE_S` in all)                             ``check_urls``
 ========================  ===========================================================  ============================
 
@@ -32,8 +32,7 @@ from server.services.spec_policy import root_here
 from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
 
 URL_PROBE_S = 2.0
-"""Seconds the submit waits, in all, for the servers of ``inference.url`` / ``inference.urls`` to answer ``GET
-/health``."""
+"""Seconds the submit waits, in all, for the servers of ``inference.urls`` to answer ``GET /health``."""
 
 
 def check_data(spec: SFTSpec) -> None:
@@ -87,10 +86,10 @@ def check(spec: RLSpec | SFTSpec | EvalSpec) -> None:
         check_data(spec)
     if isinstance(spec, RLSpec | SFTSpec):
         check_lora(spec)
-    if isinstance(spec, RLSpec) and spec.inference.running_servers:
+    if isinstance(spec, RLSpec) and spec.inference.urls:
         from worker.launchers.local import check_urls
 
-        check_urls(spec.inference.running_servers, timeout_s=URL_PROBE_S)
+        check_urls(spec.inference.replica_urls, timeout_s=URL_PROBE_S)
 
 
 def check_many(specs: Iterable[RLSpec | SFTSpec | EvalSpec]) -> None:
@@ -106,7 +105,6 @@ def check_many(specs: Iterable[RLSpec | SFTSpec | EvalSpec]) -> None:
         keys = {k: dump.get(k) for k in ("model", "data", "lora", "kind")}
         keys["trainer.lora"] = dump.get("trainer", {}).get("lora")
         keys["inference.urls"] = dump.get("inference", {}).get("urls")
-        keys["inference.url"] = dump.get("inference", {}).get("url")
         key = json.dumps(keys, sort_keys=True)
         if key not in seen:
             seen.add(key)

@@ -115,9 +115,6 @@ def test_dead_inference_urls_are_refused_at_submit_within_2_s(
         assert detail == f"inference.urls.{bad}: {urls[bad]} does not answer GET /health within 2 s"
     resp = client.post("/api/runs", json=spec(inference={"urls": [healthy]}), headers=auth)
     assert resp.status_code == 201, resp.text
-    # inference.url alike (fresh user: a dead one ran 311 s before failing)
-    detail = refused(client, auth, spec(inference={"url": dead}))
-    assert detail == f"inference.url: {dead} does not answer GET /health within 2 s"
 
 
 def test_launch_page_and_asyncrl_submit_refuse_a_dead_inference_url(

@@ -86,7 +86,11 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
             refused_url("http://169.254.169.254/latest"),
             id="metadata-url",
         ),
-        pytest.param({"inference": {"url": "file:///etc/passwd"}}, refused_url("file:///etc/passwd"), id="not-http"),
+        pytest.param(  # not a URL at all: the spec's own check, before the service's policy
+            {"inference": {"url": "file:///etc/passwd"}},
+            "inference.url: expected an http(s) URL with a host, got 'file:///etc/passwd'",
+            id="not-http",
+        ),
         pytest.param(
             {"inference": {"extra_args": ["--max-num-seqs", "8", "--worker-extension-cls=evil.Extension"]}},
             "inference.extra_args: '--worker-extension-cls' is not allowed in a run submitted to the service (vLLM "

@@ -252,7 +252,7 @@ def launch_rl(
     """
     check_run_dir(spec, resume=resume, overwrite=overwrite)  # cheapest first
     preflight(spec)
-    check_urls(spec.inference.running_servers)
+    check_urls(spec.inference.replica_urls)
     run, start = prepare_run_dir(spec, resume=resume, overwrite=overwrite)
     shutil.rmtree(run.root / PROGRESS_DIR, ignore_errors=True)  # an earlier attempt's records: not of these processes
     t_start = time.time()
@@ -526,8 +526,7 @@ PROBE_TIMEOUT_S = 2.0
 
 
 def check_urls(servers: list[tuple[str, str]], timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Every already running server of a spec (``InferenceConfig.running_servers``: ``(key, url)`` pairs of
-    ``inference.url`` or ``inference.urls``) answers ``GET /health`` (checked before anything starts; the service
+    """Every replica of ``inference.urls`` (``InferenceConfig.replica_urls``: ``(key, url)`` pairs) answers ``GET /health`` (checked before anything starts; the service
     checks it at submit too, ``server.services.launch_checks``). The servers are probed at once: the check takes at
     most about ``timeout_s`` in all.
 

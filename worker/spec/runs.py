@@ -130,8 +130,8 @@ def _host_port(url: str) -> tuple[str, int | None]:
 
 class InferenceConfig(StrictModel):
     url: str | None = None
-    """Use an already running vLLM server at this base URL instead of starting one; it must answer ``GET /health`` at
-    launch."""
+    """Use an already running vLLM server at this base URL instead of starting one (the orchestrator waits up to
+    ``startup_timeout_s`` for it to answer ``GET /health``)."""
     urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
     """Use these already running vLLM servers as the run's replicas (``worker/inference/pool.py``) instead of starting
     any; each must answer ``GET /health`` at launch. Not with ``url`` or ``replicas``."""
@@ -207,6 +207,13 @@ class InferenceConfig(StrictModel):
         empty when the launcher starts its own."""
         if self.url is not None:
             return [("inference.url", self.url)]
+        return self.replica_urls
+
+    @property
+    def replica_urls(self) -> list[tuple[str, str]]:
+        """``(inference.urls.<i>, url)`` of each replica of ``inference.urls``: the servers probed at launch and at
+        submit (``inference.url``'s one server may still be starting: the orchestrator waits ``startup_timeout_s`` for
+        it)."""
         return [(f"inference.urls.{i}", url) for i, url in enumerate(self.urls)]
 
 
