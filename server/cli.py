@@ -337,13 +337,19 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 def runs_command(argv: list[str]) -> int:
     p = ArgParser(prog="asyncrl runs", description="list, show, stop, resume, fork, delete runs; read logs")
     sub = p.add_subparsers(dest="action", required=True)
-    ls = sub.add_parser("ls")
+    ls = sub.add_parser("ls", help="the newest runs (filter by --status, --name)")
     ls.add_argument("--status")
     ls.add_argument("--name")
     ls.add_argument("--limit", type=int, default=50)
     _api_args(ls)
-    for action in ("show", "stop", "resume", "delete"):
-        sp = sub.add_parser(action, help="delete an ended run (its directory stays)" if action == "delete" else None)
+    helps = {
+        "show": "one run as JSON (status, reason, spec, run directory)",
+        "stop": "stop a live run (its checkpoints stay)",
+        "resume": "resume a stopped or failed run from its newest complete checkpoint",
+        "delete": "delete an ended run (its directory stays)",
+    }
+    for action, text in helps.items():
+        sp = sub.add_parser(action, help=text)
         sp.add_argument("id", type=int)
         _api_args(sp)
     fork = sub.add_parser("fork", help="new run from a checkpoint of ID with spec changes")

@@ -9,7 +9,8 @@
     asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]   (Hugging Face model directory)
     asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
     asyncrl slurm render SPEC [@ more.toml] [--launcher.slurm.nodes 4]   (print the Slurm job script)
-    asyncrl server | worker | token create --name N | submit SPEC | runs ls|show|stop   (control plane)
+    asyncrl server | worker | token create --name N | submit SPEC   (control plane)
+    asyncrl runs ls | show|stop|resume|delete ID | fork ID --set K=V | logs ID   (runs through the server)
     asyncrl sweep SWEEP.toml | sweep show ID | sweep stop ID   (a sweep of runs through the server)
     asyncrl pipeline PIPELINE.toml | pipeline show|stop|resume ID   (stages sft -> rl -> eval through the server)
 

@@ -2,10 +2,12 @@
 and trainer on the tiny random-init Qwen3, with the run's output folder on a tmpfs of this test.
 
 Once the step-2 checkpoint is complete the test fills the tmpfs, leaving room for the next two policy versions but
-not for the step-4 checkpoint. The trainer's write of it fails: the run ends ``failed`` with the reason (``disk full
-while writing checkpoint step 4 (trainer part) at ...``), the ``disk_full`` event reaches the run's events, no
-half-written checkpoint or temporary folder is left, the step-2 checkpoint is intact, and once the space is freed a
-resume through the API completes the run with every step stored once.
+not for the step-4 checkpoint. The trainer's write of it fills the disk and fails; the orchestrator, one version ahead,
+may write its next batch into the full disk before the trainer has exited (seen in CI, 2026-12-05: ``disk full while
+writing step_6.json``), so the run's reason is the disk-full line of whichever process met it first: ``failed`` with
+it, each ``disk_full`` event in the run's events once, no half-written checkpoint or temporary folder left, the
+step-2 checkpoint intact, and once the space is freed a resume through the API completes the run with every step
+stored once.
 """
 
 from __future__ import annotations
@@ -54,16 +56,22 @@ def test_a_full_disk_mid_run_fails_it_with_the_reason_keeps_the_checkpoint_and_i
         failed = ended(client, auth, run["id"], 300)
         assert failed["status"] == "failed", failed["status_reason"]
         trainer_part = rd.checkpoint_dir(4) / "trainer"
-        expected = re.escape(f"disk full while writing checkpoint step 4 (trainer part) at {trainer_part} (free ")
+        trainer_line = re.escape(
+            f"trainer exited with code 1: disk full while writing checkpoint step 4 (trainer part) at {trainer_part} (free "
+        )
+        batch_line = r"orchestrator exited with code 1: disk full while writing step_[56]\.json at " + re.escape(
+            str(rd.root / "batches")
+        )
         assert re.match(
-            rf"trainer exited with code 1: {expected}[0-9.]+ [KMG]?i?B of 384\.0 MiB\) \(log: .*trainer\.log\)$",
+            rf"({trainer_line}|{batch_line}/step_[56]\.json \(free )[0-9.]+ [KMG]?i?B of 384\.0 MiB\) \(log: .*\.log\)$",
             failed["status_reason"],
         ), failed["status_reason"]
         events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
         full = [e for e in events if e["kind"] == "disk_full"]
-        assert len(full) == 1 and full[0]["reason"] in failed["status_reason"], full
-        assert full[0]["data"]["process"] == "trainer" and full[0]["data"]["path"] == str(trainer_part)
-        assert [e["event"] for e in read_jsonl(rd.events)].count("disk_full") == 1
+        assert full and any(e["reason"] in failed["status_reason"] for e in full), full
+        assert {e["data"]["process"] for e in full} <= {"trainer", "orchestrator"}
+        assert all(e["data"]["path"] == str(trainer_part) for e in full if e["data"]["process"] == "trainer")
+        assert [e["event"] for e in read_jsonl(rd.events)].count("disk_full") == len(full)  # each once
 
         assert complete_steps(rd) == [2]  # the previous checkpoint is intact ...
         assert sorted(p.name for p in rd.checkpoints.iterdir()) == ["step_2"]  # ... and nothing half-written is left
@@ -82,5 +90,5 @@ def test_a_full_disk_mid_run_fails_it_with_the_reason_keeps_the_checkpoint_and_i
         assert [e["resume_step"] for e in read_jsonl(rd.events) if e["event"] == "starting"] == [None, 2]
         assert complete_steps(rd) == [4, 6]
         events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
-        assert len([e for e in events if e["kind"] == "disk_full"]) == 1  # not sent again by the new supervisor
+        assert len([e for e in events if e["kind"] == "disk_full"]) == len(full)  # not sent again by the new supervisor
         wait_for(lambda: running_pid(rd.root.parent) is None, 30, "the supervisor exited")  # before the unmount
