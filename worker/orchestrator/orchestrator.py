@@ -832,10 +832,8 @@ class Orchestrator:
                 # rollout task's step took 0.4 s at 4,096 rollouts in flight (benchmarks/README.md section 11)
                 samples, metrics = await self.score_step(step, groups, step_spec.orchestrator, rejected)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
-                # the hand-off off the event loop: the loop keeps serving rollouts while the batch is encoded and
-                # written, and a step's rollout records go out in one write (benchmarks/orchestrator_scale.py)
-                # packed on the loop (Python), encoded and written in a thread (msgspec and the write hold or release
-                # the GIL in C: no Python in the thread to make the loop wait)
+                # the batch packed on the loop (Python), encoded and written in a thread (msgspec and the write stay in
+                # C: no Python in the thread to make the loop wait); the step's records go out in one write
                 await asyncio.to_thread(self.write_step, step, self.pack_step(step, samples))
                 progress.recorder.tick("batches")
                 await self.write_rollouts(step, groups)

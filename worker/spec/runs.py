@@ -202,14 +202,6 @@ class InferenceConfig(StrictModel):
         return len(self.urls) or self.replicas
 
     @property
-    def running_servers(self) -> list[tuple[str, str]]:
-        """``(key, url)`` of each already running server the run uses (``inference.url`` or ``inference.urls.<i>``);
-        empty when the launcher starts its own."""
-        if self.url is not None:
-            return [("inference.url", self.url)]
-        return self.replica_urls
-
-    @property
     def replica_urls(self) -> list[tuple[str, str]]:
         """``(inference.urls.<i>, url)`` of each replica of ``inference.urls``: the servers probed at launch and at
         submit (``inference.url``'s one server may still be starting: the orchestrator waits ``startup_timeout_s`` for
@@ -391,7 +383,11 @@ class RLSpec(StrictModel):
             )
         slurm = self.launcher.slurm
         self.inference.check_replicas()
-        if self.launcher.kind == "slurm" and slurm.nodes > 1 and self.inference.running_servers:
+        if (
+            self.launcher.kind == "slurm"
+            and slurm.nodes > 1
+            and (self.inference.url is not None or self.inference.urls)
+        ):
             key = "inference.urls" if self.inference.urls else "inference.url"
             raise ValueError(
                 f"launcher.slurm.nodes: a multi-node job serves inference on its own inference nodes, but {key} names "
