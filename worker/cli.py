@@ -83,11 +83,25 @@ SPEC_USAGE = """usage: asyncrl {kind} @ SPEC.toml [@ MORE.toml ...] [--dotted.ke
   --a.b VALUE     override one key (VALUE is a TOML literal: 1e-5, true, [0.5, 5], or text; a table or list
                   may be JSON: --launcher.slurm.env '{{"A": "1"}}')
   --dry-run       run the launch's cheap checks (model dir, tokenizer, env, lengths, run dir), print the
-                  resolved spec as JSON and exit; starts and writes nothing
+                  resolved spec as JSON and exit; starts and writes nothing (an unset
+                  orchestrator.inflight_groups under continuous admission shows the number the run uses)
   --resume        continue the run from its newest complete checkpoint
   --overwrite     replace an existing run directory
   --quiet         (rl) no step lines on the console
 """
+
+
+def _shown_spec(spec: RLSpec | SFTSpec) -> dict[str, Any]:
+    """The spec as ``--dry-run`` prints it: its JSON, with the defaults resolved at use filled in.
+
+    ``orchestrator.inflight_groups`` left unset under ``admission = "continuous"`` shows the number of groups the run
+    keeps in flight (``OrchestratorConfig.groups_in_flight``, the one home of that default); the spec itself keeps
+    None, so a live ``batch_size`` / ``max_async_level`` change still moves it.
+    """
+    data: dict[str, Any] = json.loads(spec.model_dump_json())
+    if isinstance(spec, RLSpec) and spec.orchestrator.admission == "continuous":
+        data["orchestrator"]["inflight_groups"] = spec.orchestrator.groups_in_flight()
+    return data
 
 
 def _spec_command(kind: str, argv: list[str]) -> int:
@@ -111,7 +125,7 @@ def _spec_command(kind: str, argv: list[str]) -> int:
             from worker.trainer.sft import sft_preflight
 
             sft_preflight(spec)
-        print(spec.model_dump_json(indent=2))  # noqa: T201
+        print(json.dumps(_shown_spec(spec), indent=2, ensure_ascii=False))  # noqa: T201
         return 0
     if isinstance(spec, RLSpec):
         from worker.launchers.local import launch_rl

@@ -73,6 +73,29 @@ def test_dry_run_prints_resolved_json(capsys: pytest.CaptureFixture[str], out_di
     assert _nothing_under(out_dir)
 
 
+@pytest.mark.parametrize(
+    ("extra", "shown"),
+    [
+        (["--orchestrator.admission", "continuous"], 12),  # unset: batch_size 4 * (max_async_level 2 + 1)
+        (["--orchestrator.admission", "continuous", "--orchestrator.inflight_groups", "5"], 5),  # set: as written
+        ([], None),  # step admission keeps no groups in flight of its own
+    ],
+    ids=["continuous-default", "continuous-set", "step"],
+)
+def test_dry_run_shows_inflight_groups_the_run_uses(
+    capsys: pytest.CaptureFixture[str], out_dir: Path, model_dir: Path, extra: list[str], shown: int | None
+) -> None:
+    overrides = ["--model.name", str(model_dir), "--output_dir", str(out_dir)]
+    overrides += ["--orchestrator.batch_size", "4", "--orchestrator.max_async_level", "2", *extra]
+    assert main(["rl", "@", RL_TOML, *overrides, "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["orchestrator"]["inflight_groups"] == shown
+    pairs = list(zip(overrides[::2], overrides[1::2], strict=True))
+    spec = validate_spec("rl", load_spec_data([RL_TOML], [(key[2:], value) for key, value in pairs]))
+    assert spec.orchestrator.inflight_groups == (5 if shown == 5 else None)  # the spec keeps what was written
+    assert validate_spec("rl", printed).orchestrator.inflight_groups == shown  # the printout loads back as a spec
+
+
 def test_dry_run_later_file_wins(capsys: pytest.CaptureFixture[str], tmp_path: Path, model_dir: Path) -> None:
     extra = tmp_path / "more.toml"
     extra.write_text("max_steps = 7\n[optim]\nlr = 0.5\n[data]\nnum_examples = 64\n")
