@@ -125,9 +125,9 @@ def orchestrator(
     window: dict[str, Any] = {}
 
     class Timed(Orchestrator):
-        def write_step(self, step: int, batch: Any) -> None:
+        async def write_step(self, step: int, batch: Any) -> None:
             t0 = time.perf_counter()
-            super().write_step(step, batch)
+            await super().write_step(step, batch)
             writes[step] = {"t": time.perf_counter(), "write_s": time.perf_counter() - t0}
 
     orch = Timed(spec, run, url, 0)

@@ -66,17 +66,30 @@ def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
         ValueError: ``seq_len`` < 1, a negative length, or a sample longer than ``seq_len``.
     """
     check_lengths(lengths, seq_len)
+    # first fit in O(log bins) a sample: a max-tree over the room of `leaves` bins (bin b at leaf `leaves + b`; a bin
+    # not yet opened has room seq_len, so the leftmost bin with room is an open one or the next to open; the tree
+    # doubles when every bin is open), not a scan of every open bin (2,048 samples into ~700 bins: 25 -> 5 ms,
+    # benchmarks/README.md section 11)
     bins: list[list[int]] = []
-    free: list[int] = []  # tokens left in each bin
+    leaves, room = 4, [seq_len] * 8
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):  # stable: ties keep index order
-        for b, room in enumerate(free):
-            if lengths[i] <= room:
-                bins[b].append(i)
-                free[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            free.append(seq_len - lengths[i])
+        need = lengths[i]
+        if len(bins) == leaves and room[1] < need:
+            leaves *= 2
+            room = [0] * leaves + [seq_len - sum(lengths[j] for j in b) for b in bins]
+            room += [seq_len] * (2 * leaves - len(room))
+            for node in range(leaves - 1, 0, -1):
+                room[node] = max(room[2 * node], room[2 * node + 1])
+        node = 1
+        while node < leaves:
+            node = 2 * node if room[2 * node] >= need else 2 * node + 1
+        if node - leaves == len(bins):
+            bins.append([])
+        bins[node - leaves].append(i)
+        room[node] -= need
+        while node > 1:
+            node //= 2
+            room[node] = max(room[2 * node], room[2 * node + 1])
     return bins
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from worker import progress
-from worker.batch import Batch, TrainSample, write_batch
+from worker.batch import Batch, TrainSample, encode_batch
 from worker.checkpoint import HELD, end_of_leg, write_part
 from worker.checkpoint import due as checkpoint_due
 from worker.envs import Environment
@@ -81,7 +81,7 @@ from worker.policy_check import (
     read_probe,
 )
 from worker.policy_check import applies as policy_check_applies
-from worker.rundir import RunDir, append_jsonl_bytes, read_jsonl
+from worker.rundir import RunDir, append_jsonl_bytes, atomic_write_bytes, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
 from worker.system_metrics import ProcessSampler
 from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
@@ -653,9 +653,15 @@ class Orchestrator:
             "micro_batches": [[samples[i] for i in b] for b in bins],
         }
 
-    def write_step(self, step: int, batch: Batch) -> None:
-        """Hand step ``step``'s batch to the trainer (``batches/step_<step>.json``: ``worker.batch.write_batch``)."""
-        write_batch(self.run.batch(step), batch)
+    async def write_step(self, step: int, batch: Batch) -> None:
+        """Hand step ``step``'s batch to the trainer (``batches/step_<step>.json``, as ``worker.batch.write_batch``
+        writes it): encoded a part at a time on the event loop (``worker.batch.encode_batch``), the write in a
+        thread."""
+        parts = []
+        for part in encode_batch(batch):
+            parts.append(part)
+            await asyncio.sleep(0)
+        await asyncio.to_thread(atomic_write_bytes, self.run.batch(step), b"".join(parts))
 
     async def write_rollouts(self, step: int, groups: list[list[Rollout]]) -> None:
         """The step's rollout records (``Rollout.record``, ``group`` each one's group index) in one append to
@@ -832,9 +838,8 @@ class Orchestrator:
                 # rollout task's step took 0.4 s at 4,096 rollouts in flight (benchmarks/README.md section 11)
                 samples, metrics = await self.score_step(step, groups, step_spec.orchestrator, rejected)
                 metrics.update(self.observe_step(step, step_spec.orchestrator))  # before the trainer sees the batch
-                # the batch packed on the loop (Python), encoded and written in a thread (msgspec and the write stay in
-                # C: no Python in the thread to make the loop wait); the step's records go out in one write
-                await asyncio.to_thread(self.write_step, step, self.pack_step(step, samples))
+                # the batch packed and encoded on the loop, written in a thread; the step's records go out in one write
+                await self.write_step(step, self.pack_step(step, samples))
                 progress.recorder.tick("batches")
                 await self.write_rollouts(step, groups)
                 n_tokens = sum(len(r.completion_ids) for g in groups for r in g)

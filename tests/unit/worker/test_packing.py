@@ -58,6 +58,36 @@ def test_pack_keeps_every_index_once_and_respects_capacity(case):
 # ----------------------------------------------------------------------------- shared-prompt packing
 
 
+def _first_fit_by_scan(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """First-fit decreasing as its definition reads: each sample into the first open bin with room, by a scan."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(seq_len - lengths[i])
+    return bins
+
+
+@given(st.integers(1, 60).flatmap(lambda cap: st.tuples(st.just(cap), st.lists(st.integers(0, cap), max_size=120))))
+def test_pack_places_each_sample_where_a_scan_of_every_bin_would(case):
+    seq_len, lengths = case
+    assert pack(lengths, seq_len) == _first_fit_by_scan(lengths, seq_len)
+
+
+def test_pack_of_a_step_with_hundreds_of_bins_matches_the_scan():
+    # 2,048 samples of 40-140 tokens into 256-token bins: ~740 bins, the tree doubles from 4 leaves to 1,024
+    lengths = [40 + (i * 37) % 101 for i in range(2048)]
+    bins = pack(lengths, 256)
+    assert bins == _first_fit_by_scan(lengths, 256)
+    assert 700 < len(bins) < 800
+
+
 def test_pack_shared_prompt_by_hand():
     # group 0: prompt 4, completions 3, 2, 5 -> one chunk 4+5+3+2 = 14 <= 16; group 1: prompt 6, completions 4, 4 -> 14
     lengths = [7, 6, 9, 10, 10]
