@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.dotted_keys import did_you_mean, get_key, replay, with_keys
-from worker.rundir import append_jsonl, read_jsonl, read_jsonl_after
+from worker.rundir import ENDED, LIFECYCLE_EVENTS, append_jsonl, read_jsonl, read_jsonl_after
 from worker.spec import RLSpec, SpecError, parse_override_value, validate_spec
 
 logger = logging.getLogger("asyncrl.live_config")
@@ -60,9 +60,6 @@ loss's KL weight and mask bounds (``kl_tau``, ``mask_low``/``mask_high`` of ``dp
 every step's draw (``worker/orchestrator/curriculum.py``). A loss key exists only for its loss type, a weight only for
 ``difficulty_pool``; on a run of another type it is refused naming the table's ``type``."""
 
-ENDED = ("completed", "failed", "cancelled")
-LIFECYCLE_EVENTS = ("starting", "running", *ENDED)
-"""Events of ``events.jsonl`` that say where a run's lifecycle stands (the last one counts)."""
 LIVE_CONFIG_FILE = "live_config.jsonl"
 ACKS_FILE = "config_acks.jsonl"
 

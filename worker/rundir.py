@@ -438,6 +438,36 @@ class RunDir:
     def log_event(self, kind: str, **fields: Any) -> None:
         append_jsonl(self.events, {"time": time.time(), "event": kind, **fields})
 
+    def record_interrupted(self) -> dict[str, Any] | None:
+        """Before a new attempt's ``starting`` event: when the previous attempt's lifecycle events
+        (:data:`LIFECYCLE_EVENTS`) end in ``starting`` or ``running``, that attempt ended without recording its end (a
+        ``kill -9`` of the whole process tree, a lost node, a power cut): write one :data:`INTERRUPTED` event for it.
+        Call it before anything prunes ``metrics.jsonl`` (resume, requeue), so that ``step`` is the step it reached.
+
+        Returns:
+            The event's fields (``{"reason", "step", "attempt_started"}``: ``step`` the last step its trainer logged
+            in ``metrics.jsonl``, None if none; ``attempt_started`` the time of its ``starting`` event, unix s, None
+            if none), or None when nothing was written: no earlier attempt (a fresh run directory) or one that
+            recorded its end (``completed``, ``failed``, ``cancelled``, or ``interrupted`` written already).
+
+        Raises:
+            OSError: the event cannot be written (:class:`DiskFull` when the filesystem is full).
+        """
+        lifecycle = [e for e in read_jsonl(self.events) if e.get("event") in LIFECYCLE_EVENTS]
+        if not lifecycle or lifecycle[-1]["event"] not in ("starting", "running"):
+            return None
+        started = next((e.get("time") for e in reversed(lifecycle) if e["event"] == "starting"), None)
+        steps = [r["step"] for r in read_jsonl(self.metrics) if r.get("source") in ("trainer", "sft") and "step" in r]
+        step = max(steps, default=None)
+        reached = f"it reached step {step}" if step is not None else "no step logged"
+        fields = {
+            "reason": f"the previous attempt ended without a final state (killed?); {reached}",
+            "step": step,
+            "attempt_started": started,
+        }
+        self.log_event(INTERRUPTED, **fields)
+        return fields
+
     def remove_temporaries(self) -> list[Path]:
         """Remove the temporary files and folders (``.<name>.tmp-<pid>``) that failed or killed writes left in the run
         directory, its ``weights/`` (and each version folder) and ``batches/``; returns what was removed. Call it only
@@ -523,7 +553,17 @@ the hang watchdog's ``stalled`` and ``progress_resumed`` (``worker/progress.py``
 (``inference_resumed``). The launcher's own events (``starting``,
 ``running``, the final status) reach the server as status reports instead."""
 
-FINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+ENDED = ("completed", "failed", "cancelled")
+"""The launcher's last event of an attempt that recorded its end: the run's final status (with its ``reason``)."""
+INTERRUPTED = "interrupted"
+"""The event a new attempt writes, before its ``starting``, for a previous attempt whose events end without one of
+:data:`ENDED` (killed with its launcher: :meth:`RunDir.record_interrupted`); fields ``reason``, ``step``,
+``attempt_started``."""
+LIFECYCLE_EVENTS = ("starting", "running", *ENDED, INTERRUPTED)
+"""The launcher's events of ``events.jsonl`` that say where a run's lifecycle stands (the last one counts). They reach
+the server as status reports, not as engine events."""
+
+FINAL_STATUSES = frozenset(ENDED)
 """Statuses a supervisor spools in ``final.json``."""
 
 

@@ -324,6 +324,7 @@ def prepare_resume(run_dir: Path, home: SupervisorHome) -> int | None:
     run = RunDir(run_dir)
     step = resume_step(run) if run.config.exists() else None
     if step is not None:
+        run.record_interrupted()  # a killed attempt's end, with the step it reached, before the pruning
         run.prune_after(step)
     home.forwarded_offset.unlink(missing_ok=True)
     return step

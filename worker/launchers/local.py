@@ -161,7 +161,8 @@ def preflight(spec: RLSpec) -> None:
 
 
 def prepare_run_dir(spec: RLSpec | SFTSpec, *, resume: bool, overwrite: bool) -> tuple[RunDir, int | None]:
-    """Create (or, with ``resume``, reopen) the run directory; returns it and the resume step.
+    """Create (or, with ``resume``, reopen) the run directory; returns it and the resume step. A resume first writes
+    the ``interrupted`` event of an earlier attempt that never recorded its end (``RunDir.record_interrupted``).
 
     Raises:
         SpecError: the directory exists without ``--resume``/``--overwrite``, or nothing to resume.
@@ -169,6 +170,7 @@ def prepare_run_dir(spec: RLSpec | SFTSpec, *, resume: bool, overwrite: bool) ->
     run = RunDir(spec.run_dir)
     step = check_run_dir(spec, resume=resume, overwrite=overwrite)
     if step is not None:
+        run.record_interrupted()  # an attempt killed with its launcher: its end, with the step it reached (unpruned)
         run.prune_after(step)
     elif run.root.exists():
         shutil.rmtree(run.root)
@@ -386,6 +388,7 @@ def launch_eval(spec: EvalSpec, *, quiet: bool = False) -> dict[str, Any]:
     """
     check_run_dir(spec, overwrite=True)
     run = RunDir(spec.run_dir)
+    run.record_interrupted()  # an earlier attempt killed with its launcher
     shutil.rmtree(run.eval_model, ignore_errors=True)
     run.logs.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run.config, json.loads(spec.model_dump_json()))

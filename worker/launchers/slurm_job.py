@@ -82,6 +82,8 @@ def prepare_requeued(run_dir: Path, home: SupervisorHome, *, keep: bool = False)
     the metrics forwarder replays from the start (ingestion is idempotent)."""
     run = RunDir(run_dir)
     step = resume_step(run) if run.config.exists() else None
+    if step is not None or keep:  # an attempt lost with its node: its end, with the step it reached, before the pruning
+        run.record_interrupted()
     if step is not None:
         run.prune_after(step)
     elif not keep:

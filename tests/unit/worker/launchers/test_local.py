@@ -1,5 +1,5 @@
 """``worker/launchers/local.py``: the run summary; the failure reason of a process that met a full disk (real processes,
-a real tmpfs) and the cleanup at the end of a run."""
+a real tmpfs), the cleanup at the end of a run and the `interrupted` event of an attempt killed with its launcher."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support.tmpfs import fill
 from worker.checkpoint import remove_incomplete, write_part
@@ -120,3 +122,94 @@ def test_replica_gpus_split_evenly_or_shared() -> None:
     assert replica_gpus([4, 5, 6, 7], 4) == [[4], [5], [6], [7]]
     assert replica_gpus([0, 1, 2], 2) == [[0, 1, 2], [0, 1, 2]]  # 3 GPUs do not split in 2: both see all
     assert replica_gpus([], 3) == [[], [], []]  # CPU
+
+
+# ----------------------------------------------------------------------------- an attempt killed with its launcher
+
+
+def _spec(tmp_path: Path) -> RLSpec:
+    spec = validate_spec("rl", {"name": "k", "max_steps": 10, "model": {"name": "m"}, "output_dir": str(tmp_path)})
+    assert isinstance(spec, RLSpec)
+    return spec
+
+
+def _first_attempt(spec: RLSpec, *, end: str | None) -> tuple[RunDir, float]:
+    """Events, metrics and a step-2 checkpoint as the first attempt leaves them: ``end`` None is a ``kill -9`` of the
+    whole process tree after step 5 (no final event), else the final status its launcher wrote. Returns the run
+    directory and the time of the attempt's ``starting`` event."""
+    from worker.launchers.local import prepare_run_dir
+
+    run, start = prepare_run_dir(spec, resume=False, overwrite=True)
+    assert start is None
+    run.log_event("starting", resume_step=None)
+    started = read_jsonl(run.events)[-1]["time"]
+    run.log_event("running", inference_url="http://127.0.0.1:1", pids={"trainer": 1, "orchestrator": 2})
+    for step in range(1, 6):
+        run.log_metrics("trainer", step, {"loss": 0.1})
+        run.log_metrics("orchestrator", step + 1, {"reward_mean": 0.5})  # the orchestrator runs a step ahead
+    for part in ("trainer", "orchestrator"):
+        write_part(run, 2, part, lambda folder: (folder / "state.json").write_text("{}"))
+    if end is not None:
+        run.log_event(end, reason="")
+    return run, started
+
+
+def _resume(how: str, spec: RLSpec) -> RunDir:
+    """The resume paths up to the new attempt's ``starting``: ``asyncrl rl --resume`` (the local launcher), a
+    service resume (the supervisor prunes first, then its launcher) and a requeued Slurm attempt (the same)."""
+    from worker.launchers.local import prepare_run_dir
+    from worker.launchers.slurm_job import prepare_requeued
+    from worker.rundir import SupervisorHome
+    from worker.supervisor import prepare_resume
+
+    home = SupervisorHome(Path(spec.run_dir).parent)
+    if how == "service":
+        assert prepare_resume(spec.run_dir, home) == 2
+    elif how == "slurm-requeue":
+        assert prepare_requeued(spec.run_dir, home) == 2
+    run, start = prepare_run_dir(spec, resume=True, overwrite=False)
+    assert start == 2
+    run.log_event("starting", resume_step=start)  # as launch_rl does next
+    return run
+
+
+@pytest.mark.parametrize("how", ["cli", "service", "slurm-requeue"])
+def test_a_resume_after_a_kill_records_the_killed_attempts_end_once(tmp_path: Path, how: str) -> None:
+    spec = _spec(tmp_path)
+    _, started = _first_attempt(spec, end=None)
+    run = _resume(how, spec)
+    events = read_jsonl(run.events)
+    assert [e["event"] for e in events] == ["starting", "running", "interrupted", "starting"]
+    interrupted = events[2]
+    assert interrupted["step"] == 5  # the step the trainer reached, read before the resume pruned steps 3-5
+    assert interrupted["attempt_started"] == started
+    assert interrupted["reason"] == "the previous attempt ended without a final state (killed?); it reached step 5"
+    assert [r["step"] for r in read_jsonl(run.metrics) if r["source"] == "trainer"] == [1, 2]  # pruned after it
+
+    # the resumed attempt is killed too, before its trainer logs a step: its own end is recorded once more
+    run.log_event("running", pids={})
+    _resume("cli", spec)
+    events = read_jsonl(run.events)
+    assert [e["event"] for e in events][4:] == ["running", "interrupted", "starting"]
+    assert (events[5]["step"], events[5]["attempt_started"]) == (2, events[3]["time"])
+
+
+@pytest.mark.parametrize("end", ["completed", "failed", "cancelled"])
+def test_a_resume_after_a_recorded_end_adds_no_interrupted_event(tmp_path: Path, end: str) -> None:
+    spec = _spec(tmp_path)
+    _first_attempt(spec, end=end)
+    run = _resume("service", spec)
+    assert [e["event"] for e in read_jsonl(run.events)] == ["starting", "running", end, "starting"]
+
+
+def test_a_fresh_run_has_no_interrupted_event(tmp_path: Path) -> None:
+    from worker.launchers.local import prepare_run_dir
+
+    spec = _spec(tmp_path)
+    run, _ = prepare_run_dir(spec, resume=False, overwrite=False)
+    assert run.record_interrupted() is None
+    assert not run.events.exists()
+    _first_attempt(spec, end=None)  # killed; then started over with --overwrite: a fresh directory again
+    run, _ = prepare_run_dir(spec, resume=False, overwrite=True)
+    assert not run.events.exists()
+    assert run.record_interrupted() is None
