@@ -11,7 +11,8 @@ step ends; SIGTERM to it ends the step) and ``scancel`` ends every step on every
   on ``inference_port`` (key-protected: the key is made by the supervisor before the split and reaches every step
   through ``srun``'s environment, never a file); the other processes reach it at that address. With
   ``inference.replicas = r > 1``, replica ``i`` runs on inference node ``i mod k`` (``k = inference_nodes``) on port
-  ``inference_port + i div k`` (:meth:`Layout.replicas`): one server a node when ``r = k``;
+  ``inference_port + i div k`` (:meth:`Layout.replicas`): one server a node when ``r = k`` (``inference.replicas``
+  left unset: ``worker.spec.runs.RLSpec``);
 - trainer: ``torchrun`` on each of the other nodes (``gpus_per_node`` ranks per node, one on CPU with gloo), joined
   by a c10d rendezvous on the first trainer node's ``NodeAddr``:``rdzv_port``;
 - orchestrator: beside the first trainer rank (on the first trainer node).

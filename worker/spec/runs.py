@@ -138,7 +138,9 @@ class InferenceConfig(StrictModel):
     replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
     """vLLM servers the launcher starts (each on its own port: ``port + i``, or free ports when ``port`` is 0; logs
     ``inference.log``, ``inference-<i>.log``); the orchestrator spreads rollouts over them (``worker/inference/pool.py``).
-    1: one server, the orchestrator talks to it alone."""
+    1: one server, the orchestrator talks to it alone. Left unset in a multi-node Slurm job (``launcher.slurm.nodes >
+    1``): ``launcher.slurm.inference_nodes``, one server a node (the resolved spec holds that number); set, it is
+    kept (replica i on inference node i mod ``inference_nodes``)."""
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     """0 picks a free port (for each replica)."""
@@ -382,12 +384,13 @@ class RLSpec(StrictModel):
                 "trainer.lora: a LoRA run publishes its adapter through trainer.weight_sync.kind = 'filesystem'"
             )
         slurm = self.launcher.slurm
+        multi_node = self.launcher.kind == "slurm" and slurm.nodes > 1
+        inf = self.inference
+        per_node = multi_node and "replicas" not in inf.model_fields_set and inf.url is None and not inf.urls
+        if per_node:  # replicas left unset: one server on each inference node, none idle (the spec then says so)
+            inf.replicas = slurm.inference_nodes
         self.inference.check_replicas()
-        if (
-            self.launcher.kind == "slurm"
-            and slurm.nodes > 1
-            and (self.inference.url is not None or self.inference.urls)
-        ):
+        if multi_node and (self.inference.url is not None or self.inference.urls):
             key = "inference.urls" if self.inference.urls else "inference.url"
             raise ValueError(
                 f"launcher.slurm.nodes: a multi-node job serves inference on its own inference nodes, but {key} names "
@@ -395,9 +398,15 @@ class RLSpec(StrictModel):
                 f"idle); use nodes = 1 or leave {key} unset"
             )
         if self.inference.num_replicas > 1 and self.trainer.weight_sync.kind != "filesystem":
+            default = (
+                f" (inference.replicas unset: one per inference node, {slurm.inference_nodes}; set it to 1 for one "
+                "server)"
+                if per_node
+                else ""
+            )
             raise ValueError(
                 f"trainer.weight_sync.kind: several inference replicas load each policy version from the filesystem "
-                f"for now ('filesystem'), got {self.trainer.weight_sync.kind!r}"
+                f"for now ('filesystem'), got {self.trainer.weight_sync.kind!r}{default}"
             )
         if self.trainer.lora is not None and self.trainer_ranks > 1:
             if self.launcher.kind == "slurm" and slurm.nodes > 1:  # the job's torchrun

@@ -67,8 +67,8 @@ def test_four_node_layout_sbatch_lines() -> None:
     assert "export NCCL_DEBUG=WARN\nexport HF_HOME='/data/hf cache'\n" in script
     assert f"LOG_DIR={HOME}/slurm/attempt-$ATTEMPT" in script and "ATTEMPT=${SLURM_RESTART_COUNT:-0}" in script
     assert "/venv/bin/python -m worker.supervisor --home /srv/asyncrl/runs/7 >>" in script
-    assert (
-        "# 4 nodes: the first 2 serve inference (1 vLLM server(s): replica i on inference node i mod 2, port 8100 + i "
+    assert (  # inference.replicas unset: one server on each inference node
+        "# 4 nodes: the first 2 serve inference (2 vLLM server(s): replica i on inference node i mod 2, port 8100 + i "
         "div 2), the other 2 train\n"
     ) in script
     assert "rendezvous on port 29555 of the first trainer node, 8 rank(s) a node" in script
@@ -153,6 +153,65 @@ def test_multi_node_server_listens_on_the_inference_nodes_address_only() -> None
     assert cmd[cmd.index("--host") + 1] == "10.0.0.7" and cmd[cmd.index("--port") + 1] == "8100"
     assert "0.0.0.0" not in cmd and LAYOUT.inference_url(8100) == "http://10.0.0.7:8100"
     assert "--middleware" in cmd  # keyed: reachable from the other nodes
+
+
+THREE_NODES = Layout(
+    job_id="43",
+    inference=("n1", "n2"),
+    trainer=("n3",),
+    addresses={"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"},
+)
+
+
+def test_replicas_left_unset_follow_the_inference_nodes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """nodes = 3, inference_nodes = 2 and no inference.replicas: two vLLM servers, one on each inference node (one
+    replica left a node idle); an explicit replicas is kept."""
+    spec = spec_of(nodes=3, inference_nodes=2, gpus_per_node=4)
+    assert spec.inference.replicas == 2
+    slurm = spec.launcher.slurm
+    assert THREE_NODES.replicas(spec.inference.replicas, slurm.inference_port, slurm.gpus_per_node) == [
+        ("n1", 8000, [0, 1, 2, 3]),
+        ("n2", 8000, [0, 1, 2, 3]),
+    ]
+    assert THREE_NODES.placement(spec.inference.replicas)["inference"] == ["n1", "n2"]
+    script = render(spec, home=HOME, name="asyncrl-run-8", python="/venv/bin/python")
+    assert (
+        "# 3 nodes: the first 2 serve inference (2 vLLM server(s): replica i on inference node i mod 2, port 8000 + i "
+        "div 2), the other 1 train\n"
+    ) in script
+    cfg = tmp_path / "rl.toml"
+    cfg.write_text(
+        'name = "big"\n[model]\nname = "/models/q"\n[launcher]\nkind = "slurm"\n'
+        "[launcher.slurm]\nnodes = 3\ninference_nodes = 2\n"
+    )
+    assert main(["slurm", "render", str(cfg)]) == 0
+    assert "(2 vLLM server(s): replica i on inference node i mod 2" in capsys.readouterr().out
+    # the resolved spec (config.json, the service's Run.spec) holds the number and loads back as it was
+    assert validate_spec("rl", spec.model_dump(mode="json")).inference.replicas == 2
+
+    def replicas(inference: dict[str, object], **slurm: object) -> int:
+        data = {"name": "big", "model": {"name": "/models/q"}, "inference": inference}
+        return validate_spec("rl", {**data, "launcher": {"kind": "slurm", "slurm": slurm}}).inference.replicas
+
+    assert replicas({"replicas": 1}, nodes=3, inference_nodes=2) == 1  # set: kept (the other node idles, as asked)
+    assert replicas({"replicas": 3}, nodes=3, inference_nodes=2) == 3  # node n1 runs two
+    assert replicas({}, nodes=4, inference_nodes=3) == 3
+    assert replicas({}, nodes=1) == 1  # one node: one server beside the trainer
+    with pytest.raises(SpecError) as e:  # several replicas need the filesystem weight sync: the default says so
+        validate_spec(
+            "rl",
+            {
+                "name": "big",
+                "model": {"name": "/models/q"},
+                "trainer": {"weight_sync": {"kind": "process_group"}},
+                "launcher": {"kind": "slurm", "slurm": {"nodes": 3, "inference_nodes": 2}},
+            },
+        )
+    assert str(e.value) == (
+        "trainer.weight_sync.kind: several inference replicas load each policy version from the filesystem for now "
+        "('filesystem'), got 'process_group' (inference.replicas unset: one per inference node, 2; set it to 1 for "
+        "one server)"
+    )
 
 
 @pytest.mark.slurm
