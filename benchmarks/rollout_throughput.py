@@ -21,6 +21,13 @@
      time, the loop slowing the server as fewer tokens per CPU second).
 5. **Alone again** after the run (weights are now the RL policy's), to show the server itself did
    not change speed.
+6. **The bound**: the loop cannot make more rollout tokens per second than the slower of the server alone and the
+   trainer's pace (a step's rollout tokens / the trainer's mean step time): ``ratio_loop_wall_vs_bound`` is the
+   share of that bound the loop reached, i.e. what the loop's own machinery (weight updates, pauses, hand-offs)
+   cost. On the 2-core box the trainer (1 thread, fwd + bwd of every prompt and completion token) is the slower one
+   at reverse-text's ~15-token completions.
+7. ``--contend``: the server alone once more while a trainer's load (forward, backward, AdamW of the same model)
+   runs beside it, to tell the machine's own slowdown (shared caches, memory bandwidth) from the loop's.
 
 Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--quick]``.
 """
@@ -137,6 +144,8 @@ def loop_throughput(run_dir: Path, warmup_steps: int, server_cpu: ServerCpu | No
     t_first = before[0]["time"] if before else None
     wall_s = counted[-1]["time"] - t_first if counted and t_first else None
     cpu_s = server_cpu.between(t_first, counted[-1]["time"]) if server_cpu and wall_s else None
+    counted_trainer = [r for r in trainer if r["step"] > warmup_steps]
+    trainer_s = sum(r["step_time_s"] for r in counted_trainer) / max(1, len(counted_trainer))
     return {
         "server_cpu_s": cpu_s,
         "server_cpu_per_wall_s": cpu_s / wall_s if cpu_s and wall_s else None,
@@ -148,13 +157,31 @@ def loop_throughput(run_dir: Path, warmup_steps: int, server_cpu: ServerCpu | No
         "tokens_per_s_generation": tokens / gen_s if gen_s else None,
         "tokens_per_s_wall": tokens / wall_s if wall_s else None,
         "completion_len_mean": tokens / (64 * len(counted)) if counted else None,
-        "trainer_step_time_s_mean": (
-            sum(r["step_time_s"] for r in trainer if r["step"] > warmup_steps)
-            / max(1, sum(1 for r in trainer if r["step"] > warmup_steps))
+        "trainer_step_time_s_mean": trainer_s,
+        "trainer_wait_for_batch_s_mean": (
+            sum(r.get("wait_for_batch_s", 0.0) for r in counted_trainer) / max(1, len(counted_trainer))
         ),
+        # the most the loop can make if the trainer never waits: a step's rollout tokens per trainer step
+        "trainer_bound_tokens_per_s": tokens / len(counted) / trainer_s if counted and trainer_s else None,
         "wait_for_policy_s_sum": sum(r.get("wait_for_policy_s", 0.0) for r in counted),
         "note_generation_s": None if gen_s else "metrics.jsonl has no generation_s: orchestrator predates it",
     }
+
+
+def _train_forever(model: str, threads: int) -> None:
+    """A trainer's load for ``--contend``: forward, backward and an AdamW step of ``model`` on 8 random 64-token
+    sequences, on ``threads`` threads, until killed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
+    ids = torch.randint(0, net.config.vocab_size, (8, 64))
+    while True:
+        net(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def split_cpus(cpus: list[int]) -> dict[str, list[int]]:
@@ -190,6 +217,12 @@ def main() -> int:
         default="step",
         help="orchestrator.admission of the RL run (default step). With continuous, the server alone is measured "
         "with as many prompts at once as the run keeps in flight (inflight_groups), so both sides get the same load",
+    )
+    ap.add_argument(
+        "--contend",
+        action="store_true",
+        help="also measure the server alone while a trainer's load (forward, backward, AdamW of the same model on 1 "
+        "thread) runs beside it (on the other CPUs with --pin): how much of the loop's loss is the machine itself",
     )
     ap.add_argument(
         "--result-name",
@@ -241,6 +274,23 @@ def main() -> int:
         n_prompts = spec.orchestrator.batch_size if args.admission == "step" else spec.orchestrator.groups_in_flight()
         alone = measure_alone(url, model, rounds=rounds, offset=100_000, server_pid=proc.pid, prompts=n_prompts)
         C.say(f"[bench] alone: {alone['tokens_per_s_median']:.0f} tok/s (median of {rounds}, {n_prompts} prompts)")
+        contended = None
+        if args.contend:
+            import multiprocessing
+
+            load = multiprocessing.get_context("spawn").Process(
+                target=_train_forever, args=(str(model), spec.trainer.threads), daemon=True
+            )
+            load.start()
+            try:
+                time.sleep(15)  # its model loaded and a few steps in
+                contended = measure_alone(
+                    url, model, rounds=rounds, offset=300_000, server_pid=proc.pid, prompts=n_prompts
+                )
+            finally:
+                load.kill()
+                load.join()
+            C.say(f"[bench] alone beside a trainer's load: {contended['tokens_per_s_median']:.0f} tok/s")
         t0 = time.time()
         with ServerCpu(proc.pid) as server_cpu:
             summary = launch_rl(spec, overwrite=True, quiet=True)  # type: ignore[arg-type]
@@ -255,6 +305,8 @@ def main() -> int:
     a = alone["tokens_per_s_median"]
     ratio_gen = loop["tokens_per_s_generation"] / a if loop["tokens_per_s_generation"] else None
     ratio_wall = loop["tokens_per_s_wall"] / a if loop["tokens_per_s_wall"] else None
+    bound = min(a, loop["trainer_bound_tokens_per_s"] or a)  # the slower of server alone and the trainer's pace
+    ratio_bound = loop["tokens_per_s_wall"] / bound if loop["tokens_per_s_wall"] else None
     cpu_eff = (
         loop["tokens_per_server_cpu_s"] / alone["tokens_per_server_cpu_s"]
         if loop["tokens_per_server_cpu_s"] and alone["tokens_per_server_cpu_s"]
@@ -282,11 +334,14 @@ def main() -> int:
         },
         "alone": alone,
         "alone_after_rl": alone_after,
+        "alone_beside_trainer_load": contended,
         "in_loop": loop,
         "rl_run": {"run_dir": str(spec.run_dir), "wall_s": round(run_wall, 1), "summary": summary},
         "ratio_loop_generation_vs_alone": ratio_gen,
         "ratio_loop_wall_vs_alone": ratio_wall,
         "ratio_loop_tokens_per_server_cpu_s_vs_alone": cpu_eff,
+        "bound_tokens_per_s": bound,
+        "ratio_loop_wall_vs_bound": ratio_bound,
     }
     out = C.write_result(args.result_name, payload, quick=args.quick, started=started, machine=machine)
 
@@ -311,6 +366,20 @@ def main() -> int:
                 alone["server_cpu_per_wall_s"],
                 alone["tokens_per_server_cpu_s"],
             ],
+            *(
+                [
+                    [
+                        "server alone beside a trainer's load",
+                        contended["tokens_per_s_median"],
+                        round(contended["tokens_per_s_median"] / a, 2),
+                        round(contended["completion_len_mean"], 1),
+                        contended["server_cpu_per_wall_s"],
+                        contended["tokens_per_server_cpu_s"],
+                    ]
+                ]
+                if contended
+                else []
+            ),
             [
                 "in RL loop: tokens / generation_s",
                 f(loop["tokens_per_s_generation"]),
@@ -326,6 +395,22 @@ def main() -> int:
                 "",
                 f(loop["server_cpu_per_wall_s"] and round(loop["server_cpu_per_wall_s"], 3)),
                 f(loop["tokens_per_server_cpu_s"] and round(loop["tokens_per_server_cpu_s"], 1)),
+            ],
+            [
+                "bound: min(server alone, a step's rollout tokens / trainer step time)",
+                round(bound),
+                round(bound / a, 2),
+                "",
+                "",
+                "",
+            ],
+            [
+                "in RL loop: tokens / wall s, vs the bound",
+                f(loop["tokens_per_s_wall"]),
+                f(ratio_bound and round(ratio_bound, 2)),
+                "",
+                "",
+                "",
             ],
             [
                 "server alone after the RL run",
