@@ -348,6 +348,16 @@ def main() -> int:
     def f(x):  # noqa: E306
         return "n/a" if x is None else x
 
+    def alone_row(label: str, m: dict) -> list:
+        return [
+            label,
+            m["tokens_per_s_median"],
+            round(m["tokens_per_s_median"] / a, 2),
+            round(m["completion_len_mean"], 1),
+            m["server_cpu_per_wall_s"],
+            m["tokens_per_server_cpu_s"],
+        ]
+
     table = C.md_table(
         [
             "measure",
@@ -358,28 +368,8 @@ def main() -> int:
             "tokens / server CPU s",
         ],
         [
-            [
-                f"server alone (median of {rounds} rounds)",
-                a,
-                "1.00",
-                round(alone["completion_len_mean"], 1),
-                alone["server_cpu_per_wall_s"],
-                alone["tokens_per_server_cpu_s"],
-            ],
-            *(
-                [
-                    [
-                        "server alone beside a trainer's load",
-                        contended["tokens_per_s_median"],
-                        round(contended["tokens_per_s_median"] / a, 2),
-                        round(contended["completion_len_mean"], 1),
-                        contended["server_cpu_per_wall_s"],
-                        contended["tokens_per_server_cpu_s"],
-                    ]
-                ]
-                if contended
-                else []
-            ),
+            alone_row(f"server alone (median of {rounds} rounds)", alone),
+            *([alone_row("server alone beside a trainer's load", contended)] if contended else []),
             [
                 "in RL loop: tokens / generation_s",
                 f(loop["tokens_per_s_generation"]),
@@ -396,30 +386,15 @@ def main() -> int:
                 f(loop["server_cpu_per_wall_s"] and round(loop["server_cpu_per_wall_s"], 3)),
                 f(loop["tokens_per_server_cpu_s"] and round(loop["tokens_per_server_cpu_s"], 1)),
             ],
-            [
-                "bound: min(server alone, a step's rollout tokens / trainer step time)",
-                round(bound),
-                round(bound / a, 2),
-                "",
-                "",
-                "",
-            ],
+            ["bound: min(server alone, a step's rollout tokens / trainer step time)", round(bound), round(bound / a, 2)]
+            + [""] * 3,
             [
                 "in RL loop: tokens / wall s, vs the bound",
                 f(loop["tokens_per_s_wall"]),
                 f(ratio_bound and round(ratio_bound, 2)),
-                "",
-                "",
-                "",
-            ],
-            [
-                "server alone after the RL run",
-                alone_after["tokens_per_s_median"],
-                round(alone_after["tokens_per_s_median"] / a, 2),
-                round(alone_after["completion_len_mean"], 1),
-                alone_after["server_cpu_per_wall_s"],
-                alone_after["tokens_per_server_cpu_s"],
-            ],
+            ]
+            + [""] * 3,
+            alone_row("server alone after the RL run", alone_after),
         ],
     )
     return C.finish(out, table)
