@@ -241,3 +241,30 @@ def test_asyncrl_eval_on_tool_taskset(served: Any, tool_model: Path) -> None:
     assert result["env"] == "reverse_tool" and result["num_examples"] == 4 and result["k"] == 2
     assert 0.0 <= result["reward_mean"] <= 1.0 and result["reward_missing"] == 0
     assert result["completion_len_mean"] > 0
+
+
+def test_tool_rl_on_two_replicas(tool_model: Path, tmp_path: Path) -> None:
+    """Tool rollouts through the agent harness with ``inference.replicas = 2`` (the launcher starts both servers):
+    both replicas serve groups and ack every version, verifiers runs tool calls, every step trains."""
+    pairs = [
+        ("model.name", str(tool_model)),
+        ("output_dir", str(tmp_path)),
+        ("name", "tool-replicas"),
+        ("max_steps", "2"),
+        ("inference.replicas", "2"),
+        ("orchestrator.eval.num_examples", "2"),
+        ("ckpt.interval", "0"),
+    ]
+    spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))
+    summary = launch_rl(spec, quiet=True)
+    assert summary["status"] == "completed", summary
+    run = RunDir(spec.run_dir)
+    [final] = [e for e in read_jsonl(run.events) if e["event"] == "inference_replicas"]
+    r0, r1 = final["replicas"]
+    assert r0["acked"] == r1["acked"] == [1, 2] and r0["healthy"] and r1["healthy"]
+    # 4 groups a step, plus the two evals' one unit each, spread over both replicas
+    assert r0["rollout_groups"] > 0 and r1["rollout_groups"] > 0
+    assert r0["rollout_groups"] + r1["rollout_groups"] == 4 * 2 + 2
+    assert [r["step"] for r in read_jsonl(run.metrics) if r["source"] == "trainer"] == [1, 2]
+    rollouts = [r for step in (1, 2) for r in read_jsonl(run.rollout_file(step))]
+    assert any("[tool] " in r["completion"] for r in rollouts)  # verifiers ran tool calls

@@ -123,12 +123,6 @@ def preflight(spec: RLSpec) -> None:
         if env.unsupported:
             raise SpecError(f"{prefix}id: {env.unsupported}")
         check_num_examples(evals, spec.orchestrator.eval.num_examples, "orchestrator.eval.num_examples")
-        if env.needs_harness and spec.inference.num_replicas > 1:
-            raise SpecError(
-                f"inference.replicas: {cfg.id} runs through the agent harness (tools), which uses one inference server "
-                f"for now; got {spec.inference.num_replicas} replicas (a multi-node Slurm job starts one per inference "
-                "node unless inference.replicas is set: set it to 1)"
-            )
         if spec.orchestrator.curriculum.type == "difficulty_pool" and env.num_tasks is None:
             raise SpecError(
                 "orchestrator.curriculum.type: difficulty_pool needs a finite taskset, and this one yields train tasks "

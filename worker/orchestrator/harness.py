@@ -147,9 +147,12 @@ def _render(message: vf.Message) -> str:
 class HarnessRunner:
     """Runs rollout groups of a taskset through verifiers' agent harness for the model `model` (a path or hub
     name: its chat template and tokenizer render the prompts) served at `inference_url`, at most
-    `config.max_concurrent` rollouts at once (each may start a subprocess and tool servers)."""
+    `config.max_concurrent` rollouts at once (each may start a subprocess and tool servers). Runners of several
+    inference replicas share one limit: give each the first one's `slots` (:meth:`on`)."""
 
-    def __init__(self, model: str, inference_url: str, config: HarnessConfig) -> None:
+    def __init__(
+        self, model: str, inference_url: str, config: HarnessConfig, slots: asyncio.Semaphore | None = None
+    ) -> None:
         ensure_uv_on_path()
         if config.id == "null":
             lock_chat_program()
@@ -157,7 +160,12 @@ class HarnessRunner:
         self._served: str | None = None
         self.adapter: str | None = None
         """A LoRA run's current adapter name (the orchestrator sets it per policy version): requests name it."""
-        self._slots = asyncio.Semaphore(config.max_concurrent)
+        self._slots = slots or asyncio.Semaphore(config.max_concurrent)
+
+    def on(self, inference_url: str) -> HarnessRunner:
+        """A runner of the same model and harness for the replica at `inference_url`, sharing this one's limit of
+        `config.max_concurrent` rollouts at once (the local subprocesses and tool servers are one machine's)."""
+        return HarnessRunner(self.model, inference_url, self.config, slots=self._slots)
 
     async def served_model(self) -> str:
         """The server's name for the model it serves (``/v1/models``; asked once): a shared server keeps the name it

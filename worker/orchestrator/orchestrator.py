@@ -133,16 +133,13 @@ class Orchestrator:
         cursors (and curriculum state) of the checkpoint resumed from."""
         self.train_env: Environment = self.sampler.envs[0].train
         self.eval_env: Environment = self.sampler.envs[0].eval
-        if self.pool is not None and any(e.train.needs_harness for e in self.sampler.envs):  # refused at launch
-            raise ValueError(
-                "inference.replicas: tasksets with tools (the agent harness) run on one inference server for now"
-            )
-        self.harness: HarnessRunner | None = (
-            HarnessRunner(spec.model.name, inference_url, spec.orchestrator.harness)
-            if any(e.train.needs_harness for e in self.sampler.envs)
-            else None
-        )
-        """Runs rollouts of tasksets with tools through verifiers' agent harness (None for other tasksets)."""
+        self.harnesses: dict[str, HarnessRunner] = {}
+        """Runs rollouts of tasksets with tools through verifiers' agent harness, one runner per inference replica by
+        its client's ``base_url`` (one limit of ``harness.max_concurrent`` rollouts for all; a tool rollout's turns go
+        to the replica its group runs on); empty for other tasksets."""
+        if any(e.train.needs_harness for e in self.sampler.envs):
+            first = HarnessRunner(spec.model.name, urls[0], spec.orchestrator.harness)
+            self.harnesses = {c.base_url: first.on(url) for c, url in zip(clients, urls, strict=True)}
         self._gated: dict[int, GatedStep[tuple[int, int], list[Rollout]]] = {}
         """Every group each step started (rejected ones too) and its gate counts, until the main loop observes it."""
         self.advantage = advantages.make_advantage(spec.orchestrator.advantage, env=spec.envs[0].name)
@@ -241,8 +238,8 @@ class Orchestrator:
                 self.pool.model = adapter  # every replica's requests name it
             else:
                 self.client.model = adapter  # None: the server's base model
-            if self.harness is not None:
-                self.harness.adapter = adapter
+            for harness in self.harnesses.values():
+                harness.adapter = adapter
             self.policy_version = version
             self._version_changed.notify_all()
         if adapter is not None and adapter not in self._adapters:  # a resume may load the last version again
@@ -451,7 +448,7 @@ class Orchestrator:
                 self.tokenizer,
                 self.sampler.envs[env].train,
                 index,
-                harness=self.harness,
+                harness=self.harnesses.get(client.base_url),
                 n=orch.group_size,
                 max_tokens=orch.max_tokens,
                 temperature=orch.temperature,
@@ -730,7 +727,7 @@ class Orchestrator:
                             max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
                             pass_k=ev.pass_k,
                             pass_threshold=ev.pass_threshold,
-                            harness=self.harness,
+                            harness=self.harnesses.get(client.base_url),
                             seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
                         )
 

@@ -408,13 +408,6 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         "names running servers (the job would start none and its 1 inference node(s) sit idle); use nodes = 1 or "
         "leave inference.urls unset",
     ),
-    "inference-replicas-with-tools": (
-        ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--env.id", "reverse_tool"]
-        + ["--inference.replicas", "2"],
-        "error: inference.replicas: reverse_tool runs through the agent harness (tools), which uses one inference "
-        "server for now; got 2 replicas (a multi-node Slurm job starts one per inference node unless "
-        "inference.replicas is set: set it to 1)",
-    ),
     "rl-online-eval-more-examples-than-the-env-has": (  # was evaluated on fewer without a word (fresh user)
         ["rl", "@", RL_TOML, "--model.name", "{model}", "--output_dir", "{out}", "--env.args.num_eval", "32"]
         + ["--orchestrator.eval.num_examples", "33"],

@@ -47,7 +47,7 @@ def _orchestrator(client: FakeClient, run: RunDir, max_async_level: int) -> Orch
     orch.spec = validate_spec("rl", {"model": {"name": "m"}, "orchestrator": {"max_async_level": max_async_level}})
     orch.run = run
     orch.weight_sync = None
-    orch.harness = None
+    orch.harnesses = {}
     orch.policy_version = 0
     orch._adapters = []
     return orch

@@ -84,12 +84,62 @@ def test_a_policy_version_is_evaluated_once(tmp_path: Path, monkeypatch: pytest.
     env = SimpleNamespace(config=spec.envs[0], eval=None)
     sampler = SimpleNamespace(envs=[env])
     fake = _fake(
-        run, spec=spec, policy_version=3, _evaluated=set(), client=None, pool=None, sampler=sampler, tokenizer=None
+        run,
+        spec=spec,
+        policy_version=3,
+        _evaluated=set(),
+        client=SimpleNamespace(base_url="http://127.0.0.1:9"),
+        pool=None,
+        sampler=sampler,
+        tokenizer=None,
     )
-    fake.harness, fake._seed = None, lambda *where: Orchestrator._seed(fake, *where)
+    fake.harnesses, fake._seed = {}, lambda *where: Orchestrator._seed(fake, *where)
     assert asyncio.run(Orchestrator.run_eval(fake)) == {"reward_mean": 0.5}
     assert asyncio.run(Orchestrator.run_eval(fake)) is None  # same weights: skipped, no second eval row
     fake.policy_version = 4
     assert asyncio.run(Orchestrator.run_eval(fake)) == {"reward_mean": 0.5}
     assert [r["step"] for r in read_jsonl(run.metrics) if r["source"] == "eval"] == [3, 4]
     assert len(calls) == 2 and calls[0] != calls[1] and None not in calls  # seeded by version
+
+
+def test_a_tool_group_runs_its_harness_on_the_replica_the_pool_leased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several replicas, each group's agent-harness rollouts go to the replica its group was leased to (one
+    harness runner per replica, sharing one rollout limit), not to the first server."""
+    from worker.orchestrator.harness import HarnessRunner
+    from worker.spec import HarnessConfig
+
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    first = HarnessRunner("m", urls[0], HarnessConfig(max_concurrent=3))
+    harnesses = {url: first.on(url) for url in urls}
+    assert [h.inference_url for h in harnesses.values()] == urls
+    assert harnesses[urls[0]]._slots is harnesses[urls[1]]._slots is first._slots  # one limit for the machine
+
+    used: list[tuple[str, str | None]] = []
+
+    async def fake_rollout_group(client: Any, *args: Any, harness: HarnessRunner | None, **kw: Any) -> list[Any]:  # noqa: ARG001
+        used.append((client.base_url, harness.inference_url if harness else None))
+        return [SimpleNamespace(completion_ids=[1, 2], env=None)]
+
+    monkeypatch.setattr(orch_module, "rollout_group", fake_rollout_group)
+    replicas = [SimpleNamespace(client=SimpleNamespace(base_url=u), version=None) for u in urls]
+
+    class Pool:
+        async def run_on(self, work: Any) -> Any:
+            return await work(replicas[len(used) % 2])  # leases alternate between the two replicas
+
+    spec = RLSpec.model_validate({"model": {"name": "m"}})
+    env = SimpleNamespace(train=None, config=spec.envs[0])
+    fake = SimpleNamespace(
+        spec=spec,
+        pool=Pool(),
+        client=replicas[0].client,
+        harnesses=harnesses,
+        scoring=None,
+        tokenizer=None,
+        sampler=SimpleNamespace(envs=[env]),
+        policy_version=0,
+    )
+    monkeypatch.setattr(orch_module.ReplicaPool, "count_tokens", staticmethod(lambda replica, n: None))
+    for index in range(4):
+        asyncio.run(Orchestrator.rollout_group(fake, index, seed=None))
+    assert used == [(urls[0], urls[0]), (urls[1], urls[1])] * 2
