@@ -28,10 +28,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 TMP = RESULTS / "tmp"  # git-ignored scratch (benchmarks/.gitignore)
 CONFIGS = ROOT / "configs" / "reverse_text"
 
-QUICK_NOTE = (
-    "--quick run (tiny repetition counts) while the machine was busy with other runs: "
-    "numbers are not final, only proof that the script works end to end."
-)
+QUICK_NOTE = "--quick run (tiny repetition counts): numbers are not final, only proof that the script works end to end."
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -93,8 +90,9 @@ def median(xs: list[float]) -> float:
 
 
 def write_result(name: str, payload: dict[str, Any], *, quick: bool, started: float, machine: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` (a ``--quick`` run also writes it, marked ``quick`` + ``note``)."""
-    out = RESULTS / f"{name}.json"
+    """Write ``benchmarks/results/<name>.json``; a ``--quick`` run writes ``results/tmp/quick/<name>.json`` instead (git
+    ignores it, and the README tables never show it), marked ``quick`` + ``note``."""
+    out = (TMP / "quick" if quick else RESULTS) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": name,
@@ -126,6 +124,8 @@ def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
         return str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
