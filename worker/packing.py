@@ -74,10 +74,9 @@ def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
     leaves, room = 4, [seq_len] * 8
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):  # stable: ties keep index order
         need = lengths[i]
-        if len(bins) == leaves and room[1] < need:
+        if len(bins) == leaves and room[1] < need:  # every bin open and full for it: twice the leaves, rooms kept
+            room = [0] * (2 * leaves) + room[leaves:] + [seq_len] * (2 * leaves - len(bins))
             leaves *= 2
-            room = [0] * leaves + [seq_len - sum(lengths[j] for j in b) for b in bins]
-            room += [seq_len] * (2 * leaves - len(room))
             for node in range(leaves - 1, 0, -1):
                 room[node] = max(room[2 * node], room[2 * node + 1])
         node = 1

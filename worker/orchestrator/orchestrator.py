@@ -139,7 +139,8 @@ class Orchestrator:
         to the replica its group runs on); empty for other tasksets."""
         if any(e.train.needs_harness for e in self.sampler.envs):
             first = HarnessRunner(spec.model.name, urls[0], spec.orchestrator.harness)
-            self.harnesses = {c.base_url: first.on(url) for c, url in zip(clients, urls, strict=True)}
+            runners = [first, *(first.on(url) for url in urls[1:])]
+            self.harnesses = {c.base_url: runner for c, runner in zip(clients, runners, strict=True)}
         self._gated: dict[int, GatedStep[tuple[int, int], list[Rollout]]] = {}
         """Every group each step started (rejected ones too) and its gate counts, until the main loop observes it."""
         self.advantage = advantages.make_advantage(spec.orchestrator.advantage, env=spec.envs[0].name)

@@ -34,8 +34,8 @@ class SlurmConfig(StrictModel):
     inference_nodes: int = Field(default=0, ge=0, le=1023, validate_default=True)
     """With ``nodes > 1``: the first k nodes serve inference, the other ``nodes - k`` train (orchestrator on the first
     trainer node). The trainer's node count has no key of its own: it is always the rest, so no node is left idle
-    (``trainer_nodes``, briefly a key that had to equal ``nodes - inference_nodes``, is refused as unknown); neither
-    is an inference node: ``inference.replicas`` left unset is k, one vLLM server a node."""
+    (``trainer_nodes``, briefly a key that had to equal ``nodes - inference_nodes``, is refused as unknown).
+    ``inference.replicas`` left unset is k: one vLLM server a node."""
     allocation: str | None = None
     """Run inside this existing job id (``srun --jobid=<id> --overlap``) instead of submitting a new job."""
     signal_before_end_s: int = Field(default=120, ge=0, le=86_400)
