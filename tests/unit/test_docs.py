@@ -1,0 +1,168 @@
+"""The user docs (``README.md``, ``docs/*.md``): the README's size, links that resolve, numbers that are their JSON.
+
+- README.md is the front door: at most :data:`README_MAX_LINES` lines, with the two fresh-machine commands.
+- Every relative link of README.md and ``docs/`` names a file of the checkout, and its ``#anchor`` a heading of it.
+- Every generated block (``<!-- NAME:start -->`` ... ``<!-- NAME:end -->``) of a page is what
+  ``benchmarks/update_readme.py`` renders now from ``benchmarks/results/*.json``: a number that disagrees with its
+  JSON fails here (fix: ``.venv/bin/python benchmarks/update_readme.py``).
+- The docs describe behaviour, not how the team worked: no case ids, work periods or issue numbers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+README_MAX_LINES = 250
+FRESH_MACHINE_COMMANDS = (
+    "bash scripts/setup.sh && .venv/bin/asyncrl demo --summary outputs/demo/summary.json",
+    "bash scripts/setup.sh && bash scripts/test.sh",
+)
+PROCESS_WORDS = {
+    r"\bC\d{1,2}\b": "a case id",
+    r"\bcase C\d+": "a case id",
+    r"\bsession \d+": "a work session's number",
+    r"\bwork period": "a work period",
+    r"\bfresh user'?s?\b": "a tester of the team",
+    r"\bhelper\b": "a helper of the team",
+    r"\bissue #?\d+": "an issue number",
+    r"\bthe session's\b": "a work session",
+}
+"""Patterns of words of the team's own way of working that mean nothing to a user, and what each is."""
+LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def _generator() -> ModuleType:
+    path = ROOT / "benchmarks" / "update_readme.py"
+    spec = importlib.util.spec_from_file_location("asyncrl_docs_generator", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+GENERATOR = _generator()
+
+
+def _prose(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of ``text`` outside fenced code blocks."""
+    out, fenced = [], False
+    for i, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((i, line))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, markup and punctuation dropped, spaces to ``-``."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a markdown page (a repeated heading gets ``-1``, ``-2``, ... as on GitHub)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in _prose(path.read_text()):
+        m = re.match(r"^#{1,6}\s+(.*)$", line)
+        if not m:
+            continue
+        base = slug(m.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_slug_is_githubs() -> None:
+    assert slug("Plugins: custom losses, advantages and gates") == "plugins-custom-losses-advantages-and-gates"
+    assert slug("docker compose (one machine, one GPU or CPU only)") == "docker-compose-one-machine-one-gpu-or-cpu-only"
+    assert slug("The `asyncrl` CLI") == "the-asyncrl-cli"
+
+
+def test_the_readme_is_the_front_door() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    for command in FRESH_MACHINE_COMMANDS:
+        assert command in text
+    first_screen = "\n".join(text.splitlines()[:80])
+    assert "curl" in first_screen and "/api/runs" in first_screen, "the REST example belongs on the first screen"
+    assert "asyncrl submit" in first_screen
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for number, line in _prose(page.read_text()):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (page.parent / file_part).resolve() if file_part else page
+            if not dest.exists():
+                broken.append(f"{page.name}:{number}: {target} (no file {dest})")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.name}:{number}: {target} (no heading #{anchor} in {dest.name})")
+    assert broken == []
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "benchmarks" / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_generated_blocks_are_their_json(page: Path) -> None:
+    text = page.read_text()
+    rendered = GENERATOR.render(text)  # KeyError: a marker with no generator
+    if rendered != text:
+        diff = "\n".join(
+            difflib.unified_diff(text.splitlines(), rendered.splitlines(), "page", "from JSON", lineterm="")
+        )
+        pytest.fail(
+            f"{page.relative_to(ROOT)} disagrees with benchmarks/results (run benchmarks/update_readme.py):\n{diff}"
+        )
+
+
+def test_every_page_the_generator_renders_is_checked_here() -> None:
+    assert set(GENERATOR.PAGES) == {*PAGES, ROOT / "benchmarks" / "README.md"}
+
+
+def test_the_measured_pages_have_their_blocks() -> None:
+    """The README's times and the headline numbers come from the generator, not from hand-typed prose."""
+    names = {page.name: {name for name, _ in GENERATOR.blocks(page.read_text())} for page in PAGES}
+    assert "fresh-machine" in names["README.md"]
+    assert {"vs-trl", "rollout-throughput", "export-roundtrip"} <= names["benchmarks.md"]
+    assert {"fault-matrix", "attacks-summary"} <= names["reliability-and-security.md"]
+    used = set().union(*names.values()) | {
+        name for name, _ in GENERATOR.blocks((ROOT / "benchmarks/README.md").read_text())
+    }
+    assert set(GENERATOR.BLOCKS) - used == set(), "a generator no page uses"
+
+
+def test_a_stale_number_fails() -> None:
+    page = GENERATOR.render("x\n<!-- vs-trl:start -->\n<!-- vs-trl:end -->\n")
+    stale = re.sub(r"\*\*\d+\.\d+x\*\*", "**2.19x**", page, count=1)
+    assert stale != page and GENERATOR.render(stale) == page
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_words_of_the_teams_way_of_working(page: Path) -> None:
+    found = [
+        f"{page.name}:{number}: {what}: {line.strip()[:100]}"
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for pattern, what in PROCESS_WORDS.items()
+        if re.search(pattern, line, re.I if pattern.startswith(r"\bfresh") else 0)
+    ]
+    assert found == []
