@@ -12,6 +12,8 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# Runs of a root worker run as other uids: let them reach this Python (e.g. through /root).
+bash scripts/python-for-runs.sh
 # Dashboard JavaScript from its npm package, pinned (webui/static/vendor is gitignored); Plotly's bundle is served
 # from the plotly Python package.
 HTMX_VERSION=2.0.8

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Start what the tests talk to (idempotent; run as root on a Debian machine): Postgres and Redis (started if down),
 # Debian's headless Chromium for the dashboard's browser tests (Playwright never downloads a browser), and a real
-# single-node Slurm (munge, slurmctld, slurmd) for the Slurm launcher's tests, and a multi-node one beside it.
+# single-node Slurm (munge, slurmctld, slurmd) for the Slurm launcher's tests, and a multi-node one beside it; and
+# the venv's Python usable by the runs' uids (scripts/python-for-runs.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The runs the tests launch as a root worker run as other uids (worker/supervisor.py run_user): they must reach .venv's
+# Python (e.g. through /root, 0700).
+bash scripts/python-for-runs.sh
 
 if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true

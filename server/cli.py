@@ -111,7 +111,7 @@ def worker_command(argv: list[str]) -> int:
     from server.core.config import settings
     from worker.celery_app import app
 
-    settings.ASYNCRL_HOME.mkdir(parents=True, exist_ok=True)  # beat's schedule file lives there
+    settings.private_home()  # beat's schedule file lives there
     if args.exports_only:
         if args.export_concurrency == 0:
             raise SpecError("--export-concurrency: an --exports-only worker needs at least 1 process (got 0)")

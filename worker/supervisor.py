@@ -97,17 +97,25 @@ RUN_HOME_DIR = "user-home"
 """The ``HOME`` of a run that runs as its own uid (``RUN_UID_BASE``): a folder of the run's home folder, so its caches
 are its own."""
 
+DEFAULT_RUN_UID_BASE = 1_900_000_000
+"""The ``RUN_UID_BASE`` of a root worker that sets neither ``RUN_USER`` nor ``RUN_UID_BASE``: run ``n`` runs as uid
+``1_900_000_000 + n``, far above the accounts of any machine (distributions hand out uids below 65536; systemd's
+dynamic and container ranges end below 2**31 - 1 but start far lower), so a root worker never runs a run as root."""
+
 
 def run_user(name: str, *, run_id: int | None = None, uid_base: int = 0, home: Path | None = None) -> RunUser | None:
     """The account a run's processes run as: with ``uid_base`` (the worker's ``RUN_UID_BASE``), uid and gid
     ``uid_base + run_id`` (no account needed; ``HOME`` = ``<home>/user-home``), so that runs, of one user or of
     several, cannot read each other's environment (``/proc/<pid>/environ``: run token, vLLM key), signal or trace each
-    other's processes, or write each other's files; else the account ``name`` (None for ``""``: the worker's own user).
+    other's processes, or write each other's files; else the account ``name``. With neither, a root worker uses
+    :data:`DEFAULT_RUN_UID_BASE` (never root), any other worker its own user (None).
 
     Raises:
         ValueError: no such account, it is root, the run's uid belongs to an account or passes 2**31 - 1, or this
             process is not root (only root may switch users).
     """
+    if not name and not uid_base and os.geteuid() == 0:
+        uid_base = DEFAULT_RUN_UID_BASE
     if uid_base:
         if run_id is None or home is None:
             raise ValueError("RUN_UID_BASE: a run's own uid needs its run id and home folder")
@@ -139,6 +147,74 @@ def run_user(name: str, *, run_id: int | None = None, uid_base: int = 0, home: P
     if os.geteuid() != 0:
         raise ValueError(f"RUN_USER: the worker runs as uid {os.geteuid()}, not root: it cannot start runs as {name!r}")
     return RunUser(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+PYTHON_CHECK_TIMEOUT_S = 20.0
+"""How long :func:`check_python` waits for the run user's ``import worker`` (~0.05 s on an idle machine)."""
+
+_python_usable: set[tuple[str, int, int]] = set()
+"""(Python, uid, gid) that :func:`check_python` saw work, in this process."""
+
+
+def check_python(user: RunUser, python: str | None = None) -> None:
+    """Check for real that ``user`` can run ``python`` (this worker's, by default) and import asyncrl: start
+    ``python -c "import worker"`` as its uid and gid (no supplementary groups), in this process's working folder, with
+    a run's environment. A success is remembered for the life of this process, a failure is checked again next time
+    (the admin may have fixed it meanwhile).
+
+    Raises:
+        ValueError: it cannot; one line saying why and how to fix it (never run the run as anyone else instead).
+    """
+    python = python or sys.executable
+    key = (python, user.uid, user.gid)
+    if key in _python_usable:
+        return
+    env = {**run_environ(os.environ), "HOME": "/", "USER": user.name, "LOGNAME": user.name}
+    why: str | None
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import worker"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=PYTHON_CHECK_TIMEOUT_S,
+            user=user.uid,
+            group=user.gid,
+            extra_groups=[],
+        )
+        lines = proc.stderr.strip().splitlines()
+        why = None if proc.returncode == 0 else (lines[-1] if lines else f"exit status {proc.returncode}")
+    except subprocess.TimeoutExpired:
+        why = f"import worker did not finish within {PYTHON_CHECK_TIMEOUT_S:g} s"
+    except OSError as err:
+        why = err.strerror or str(err)
+    if why is None:
+        _python_usable.add(key)
+        return
+    folder = folder_in_the_way(python, user.uid, user.gid)
+    how = f"chmod o+x {folder}" if folder is not None else f"make {python} and its libraries readable by other users"
+    raise ValueError(
+        f"the run user {user.name} (uid {user.uid}) cannot run this worker's Python {python} ({why}): make it usable "
+        f"by other users (e.g. `{how}`; scripts/setup.sh does) or set RUN_USER to an account that can"
+    )
+
+
+def folder_in_the_way(path: str, uid: int, gid: int) -> Path | None:
+    """The first folder above ``path`` (as given, then with its links resolved) that ``uid``/``gid`` (without
+    supplementary groups) may not enter, or None (folders that do not exist yet are not looked at)."""
+    for chain in (Path(os.path.abspath(path)), Path(os.path.realpath(path))):
+        for folder in reversed(chain.parents):
+            try:
+                st = os.stat(folder)
+            except FileNotFoundError:  # made later, by this process
+                break
+            except OSError:
+                return folder
+            bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid == gid else stat.S_IXOTH
+            if not st.st_mode & bit:
+                return folder
+    return None
 
 
 def give_home(home: Path, user: RunUser) -> None:
@@ -232,8 +308,16 @@ def start(
     (its cgroup's and its session's processes) is killed and the cgroup removed (:func:`after_exit`).
 
     Raises:
-        OSError: the supervisor cannot be started (e.g. ``user`` may not run this Python).
+        ValueError: ``user`` cannot run this Python (:func:`check_python`) or enter ``home``; nothing was started.
+        OSError: the supervisor cannot be started.
     """
+    if user is not None:
+        check_python(user)
+        if (folder := folder_in_the_way(str(home), user.uid, user.gid)) is not None:
+            raise ValueError(
+                f"the run user {user.name} (uid {user.uid}) cannot enter {folder}, above its home folder {home}: "
+                f"`chmod o+x {folder}`, or set ASYNCRL_OUTPUT_DIR to a folder other users may enter"
+            )
     files = SupervisorHome(home)
     files.write_spec(spec)
     files.final.unlink(missing_ok=True)

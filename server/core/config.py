@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
 
     ASYNCRL_HOME: Path = Path("~/.asyncrl").expanduser()
-    """Embedded-mode state: the SQLite database, the broker folder and the generated secret."""
+    """Embedded-mode state: the SQLite database, the broker folder and the generated secret. Kept private
+    (:meth:`Settings.private_home`): mode 0700, 0711 when ``ASYNCRL_OUTPUT_DIR`` is inside it (runs must enter it)."""
     DATABASE_URL: str = ""
     """SQLAlchemy URL, e.g. ``postgresql+psycopg://user@host:5432/asyncrl``; empty = SQLite in ASYNCRL_HOME."""
     CELERY_BROKER_URL: str = ""
@@ -116,17 +118,23 @@ class Settings(BaseSettings):
 
     RUN_USER: str = ""
     """Account a root worker starts each run's supervisor, and so its processes, as (e.g. ``asyncrl-run``): it
-    cannot read the secret key file (0600), the database or files of the worker's user. Empty = the worker's own
-    user. That account must be able to run the worker's Python and read the code and models (a Python under
-    ``/root`` is not), and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are passed (``RUN_ENV_ALLOW``)."""
+    cannot read the secret key file (0600), the database or files of the worker's user. Empty, with ``RUN_UID_BASE``
+    0 too: a root worker runs each run as its own uid from 1900000000 (``RUN_UID_BASE``), any other worker as itself.
+    That account must be able to run the worker's Python and import asyncrl (checked before each launch: a run it
+    cannot start is failed saying so, never run as root; a Python under ``/root`` needs ``chmod o+x /root``, which
+    ``scripts/setup.sh`` does) and read the models, and its ``HOME`` holds its caches unless ``HF_HOME`` etc. are
+    passed (``RUN_ENV_ALLOW``)."""
 
     RUN_UID_BASE: int = Field(default=0, ge=0, le=2**31 - 1)
     """A root worker runs run ``n``'s processes as uid and gid ``RUN_UID_BASE + n`` (no account needed; ``HOME`` is
     ``<run home>/user-home``; ``RUN_USER`` is then not used), so that runs, of one user or of several, cannot read each
     other's environment (``/proc/<pid>/environ``: the run token, the vLLM key), signal or trace each other's processes,
-    or write each other's files. Pick a base above every account of the worker (e.g. 200000; a run whose uid is an
-    account's is refused). Run ids are never reused, so neither are uids. 0 = every run as ``RUN_USER``. The run's
-    uid must be able to run the worker's Python and read the code and models, as for ``RUN_USER``."""
+    or write each other's files. Pick a base above every account of the worker (a run whose uid is an account's is
+    refused). Run ids are never reused, so neither are uids. 0 = every run as ``RUN_USER``, and with ``RUN_USER``
+    empty too the default base 1900000000 (``worker.supervisor.DEFAULT_RUN_UID_BASE``): a root worker never runs a
+    run as root (a non-root worker runs runs as itself). The run's uid must be able to run the worker's Python, enter
+    ``ASYNCRL_OUTPUT_DIR`` and read the models, as for ``RUN_USER``; it cannot read ``ASYNCRL_HOME`` (0700, or 0711
+    when ``ASYNCRL_OUTPUT_DIR`` is inside it), the secret key file or the SQLite database (0600)."""
 
     RUN_CGROUPS: bool = True
     """A root worker puts each local run's processes in a cgroup of their own (``worker/cgroups.py``: killed and
@@ -182,19 +190,42 @@ class Settings(BaseSettings):
         """Record where this server listens (``0.0.0.0``/``::`` -> loopback) for workers on the same home."""
         host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
         url = f"http://{host}:{port}"
-        self.ASYNCRL_HOME.mkdir(parents=True, exist_ok=True)
+        self.private_home()
         tmp = self.ASYNCRL_HOME / f".server_url.{os.getpid()}"
         tmp.write_text(url + "\n")
         tmp.replace(self.ASYNCRL_HOME / "server_url")
         return url
+
+    def private_home(self) -> Path:
+        """ASYNCRL_HOME, made if missing, with mode 0700, so that a run's uid (``RUN_USER``, its own uid) reads
+        nothing of the service's state there (broker messages, beat schedule; the secret key and the SQLite database
+        are 0600 besides). When ``ASYNCRL_OUTPUT_DIR`` is inside it (``asyncrl demo``), 0711 instead (run users must
+        pass through it to their run folders, but not list it) and every other entry of it loses its group and other
+        permissions. An existing folder is set so (when this process may: it owns it)."""
+        home = self.ASYNCRL_HOME
+        outputs = Path(os.path.abspath(self.ASYNCRL_OUTPUT_DIR))
+        inside = outputs.is_relative_to(os.path.abspath(home)) and outputs != Path(os.path.abspath(home))
+        mode = 0o711 if inside else 0o700
+        home.mkdir(mode=mode, parents=True, exist_ok=True)
+        try:
+            if home.stat().st_mode & 0o777 != mode:
+                home.chmod(mode)
+            if inside:
+                way = Path(os.path.abspath(home)) / outputs.relative_to(os.path.abspath(home)).parts[0]
+                for entry in home.iterdir():
+                    st = entry.lstat()
+                    if entry.name != way.name and not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                        entry.chmod(st.st_mode & 0o7700)
+        except PermissionError:  # not its owner (a worker of another user on a shared home): leave it
+            pass
+        return home
 
     def secret_key(self) -> str:
         """SECRET_KEY, or the one generated into ASYNCRL_HOME on first use. The file is created with mode 0600 (no
         moment when another user may read it) and an existing one is set back to 0600."""
         if self.SECRET_KEY:
             return self.SECRET_KEY
-        path = self.ASYNCRL_HOME / "secret_key"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = self.private_home() / "secret_key"
         if not path.exists():  # written whole under a temporary name, then linked: never seen empty or readable
             tmp = path.with_name(f".secret_key.{os.getpid()}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,34 @@ from sqlmodel import Session, create_engine
 from server.core.config import settings
 
 
+def private_sqlite_file(path: Path) -> None:
+    """Make the SQLite database ``path`` readable by its owner only (0600) before SQLite opens it: created empty with
+    that mode when missing (SQLite gives its ``-wal`` and ``-shm`` files the database's mode), an existing one and its
+    ``-wal``/``-shm`` set to it; in ``ASYNCRL_HOME``, that folder is made private too
+    (:meth:`server.core.config.Settings.private_home`). A run's uid must not read the service's tables."""
+    if os.path.abspath(path.parent) == os.path.abspath(settings.ASYNCRL_HOME):
+        settings.private_home()
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if file.stat().st_mode & 0o077:
+                file.chmod(0o600)
+        except FileNotFoundError:
+            pass
+        except PermissionError:  # not its owner: leave it
+            pass
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        path = url.removeprefix("sqlite:///")
+        if path and not path.startswith(":memory:") and "mode=memory" not in path:
+            private_sqlite_file(Path(path.split("?", 1)[0]))
         eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(eng, "connect")

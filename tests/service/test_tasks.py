@@ -124,6 +124,43 @@ def test_launch_with_an_unusable_run_user_fails_the_run_and_starts_nothing(
     assert status_events(client, auth, run["id"]) == [(None, "queued"), ("queued", "failed")]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root worker's default")
+def test_a_root_worker_refuses_a_run_its_uid_cannot_start_and_never_runs_it_as_root(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither RUN_USER nor RUN_UID_BASE, and a worker Python the run's default uid cannot run (a copy in a 0700
+    folder): the launch fails the run with one line saying why and how to fix it; nothing is started, as root or
+    anyone else."""
+    import shutil
+    import tempfile
+
+    from server.core.config import settings
+    from worker import supervisor
+    from worker.tasks import launch
+
+    monkeypatch.setattr(settings, "RUN_USER", "")
+    monkeypatch.setattr(settings, "RUN_UID_BASE", 0)
+    folder = Path(tempfile.mkdtemp(prefix="asyncrl-private-python-"))
+    try:
+        python = folder / "python"
+        shutil.copy2(os.path.realpath(sys.executable), python)
+        monkeypatch.setattr(sys, "executable", str(python))
+        run = make_run()
+        uid = supervisor.DEFAULT_RUN_UID_BASE + run["id"]
+        reason = (
+            f"launch: the run user asyncrl-run-{run['id']} (uid {uid}) cannot run this worker's Python {python} "
+            f"(Permission denied): make it usable by other users (e.g. `chmod o+x {folder}`; scripts/setup.sh does) "
+            "or set RUN_USER to an account that can"
+        )
+        assert launch(run["id"]) == f"failed: run {run['id']}: {reason}"
+    finally:
+        shutil.rmtree(folder)
+    done = run_of(client, auth, run["id"])
+    assert (done["status"], done["status_reason"], done["launcher_handle"]) == ("failed", reason, None)
+    assert supervisor.running_pid(Path(run["run_dir"]).parent) is None
+    assert status_events(client, auth, run["id"]) == [(None, "queued"), ("queued", "failed")]
+
+
 # ----------------------------------------------------------------------------- a real Celery worker
 
 

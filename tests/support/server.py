@@ -32,6 +32,8 @@ PG = os.environ.get("ASYNCRL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:54
 REDIS = os.environ.get("ASYNCRL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 DB_NAME = f"asyncrl_test_{SUFFIX}"
 STATE = Path(tempfile.mkdtemp(prefix=f"asyncrl-test-{SUFFIX}-"))
+if os.geteuid() == 0:
+    STATE.chmod(0o711)  # the runs of a root worker run as other uids: they enter ASYNCRL_OUTPUT_DIR (not ASYNCRL_HOME)
 os.environ.update(
     {
         "DATABASE_URL": f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{DB_NAME}",

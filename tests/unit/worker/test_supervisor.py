@@ -4,6 +4,7 @@ another run's token; checked on real processes started as runs start theirs."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -94,7 +95,8 @@ def test_a_run_process_started_as_runs_are_cannot_read_the_database_url(tmp_path
 
 
 def test_run_user_is_checked() -> None:
-    assert supervisor.run_user("") is None
+    if os.geteuid() != 0:
+        assert supervisor.run_user("") is None
     with pytest.raises(ValueError, match=r"^RUN_USER: no user 'no-such-user-x' on this worker$"):
         supervisor.run_user("no-such-user-x")
     with pytest.raises(ValueError, match=r"^RUN_USER: 'root' is root; name an unprivileged user$"):
@@ -180,18 +182,19 @@ def test_a_supervisor_joins_its_cgroup_before_it_drops_root_and_nothing_of_it_ou
             home / "supervisor.log",
             user,
             cg,
-            on_exit=lambda p, home=home, cg=cg: supervisor.after_exit(home, p, cg),
+            on_exit=functools.partial(lambda h, c, p: supervisor.after_exit(h, p, c), home, cg),
         )
         try:
             pids_file = home / "pids"
-            wait_for(lambda f=pids_file: len(f.read_text().split()) == 2 if f.exists() else False, 10, "2 children")
+            two = functools.partial(lambda f: len(f.read_text().split()) == 2 if f.exists() else False, pids_file)
+            wait_for(two, 10, "2 children")
             children = {int(p) for p in pids_file.read_text().split()}
             assert (home / "uid").read_text().strip() == str(user.uid)
             assert f":/{cg.name}\n" in (home / "cgroup").read_text()
             if stop:
                 assert cg.pids() == {pid, *children}
                 supervisor.terminate(pid, grace_s=1, cgroup=cg)  # SIGTERM ends its group; the setsid one is killed
-            wait_for(lambda cg=cg: not cg.exists(), 10, "the cgroup removed")
+            wait_for(functools.partial(lambda c: not c.exists(), cg), 10, "the cgroup removed")
             assert not any(alive(p) for p in {pid, *children})
         finally:
             cgroups.end_run(cg, None, started_before=None)
@@ -229,11 +232,12 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
     try:
         base.chmod(0o755)
         homes = {n: base / "runs" / str(n) for n in (41, 42)}
-        users = {}
+        users: dict[int, supervisor.RunUser] = {}
         for n, home in homes.items():
             home.mkdir(parents=True)
-            users[n] = supervisor.run_user("", run_id=n, uid_base=RUN_UID_BASE, home=home)
-            assert users[n] is not None
+            user = supervisor.run_user("", run_id=n, uid_base=RUN_UID_BASE, home=home)
+            assert user is not None
+            users[n] = user
             Path(users[n].home).mkdir()
             supervisor.give_home(home, users[n])
         victim = supervisor.detach(
@@ -299,3 +303,83 @@ def test_give_home_copies_a_hard_linked_file_before_changing_its_owner(tmp_path:
     assert (child.stat().st_uid, child.stat().st_gid) == (60_008, 60_008) and child.read_bytes() == parent.read_bytes()
     assert (parent.stat().st_uid, parent.stat().st_gid) == owner and parent.stat().st_nlink == 1
     assert [p.name for p in (home / "ckpt").iterdir()] == ["model.safetensors"]  # no temporary left
+
+
+def test_a_root_worker_with_nothing_set_runs_each_run_as_its_own_uid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither ``RUN_USER`` nor ``RUN_UID_BASE``: a root worker runs run ``n`` as uid ``DEFAULT_RUN_UID_BASE + n``
+    (never as root), any other worker as itself (None); a set ``RUN_UID_BASE`` or ``RUN_USER`` still wins."""
+    assert supervisor.DEFAULT_RUN_UID_BASE == 1_900_000_000
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert supervisor.run_user("", run_id=7, home=tmp_path) == supervisor.RunUser(
+        "asyncrl-run-7", 1_900_000_007, 1_900_000_007, str(tmp_path / "user-home")
+    )
+    own_base = supervisor.run_user("", run_id=7, uid_base=RUN_UID_BASE - 1000, home=tmp_path)
+    assert own_base is not None and own_base.uid == RUN_UID_BASE - 993
+    account = supervisor.run_user("nobody", run_id=7, home=tmp_path)
+    assert account is not None and account.name == "nobody"
+    with pytest.raises(ValueError, match=r"^RUN_UID_BASE: a run's own uid needs its run id and home folder$"):
+        supervisor.run_user("")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert supervisor.run_user("", run_id=7, home=tmp_path) is None
+
+
+def python_in_a_private_folder() -> tuple[Path, Path]:
+    """A copy of this Python in a folder of its own (0700, root's): no other uid may run it. (folder, python)"""
+    folder = Path(tempfile.mkdtemp(prefix="asyncrl-private-python-"))
+    python = folder / "python"
+    shutil.copy2(os.path.realpath(sys.executable), python)
+    return folder, python
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root starts processes as another uid")
+def test_a_python_the_run_uid_cannot_run_is_refused_in_one_line_saying_how_to_fix_it(tmp_path: Path) -> None:
+    """``check_python`` really starts ``import worker`` as the run's uid: this Python passes (its folders are open to
+    other users: scripts/setup.sh), a copy in a 0700 folder is refused with one line naming the folder to open, and
+    ``supervisor.start`` refuses the launch the same way before anything of the run is written or started."""
+    user = supervisor.run_user("", run_id=7, uid_base=RUN_UID_BASE, home=tmp_path)
+    assert user is not None
+    supervisor.check_python(user)  # tmp_path: this Python, as the run's uid
+    folder, python = python_in_a_private_folder()
+    try:
+        line = (
+            f"the run user asyncrl-run-7 (uid {RUN_UID_BASE + 7}) cannot run this worker's Python {python} "
+            f"(Permission denied): make it usable by other users (e.g. `chmod o+x {folder}`; scripts/setup.sh does) "
+            "or set RUN_USER to an account that can"
+        )
+        with pytest.raises(ValueError) as refused:
+            supervisor.check_python(user, str(python))
+        assert str(refused.value) == line
+        assert supervisor.folder_in_the_way(str(python), user.uid, user.gid) == folder
+        assert supervisor.folder_in_the_way(sys.executable, user.uid, user.gid) is None
+        home = tmp_path / "runs" / "7"
+        home.mkdir(parents=True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "executable", str(python))
+            with pytest.raises(ValueError, match=r"^the run user asyncrl-run-7 .* cannot run this worker's Python"):
+                supervisor.start(home, run_id=7, spec={}, token="rt", server_url="http://s", user=user)
+        assert list(home.iterdir()) == [] and home.stat().st_uid == 0
+        folder.chmod(0o711)  # fixed: the same check passes without restarting the worker (failures are not kept)
+        supervisor.check_python(user, str(python))
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root starts processes as another uid")
+def test_a_run_home_the_run_uid_cannot_enter_is_refused() -> None:
+    folder = Path(tempfile.mkdtemp(prefix="asyncrl-private-outputs-"))  # 0700: ASYNCRL_OUTPUT_DIR under it
+    try:
+        home = folder / "runs" / "7"
+        home.mkdir(parents=True)
+        user = supervisor.run_user("", run_id=7, uid_base=RUN_UID_BASE, home=home)
+        assert user is not None
+        with pytest.raises(ValueError) as refused:
+            supervisor.start(home, run_id=7, spec={}, token="rt", server_url="http://s", user=user)
+        assert str(refused.value) == (
+            f"the run user asyncrl-run-7 (uid {RUN_UID_BASE + 7}) cannot enter {folder}, above its home folder {home}: "
+            f"`chmod o+x {folder}`, or set ASYNCRL_OUTPUT_DIR to a folder other users may enter"
+        )
+        assert list(home.iterdir()) == []
+    finally:
+        shutil.rmtree(folder)
