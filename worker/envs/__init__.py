@@ -19,11 +19,12 @@ from itertools import count
 from typing import Any, Generic, Literal, TypeVar
 
 import verifiers.v1 as vf
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from verifiers.v1.graph import MessageNode
 
 from worker import progress
 from worker.orchestrator.harness_runtime import harness_missing
+from worker.spec.env_args import SplitArgs
 from worker.spec.user_code import BUILTIN_ENVS, ENV_ID
 
 logger = logging.getLogger(__name__)
@@ -82,17 +83,15 @@ class SingleTurnTask(vf.Task[DataT], Generic[DataT]):
         return trace.num_turns >= 1
 
 
-class SplitConfig(vf.TasksetConfig):
-    """Config fields of a built-in taskset that generates its tasks: which split, the seed, the split sizes."""
+class SplitConfig(vf.TasksetConfig, SplitArgs):
+    """Config of a built-in taskset that generates its tasks: which split and the seed (set by `load_environment`),
+    and the split sizes (`SplitArgs`: a built-in's arguments are declared in `worker.spec.env_args`, the allow-list
+    of what a submitted spec may give it)."""
 
     split: Literal["train", "eval"] = "train"
     """Which split `load()` yields."""
     seed: int = 0
     """Seed of both splits; the same seed gives the same tasks."""
-    num_train: int | None = Field(None, ge=1)
-    """Number of train tasks; None yields train tasks forever."""
-    num_eval: int = Field(200, ge=1)
-    """Number of eval tasks."""
 
 
 TaskT = TypeVar("TaskT", bound=vf.Task)

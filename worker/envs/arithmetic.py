@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 import reasoning_gym
 import verifiers.v1 as vf
-from pydantic import Field, model_validator
 from reasoning_gym.dataset import ProceduralDataset
 
 from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
+from worker.spec.env_args import ArithmeticArgs
 
 SYSTEM_PROMPT = "Compute the result. Answer with the number only."
 ANSWER_TAG = "answer"
@@ -54,23 +54,8 @@ class ArithmeticTask(SingleTurnTask[ArithmeticData]):
         return score_arithmetic(parse_answer(trace.last_reply, ANSWER_TAG), self.data.entry)
 
 
-class ArithmeticConfig(SplitConfig):
-    min_terms: int = Field(2, ge=1)
-    """Fewest numbers in an expression."""
-    max_terms: int = 3
-    """Most numbers in an expression."""
-    min_digits: int = Field(1, ge=1)
-    """Fewest digits per number."""
-    max_digits: int = 2
-    """Most digits per number."""
-    operators: list[Literal["+", "-", "*", "/"]] = ["+", "-", "*"]
-    """Operators to draw from (`/` is exact integer division)."""
-
-    @model_validator(mode="after")
-    def _check_ranges(self) -> ArithmeticConfig:
-        if self.max_terms < self.min_terms or self.max_digits < self.min_digits:
-            raise ValueError("need min_terms <= max_terms and min_digits <= max_digits")
-        return self
+class ArithmeticConfig(ArithmeticArgs, SplitConfig):
+    """The taskset config: the split and seed, and the arguments of `ArithmeticArgs`."""
 
 
 class ArithmeticTaskset(SplitTaskset[ArithmeticTask, ArithmeticConfig]):

@@ -20,10 +20,10 @@ from functools import cached_property
 from typing import Literal
 
 import verifiers.v1 as vf
-from pydantic import Field, model_validator
 
 from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 from worker.envs.sentences import make_sentence
+from worker.spec.env_args import ReverseTextArgs
 
 SYSTEM_PROMPT = "Reverse the text."
 ANSWER_TAG = "reversed_text"
@@ -52,20 +52,8 @@ class ReverseTextTask(SingleTurnTask[ReverseTextData]):
         return lcs_ratio(parse_answer(trace.last_reply, ANSWER_TAG), self.data.answer)
 
 
-class ReverseTextConfig(SplitConfig):
-    min_chars: int = Field(5, ge=2)
-    """Shortest sentence, in characters (before the final period)."""
-    max_chars: int = 30
-    """Longest sentence, in characters (before the final period)."""
-    system_message: bool = True
-    """Send the instruction as a system message; False leaves the sentence alone in the prompt
-    (27 fewer tokens with the tiny byte-level tokenizer: the CPU demo learns the task from SFT)."""
-
-    @model_validator(mode="after")
-    def _check_lengths(self) -> ReverseTextConfig:
-        if self.max_chars < self.min_chars:
-            raise ValueError(f"max_chars ({self.max_chars}) must be >= min_chars ({self.min_chars})")
-        return self
+class ReverseTextConfig(ReverseTextArgs, SplitConfig):
+    """The taskset config: the split and seed, and the arguments of `ReverseTextArgs`."""
 
 
 class ReverseTextTaskset(SplitTaskset[ReverseTextTask, ReverseTextConfig]):

@@ -21,11 +21,11 @@ import random
 from typing import Any, Literal
 
 import verifiers.v1 as vf
-from pydantic import Field
 
 from worker.envs import SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import ANSWER_TAG, lcs_ratio
 from worker.envs.sentences import make_sentence
+from worker.spec.env_args import ReverseToolArgs
 
 SYSTEM_PROMPT = "Reverse the text. You may call the reverse tool."
 
@@ -98,12 +98,10 @@ class ReverseToolTask(vf.Task[ReverseToolData, vf.State, ReverseToolTaskConfig])
         return lcs_ratio(parse_answer(trace.last_reply or "", ANSWER_TAG), self.data.answer)
 
 
-class ReverseToolConfig(SplitConfig):
-    num_eval: int = Field(100, ge=1)
-    min_chars: int = Field(5, ge=2)
-    max_chars: int = Field(20, ge=2)
-    system_message: bool = True
-    """Send the instruction as a system message."""
+class ReverseToolConfig(ReverseToolArgs, SplitConfig):
+    """The taskset config: the split and seed, the arguments of `ReverseToolArgs`, and the task config with the
+    tool."""
+
     task: ReverseToolTaskConfig = ReverseToolTaskConfig()
 
 

@@ -20,11 +20,11 @@ from functools import cached_property
 from typing import Literal
 
 import verifiers.v1 as vf
-from pydantic import Field
 
 from worker.envs import SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import ANSWER_TAG, SYSTEM_PROMPT, lcs_ratio
 from worker.envs.sentences import make_sentence
+from worker.spec.env_args import ReverseTwiceArgs
 
 FOLLOW_UP = "Now reverse this: {text}"
 _MAX_REDRAWS = 1000
@@ -59,13 +59,8 @@ class ReverseTwiceTask(vf.Task[ReverseTwiceData]):
         return sum(scores) / len(scores)
 
 
-class ReverseTwiceConfig(SplitConfig):
-    num_eval: int = Field(100, ge=1)
-    """Number of eval tasks."""
-    min_chars: int = Field(5, ge=2)
-    max_chars: int = Field(20, ge=2)
-    system_message: bool = True
-    """Send the instruction as a system message."""
+class ReverseTwiceConfig(ReverseTwiceArgs, SplitConfig):
+    """The taskset config: the split and seed, and the arguments of `ReverseTwiceArgs`."""
 
 
 class ReverseTwiceTaskset(SplitTaskset[ReverseTwiceTask, ReverseTwiceConfig]):

@@ -37,13 +37,12 @@ from functools import cached_property
 from typing import Literal
 
 import verifiers.v1 as vf
-from pydantic import Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from worker.envs import SingleTurnTask, SplitConfig, SplitTaskset, parse_answer
 from worker.envs.reverse_text import SYSTEM_PROMPT as SOLVER_SYSTEM_PROMPT
 from worker.envs.reverse_text import ReverseTextData, ReverseTextTask
 from worker.rewards import present_reward
+from worker.spec.env_args import SelfPlayArgs
 
 PROPOSER, SOLVER = "proposer", "solver"
 """The two roles (``Rollout.role``)."""
@@ -126,38 +125,8 @@ class SelfPlayTask(SingleTurnTask[SelfPlayData]):
         return float(self.proposal(trace.last_reply) is not None)
 
 
-class SelfPlayConfig(SplitConfig):
-    min_letters: int = Field(3, ge=1, le=64)
-    """Shortest valid proposal, in letters."""
-    max_letters: int = Field(8, ge=1, le=64)
-    """Longest valid proposal, in letters."""
-    num_solvers: int = Field(4, ge=1, le=64)
-    """Solver rollouts per episode (each episode: 1 proposer + this many solvers). At least 2: with one solver p is
-    0 or 1, so R_P = 1 - 2 |p - 1/2| is always 0 and the proposer would never learn."""
-    num_eval: int = Field(100, ge=1)
-    """Number of eval tasks."""
-    system_message: bool = True
-    """Send each role's instruction as a system message; False leaves the solver's word alone in its prompt (as
-    ``reverse_text`` with ``system_message = false``, which the shipped SFT warm-up trains on) and puts the
-    proposer's instruction before its user prompt."""
-
-    @field_validator("num_solvers")
-    @classmethod
-    def _two_solvers(cls, v: int) -> int:
-        if v < 2:
-            raise PydanticCustomError(
-                "self_play_solvers",
-                "got {got}; with one solver p is 0 or 1, so the proposer's reward 1 - 2|p - 1/2| is always 0: use at "
-                "least 2",
-                {"got": v},
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _check_lengths(self) -> SelfPlayConfig:
-        if self.max_letters < self.min_letters:
-            raise ValueError(f"max_letters ({self.max_letters}) must be >= min_letters ({self.min_letters})")
-        return self
+class SelfPlayConfig(SelfPlayArgs, SplitConfig):
+    """The taskset config: the split and seed, and the arguments of `SelfPlayArgs`."""
 
 
 class SelfPlayTaskset(SplitTaskset[SelfPlayTask, SelfPlayConfig]):
