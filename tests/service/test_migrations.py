@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
@@ -28,14 +29,63 @@ def test_models_match_migrations() -> None:
     assert diff == [], f"models and migrations drift; write a migration (alembic revision --autogenerate): {diff}"
 
 
+def schema(url: str) -> dict[str, Any]:
+    """Every table of the database at ``url`` with its columns (name, type, nullable, default), indexes, unique and
+    foreign-key constraints, and the Alembic revision: what a migration round trip must give back unchanged."""
+    import sqlalchemy as sa
+
+    from server.core.db import make_engine
+
+    eng = make_engine(url)
+    try:
+        insp = sa.inspect(eng)
+        out: dict[str, Any] = {}
+        for table in sorted(insp.get_table_names()):
+            out[table] = {
+                "columns": [
+                    (c["name"], str(c["type"]), c["nullable"], str(c.get("default"))) for c in insp.get_columns(table)
+                ],
+                "pk": insp.get_pk_constraint(table)["constrained_columns"],
+                "indexes": sorted(
+                    (i["name"], tuple(i["column_names"]), bool(i["unique"])) for i in insp.get_indexes(table)
+                ),
+                "unique": sorted((u["name"], tuple(u["column_names"])) for u in insp.get_unique_constraints(table)),
+                "fks": sorted(
+                    (f["name"], tuple(f["constrained_columns"]), f["referred_table"], tuple(f["referred_columns"]))
+                    for f in insp.get_foreign_keys(table)
+                ),
+            }
+        with eng.connect() as conn:
+            out["alembic_version"] = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all()
+        return out
+    finally:
+        eng.dispose()
+
+
 def test_downgrade_then_upgrade_on_a_fresh_database() -> None:
+    """Down to base leaves no table but Alembic's own, and up again gives back the very schema of the first upgrade:
+    every table, column (type, nullability, default), index and constraint, at the single head."""
+    import sqlalchemy as sa
+
+    from server.core.db import make_engine
+
     name = f"asyncrl_test_mig_{secrets.token_hex(4)}"
     url = f"{PG.replace('postgresql://', 'postgresql+psycopg://')}/{name}"
     pg_admin(f'CREATE DATABASE "{name}"')
     try:
         migrate(url)
+        first = schema(url)
+        heads = ScriptDirectory.from_config(Config("alembic.ini")).get_heads()
+        assert first["alembic_version"] == heads
+        assert {"runs", "run_events", "metrics"} <= set(first)
         migrate(url, "base", down=True)
+        eng = make_engine(url)
+        try:
+            assert sa.inspect(eng).get_table_names() == ["alembic_version"]
+        finally:
+            eng.dispose()
         migrate(url)
+        assert schema(url) == first
     finally:
         pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
