@@ -23,7 +23,13 @@ from worker.procs import alive  # the liveness check the service itself uses
 BAD_MODEL = "sft/final"  # under tmp_path: outside the service's own folder, as the demo's SFT model is; never made
 
 
-def test_embedded_service_runs_a_submitted_run_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_embedded_service_follows_a_submitted_run_to_its_final_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The embedded server and worker take a submitted run through launch to its final status (here the launch's
+    preflight refuses the model folder: the run fails naming it), store and serve its metrics, print its transitions,
+    and stop with nothing left running. A run of the embedded service that trains to ``completed`` is the demo's
+    (``tests/e2e/test_demo_run.py``)."""
     model = str(tmp_path / BAD_MODEL)
     with (
         embedded_service(tmp_path / "home", model_roots=[tmp_path / "sft"]) as service,
