@@ -245,16 +245,30 @@ def _demo_command(argv: list[str]) -> int:
     )
     p.add_argument("--rl-steps", type=int, default=None, help="override the RL step count")
     p.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="open the dashboard again on an earlier demo's state (--output-dir), until Ctrl-C",
+    )
+    p.add_argument("--port", type=int, default=8000, help="the dashboard's port with --serve (default: 8000)")
     args = p.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        raise SpecError(f"--port: expected a port 1-65535, got {args.port}")
     for name in ("rl_steps", "sft_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
     if args.summary.is_dir() or args.summary.suffix != ".json":
         raise SpecError(f"--summary: expected a .json file path such as outputs/demo/summary.json, got {args.summary}")
-    from worker.demo import DemoError, run_demo, run_service_demo
+    from worker.demo import DemoError, run_demo, run_service_demo, serve_demo
 
     output_dir = args.output_dir
     try:
+        if args.serve:
+            try:
+                serve_demo(output_dir, port=args.port)
+            except KeyboardInterrupt:
+                return 0
+            return 0
         summary = (run_demo if args.local else run_service_demo)(
             output_dir, args.summary, rl_steps=args.rl_steps, sft_steps=args.sft_steps
         )

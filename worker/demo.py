@@ -34,7 +34,7 @@ from typing import Any
 
 from worker.dotted_keys import with_keys
 from worker.rundir import SupervisorHome, atomic_write_json
-from worker.spec import SFTSpec, load_spec_data, validate_spec
+from worker.spec import SFTSpec, SpecError, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
 PIPELINE = Path(__file__).resolve().parent.parent / "examples" / "pipelines" / "reverse_text.toml"
@@ -138,11 +138,12 @@ class Service:
 
 @contextmanager
 def embedded_service(
-    home: Path, *, model_roots: list[Path] | None = None, startup_timeout_s: float = 120.0
+    home: Path, *, model_roots: list[Path] | None = None, startup_timeout_s: float = 120.0, port: int | None = None
 ) -> Iterator[Service]:
     """Start ``asyncrl server`` and ``asyncrl worker`` in embedded mode with state under ``home``; yields a
     ``Service``. ``model_roots``: the folders a submitted ``model.name`` may be under besides ``home/outputs``
-    (the server's ``MODEL_ROOTS``; the demo's SFT model is outside the service's folder). Both are children in
+    (the server's ``MODEL_ROOTS``; the demo's SFT model is outside the service's folder); ``port``: the server's
+    (default: a free one). Both are children in
     their own process groups that get SIGTERM if this process dies; on exit they are terminated (SIGKILL after 10 s). Logs: ``home/server.log``, ``home/worker.log``.
 
     Raises:
@@ -152,7 +153,7 @@ def embedded_service(
 
     from worker.procs import free_port, kill_group, spawn
 
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{port or free_port()}"
     env = {
         **os.environ,
         "ASYNCRL_HOME": str(home),
@@ -480,4 +481,31 @@ def run_service_demo(
     )
     summary["status"] = pipeline["status"]
     _write(summary_path, summary)
+    say(
+        f"the dashboard stopped with the demo; to see this pipeline again: asyncrl demo --serve --output-dir {output_dir}"
+    )
     return summary
+
+
+def serve_demo(output_dir: str, *, port: int = 8000) -> None:
+    """``asyncrl demo --serve``: the embedded service again on an earlier demo's state (``<output_dir>/service``),
+    its dashboard on ``127.0.0.1:port`` with a new login token, until Ctrl-C.
+
+    Raises:
+        SpecError: no demo state in ``output_dir``.
+        DemoError: the service did not start (port taken, ...) or stopped.
+    """
+    home = Path(output_dir).resolve() / "service"
+    if not (home / "asyncrl.db").is_file():
+        raise SpecError(f"--output-dir: no demo state in {home} (run `asyncrl demo --output-dir {output_dir}` first)")
+    with embedded_service(home, model_roots=[home.parent / "model"], port=port) as service:
+        say(f"dashboard: {service.url}/pipelines (log in with the token {service.token}); Ctrl-C stops it")
+        while all(_alive(pid) for pid in service.pids.values()):
+            time.sleep(1.0)
+        raise DemoError(f"the server or worker stopped (logs: {home / 'server.log'}, {home / 'worker.log'})")
+
+
+def _alive(pid: int) -> bool:
+    from worker.procs import alive
+
+    return alive(pid)

@@ -98,6 +98,7 @@ def test_server_and_worker_die_with_the_demo_on_ctrl_c(tmp_path: Path) -> None:
         (["--sft-steps", "-3", "--local"], "error: --sft-steps: expected an integer >= 1, got -3"),
         (["--bogus"], "error: asyncrl demo: unrecognized arguments: --bogus"),
         (["--summary", "/"], "error: --summary: expected a .json file path such as outputs/demo/summary.json, got /"),
+        (["--serve", "--port", "0"], "error: --port: expected a port 1-65535, got 0"),
     ],
 )
 def test_demo_refuses_bad_arguments_before_doing_anything(
@@ -108,6 +109,50 @@ def test_demo_refuses_bad_arguments_before_doing_anything(
     assert main(["demo", "--summary", str(tmp_path / "s.json"), *argv]) == 2
     assert capsys.readouterr().err.strip() == message
     assert not any(tmp_path.iterdir())
+
+
+def test_serve_reopens_the_dashboard_on_an_earlier_demos_state(tmp_path: Path) -> None:
+    """``asyncrl demo --serve`` starts the embedded service again on ``<output-dir>/service``: the runs the demo
+    stored are there, a new token logs in, and Ctrl-C ends it (exit 0) with nothing left running."""
+    from worker.procs import free_port
+
+    out = tmp_path / "demo"
+    with (
+        embedded_service(out / "service") as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as client,
+    ):
+        made = client.post("/api/runs", json={"name": "kept", "max_steps": 2, "model": {"name": str(tmp_path / "m")}})
+        assert made.status_code == 422  # a model outside the roots: nothing stored, then one that is stored
+        made = client.post("/api/runs", json={"name": "kept", "max_steps": 2, "model": {"name": "org/model"}})
+        assert made.status_code == 201, made.text
+        client.post(f"/api/runs/{made.json()['id']}/stop")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "demo", "--serve", "--output-dir", str(out), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    try:
+        assert proc.stdout is not None
+        line = next(line for line in proc.stdout if line.startswith("[demo] dashboard: "))
+        assert line.startswith(f"[demo] dashboard: http://127.0.0.1:{port}/pipelines (log in with the token asr_")
+        token = line.split("token ", 1)[1].split(")", 1)[0]
+        runs = httpx.get(f"http://127.0.0.1:{port}/api/runs", headers={"Authorization": f"Bearer {token}"}).json()
+        assert [r["name"] for r in runs["data"]] == ["kept"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz")
+
+
+def test_serve_without_a_demo_state_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    assert main(["demo", "--serve", "--output-dir", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: --output-dir: no demo state in {tmp_path / 'none'}")
 
 
 def _scripted_server(
