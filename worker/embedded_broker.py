@@ -25,12 +25,15 @@ from kombu.utils.json import dumps
 
 class Channel(filesystem.Channel):
     def _put(self, queue: Any, payload: Any, **kwargs: Any) -> Any:  # type: ignore[override]  # as kombu's own
-        """Write the message to a hidden temporary file, then rename it to kombu's name for it (``<ms>_<uuid>.<queue>.msg``).
+        """Write the message to a hidden temporary file, then rename it to a name kombu takes in send order
+        (``<ns, 20 digits>_<uuid>.<queue>.msg``).
 
         Raises:
             kombu.exceptions.ChannelError: the folder cannot be written.
         """
-        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"  # kombu's names: time order
+        # kombu takes the files in name order: a fixed-width nanosecond clock keeps them in send order (kombu's own
+        # millisecond names tie within a millisecond, then order by the random uuid; and sort 9999 before 10000)
+        name = f"{time.monotonic_ns():020d}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         tmp = os.path.join(self.data_folder_out, f".{name}.tmp")
         try:

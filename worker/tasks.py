@@ -172,10 +172,17 @@ def _hold_for_slot(session: Session, run: Run, *, worker: str | None) -> str | N
 
 def start_waiting() -> list[str]:
     """Launch the runs a concurrency limit held back, oldest first (each one re-checks the limits: those still
-    beyond one keep waiting). Called when a run ends and on every reconcile; returns what each launch did."""
+    beyond one keep waiting), up to the first that waits for this worker's slot (no later local run would start
+    here: ``capacity.wait_reason`` keeps submission order). Called when a run ends, after a launch that freed or took
+    the turn of runs waiting behind it, and on every reconcile; returns what each launch did."""
     with Session(engine) as session:
         waiting = capacity.waiting_runs(session)
-    return [launch(run_id) for run_id in waiting]
+    done = []
+    for run_id in waiting:
+        done.append(launch(run_id))
+        if done[-1].startswith(f"waiting: run {run_id}: {capacity.WORKER_FULL}"):
+            break
+    return done
 
 
 def _refusal(session: Session, run: Run) -> str | None:
@@ -625,8 +632,13 @@ def _declare_capacity(**_: object) -> None:
 
 @app.task(name=TaskName.launch_run.value)
 def launch_run(run_id: int) -> str:
+    """Launch the run; when it started or failed, runs held behind it (submitted later, their tasks came first) may
+    take the slots left: ``start_waiting``."""
     result = launch(run_id)
     logger.info(result)
+    if result.startswith(("launched", "submitted", "failed", "adopted")):
+        for line in start_waiting():
+            logger.info(line)
     return result
 
 

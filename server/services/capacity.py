@@ -28,6 +28,9 @@ from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
 LIVE = (RunStatus.starting, RunStatus.running, RunStatus.paused)
 WAITING = "waiting for a slot: "
 """Start of the ``status_reason`` of a queued run held back by a concurrency limit."""
+WORKER_FULL = f"{WAITING}worker "
+"""Start of the reason of a run held back by ``MAX_RUNS_PER_WORKER`` (no later local run starts on that worker either:
+``worker.tasks.start_waiting`` stops there)."""
 
 
 def worker_name() -> str:
@@ -88,34 +91,67 @@ def lock_launches(session: Session) -> None:
 
 def wait_reason(session: Session, run: Run, *, worker: str | None) -> str | None:
     """Why ``run`` may not start now (``waiting for a slot: ...``), None when a slot is free. ``worker``: the
-    launching worker for a local run (None for Slurm, whose processes do not run on the worker). An owner's runs
-    start in submission order: a run waits while an older one of the same owner waits."""
+    launching worker for a local run (None for Slurm, whose processes do not run on the worker).
+
+    Runs start in submission (id) order: a free slot goes to the older runs that may take it first, so ``run`` waits
+    while the older runs that compete for its slots fill them: every older queued, not launched run of its owner
+    (waiting or with its launch task still on its way: submitted at once, the tasks may come in any order) for the
+    owner's slots, and on ``worker`` also the older runs of other owners that wait for a slot (not their own limit).
+    """
     reason = _limit_reason(session, run, worker)
     if reason is not None:
         return reason
-    older = select(func.min(Run.id)).where(*_waiting(), Run.owner == run.owner, col(Run.id) < run.id)
-    if (first := session.exec(older).one()) is not None:
-        return f"{WAITING}run {first} of {run.owner} waits for one first"
+    not_launched = (col(Run.status) == RunStatus.queued.value, col(Run.launcher_handle).is_(None), col(Run.id) < run.id)
+    mine = session.exec(select(Run.id).where(*not_launched, Run.owner == run.owner).order_by(col(Run.id))).all()
+    if len(mine) >= settings.MAX_RUNS_PER_USER - _live_of(session, run.owner):
+        return f"{WAITING}run {mine[0]} of {run.owner} waits for one first"
+    if worker is None:
+        return None
+    full = (
+        select(Run.owner)
+        .where(col(Run.status).in_([s.value for s in LIVE]), col(Run.launcher).is_not(None))
+        .group_by(col(Run.owner))
+        .having(func.count() >= settings.MAX_RUNS_PER_USER)
+    )
+    others = select(Run.id, Run.owner).where(
+        *_waiting(), col(Run.id) < run.id, Run.owner != run.owner, col(Run.owner).not_in(full)
+    )
+    older = sorted([(i, run.owner) for i in mine] + [(i, o) for i, o in session.exec(others).all() if i is not None])
+    if older and len(older) >= settings.MAX_RUNS_PER_WORKER - _live_on(session, worker):
+        first, owner = older[0]
+        return f"{WAITING}run {first} of {owner} waits for one first"
     return None
 
 
+def _live_of(session: Session, owner: str) -> int:
+    """Launched live runs of ``owner`` (what ``MAX_RUNS_PER_USER`` counts)."""
+    stmt = (
+        select(func.count())
+        .select_from(Run)
+        .where(col(Run.status).in_([s.value for s in LIVE]), col(Run.launcher).is_not(None), Run.owner == owner)
+    )
+    return int(session.exec(stmt).one())
+
+
+def _live_on(session: Session, worker: str) -> int:
+    """Live local runs of ``worker`` (what ``MAX_RUNS_PER_WORKER`` counts)."""
+    stmt = (
+        select(func.count())
+        .select_from(Run)
+        .where(col(Run.status).in_([s.value for s in LIVE]), Run.launcher == "local", Run.worker == worker)
+    )
+    return int(session.exec(stmt).one())
+
+
 def _limit_reason(session: Session, run: Run, worker: str | None) -> str | None:
-    live = [s.value for s in LIVE]
-    launched = col(Run.launcher).is_not(None)
-    mine = select(func.count()).select_from(Run).where(col(Run.status).in_(live), launched, Run.owner == run.owner)
-    n = int(session.exec(mine).one())
+    n = _live_of(session, run.owner)
     if n >= settings.MAX_RUNS_PER_USER:
         return f"{WAITING}{run.owner} has {n} live runs (MAX_RUNS_PER_USER = {settings.MAX_RUNS_PER_USER})"
     if worker is None:
         return None
-    on_worker = (
-        select(func.count())
-        .select_from(Run)
-        .where(col(Run.status).in_(live), Run.launcher == "local", Run.worker == worker)
-    )
-    n = int(session.exec(on_worker).one())
+    n = _live_on(session, worker)
     if n >= settings.MAX_RUNS_PER_WORKER:
-        return f"{WAITING}worker {worker} runs {n} live runs (MAX_RUNS_PER_WORKER = {settings.MAX_RUNS_PER_WORKER})"
+        return f"{WORKER_FULL}{worker} runs {n} live runs (MAX_RUNS_PER_WORKER = {settings.MAX_RUNS_PER_WORKER})"
     return None
 
 

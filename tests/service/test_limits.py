@@ -498,3 +498,58 @@ def test_three_simultaneous_submissions_beyond_a_limit_of_one_queue_and_run_one_
     at = datetime.fromisoformat
     assert at(starts[1]) >= at(runs[0]["finished_at"]) and at(starts[2]) >= at(runs[1]["finished_at"])  # one at a time
     assert os.environ.get("MAX_RUNS_PER_USER") == "1000"  # the test process itself kept the session's limits
+
+
+@pytest.mark.parametrize("broker", ["redis", "embedded"])
+def test_runs_submitted_at_once_start_in_submission_order_on_both_brokers(
+    client: Any, live_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broker: str
+) -> None:
+    """Eight runs of one user submitted at once (eight threads: their launch tasks reach the broker in any order)
+    to a real worker with MAX_RUNS_PER_WORKER = 1, on Redis and on the embedded (filesystem) broker behind its own
+    API server: each starts after the one before ended, in id order (``capacity.wait_reason``: a run takes no slot an
+    older queued run of its owner may take)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.support.server import ApiServer
+    from worker.celery_app import app
+
+    env = {"MAX_RUNS_PER_WORKER": "1", "WORKER_NAME": f"order-{broker}-{secrets.token_hex(3)}"}
+    server = None
+    if broker == "embedded":
+        monkeypatch.setenv("CELERY_BROKER_URL", "")  # filesystem:// in ASYNCRL_HOME/broker, for both processes
+        env["CELERY_BROKER_URL"] = ""
+        server = ApiServer(tmp_path / "server.log")
+        server.start()
+        url = server.url
+    else:
+        app.control.purge()
+        url = live_server
+    proc = start_celery_worker(url, tmp_path / "worker.log", **env)
+    try:
+        _, auth = user_auth()
+
+        def submit(_: int) -> int:
+            resp = httpx.post(f"{url}/api/runs", json=spec(), headers=auth, timeout=60)
+            assert resp.status_code == 201, resp.text
+            return int(resp.json()["id"])
+
+        with ThreadPoolExecutor(8) as pool:
+            ids = sorted(pool.map(submit, range(8)))
+        done = [wait_for(partial(ended, client, auth, i), 180, f"run {i} to end") for i in ids]
+    finally:
+        stop_process_group(proc)
+        if server is not None and server.proc is not None:
+            stop_process_group(server.proc)
+    assert [r["status_reason"].split(":")[0] for r in done] == ["preflight"] * 8, (tmp_path / "worker.log").read_text()
+
+    def started(run_id: int) -> tuple[int, str]:
+        data = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
+        first = next(e for e in data if e["to_status"] == "starting")
+        return first["id"], first["time"]
+
+    starts = [started(i) for i in ids]
+    assert sorted(ids, key=lambda i: starts[ids.index(i)][0]) == ids  # started in id order
+    at = datetime.fromisoformat
+    assert all(at(starts[k + 1][1]) >= at(done[k]["finished_at"]) for k in range(7))  # one at a time
