@@ -23,6 +23,7 @@ from server.services.rollouts import BadRolloutId, RolloutNotFound
 from server.services.runs import InvalidTransition, RunNotFound
 from server.services.spec_policy import AddressNotAllowed
 from server.services.sweeps import SweepNotFound
+from worker.celery_app import BrokerUnavailable
 from worker.spec import SpecError
 from worker.spec.user_code import CodeNotAllowed
 
@@ -42,6 +43,7 @@ HTTP_STATUS: dict[type[Exception], int] = {
     NotFound: 404,  # alert rule, webhook endpoint or delivery
     InvalidTransition: 409,  # a state change the run's state does not allow
     StillRetrying: 409,  # a replay of a delivery still being retried
+    BrokerUnavailable: 503,  # the broker did not take a task (a run whose launch it refused is failed)
 }
 DOMAIN_ERRORS = tuple(HTTP_STATUS)
 """The classes of :data:`HTTP_STATUS`, for ``except DOMAIN_ERRORS``."""
@@ -89,3 +91,28 @@ def body_error(errors: list[dict[str, Any]], content_type: str, content_length: 
     if in_body and len(loc) == 1 and first.get("type") in {"model_attributes_type", "dict_type", "model_type"}:
         return 422, "body: expected a JSON object"
     return 422, f"{'.'.join(str(p) for p in loc)}: {first['msg']}"
+
+
+NUL = "\x00"
+
+
+def nul_error(value: Any, where: str = "body") -> str | None:
+    """The one-line refusal of the first NUL character (``\\x00``) in a parsed body, a form or a spec, searched
+    depth-first through its keys and strings; None without one. Neither database can keep it the same way (SQLite
+    stores it, Postgres refuses it), so every surface refuses it before anything is stored, naming the field:
+    ``env.args: key 'a\\x00b' contains a NUL character`` or ``name: contains a NUL character``. ``where``: the dotted
+    name of ``value`` (``body``: the top level, left out of the names below it)."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if NUL in item:
+                return f"{path}: contains a NUL character (\\x00), which cannot be stored"
+        elif isinstance(item, dict):
+            for key in item:
+                if NUL in str(key):
+                    return f"{path}: key {str(key)!r} contains a NUL character (\\x00), which cannot be stored"
+            stack.extend((v, str(k) if path == "body" else f"{path}.{k}") for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return None

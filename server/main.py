@@ -10,6 +10,7 @@ unknown run, 409 impossible state change, 413 body too large, and for the body o
 | sent with a content type other than JSON                   | 415    | ``content-type '...':``     |
 | empty, or not JSON (does not parse, not UTF-8)             | 400    | ``body: empty`` / ``body: not valid JSON`` |
 | JSON of the wrong shape (not an object, a field invalid)   | 422    | ``body:`` / the field's dotted name |
+| a NUL character (``\\u0000``) in any key or string          | 422    | the field's dotted name     |
 
 A spec error names the dotted spec key (422); a value the database cannot hold, e.g. an integer beyond its column,
 is 422 too; so is a JSON body nested deeper than 32 levels (``LimitJsonDepth``). Domain errors of the services get
@@ -18,8 +19,10 @@ their status from ``server/errors.py``.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,14 +30,15 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import text
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.main import api_router
+from server.core import health
 from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
-from server.errors import body_error, is_json_type
+from server.errors import body_error, is_json_type, nul_error
 from server.errors import install as install_error_handlers
 from webui.main import router as webui_router
 from worker.spec import MAX_DEPTH
@@ -96,17 +100,29 @@ def json_depth(body: bytes) -> int:
     return deepest
 
 
+FORM_TYPE = "application/x-www-form-urlencoded"
+
+
 class LimitJsonDepth:
     """Refuse JSON request bodies (``application/json``, ``*+json`` or no content type) nested deeper than
     ``max_depth`` with 422 ``body: nested deeper than 32 levels``, before a route parses them: Python's JSON parser
-    runs out of recursion on deeply nested input. Sits inside :class:`LimitBodySize` (the body is bounded)."""
+    runs out of recursion on deeply nested input. Sits inside :class:`LimitBodySize` (the body is bounded).
+
+    The same pass refuses a NUL character (``\\u0000`` in JSON, ``%00`` in a form) in any key or string of a JSON
+    body or an url-encoded form (the dashboard's), with 422 naming the field or key (``server.errors.nul_error``):
+    SQLite would store it and Postgres refuse it, so no route ever sees one."""
 
     def __init__(self, app: ASGIApp, max_depth: int) -> None:
         self.app, self.max_depth = app, max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctype = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH") or not is_json_type(ctype):
+        form = ctype.split(";")[0].strip().lower() == FORM_TYPE
+        if (
+            scope["type"] != "http"
+            or scope["method"] not in ("POST", "PUT", "PATCH")
+            or not (is_json_type(ctype) or form)
+        ):
             await self.app(scope, receive, send)
             return
         chunks, message = [], await receive()
@@ -116,8 +132,20 @@ class LimitJsonDepth:
                 break
             message = await receive()
         body = b"".join(chunks)
-        if json_depth(body) > self.max_depth:
+        detail = None
+        if not form and json_depth(body) > self.max_depth:
             detail = f"body: nested deeper than {self.max_depth} levels"
+        elif not form and b"\\u0000" in body:
+            try:
+                detail = nul_error(json.loads(body))
+            except ValueError:  # not JSON: the route answers 400
+                pass
+        elif form and b"%00" in body:
+            fields: dict[str, Any] = {}
+            for key, value in parse_qsl(body.decode("latin-1"), keep_blank_values=True):
+                fields.setdefault(key, value)
+            detail = nul_error(fields)
+        if detail is not None:
             await JSONResponse({"detail": detail}, status_code=422)(scope, receive, send)
             return
         replayed = False
@@ -172,6 +200,15 @@ def create_app() -> FastAPI:
         first = str(getattr(err, "orig", err)).splitlines()[0]
         return JSONResponse({"detail": f"a value is out of range for the database: {first}"}, status_code=422)
 
+    @app.exception_handler(OperationalError)
+    async def _write_failed(_request: Request, err: OperationalError) -> JSONResponse:
+        # the database refused or lost the request (SQLite's disk full at the commit, Postgres gone): nothing of it
+        # was stored; /healthz says degraded until a commit succeeds again (server/core/health.py)
+        cause = " ".join(str(getattr(err, "orig", err)).split()) or type(err).__name__
+        detail = f"database: the request was not stored: {cause}"
+        health.write_failed(detail)
+        return JSONResponse({"detail": detail}, status_code=503)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = list(err.errors())
@@ -181,10 +218,18 @@ def create_app() -> FastAPI:
         simple = [{"loc": _loc(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:20]]
         return JSONResponse({"detail": detail, "errors": simple}, status_code=status)
 
-    @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, str]:
+    @app.get(
+        "/healthz",
+        tags=["ops"],
+        responses={503: {"description": "degraded: the last write failed (its reason), until a commit succeeds"}},
+    )
+    def healthz() -> Any:
+        """``ok`` while the database answers and writes work; ``degraded`` (503, with the reason) from a failed
+        commit until a later one succeeds."""
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
+        if (reason := health.failure()) is not None:
+            return JSONResponse({"status": "degraded", "database": engine.dialect.name, "reason": reason}, 503)
         return {"status": "ok", "database": engine.dialect.name}
 
     @app.get("/metrics", tags=["ops"], include_in_schema=False)

@@ -248,6 +248,9 @@ def add_webhook(request: Request, db: SessionDep, form: FormDep) -> Response:
     except webhooks.UnsafeURL as err:
         db.rollback()
         return _render(p, 422, hook_error=str(err), hook_draft=draft)
+    except SpecError as err:  # the user's cap of endpoints: a page message, as the rule cap
+        db.rollback()
+        return _render(p, 422, error=str(err), hook_draft=draft)
     db.commit()
     db.refresh(row)
     created = EndpointCreated(**webhooks.public_endpoint(row, read_only=False).model_dump(), secret=secret)

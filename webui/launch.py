@@ -9,11 +9,12 @@ import tomllib
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
+from server.errors import nul_error
 from server.models import Role, stored_id
 from server.services import permissions, runs, spec_policy
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, FormDep, Page, SessionDep, page
-from worker.celery_app import TaskName, enqueue
+from worker.celery_app import BrokerUnavailable
 from worker.spec import SpecError, parse_text
 
 CONFIGS = HERE.parent / "configs"
@@ -111,6 +112,8 @@ def launch(request: Request, db: SessionDep, form: FormDep) -> Response:
         return _launch_page(p, text, chosen, 422, f"TOML: {err}", error_line(text, err))
     except SpecError as err:  # nested deeper than the spec allows
         return _launch_page(p, text, chosen, 422, str(err))
+    if isinstance(data, dict) and (nul := nul_error(data)) is not None:  # a TOML "\u0000"
+        return _launch_page(p, text, chosen, 422, nul)
     try:
         who = p.need_user()
         spec_policy.check_submitted(data)
@@ -120,5 +123,8 @@ def launch(request: Request, db: SessionDep, form: FormDep) -> Response:
         line = error_line(text, err)
         return _launch_page(p, text, chosen, 422, f"{err} (line {line})" if line else str(err), line)
     db.commit()
-    enqueue(TaskName.launch_run, stored_id(run))
-    return p.redirect(f"/runs/{run.id}")
+    try:
+        runs.enqueue_launch(db, stored_id(run))
+    except BrokerUnavailable as err:  # the run is failed with the reason: say so on the form, the spec kept
+        return _launch_page(p, text, chosen, 503, str(err))
+    return p.redirect(f"/runs/{stored_id(run)}")

@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 from sqlmodel import Session
 
+from server.errors import nul_error
 from server.models import TERMINAL, ForkRequest, Role, Run, RunStatus, RunUpdate, stored_id
 from server.services import config, evals, exports, metric_export, metrics, permissions, pipelines, rollouts, runs
 from server.services.runs import InvalidTransition
@@ -22,7 +23,7 @@ from server.services.tokens import Principal
 from webui import figures
 from webui.errors import HTMLErrorRoute, error_status
 from webui.page import FormDep, Page, SessionDep, page
-from worker.celery_app import TaskName, enqueue
+from worker.celery_app import BrokerUnavailable
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
 from worker.run_files import RunFileError, RunFileMissing
@@ -174,12 +175,12 @@ def run_page(request: Request, db: SessionDep, run_id: int, part: str = "", proc
 
 
 def _act(p: Page, run_id: int, action: Callable[[Principal], str]) -> Response:
-    """Run a write ``action(user)`` (it returns the page to go to); its one-line error (409/422) is shown on the
-    run page; a refusal (``permissions``: 403) is an error page."""
+    """Run a write ``action(user)`` (it returns the page to go to); its one-line error (409/422, 503 when the broker
+    did not take a launch) is shown on the run page; a refusal (``permissions``: 403) is an error page."""
     user = p.need_user()
     try:
         target = action(user)
-    except (InvalidTransition, SpecError) as err:
+    except (InvalidTransition, SpecError, BrokerUnavailable) as err:
         p.db.rollback()
         return p.render(
             "run.html", code=error_status(err)[0], error=str(err), **run_context(p.db, runs.get(p.db, run_id), user)
@@ -265,6 +266,8 @@ def fork(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Respon
             changes = flatten(parse_text(str(form.get("changes", "")), "TOML", "changes"))
         except tomllib.TOMLDecodeError as err:
             raise SpecError(f"changes: not valid TOML ({err})") from None
+        if (nul := nul_error(changes, "changes")) is not None:
+            raise SpecError(nul)
         step, name = str(form.get("step", "")).strip(), str(form.get("name", "")).strip()
         if step and not (step.isascii() and step.isdigit()):  # "²".isdigit() is True, int("²") fails
             raise SpecError(f"step: expected a checkpoint step (a whole number), got {step!r}")
@@ -275,7 +278,7 @@ def fork(request: Request, db: SessionDep, run_id: int, form: FormDep) -> Respon
             raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
         child = runs.fork(db, parent, body, owner=user.name, admin=user.role == Role.admin)
         db.commit()
-        enqueue(TaskName.launch_run, stored_id(child))  # after the commit: the worker must find the queued run
+        runs.enqueue_launch(db, stored_id(child))  # after the commit: the worker must find the queued run
         return f"/runs/{stored_id(child)}"
 
     return _act(p, run_id, action)

@@ -28,6 +28,9 @@ import enum
 
 from celery import Celery
 from celery.signals import beat_embedded_init
+from kombu.exceptions import KombuError
+from kombu.utils.url import maybe_sanitize_url
+from redis.exceptions import RedisError
 
 from server.core.config import settings
 from worker.embedded_broker import register as register_embedded_broker
@@ -107,11 +110,28 @@ def _beat_dies_with_its_worker(**_: object) -> None:
     die_with_parent()
 
 
+class BrokerUnavailable(Exception):
+    """The broker did not take a task (Redis down or full, the embedded broker's folder unwritable); the message is
+    one line naming the broker and the task."""
+
+
+def broker_name() -> str:
+    """The broker as a user may see it: the Redis URL without its password, or the embedded broker's folder."""
+    if settings.embedded_broker:
+        return f"the embedded broker ({settings.ASYNCRL_HOME / 'broker'})"
+    return f"the broker {maybe_sanitize_url(str(app.conf.broker_url))}"
+
+
 def enqueue(task: TaskName, *args: int) -> None:
     """Send ``task(*args)`` to the queue by name. Call it only after the commit that wrote the rows the task reads
     (the worker must find them).
 
     Raises:
-        kombu.exceptions.OperationalError: the broker cannot be reached.
+        BrokerUnavailable: the broker cannot be reached or refused the message (kombu retries a lost connection for
+            about a second first).
     """
-    app.send_task(task.value, args=list(args))
+    try:
+        app.send_task(task.value, args=list(args))
+    except (KombuError, OSError, RedisError) as err:
+        cause = " ".join(str(err).split()) or type(err).__name__
+        raise BrokerUnavailable(f"{broker_name()} did not take the task {task.value}: {cause}") from err

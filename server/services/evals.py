@@ -66,7 +66,6 @@ def evaluate_checkpoint(session: Session, run_id: int, user: Principal, *, step:
         RunNotFound: no such run. Forbidden: not its owner or an admin, or a viewer / read token.
         SpecError: not a training run, no complete checkpoint at ``step``, or the job is refused at submit.
     """
-    from worker.celery_app import TaskName, enqueue
 
     source = runs.get(session, run_id)
     permissions.require_write(user)
@@ -74,7 +73,7 @@ def evaluate_checkpoint(session: Session, run_id: int, user: Principal, *, step:
         raise SpecError(f"step: run {run_id} is an {source.kind!r} run; it has no checkpoints to evaluate")
     job = runs.create(session, data=checkpoint_spec(source, step), owner=user.name, admin=user.role == Role.admin)
     session.commit()
-    enqueue(TaskName.launch_run, stored_id(job))
+    runs.enqueue_launch(session, stored_id(job))
     return job
 
 

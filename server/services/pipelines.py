@@ -231,7 +231,9 @@ def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> 
         SpecError: one line naming the field: no stages, an unknown stage kind or key, a ``from`` that is not an
             earlier stage or is an eval stage (no weights), a ``step`` on a non-eval stage or one the ``from`` stage
             never keeps a complete checkpoint of, or a stage spec that does not validate (``stages[i].<key>: ...``).
-        Forbidden: a first eval stage of another user's run (``runs.resolve_eval_source``).
+        Forbidden: a first eval stage of another user's run (``runs.resolve_eval_source``), or a stage's
+            ``model.name`` (an SFT stage's ``data.path``) inside another user's run folder (``runs.check_run_files_used``,
+            as sweeps check every trial): ``stages[<i>].model.name: ...``.
     """
     if isinstance(data.get("stages"), list) and not data["stages"]:
         raise SpecError("stages: empty; give at least one [[stages]] table with kind = 'sft', 'rl' or 'eval'")
@@ -275,6 +277,13 @@ def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> 
                 )
         try:
             run_spec = validate_spec(stage.kind, item)
+        except SpecError as err:
+            raise _prefixed(i, err) from None
+        try:  # as sweeps and runs.create: no stage may start from another user's run folder
+            runs.check_run_files_used(session, run_spec, owner=owner, admin=admin)
+        except permissions.Forbidden as err:
+            raise permissions.Forbidden(f"stages[{i}].{err}") from None
+        try:
             if src is None and stage.kind == "eval":
                 run_spec, _ = runs.resolve_eval_source(session, run_spec, owner=owner, admin=admin)  # type: ignore[arg-type]
             spec_policy.check(run_spec, admin=admin)
@@ -438,7 +447,7 @@ def tick(session: Session, pipeline_id: int) -> list[str]:
     session.add(pipeline)
     session.commit()
     if launch is not None:
-        enqueue(TaskName.launch_run, launch)
+        runs.enqueue_launch(session, launch)  # BrokerUnavailable: the stage's run failed
     return done
 
 
@@ -527,7 +536,7 @@ def resume_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
     session.add(pipeline)
     session.commit()
     if launch is not None:
-        enqueue(TaskName.launch_run, launch)
+        runs.enqueue_launch(session, launch)
     tick(session, pipeline_id)
     return get(session, pipeline_id)
 

@@ -41,7 +41,7 @@ from server.models import (
 )
 from server.services import capacity, launch_checks, permissions, spec_policy
 from server.services.tokens import Principal
-from worker.celery_app import TaskName, enqueue
+from worker.celery_app import BrokerUnavailable, TaskName, enqueue
 from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, flatten, replay, with_keys
 from worker.export import WEIGHTS_FILE, is_source_file
@@ -503,6 +503,25 @@ def stop_by(session: Session, run_id: int, user: Principal, *, via: str = "API")
     return run
 
 
+def enqueue_launch(session: Session, run_id: int) -> None:
+    """Queue the launch of the committed queued run ``run_id``. When the broker does not take it, the run is marked
+    ``failed`` with the broker's reason (committed; nothing would ever launch it) and the error is raised again,
+    naming the run, for the surface to answer 503.
+
+    Raises:
+        BrokerUnavailable: ``<the broker> did not take the task asyncrl.launch_run: <cause>; run <id> failed``.
+    """
+    try:
+        enqueue(TaskName.launch_run, run_id)
+    except BrokerUnavailable as err:
+        session.rollback()
+        run = get(session, run_id, lock=True)
+        if run.status == S.queued and not run.launcher_handle:
+            transition(session, run, S.failed, reason=f"not launched: {err}"[:2000])
+            session.commit()
+        raise BrokerUnavailable(f"{err}; run {run_id} failed (not launched)") from err
+
+
 def resume_by(session: Session, run_id: int, user: Principal) -> Run:
     """``user`` resumes run ``run_id`` (:func:`resume`), committed, then queues its launch (after the commit: the
     worker must find the queued run). The one path of the API's and the dashboard's resume.
@@ -514,7 +533,7 @@ def resume_by(session: Session, run_id: int, user: Principal) -> Run:
     permissions.require_run(user, run, "resume")
     resume(session, run, by=user.name)
     session.commit()
-    enqueue(TaskName.launch_run, run_id)
+    enqueue_launch(session, run_id)
     return run
 
 

@@ -72,7 +72,7 @@ from server.models import TERMINAL, Metric, Run, RunStatus, Sweep, SweepStatus, 
 from server.services import capacity, job_groups, launch_checks, permissions, pruning, runs, spec_policy
 from server.services.tokens import Principal
 from worker.alert_rules import METRICS, metric_hint, reports
-from worker.celery_app import TaskName, enqueue
+from worker.celery_app import BrokerUnavailable, TaskName, enqueue
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, closest, flatten, with_keys
 from worker.rundir import RunDir
@@ -595,10 +595,16 @@ def tick(session: Session, sweep_id: int) -> list[str]:
     sweep.updated_at = utcnow()
     session.add(sweep)
     session.commit()
+    refused = []
     for run_id in launches:
-        enqueue(TaskName.launch_run, run_id)
+        try:
+            runs.enqueue_launch(session, run_id)
+        except BrokerUnavailable as err:  # that trial's run failed; the others are still tried
+            refused.append(err)
     for run_id in stops:
         enqueue(TaskName.stop_run, run_id)
+    if refused:
+        raise refused[0]
     return done
 
 

@@ -344,3 +344,131 @@ def test_live_config_and_fork_of_an_sft_run_are_refused(client: Any, auth: dict[
     events = client.get(f"/api/runs/{run['id']}/events", headers=auth).json()["data"]
     assert [e["kind"] for e in events] == ["status"]  # queued: no config_revision, no fork
     assert run_count(client, auth) == before
+
+
+# ----------------------------------------------------------------------------- the broker does not take a launch
+
+
+@pytest.fixture
+def closed_broker(monkeypatch: pytest.MonkeyPatch) -> str:
+    """``worker.celery_app``'s Celery app pointed at a closed 127.0.0.1 port (Redis down): every enqueue fails for
+    real; returns the broker's message for a launch."""
+    from celery import Celery
+
+    from tests.support.server import free_port
+    from worker import celery_app
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    monkeypatch.setenv("CELERY_BROKER_URL", url)  # Celery reads it before its broker argument
+    monkeypatch.setattr(celery_app, "app", Celery("asyncrl-closed-broker", broker=url))
+    return f"the broker {url} did not take the task asyncrl.launch_run: Error 111 connecting to 127.0.0.1:{port}. Connection refused."
+
+
+def run_named(client: Any, auth: dict[str, str], name: str) -> dict[str, Any]:
+    (run,) = client.get("/api/runs", params={"name": name}, headers=auth).json()["data"]
+    return dict(run)
+
+
+def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None, str]]:
+    data = client.get(f"/api/runs/{run_id}/events", headers=auth).json()["data"]
+    return [(e["from_status"], e["to_status"], e["reason"]) for e in data if e["kind"] == "status"]
+
+
+def test_a_submit_the_broker_does_not_take_is_503_naming_it_and_the_run_fails(
+    client: Any, auth: dict[str, str], closed_broker: str
+) -> None:
+    body = spec()
+    resp = client.post("/api/runs", json=body, headers=auth)
+    run = run_named(client, auth, body["name"])
+    assert (resp.status_code, resp.json()) == (
+        503,
+        {"detail": f"{closed_broker}; run {run['id']} failed (not launched)"},
+    )
+    assert (run["status"], run["status_reason"], run["launcher_handle"]) == (
+        "failed",
+        f"not launched: {closed_broker}",
+        None,
+    )
+    assert [e[:2] for e in status_events(client, auth, run["id"])] == [(None, "queued"), ("queued", "failed")]
+
+
+def test_the_launch_form_sweeps_and_pipelines_the_broker_does_not_take_fail_their_runs(
+    client: Any, closed_broker: str
+) -> None:
+    from tests.service.test_sweeps import sweep_spec
+    from tests.support.webui import login
+
+    user = f"broker-{os.urandom(3).hex()}"
+    auth = {"Authorization": f"Bearer {new_token(user)}"}
+    csrf = login(client, new_token(user))
+    name = f"form-{os.urandom(3).hex()}"
+    page = client.post(
+        "/launch", data={"csrf": csrf, "spec": f'name = "{name}"\nmax_steps = 3\nmodel.name = "{BAD_MODEL}"\n'}
+    )
+    run = run_named(client, auth, name)
+    assert page.status_code == 503 and f"{closed_broker}; run {run['id']} failed (not launched)" in page.text
+    assert (run["status"], run["status_reason"]) == ("failed", f"not launched: {closed_broker}")
+
+    sweep = sweep_spec(name=f"sw-{os.urandom(3).hex()}", max_parallel=2)
+    resp = client.post("/api/sweeps", json=sweep, headers=auth)
+    trials = [run_named(client, auth, f"{sweep['name']}-{i}") for i in range(2)]
+    assert resp.status_code == 503
+    assert resp.json() == {"detail": f"{closed_broker}; run {trials[0]['id']} failed (not launched)"}
+    assert [(r["status"], r["status_reason"]) for r in trials] == [("failed", f"not launched: {closed_broker}")] * 2
+
+    pipeline = {"name": f"pl-{os.urandom(3).hex()}", "stages": [{"kind": "rl", "base": spec()}]}
+    resp = client.post("/api/pipelines", json=pipeline, headers=auth)
+    stage = run_named(client, auth, f"{pipeline['name']}-0")
+    assert (resp.status_code, resp.json()) == (
+        503,
+        {"detail": f"{closed_broker}; run {stage['id']} failed (not launched)"},
+    )
+    assert (stage["status"], stage["status_reason"]) == ("failed", f"not launched: {closed_broker}")
+
+
+# ----------------------------------------------------------------------------- NUL characters
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "detail"),
+    [
+        ("/api/runs", spec(env={"id": "reverse_text", "args": {"a\x00b": 1}}), "env.args: key 'a\\x00b' contains"),
+        ("/api/runs", spec(name="a\x00b"), "name: contains"),
+        ("/api/runs", {**spec(), "x\x00": 1}, "body: key 'x\\x00' contains"),
+        ("/api/webhooks", {"url": "http://127.0.0.1:9/h", "name": "w\x00"}, "name: contains"),
+        (
+            "/api/alerts/rules",
+            {"name": "r\x00", "kind": "threshold", "metric": "loss", "op": ">", "value": 1},
+            "name: contains",
+        ),
+    ],
+    ids=["env.args key", "run name", "top-level key", "webhook name", "rule name"],
+)
+def test_a_nul_character_is_422_naming_the_field_and_stores_nothing(
+    client: Any, auth: dict[str, str], path: str, body: dict[str, Any], detail: str
+) -> None:
+    before = run_count(client, auth)
+    resp = client.post(path, json=body, headers=auth)
+    assert (resp.status_code, resp.json()) == (
+        422,
+        {"detail": f"{detail} a NUL character (\\x00), which cannot be stored"},
+    )
+    assert run_count(client, auth) == before
+
+
+def test_a_nul_character_in_a_toml_upload_or_a_dashboard_form_is_422_naming_it(
+    client: Any, auth: dict[str, str], web: tuple[Any, str]
+) -> None:
+    toml = f'name = "t"\nmax_steps = 3\nmodel.name = "{BAD_MODEL}"\n[env]\nid = "reverse_text"\nargs = {{ "a\\u0000b" = 1 }}\n'
+    resp = client.post("/api/runs", files={"file": ("spec.toml", toml.encode())}, headers=auth)
+    line = "env.args: key 'a\\x00b' contains a NUL character (\\x00), which cannot be stored"
+    assert (resp.status_code, resp.json()) == (422, {"detail": line})
+    form, csrf = web
+    resp = form.post("/alerts/webhooks", data={"csrf": csrf, "url": "http://127.0.0.1:9/h", "name": "w\x00"})
+    assert (resp.status_code, resp.json()) == (
+        422,
+        {"detail": "name: contains a NUL character (\\x00), which cannot be stored"},
+    )
+    page = form.post("/launch", data={"csrf": csrf, "spec": toml})
+    assert page.status_code == 422 and "env.args: key &#39;a\\x00b&#39; contains a NUL character" in page.text

@@ -179,3 +179,60 @@ def test_the_forwarder_sends_engine_events_once_across_supervisor_restarts(
         "time": engine[0]["data"]["time"],
         "process": None,
     }
+
+
+# ----------------------------------------------------------------------------- the database's disk full
+
+
+def test_a_commit_onto_a_full_sqlite_disk_is_503_and_healthz_degraded_until_a_commit_succeeds(
+    client: Any, tmp_path: Path
+) -> None:
+    """The API's requests on an SQLite database on a 4 MiB tmpfs (the app's session swapped, as the embedded mode's
+    database): with no byte free the commit of a submit fails, the answer is 503 with one line and ``/healthz``
+    says degraded; with the space back the next submit commits and ``/healthz`` is ok again."""
+    import sqlite3
+
+    from sqlmodel import Session
+
+    from server.core.db import get_session, make_engine
+    from server.main import app
+    from server.services import tokens
+    from tests.support.server import migrate, spec
+
+    with mounted(tmp_path / "db", "4m") as folder:
+        url = f"sqlite:///{folder / 'asyncrl.db'}"
+        migrate(url)
+        with sqlite3.connect(folder / "asyncrl.db") as conn:  # an empty WAL: the next commit must grow it
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        eng = make_engine(url)
+        with Session(eng) as s:
+            _, plain = tokens.create(s, name="sqlite-user", scope="write", role="admin")
+            s.commit()
+        auth = {"Authorization": f"Bearer {plain}"}
+
+        def sqlite_session() -> Iterator[Session]:
+            with Session(eng) as s:
+                yield s
+
+        app.dependency_overrides[get_session] = sqlite_session
+        try:
+            assert client.get("/healthz").json()["status"] == "ok"
+            filler = fill(folder)
+            resp = client.post("/api/runs", json=spec(name="onto-a-full-disk"), headers=auth)
+            line = "database: the request was not stored: database or disk is full"
+            assert (resp.status_code, resp.json()) == (503, {"detail": line})
+            health = client.get("/healthz")
+            assert (health.status_code, health.json()) == (
+                503,
+                {"status": "degraded", "database": "postgresql", "reason": line},
+            )
+            filler.unlink()
+            resp = client.post("/api/runs", json=spec(name="space-back"), headers=auth)
+            assert resp.status_code == 201, resp.text
+            health = client.get("/healthz")
+            assert (health.status_code, health.json()) == (200, {"status": "ok", "database": "postgresql"})
+            names = [r["name"] for r in client.get("/api/runs", headers=auth).json()["data"]]
+            assert names == ["space-back"]
+        finally:
+            app.dependency_overrides.pop(get_session, None)
+            eng.dispose()

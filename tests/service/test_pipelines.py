@@ -338,3 +338,23 @@ def test_dashboard_stop_and_resume_forms_follow_the_pipeline_state(
     assert 'id="pipeline-status">completed<' in resp.text and 'id="pipeline-resume"' not in resp.text
     resp = client.post(f"/pipelines/{pid}/stop", data={"csrf": csrf})
     assert resp.status_code == 409 and f"pipeline {pid} is completed: cannot go to cancelled" in resp.text
+
+
+def test_a_stage_in_another_users_run_folder_is_403_at_create_as_in_sweeps(
+    client: Any, auth: dict[str, str], session: Session
+) -> None:
+    theirs = client.post("/api/runs", json=spec(), headers=auth).json()
+    member = {"Authorization": f"Bearer {new_token('pipeline-member-' + str(theirs['id']), role='member')}"}
+    weights = f"{Path(theirs['run_dir']).parent}/final"
+    before = session.exec(select(func.count()).select_from(Pipeline)).one()
+    line = (
+        f"stages[0].model.name: {weights!r} is inside the folder of run {theirs['id']}, which is not yours: only a "
+        "run's owner or an admin may use its files (an eval job of its weights: model.run)"
+    )
+    for first in ("rl", "sft"):
+        base = spec(model={"name": weights}) if first == "rl" else {"model": {"name": weights}, "max_steps": 4}
+        stages = [{"kind": first, "base": base}, {"kind": "eval", "base": {"eval": {"num_examples": 4}}}]
+        resp = client.post("/api/pipelines", json={"name": "foreign", "stages": stages}, headers=member)
+        assert (resp.status_code, resp.json()) == (403, {"detail": line})
+    session.expire_all()
+    assert session.exec(select(func.count()).select_from(Pipeline)).one() == before

@@ -13,7 +13,7 @@ import pytest
 from sqlmodel import Session, func, select
 
 from server.models import Run, Sweep
-from server.services import sweeps
+from server.services import runs, sweeps
 from tests.support.checkpoints import mark_complete
 from tests.support.server import new_token, run_token_headers, spec
 from tests.support.webui import login
@@ -163,6 +163,7 @@ def test_synchronous_halving_holds_trials_at_the_rung_and_resumes_the_promoted(
     time."""
     sent: list[tuple[str, int]] = []
     monkeypatch.setattr(sweeps, "enqueue", lambda task, run_id: sent.append((task.value, run_id)))
+    monkeypatch.setattr(runs, "enqueue", lambda task, run_id: sent.append((task.value, run_id)))  # the launches
     base = spec(max_steps=4, ckpt={"interval": 2})
     resp = client.post("/api/sweeps", json=sweep_spec(name="sync", base=base, max_parallel=2), headers=auth)
     assert resp.status_code == 201, resp.text

@@ -318,3 +318,24 @@ def test_built_in_policy_check_alert_is_listed_without_a_rule(web: tuple[Any, st
     row = '<td><span class="muted">built-in</span></td><td>policy_check</td><td>fired</td>\n    <td class="num">2</td>'
     assert row in page, page
     assert f"<td>policy_check_failed (built-in rule policy_check): {reason}</td>" in page
+
+
+def test_the_webhook_form_at_the_endpoint_cap_shows_a_page_message(client: Any) -> None:
+    from server.alerts.webhooks import MAX_ENDPOINTS_PER_USER
+
+    user = f"web-hooks-{secrets.token_hex(3)}"
+    token = new_token(user)
+    auth = {"Authorization": f"Bearer {token}"}
+    for i in range(MAX_ENDPOINTS_PER_USER):
+        resp = client.post("/api/webhooks", json={"url": f"http://127.0.0.1:9/h{i}"}, headers=auth)
+        assert resp.status_code == 201, resp.text
+    csrf = login(client, token)
+    resp = client.post(
+        "/alerts/webhooks",
+        data={"csrf": csrf, "url": "http://127.0.0.1:9/one-more", "name": "more", "events": ["status"]},
+    )
+    line = f"webhooks: {user} has 20 webhook endpoints, the most one user may add (20)"
+    assert resp.status_code == 422 and resp.headers["content-type"].startswith("text/html")
+    assert f'<p class="error" role="alert" id="page-error">{line}</p>' in resp.text
+    assert 'value="http://127.0.0.1:9/one-more"' in resp.text  # the draft is kept
+    assert client.get("/api/webhooks", headers=auth).json()["count"] >= MAX_ENDPOINTS_PER_USER

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from server.api.deps import PrincipalDep, SessionDep, SurfaceDep, UserDep
 from server.api.responses import spec_body
-from server.errors import is_json_type
+from server.errors import is_json_type, nul_error
 from server.models import (
     MAX_GROUP_LEN,
     MAX_TAG_LEN,
@@ -78,6 +78,8 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
         raise HTTPException(415, f"content-type {shown!r}: send application/json or a multipart/form-data 'file'")
     if not isinstance(data, dict):
         raise HTTPException(422, f"body: expected a JSON object (the run spec), got {type(data).__name__}")
+    if (nul := nul_error(data)) is not None:  # a TOML upload's "\u0000" (a JSON body's is refused before)
+        raise HTTPException(422, nul)
     return data
 
 
@@ -109,7 +111,7 @@ def create_run(session: SessionDep, user: UserDep, data: SubmittedSpec) -> Any:
     spec_policy.check_submitted(data)  # SpecError: 422 (output_dir: the service chooses it)
     run = runs.create(session, data=data, owner=user.name, admin=user.role == Role.admin)  # SpecError: 422
     session.commit()
-    enqueue(TaskName.launch_run, stored_id(run))  # only after the commit: the worker must find the row
+    runs.enqueue_launch(session, stored_id(run))  # after the commit (the worker must find the row); 503 if not taken
     return run
 
 
@@ -275,7 +277,7 @@ def fork_run(run_id: int, body: ForkRequest, session: SessionDep, user: UserDep)
     permissions.require_run(user, parent, "fork")
     child = runs.fork(session, parent, body, owner=user.name, admin=user.role == Role.admin)
     session.commit()
-    enqueue(TaskName.launch_run, stored_id(child))
+    runs.enqueue_launch(session, stored_id(child))
     return child
 
 
