@@ -232,6 +232,13 @@ def give_home(home: Path, user: RunUser) -> None:
         os.lchown(path, user.uid, user.gid)
 
 
+WORKER_CACHE_VARS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT"})
+"""Cache folders of the worker's user (torch sets ``TORCHINDUCTOR_CACHE_DIR`` in the environment of a process that
+compiled once, e.g. ``/tmp/torchinductor_root``) that a run started as another user does not inherit: it could not
+write them (vLLM's engine failed with ``PermissionError`` on its first step), and a compile cache shared by runs would
+let one run put code into another's. Its caches go under its ``HOME`` and ``/tmp/torchinductor_<its USER>``."""
+
+
 def detach(
     argv: list[str],
     env: dict[str, str],
@@ -241,7 +248,8 @@ def detach(
     on_exit: Callable[[int], object] | None = None,
 ) -> int:
     """Start ``argv`` in its own session (process group) with exactly ``env``, output appended to ``log``, as
-    ``user`` when given (its uid, gid and no supplementary groups; ``HOME``, ``USER``, ``LOGNAME`` its own), inside
+    ``user`` when given (its uid, gid and no supplementary groups; ``HOME``, ``USER``, ``LOGNAME`` its own, none of
+    :data:`WORKER_CACHE_VARS`), inside
     ``cgroup`` when given (it joins between fork and exec, before it drops root, so whatever it starts is in the
     cgroup too); returns its pid (= its process group and session id). The way a supervisor is started.
     ``on_exit(pid)`` is called in a thread of this process when it ends (while this process lives).
@@ -250,6 +258,7 @@ def detach(
         OSError: ``argv`` cannot be started (e.g. ``user`` may not run the interpreter, the cgroup is gone).
     """
     if user is not None:
+        env = {k: v for k, v in env.items() if k not in WORKER_CACHE_VARS}
         env = {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
     switch: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
     if cgroup is not None:

@@ -128,8 +128,11 @@ def test_a_run_started_as_run_user_cannot_read_the_secret_key_file(monkeypatch: 
         supervisor.give_home(home, user)
         script = (
             'cd "$1"; id -u > uid; id -G > groups; echo "$HOME" > home; '
-            'cat "$2" > read 2> err; echo "${DATABASE_URL:-unset}" > db; touch done'
+            'cat "$2" > read 2> err; echo "${DATABASE_URL:-unset}" > db; '
+            'echo "${TORCHINDUCTOR_CACHE_DIR:-unset} ${OMP_NUM_THREADS:-unset}" > caches; touch done'
         )
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_root")  # set by torch in a compiling worker
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
         supervisor.detach(
             ["/bin/sh", "-c", script, "sh", str(home), str(secret)],
             supervisor.run_env(7, "rt_own", "http://s"),
@@ -139,8 +142,11 @@ def test_a_run_started_as_run_user_cannot_read_the_secret_key_file(monkeypatch: 
         deadline = time.monotonic() + 30
         while not (home / "done").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        got = {name: (home / name).read_text().strip() for name in ("uid", "groups", "home", "read", "err", "db")}
+        got = {
+            name: (home / name).read_text().strip() for name in ("uid", "groups", "home", "read", "err", "db", "caches")
+        }
         assert got == {
+            "caches": "unset 2",  # the worker's compile cache is not the run's
             "uid": str(user.uid),
             "groups": str(user.gid),
             "home": user.home,
