@@ -97,6 +97,8 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "weight_update_load_s",
         "policy_check_max_abs_diff",
         "policy_moved_from_base",
+        "policy_check_tolerance",
+        "policy_check_base_max_abs_diff",
         "replicas_healthy",
         "policy_check_replica_max_abs_diff",
     ),

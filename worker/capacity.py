@@ -109,6 +109,9 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, cap: Capacity) -> None:
             raise refuse(f"launcher.local.{key}", ids, f"device ids below {cap.gpus}")
     if spec.trainer.device == "cuda" and cap.gpus == 0:
         raise refuse("trainer.device", "'cuda'", "no GPU")
+    inf = spec.inference
+    if inf.enforce_eager is False and cap.gpus == 0 and inf.url is None and not inf.urls:
+        raise refuse("inference.enforce_eager", "false", "CUDA graphs need a GPU; leave it unset or set it to true")
     orch = spec.orchestrator
     tokens = orch.batch_size * orch.group_size * spec.inference.max_model_len
     limit = int(cap.memory_gib * 2**30 * MEMORY_SHARE / ROLLOUT_TOKEN_BYTES)

@@ -8,7 +8,9 @@ inference loads version n, the orchestrator asks it for the prompt log-probs of 
 
 - ``policy_check_max_abs_diff``: max over every probe token of |served - trainer's version n| (nats);
 - ``policy_moved_from_base``: 1.0 when max |served - base| > tolerance (base = the log-probs of the weights before
-  the first optimizer step, version 0), else 0.0.
+  the first optimizer step, version 0), else 0.0;
+- ``policy_check_tolerance``: the tolerance in effect, and once, in the first checked version's row,
+  ``policy_check_base_max_abs_diff``: max |served - base| with inference still on the base weights (version 0).
 
 The check fails when the first exceeds the tolerance, or when, from version ``base_updates`` on, the trainer's policy
 moved from the base but the served one is nearer the base than the trainer's (:func:`compare`). Files, in the run directory (:class:`worker.rundir.RunDir`), all kept, small JSON:
@@ -18,7 +20,10 @@ policy_check/probe.json       {"sequences": [[token ids], ...], "completion_star
 policy_check/step_<n>.json    {"version": n, "logprobs": [[lp of sequence tokens completion_start..end-1], ...]}
 ```
 
-``step_0.json`` holds the base log-probs. Imported by the trainer and the orchestrator; imports neither.
+``step_0.json`` holds the base log-probs and, once inference answered the probe on the base weights (before it
+loads the first trained version), ``"served_max_abs_diff"``: the hardware's own served-vs-trainer noise, from which an
+unset ``tolerance`` is set (:func:`default_tolerance`). Imported by the trainer and the orchestrator; imports
+neither.
 """
 
 from __future__ import annotations
@@ -37,9 +42,31 @@ if TYPE_CHECKING:
     from worker.batch import Batch
     from worker.spec import RLSpec
 
-DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5}
-"""``policy_check.tolerance`` when unset, by ``model.dtype`` (nats, max over the probe's tokens); see
-:class:`worker.spec.orchestrator.PolicyCheckConfig` for how they were chosen."""
+DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05}
+"""The floor of ``policy_check.tolerance`` when unset, by ``model.dtype`` (nats, max over the probe's tokens): the
+default is :func:`default_tolerance`, at least this; see :class:`worker.spec.orchestrator.PolicyCheckConfig` for how
+they were chosen."""
+TOLERANCE_CEILING = {"float32": 0.1, "bfloat16": 0.5}
+"""The most the unset tolerance grows to, by ``model.dtype``: a served base model farther than this from the trainer's
+(version 0) is not noise; that run fails its check at version 0."""
+NOISE_FACTOR = 10.0
+"""The unset tolerance is this many times the served-vs-trainer diff measured on the base weights (version 0) on the
+run's own hardware (:func:`default_tolerance`)."""
+BASE_SERVED_KEY = "served_max_abs_diff"
+"""The key of ``policy_check/step_0.json`` that holds the served-vs-trainer diff on the base weights, written once by
+the orchestrator (:func:`write_base_served_diff`), so that a resume and a fork (which copies ``step_0.json``) keep the
+tolerance of the run."""
+
+
+def default_tolerance(dtype: str, base_served_diff: float | None) -> float:
+    """``policy_check.tolerance`` when unset: ``NOISE_FACTOR`` x ``base_served_diff`` (max |served - trainer| on the base
+    weights, version 0, on the run's hardware), at least ``DEFAULT_TOLERANCE[dtype]`` and at most
+    ``TOLERANCE_CEILING[dtype]``; the floor alone when nothing was measured (a resumed run from before the measurement,
+    or a NaN)."""
+    floor = DEFAULT_TOLERANCE[dtype]
+    if base_served_diff is None or math.isnan(base_served_diff):
+        return floor
+    return min(TOLERANCE_CEILING[dtype], max(floor, NOISE_FACTOR * base_served_diff))
 
 
 LORA_UNSUPPORTED = (
@@ -148,6 +175,25 @@ def probe_logprobs(model: torch.nn.Module, probe: Probe, device: torch.device | 
     finally:
         model.train(was_training)
     return out
+
+
+def read_base_served_diff(run: RunDir) -> float | None:
+    """The served-vs-trainer diff on the base weights that the orchestrator stored in ``step_0.json`` (None: not
+    measured yet, or a run from before the measurement)."""
+    path = run.policy_check_logprobs(0)
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get(BASE_SERVED_KEY)
+    return None if value is None else float(value)
+
+
+def write_base_served_diff(run: RunDir, diff: float) -> None:
+    """Add the served-vs-trainer diff on the base weights to ``step_0.json`` (atomically; the trainer writes that file
+    once, before the probe, and never again)."""
+    path = run.policy_check_logprobs(0)
+    data = json.loads(path.read_text())
+    data[BASE_SERVED_KEY] = diff if math.isfinite(diff) else None
+    atomic_write_json(path, data)
 
 
 def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:

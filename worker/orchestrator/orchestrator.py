@@ -70,15 +70,17 @@ from worker.orchestrator.scoring import SCORE_PROCESS_MIN_ROLLOUTS, ScoreProcess
 from worker.orchestrator.staleness import min_start_version
 from worker.packing import pack, pack_shared_prompt, prompt_keys
 from worker.policy_check import (
-    DEFAULT_TOLERANCE,
     LORA_UNSUPPORTED,
     CheckResult,
     PolicyCheckFailed,
     Probe,
     compare,
+    default_tolerance,
     max_abs_diff,
+    read_base_served_diff,
     read_logprobs,
     read_probe,
+    write_base_served_diff,
 )
 from worker.policy_check import applies as policy_check_applies
 from worker.rundir import RunDir, append_jsonl_bytes, atomic_write_bytes, read_jsonl
@@ -174,6 +176,10 @@ class Orchestrator:
         LoRA run targeting lm_head."""
         self._policy_check_failure: tuple[int, str] | None = None
         """The (version, reason) of the last failed served-policy check, until :meth:`fail_policy_check` sees it."""
+        self._base_served_diff: float | None = None
+        """Max |served - trainer| on the base weights (version 0) on this hardware: an unset tolerance is set from it
+        (:meth:`policy_check_tolerance`); None until measured (:meth:`measure_base_served`) or read back."""
+        self._base_served_measured = False
         self.live = LiveConfig(run.root, "orchestrator", start_step=start_step)
         self.scoring: ScoreProcess | None = None
         """Scores single-turn training groups in a worker process (``scoring.py``); None: in this process (steps of
@@ -281,10 +287,12 @@ class Orchestrator:
             latest = self.run.latest_stable_weights()
             if latest is not None and latest[0] > self.policy_version:
                 version, path = latest
+                base = await self.measure_base_served()  # inference still serves the base weights
+                self.fail_policy_check(0)
                 update = await self.load_policy(path, version)
                 checked = await self.check_policy(version)
                 replicas = self.pool.metrics() if self.pool is not None else {}
-                self.run.log_metrics("inference", version, {**update, **checked, **replicas})
+                self.run.log_metrics("inference", version, {**update, **checked, **base, **replicas})
                 self.fail_policy_check(version)
                 logger.info(
                     "policy version %d loaded in %.2fs (pause %.3fs, load %.3fs)",
@@ -294,6 +302,65 @@ class Orchestrator:
                     update.get("weight_update_load_s", float("nan")),
                 )
             await asyncio.sleep(0.05)
+
+    def policy_check_tolerance(self) -> float:
+        """``orchestrator.policy_check.tolerance``, or when unset :func:`worker.policy_check.default_tolerance` of the
+        served-vs-trainer diff on the base weights (measured by this run, or stored by the attempt before)."""
+        check = self.spec.orchestrator.policy_check
+        if check.tolerance is not None:
+            return check.tolerance
+        if self._base_served_diff is None:
+            self._base_served_diff = read_base_served_diff(self.run)
+        return default_tolerance(self.spec.model.dtype, self._base_served_diff)
+
+    async def measure_base_served(self) -> dict[str, float | int | None]:
+        """Once per fresh run, as soon as the trainer fixed its probe and while inference still serves the base weights
+        (before it loads the first version the trainer changed: the versions before the probe's batch are the base),
+        ask inference (every healthy replica) for the probe's log-probs and compare them with the trainer's base
+        log-probs: the hardware's own served-vs-trainer noise, stored in ``step_0.json``, from which an unset
+        tolerance is set (:meth:`policy_check_tolerance`). Checked like a version (``compare`` at version 0): a served
+        base farther than the tolerance (at most ``TOLERANCE_CEILING``) fails there. Returns
+        ``policy_check_base_max_abs_diff`` for the next version's metrics row ({} when nothing was measured)."""
+        check = self.spec.orchestrator.policy_check
+        if self._base_served_measured or self.start_step > 0 or not policy_check_applies(self.spec):
+            return {}
+        probe, base = read_probe(self.run), read_logprobs(self.run, 0)
+        if probe is None or base is None:
+            return {}
+        self._base_served_measured = True
+        if read_base_served_diff(self.run) is not None:  # an orchestrator restarted within the attempt measured it
+            return {}
+        t0 = time.monotonic()
+        clients = [self.client] if self.pool is None else [r.client for r in self.pool.healthy()]
+        answers: list[list[list[float]]] = []
+        for client in clients:
+            try:
+                answers.append(await self._probe_logprobs(client, probe))
+            except InferenceError as e:
+                logger.warning("policy check of the base weights on %s skipped: %s", client.base_url, e)
+        if not answers:
+            return {}
+        worst = max(answers, key=lambda a: max_abs_diff(a, base))
+        diff = max_abs_diff(worst, base)
+        write_base_served_diff(self.run, diff)
+        self._base_served_diff = diff
+        tolerance = self.policy_check_tolerance()
+        logger.info(
+            "policy check tolerance %g (%s): served-vs-trainer diff on the base weights %.3g",
+            tolerance,
+            "orchestrator.policy_check.tolerance" if check.tolerance is not None else "set from it",
+            diff,
+        )
+        result = compare(0, worst, base, base, tolerance=tolerance, base_updates=check.base_updates)
+        self._checked(0, result, tolerance, t0)
+        return {"policy_check_base_max_abs_diff": diff}
+
+    @staticmethod
+    async def _probe_logprobs(client: InferenceClient, probe: Probe) -> list[list[float]]:
+        """The served log-probs of the probe's completion tokens (one request per sequence)."""
+        return await asyncio.gather(
+            *(client.prompt_logprobs(s, i) for s, i in zip(probe.sequences, probe.completion_start, strict=True))
+        )
 
     async def check_policy(self, version: int, wait_s: float = 0.0) -> dict[str, float | int | None]:
         """The served-policy check of ``version``, just loaded (``[orchestrator.policy_check]``,
@@ -324,16 +391,11 @@ class Orchestrator:
             logger.warning("policy check of version %d skipped: the trainer wrote no log-probs of it", version)
             return {}
         t0 = time.monotonic()
-        tolerance = check.tolerance or DEFAULT_TOLERANCE[self.spec.model.dtype]
+        tolerance = self.policy_check_tolerance()
         if self.pool is not None:
             return await self._check_replicas(version, probe, trainer, base, tolerance, check.base_updates)
         try:
-            served = await asyncio.gather(
-                *(
-                    self.client.prompt_logprobs(s, i)
-                    for s, i in zip(probe.sequences, probe.completion_start, strict=True)
-                )
-            )
+            served = await self._probe_logprobs(self.client, probe)
         except InferenceError as e:  # a server that died fails the run through its rollouts; this check only warns
             logger.warning("policy check of version %d skipped: inference did not answer the probe: %s", version, e)
             return {}
@@ -357,12 +419,7 @@ class Orchestrator:
 
         async def served(replica: Replica) -> list[list[float]] | None:
             try:
-                return await asyncio.gather(
-                    *(
-                        replica.client.prompt_logprobs(s, i)
-                        for s, i in zip(probe.sequences, probe.completion_start, strict=True)
-                    )
-                )
+                return await self._probe_logprobs(replica.client, probe)
             except InferenceError as e:
                 logger.warning("policy check of version %d on replica %s skipped: %s", version, replica.name, e)
                 return None
@@ -411,7 +468,7 @@ class Orchestrator:
             )
             logger.warning("%s", result.reason)
             self._policy_check_failure = (version, result.reason)
-        return result.metrics()
+        return {**result.metrics(), "policy_check_tolerance": tolerance}
 
     def fail_policy_check(self, version: int) -> None:
         """Raise the failure :meth:`check_policy` found for ``version`` (after its metrics were logged), unless

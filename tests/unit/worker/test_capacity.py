@@ -85,6 +85,10 @@ def test_cuda_without_a_gpu_and_sft_threads() -> None:
     assert _refusal({"trainer": {"device": "cuda"}}, cap=cpu_only) == (
         "trainer.device: 'cuda' exceeds the worker's capacity (2 cores, 4 GiB, 0 GPUs): no GPU"
     )
+    assert _refusal({"inference": {"enforce_eager": False}}, cap=cpu_only) == (
+        "inference.enforce_eager: false exceeds the worker's capacity (2 cores, 4 GiB, 0 GPUs): CUDA graphs need a "
+        "GPU; leave it unset or set it to true"
+    )
     assert _refusal({"threads": 3}, kind="sft", cap=cpu_only) == (
         "threads: 3 exceeds the worker's capacity (2 cores, 4 GiB, 0 GPUs): at most 2"
     )

