@@ -65,7 +65,7 @@ from server.models import (
     stored_id,
     utcnow,
 )
-from server.services import capacity, job_groups, permissions, runs, spec_policy
+from server.services import capacity, job_groups, metrics, permissions, runs, spec_policy
 from server.services.tokens import Principal
 from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import DottedKeyError, closest, with_keys
@@ -542,8 +542,8 @@ def resume_by(session: Session, pipeline_id: int, user: Principal) -> Pipeline:
 
 
 def public(session: Session, pipeline: Pipeline) -> dict[str, Any]:
-    """The pipeline as the API and the dashboard show it: its spec and stages (kind, ``from``, status, reason, run id
-    and the run's status)."""
+    """The pipeline as the API and the dashboard show it: its spec and stages (kind, ``from``, status, reason, run id,
+    the run's status and its :func:`headline`)."""
     spec = PipelineSpec.model_validate(pipeline.spec)
     rows = []
     for s in stages(session, stored_id(pipeline)):
@@ -559,6 +559,29 @@ def public(session: Session, pipeline: Pipeline) -> dict[str, Any]:
                 "reason": s.reason,
                 "run_id": s.run_id,
                 "run_status": run.status if run is not None else None,
+                "headline": headline(session, s.kind, s.run_id) if s.run_id is not None else None,
             }
         )
     return {**job_groups.summary_fields(pipeline), "updated_at": pipeline.updated_at, "stages": rows}
+
+
+HEADLINES: dict[str, tuple[tuple[str, str], str]] = {
+    "sft": (("sft", "eval_reward_greedy"), "greedy eval reward"),
+    "rl": (("eval", "reward_mean"), "held-out reward"),
+    "eval": (("eval", "reward_mean"), "eval reward"),
+}
+"""Stage kind -> the metric ``(source, name)`` that says what the stage achieved, and its words."""
+
+
+def headline(session: Session, kind: str, run_id: int) -> str | None:
+    """A stage's result in one line from its run's stored metrics: an SFT stage's last greedy eval reward, an RL
+    stage's held-out reward at its first eval (the policy it started from) and its last, an eval stage's reward;
+    None before the run logged one (``-`` for a NaN)."""
+    key, words = HEADLINES[kind]
+    found = metrics.series_of(session, run_id=run_id, keys=[key], max_points=2).get(key)
+    if found is None:
+        return None
+    shown = ["-" if v is None else f"{v:.3f}" for v in found.value]
+    if kind == "rl" and len(shown) == 2:
+        return f"{words} {shown[0]} → {shown[1]}"
+    return f"{words} {shown[-1]}"

@@ -6,6 +6,7 @@ and field with nothing created."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from sqlmodel import Session, func, select
 from server.models import Pipeline, Run
 from server.services import pipelines
 from tests.service.test_lifecycle import checkpoint, set_status
-from tests.support.server import BAD_MODEL, new_token, spec
+from tests.support.server import BAD_MODEL, new_token, run_token_headers, spec
 from tests.support.webui import login
 
 
@@ -51,6 +52,13 @@ def show(client: Any, auth: dict[str, str], pid: int) -> dict[str, Any]:
     return dict(resp.json())
 
 
+def log(client: Any, run_id: int, source: str, name: str, values: dict[int, float]) -> None:
+    """Metric points of a live run, sent with its run token as its processes send them."""
+    points = [{"source": source, "step": k, "name": name, "value": v, "time": 1.0} for k, v in values.items()]
+    resp = client.post(f"/api/runs/{run_id}/metrics", json={"points": points}, headers=run_token_headers(run_id))
+    assert resp.status_code == 200, resp.text
+
+
 def states(p: dict[str, Any]) -> tuple[str, list[str]]:
     return p["status"], [s["status"] for s in p["stages"]]
 
@@ -77,6 +85,7 @@ def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
     set_status(client, sft["id"], "starting", "running")
     assert pipelines.tick(session, pid) == []
     final = final_weights(sft)
+    log(client, sft["id"], "sft", "eval_reward_greedy", {2: 0.5, 4: 0.823})
     set_status(client, sft["id"], "completed")
     done = pipelines.tick(session, pid)
     p = show(client, auth, pid)
@@ -108,6 +117,7 @@ def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
 
     set_status(client, rl_id, "starting", "running")
     final_weights(rl)
+    log(client, rl_id, "eval", "reward_mean", {0: 0.381, 2: 0.5, 4: 0.6256})
     set_status(client, rl_id, "completed")
     done = pipelines.tick(session, pid)
     p = show(client, auth, pid)
@@ -132,7 +142,9 @@ def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
     )
     again = client.get(f"/api/runs/{ev_id}", headers=auth).json()
     assert (again["status"], again["run_dir"]) == ("queued", ev["run_dir"]) and tasks.read_text().count("\n") == 1
-    set_status(client, ev_id, "starting", "running", "completed")
+    set_status(client, ev_id, "starting", "running")
+    log(client, ev_id, "eval", "reward_mean", {0: 0.788})
+    set_status(client, ev_id, "completed")
     assert pipelines.tick(session, pid) == [
         f"stage 2 (eval, run {ev_id}) completed",
         "every stage completed (3)",
@@ -140,6 +152,8 @@ def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
     p = show(client, auth, pid)
     assert states(p) == ("completed", ["completed", "completed", "completed"])
     assert [s["run_status"] for s in p["stages"]] == ["completed", "completed", "completed"]
+    headlines = ["greedy eval reward 0.823", "held-out reward 0.381 → 0.626", "eval reward 0.788"]
+    assert [s["headline"] for s in p["stages"]] == headlines
     made = session.exec(select(func.count()).select_from(Run).where(Run.name.startswith("p3-"))).one()  # type: ignore[attr-defined]
     assert made == 3  # sft, rl and eval (each resumed in place, same id)
     assert client.post(f"/api/pipelines/{pid}/resume", headers=auth).status_code == 409
@@ -150,6 +164,7 @@ def test_sft_rl_eval_pipeline_runs_stops_resumes_fails_and_completes(
     login(client, new_token("pipeline-viewer", role="viewer"))
     html = client.get(f"/pipelines/{pid}").text
     assert f'<a href="/runs/{rl_id}">#{rl_id}</a>' in html and html.count('class="stage-completed"') == 3
+    assert re.findall(r'<td class="stage-headline">([^<]*)</td>', html) == headlines
     run_page = client.get(f"/runs/{rl_id}").text
     assert f'<a href="/pipelines/{pid}" id="run-pipeline">stage 1 of pipeline #{pid} p3</a>' in run_page
     assert f'<a href="/pipelines/{pid}">#{pid} p3</a>' in client.get("/pipelines").text

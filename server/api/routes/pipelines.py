@@ -44,6 +44,9 @@ class StagePublic(BaseModel):
     reason: str
     run_id: int | None
     run_status: str | None
+    headline: str | None = None
+    """What the stage achieved, from its run's metrics: an SFT stage's greedy eval reward, an RL stage's held-out
+    reward at its first and last eval (``held-out reward 0.381 → 0.626``), an eval stage's reward."""
 
 
 class PipelinePublic(BaseModel):
