@@ -100,7 +100,7 @@ def worker_command(argv: list[str]) -> int:
     p.add_argument(
         "--no-beat",
         action="store_true",
-        help="do not embed Celery beat (the periodic reconcile); run one 'celery -A worker.celery_app beat'",
+        help="do not embed Celery beat (the periodic reconcile); run one 'celery -A server.jobs.celery_app beat'",
     )
     p.add_argument(
         "--exports-only",
@@ -109,7 +109,7 @@ def worker_command(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     from server.core.config import settings
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     settings.private_home()  # beat's schedule file lives there
     if args.exports_only:

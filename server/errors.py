@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from server.alerts.webhooks import NotFound, StillRetrying, UnsafeURL
+from server.jobs.celery_app import BrokerUnavailable
 from server.services.metric_export import MetricNotFound
 from server.services.permissions import Forbidden, RunTokenExpired
 from server.services.pipelines import PipelineNotFound
@@ -23,7 +24,6 @@ from server.services.rollouts import BadRolloutId, RolloutNotFound
 from server.services.runs import InvalidTransition, RunNotFound
 from server.services.spec_policy import AddressNotAllowed
 from server.services.sweeps import SweepNotFound
-from worker.celery_app import BrokerUnavailable
 from worker.spec import SpecError
 from worker.spec.user_code import CodeNotAllowed
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
 from server.errors import nul_error
+from server.jobs.celery_app import BrokerUnavailable
 from server.models import Role, stored_id
 from server.services import permissions, runs, spec_policy
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, FormDep, Page, SessionDep, page
-from worker.celery_app import BrokerUnavailable
 from worker.spec import SpecError, parse_text
 
 CONFIGS = HERE.parent / "configs"

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from server.errors import nul_error
+from server.jobs.celery_app import BrokerUnavailable
 from server.models import TERMINAL, ForkRequest, Role, Run, RunStatus, RunUpdate, stored_id
 from server.services import config, evals, exports, metric_export, metrics, permissions, pipelines, rollouts, runs
 from server.services.runs import InvalidTransition
@@ -23,7 +24,6 @@ from server.services.tokens import Principal
 from webui import figures
 from webui.errors import HTMLErrorRoute, error_status
 from webui.page import FormDep, Page, SessionDep, page
-from worker.celery_app import BrokerUnavailable
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
 from worker.run_files import RunFileError, RunFileMissing

@@ -12,7 +12,7 @@
 - :class:`Reporter` runs both in a background thread, reports ``running`` and status changes to
   ``POST /api/runs/{id}/status``, and at the end spools the final status in ``<home>/final.json`` before reporting
   it, retrying for at most ``ASYNCRL_REPORT_TIMEOUT_S`` seconds (default 60): a status the server did not take is
-  delivered later by the worker (``worker.tasks.reconcile``, or a redelivered launch), which reads the spool.
+  delivered later by the worker (``server.jobs.tasks.reconcile``, or a redelivered launch), which reads the spool.
 
 A full disk does not stop the reporting: an offset that cannot be saved stays in memory (a restarted supervisor
 sends again from the last saved one; the server ignores what it has), and a final status that cannot be spooled is
@@ -324,7 +324,7 @@ class Reporter(threading.Thread):
         status, e.g. a requeued Slurm job). Retries with exponential backoff (1 s doubling, at most 10 s apart)
         while the server is unreachable or answers an error other than 409, for at most ``deadline_s`` seconds; returns whether the
         server took the status (the spool then says ``"delivered": true``). A status not taken stays spooled for
-        ``worker.tasks.reconcile`` or a redelivered launch."""
+        ``server.jobs.tasks.reconcile`` or a redelivered launch."""
         from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
         self._done.set()

@@ -53,8 +53,8 @@ from server.alerts.models import (
 )
 from server.core.config import settings
 from server.core.db import serialize
+from server.jobs.celery_app import TaskName, enqueue
 from server.models import Run, utcnow
-from worker.celery_app import TaskName, enqueue
 from worker.spec import SpecError
 
 logger = logging.getLogger("asyncrl.webhooks")

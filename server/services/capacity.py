@@ -7,7 +7,7 @@ mode before its worker started, or tests), the capacity of this machine under th
 
 A launch waits while the run's owner has ``MAX_RUNS_PER_USER`` launched live runs or the launching worker has
 ``MAX_RUNS_PER_WORKER`` live local ones (``wait_reason``); the run stays ``queued`` with the reason, and
-``worker.tasks.start_waiting`` launches the waiting runs, oldest first, when a run ends and on every reconcile.
+``server.jobs.tasks.start_waiting`` launches the waiting runs, oldest first, when a run ends and on every reconcile.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ WAITING = "waiting for a slot: "
 """Start of the ``status_reason`` of a queued run held back by a concurrency limit."""
 WORKER_FULL = f"{WAITING}worker "
 """Start of the reason of a run held back by ``MAX_RUNS_PER_WORKER`` (no later local run starts on that worker either:
-``worker.tasks.start_waiting`` stops there)."""
+``server.jobs.tasks.start_waiting`` stops there)."""
 
 
 def worker_name() -> str:

@@ -3,12 +3,12 @@
 The service never loads a model (the server imports no torch): it lists the complete checkpoints, checks a request
 (who, which step, adapter-only only for LoRA checkpoints, not already exported or under way), records an
 ``export_requested`` event, commits, and enqueues the ``export_run`` Celery task (on the export queue,
-``worker/celery_app.py``) with the request's event id. The worker writes ``<run home>/exports/<step_N[-adapter]>/``
+``server/jobs/celery_app.py``) with the request's event id. The worker writes ``<run home>/exports/<step_N[-adapter]>/``
 (``worker/export.py``) and records ``export_started`` (with the request id, its pid and worker name) for each
 delivery, then ``export_done`` (with the path) or ``export_failed`` (with the reason).
 
 A request that never ends (its task lost, its worker killed) would block that export forever; it is ended with
-``export_failed`` (:func:`fail_stale`) by the periodic reconcile (``worker.tasks.reconcile_exports``: the worker
+``export_failed`` (:func:`fail_stale`) by the periodic reconcile (``server.jobs.tasks.reconcile_exports``: the worker
 process of its newest ``export_started`` on that machine is gone) and by the next request of the same export once it is
 older than ``EXPORT_REQUEST_TIMEOUT_S``. A delivery of a request that ended meanwhile does nothing.
 """
@@ -22,11 +22,11 @@ from pathlib import Path
 from sqlmodel import Session, col, select
 
 from server.core.config import settings
+from server.jobs.celery_app import TaskName, enqueue
 from server.models import Run, RunEvent, stored_id, utcnow
 from server.services import permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
-from worker.celery_app import TaskName, enqueue
 from worker.export import EXPORTS_DIR, export_name
 from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
 from worker.run_files import is_run_file

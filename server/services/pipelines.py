@@ -37,7 +37,7 @@ run) on resume.
 ``completed`` and the next stage's run is created; one whose run failed (or was cancelled) ends the pipeline
 ``failed`` (``cancelled``) with a reason naming the stage; a stage whose run cannot be created (e.g. the final weights
 are missing) fails the pipeline the same way, except a full queue, which it waits out. The pipeline completes when
-every stage completed. Celery beat runs it for every running pipeline (``worker/tasks.py``, every ``SWEEP_TICK_S``);
+every stage completed. Celery beat runs it for every running pipeline (``server/jobs/tasks.py``, every ``SWEEP_TICK_S``);
 ``POST /api/pipelines`` and resume run it once at once.
 
 :func:`stop_by` cancels the pipeline and stops its live stage's run through the normal stop path (checkpoints kept);
@@ -54,6 +54,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlmodel import Session, col, select
 
+from server.jobs.celery_app import TaskName, enqueue
 from server.models import (
     TERMINAL,
     Pipeline,
@@ -67,7 +68,6 @@ from server.models import (
 )
 from server.services import capacity, job_groups, metrics, permissions, runs, spec_policy
 from server.services.tokens import Principal
-from worker.celery_app import TaskName, enqueue
 from worker.dotted_keys import DottedKeyError, closest, with_keys
 from worker.spec import SpecError, spec_kind_of_keys, validate_spec
 

@@ -27,6 +27,7 @@ from sqlmodel import Session, col, select
 from server.alerts import rules as alert_rules
 from server.core.config import settings
 from server.core.db import hold_write_lock, serialize
+from server.jobs.celery_app import BrokerUnavailable, TaskName, enqueue
 from server.models import (
     TERMINAL,
     ConfigRevision,
@@ -41,7 +42,6 @@ from server.models import (
 )
 from server.services import capacity, launch_checks, permissions, spec_policy
 from server.services.tokens import Principal
-from worker.celery_app import BrokerUnavailable, TaskName, enqueue
 from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, flatten, replay, with_keys
 from worker.export import WEIGHTS_FILE, is_source_file
@@ -93,7 +93,7 @@ def log_processes(run: Run) -> list[str]:
 
 def failed_process(run: Run) -> LogProcess | None:
     """The process a failed run's status reason names first, whose log says why (``trainer exited with code 1: ...``,
-    ``inference exited``, ``supervisor 123 is gone``: ``worker.launchers.local``, :func:`worker.tasks.reconcile`);
+    ``inference exited``, ``supervisor 123 is gone``: ``worker.launchers.local``, :func:`server.jobs.tasks.reconcile`);
     None for a run that has not failed or a reason that names none of ``LOG_PROCESSES``."""
     if RunStatus(run.status) != S.failed or not run.status_reason:
         return None

@@ -32,7 +32,7 @@ shared worker, so it may name only
   user's jobs.
 
 :func:`check` runs at submit (``runs.create``: the API, the dashboard's launch form, fork) and again at launch
-(``worker.tasks.launch``: a spec stored before a rule or a setting changed).
+(``server.jobs.tasks.launch``: a spec stored before a rule or a setting changed).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ States (literal tables below). A sweep is ``running → completed | cancelled``.
    resume takes a slot too);
 6. the sweep completes when every trial is pruned or finished and no run is live.
 
-Celery beat runs it for every running sweep with each reconcile (``worker/tasks.py``); ``POST /api/sweeps`` runs the
+Celery beat runs it for every running sweep with each reconcile (``server/jobs/tasks.py``); ``POST /api/sweeps`` runs the
 first.
 """
 
@@ -68,11 +68,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlmodel import Session, col, select
 
+from server.jobs.celery_app import BrokerUnavailable, TaskName, enqueue
 from server.models import TERMINAL, Metric, Run, RunStatus, Sweep, SweepStatus, SweepTrial, stored_id, utcnow
 from server.services import capacity, job_groups, launch_checks, permissions, pruning, runs, spec_policy
 from server.services.tokens import Principal
 from worker.alert_rules import METRICS, metric_hint, reports
-from worker.celery_app import BrokerUnavailable, TaskName, enqueue
 from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, closest, flatten, with_keys
 from worker.rundir import RunDir

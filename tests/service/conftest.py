@@ -27,7 +27,7 @@ WORKER_ENV = {"WEBHOOK_BACKOFF_BASE_S": "0.5", "WEBHOOK_BACKOFF_MAX_S": "4", "WE
 
 @pytest.fixture(scope="module")
 def worker(live_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()  # tasks queued by earlier modules
     log = tmp_path_factory.mktemp("alerts-worker") / "worker.log"

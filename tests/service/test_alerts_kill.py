@@ -19,7 +19,7 @@ VISIBILITY_S = 60
 def test_kill_9_mid_delivery_no_duplicate_at_the_receiver(
     client: Any, auth: dict[str, str], live_server: str, tmp_path: Path
 ) -> None:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()
     env = {

@@ -351,12 +351,12 @@ def test_live_config_and_fork_of_an_sft_run_are_refused(client: Any, auth: dict[
 
 @pytest.fixture
 def closed_broker(monkeypatch: pytest.MonkeyPatch) -> str:
-    """``worker.celery_app``'s Celery app pointed at a closed 127.0.0.1 port (Redis down): every enqueue fails for
+    """``server.jobs.celery_app``'s Celery app pointed at a closed 127.0.0.1 port (Redis down): every enqueue fails for
     real; returns the broker's message for a launch."""
     from celery import Celery
 
+    from server.jobs import celery_app
     from tests.support.server import free_port
-    from worker import celery_app
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"

@@ -42,7 +42,7 @@ def full_output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
 def test_launch_onto_a_full_disk_fails_the_run_with_the_reason_and_writes_nothing(
     client: Any, auth: dict[str, str], make_run: Any, full_output_dir: Path
 ) -> None:
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     run = make_run()
     home = full_output_dir / "runs" / str(run["id"])
@@ -64,7 +64,7 @@ def test_launch_into_a_read_only_output_folder_fails_the_run_naming_the_folder(
     client: Any, auth: dict[str, str], make_run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from server.core.config import settings
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     with mounted(tmp_path / "outputs", "4m", read_only=True) as out:
         monkeypatch.setattr(settings, "ASYNCRL_OUTPUT_DIR", out)
@@ -79,7 +79,7 @@ def test_launch_into_a_read_only_output_folder_fails_the_run_naming_the_folder(
 def test_a_run_submitted_onto_a_full_disk_fails_within_seconds_through_a_real_worker(
     client: Any, auth: dict[str, str], make_run: Any, full_output_dir: Path, live_server: str, tmp_path: Path
 ) -> None:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()
     worker = start_celery_worker(live_server, tmp_path / "worker.log")

@@ -36,7 +36,7 @@ def test_domain_errors_map_to_their_status(err: Exception, status: int) -> None:
 
 def test_other_errors_have_no_status() -> None:
     assert http_status(ValueError("x")) is None and http_status(LookupError("x")) is None
-    from worker.celery_app import BrokerUnavailable
+    from server.jobs.celery_app import BrokerUnavailable
 
     # client errors, but for the broker that did not take a task: the service is unavailable, not the input bad
     assert {cls: s for cls, s in HTTP_STATUS.items() if not 400 <= s < 500} == {BrokerUnavailable: 503}

@@ -66,7 +66,7 @@ def stored_run(owner: str, model_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def celery_worker(live_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()
     log = tmp_path_factory.mktemp("export-worker") / "worker.log"
@@ -163,7 +163,7 @@ def test_a_failed_export_records_the_reason(
 ) -> None:
     """The task body run here (no worker): the base model is gone, so ``export_failed`` names the model; what a killed
     earlier delivery left is removed."""
-    from worker.tasks import export
+    from server.jobs.tasks import export
 
     gone = tmp_path / "gone"
     shutil.copytree(model_dir, gone)
@@ -208,7 +208,7 @@ def test_dashboard_lists_checkpoints_with_an_export_form_for_the_owner_only(
 def test_exports_go_to_their_own_queue() -> None:
     """A long export never holds the control-plane queue's slots (launch, stop, reconcile)."""
     from server.core.config import settings
-    from worker.celery_app import TaskName, app
+    from server.jobs.celery_app import TaskName, app
 
     def queue(task: TaskName) -> str:
         return str(app.amqp.router.route({}, task.value)["queue"].name)
@@ -263,8 +263,8 @@ def test_an_export_killed_in_every_delivery_fails_after_the_cap(
     client: Any, people: People, model_dir: Path, queued: list[tuple[Any, ...]]
 ) -> None:
     from server.core.config import settings
-    from worker.celery_app import TaskName
-    from worker.tasks import export
+    from server.jobs.celery_app import TaskName
+    from server.jobs.tasks import export
 
     run = stored_run(owner_name(client, people), model_dir)
     run_id, run_dir = run["id"], Path(run["run_dir"])
@@ -297,8 +297,8 @@ def test_a_request_whose_worker_died_or_that_timed_out_is_failed_and_can_be_made
 
     from server.core.config import settings
     from server.core.db import engine
+    from server.jobs.tasks import export, reconcile_exports
     from server.models import RunEvent
-    from worker.tasks import export, reconcile_exports
 
     run = stored_run(owner_name(client, people), model_dir)
     run_id, run_dir = run["id"], Path(run["run_dir"])
@@ -348,7 +348,7 @@ def test_a_linked_exports_folder_is_refused(
 ) -> None:
     """The run's uid owns its home: a link planted at ``exports`` (or at the export's own name) must not steer the
     export worker's writes and deletes elsewhere; the request fails naming it, nothing is written through the link."""
-    from worker.tasks import export
+    from server.jobs.tasks import export
 
     run = stored_run(owner_name(client, people), model_dir)
     run_id, run_dir = run["id"], Path(run["run_dir"])
@@ -374,7 +374,7 @@ def test_the_task_reads_only_the_model_files_of_the_checkpoint(
     """The optimizer's ``state.pt`` (twice the model in fp32) is neither copied into the staging folder nor written
     into the export; the provenance names the source relative to the run directory, not the staging folder."""
     import worker.export
-    from worker.tasks import export
+    from server.jobs.tasks import export
 
     run = stored_run(owner_name(client, people), model_dir)
     run_id, run_dir = run["id"], Path(run["run_dir"])

@@ -112,7 +112,7 @@ def test_state_machine_resume_edge(session: Any, make_run: Any) -> None:
 def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(
     client: Any, auth: dict[str, str], make_run: Any
 ) -> None:
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     run = make_run()
     set_status(client, run["id"], "starting", "running", "failed")
@@ -150,7 +150,7 @@ def test_resume_relaunches_the_same_run_from_its_newest_checkpoint(
 
 @pytest.mark.usefixtures("server_url")
 def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: dict[str, str], make_run: Any) -> None:
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     parent = make_run(max_steps=8)
     for step in (2, 4):
@@ -424,7 +424,7 @@ def launched_run(make_run: Any, status: str, pid: int) -> int:
 
 
 def test_reconcile_fails_runs_whose_supervisor_is_gone(client: Any, auth: dict[str, str], make_run: Any) -> None:
-    from worker.tasks import reconcile
+    from server.jobs.tasks import reconcile
 
     gone = dead_pid()
     crashed = launched_run(make_run, "running", gone)
@@ -567,9 +567,9 @@ def test_a_stop_still_finishing_does_not_cancel_the_resumed_run(
     from sqlmodel import Session
 
     from server.core.db import engine
+    from server.jobs import tasks
     from server.models import RunStatus
     from server.services import runs
-    from worker import tasks
 
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     run_id = launched_run(make_run, "running", sleeper.pid)

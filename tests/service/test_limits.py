@@ -404,7 +404,7 @@ def ended(client: Any, auth: dict[str, str], run_id: int) -> dict[str, Any] | No
 
 @pytest.mark.usefixtures("server_url")
 def test_runs_beyond_the_user_limit_wait_with_the_reason_and_start_when_a_slot_frees(client: Any, limits: Any) -> None:
-    from worker.tasks import launch, start_waiting
+    from server.jobs.tasks import launch, start_waiting
 
     limits(per_user=1)
     user, auth = user_auth()
@@ -439,7 +439,7 @@ def test_runs_beyond_the_user_limit_wait_with_the_reason_and_start_when_a_slot_f
 @pytest.mark.usefixtures("server_url")
 def test_runs_beyond_the_worker_limit_wait_and_reconcile_starts_them(client: Any, limits: Any) -> None:
     from server.core.config import settings
-    from worker.tasks import launch, reconcile_runs
+    from server.jobs.tasks import launch, reconcile_runs
 
     limits(per_worker=1)
     (_, auth_a), (_, auth_b) = user_auth(), user_auth()
@@ -466,9 +466,9 @@ def test_three_simultaneous_submissions_beyond_a_limit_of_one_queue_and_run_one_
     from sqlmodel import Session
 
     from server.core.db import engine
+    from server.jobs.celery_app import app
     from server.models import WorkerCapacity
     from worker.capacity import detect
-    from worker.celery_app import app
 
     app.control.purge()
     name = f"limits-worker-{secrets.token_hex(3)}"
@@ -515,8 +515,8 @@ def test_runs_submitted_at_once_start_in_submission_order_on_both_brokers(
 
     import httpx
 
+    from server.jobs.celery_app import app
     from tests.support.server import ApiServer
-    from worker.celery_app import app
 
     env = {"MAX_RUNS_PER_WORKER": "1", "WORKER_NAME": f"order-{broker}-{secrets.token_hex(3)}"}
     server = None

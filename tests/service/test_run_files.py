@@ -268,9 +268,9 @@ def test_reconcile_reason_reads_no_linked_file(
     from sqlmodel import Session
 
     from server.core.db import engine
+    from server.jobs.tasks import reconcile
     from server.models import RunStatus
     from server.services import runs
-    from worker.tasks import reconcile
 
     proc = subprocess.Popen(["sleep", "60"])
     proc.kill()

@@ -95,7 +95,7 @@ def test_launch_says_which_unit_and_nothing_of_the_run_is_left_when_it_ends(
     """The supervisor fails in preflight (no model): when the run is ``failed`` its cgroup is gone and no process of
     its session is left, within 5 s."""
     from server.core.config import settings
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     monkeypatch.setattr(settings, "RUN_CGROUPS", cgroups_on)
     run = make_run(**({"launcher": {"memory_limit_gib": limit}} if limit else {}))
@@ -120,7 +120,8 @@ def test_a_launch_whose_cgroup_the_previous_stop_removed_tries_again(
     """A resume launched while the stop of the run's previous attempt is still ending it: that stop removes the
     cgroup of the same name between the launch's ``prepare`` and the new supervisor's join (seen in the pipeline e2e:
     the resumed RL stage failed with 'cannot start the supervisor in cgroup'). The launch prepares it again."""
-    from worker import supervisor, tasks
+    from server.jobs import tasks
+    from worker import supervisor
 
     run = make_run()
     real_start, calls = supervisor.start, []
@@ -144,7 +145,7 @@ def test_stop_kills_what_left_the_supervisor_session_and_removes_the_cgroup(
 ) -> None:
     """A process of the run that left the supervisor's session (``setsid``) is still in the run's cgroup: ``stop``
     kills it too."""
-    from worker.tasks import stop
+    from server.jobs.tasks import stop
 
     run = make_run()
     leader = session_of_three(started)  # stands for a supervisor that is slow to die
@@ -163,7 +164,7 @@ def test_stop_kills_what_left_the_supervisor_session_and_removes_the_cgroup(
 def test_reconcile_kills_the_leftovers_of_an_ended_run_only(
     client: Any, auth: dict[str, str], make_run: Any, started: list[subprocess.Popen[bytes]]
 ) -> None:
-    from worker.tasks import LEFTOVER_SLACK_S, reconcile
+    from server.jobs.tasks import LEFTOVER_SLACK_S, reconcile
 
     # Ended run: its supervisor's session (3 processes) and one process in its cgroup that left that session.
     ended = make_run()
@@ -225,7 +226,7 @@ def test_reconcile_of_a_vanished_supervisor_kills_its_run_and_names_an_oom_kill(
 ) -> None:
     """The supervisor is gone (the kernel killed it, say): its run's processes in the cgroup are killed, the cgroup
     removed, and the failure reason says out of memory."""
-    from worker.tasks import reconcile
+    from server.jobs.tasks import reconcile
 
     run = make_run()
     unit, _ = cgroups.prepare(run["id"], Path(run["run_dir"]).parent, 0.25)

@@ -60,7 +60,7 @@ def test_cli_stop_is_recorded_as_the_user_via_cli(
 def test_api_and_dashboard_stops_name_their_surface_whoever_reports_the_end(
     surface: str, client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker import tasks
+    from server.jobs import tasks
 
     run_id = launched_run(make_run, "running", 999_999)
     owner = client.get(f"/api/runs/{run_id}", headers=auth).json()["owner"]

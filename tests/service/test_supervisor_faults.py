@@ -62,11 +62,11 @@ def test_server_down_final_report_is_bounded_and_reconcile_delivers_the_spool(
     client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch, supervisors: list[int]
 ) -> None:
     from server.core.config import settings
-    from worker.tasks import reconcile
+    from server.jobs.tasks import reconcile
 
     monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.setenv("ASYNCRL_REPORT_TIMEOUT_S", "3")
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     run = make_run()
     home = Path(run["run_dir"]).parent
@@ -101,9 +101,9 @@ def test_a_spool_of_an_earlier_attempt_is_not_delivered(client: Any, auth: dict[
     from sqlmodel import Session
 
     from server.core.db import engine
+    from server.jobs.tasks import current_attempt
     from server.models import RunStatus
     from server.services import runs
-    from worker.tasks import current_attempt
 
     proc = subprocess.Popen(["sleep", "60"])
     proc.kill()
@@ -137,7 +137,7 @@ def test_a_spool_of_an_earlier_attempt_is_not_delivered(client: Any, auth: dict[
     rd.log_event("running", reason="not an engine event")
     with rd.events.open("a") as f:
         f.write('{"event": "truncated", "time": 1.0, "process": "not a name"}\n')  # invalid: skipped, not fatal
-    from worker.tasks import reconcile
+    from server.jobs.tasks import reconcile
 
     assert run_id in reconcile()
     assert run_of(client, auth, run_id)["status_reason"].startswith(f"supervisor {gone} is gone")
@@ -190,9 +190,9 @@ def test_a_resumed_supervisor_sends_the_pruned_metrics_and_nothing_the_killed_at
     some of steps up to the checkpoint (they must be stored) and some after it (the server deleted those steps at
     resume: sent late, they would be stored instead of the resumed run's new measurements)."""
     from server.core.config import settings
+    from server.jobs.tasks import launch
     from worker.checkpoint import write_part
     from worker.reporter import rows_to_points
-    from worker.tasks import launch
 
     monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
     run = make_run()

@@ -68,7 +68,7 @@ def fake_supervisor(home: Path) -> subprocess.Popen[bytes]:
 def test_launch_twice_launches_once_and_the_supervisor_reports_failure(
     client: Any, auth: dict[str, str], make_run: Any
 ) -> None:
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     run_id = make_run()["id"]
     first, second = launch(run_id), launch(run_id)
@@ -82,8 +82,8 @@ def test_launch_twice_launches_once_and_the_supervisor_reports_failure(
 
 @pytest.mark.usefixtures("server_url")
 def test_launch_adopts_a_supervisor_left_by_a_killed_delivery(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    from server.jobs.tasks import launch, stop
     from worker import supervisor
-    from worker.tasks import launch, stop
 
     run = make_run()
     proc = fake_supervisor(Path(run["run_dir"]).parent)
@@ -99,7 +99,7 @@ def test_launch_adopts_a_supervisor_left_by_a_killed_delivery(client: Any, auth:
 
 
 def test_launch_of_a_run_that_is_not_queued_returns_at_once(client: Any, auth: dict[str, str], make_run: Any) -> None:
-    from worker.tasks import launch
+    from server.jobs.tasks import launch
 
     run_id = make_run()["id"]
     client.post(f"/api/runs/{run_id}/stop", headers=auth)
@@ -111,8 +111,8 @@ def test_launch_with_an_unusable_run_user_fails_the_run_and_starts_nothing(
     client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from server.core.config import settings
+    from server.jobs.tasks import launch
     from worker import supervisor
-    from worker.tasks import launch
 
     monkeypatch.setattr(settings, "RUN_USER", "no-such-user-x")
     run = make_run()
@@ -135,8 +135,8 @@ def test_a_root_worker_refuses_a_run_its_uid_cannot_start_and_never_runs_it_as_r
     import tempfile
 
     from server.core.config import settings
+    from server.jobs.tasks import launch
     from worker import supervisor
-    from worker.tasks import launch
 
     monkeypatch.setattr(settings, "RUN_USER", "")
     monkeypatch.setattr(settings, "RUN_UID_BASE", 0)
@@ -166,7 +166,7 @@ def test_a_root_worker_refuses_a_run_its_uid_cannot_start_and_never_runs_it_as_r
 
 @pytest.fixture(scope="module")
 def celery_worker_proc(live_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()  # launches queued by earlier tests in this session
     log = tmp_path_factory.mktemp("celery") / "worker.log"
@@ -180,7 +180,7 @@ def celery_worker_proc(live_server: str, tmp_path_factory: pytest.TempPathFactor
 def test_worker_delivers_launch_twice_one_launch(
     client: Any, auth: dict[str, str], make_run: Any, celery_worker_proc: Path
 ) -> None:
-    from worker.tasks import launch_run
+    from server.jobs.tasks import launch_run
 
     run = make_run()  # the API enqueued the first launch after its commit
     launch_run.delay(run["id"])  # a second delivery of the same launch
@@ -199,7 +199,7 @@ def test_worker_stops_a_launched_run(client: Any, auth: dict[str, str], celery_w
     run = queued_run()  # not enqueued: launched by hand below, with a stand-in supervisor that stays up
     proc = fake_supervisor(Path(run["run_dir"]).parent)
     try:
-        from worker.tasks import launch
+        from server.jobs.tasks import launch
 
         assert launch(run["id"]).startswith("adopted")
         resp = client.post(f"/api/runs/{run['id']}/stop", headers=auth)

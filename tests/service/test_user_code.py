@@ -198,8 +198,8 @@ def test_fork_refuses_a_change_to_os_system(client: Any, auth: dict[str, str], m
 def test_launch_of_a_stored_spec_no_longer_allowed_fails_and_starts_nothing(
     client: Any, auth: dict[str, str], make_run: Any, allow: Any
 ) -> None:
+    from server.jobs.tasks import launch
     from worker import supervisor
-    from worker.tasks import launch
 
     allow("ALLOWED_CODE_PACKAGES", ["mypkg"])
     run = make_run(env={"id": "mypkg.envs:make"})
@@ -236,8 +236,8 @@ def test_a_supervisor_an_earlier_delivery_started_is_adopted_not_refused(
 ) -> None:
     """The launch check guards starting; a supervisor already running (its delivery was killed before the commit)
     is adopted and can be stopped, not left running behind a run marked failed."""
+    from server.jobs.tasks import launch, stop
     from tests.service.test_tasks import fake_supervisor
-    from worker.tasks import launch, stop
 
     allow("ALLOWED_CODE_PACKAGES", ["mypkg"])
     run = make_run(env={"id": "mypkg.envs:make"})

@@ -55,7 +55,7 @@ def events(client: Any, auth: dict[str, str], run_id: int, kind: str) -> list[di
 def enqueued(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...]]]:
     """The tasks the API and the stop task enqueue, recorded instead of sent (no worker runs here)."""
     import server.api.routes.runs as routes
-    import worker.tasks as tasks
+    import server.jobs.tasks as tasks
 
     sent: list[tuple[str, tuple[int, ...]]] = []
     for module in (routes, tasks):
@@ -118,7 +118,7 @@ def test_on_stall_stop_asks_the_normal_stop_once(client: Any, auth: dict[str, st
 def test_on_stall_restart_stops_then_resumes_from_the_newest_checkpoint(
     client: Any, auth: dict[str, str], enqueued: list[Any]
 ) -> None:
-    from worker.tasks import stop
+    from server.jobs.tasks import stop
 
     run_id = running_run(watchdog={"on_stall": "restart"})
     token = run_token_headers(run_id)
@@ -174,7 +174,7 @@ def test_a_forged_on_stall_in_the_event_does_nothing_beyond_the_spec(
     client: Any, auth: dict[str, str], enqueued: list[Any]
 ) -> None:
     """The run token may report a stall; what it does comes from the stored spec (stop/resume are the owner's)."""
-    from worker.tasks import stop
+    from server.jobs.tasks import stop
 
     quiet = running_run()  # on_stall = "event"
     token = run_token_headers(quiet)
@@ -203,7 +203,7 @@ def test_a_watchdog_restart_needs_a_newer_checkpoint_and_stops_after_the_cap(
 ) -> None:
     """No restart loop: a stall before a new checkpoint, or past ``MAX_WATCHDOG_RESTARTS`` restarts, leaves the run
     cancelled with a ``restart_failed`` event naming why."""
-    from worker.tasks import stop
+    from server.jobs.tasks import stop
 
     def stall_and_stop(run_id: int, t: float) -> str:
         client.post(

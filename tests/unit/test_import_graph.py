@@ -1,9 +1,13 @@
 """The import graph of ``server/``, ``worker/`` and ``webui/``, read with ``ast`` (nothing is imported).
 
-Rules (issue 15): imports point one way, surfaces -> services -> engine, so
+Rules: imports point one way, surfaces -> services -> engine, as the table of ``docs/architecture.md`` ("Import
+rules") says, and this module reads that table (:func:`layers`), so the page and the check cannot differ:
+- every module of ``server/``, ``worker/`` and ``webui/`` is in one layer of the table (the most specific path wins:
+  ``worker/cli.py`` is a surface inside the engine's ``worker/``);
+- no module imports a layer its row says it never imports (the engine: services and surfaces, so ``worker/`` never
+  imports ``server`` or ``webui`` but for the CLI dispatcher);
 - no module cycle, imports inside functions included (``importlib.import_module("x")`` and ``__import__("x")``
   with a literal name count as imports of ``x``);
-- the engine (``ENGINE``) never imports the control plane (``server``, ``webui``);
 - no module is called ``common``, ``utils``, ``helpers`` or ``misc``.
 
 An import is an edge to the most specific module it names: ``from a.b import c`` is an edge to ``a.b.c`` when that
@@ -21,24 +25,46 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("server", "worker", "webui")
-CONTROL_PLANE = ("server", "webui")
-ENGINE = (
-    "worker.orchestrator",
-    "worker.trainer",
-    "worker.inference",
-    "worker.envs",
-    "worker.spec*",  # the run spec, also once split in several modules
-    "worker.rundir",
-    "worker.checkpoint",
-    "worker.export",
-    "worker.packing",
-    "worker.batch",
-    "worker.dotted_keys",
-    "worker.live_config",
-    "worker.alert_rules",
-    "worker.capacity",
-)
-"""Module prefixes of the engine; ``x`` matches ``x`` and ``x.*``, ``x*`` every module whose name starts with ``x``."""
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    prefixes: tuple[str, ...]
+    """Dotted module prefixes of the layer's packages (``server/api/`` -> ``server.api``)."""
+    never: tuple[str, ...]
+    """Names of the layers it never imports."""
+
+
+def layers(page: Path = ARCHITECTURE) -> list[Layer]:
+    """The rows of the page's import-rules table (``| layer | packages | may import | never imports |``)."""
+    import re
+
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| ") and line.count("|") == 5]
+    header = rows.index(next(r for r in rows if r.startswith("| layer | packages |")))
+    out = []
+    for row in rows[header + 1 :]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) != 4 or not re.fullmatch(r"[a-z]+", cells[0]):
+            break
+        paths = re.findall(r"`([a-z_]+/[a-z_/]*(?:\.py)?)`", cells[1])
+        prefixes = tuple(p.removesuffix("/").removesuffix(".py").replace("/", ".") for p in paths)
+        never = tuple(w for w in re.findall(r"[a-z]+", cells[3]))
+        out.append(Layer(cells[0], prefixes, never))
+    return out
+
+
+def layer_of(module: str, table: list[Layer]) -> Layer | None:
+    """The layer of the most specific (longest) prefix that holds ``module``."""
+    best: tuple[int, Layer] | None = None
+    for layer in table:
+        for p in layer.prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[0]):
+                best = (len(p), layer)
+    return best[1] if best else None
+
+
 VAGUE_NAMES = frozenset({"common", "utils", "helpers", "misc"})
 
 
@@ -205,17 +231,11 @@ def cycle_chains(component: list[str], edges: list[Edge]) -> list[str]:
     return chains
 
 
-def _in(module: str, prefixes: Iterable[str]) -> bool:
-    for p in prefixes:
-        if p.endswith("*") and module.startswith(p[:-1]):
-            return True
-        if module == p or module.startswith(p + "."):
-            return True
-    return False
-
-
-def problems(root: Path, packages: Iterable[str] = PACKAGES) -> list[str]:
-    """Every breach of the rules above, one readable line (or block, for a cycle) each; empty when clean."""
+def problems(root: Path, packages: Iterable[str] = PACKAGES, table: list[Layer] | None = None) -> list[str]:
+    """Every breach of the rules above (``table``: the layers, default the page's), one readable line (or block, for
+    a cycle) each; empty when clean."""
+    packages = tuple(packages)
+    table = layers() if table is None else table
     modules, edges = import_edges(root, packages)
     found: list[str] = []
     for component in strongly_connected(modules, edges):
@@ -226,9 +246,13 @@ def problems(root: Path, packages: Iterable[str] = PACKAGES) -> list[str]:
             + "\n  its imports:\n    "
             + "\n    ".join(inner)
         )
+    for module in modules:
+        if module not in packages and layer_of(module, table) is None:  # a package root holds no code
+            found.append(f"module in no layer of docs/architecture.md's import rules: {module}")
     for e in edges:
-        if _in(e.src, ENGINE) and _in(e.dst, CONTROL_PLANE):
-            found.append(f"engine imports the control plane: {e}")
+        src, dst = layer_of(e.src, table), layer_of(e.dst, table)
+        if src is not None and dst is not None and dst.name in src.never:
+            found.append(f"{src.name} imports {dst.name} (never, by docs/architecture.md): {e}")
     for module, path in modules.items():
         vague = VAGUE_NAMES.intersection(module.split("."))
         if vague:
@@ -286,6 +310,20 @@ CLEAN = {
 }
 
 
+TINY = [Layer("surfaces", ("server", "webui"), ()), Layer("engine", ("worker",), ("surfaces",))]
+"""The layers of the tiny trees: the control plane as one layer, the engine that never imports it."""
+
+
+def test_the_page_has_the_three_layers() -> None:
+    table = {layer.name: layer for layer in layers()}
+    assert list(table) == ["surfaces", "services", "engine"]
+    assert table["engine"].never == ("services", "surfaces") and table["services"].never == ("surfaces",)
+    assert table["surfaces"].prefixes == ("server.api", "webui", "server.main", "server.cli", "worker.cli")
+    assert layer_of("worker.cli", layers()) == table["surfaces"]  # the dispatcher, inside the engine's package
+    assert layer_of("worker.trainer.loss.dppo_kl", layers()) == table["engine"]
+    assert layer_of("server.jobs.tasks", layers()) == table["services"]
+
+
 def test_checker_passes_a_clean_graph(tmp_path: Path) -> None:
     root = write_tree(tmp_path, CLEAN)
     modules, edges = import_edges(root)
@@ -298,7 +336,7 @@ def test_checker_passes_a_clean_graph(tmp_path: Path) -> None:
         ("worker.trainer.loss", "worker.trainer.kernels"),
         ("worker.trainer.loss", "worker.spec"),  # relative, to a name defined in the module
     }
-    assert problems(root) == []
+    assert problems(root, table=TINY) == []
 
 
 def test_checker_finds_a_cycle_through_a_function_level_dynamic_import(tmp_path: Path) -> None:
@@ -310,7 +348,7 @@ def test_checker_finds_a_cycle_through_a_function_level_dynamic_import(tmp_path:
             "server/alerts.py": "def f():\n    import importlib\n    return importlib.import_module('server.api')\n",
         },
     )
-    assert problems(root) == [
+    assert problems(root, table=TINY) == [
         "cycle among 3 modules:\n"
         "    server.alerts -> server.api -> server.services -> server.alerts\n"
         "  its imports:\n"
@@ -325,14 +363,15 @@ def test_checker_finds_an_engine_import_of_the_server(tmp_path: Path) -> None:
         tmp_path,
         {**CLEAN, "worker/trainer/kernels.py": "def f():\n    __import__('server.services')\n"},
     )
-    assert problems(root) == [
-        "engine imports the control plane: worker.trainer.kernels -> server.services (worker/trainer/kernels.py:2)"
+    assert problems(root, table=TINY) == [
+        "engine imports surfaces (never, by docs/architecture.md): worker.trainer.kernels -> server.services "
+        "(worker/trainer/kernels.py:2)"
     ]
 
 
 def test_checker_finds_vague_module_names(tmp_path: Path) -> None:
     root = write_tree(tmp_path, {**CLEAN, "worker/trainer/common.py": "", "webui/utils/__init__.py": ""})
-    assert problems(root) == [
+    assert problems(root, table=TINY) == [
         "module named 'common': worker.trainer.common (worker/trainer/common.py)",
         "module named 'utils': webui.utils (webui/utils/__init__.py)",
     ]

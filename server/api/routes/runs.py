@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from server.api.deps import PrincipalDep, SessionDep, SurfaceDep, UserDep
 from server.api.responses import spec_body
 from server.errors import is_json_type, nul_error
+from server.jobs.celery_app import TaskName, enqueue
 from server.models import (
     MAX_GROUP_LEN,
     MAX_TAG_LEN,
@@ -32,7 +33,6 @@ from server.models import (
     stored_id,
 )
 from server.services import lineage, permissions, rollouts, runs, spec_policy
-from worker.celery_app import TaskName, enqueue
 from worker.run_files import RunFileError, RunFileMissing
 from worker.spec import parse_text
 

@@ -26,7 +26,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()  # launches queued by earlier tests of this session
     server = ApiServer(tmp_path_factory.mktemp("api") / "server.log")
@@ -37,7 +37,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
     from worker.models import init_model
 
     app.control.purge()  # launches queued by earlier tests of this session

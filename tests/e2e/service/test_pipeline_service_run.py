@@ -4,7 +4,7 @@ from the SFT stage's final weights, the eval stage evaluates the RL stage's fina
 (after its first complete checkpoint) the pipeline is ``cancelled`` and the RL run stops through the normal stop path;
 resumed, the same RL run continues from that checkpoint and the pipeline completes. Every stage's metrics are stored
 and the eval stage's reward equals ``asyncrl eval`` of the same weights with the same settings. The pipeline is
-advanced by the function Celery beat runs (``worker.tasks.tick_pipelines``), called here every half second.
+advanced by the function Celery beat runs (``server.jobs.tasks.tick_pipelines``), called here every half second.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _series(client: Any, auth: dict[str, str], run_id: int, source: str, name: s
 def test_sft_rl_eval_pipeline_stops_in_rl_resumes_and_matches_asyncrl_eval(
     client: Any, auth: dict[str, str], service: str, tmp_path: Path
 ) -> None:
-    from worker.tasks import tick_pipelines
+    from server.jobs.tasks import tick_pipelines
 
     sft = load_spec_data(
         [REPO / "configs/reverse_text/sft.toml"],

@@ -36,10 +36,10 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
 
     from server.core.config import settings
     from server.core.db import engine
+    from server.jobs.tasks import current_attempt, launch
     from tests.support.server import run_token_of
     from worker import supervisor
     from worker.models import init_model
-    from worker.tasks import current_attempt, launch
 
     monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
     model = init_model(tmp_path / "model", size="tiny", seed=0)

@@ -186,8 +186,8 @@ def test_slurm_refusal_fails_the_run_with_slurms_message(
 
 
 def test_redelivered_launch_adopts_the_job_an_earlier_delivery_submitted(session: Any) -> None:
+    from server.jobs import tasks
     from server.services import runs
-    from worker import tasks
     from worker.spec import validate_spec
 
     data = spec(launcher={"kind": "slurm", "slurm": {"extra_sbatch": ["--hold"]}})  # held: it never starts
@@ -207,8 +207,8 @@ def test_redelivered_launch_adopts_the_job_an_earlier_delivery_submitted(session
 
 
 def test_reconcile_ends_runs_whose_job_ended_or_is_gone(session: Any) -> None:
+    from server.jobs import tasks
     from server.services import runs
-    from worker import tasks
 
     cancelled = subprocess.run(
         ["sbatch", "--parsable", "--hold", "--wrap", "true"], capture_output=True, text=True, check=True

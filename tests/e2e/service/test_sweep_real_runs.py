@@ -6,7 +6,7 @@ path, their step-2 checkpoint the newest, ``waiting``), which lets the other two
 the trial whose ``orchestrator/reward_mean`` AT step 2 is the lowest is pruned (its run stays ``cancelled`` with its
 step-2 checkpoint), the other three resume from their step-2 checkpoint and complete, and the sweep reports the best
 value, the largest one any trial logged. The sweep is advanced by the function Celery beat runs
-(``worker.tasks.tick_sweeps``), called here between polls."""
+(``server.jobs.tasks.tick_sweeps``), called here between polls."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ as six did (it was 8: the three promoted trials trained 12 steps more)."""
 def four_slots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A server and a worker with room for all four runs (``MAX_RUNS_PER_WORKER=4``): the sweep's ``max_parallel``
     is what keeps it to two at a time."""
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
     from worker.models import init_model
 
     app.control.purge()
@@ -67,7 +67,7 @@ def events_of(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, 
 def test_c17_real_sweep_holds_two_at_a_time_and_prunes_the_worst_at_step_2(
     client: Any, auth: dict[str, str], four_slots: Path
 ) -> None:
-    from worker.tasks import tick_sweeps
+    from server.jobs.tasks import tick_sweeps
 
     base = small_spec(four_slots, "c17", max_steps=MAX_STEPS)  # a checkpoint every 2 steps
     body = {

@@ -9,7 +9,7 @@ never matches (a leading ``.`` and a ``.tmp`` suffix) and renamed into place: a 
 so a listed message file is always whole.
 
 ``register()`` points kombu's ``filesystem://`` URL at this transport in the calling process (the server, which
-sends tasks, and the worker, which takes them, both import ``worker.celery_app``, which calls it).
+sends tasks, and the worker, which takes them, both import ``server.jobs.celery_app``, which calls it).
 """
 
 from __future__ import annotations

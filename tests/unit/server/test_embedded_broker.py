@@ -1,4 +1,4 @@
-"""The embedded broker (``worker/embedded_broker.py``): a message file a consumer can list is always whole.
+"""The embedded broker (``server/jobs/embedded_broker.py``): a message file a consumer can list is always whole.
 
 The race of kombu's own filesystem transport (fresh-user finding, 2026-12-04: the embedded Celery worker stopped for
 good on ``JSONDecodeError``) is reproduced with a consumer that lists the folder while the producer writes: with
@@ -14,7 +14,7 @@ import pytest
 from kombu import Connection
 from kombu.transport import filesystem
 
-from worker.embedded_broker import Channel, register
+from server.jobs.embedded_broker import Channel, register
 
 BIG = {"body": "x" * 2_000_000}  # a 2 MB message: its write takes long enough for a listing to land inside it
 

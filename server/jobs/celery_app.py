@@ -7,7 +7,7 @@ handed to a second worker while the first still runs it. Without ``CELERY_BROKER
 folder in ASYNCRL_HOME (kombu's filesystem transport): embedded mode needs no Redis.
 
 Celery beat enqueues ``asyncrl.reconcile`` every ``RECONCILE_INTERVAL_S``; ``asyncrl worker`` embeds beat
-(``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A worker.celery_app beat``).
+(``-B``, schedule file in ASYNCRL_HOME) unless ``--no-beat`` (then run one ``celery -A server.jobs.celery_app beat``).
 Beat also enqueues ``asyncrl.check_stalls`` (``stall`` alert rules) every ``ALERT_STALL_CHECK_S`` and
 ``asyncrl.tick_sweeps`` (prune and start the trials of running sweeps) and ``asyncrl.tick_pipelines`` (start the
 next stage of running pipelines) every ``SWEEP_TICK_S``.
@@ -16,9 +16,9 @@ Exports (``asyncrl.export_run``: minutes and GiBs of memory each) go to a queue 
 (``settings.export_queue``), consumed by the export worker ``asyncrl worker`` starts beside its control-plane
 worker (``--export-concurrency``), so a long export never holds the slot a launch or a reconcile needs. A delivery of
 an export killed mid-task (out of memory) is redelivered like any other, at most ``EXPORT_MAX_DELIVERIES`` times
-(``worker.tasks.export`` counts them in the run's events).
+(``server.jobs.tasks.export`` counts them in the run's events).
 
-The server enqueues tasks by name (:class:`TaskName`, :func:`enqueue`), never importing ``worker.tasks``:
+The server enqueues tasks by name (:class:`TaskName`, :func:`enqueue`), never importing ``server.jobs.tasks``:
 the tasks call the services, so the services must not call the tasks.
 """
 
@@ -33,7 +33,7 @@ from kombu.utils.url import maybe_sanitize_url
 from redis.exceptions import RedisError
 
 from server.core.config import settings
-from worker.embedded_broker import register as register_embedded_broker
+from server.jobs.embedded_broker import register as register_embedded_broker
 from worker.procs import die_with_parent
 
 
@@ -51,7 +51,7 @@ def _transport_options() -> dict[str, object]:
 
 
 class TaskName(enum.StrEnum):
-    """The names the tasks of ``worker/tasks.py`` are registered under (the one place that spells them)."""
+    """The names the tasks of ``server/jobs/tasks.py`` are registered under (the one place that spells them)."""
 
     launch_run = "asyncrl.launch_run"
     stop_run = "asyncrl.stop_run"
@@ -65,8 +65,8 @@ class TaskName(enum.StrEnum):
 
 
 if settings.embedded_broker:
-    register_embedded_broker()  # filesystem:// with whole-message writes (worker/embedded_broker.py)
-app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["worker.tasks"])
+    register_embedded_broker()  # filesystem:// with whole-message writes (server/jobs/embedded_broker.py)
+app = Celery("asyncrl", broker=settings.CELERY_BROKER_URL, include=["server.jobs.tasks"])
 app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,

@@ -50,11 +50,11 @@ from sqlmodel import Session, col, select
 from server.alerts import rules, webhooks
 from server.core.config import settings
 from server.core.db import engine
+from server.jobs.celery_app import TaskName, app, enqueue
 from server.models import TERMINAL, EngineEvent, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
 from server.services import capacity, exports, metrics, pipelines, runs, spec_policy, sweeps, tokens
 from server.services.permissions import Forbidden
 from worker import cgroups, supervisor
-from worker.celery_app import TaskName, app, enqueue
 from worker.procs import alive, live_processes, started_at
 from worker.reporter import row_to_event, rows_to_points
 from worker.run_files import RunFileRefused, copy_run_folder, open_run_file
