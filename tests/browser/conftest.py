@@ -1,8 +1,10 @@
 """Browser tests of the dashboard: Debian's headless Chromium driven by Playwright against a real server on Postgres.
 
-The database, Redis queue and server fixtures are the ones of ``tests/conftest.py`` (helpers: ``tests.support``).
-The test database is package-scoped here (created and dropped around this folder), so a session that also runs
-``tests/service`` creates it again there under the same name.
+The database, Redis queue and server fixtures are the ones of ``tests/conftest.py`` (helpers: ``tests.support``): one
+test database a pytest process, made by whichever folder asks first and dropped at the process's end, so a pytest-xdist
+process that runs files of ``tests/browser`` and ``tests/e2e/service`` in any order makes it once (a package-scoped
+database of this folder's own, under the same name, was made a second time there: ``CREATE DATABASE`` of one that
+exists). The tests name what they make (runs, sweeps, tags) uniquely: other folders' rows do not disturb them.
 Every test leaves a full-page screenshot in ``$ASYNCRL_ARTIFACTS`` (default ``test-artifacts/``).
 """
 
@@ -21,7 +23,6 @@ import pytest
 from tests.support.server import (
     STATE,
     ApiServer,
-    fresh_database,
     processes,
     start_celery_worker,
     stop_process_group,
@@ -41,9 +42,10 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(os.environ.get("ASYNCRL_ARTIFACTS", "test-artifacts"))
 
 
-@pytest.fixture(scope="package", autouse=True)
-def database() -> Iterator[str]:
-    yield from fresh_database(remove_state=False)  # the state dir stays for a later tests/service
+@pytest.fixture(scope="session", autouse=True)
+def migrated_database(database: str) -> str:
+    """Every test here runs against the session's migrated test database."""
+    return database
 
 
 @pytest.fixture(scope="package")

@@ -12,7 +12,7 @@ import pytest
 from tests.support.server import new_token
 from webui.page import POLL_S
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.timing]  # two refreshes within 3 * POLL_S + 2 s: alone
 
 
 def test_typed_fork_changes_survive_the_status_refresh(page: Any, login: Any, live_server: str, make_run: Any) -> None:

@@ -29,7 +29,7 @@ from worker.procs import free_port, live_processes
 from worker.rundir import read_jsonl
 from worker.spec import load_spec_data
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # every process gone within GONE_S: alone
 GONE_S = 10.0
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"
 

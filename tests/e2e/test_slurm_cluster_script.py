@@ -50,6 +50,7 @@ def test_slurmctld_listens_on_the_bridge_address_only() -> None:
     assert listeners(6917) == ["10.77.0.1:6917"]  # not 0.0.0.0: no other interface of the machine reaches it
 
 
+@pytest.mark.timing  # start within 60 s: alone
 def test_stop_removes_the_network_and_start_brings_the_cluster_back() -> None:
     assert sh(f"bash {SCRIPT} stop").returncode == 0
     try:

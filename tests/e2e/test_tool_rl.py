@@ -32,7 +32,9 @@ from worker.rundir import RunDir, read_jsonl
 from worker.spec import HarnessConfig, SFTSpec, load_spec_data, validate_spec
 from worker.trainer.sft import sft_conversation_sample
 
-pytestmark = pytest.mark.vllm
+# the first test carries the module's SFT warm-up (~3 min alone; scripts/test.sh's pass 2 runs a real run beside it,
+# and on a loaded 2-core box it took >15 min): a hang guard of twice the default
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_tool"
 ENV_ARGS = {"system_message": False}
 TOOL_TURN = "<|im_start|>tool\n"

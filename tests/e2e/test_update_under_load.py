@@ -38,7 +38,7 @@ from worker.rundir import RunDir
 from worker.spec import RLSpec
 from worker.weight_sync.publish import publish_weights
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # an update's time against the idle update's: alone
 
 IN_FLIGHT = 64
 MAX_TOKENS = 512

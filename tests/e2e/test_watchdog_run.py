@@ -33,7 +33,7 @@ from tests.support.runs import rl_spec
 from worker.procs import alive
 from worker.rundir import RunDir, read_jsonl
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # NO_PROGRESS_S + SLACK_S, EVAL_TIMEOUT_S + END_SLACK_S: alone
 NO_PROGRESS_S = 8.0
 SLACK_S = 6.0
 """The watchdog's own delay past the no-progress time: its loop (0.5 s), the heartbeat period (1 s), the inference

@@ -98,8 +98,8 @@ def migrate(url: str, revision: str = "head", down: bool = False) -> None:
 
 
 def fresh_database(*, remove_state: bool) -> Iterator[str]:
-    """Body of the ``database`` fixtures (``tests/conftest.py``; package-scoped in ``tests/browser``): create and migrate the
-    test database, yield its URL, then drop it and the test queue (and, with ``remove_state``, the state dir)."""
+    """Body of the ``database`` fixture (``tests/conftest.py``, one a pytest process): create and migrate the test
+    database, yield its URL, then drop it and the test queue (and, with ``remove_state``, the state dir)."""
     pg_admin(f'CREATE DATABASE "{DB_NAME}"')
     try:
         migrate(os.environ["DATABASE_URL"])

@@ -20,7 +20,7 @@ from tests.support.runs import real_spec, run_of
 from tests.support.server import processes, wait_for
 from worker import cgroups
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # no process left CLEAN_S after the end: alone
 LIMIT_GIB = 1.5
 CLEAN_S = 10.0
 """Bound on the time from the run's final status to no process of it being left, measured 2.4-3.8 s on the loaded

@@ -270,6 +270,7 @@ def test_requeue_after_a_checkpoint_resumes_on_all_three_nodes_with_each_step_st
     assert wait_for(lambda: job_processes(job) == {}, 30, "no process of the job left")
 
 
+@pytest.mark.timing  # ended within 45 s of the node's loss: alone
 def test_a_lost_node_fails_the_run_naming_the_node(client: Any, auth: dict[str, str], multinode: str) -> None:
     """A trainer node taken down mid-run (``scontrol update state=down``): Slurm ends the job (``requeue = false``:
     NODE_FAIL, no requeue), and the run fails within a bounded time with a reason naming the node, whichever of the

@@ -20,7 +20,7 @@ from tests.support.runs import real_spec, run_of, trainer_steps
 from tests.support.server import ApiServer, start_celery_worker, stop_process_group, wait_for
 from worker.rundir import RunDir, read_jsonl
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # the alert within NO_PROGRESS_S + SLACK_S: alone
 NO_PROGRESS_S = 8.0
 SLACK_S = 8.0
 """Past the no-progress time until the webhook arrives: the watchdog's loop, heartbeat and probe (up to 3.5 s), the
