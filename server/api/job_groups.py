@@ -4,15 +4,19 @@ the group as the service shows it)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Query
 from pydantic import BaseModel
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 from server.models import stored_id
+
+logger = logging.getLogger("asyncrl.api")
 
 Offset = Annotated[int, Query(ge=0)]
 """The ``offset`` query parameter of a list route (default 0)."""
@@ -46,5 +50,9 @@ def submitted(
     and return the group as ``public`` shows it, read again with ``get``."""
     session.commit()
     group_id = stored_id(group)
-    tick(session, group_id)
+    try:
+        tick(session, group_id)
+    except OperationalError as err:  # stored: beat's next tick starts its first runs (never a "not stored" 503)
+        session.rollback()
+        logger.warning("%s %s stored; its first tick is left to beat: %s", type(group).__name__, group_id, err)
     return public(session, get(session, group_id))

@@ -72,7 +72,10 @@ def check_lora(spec: RLSpec | SFTSpec) -> None:
     try:
         check_targets(spec.model.name, lora.target_modules, field=field)
     except ValueError as err:
-        raise SpecError(str(err)) from None
+        raise SpecError(str(err) if str(err).startswith(field) else f"model.name: {err}") from None
+    except OSError as err:  # transformers could not read the folder's config (not JSON, not a model config)
+        reason = " ".join(str(err).split())[:300]
+        raise SpecError(f"model.name: {spec.model.name!r}: its config.json does not load ({reason})") from None
 
 
 def check(spec: RLSpec | SFTSpec | EvalSpec) -> None:

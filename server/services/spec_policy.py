@@ -159,6 +159,13 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
             raise SpecError(f"model.name: {name!r}: no such model folder (under MODEL_ROOTS {root})")
         if not os.path.isfile(os.path.join(local, "config.json")):
             raise SpecError(f"model.name: {name!r}: not a model folder (no config.json)")
+        real = [os.path.realpath(r) for r in absolute]
+        for entry in sorted(os.listdir(local)):  # a file linked out of the roots would be read (by the server too)
+            target = os.path.realpath(os.path.join(local, entry))
+            if not _under(target, real):
+                raise SpecError(
+                    f"model.name: {name!r}: {entry} links out of MODEL_ROOTS ({target}); copy the file into the folder"
+                )
 
 
 def check_data_path(field: str, path: str, roots: Collection[str]) -> None:
@@ -212,6 +219,15 @@ def nodelist(spec: RLSpec) -> set[str]:
     return {n.lower() for n in names if n}
 
 
+def _ip_literal(host: str) -> bool:
+    """An address, not a node name (a ``--nodelist`` of ``169.254.169.254`` names no node of the cluster)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def check_run_host(key: str, host: str, nodes: Collection[str]) -> None:
     """Refuse an address a run listens on or connects to inside itself (``inference.host``,
     ``trainer.weight_sync.master_addr``) unless it is loopback or one of ``nodes`` (:func:`nodelist`).
@@ -220,7 +236,7 @@ def check_run_host(key: str, host: str, nodes: Collection[str]) -> None:
         AddressNotAllowed: ``inference.host: '0.0.0.0' is not allowed in a run submitted to the service; allowed: a
             loopback address (127.0.0.1, localhost, ::1) or a node of the run's Slurm --nodelist (none)``.
     """
-    if _loopback(host.lower()) or host.lower() in nodes:
+    if _loopback(host.lower()) or (host.lower() in nodes and not _ip_literal(host)):
         return
     raise AddressNotAllowed(
         f"{key}: {host!r} is not allowed in a run submitted to the service; allowed: a loopback address (127.0.0.1, "
@@ -295,6 +311,8 @@ def check_flags(key: str, args: list[str], allowed: Collection[str], what: str, 
         SpecError: ``inference.extra_args: '--middleware' is not allowed in a run submitted to the service ...``.
     """
     for arg in args:
+        if any(c.isspace() for c in arg):  # one argv item each: "--a=1 --trust-remote-code" hides a second flag
+            raise SpecError(f"{key}: {arg!r} holds whitespace; give each option and value as its own item")
         flag = _flag(arg)
         if flag is not None and flag not in allowed:
             raise SpecError(

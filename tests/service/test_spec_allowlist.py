@@ -59,7 +59,6 @@ TEXT_FIELDS: dict[str, str] = {
     "orchestrator.gates.0.import_path": "code",
     "orchestrator.gates.0.kwargs.<key>": "plain",
     "orchestrator.harness.id": "code",
-    "orchestrator.harness.tool_parser": "plain",
     "launcher.slurm.account": "plain",
     "launcher.slurm.allocation": "plain",
     "launcher.slurm.partition": "plain",

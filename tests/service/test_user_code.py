@@ -115,6 +115,25 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
             id="job-env-ld-preload",
         ),
         pytest.param(
+            {"inference": {"extra_args": ["--max-num-seqs=4 --trust-remote-code"]}},
+            "inference.extra_args: '--max-num-seqs=4 --trust-remote-code' holds whitespace; give each option and "
+            "value as its own item",
+            id="vllm-flag-hidden-after-a-space",
+        ),
+        pytest.param(
+            {
+                "inference": {"host": "169.254.169.254"},
+                "launcher": {"kind": "slurm", "slurm": {"extra_sbatch": ["--nodelist=169.254.169.254"]}},
+            },
+            "inference.host: '169.254.169.254' is not allowed in a run submitted to the service; allowed: a loopback",
+            id="an-address-as-a-slurm-node",
+        ),
+        pytest.param(
+            {"orchestrator": {"harness": {"tool_parser": "/tmp/evil.py"}}},
+            "orchestrator.harness.tool_parser: Input should be 'qwen3', 'qwen3.5', 'glm' or 'deepseek-v3'",
+            id="tool-parser-not-a-parser",
+        ),
+        pytest.param(
             {"launcher": {"slurm": {"env": {"GCONV_PATH": "/tmp/gconv"}}}},
             "launcher.slurm.env: 'GCONV_PATH' is not allowed",
             id="job-env-not-in-the-allowlist",
@@ -250,3 +269,69 @@ def test_a_supervisor_an_earlier_delivery_started_is_adopted_not_refused(
         proc.kill()
         proc.wait()
     assert client.get(f"/api/runs/{run['id']}", headers=auth).json()["status"] == "cancelled"
+
+
+def _model_folder(name: str, config: str) -> Path:
+    from server.core.config import settings
+
+    folder = Path(settings.ASYNCRL_OUTPUT_DIR) / "models" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(config)
+    return folder
+
+
+def test_a_model_folder_whose_file_links_out_of_the_roots_is_refused(client: Any, auth: dict[str, str]) -> None:
+    folder = _model_folder("linked", '{"model_type": "qwen3"}')
+    (folder / "tokenizer.json").symlink_to("/etc/hostname")
+    before = run_count(client, auth)
+    resp = client.post("/api/runs", json=spec(model={"name": str(folder)}), headers=auth)
+    assert (resp.status_code, resp.json()["detail"]) == (
+        422,
+        f"model.name: {str(folder)!r}: tokenizer.json links out of MODEL_ROOTS (/etc/hostname); copy the file into "
+        "the folder",
+    )
+    assert run_count(client, auth) == before
+
+
+def test_a_lora_spec_of_a_folder_whose_config_does_not_load_is_a_422(client: Any, auth: dict[str, str]) -> None:
+    folder = _model_folder("badjson", "{not json")
+    lora = {"rank": 4, "target_modules": ["q_proj"]}
+    resp = client.post("/api/runs", json=spec(model={"name": str(folder)}, trainer={"lora": lora}), headers=auth)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"].startswith(f"model.name: {str(folder)!r}: its config.json does not load (")
+
+
+def test_an_sft_data_path_that_is_a_fifo_is_refused_not_opened(client: Any, auth: dict[str, str]) -> None:
+    import os
+
+    from server.core.config import settings
+
+    fifo = Path(settings.ASYNCRL_OUTPUT_DIR) / "rows.jsonl"
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    body = {"kind": "sft", "name": "fifo", "max_steps": 2, "model": {"name": "org/model"}, "data": {"path": str(fifo)}}
+    resp = client.post("/api/runs", json=body, headers=auth)
+    assert (resp.status_code, resp.json()["detail"]) == (
+        422,
+        f"data.path: {fifo} is not a regular file or a folder (expected a .jsonl or .parquet file)",
+    )
+
+
+def test_a_pipeline_stored_while_its_first_tick_meets_a_locked_database_is_201(
+    client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline row is committed before its first tick; a tick that fails (SQLite busy) leaves it to beat,
+    never a "not stored" 503 for a stored pipeline (a client would retry and make a second one)."""
+    from sqlalchemy.exc import OperationalError
+
+    from server.services import pipelines
+
+    def busy(*_: Any) -> list[str]:
+        raise OperationalError("UPDATE", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(pipelines, "tick", busy)
+    body = {"name": "busy", "stages": [{"kind": "sft", "base": {"model": {"name": "org/model"}, "max_steps": 2}}]}
+    resp = client.post("/api/pipelines", json=body, headers=auth)
+    assert resp.status_code == 201, resp.text
+    stored = client.get(f"/api/pipelines/{resp.json()['id']}", headers=auth).json()
+    assert (stored["status"], [s["status"] for s in stored["stages"]]) == ("running", ["pending"])

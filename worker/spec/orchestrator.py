@@ -191,7 +191,7 @@ class HarnessConfig(StrictModel):
     """verifiers harness id (``null``: verifiers' chat program, a subprocess per rollout, needs ``uv``); verifiers
     imports a module of that name when it is not one of its own, so the service allows only its own or an allowed
     package's (``worker/spec/user_code.py``)."""
-    tool_parser: str | None = "qwen3"
+    tool_parser: Literal["qwen3", "qwen3.5", "glm", "deepseek-v3"] | None = "qwen3"
     """``renderers`` parser that reads tool calls from sampled token ids (``qwen3``: ``<tool_call>{json}</tool_call>``)."""
     max_concurrent: int = Field(default=8, ge=1, le=1024)
     """Agent rollouts running at once (each may start a subprocess and tool servers: at most 1024 processes)."""

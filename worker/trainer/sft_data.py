@@ -82,6 +82,8 @@ def read_rows(path: str, field: str, split: str) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.exists():
         raise SpecError(f"{field}: {path} does not exist (expected a .jsonl or .parquet file or a datasets folder)")
+    if not (p.is_dir() or p.is_file()):  # a FIFO, socket or device: opening it could block or never end
+        raise SpecError(f"{field}: {path} is not a regular file or a folder (expected a .jsonl or .parquet file)")
     rows: list[dict[str, Any]]
     if p.is_dir():
         rows = _dataset_rows(p, field, split)
