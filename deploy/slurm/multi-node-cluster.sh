@@ -42,6 +42,12 @@ network() {
   ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
   [[ $(ip addr show dev "$BRIDGE") == *"inet $NET.1/24"* ]] || ip addr add "$NET.1/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
+  # a bridge's frames pass iptables' FORWARD chain once br_netfilter is loaded (Docker loads it and sets the chain's
+  # policy to DROP): let the nodes reach each other on their own bridge, nothing else
+  if command -v iptables >/dev/null && [ "$(cat /proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null)" = 1 ]; then
+    iptables -C FORWARD -i "$BRIDGE" -o "$BRIDGE" -j ACCEPT 2>/dev/null \
+      || iptables -I FORWARD -i "$BRIDGE" -o "$BRIDGE" -j ACCEPT
+  fi
   local k ns
   for k in $(seq 1 "$NODES"); do
     ns=$(node "$k")
@@ -170,6 +176,9 @@ stop() {
     ip link del "$k" 2>/dev/null || true
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  if command -v iptables >/dev/null; then
+    while iptables -D FORWARD -i "$BRIDGE" -o "$BRIDGE" -j ACCEPT 2>/dev/null; do :; done
+  fi
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then  # sourced (tests): the functions only
