@@ -45,9 +45,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = init_model(tmp / "model", size="tiny", seed=0)
     api = ApiServer(tmp / "server.log")
     api.start()
-    worker = start_celery_worker(api.url, tmp / "worker.log")
-    try:
+    worker = None
+    try:  # a worker that does not start must not leave the API server behind
+        worker = start_celery_worker(api.url, tmp / "worker.log")
         yield str(model)
     finally:
-        stop_process_group(worker)
+        if worker is not None:
+            stop_process_group(worker)
         api.kill()
