@@ -100,7 +100,7 @@ def login() -> Any:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``asyncrl server`` and a Celery worker, both real processes; yields the server URL. Runs left running by a
     test that failed mid-run are killed at the end (:func:`kill_run_sessions`)."""
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     app.control.purge()  # launches queued by earlier tests of this session
     logs = tmp_path_factory.mktemp("service")

@@ -249,7 +249,7 @@ def start_celery_worker(server_url: str, log: Path, **env: str) -> subprocess.Po
                 "-m",
                 "celery",
                 "-A",
-                "worker.celery_app",
+                "server.jobs.celery_app",
                 "worker",
                 "--pool=solo",
                 "--loglevel=INFO",

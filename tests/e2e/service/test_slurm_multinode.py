@@ -34,7 +34,7 @@ BRIDGE = "10.77.0.1"
 def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The tiny model's path, with an API server on the bridge address and a Celery worker whose Slurm commands
     (and the jobs' ``srun``) talk to the multi-node cluster."""
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
     from worker.models import init_model
 
     assert Path(SLURM_CONF).exists(), "start the cluster: bash deploy/slurm/multi-node-cluster.sh start"
