@@ -6,14 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
-if [ ! -f /tmp/vllm-env.sh ]; then
-  bash benchmarks/gpu/vllm/vllm-device-setup.sh .vllm-parts/p1 >/tmp/vllm-setup.log 2>&1 || { cat /tmp/vllm-setup.log; exit 5; }
-fi
-source /tmp/vllm-env.sh
-if [ ! -d /tmp/site2 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .gpuwheels/*.whl \
-    2>&1 | grep -v "WARNING: Running pip as" | tail -3
-fi
+source benchmarks/gpu/device-env.sh
 export PYTHONPATH=/tmp/site:/tmp/site2:$PWD
 python3 -c "import vllm, verifiers, peft, torch, worker.cli" || exit 6
 echo "setup $(( $(date +%s) - T0 )) s"
