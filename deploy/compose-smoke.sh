@@ -54,7 +54,15 @@ if ! docker info >/dev/null 2>&1; then
   command -v dockerd >/dev/null || die "no Docker engine and no dockerd (Debian: apt-get install docker.io)"
   [ "$(id -u)" = 0 ] || die "no Docker engine running; start dockerd (as root)"
   echo "    starting dockerd (log: $WORK/dockerd.log)"
-  nohup dockerd >"$WORK/dockerd.log" 2>&1 &
+  # Detached and without this shell's open files: under `flock LOCK bash deploy/compose-smoke.sh` an inherited
+  # descriptor of LOCK would keep the lock held for as long as dockerd runs, after this script has ended.
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-"; fi
+    done
+    cd / && exec setsid nohup dockerd </dev/null
+  ) >"$WORK/dockerd.log" 2>&1 &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s: $(tail -3 "$WORK/dockerd.log")"
 fi
@@ -144,7 +152,8 @@ if [ -n "$ca" ] && [ -s "$ca" ]; then SECRET=(--secret "id=ca_bundle,src=$ca"); 
 done_step "$(find "$WORK/context/.wheels" -name '*.whl' | wc -l) local wheel(s), CA bundle: ${ca:-none}"
 
 ctx_sum=$(cd "$WORK/context" && find . -type f ! -path './.wheels/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-12)
-build_ours() {  # build_ours TAG DOCKERFILE ARGS...: skipped when TAG was built from the same context
+build_ours() {  # build_ours TAG DOCKERFILE ARGS...: skipped when TAG was built from the same context (whose copy of
+  # DOCKERFILE it builds: the checkout's may change while the other image builds)
   local tag=$1 file=$2
   shift 2
   if [ "${ASYNCRL_SMOKE_REBUILD:-0}" != 1 ] && have_image "$tag" \
@@ -152,7 +161,7 @@ build_ours() {  # build_ours TAG DOCKERFILE ARGS...: skipped when TAG was built 
     done_step "present (same context $ctx_sum), $(size_of "$tag")"
     return
   fi
-  build "$tag" "$file" "$WORK/context" --label "asyncrl.context=$ctx_sum" "${SECRET[@]}" \
+  build "$tag" "$WORK/context/$file" "$WORK/context" --label "asyncrl.context=$ctx_sum" "${SECRET[@]}" \
     --build-arg PIP_EXTRA_INDEX_URL= --build-arg PIP_FIND_LINKS=/app/.wheels "$@"
   done_step "$(size_of "$tag")"
 }

@@ -337,7 +337,7 @@ def test_commands_are_the_images_and_parse_with_the_cli(
         assert [json.loads(c) for c in cmd] == [argv]
     from server import cli
     from server.core.config import settings
-    from worker.celery_app import app
+    from server.jobs.celery_app import app
 
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(cli, "bind", lambda host, port: calls.append(("bind", host, port)))
@@ -368,7 +368,7 @@ def test_worker_healthcheck_pings_a_live_worker_by_its_node_name(tmp_path: Path)
     health = [args for kind, args in dockerfile_instructions(DOCKERFILES["worker"]) if kind == "HEALTHCHECK"]
     assert len(health) == 1
     argv = json.loads(health[0].split("CMD", 1)[1])
-    assert argv[:2] == ["sh", "-c"] and argv[2].startswith("celery -A worker.celery_app inspect ping ")
+    assert argv[:2] == ["sh", "-c"] and argv[2].startswith("celery -A server.jobs.celery_app inspect ping ")
     host = f"asyncrl-test-deploy-{secrets.token_hex(4)}"
     env = {**os.environ, "CELERY_BROKER_URL": REDIS, "CELERY_QUEUE": host, "ASYNCRL_HOME": str(tmp_path)}
     check = argv[2].replace("--timeout 10", "--timeout 2")  # a shorter wait for the 'no such node' case
@@ -377,7 +377,7 @@ def test_worker_healthcheck_pings_a_live_worker_by_its_node_name(tmp_path: Path)
         [
             str(BIN / "celery"),
             "-A",
-            "worker.celery_app",
+            "server.jobs.celery_app",
             "worker",
             "-n",
             f"celery@{host}",
@@ -453,10 +453,31 @@ def test_images_install_with_the_setup_script_the_tests_use(services: dict[str, 
     assert "bash scripts/setup.sh" in (ROOT / ".ci/run").read_text()
     assert "bash scripts/setup.sh" in (ROOT / "README.md").read_text()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    mounts = "--mount=type=secret,id=ca_bundle --mount=type=cache,target=/root/.cache/pip "
     for path in DOCKERFILES.values():
-        assert [args for kind, args in dockerfile_instructions(path) if kind == "RUN" and "setup.sh" in args] == [
-            "--mount=type=secret,id=ca_bundle --mount=type=cache,target=/root/.cache/pip "
-            "bash deploy/with-build-ca.sh bash scripts/setup.sh && rm -rf .wheels"
+        steps = dockerfile_instructions(path)
+        assert [args for kind, args in steps if kind == "RUN" and "setup.sh" in args] == [
+            mounts + "mkdir server worker webui && touch server/__init__.py worker/__init__.py webui/__init__.py "
+            "README.md && bash deploy/with-build-ca.sh bash scripts/setup.sh "
+            "&& rm -rf .wheels server/__init__.py worker/__init__.py webui/__init__.py README.md",
+            mounts + "bash deploy/with-build-ca.sh bash scripts/setup.sh && rm -rf .wheels",
+        ]
+        # the dependency layer is built from the install's own inputs, before the code comes (`COPY . .`): what
+        # setup.sh and the scripts it calls read is copied, so a change of any of them rebuilds the .venv
+        copies = [args for kind, args in steps[: steps.index(("COPY", ". ."))] if kind == "COPY"]
+        assert copies == [
+            "pyproject.toml requirements.lock requirements-gpu.lock ./",
+            "scripts/setup.sh scripts/python-for-runs.sh scripts/",
+            "deploy/with-build-ca.sh deploy/",
+            ".wheel[s] .wheels/",
+        ]
+        called = set(
+            re.findall(r"(?:bash|source|\.) ((?:scripts|deploy)/[\w.-]+\.sh)", (ROOT / "scripts/setup.sh").read_text())
+        )
+        assert called <= {"scripts/python-for-runs.sh", "deploy/with-build-ca.sh"}, called
+        assert [args for kind, args in steps if kind == "COPY" and "--from=build" in args] == [
+            "--from=build /app/.venv /app/.venv",
+            "--from=build /src /app",
         ]
     assert dockerfile_env(DOCKERFILES["server"])["ASYNCRL_EXTRAS"] == "server"
     args = dict(re.findall(r"^ARG (\w+)=?(.*)$", DOCKERFILES["worker"].read_text(), flags=re.M))
@@ -504,3 +525,18 @@ def test_dockerfiles_pass_hadolint_with_documented_ignores() -> None:
     )  # and hadolint does flag a bad Dockerfile
     assert bad.returncode == 1
     assert sorted(set(re.findall(r"DL\d{4}", bad.stdout))) == ["DL3006", "DL3008", "DL3014", "DL3015"]
+
+
+def test_compose_ci_caches_the_smoke_scripts_stand_ins_and_writes_outside_the_checkout() -> None:
+    """deploy/compose-ci.sh (CI's `compose up`) is compose-smoke.sh with a cache: it saves and loads the same
+    stand-in images the smoke builds, and its measurements go to its cache folder, not to a tracked file."""
+    ci = (ROOT / "deploy/compose-ci.sh").read_text()
+    smoke = (ROOT / "deploy/compose-smoke.sh").read_text()
+    standins = set(re.findall(r"asyncrl-standin/(\w+):\$SUITE", smoke)) | {"debian"}  # DEBIAN_IMAGE
+    assert (
+        set(re.findall(r"asyncrl-standin/(\w+):\$SUITE", ci)) == standins == {"debian", "python", "postgres", "redis"}
+    )
+    assert re.search(r"^ASYNCRL_SMOKE_DIR=.*ASYNCRL_SMOKE_RESULTS=\$RESULTS bash deploy/compose-smoke.sh", ci, re.M)
+    assert "RESULTS=${ASYNCRL_SMOKE_RESULTS:-$CACHE/compose_ci.json}" in ci
+    for script in (ci, smoke):  # dockerd started by either must not inherit a `flock` descriptor
+        assert 'eval "exec $fd>&-"' in script and "exec setsid nohup dockerd </dev/null" in script
