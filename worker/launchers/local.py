@@ -255,6 +255,51 @@ def trainer_command(spec: RLSpec, run: RunDir, resume_args: list[str]) -> list[s
     return [sys.executable, *launcher, "-m", "worker.trainer", "--run-dir", str(run.root), *resume_args]
 
 
+def shares_gpu(spec: RLSpec) -> bool:
+    """Whether the trainer may use a GPU that vLLM uses: then it starts only once vLLM is ready (vLLM sizes its KV
+    cache from the memory it finds free while it boots). Otherwise the trainer and orchestrator start beside vLLM's
+    boot: the orchestrator waits for the server (``InferenceClient.wait_ready``), the trainer for its first batch."""
+    local = spec.launcher.local
+    if spec.trainer.device != "cuda":
+        return False
+    return not (local.trainer_gpus and local.inference_gpus) or bool(
+        set(local.trainer_gpus) & set(local.inference_gpus)
+    )
+
+
+def start_trainer_and_orchestrator(
+    spec: RLSpec,
+    run: RunDir,
+    procs: dict[str, subprocess.Popen[bytes]],
+    urls: list[str],
+    start: int | None,
+    orchestrator_env: dict[str, str] | None,
+    layout: Any,
+) -> None:
+    """Spawn the run's trainer and orchestrator (into ``procs``) against the inference servers at ``urls``."""
+    resume_args = ["--resume-step", str(start)] if start else []
+    trainer_args = ["--run-dir", str(run.root), *resume_args]
+    procs["trainer"] = spawn(
+        trainer_command(spec, run, resume_args) if layout is None else layout.trainer_command(spec, trainer_args),
+        run.logs / "trainer.log",
+        gpu_env(spec.launcher.local.trainer_gpus),
+    )
+    procs["orchestrator"] = spawn(
+        [
+            *([] if layout is None else layout.srun(layout.trainer[:1], "orchestrator")),
+            sys.executable,
+            "-m",
+            "worker.orchestrator",
+            "--run-dir",
+            str(run.root),
+            *[arg for u in urls for arg in ("--inference-url", u)],
+            *resume_args,
+        ],
+        run.logs / "orchestrator.log",
+        orchestrator_env,
+    )
+
+
 def launch_rl(
     spec: RLSpec, *, resume: bool = False, overwrite: bool = False, quiet: bool = False, act_on_stall: bool = True
 ) -> dict[str, Any]:
@@ -313,6 +358,8 @@ def launch_rl(
             )
             procs["inference"] = spawn(cmd, run.logs / "inference.log", env)
             say(f"starting vLLM at {url} (log: {run.logs / 'inference.log'})")
+            if not shares_gpu(spec):  # the trainer and orchestrator load while vLLM boots (they wait for it)
+                start_trainer_and_orchestrator(spec, run, procs, [url], start, orchestrator_env, layout)
             from rich.console import Console
 
             with Console(stderr=True, quiet=quiet).status("waiting for vLLM to load the model (20-80 s on CPU)"):
@@ -321,27 +368,8 @@ def launch_rl(
                 )
             record_boot(run, say, booted, eager(spec.inference.enforce_eager), 1)
         urls = urls or [url]
-        resume_args = ["--resume-step", str(start)] if start else []
-        trainer_args = ["--run-dir", str(run.root), *resume_args]
-        procs["trainer"] = spawn(
-            trainer_command(spec, run, resume_args) if layout is None else layout.trainer_command(spec, trainer_args),
-            run.logs / "trainer.log",
-            gpu_env(spec.launcher.local.trainer_gpus),
-        )
-        procs["orchestrator"] = spawn(
-            [
-                *([] if layout is None else layout.srun(layout.trainer[:1], "orchestrator")),
-                sys.executable,
-                "-m",
-                "worker.orchestrator",
-                "--run-dir",
-                str(run.root),
-                *[arg for u in urls for arg in ("--inference-url", u)],
-                *resume_args,
-            ],
-            run.logs / "orchestrator.log",
-            orchestrator_env,
-        )
+        if "trainer" not in procs:
+            start_trainer_and_orchestrator(spec, run, procs, urls, start, orchestrator_env, layout)
         nodes: dict[str, Any] = {} if layout is None else {"nodes": layout.placement(len(urls))}
         if len(urls) > 1:
             nodes["inference_urls"] = urls

