@@ -199,6 +199,25 @@ def _check_key(where: str, key: str, known: dict[str, Any]) -> None:
     raise SpecError(f"{where}.{key}: unknown spec key" + (f" (did you mean {hint!r}?)" if hint else ""))
 
 
+def check_value_types(spec: SweepSpec, params: dict[str, Any], resolved: dict[str, Any]) -> None:
+    """Refuse a number swept into a text key: the spec takes numbers as text (``--model.name 2024`` on the command
+    line), so a ``random`` draw would make ``model.name = "0.84"``. Only numeric keys take a range or number values.
+
+    Raises:
+        SpecError: ``random.model.name: a text key; a random range draws numbers, so only numeric keys take one
+            ...`` or ``grid.model.name: 0.5 is a number, but model.name takes text; ...``.
+    """
+    for key, value in params.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or not isinstance(resolved.get(key), str):
+            continue
+        if key in (spec.random or {}):
+            raise SpecError(
+                f"random.{key}: a text key; a random range draws numbers, so only numeric keys take one "
+                "(sweep text with grid values)"
+            )
+        raise SpecError(f'grid.{key}: {value!r} is a number, but {key} takes text; give text values such as "{value}"')
+
+
 def trial_params(spec: SweepSpec) -> list[dict[str, Any]]:
     """The swept values of every trial, in order: the grid's combinations (keys in the order given, the last varying
     fastest), each with ``num_samples`` seeded random draws when ``random`` is set."""
@@ -231,10 +250,11 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
 
     Raises:
         SpecError: one line naming the field: an unknown key (with the closest known one) or a non-sweepable one, an
-            empty grid or value list, a random range with ``low > high`` (or ``log`` with ``low <= 0``),
-            ``max_parallel < 1``, a pruning step at or beyond the base spec's ``max_steps``, too many trials, or a
-            trial whose run spec is invalid (``grid.<key>``/``random.<key>`` and the spec's message) or one the launch
-            would refuse (``server.services.launch_checks``: LoRA targets, ``inference.urls`` that do not answer).
+            empty grid or value list, a random range with ``low > high`` (or ``log`` with ``low <= 0``), a range or
+            number swept into a text key (:func:`check_value_types`), ``max_parallel < 1``, a pruning step at or
+            beyond the base spec's ``max_steps``, too many trials, or a trial whose run spec is invalid
+            (``grid.<key>``/``random.<key>`` and the spec's message) or one the launch would refuse
+            (``server.services.launch_checks``: LoRA targets, ``inference.urls`` that do not answer).
     """
     mp = data.get("max_parallel", 1)
     if not isinstance(mp, int) or isinstance(mp, bool) or not 1 <= mp <= MAX_PARALLEL:
@@ -290,6 +310,7 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
             run_spec = validate_spec("rl", with_keys(spec.base, p))
         except (SpecError, DottedKeyError) as err:
             raise SpecError(f"grid ({shown}): {err}") from None
+        check_value_types(spec, p, flatten(run_spec.model_dump(mode="json")))
         if spec.pruning and spec.pruning.at_steps[-1] >= run_spec.max_steps:  # a swept max_steps
             raise SpecError(
                 f"pruning.at_steps: step {spec.pruning.at_steps[-1]} is not before max_steps {run_spec.max_steps} of "

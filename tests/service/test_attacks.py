@@ -1126,6 +1126,23 @@ XSS = [
     Attack("<script> in a webhook name", "GET /alerts", 200, "escaped: &lt;script&gt;", xss_page("webhook")),
 ]
 
+SWEEPS_AND_STAGES = [
+    Attack(
+        "a sweep's random range on a text key (model.name = '0.84')",
+        "POST /api/sweeps",
+        422,
+        "random.model.name: a text key; a random range draws numbers, so only numeric keys take one",
+        call("POST", "/api/sweeps", {"base": spec(), "random": {"model.name": {"low": 0, "high": 1}}}),
+    ),
+    Attack(
+        "a sweep's grid of numbers on a text key",
+        "POST /api/sweeps",
+        422,
+        "grid.model.name: 0.5 is a number, but model.name takes text",
+        call("POST", "/api/sweeps", {"base": spec(), "grid": {"model.name": [0.5]}}),
+    ),
+]
+
 SSRF_TARGETS = [  # (URL host, the host as the URL parser normalises it, the address judged, why it is refused)
     ("169.254.169.254", "169.254.169.254", "169.254.169.254", "a cloud metadata address"),
     ("100.100.100.200", "100.100.100.200", "100.100.100.200", "a cloud metadata address"),
@@ -1206,7 +1223,17 @@ SSRF_ROWS = [
 ]
 
 ATTACKS: list[Attack] = (
-    CODE + ADDRESSES + LIMITS + BODIES + AUTH + SECOND_USER + VIEWER_ROWS + TRAVERSAL + XSS + SSRF_ROWS
+    CODE
+    + ADDRESSES
+    + LIMITS
+    + BODIES
+    + AUTH
+    + SECOND_USER
+    + VIEWER_ROWS
+    + TRAVERSAL
+    + XSS
+    + SWEEPS_AND_STAGES
+    + SSRF_ROWS
 )
 
 

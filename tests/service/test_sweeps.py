@@ -328,6 +328,16 @@ BAD = [
         "pruning.at_steps: step 2 is not before max_steps 2 of the trial (max_steps = 2)",
     ),
     ({"grid": {"trainer.threads": [1, 512]}}, "grid (trainer.threads = 512): trainer.threads: 512 exceeds the worker"),
+    # a number swept into a text key would be taken as text (model.name = "0.84"): only numeric keys take numbers
+    (
+        {"grid": None, "pruning": None, "random": {"model.name": {"low": 0, "high": 1}}},
+        "random.model.name: a text key; a random range draws numbers, so only numeric keys take one (sweep text with "
+        "grid values)",
+    ),
+    (
+        {"grid": {"model.name": [0.5, 1.5]}, "pruning": None},
+        'grid.model.name: 0.5 is a number, but model.name takes text; give text values such as "0.5"',
+    ),
     ({"base": "configs/reverse_text/rl.toml"}, "base: expected the run spec as a table"),
     ({"base": {**spec(max_steps=4), "output_dir": "/tmp/x"}}, "base.output_dir: the service chooses the run folder"),
     ({"max_paralel": 4}, "max_paralel: unknown sweep key (did you mean 'max_parallel'?); allowed: name, base, "),
