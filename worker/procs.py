@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -76,6 +78,75 @@ NEVER_PASSED = frozenset(
 )
 """The service's database and broker URLs, its secret (and ``ASYNCRL_HOME``, where its generated secret file lies)
 and any run's identity: never passed, whatever is allowed; the launcher sets the run's own identity itself."""
+
+
+WORKER_CACHE_VARS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT"})
+"""Cache folders of the worker's user (torch sets ``TORCHINDUCTOR_CACHE_DIR`` in the environment of a process that
+compiled once, e.g. ``/tmp/torchinductor_root``) that a run started as another user does not inherit: it could not
+write them (vLLM's engine failed with ``PermissionError`` on its first step), and a compile cache shared by runs would
+let one run put code into another's. Its caches go under its ``HOME`` and ``/tmp/torchinductor_<its USER>``."""
+
+RUN_AS_VAR = "ASYNCRL_RUN_AS"
+"""Set (``<uid>:<gid>:<name>:<HOME>``) in a Slurm job that a root worker submitted (``deploy/slurm/rl.sbatch.j2``):
+the job's supervisor runs as the job's user (root: it starts job steps and requeues the job), and every process of
+the run it starts, here or on another node, drops to that uid and gid first (:func:`run_as_argv`)."""
+
+
+def run_as(environ: Mapping[str, str] | None = None) -> tuple[int, int, str, str] | None:
+    """``(uid, gid, name, HOME)`` of :data:`RUN_AS_VAR` in ``environ`` (default this process's), None when unset."""
+    value = (os.environ if environ is None else environ).get(RUN_AS_VAR)
+    if not value:
+        return None
+    uid, gid, name, home = value.split(":", 3)
+    return int(uid), int(gid), name, home
+
+
+def run_as_argv(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The argv prefix that runs a command as :data:`RUN_AS_VAR`'s uid and gid with no supplementary groups (util-linux
+    ``setpriv``; the parent-death signal :func:`spawn` set is kept), with ``HOME``, ``USER`` and ``LOGNAME`` its own and
+    neither :data:`RUN_AS_VAR` nor :data:`WORKER_CACHE_VARS` in its environment: the identity a root worker's local run
+    has (``worker.supervisor.detach``). ``[]`` when the variable is unset (the command runs as this process's user)."""
+    identity = run_as(environ)
+    if identity is None:
+        return []
+    uid, gid, name, home = identity
+    unset = [arg for var in (RUN_AS_VAR, *sorted(WORKER_CACHE_VARS)) for arg in ("-u", var)]
+    return [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={gid}",
+        "--clear-groups",
+        "--pdeathsig=keep",
+        "--",
+        "env",
+        *unset,
+        f"HOME={home}",
+        f"USER={name}",
+        f"LOGNAME={name}",
+    ]
+
+
+def give_tree(root: Path, uid: int, gid: int) -> None:
+    """Make ``root`` and everything under it (links themselves, never what they point to) owned by ``uid``/``gid``.
+
+    A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run_files``) is first
+    replaced by a copy of its own: changing the owner of the shared inode would give the child run's uid the
+    parent's files to rewrite (found by a helper, 2026-12-04)."""
+    for path in [root, *root.rglob("*")]:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            private = path.with_name(f".{path.name}.own")
+            shutil.copy2(path, private)
+            os.replace(private, path)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.lchown(path, uid, gid)
+
+
+def give_to_run_user(root: Path) -> None:
+    """Inside a Slurm job of a root worker (:data:`RUN_AS_VAR`): :func:`give_tree` the run directory ``root``, which
+    this (root) supervisor prepared, to the run's uid before its processes start; nothing otherwise."""
+    if (identity := run_as()) is not None:
+        give_tree(root, identity[0], identity[1])
 
 
 def run_environ(environ: Mapping[str, str], allow: Collection[str] = ()) -> dict[str, str]:
@@ -163,11 +234,15 @@ def session_members(session: int) -> set[int]:
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` as the leader of a new process group with stdout+stderr appended to ``log_path``, plus the
     group's watchdog (module docstring): when this process dies, by any signal, the whole group gets SIGKILL.
-    ``env`` replaces the environment when given (else it is inherited). Stop it with :func:`kill_group`.
+    ``env`` replaces the environment when given (else it is inherited). Inside a Slurm job of a root worker
+    (:data:`RUN_AS_VAR`) ``cmd`` runs as the run's uid (:func:`run_as_argv`; an ``srun`` of a job step is left as it
+    is: ``worker.launchers.slurm_layout.Layout.srun`` puts the drop on the node). Stop it with :func:`kill_group`.
 
     Raises:
         OSError: ``cmd`` cannot be started (the watchdog is not started then).
     """
+    if cmd[:1] != ["srun"]:
+        cmd = [*run_as_argv(), *cmd]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         parent = os.getpid()

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import pwd
-import shutil
 import signal
 import stat
 import subprocess
@@ -49,7 +48,7 @@ import httpx
 
 from worker import cgroups
 from worker.launchers import slurm_job
-from worker.procs import alive, run_environ
+from worker.procs import WORKER_CACHE_VARS, alive, give_tree, run_environ
 from worker.reporter import Reporter, report_timeout_s
 from worker.rundir import SupervisorHome, describe_os_error, read_jsonl
 
@@ -200,6 +199,21 @@ def check_python(user: RunUser, python: str | None = None) -> None:
     )
 
 
+def check_run_user(user: RunUser, home: Path) -> None:
+    """Before a run of ``user`` starts (here or as a Slurm job): it can run this worker's Python (:func:`check_python`)
+    and enter the run's ``home`` folder.
+
+    Raises:
+        ValueError: it cannot; one line saying what to change.
+    """
+    check_python(user)
+    if (folder := folder_in_the_way(str(home), user.uid, user.gid)) is not None:
+        raise ValueError(
+            f"the run user {user.name} (uid {user.uid}) cannot enter {folder}, above its home folder {home}: "
+            f"`chmod o+x {folder}`, or set ASYNCRL_OUTPUT_DIR to a folder other users may enter"
+        )
+
+
 def folder_in_the_way(path: str, uid: int, gid: int) -> Path | None:
     """The first folder above ``path`` (as given, then with its links resolved) that ``uid``/``gid`` (without
     supplementary groups) may not enter, or None (folders that do not exist yet are not looked at)."""
@@ -218,25 +232,9 @@ def folder_in_the_way(path: str, uid: int, gid: int) -> Path | None:
 
 
 def give_home(home: Path, user: RunUser) -> None:
-    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's.
-
-    A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run_files``) is first
-    replaced by a copy of its own: changing the owner of the shared inode would give the child run's uid the
-    parent's files to rewrite (found by a helper, 2026-12-04)."""
-    for path in [home, *home.rglob("*")]:
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            private = path.with_name(f".{path.name}.own")
-            shutil.copy2(path, private)
-            os.replace(private, path)
-        os.lchown(path, user.uid, user.gid)
-
-
-WORKER_CACHE_VARS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT"})
-"""Cache folders of the worker's user (torch sets ``TORCHINDUCTOR_CACHE_DIR`` in the environment of a process that
-compiled once, e.g. ``/tmp/torchinductor_root``) that a run started as another user does not inherit: it could not
-write them (vLLM's engine failed with ``PermissionError`` on its first step), and a compile cache shared by runs would
-let one run put code into another's. Its caches go under its ``HOME`` and ``/tmp/torchinductor_<its USER>``."""
+    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's
+    (:func:`worker.procs.give_tree`: a hard-linked file is copied first)."""
+    give_tree(home, user.uid, user.gid)
 
 
 def detach(
@@ -321,12 +319,7 @@ def start(
         OSError: the supervisor cannot be started.
     """
     if user is not None:
-        check_python(user)
-        if (folder := folder_in_the_way(str(home), user.uid, user.gid)) is not None:
-            raise ValueError(
-                f"the run user {user.name} (uid {user.uid}) cannot enter {folder}, above its home folder {home}: "
-                f"`chmod o+x {folder}`, or set ASYNCRL_OUTPUT_DIR to a folder other users may enter"
-            )
+        check_run_user(user, home)
     files = SupervisorHome(home)
     files.write_spec(spec)
     files.final.unlink(missing_ok=True)
@@ -490,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from worker.launchers.local import launch_eval, launch_rl, launch_sft
 
+        slurm_job.check_run_as(spec.launcher.slurm.nodes)  # a root worker's job: never run the run as root
         if isinstance(spec, SFTSpec):
             summary = launch_sft(spec, resume=resume, quiet=True)
         elif isinstance(spec, EvalSpec):
@@ -499,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         status, reason = summary["status"], str(summary.get("reason") or _last_reason(spec.run_dir))
     except SpecError as err:
         status, reason = "failed", f"preflight: {err}"
+    except slurm_job.RunAsError as err:
+        status, reason = "failed", str(err)
     except KeyboardInterrupt:
         status, reason = "cancelled", "terminated"
     except OSError as err:  # preparing the run directory: a full disk, an output folder it may not write

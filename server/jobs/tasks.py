@@ -261,8 +261,15 @@ def _launch_slurm(session: Session, run: Run) -> str:
                 SupervisorHome(home).write_spec(run.spec)
             except OSError as err:
                 return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
+            try:  # a root worker: the run's processes run as its uid (never as root), checked before submitting
+                user = supervisor.run_user(settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home)
+                if user is not None:
+                    supervisor.check_run_user(user, home)
+            except ValueError as err:
+                return _fail_launch(session, run, f"launch: {err}")
             env = supervisor.run_env(run_id, tokens.run_token(run), settings.server_url(), settings.RUN_ENV_ALLOW)
-            job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=bool(runs.checkpoint_steps(run)))
+            resume = bool(runs.checkpoint_steps(run))
+            job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=resume, user=user)
     except (slurm.SlurmError, NotImplementedError) as err:
         runs.transition(session, run, RunStatus.failed, reason=f"slurm: {err}"[:2000], launcher="slurm")
         session.commit()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.checkpoint import check_run_dir, remove_incomplete
-from worker.procs import free_port, kill_group, spawn
+from worker.procs import free_port, give_to_run_user, kill_group, spawn
 from worker.progress import PROGRESS_DIR
 from worker.rundir import (
     DISK_FULL_FREE_BYTES,
@@ -321,6 +321,7 @@ def launch_rl(
     shutil.rmtree(run.root / PROGRESS_DIR, ignore_errors=True)  # an earlier attempt's records: not of these processes
     t_start = time.time()
     run.log_event("starting", resume_step=start)
+    give_to_run_user(run.root)  # a Slurm job of a root worker: its processes run as the run's uid
     procs: dict[str, subprocess.Popen[bytes]] = {}
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
     status, reason = "failed", ""
@@ -451,6 +452,7 @@ def _one_process(
     group: ``cancelled``."""
     t_start = time.time()
     run.log_event("starting", resume_step=start)
+    give_to_run_user(run.root)  # a Slurm job of a root worker: the process runs as the run's uid
     log = run.logs / f"{name}.log"
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
     events_offset = run.events.stat().st_size

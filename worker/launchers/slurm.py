@@ -26,11 +26,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.checkpoint import complete_steps
-from worker.procs import run_environ
+from worker.procs import give_tree, run_environ
 from worker.rundir import SupervisorHome
 from worker.spec import EvalSpec, RLSpec, SFTSpec
+
+if TYPE_CHECKING:
+    from worker.supervisor import RunUser
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
 LIVE_STATES = frozenset(
@@ -104,10 +108,12 @@ def render(
     resume: bool = False,
     python: str = sys.executable,
     workdir: Path | None = None,
+    user: RunUser | None = None,
 ) -> str:
     """The job script of ``spec`` (text); ``home`` holds the run directory, logs and the supervisor's files;
     ``name`` is the job name. ``resume``: start from the newest complete checkpoint (an eval job continues after the
-    tasks it recorded either way)."""
+    tasks it recorded either way). ``user`` (a root worker's run user, ``worker.supervisor.run_user``): the script
+    sets ``worker.procs.RUN_AS_VAR``, so every process of the run runs as its uid and gid."""
     import jinja2
 
     env = jinja2.Environment(
@@ -133,6 +139,8 @@ def render(
         workdir=workdir or Path.cwd(),
         resume=resume,
         resume_arg=f" --resume-step {steps[-1]}" if steps else "",
+        user=user,
+        run_as=None if user is None else f"{user.uid}:{user.gid}:{user.name}:{user.home}",
     )
 
 
@@ -163,11 +171,21 @@ def _step(allocation: str, name: str) -> str | None:
     return None
 
 
-def submit(spec: JobSpec, *, run_id: int, home: Path, env: dict[str, str], resume: bool = False) -> str:
+def submit(
+    spec: JobSpec,
+    *,
+    run_id: int,
+    home: Path,
+    env: dict[str, str],
+    resume: bool = False,
+    user: RunUser | None = None,
+) -> str:
     """Write ``<home>/job.sbatch`` and submit it; returns the launcher handle (``<job>``, or ``<job>.<step>``
     inside an ``allocation``). The job's environment is ``env`` (``worker.supervisor.run_env``: run id, token,
     server URL) over the variables of this process that ``worker.procs.run_environ`` lets through (no database or
-    broker URL, no server secret); it is not written into the script.
+    broker URL, no server secret); it is not written into the script. ``user``: the run's processes run as its uid
+    (:func:`render`); its ``HOME`` (a folder of ``home``) is made and given to it here, while ``home`` itself, where
+    the job's root processes write their logs, stays this process's.
 
     Raises:
         SlurmError: Slurm refused it (e.g. ``sbatch: error: invalid partition specified: nope``); nothing is queued.
@@ -178,8 +196,11 @@ def submit(spec: JobSpec, *, run_id: int, home: Path, env: dict[str, str], resum
     if slurm.nodes > 1 and slurm.allocation is None:
         check_partition_nodes(slurm.partition, slurm.nodes)
     home.mkdir(parents=True, exist_ok=True)
+    if user is not None and Path(user.home).parent == home:  # a run's own uid: its HOME is a folder of its home
+        Path(user.home).mkdir(exist_ok=True)
+        give_tree(Path(user.home), user.uid, user.gid)
     script = SupervisorHome(home).job_script
-    script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume))
+    script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume, user=user))
     full_env = {**run_environ(os.environ), **env}
     if slurm.allocation is None:
         return slurm_command(["sbatch", "--parsable", str(script)], env=full_env).strip().split(";")[0]

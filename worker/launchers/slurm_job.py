@@ -8,7 +8,9 @@ The job script (``deploy/slurm/rl.sbatch.j2``, rendered by :mod:`worker.launcher
 - a requeued job starts again with ``SLURM_RESTART_COUNT`` + 1: :func:`start_requeued` keeps the run directory up
   to its newest complete checkpoint (or starts over without one) and says what to report as ``requeued``;
 - TERM (``scancel``, the time limit, or the requeue itself): :func:`end_status` tells a requeue (the next attempt
-  reports) from a cancel.
+  reports) from a cancel;
+- in a job of a root worker (``worker.procs.RUN_AS_VAR``) the supervisor runs as root and every process of the run
+  as the run's uid: :func:`check_run_as` first makes sure that this works on every node of the job.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from worker.checkpoint import complete_steps, request, resume_step
 from worker.launchers.slurm import SlurmError, lost_nodes, state
+from worker.procs import run_as, run_as_argv
 from worker.rundir import RunDir, SupervisorHome, read_jsonl
 
 logger = logging.getLogger("asyncrl.supervisor")
@@ -131,3 +134,67 @@ def end_status(restarts: int) -> tuple[str | None, str]:
     if why:
         return "failed", f"Slurm job {job} {why}"
     return "cancelled", f"Slurm job {job} terminated (scancel or time limit)"
+
+
+class RunAsError(RuntimeError):
+    """The run's processes cannot be started as its uid on a node of the job (one line); the run fails, never runs
+    as root."""
+
+
+RUN_AS_CHECK_TIMEOUT_S = 60.0
+
+
+def run_as_check_command(nodes: int, environ: dict[str, str] | None = None) -> list[str]:
+    """The command :func:`check_run_as` runs: ``id -u`` through :func:`worker.procs.run_as_argv`, here on one node,
+    else once on each of the job's ``nodes`` nodes as a step (``--overlap``, beside the batch step)."""
+    env = os.environ if environ is None else environ
+    probe = [*run_as_argv(env), "id", "-u"]
+    if nodes == 1:
+        return probe
+    return [
+        "srun",
+        f"--jobid={env['SLURM_JOB_ID']}",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        f"--nodelist={env['SLURM_JOB_NODELIST']}",
+        "--overlap",
+        "--job-name=run-as-check",
+        *probe,
+    ]
+
+
+def check_run_as(nodes: int) -> None:
+    """In a job of a root worker (``worker.procs.RUN_AS_VAR`` set; otherwise nothing): check for real, on each of the
+    job's ``nodes`` nodes, that a command started as the run's uid runs as that uid.
+
+    Raises:
+        RunAsError: ``cannot run the run's processes as uid <uid> on <node(s)>: <why>; install util-linux (setpriv)
+            there, the run never runs as root``.
+    """
+    identity = run_as()
+    if identity is None:
+        return
+    uid = identity[0]
+    where = f"the {nodes} nodes of job {os.environ.get('SLURM_JOB_ID', '?')}" if nodes > 1 else os.uname().nodename
+    try:
+        proc = subprocess.run(
+            run_as_check_command(nodes),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=RUN_AS_CHECK_TIMEOUT_S,
+        )
+        out = proc.stdout.split()
+        why = None
+        if proc.returncode != 0 or out != [str(uid)] * nodes:
+            why = " ".join(proc.stderr.split()) or f"exit status {proc.returncode}, uid {' '.join(out) or 'none'}"
+    except FileNotFoundError as err:
+        why = f"{err.filename}: not found"
+    except subprocess.TimeoutExpired:
+        why = f"no answer within {RUN_AS_CHECK_TIMEOUT_S:g} s"
+    if why is not None:
+        raise RunAsError(
+            f"cannot run the run's processes as uid {uid} on {where}: {why}; "
+            "install util-linux (setpriv) there, the run never runs as root"
+        )

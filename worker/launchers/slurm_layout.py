@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from worker.inference.server import run_server_command
 from worker.launchers.slurm import SlurmError, slurm_command
+from worker.procs import run_as_argv
 from worker.spec import RLSpec
 
 
@@ -41,11 +42,15 @@ class Layout:
     """Node names of the trainer part; the first hosts the rendezvous and the orchestrator."""
     addresses: dict[str, str]
     """``NodeAddr`` of each node: the address its processes are reached at."""
+    run_as: tuple[str, ...] = ()
+    """The argv prefix that drops a step's command to the run's uid on its node (``worker.procs.run_as_argv``: a job
+    of a root worker), or ``()``."""
 
     def srun(self, nodes: Sequence[str], name: str) -> list[str]:
         """The ``srun`` argv prefix that runs a command once on each of ``nodes`` as a step of this job named
         ``name`` (``--overlap``: the steps share the nodes' CPUs with each other and the supervisor's batch step;
-        ``--kill-on-bad-exit``: one failed task ends the step)."""
+        ``--kill-on-bad-exit``: one failed task ends the step), followed by :attr:`run_as`: the step runs as root
+        (the job's user), its command as the run's uid."""
         return [
             "srun",
             f"--jobid={self.job_id}",
@@ -56,6 +61,7 @@ class Layout:
             "--overlap",
             "--kill-on-bad-exit=1",
             f"--job-name={name}",
+            *self.run_as,
         ]
 
     def placement(self, replicas: int = 1) -> dict[str, list[str]]:
@@ -154,4 +160,5 @@ def from_job(spec: RLSpec, environ: dict[str, str] | None = None) -> Layout | No
         inference=tuple(nodes[: slurm.inference_nodes]),
         trainer=tuple(nodes[slurm.inference_nodes :]),
         addresses={node: node_address(node) for node in nodes},
+        run_as=tuple(run_as_argv(env)),
     )

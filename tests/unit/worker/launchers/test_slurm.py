@@ -460,3 +460,94 @@ def test_an_sft_run_and_an_eval_job_render_the_one_node_script(kind: str, extra:
         "#SBATCH --partition=gpu",
         "#SBATCH --time=30:00",
     ]
+
+
+RUN_AS = "1900000007:1900000007:asyncrl-run-7:/srv/asyncrl/runs/7/user-home"
+DROP = [
+    "setpriv",
+    "--reuid=1900000007",
+    "--regid=1900000007",
+    "--clear-groups",
+    "--pdeathsig=keep",
+    "--",
+    "env",
+    *("-u", "ASYNCRL_RUN_AS", "-u", "TORCHINDUCTOR_CACHE_DIR", "-u", "TRITON_CACHE_DIR"),
+    *("-u", "VLLM_CACHE_ROOT", "-u", "XDG_CACHE_HOME"),
+    "HOME=/srv/asyncrl/runs/7/user-home",
+    "USER=asyncrl-run-7",
+    "LOGNAME=asyncrl-run-7",
+]
+
+
+def test_a_root_workers_job_names_the_run_uid_and_every_step_drops_to_it() -> None:
+    """A root worker's job script exports the run's identity (uid = gid = RUN_UID_BASE + run id, its HOME a folder of
+    the run's home); each process of the run starts through setpriv as that uid, on every node: the srun of a step
+    runs as the job's user (root), the command after it as the run's uid."""
+    from worker.launchers.slurm_job import run_as_check_command
+    from worker.procs import run_as_argv
+    from worker.supervisor import RunUser
+
+    user = RunUser("asyncrl-run-7", 1_900_000_007, 1_900_000_007, f"{HOME}/user-home")
+    spec = spec_of(nodes=4, inference_nodes=2, gpus_per_node=8, rdzv_port=29555, inference_port=8100)
+    script = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python", user=user)
+    assert f"\nexport ASYNCRL_RUN_AS={RUN_AS}\n" in script
+    assert "ASYNCRL_RUN_AS" not in render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+
+    assert run_as_argv({"ASYNCRL_RUN_AS": RUN_AS}) == DROP
+    assert run_as_argv({}) == []  # a non-root worker's job: every process runs as the job's user
+    layout = Layout(
+        job_id="42",
+        inference=("gpu07", "gpu08"),
+        trainer=("gpu09", "gpu11"),
+        addresses={"gpu07": "10.0.0.7", "gpu08": "10.0.0.8", "gpu09": "10.0.0.9", "gpu11": "10.0.0.11"},
+        run_as=tuple(DROP),
+    )
+    step = [*LAYOUT.srun(["gpu09"], "orchestrator"), *DROP]
+    assert layout.srun(["gpu09"], "orchestrator") == step
+    trainer = layout.trainer_command(spec, ["--run-dir", "/r/big"])
+    assert trainer[: len(step)] == [*LAYOUT.srun(["gpu09", "gpu11"], "trainer"), *DROP]
+    assert trainer[len(step) : len(step) + 3] == [sys.executable, "-m", "torch.distributed.run"]
+    inference = layout.inference_command(spec, 8100, "gpu08", "inference-1", [0, 1, 2, 3])
+    assert inference[: len(step) + 2] == [
+        *LAYOUT.srun(["gpu08"], "inference-1"),
+        *DROP,
+        "env",
+        "CUDA_VISIBLE_DEVICES=0,1,2,3",
+    ]
+    assert inference[len(step) + 2 :] == run_server_command(spec, "10.0.0.8", 8100, require_key=True)
+
+    env = {"ASYNCRL_RUN_AS": RUN_AS, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[07-09,11]"}
+    assert run_as_check_command(1, env) == [*DROP, "id", "-u"]
+    assert run_as_check_command(4, env) == [
+        "srun",
+        "--jobid=42",
+        "--nodes=4",
+        "--ntasks=4",
+        "--ntasks-per-node=1",
+        "--nodelist=gpu[07-09,11]",
+        "--overlap",
+        "--job-name=run-as-check",
+        *DROP,
+        "id",
+        "-u",
+    ]
+
+
+def test_a_node_without_setpriv_fails_the_run_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No setpriv on the node: the check before the run's processes start fails the run saying so (it never runs
+    them as root instead); a non-root worker's job (no ASYNCRL_RUN_AS) checks nothing."""
+    import os
+
+    from worker.launchers.slurm_job import RunAsError, check_run_as
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no setpriv, no id
+    monkeypatch.delenv("ASYNCRL_RUN_AS", raising=False)
+    check_run_as(1)
+    monkeypatch.setenv("ASYNCRL_RUN_AS", RUN_AS)
+    with pytest.raises(RunAsError) as e:
+        check_run_as(1)
+    assert str(e.value) == (
+        f"cannot run the run's processes as uid 1900000007 on {os.uname().nodename}: setpriv: not found; "
+        "install util-linux (setpriv) there, the run never runs as root"
+    )
