@@ -124,6 +124,25 @@ def test_launch_with_an_unusable_run_user_fails_the_run_and_starts_nothing(
     assert status_events(client, auth, run["id"]) == [(None, "queued"), ("queued", "failed")]
 
 
+@pytest.mark.slurm
+def test_a_slurm_launch_with_an_unusable_run_user_fails_the_run_and_submits_nothing(
+    client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run user of a Slurm run is checked on the worker before ``sbatch``, as for a local run: no job is queued."""
+    from server.core.config import settings
+    from server.jobs.tasks import launch
+    from worker.launchers import slurm
+
+    monkeypatch.setattr(settings, "RUN_USER", "no-such-user-x")
+    run = make_run(launcher={"kind": "slurm"})
+    reason = "launch: RUN_USER: no user 'no-such-user-x' on this worker"
+    assert launch(run["id"]) == f"failed: run {run['id']}: {reason}"
+    done = run_of(client, auth, run["id"])
+    assert (done["status"], done["status_reason"], done["launcher_handle"]) == ("failed", reason, None)
+    assert slurm.find(run["id"], Path(run["run_dir"]).parent) is None
+    assert not (Path(run["run_dir"]).parent / "job.sbatch").exists()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a root worker's default")
 def test_a_root_worker_refuses_a_run_its_uid_cannot_start_and_never_runs_it_as_root(
     client: Any, auth: dict[str, str], make_run: Any, monkeypatch: pytest.MonkeyPatch
