@@ -438,19 +438,14 @@ def load_sweep(path: Path) -> dict[str, Any]:
 
 
 def load_pipeline(path: Path) -> dict[str, Any]:
-    """A pipeline spec file (TOML, or JSON by its suffix) with each stage's ``base = "run.toml"`` (relative to the
-    pipeline file) read inline, as ``POST /api/pipelines`` takes it.
+    """A pipeline spec file with each stage's base file read inline (``worker.spec.load_pipeline_data``).
 
     Raises:
         SpecError: the file or a stage's base is missing, unreadable or does not parse (``stages[i].base: ...``).
     """
-    from worker.spec import load_spec_data
+    from worker.spec import load_pipeline_data
 
-    data = load_spec_data([path], [])
-    for i, stage in enumerate(data.get("stages") or []):
-        if isinstance(stage, dict) and isinstance(stage.get("base"), str):
-            stage["base"] = _read_base(path, stage["base"], f"stages[{i}].base")
-    return data
+    return load_pipeline_data(path)
 
 
 def _group_command(argv: list[str], noun: str, actions: tuple[str, ...], load: Any, members: str, about: str) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 
 from worker.dotted_keys import with_keys
 from worker.rundir import SupervisorHome, atomic_write_json
-from worker.spec import SFTSpec, SpecError, load_spec_data, validate_spec
+from worker.spec import SFTSpec, SpecError, load_pipeline_data, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
 PIPELINE = Path(__file__).resolve().parent.parent / "examples" / "pipelines" / "reverse_text.toml"
@@ -321,10 +321,7 @@ def pipeline_data(model: str, *, rl_steps: int | None = None, sft_steps: int | N
     Raises:
         SpecError: the pipeline file or a base file does not read (names the file).
     """
-    data = load_spec_data([PIPELINE], [])
-    for stage in data["stages"]:
-        if isinstance(stage.get("base"), str):
-            stage["base"] = load_spec_data([PIPELINE.parent / stage["base"]], [])
+    data = load_pipeline_data(PIPELINE)
     sft, rl = data["stages"][0], data["stages"][1]
     sft["overrides"] = {**sft.get("overrides", {}), "model.name": model}
     if sft_steps:
@@ -341,13 +338,17 @@ def _stage_steps(data: dict[str, Any]) -> list[int]:
     Raises:
         SpecError: a training stage's spec is invalid (one line naming the field).
     """
-    steps = []
+    steps, model = [], None
     for stage in data["stages"]:
         if stage["kind"] == "eval":
             steps.append(1)
             continue
-        spec = validate_spec(stage["kind"], with_keys(stage["base"], stage.get("overrides", {})))
+        stage_data = with_keys(stage["base"], stage.get("overrides", {}))
+        if model is not None:  # a later stage starts from the stage before's weights (the service sets model.name)
+            stage_data = with_keys(stage_data, {"model.name": model})
+        spec = validate_spec(stage["kind"], stage_data)
         steps.append(spec.max_steps)
+        model = spec.model.name
     return steps
 
 

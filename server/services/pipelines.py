@@ -69,7 +69,7 @@ from server.models import (
 from server.services import capacity, job_groups, metrics, permissions, runs, spec_policy
 from server.services.tokens import Principal
 from worker.dotted_keys import DottedKeyError, closest, with_keys
-from worker.spec import SpecError, spec_kind_of_keys, validate_spec
+from worker.spec import CHAINED_MODEL_KEYS, SpecError, spec_kind_of_keys, validate_spec
 
 StageKind = Literal["sft", "rl", "eval"]
 KINDS: tuple[str, ...] = ("sft", "rl", "eval")
@@ -258,11 +258,15 @@ def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> 
             if spec.stages[src].kind not in TRAINING:
                 raise SpecError(f"stages[{i}].from: stage {src} is an eval stage; it writes no weights to start from")
             root = (resolved[src].get("model") or {}).get("name")  # the weights' base: what the schema checks
-            given = [k for k in ("name", "run", "step") if k in (item.get("model") or {})]
-            if stage.kind == "eval" and given:
+            given = [k for k in CHAINED_MODEL_KEYS[stage.kind] if k in (item.get("model") or {})]  # chained() sets
+            if given:  # the stage's own value would be replaced without a word
+                starts = (
+                    f"evaluates stage {src}'s weights (its 'step', else its final weights)"
+                    if stage.kind == "eval"
+                    else f"starts from stage {src}'s final weights (<run_dir>/final)"
+                )
                 raise SpecError(
-                    f"stages[{i}].model.{given[0]}: this eval stage evaluates stage {src}'s weights (its 'step', "
-                    f"else its final weights); leave model.{given[0]} out"
+                    f"stages[{i}].model.{given[0]}: this {stage.kind} stage {starts}; leave model.{given[0]} out"
                 )
             if stage.kind == "eval":
                 model = {k: v for k, v in (item.get("model") or {}).items() if k not in ("run", "step", "name")}

@@ -1141,6 +1141,14 @@ SWEEPS_AND_STAGES = [
         "grid.model.name: 0.5 is a number, but model.name takes text",
         call("POST", "/api/sweeps", {"base": spec(), "grid": {"model.name": [0.5]}}),
     ),
+    Attack(
+        "a pipeline's rl stage 1 names a model (replaced by stage 0's weights)",
+        "POST /api/pipelines",
+        422,
+        "stages[1].model.name: this rl stage starts from stage 0's final weights (<run_dir>/final); leave model.name "
+        "out",
+        call("POST", "/api/pipelines", {"stages": [{"kind": "rl", "base": spec()}, {"kind": "rl", "base": spec()}]}),
+    ),
 ]
 
 SSRF_TARGETS = [  # (URL host, the host as the URL parser normalises it, the address judged, why it is refused)

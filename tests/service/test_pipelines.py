@@ -20,6 +20,11 @@ from tests.support.server import BAD_MODEL, new_token, run_token_headers, spec
 from tests.support.webui import login
 
 
+def chained(run_spec: dict[str, Any]) -> dict[str, Any]:
+    """A run spec as a later stage's base: without ``model`` (the stage starts from the stage before's weights)."""
+    return {k: v for k, v in run_spec.items() if k != "model"}
+
+
 def body(**overrides: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": "p3",
@@ -29,7 +34,7 @@ def body(**overrides: Any) -> dict[str, Any]:
                 "base": {"model": {"name": BAD_MODEL}, "max_steps": 4},
                 "overrides": {"data.batch_size": 4},
             },
-            {"kind": "rl", "base": spec(max_steps=4, ckpt={"interval": 2})},
+            {"kind": "rl", "base": chained(spec(max_steps=4, ckpt={"interval": 2}))},
             {"kind": "eval", "base": {"eval": {"num_examples": 4, "temperature": 0.0}}},
         ],
     }
@@ -262,6 +267,21 @@ BAD = {
         {"stages": [_stage(0), _stage(1), _stage(2, base={"model": {"name": "x"}})]},
         "stages[2].model.name: this eval stage evaluates stage 1's weights",
     ),
+    "model.name in a chained rl stage": (  # was replaced by stage 0's final weights without a word (issue 32)
+        {"stages": [_stage(0), _stage(1, base=spec(max_steps=4))]},
+        "stages[1].model.name: this rl stage starts from stage 0's final weights (<run_dir>/final); leave model.name "
+        "out",
+    ),
+    "model.name in a chained stage's overrides": (
+        {"stages": [_stage(0), _stage(1, overrides={"model.name": BAD_MODEL})]},
+        "stages[1].model.name: this rl stage starts from stage 0's final weights (<run_dir>/final); leave model.name "
+        "out",
+    ),
+    "model.name in a chained sft stage": (
+        {"stages": [_stage(0), {"kind": "sft", "base": {"model": {"name": BAD_MODEL}, "max_steps": 2}}]},
+        "stages[1].model.name: this sft stage starts from stage 0's final weights (<run_dir>/final); leave model.name "
+        "out",
+    ),
     "eval of a run that does not exist": (
         {"stages": [{"kind": "eval", "base": {"model": {"run": 2**31 - 1}}}]},
         f"stages[0].model.run: no run {2**31 - 1}; give the id of a run of this service",
@@ -296,6 +316,7 @@ def test_the_shipped_example_pipeline_is_accepted(client: Any, auth: dict[str, s
     from server.cli import load_pipeline
 
     data = load_pipeline(Path(__file__).resolve().parents[2] / "examples/pipelines/reverse_text.toml")
+    assert "model" not in data["stages"][1]["base"]  # rl.toml's own model.name: stage 1 starts from stage 0's weights
     data["stages"][0]["base"]["model"]["name"] = BAD_MODEL
     resp = client.post("/api/pipelines", json=data, headers=auth)
     assert resp.status_code == 201, resp.text

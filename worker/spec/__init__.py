@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from worker.spec.launcher import LauncherConfig, LocalConfig, SlurmConfig
 from worker.spec.loading import (
+    CHAINED_MODEL_KEYS,
     MAX_DEPTH,
     check_depth,
     check_unknown_keys,
     deep_merge,
+    load_pipeline_data,
     load_spec_data,
     nesting_depth,
     parse_override_value,
@@ -85,6 +87,7 @@ from worker.spec.trainer import (
 )
 
 __all__ = [
+    "CHAINED_MODEL_KEYS",
     "MAX_DEPTH",
     "MAX_STEPS",
     "RUN_NAME_RULE",
@@ -139,6 +142,7 @@ __all__ = [
     "check_depth",
     "check_unknown_keys",
     "deep_merge",
+    "load_pipeline_data",
     "load_spec_data",
     "nesting_depth",
     "parse_override_value",

@@ -323,3 +323,35 @@ def load_spec_data(files: list[str | Path], overrides: list[tuple[str, str]]) ->
             raise SpecError(f"--{dotted.split('.')[0]}...: nested deeper than {MAX_DEPTH} levels")
         data = deep_merge(data, with_keys({}, {dotted: parse_override_value(raw, f"--{dotted}")}))
     return data
+
+
+CHAINED_MODEL_KEYS: dict[str, tuple[str, ...]] = {"sft": ("name",), "rl": ("name",), "eval": ("name", "run", "step")}
+"""The ``model`` keys a pipeline stage after the first takes from the stage it starts from (``server.services.pipelines``
+sets them; a stage that gives one is refused)."""
+
+
+def load_pipeline_data(path: Path) -> dict[str, Any]:
+    """A pipeline spec file (TOML, or JSON by its suffix) with each stage's ``base = "run.toml"`` (relative to the
+    pipeline file) read inline, as ``POST /api/pipelines`` takes it. A stage after the first starts from an earlier
+    stage's weights, so the ``model`` keys it takes from there (:data:`CHAINED_MODEL_KEYS`) are left out of its base
+    FILE: a run spec file names its own model for use on its own (``configs/reverse_text/rl.toml``). Written in the
+    pipeline file itself (an inline base, ``overrides``), they are refused by the service.
+
+    Raises:
+        SpecError: the file or a stage's base is missing, unreadable or does not parse (``stages[i].base: ...``).
+    """
+    data = load_spec_data([path], [])
+    for i, stage in enumerate(data.get("stages") or []):
+        if not (isinstance(stage, dict) and isinstance(stage.get("base"), str)):
+            continue
+        base = Path(stage["base"]) if Path(stage["base"]).is_absolute() else path.parent / stage["base"]
+        if not base.is_file():
+            raise SpecError(f"stages[{i}].base: run spec file not found: {base}")
+        stage["base"] = load_spec_data([base], [])
+        model = stage["base"].get("model")
+        if i > 0 and isinstance(model, dict):
+            for key in CHAINED_MODEL_KEYS.get(str(stage.get("kind")), ()):
+                model.pop(key, None)
+            if not model:
+                del stage["base"]["model"]
+    return data
