@@ -108,6 +108,10 @@ class Settings(BaseSettings):
     """Folders a submitted spec's ``model.name`` may name a path under (besides a hub id ``org/name``); empty =
     ``ASYNCRL_OUTPUT_DIR`` (where SFT runs and ``asyncrl model init`` write models). Relative entries are taken from
     the process's working folder, as relative model paths are (``server/services/spec_policy.py``)."""
+    HF_HUB_OFFLINE: bool = False
+    """Hub downloads are off on this deployment (the Hugging Face switch, set where the server and workers run): a
+    submitted ``model.name`` that is a hub id (``org/name``) must then be in this machine's hub cache (``HF_HOME``),
+    else it is refused at submit; with downloads on, a hub id is taken as given and the worker downloads it."""
     DATA_ROOTS: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Folders a submitted SFT spec's ``data.path`` / ``data.eval_path`` may name a path under; empty =
     ``ASYNCRL_OUTPUT_DIR``. Relative entries are taken from the process's working folder

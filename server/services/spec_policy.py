@@ -118,19 +118,22 @@ def root_here(path: str, roots: Collection[str]) -> str | None:
     return here[0] if here else None
 
 
-def check_model_name(name: str, roots: Collection[str]) -> None:
+def check_model_name(name: str, roots: Collection[str], *, hub_offline: bool = False) -> None:
     """Refuse a ``model.name`` that is neither a hub id (:data:`HUB_ID`, and no local path outside ``roots`` by that
     name) nor a path under one of ``roots`` (relative ones from this process's working folder). A path is judged
     as written (``..`` refused) and, where it exists here, with its symlinks resolved. A path under a root that
     exists on this machine (the outputs folder the server shares with the workers) must be a model folder now (a
     ``config.json``), so a mistyped path is refused at submit, not at launch; under a root the server does not see
-    (mounted on the workers only) it is judged at launch (``worker.models.check_model``).
+    (mounted on the workers only) it is judged at launch (``worker.models.check_model``). A hub id is taken without a
+    look-up where hub downloads are on; with ``hub_offline`` (the setting ``HF_HUB_OFFLINE``) it must be a model in
+    this machine's hub cache (its ``config.json`` there), else the launch would fail on it.
 
     Raises:
         SpecError: ``model.name: '/etc' is not allowed in a run submitted to the service; allowed: a hub id
             (org/name) or a path under MODEL_ROOTS (/srv/asyncrl/outputs)``; ``model.name: 'outputs/sft/fnal': no
             such model folder (under MODEL_ROOTS /srv/asyncrl/outputs)``; ``... not a model folder (no
-            config.json)``.
+            config.json)``; ``model.name: 'org/typo' is not a model folder under MODEL_ROOTS (...) nor a model in this
+            machine's hub cache, and hub downloads are off (HF_HUB_OFFLINE)``.
     """
     cwd = os.getcwd()
     absolute = [os.path.normpath(os.path.join(cwd, r)) for r in roots]
@@ -152,6 +155,11 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
             f"a path under MODEL_ROOTS ({', '.join(absolute) or 'none'}), without '..' or '~'"
         )
     if plain and HUB_ID.match(name) and not os.path.lexists(name):
+        if hub_offline and not in_hub_cache(name):
+            raise SpecError(
+                f"model.name: {name!r} is not a model folder under MODEL_ROOTS ({', '.join(absolute) or 'none'}) nor a "
+                "model in this machine's hub cache, and hub downloads are off (HF_HUB_OFFLINE); give a model folder's path"
+            )
         return  # a hub id: the worker downloads (or finds in its cache) it
     local = os.path.normpath(os.path.join(cwd, name))
     if (root := root_here(name, roots)) is not None:  # a root this server sees (the shared outputs folder)
@@ -166,6 +174,14 @@ def check_model_name(name: str, roots: Collection[str]) -> None:
                 raise SpecError(
                     f"model.name: {name!r}: {entry} links out of MODEL_ROOTS ({target}); copy the file into the folder"
                 )
+
+
+def in_hub_cache(name: str) -> bool:
+    """Whether the hub id ``name`` has its ``config.json`` in this machine's Hugging Face cache (``HF_HOME``), so that
+    transformers loads it with hub downloads off."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
 
 
 def check_data_path(field: str, path: str, roots: Collection[str]) -> None:
@@ -483,7 +499,7 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, *, admin: bool) -> None:
     for i, env in enumerate(envs):
         check_env_args("env" if isinstance(spec.env, EnvConfig) else f"env.{i}", env, may_run_code=admin)
     check_harness(spec, may_run_code=admin)
-    check_model_name(spec.model.name, settings.MODEL_ROOTS)
+    check_model_name(spec.model.name, settings.MODEL_ROOTS, hub_offline=settings.HF_HUB_OFFLINE)
     if isinstance(spec, SFTSpec):
         for field, path in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
             if path:

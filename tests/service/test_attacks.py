@@ -19,6 +19,7 @@ import secrets
 import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -182,6 +183,36 @@ def symlink_model(c: Ctx) -> Any:
     link = STATE / f"model-link-{secrets.token_hex(3)}"
     link.symlink_to("/etc")
     return submit(**{"model.name": str(link)})(c)
+
+
+def hub_model(name: str, *, cached: bool) -> Callable[[Ctx], Any]:
+    """A run of the hub id ``name`` with hub downloads off (``HF_HUB_OFFLINE``), the model in this machine's hub
+    cache (``cached``: a ``config.json`` of a fresh cache folder) or not."""
+
+    def send(c: Ctx) -> Any:
+        from huggingface_hub import constants
+
+        from server.core.config import settings
+
+        cache = STATE / f"hub-{secrets.token_hex(3)}"
+        if cached:
+            snapshot = cache / f"models--{name.replace('/', '--')}" / "snapshots" / ("0" * 40)
+            snapshot.mkdir(parents=True)
+            (snapshot / "config.json").write_text("{}")
+            (cache / f"models--{name.replace('/', '--')}" / "refs").mkdir()
+            (cache / f"models--{name.replace('/', '--')}" / "refs" / "main").write_text("0" * 40)
+        before = settings.HF_HUB_OFFLINE, constants.HF_HUB_CACHE
+        settings.HF_HUB_OFFLINE, constants.HF_HUB_CACHE = True, str(cache)
+        try:
+            resp = submit(**{"model.name": name})(c)
+        finally:
+            settings.HF_HUB_OFFLINE, constants.HF_HUB_CACHE = before
+        if resp.status_code == 201:  # what was made: the run is queued with the hub id
+            body = resp.json()
+            resp._content = json.dumps({"detail": f"queued: {body['spec']['model']['name']}"}).encode()  # noqa: SLF001
+        return resp
+
+    return send
 
 
 def allowed_package_env(c: Ctx) -> Any:
@@ -572,6 +603,21 @@ ADDRESSES = [
         submit(**{"model.name": "~/.ssh"}),
     ),
     Attack("model.name = a symlink in a model root to /etc", "POST /api/runs", 422, "model.name: ", symlink_model),
+    Attack(
+        "model.name = a hub id not on this machine, hub downloads off (HF_HUB_OFFLINE)",
+        "POST /api/runs",
+        422,
+        "model.name: 'nosuchorg/nosuchmodel' is not a model folder under MODEL_ROOTS ({model_roots}) nor a model in "
+        "this machine's hub cache, and hub downloads are off (HF_HUB_OFFLINE); give a model folder's path",
+        hub_model("nosuchorg/nosuchmodel", cached=False),
+    ),
+    Attack(
+        "model.name = a hub id in this machine's hub cache, hub downloads off",
+        "POST /api/runs",
+        201,
+        "queued: cachedorg/tiny",
+        hub_model("cachedorg/tiny", cached=True),
+    ),
     Attack(
         "model.name traversal in a fork's changes",
         "POST /api/runs/{id}/fork",
@@ -1324,6 +1370,7 @@ def ctx(client: Any) -> Iterator[Ctx]:
         "viewer": names["viewer"],
         "gone": names["gone"],
         "outputs": str(STATE / "outputs" / "runs"),  # ASYNCRL_OUTPUT_DIR/runs of this session
+        "model_roots": f"/nonexistent, {tempfile.gettempdir()}",  # MODEL_ROOTS of tests.support.server
     }
     clients = []
     for who in ("alice", "bob", "viewer", "replay", "revoked"):
