@@ -71,8 +71,13 @@ def check_lora(spec: RLSpec | SFTSpec) -> None:
     field = SFT_LORA_FIELD if isinstance(spec, SFTSpec) else RL_FIELD
     try:
         check_targets(spec.model.name, lora.target_modules, field=field)
-    except ValueError as err:
-        raise SpecError(str(err) if str(err).startswith(field) else f"model.name: {err}") from None
+    except ValueError as err:  # ours name the field; transformers' ("Unrecognized model in ...") are worded here
+        if str(err).startswith(field):
+            raise SpecError(str(err)) from None
+        raise SpecError(
+            f"model.name: {spec.model.name!r} is not a model folder transformers can load (config.json has no known "
+            "model_type)"
+        ) from None
     except OSError as err:  # transformers could not read the folder's config (not JSON, not a model config)
         reason = " ".join(str(err).split())[:300]
         raise SpecError(f"model.name: {spec.model.name!r}: its config.json does not load ({reason})") from None

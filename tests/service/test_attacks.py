@@ -185,6 +185,14 @@ def symlink_model(c: Ctx) -> Any:
     return submit(**{"model.name": str(link)})(c)
 
 
+def unknown_model_type(c: Ctx) -> Any:
+    """A LoRA run of a model folder whose ``config.json`` names no model type (transformers: "Unrecognized model")."""
+    folder = STATE / "no-model-type"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    return submit(**{"model.name": str(folder), "trainer.lora": {"target_modules": ["q_proj"]}})(c)
+
+
 def hub_model(name: str, *, cached: bool) -> Callable[[Ctx], Any]:
     """A run of the hub id ``name`` with hub downloads off (``HF_HUB_OFFLINE``), the model in this machine's hub
     cache (``cached``: a ``config.json`` of a fresh cache folder) or not."""
@@ -617,6 +625,21 @@ ADDRESSES = [
         201,
         "queued: cachedorg/tiny",
         hub_model("cachedorg/tiny", cached=True),
+    ),
+    Attack(
+        "model.name = a folder whose config.json names no model type (LoRA checked at submit)",
+        "POST /api/runs",
+        422,
+        "model.name: '{state}/no-model-type' is not a model folder transformers can load (config.json has no known "
+        "model_type)",
+        unknown_model_type,
+    ),
+    Attack(
+        "a multipart upload without a boundary",
+        "POST /api/runs (file)",
+        400,
+        "file: not a readable multipart upload (Missing boundary in multipart.)",
+        raw("POST", "/api/runs", b"x", "multipart/form-data"),
     ),
     Attack(
         "model.name traversal in a fork's changes",
@@ -1371,6 +1394,7 @@ def ctx(client: Any) -> Iterator[Ctx]:
         "gone": names["gone"],
         "outputs": str(STATE / "outputs" / "runs"),  # ASYNCRL_OUTPUT_DIR/runs of this session
         "model_roots": f"/nonexistent, {tempfile.gettempdir()}",  # MODEL_ROOTS of tests.support.server
+        "state": str(STATE),
     }
     clients = []
     for who in ("alice", "bob", "viewer", "replay", "revoked"):

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.deps import PrincipalDep, SessionDep, SurfaceDep, UserDep
 from server.api.responses import spec_body
@@ -55,7 +56,10 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
     (run in the thread pool), since its database calls, a lock wait included, must not block the event loop."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
-        form = await request.form()
+        try:  # starlette's multipart parser answers 400 "Missing boundary in multipart." and the like
+            form = await request.form()
+        except StarletteHTTPException as err:
+            raise HTTPException(err.status_code, f"file: not a readable multipart upload ({err.detail})") from None
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
             raise HTTPException(422, "file: upload the spec as a form field named 'file' (.toml or .json)")
