@@ -18,14 +18,14 @@ A path under a root the server does not see (``DATA_ROOTS`` / ``MODEL_ROOTS`` mo
 hub model id are left to the launch (``worker.launchers.local``, ``worker.trainer.sft.sft_preflight``), which runs
 every check again where the run starts. :func:`check` runs after ``spec_policy.check``: only allowed paths and
 addresses are read or probed (``runs.create``: the API, ``asyncrl submit``, the Launch page, fork; a sweep's trials
-at sweep submit, :func:`check_many`).
+at sweep submit, once per :func:`distinct` trial).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from server.core.config import settings
 from server.services.spec_policy import root_here
@@ -100,15 +100,13 @@ def check(spec: RLSpec | SFTSpec | EvalSpec) -> None:
         check_urls(spec.inference.replica_urls, timeout_s=URL_PROBE_S)
 
 
-def check_many(specs: Iterable[RLSpec | SFTSpec | EvalSpec]) -> None:
-    """:func:`check` of each spec whose checked keys (model, data, LoRA, ``inference.urls``) differ from an earlier
-    one's: a sweep's trials, which mostly differ in other keys, read each file and probe each server once.
-
-    Raises:
-        SpecError: as :func:`check`, for the first spec refused.
-    """
+def distinct(specs: Sequence[RLSpec | SFTSpec | EvalSpec]) -> list[int]:
+    """Indices of the specs whose checked keys (model, data, LoRA, ``inference.urls``) differ from every earlier one's:
+    :func:`check` of these covers all of ``specs`` (a sweep's trials, which mostly differ in other keys, read each file
+    and probe each server once)."""
     seen: set[str] = set()
-    for spec in specs:
+    out = []
+    for i, spec in enumerate(specs):
         dump = spec.model_dump(mode="json")
         keys = {k: dump.get(k) for k in ("model", "data", "lora", "kind")}
         keys["trainer.lora"] = dump.get("trainer", {}).get("lora")
@@ -116,4 +114,5 @@ def check_many(specs: Iterable[RLSpec | SFTSpec | EvalSpec]) -> None:
         key = json.dumps(keys, sort_keys=True)
         if key not in seen:
             seen.add(key)
-            check(spec)
+            out.append(i)
+    return out

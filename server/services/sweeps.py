@@ -177,10 +177,53 @@ def sweepable_keys(base: dict[str, Any]) -> dict[str, Any]:
     """
     try:
         spec = validate_spec("rl", base)
-    except SpecError as err:  # "key: ..." becomes "base.key: ..."; a message that names no key gets "base: "
-        named = re.match(r"^[\w.\[\]-]+: ", str(err)) is not None
-        raise SpecError(f"base.{err}" if named else f"base: {err}") from None
+    except SpecError as err:
+        raise in_base(err) from None
     return flatten(spec.model_dump(mode="json"))
+
+
+_NAMED = re.compile(r"^([\w.\[\]-]+): (.*)$", re.S)
+_UNKNOWN = re.compile(r"^unknown key '([^']+)' (.*)$", re.S)  # worker.spec.loading.check_unknown_keys
+
+
+def _key_and_message(text: str) -> tuple[str, str]:
+    """A spec error split into the dotted key it names (``""``: none) and the rest: ``"trainer.optim.lr: Input should
+    be greater than 0"`` and the loader's ``"unknown key 'trainer.optim.lrr' (did you mean ...)"`` alike."""
+    if m := _UNKNOWN.match(text):
+        return m.group(1), f"unknown key {m.group(2)}"
+    if m := _NAMED.match(text):
+        return m.group(1), m.group(2)
+    return "", text
+
+
+def _reworded(err: Exception, text: str) -> Exception:
+    """``err``'s kind (a 422 ``SpecError`` or one of its kinds, a 403 ``Forbidden``) with the message ``text``."""
+    return type(err)(text) if isinstance(err, SpecError | permissions.Forbidden) else SpecError(text)
+
+
+def in_base(err: Exception) -> Exception:
+    """An error of the base spec alone, named as the submitter wrote the key: ``base.<key>: ...`` (``base: ...`` for
+    a message that names no key)."""
+    key, message = _key_and_message(str(err))
+    return _reworded(err, f"base.{key}: {message}" if key else f"base: {message}")
+
+
+def in_trial(
+    spec: SweepSpec, index: int, params: dict[str, Any], err: Exception, *, note: str | None = None
+) -> Exception:
+    """An error of trial ``index`` (swept values ``params``), named as the submitter wrote the key: ``grid.<key>: ...``
+    or ``random.<key>: ...`` when the key it names is swept (its value is in the message), else ``base.<key>: ...
+    (<note>)``, the note by default ``trial <index>: <swept values>`` (the base alone is valid: the trial's values
+    made it fail); ``note=""`` for a check of the key's own value, which is the base's.
+    """
+    key, message = _key_and_message(str(err))
+    swept = next((k for k in params if key == k or key.startswith(k + ".")), None)
+    if swept is not None:
+        return _reworded(err, f"{'random' if swept in (spec.random or {}) else 'grid'}.{key}: {message}")
+    if note is None:
+        note = f"trial {index}: " + ", ".join(f"{k} = {v!r}" for k, v in params.items())
+    where = f"base.{key}" if key else "base"
+    return _reworded(err, f"{where}: {message}" + (f" ({note})" if note else ""))
 
 
 def _check_key(where: str, key: str, known: dict[str, Any]) -> None:
@@ -252,9 +295,11 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
         SpecError: one line naming the field: an unknown key (with the closest known one) or a non-sweepable one, an
             empty grid or value list, a random range with ``low > high`` (or ``log`` with ``low <= 0``), a range or
             number swept into a text key (:func:`check_value_types`), ``max_parallel < 1``, a pruning step at or
-            beyond the base spec's ``max_steps``, too many trials, or a trial whose run spec is invalid
-            (``grid.<key>``/``random.<key>`` and the spec's message) or one the launch would refuse
-            (``server.services.launch_checks``: LoRA targets, ``inference.urls`` that do not answer).
+            beyond the base spec's ``max_steps``, too many trials, or a trial whose run spec is invalid, refused by
+            the code policy or one the launch would refuse (``server.services.launch_checks``: LoRA targets,
+            ``inference.urls`` that do not answer). Every key is named as the submitter wrote it (:func:`in_base`,
+            :func:`in_trial`): ``grid.<key>: ...``, ``random.<key>: ...`` or ``base.<key>: ... (trial <i>: ...)``.
+        permissions.Forbidden: ``base.launcher.slurm.allocation`` of a non-admin (``spec_policy``).
     """
     mp = data.get("max_parallel", 1)
     if not isinstance(mp, int) or isinstance(mp, bool) or not 1 <= mp <= MAX_PARALLEL:
@@ -304,14 +349,14 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
         raise SpecError(f"grid: {count} trials (grid points x num_samples); at most {MAX_TRIALS}")
     params = trial_params(spec)
     trials = []
-    for p in params:
-        shown = ", ".join(f"{k} = {v!r}" for k, v in p.items())
+    for i, p in enumerate(params):
         try:
             run_spec = validate_spec("rl", with_keys(spec.base, p))
         except (SpecError, DottedKeyError) as err:
-            raise SpecError(f"grid ({shown}): {err}") from None
+            raise in_trial(spec, i, p, err) from None
         check_value_types(spec, p, flatten(run_spec.model_dump(mode="json")))
         if spec.pruning and spec.pruning.at_steps[-1] >= run_spec.max_steps:  # a swept max_steps
+            shown = ", ".join(f"{k} = {v!r}" for k, v in p.items())
             raise SpecError(
                 f"pruning.at_steps: step {spec.pruning.at_steps[-1]} is not before max_steps {run_spec.max_steps} of "
                 f"the trial ({shown})"
@@ -319,10 +364,18 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
         try:  # as the tick creates it: the rungs in ckpt.hold_at (with the base's own, at most MAX_HOLD_STEPS)
             run_spec = validate_spec("rl", trial_run_data(spec.model_dump(mode="json", exclude_none=True), p))
         except SpecError as err:
-            raise SpecError(f"grid ({shown}): {err}") from None
-        spec_policy.check(run_spec, admin=admin)
+            raise in_trial(spec, i, p, err, note="with the rungs of pruning.at_steps added") from None
+        try:
+            spec_policy.check(run_spec, admin=admin)
+        except (SpecError, permissions.Forbidden) as err:  # a check of each key's own value
+            raise in_trial(spec, i, p, err, note="") from None
         trials.append(run_spec)
-    launch_checks.check_many(trials)  # what the launch would refuse (LoRA targets, dead inference.urls), once each
+    checked = launch_checks.distinct(trials)  # what the launch would refuse (LoRA targets, dead inference.urls)
+    for i in checked:
+        try:
+            launch_checks.check(trials[i])
+        except SpecError as err:  # one spec checked: the base's values
+            raise in_trial(spec, i, params[i], err, note="" if len(checked) == 1 else None) from None
     return Plan(spec, params)
 
 
@@ -331,20 +384,26 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     The caller commits, then calls :func:`tick` to start the first runs.
 
     Raises:
-        SpecError: see :func:`plan`; or no worker can hold the base spec (``capacity.check_fits``).
-        permissions.Forbidden: a trial's ``model.name`` is inside another user's run folder
-            (``runs.check_run_files_used``).
+        SpecError: see :func:`plan`; or no worker can hold the base spec or a trial (``capacity.check_fits``):
+            ``base.<key>: ...``, ``grid.<key>: ...`` (a swept value) or ``base.<key>: ... (trial <i>: ...)``.
+        permissions.Forbidden: see :func:`plan`; or a trial's ``model.name`` is inside another user's run folder
+            (``runs.check_run_files_used``): ``base.model.name: ...`` or ``grid.model.name: ...``.
     """
     p = plan(data, admin=admin)
-    capacity.check_fits(session, validate_spec("rl", p.spec.base))
-    for params in p.trials:  # a swept trainer.threads, launcher.local.*_gpus ... must fit a worker too
+    try:
+        capacity.check_fits(session, validate_spec("rl", p.spec.base))
+    except SpecError as err:
+        raise in_base(err) from None
+    for i, params in enumerate(p.trials):  # a swept trainer.threads, launcher.local.*_gpus ... must fit a worker too
         trial = validate_spec("rl", with_keys(p.spec.base, params))
-        runs.check_run_files_used(session, trial, owner=owner, admin=admin)  # Forbidden: another user's run folder
+        try:
+            runs.check_run_files_used(session, trial, owner=owner, admin=admin)  # Forbidden: another user's run folder
+        except permissions.Forbidden as err:
+            raise in_trial(p.spec, i, params, err, note="") from None
         try:
             capacity.check_fits(session, trial)
         except SpecError as err:
-            shown = ", ".join(f"{k} = {v!r}" for k, v in params.items())
-            raise SpecError(f"grid ({shown}): {err}") from None
+            raise in_trial(p.spec, i, params, err) from None
     sweep = Sweep(name=p.spec.name, owner=owner, spec=p.spec.model_dump(mode="json", exclude_none=True))
     session.add(sweep)
     session.flush()

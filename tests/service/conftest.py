@@ -13,6 +13,7 @@ import pytest
 from tests.support.alerts import Receiver
 from tests.support.server import new_token, start_celery_worker, stop_process_group
 from tests.support.webui import login
+from worker.capacity import Capacity
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,3 +48,26 @@ def receiver() -> Iterator[Receiver]:
 def web(client: Any) -> tuple[Any, str]:
     """The module's client logged in with a fresh write token, and its CSRF token."""
     return client, login(client, new_token(f"web-{secrets.token_hex(3)}"))
+
+
+@pytest.fixture
+def declared(session: Any) -> Iterator[Any]:
+    """Replace the declared workers by the ones a test publishes (``declare(name, cores, memory_gib, gpus)``); the
+    earlier rows come back afterwards."""
+    from sqlmodel import delete, select
+
+    from server.models import WorkerCapacity
+    from server.services import capacity
+
+    saved = [r.model_dump() for r in session.exec(select(WorkerCapacity)).all()]
+    session.exec(delete(WorkerCapacity))
+    session.commit()
+
+    def declare(name: str, cores: int, memory_gib: float, gpus: int) -> None:
+        capacity.publish(session, name, Capacity(cores=cores, memory_gib=memory_gib, gpus=gpus))
+        session.commit()
+
+    yield declare
+    session.exec(delete(WorkerCapacity))
+    session.add_all(WorkerCapacity(**row) for row in saved)
+    session.commit()

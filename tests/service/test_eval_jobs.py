@@ -321,9 +321,11 @@ def test_a_path_inside_another_users_run_folder_is_refused_for_every_kind(
     grid = {"trainer.optim.lr": [1e-4, 3e-4]}
     sweep = {"name": "s", "base": named("rl", str(final)), "grid": grid, "metric": "eval/reward_mean"}
     resp = client.post("/api/sweeps", json=sweep, headers=people["other"][1])
-    assert resp.status_code == 403 and resp.json()["detail"].startswith(f"model.name: {str(final)!r} is inside"), (
-        resp.text
-    )
+    assert resp.json() == {
+        "detail": f"base.model.name: {str(final)!r} is inside the folder of run {rid}, which is not yours: only a run's "
+        "owner or an admin may use its files (an eval job of its weights: model.run)"
+    }
+    assert resp.status_code == 403
     for who in ("owner", "admin"):  # the run's owner and an admin may
         resp = client.post("/api/runs", json=named("eval", str(final)), headers=people[who][1])
         assert resp.status_code == 201, resp.text

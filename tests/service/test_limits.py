@@ -15,7 +15,6 @@ import pytest
 
 from tests.support.server import new_token, spec, start_celery_worker, stop_process_group, wait_for
 from tests.support.webui import login
-from worker.capacity import Capacity
 from worker.checkpoint import write_part
 from worker.rundir import RunDir
 
@@ -74,29 +73,6 @@ def test_absurd_values_are_422_naming_the_bound(
 
 
 # ----------------------------------------------------------------------------- capacity
-
-
-@pytest.fixture
-def declared(session: Any) -> Iterator[Any]:
-    """Replace the declared workers by the ones a test publishes (``declare(name, cores, memory_gib, gpus)``); the
-    earlier rows come back afterwards."""
-    from sqlmodel import delete, select
-
-    from server.models import WorkerCapacity
-    from server.services import capacity
-
-    saved = [r.model_dump() for r in session.exec(select(WorkerCapacity)).all()]
-    session.exec(delete(WorkerCapacity))
-    session.commit()
-
-    def declare(name: str, cores: int, memory_gib: float, gpus: int) -> None:
-        capacity.publish(session, name, Capacity(cores=cores, memory_gib=memory_gib, gpus=gpus))
-        session.commit()
-
-    yield declare
-    session.exec(delete(WorkerCapacity))
-    session.add_all(WorkerCapacity(**row) for row in saved)
-    session.commit()
 
 
 def test_a_spec_beyond_the_declared_capacity_is_422_naming_key_value_and_capacity(

@@ -295,14 +295,21 @@ def _counts(session: Session) -> tuple[int, int]:
     )
 
 
+NOT_SWEEPABLE = (
+    "not sweepable (a sweep varies numbers, text or booleans of the run spec; not name, kind, output_dir, launcher, "
+    "env, monitor, alerts or lists)"
+)
 BAD = [
     (
         {"grid": {"trainer.optim.lrr": [1e-4]}},
         "grid.trainer.optim.lrr: unknown spec key (did you mean 'trainer.optim.lr'?)",
     ),
-    ({"grid": {"trainer.optim": [1]}}, "grid.trainer.optim: a table, not a value; sweep one of its keys such as "),
-    ({"grid": {"output_dir": ["/tmp/x"]}}, "grid.output_dir: not sweepable"),
-    ({"grid": {"launcher.type": ["local"]}}, "grid.launcher.type: not sweepable"),
+    (
+        {"grid": {"trainer.optim": [1]}},
+        "grid.trainer.optim: a table, not a value; sweep one of its keys such as trainer.optim.betas",
+    ),
+    ({"grid": {"output_dir": ["/tmp/x"]}}, f"grid.output_dir: {NOT_SWEEPABLE}"),
+    ({"grid": {"launcher.type": ["local"]}}, f"grid.launcher.type: {NOT_SWEEPABLE}"),
     ({"grid": {}}, "grid: empty; give at least one dotted key with a list of values"),
     ({"grid": {"trainer.optim.lr": []}}, "grid.trainer.optim.lr: empty list; give at least one value"),
     ({"grid": None}, "grid: missing; give a [grid] of dotted keys with values and/or a [random] of ranges"),
@@ -314,20 +321,53 @@ BAD = [
     ({"max_parallel": -3}, "max_parallel: expected an integer from 1 to 64, got -3"),
     ({"mode": "maximum"}, "mode: Input should be 'max' or 'min'"),
     ({"metric": "reward"}, "metric: expected <source>/<name> such as eval/reward_mean, got 'reward'"),
-    ({"metric": "eval/reward_maen"}, "metric: eval logs no 'reward_maen' (did you mean 'reward_mean'?); it logs "),
-    ({"metric": "evl/reward_mean"}, "metric: unknown source 'evl' in 'evl/reward_mean'; expected one of trainer, "),
+    (
+        {"metric": "eval/reward_maen"},
+        "metric: eval logs no 'reward_maen' (did you mean 'reward_mean'?); it logs reward_mean, pass_at_k, k, "
+        "num_examples, completion_len_mean, reward_missing",
+    ),
+    (
+        {"metric": "evl/reward_mean"},
+        "metric: unknown source 'evl' in 'evl/reward_mean'; expected one of trainer, orchestrator, eval, inference",
+    ),
     (
         {"pruning": {"rule": "successive_halving", "at_steps": [4]}},
         "pruning.at_steps: step 4 is not before base max_steps 4",
     ),
-    ({"grid": {"trainer.optim.lr": [-1.0]}}, "grid (trainer.optim.lr = -1.0): trainer.optim.lr: "),
+    # a trial's bad value is named as the submitter wrote the key: grid.<key>, random.<key>, or base.<key> (trial i)
+    ({"grid": {"trainer.optim.lr": [-1.0]}}, "grid.trainer.optim.lr: Input should be greater than 0, got -1.0"),
+    (
+        {"grid": None, "random": {"orchestrator.group_size": {"low": 2000, "high": 2000, "integer": True}}},
+        "random.orchestrator.group_size: Input should be less than or equal to 1024, got 2000",
+    ),
+    (  # the base alone is valid; trial 1's max_steps makes its own ckpt.hold_at too late
+        {"base": spec(max_steps=4, ckpt={"hold_at": [3]}), "grid": {"max_steps": [4, 3]}, "pruning": None},
+        "base.ckpt.hold_at: step 3 is not before max_steps 3 (trial 1: max_steps = 3)",
+    ),
+    (
+        {"grid": {"inference.max_model_len": [1024, 64], "trainer.optim.lr": [1e-4]}, "pruning": None},
+        "base.orchestrator.max_tokens: must be below inference.max_model_len (64), got 64 (trial 1: "
+        "inference.max_model_len = 64, trainer.optim.lr = 0.0001)",
+    ),
+    (
+        {"base": spec(max_steps=4, model={"name": "/etc/x"})},
+        "base.model.name: '/etc/x' is not allowed in a run submitted to the service; allowed: a hub id (org/name) or "
+        "a path under MODEL_ROOTS (/nonexistent, /tmp), without '..' or '~'",
+    ),
+    (
+        {"grid": {"model.name": ["/etc/x"]}, "pruning": None},
+        "grid.model.name: '/etc/x' is not allowed in a run submitted to the service; allowed: a hub id (org/name) or "
+        "a path under MODEL_ROOTS (/nonexistent, /tmp), without '..' or '~'",
+    ),
     # fresh-user findings (2026-12-04): each was created and then never ran, or ran twice the same, or never pruned
-    ({"grid": {"trainer.optim.lr": [1e-4, 1e-4]}}, "grid.trainer.optim.lr: 0.0001 is listed twice; each value once"),
+    (
+        {"grid": {"trainer.optim.lr": [1e-4, 1e-4]}},
+        "grid.trainer.optim.lr: 0.0001 is listed twice; each value once (two trials would be the same)",
+    ),
     (
         {"grid": {"max_steps": [8, 2]}, "pruning": {"rule": "successive_halving", "at_steps": [2]}},
         "pruning.at_steps: step 2 is not before max_steps 2 of the trial (max_steps = 2)",
     ),
-    ({"grid": {"trainer.threads": [1, 512]}}, "grid (trainer.threads = 512): trainer.threads: 512 exceeds the worker"),
     # a number swept into a text key would be taken as text (model.name = "0.84"): only numeric keys take numbers
     (
         {"grid": None, "pruning": None, "random": {"model.name": {"low": 0, "high": 1}}},
@@ -338,20 +378,32 @@ BAD = [
         {"grid": {"model.name": [0.5, 1.5]}, "pruning": None},
         'grid.model.name: 0.5 is a number, but model.name takes text; give text values such as "0.5"',
     ),
-    ({"base": "configs/reverse_text/rl.toml"}, "base: expected the run spec as a table"),
-    ({"base": {**spec(max_steps=4), "output_dir": "/tmp/x"}}, "base.output_dir: the service chooses the run folder"),
-    ({"max_paralel": 4}, "max_paralel: unknown sweep key (did you mean 'max_parallel'?); allowed: name, base, "),
+    (
+        {"base": "configs/reverse_text/rl.toml"},
+        "base: expected the run spec as a table (the CLI reads base = 'path.toml' into it)",
+    ),
+    (
+        {"base": {**spec(max_steps=4), "output_dir": "/tmp/x"}},
+        "base.output_dir: the service chooses the run folder (<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>); leave "
+        "output_dir out of a submitted spec",
+    ),
+    (
+        {"max_paralel": 4},
+        "max_paralel: unknown sweep key (did you mean 'max_parallel'?); allowed: name, base, grid, random, "
+        "num_samples, seed, max_parallel, metric, mode, pruning",
+    ),
     (
         {"base": {**spec(max_steps=4), "trainer": {"optim": {"lrr": 1e-4}}}},
-        "base: unknown key 'trainer.optim.lrr' (did you mean 'trainer.optim.lr'?)",
+        "base.trainer.optim.lrr: unknown key (did you mean 'trainer.optim.lr'?)",
     ),
     (  # the rungs join the base's own ckpt.hold_at in each trial's run: 32 + rung 2 is one too many
         {"base": spec(max_steps=40, ckpt={"hold_at": list(range(3, 35))})},
-        "grid (trainer.optim.lr = 0.0001, orchestrator.temperature = 0.7): ckpt.hold_at: List should have at most 32",
+        "base.ckpt.hold_at: List should have at most 32 items after validation, not 33 (with the rungs of "
+        "pruning.at_steps added)",
     ),
     (  # what the launch would refuse is refused at submit (server.services.launch_checks); port 9: nothing listens
         {"base": spec(max_steps=4, inference={"urls": ["http://127.0.0.1:9"]})},
-        "inference.urls.0: http://127.0.0.1:9 does not answer GET /health within 2 s",
+        "base.inference.urls.0: http://127.0.0.1:9 does not answer GET /health within 2 s",
     ),
 ]
 
@@ -364,8 +416,33 @@ def test_bad_sweep_is_422_naming_the_field_and_creates_nothing(
     before = _counts(session)
     resp = client.post("/api/sweeps", json=body, headers=auth)
     assert resp.status_code == 422, resp.text
-    assert resp.json()["detail"].startswith(detail), resp.json()["detail"]
+    assert resp.json() == {"detail": detail}, resp.json()["detail"]
     assert _counts(session) == before
+
+
+def test_capacity_errors_name_the_sweep_key(client: Any, auth: dict[str, str], session: Session, declared: Any) -> None:
+    """No worker holds the base (``base.<key>``), a swept value (``grid.<key>``), or a trial whose swept values make
+    a base key too large (``base.<key>: ... (trial i: ...)``): 422, nothing created."""
+    declared("small", 2, 4, 0)
+    cap = "exceeds the worker's capacity (2 cores, 4 GiB, 0 GPUs)"
+    cases = [
+        ({"base": spec(max_steps=4, trainer={"threads": 3})}, f"base.trainer.threads: 3 {cap}: at most 2"),
+        ({"grid": {"trainer.threads": [1, 3]}}, f"grid.trainer.threads: 3 {cap}: at most 2"),
+        (
+            {
+                "base": spec(max_steps=4, orchestrator={"batch_size": 32}),
+                "grid": {"orchestrator.group_size": [8, 1024]},
+            },
+            "base.orchestrator.batch_size: 32 (x group_size 1024 x inference.max_model_len 512 = 16777216 rollout "
+            f"tokens per step) {cap}: at most 8388608 tokens (256 bytes each in 0.5 of the memory) (trial 1: "
+            "orchestrator.group_size = 1024)",
+        ),
+    ]
+    for change, detail in cases:
+        before = _counts(session)
+        resp = client.post("/api/sweeps", json=sweep_spec(**change), headers=auth)
+        assert (resp.status_code, resp.json()) == (422, {"detail": detail}), change
+        assert _counts(session) == before
 
 
 def test_unknown_sweep_is_404_and_writes_need_a_token(client: Any, auth: dict[str, str]) -> None:
