@@ -10,7 +10,7 @@ status below and ``{"detail": "<message>"}``. A subclass takes its nearest liste
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -25,6 +25,7 @@ from server.services.runs import InvalidTransition, RunNotFound
 from server.services.spec_policy import AddressNotAllowed
 from server.services.sweeps import SweepNotFound
 from worker.spec import SpecError
+from worker.spec.loading import MAX_SPEC_BYTES
 from worker.spec.user_code import CodeNotAllowed
 
 HTTP_STATUS: dict[type[Exception], int] = {
@@ -65,6 +66,29 @@ def install(app: FastAPI) -> None:
     """Answer every domain error of :data:`HTTP_STATUS` with its status and ``{"detail": str(err)}``."""
     for cls in HTTP_STATUS:
         app.add_exception_handler(cls, _domain_error)
+
+
+class SpecForm(NamedTuple):
+    field: str
+    """The form field that carries the spec text."""
+    content_types: tuple[str, ...]
+    """Body types that carry it (other bodies of the route keep ``MAX_BODY_BYTES``)."""
+
+
+SPEC_FORMS: dict[tuple[str, str], SpecForm] = {
+    ("POST", "/api/runs"): SpecForm("file", ("multipart/form-data",)),
+    ("POST", "/api/sweeps"): SpecForm("file", ("multipart/form-data",)),
+    ("POST", "/api/pipelines"): SpecForm("file", ("multipart/form-data",)),
+    ("POST", "/launch"): SpecForm("spec", ("application/x-www-form-urlencoded", "multipart/form-data")),
+}
+"""Routes that take a spec as a file upload (the API's ``SubmittedSpec``) or pasted text (the dashboard's Launch
+form): the spec text may be up to :data:`MAX_SPEC_BYTES`, whatever ``MAX_BODY_BYTES`` is, and a larger one is a 413
+naming the field (:func:`spec_too_large`)."""
+
+
+def spec_too_large(field: str) -> str:
+    """The 413 line of a spec text over :data:`MAX_SPEC_BYTES` in form field ``field``."""
+    return f"{field}: larger than {MAX_SPEC_BYTES} bytes ({MAX_SPEC_BYTES // 1024} KiB)"
 
 
 def is_json_type(content_type: str) -> bool:

@@ -38,10 +38,11 @@ from server.core import health
 from server.core.config import settings
 from server.core.db import engine
 from server.core.telemetry import PrometheusMiddleware, exposition
-from server.errors import body_error, is_json_type, nul_error
+from server.errors import SPEC_FORMS, body_error, is_json_type, nul_error, spec_too_large
 from server.errors import install as install_error_handlers
 from webui.main import router as webui_router
 from worker.spec import MAX_DEPTH
+from worker.spec.loading import MAX_SPEC_BYTES
 
 
 class BodyTooLarge(HTTPException):
@@ -49,19 +50,37 @@ class BodyTooLarge(HTTPException):
     turning it into 400 "There was an error parsing the body" (routes with a pydantic body model)."""
 
 
+SPEC_FORM_SLACK = 64 * 1024
+"""Bytes a spec form may carry beyond the spec text: multipart boundaries and part headers, the CSRF token, the
+chosen config."""
+
+
 class LimitBodySize:
-    """Refuse request bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+    """Refuse request bodies over ``max_bytes`` with 413, by Content-Length or while streaming. The body of a spec
+    form (``server.errors.SPEC_FORMS``) has its own limit instead: the spec text's ``MAX_SPEC_BYTES`` (three times
+    that when URL-encoded, ``%XX`` per byte) plus :data:`SPEC_FORM_SLACK`, refused naming the form field; the route
+    checks the text itself to the byte."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
+
+    def limit(self, scope: Scope) -> tuple[int, str]:
+        """(largest body, the 413 line) of a request."""
+        form = SPEC_FORMS.get((scope["method"], scope["path"]))
+        ctype = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if form is not None and ctype in form.content_types:
+            encoded = 3 if ctype == "application/x-www-form-urlencoded" else 1
+            return encoded * MAX_SPEC_BYTES + SPEC_FORM_SLACK, spec_too_large(form.field)
+        return self.max_bytes, f"body: larger than {self.max_bytes} bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, detail = self.limit(scope)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await self._refuse(scope, receive, send, detail)
             return
         seen = 0
 
@@ -69,20 +88,17 @@ class LimitBodySize:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise BodyTooLarge(413, self._detail())
+            if seen > max_bytes:
+                raise BodyTooLarge(413, detail)
             return message
 
         try:
             await self.app(scope, limited, send)
         except BodyTooLarge:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, detail)
 
-    def _detail(self) -> str:
-        return f"body: larger than {self.max_bytes} bytes"
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = JSONResponse({"detail": self._detail()}, status_code=413)
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, detail: str) -> None:
+        response = JSONResponse({"detail": detail}, status_code=413)
         await response(scope, receive, send)
 
 

@@ -9,13 +9,14 @@ import tomllib
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
-from server.errors import nul_error
+from server.errors import nul_error, spec_too_large
 from server.jobs.celery_app import BrokerUnavailable
 from server.models import Role, stored_id
 from server.services import permissions, runs, spec_policy
 from webui.errors import HTMLErrorRoute
 from webui.page import HERE, FormDep, Page, SessionDep, page
 from worker.spec import SpecError, parse_text
+from worker.spec.loading import MAX_SPEC_BYTES
 
 CONFIGS = HERE.parent / "configs"
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
@@ -106,6 +107,8 @@ def launch(request: Request, db: SessionDep, form: FormDep) -> Response:
     p = page(request, db)
     p.form(form)
     text, chosen = str(form.get("spec", "")), str(form.get("config", ""))
+    if len(text.encode()) > MAX_SPEC_BYTES:
+        return _launch_page(p, text, chosen, 413, spec_too_large("spec"))
     try:
         data = parse_text(text, "TOML")
     except tomllib.TOMLDecodeError as err:

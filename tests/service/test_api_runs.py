@@ -39,6 +39,70 @@ def test_submit_toml_upload(client: Any, auth: dict[str, str]) -> None:
     assert resp.json()["spec"]["orchestrator"]["group_size"] == 4
 
 
+SPEC_LIMIT = 262_144
+"""Largest spec file or pasted spec, in bytes (256 KiB; ``worker.spec.loading.MAX_SPEC_BYTES``)."""
+UPLOADS = {  # route -> a valid spec of that route, as TOML
+    "/api/runs": f'name = "big-run"\nmax_steps = 3\n[model]\nname = "{BAD_MODEL}"\n',
+    "/api/sweeps": f'name = "big-sweep"\n[base]\nname = "b"\nmax_steps = 3\nmodel.name = "{BAD_MODEL}"\n'
+    '[grid]\n"trainer.optim.lr" = [1e-4]\n',
+    "/api/pipelines": f'name = "big-pipeline"\n[[stages]]\nkind = "rl"\n[stages.base]\nname = "b"\nmax_steps = 3\n'
+    f'model.name = "{BAD_MODEL}"\n',
+}
+
+
+def sized(text: str, size: int, fill: str = "x") -> str:
+    """``text`` and a comment of ``fill`` characters: ``size`` bytes in all."""
+    return text + "# " + fill * (size - len(text.encode()) - 3) + "\n"
+
+
+def stored() -> tuple[int, int, int]:
+    from sqlalchemy import func
+    from sqlmodel import Session, select
+
+    from server.core.db import engine
+    from server.models import Pipeline, Run, Sweep
+
+    with Session(engine) as s:
+        return tuple(int(s.exec(select(func.count()).select_from(m)).one()) for m in (Run, Sweep, Pipeline))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("route", list(UPLOADS))
+def test_a_spec_upload_of_256_kib_is_taken_and_one_byte_more_is_413_naming_file(
+    client: Any, auth: dict[str, str], route: str
+) -> None:
+    """The limit is the file's own, whatever the server's ``MAX_BODY_BYTES`` (256 KiB in these tests, so the
+    multipart body of a 256 KiB file is larger): 262,144 bytes are created, 262,145 refused by the route, and a
+    far larger upload is refused before it is read, with the same line."""
+    at_limit = sized(UPLOADS[route], SPEC_LIMIT)
+    assert len(at_limit.encode()) == SPEC_LIMIT
+    resp = client.post(route, files={"file": ("spec.toml", at_limit.encode())}, headers=auth)
+    assert resp.status_code == 201, resp.text
+    line = {"detail": "file: larger than 262144 bytes (256 KiB)"}
+    for size in (SPEC_LIMIT + 1, 4 * 1024 * 1024):
+        before = stored()
+        resp = client.post(route, files={"file": ("spec.toml", sized(UPLOADS[route], size).encode())}, headers=auth)
+        assert (resp.status_code, resp.json()) == (413, line), size
+        assert stored() == before
+
+
+def test_the_launch_form_takes_a_256_kib_spec_and_refuses_one_byte_more_naming_spec(web: tuple[Any, str]) -> None:
+    """The Launch form's pasted spec has the same limit, counted in UTF-8 bytes of the text (URL-encoded, a
+    ``#`` is three bytes of the body)."""
+    client, csrf = web
+    at_limit = sized(UPLOADS["/api/runs"].replace("big-run", "big-launch"), SPEC_LIMIT, fill="#")
+    resp = client.post("/launch", data={"csrf": csrf, "spec": at_limit}, follow_redirects=False)
+    assert resp.status_code == 303, resp.text[-2000:]
+    before = stored()
+    resp = client.post("/launch", data={"csrf": csrf, "spec": at_limit + "#"}, follow_redirects=False)
+    assert resp.status_code == 413
+    assert '<p class="inline-error" role="alert" id="spec-error">spec: larger than 262144 bytes (256 KiB)</p>' in (
+        resp.text
+    )
+    resp = client.post("/launch", data={"csrf": csrf, "spec": at_limit * 4}, follow_redirects=False)
+    assert (resp.status_code, resp.json()) == (413, {"detail": "spec: larger than 262144 bytes (256 KiB)"})
+    assert stored() == before
+
+
 def test_list_filters_and_paginates(client: Any, auth: dict[str, str], make_run: Any) -> None:
     made = [make_run(name=f"page-{i}") for i in range(3)]
     page = client.get("/api/runs", params={"name": "page-", "limit": 2}, headers=auth).json()

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests.service.test_lifecycle import checkpoint, set_status
-from tests.support.server import STATE, new_token, run_token_headers, spec
+from tests.support.server import BAD_MODEL, STATE, new_token, run_token_headers, spec
 from tests.support.webui import login
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -736,6 +736,20 @@ LIMITS = [
         413,
         "body: larger than 262144 bytes",
         raw("POST", "/api/runs", b'{"x": "' + b"a" * 300_000 + b'"}', "application/json"),
+    ),
+    Attack(
+        "a TOML upload of 300 KB (a spec file may be 256 KiB)",
+        "POST /api/runs (file)",
+        413,
+        "file: larger than 262144 bytes (256 KiB)",
+        upload(f'name = "big"\nmax_steps = 3\nmodel.name = "{BAD_MODEL}"\n# ' + "x" * 300_000 + "\n"),
+    ),
+    Attack(
+        "a pasted spec of 300 KB (launch form)",
+        "POST /launch",
+        413,
+        "spec: larger than 262144 bytes (256 KiB)",
+        launch_form(f'name = "big"\nmax_steps = 3\nmodel.name = "{BAD_MODEL}"\n# ' + "x" * 300_000 + "\n"),
     ),
     Attack(
         "2,001 metric points in one batch (limit 2,000 in the tests)",

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.deps import PrincipalDep, SessionDep, SurfaceDep, UserDep
 from server.api.responses import spec_body
-from server.errors import is_json_type, nul_error
+from server.errors import is_json_type, nul_error, spec_too_large
 from server.jobs.celery_app import TaskName, enqueue
 from server.models import (
     MAX_GROUP_LEN,
@@ -36,6 +36,7 @@ from server.models import (
 from server.services import lineage, permissions, rollouts, runs, spec_policy
 from worker.run_files import RunFileError, RunFileMissing
 from worker.spec import parse_text
+from worker.spec.loading import MAX_SPEC_BYTES
 
 logger = logging.getLogger("asyncrl.api")
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -63,7 +64,9 @@ async def _spec_from_request(request: Request) -> dict[str, Any]:
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
             raise HTTPException(422, "file: upload the spec as a form field named 'file' (.toml or .json)")
-        raw, filename = await upload.read(), upload.filename or "spec.toml"
+        raw, filename = await upload.read(MAX_SPEC_BYTES + 1), upload.filename or "spec.toml"
+        if len(raw) > MAX_SPEC_BYTES:
+            raise HTTPException(413, spec_too_large("file"))
         fmt: Literal["JSON", "TOML"] = "JSON" if filename.endswith(".json") else "TOML"
         try:
             data = parse_text(raw.decode(), fmt, "file")  # SpecError (nested too deep) -> 422
