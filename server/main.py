@@ -237,16 +237,16 @@ def create_app() -> FastAPI:
     @app.get(
         "/healthz",
         tags=["ops"],
-        responses={503: {"description": "degraded: the last write failed (its reason), until a commit succeeds"}},
+        responses={503: {"description": "degraded: the last write failed or the broker does not answer (``reason``)"}},
     )
     def healthz() -> Any:
-        """``ok`` while the database answers and writes work; ``degraded`` (503, with the reason) from a failed
-        commit until a later one succeeds."""
+        """``ok`` while the database answers and writes work, the broker answers and a worker answered lately;
+        else ``degraded`` with a one-line ``reason``: 503 for the database and the broker (requests would fail),
+        200 for a missing worker (``server/core/health.py``)."""
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
-        if (reason := health.failure()) is not None:
-            return JSONResponse({"status": "degraded", "database": engine.dialect.name, "reason": reason}, 503)
-        return {"status": "ok", "database": engine.dialect.name}
+        status, body = health.report(engine.dialect.name)
+        return JSONResponse(body, status)
 
     @app.get("/metrics", tags=["ops"], include_in_schema=False)
     def prometheus_metrics() -> Response:

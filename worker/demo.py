@@ -147,7 +147,8 @@ def embedded_service(
     their own process groups that get SIGTERM if this process dies; on exit they are terminated (SIGKILL after 10 s). Logs: ``home/server.log``, ``home/worker.log``.
 
     Raises:
-        DemoError: the server did not answer ``/healthz`` within ``startup_timeout_s`` or a child exited.
+        DemoError: the server did not answer ``/healthz``, or its worker did not answer there, within
+            ``startup_timeout_s``, or a child exited.
     """
     import httpx
 
@@ -186,6 +187,19 @@ def embedded_service(
                 raise DemoError(f"asyncrl server not up after {startup_timeout_s:.0f}s (log: {home / 'server.log'})")
             time.sleep(0.3)
         procs["worker"] = spawn([*cli, "worker", "--concurrency", "1"], home / "worker.log", env)
+        while True:  # the worker's heartbeat (/healthz "worker": "ok"): it takes the tasks from here on
+            if procs["worker"].poll() is not None:
+                raise DemoError(
+                    f"asyncrl worker exited with code {procs['worker'].returncode} (log: {home / 'worker.log'})"
+                )
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2.0).json().get("worker") == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise DemoError(f"asyncrl worker not up after {startup_timeout_s:.0f}s (log: {home / 'worker.log'})")
+            time.sleep(0.3)
         made = subprocess.run([*cli, "token", "create", "--name", "demo"], env=env, capture_output=True, text=True)
         if made.returncode != 0:
             raise DemoError(f"asyncrl token create failed: {made.stderr.strip().splitlines()[-1:]}")

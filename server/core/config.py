@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     """Points per ``POST /api/runs/{id}/metrics`` batch."""
     RECONCILE_INTERVAL_S: Annotated[float, Field(ge=1.0)] = 30.0
     """Celery beat runs ``asyncrl.reconcile`` (fail runs whose supervisor died) this often."""
+    WORKER_HEARTBEAT_S: Annotated[float, Field(ge=1.0)] = 10.0
+    """A worker on ``CELERY_QUEUE`` writes a heartbeat into the broker this often; ``/healthz`` reports no worker
+    when none beat in three times this (``server/jobs/heartbeat.py``)."""
     WEBHOOK_ALLOW_PRIVATE: bool = False
     """Webhooks may target loopback, private (RFC 1918, ULA) and shared-address-space addresses, also embedded in
     IPv6 forms: an admin's explicit choice (the receivers are this machine's or this network's services, which any

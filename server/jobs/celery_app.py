@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from server.core.config import settings
 from server.jobs.embedded_broker import register as register_embedded_broker
+from server.jobs.heartbeat import Heartbeat
 from worker.procs import die_with_parent
 
 
@@ -88,6 +89,7 @@ app.conf.update(
     },
     beat_schedule_filename=str(settings.ASYNCRL_HOME / "celerybeat-schedule"),
 )
+app.steps["consumer"].add(Heartbeat)  # /healthz's "worker" (server/jobs/heartbeat.py)
 
 
 @beat_embedded_init.connect

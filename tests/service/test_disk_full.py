@@ -195,6 +195,7 @@ def test_a_commit_onto_a_full_sqlite_disk_is_503_and_healthz_degraded_until_a_co
     from sqlmodel import Session
 
     from server.core.db import get_session, make_engine
+    from server.jobs import heartbeat
     from server.main import app
     from server.services import tokens
     from tests.support.server import migrate, spec
@@ -215,6 +216,7 @@ def test_a_commit_onto_a_full_sqlite_disk_is_503_and_healthz_degraded_until_a_co
                 yield s
 
         app.dependency_overrides[get_session] = sqlite_session
+        heartbeat.beat("test")  # a worker answered (30 s): the database is the only part this test changes
         try:
             assert client.get("/healthz").json()["status"] == "ok"
             filler = fill(folder)
@@ -224,13 +226,14 @@ def test_a_commit_onto_a_full_sqlite_disk_is_503_and_healthz_degraded_until_a_co
             health = client.get("/healthz")
             assert (health.status_code, health.json()) == (
                 503,
-                {"status": "degraded", "database": "postgresql", "reason": line},
+                {"status": "degraded", "database": "postgresql", "broker": "redis", "worker": "ok", "reason": line},
             )
             filler.unlink()
             resp = client.post("/api/runs", json=spec(name="space-back"), headers=auth)
             assert resp.status_code == 201, resp.text
             health = client.get("/healthz")
-            assert (health.status_code, health.json()) == (200, {"status": "ok", "database": "postgresql"})
+            ok = {"status": "ok", "database": "postgresql", "broker": "redis", "worker": "ok"}
+            assert (health.status_code, health.json()) == (200, ok)
             names = [r["name"] for r in client.get("/api/runs", headers=auth).json()["data"]]
             assert names == ["space-back"]
         finally:

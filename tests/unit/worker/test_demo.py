@@ -37,7 +37,12 @@ def test_embedded_service_follows_a_submitted_run_to_its_final_status(
     ):
         assert service.token.startswith("asr_") and set(service.pids) == {"server", "worker"}
         assert all(alive(pid) for pid in service.pids.values())
-        assert client.get("/healthz").json() == {"status": "ok", "database": "sqlite"}
+        assert client.get("/healthz").json() == {
+            "status": "ok",
+            "database": "sqlite",
+            "broker": "embedded",
+            "worker": "ok",
+        }
         resp = client.post("/api/runs", json={"name": "demo-test", "max_steps": 2, "model": {"name": model}})
         elsewhere = {"name": "x", "max_steps": 2, "model": {"name": str(tmp_path / "other" / "m")}}
         refused = client.post("/api/runs", json=elsewhere)  # outside both roots
