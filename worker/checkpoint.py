@@ -158,13 +158,17 @@ def check_run_dir(spec: RLSpec | SFTSpec | EvalSpec, *, resume: bool = False, ov
 
     run = RunDir(spec.run_dir)
     out = Path(spec.output_dir or ".")
-    existing = next(p for p in (out, *out.parents, Path(".")) if p.exists())  # Path(".") ends a relative path
-    if not existing.is_dir():
-        raise SpecError(f"output_dir: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SpecError(f"output_dir: cannot create run directories under {existing} (permission denied)")
     if run.root.exists() and not run.root.is_dir():
         raise SpecError(f"name: {run.root} exists and is not a directory")
+    if run.root.is_dir():  # prepared already (a Slurm job hands it to the run's uid inside a root-owned folder)
+        if not os.access(run.root, os.W_OK | os.X_OK):
+            raise SpecError(f"output_dir: cannot write the run directory {run.root} (permission denied)")
+    else:
+        existing = next(p for p in (out, *out.parents, Path(".")) if p.exists())  # Path(".") ends a relative path
+        if not existing.is_dir():
+            raise SpecError(f"output_dir: {existing} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise SpecError(f"output_dir: cannot create run directories under {existing} (permission denied)")
     if resume:
         if isinstance(spec, EvalSpec):
             raise SpecError("--resume: an eval job has no checkpoints; submit it again")
