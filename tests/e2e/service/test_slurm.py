@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -359,3 +360,76 @@ def test_an_sft_run_and_an_eval_job_of_its_weights_run_as_slurm_jobs(
             "completed",
         ]
     assert len(jobs) == 2
+
+
+PROBE = """
+import os, sys
+for path in sys.argv[1:]:
+    try:
+        os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(1)
+        print("read", path)
+    except PermissionError:
+        print("denied", path)
+"""
+
+
+def uid_of(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+def test_a_root_workers_slurm_run_runs_as_its_own_uid_which_cannot_read_the_servers_secrets(
+    client: Any, auth: dict[str, str], service: str
+) -> None:
+    """A root worker (RUN_USER and RUN_UID_BASE unset) submits an RL run as a Slurm job: every process of the run
+    (vLLM and its engine, orchestrator, trainer: the process groups the supervisor starts, less each group's watchdog,
+    which the supervisor owns) runs as uid = gid = DEFAULT_RUN_UID_BASE + run id; from the job's node that uid gets
+    PermissionError on the server's secret key file and ASYNCRL_HOME, and reads its own run's files."""
+    import os
+    import sys
+
+    from server.core.config import Settings
+    from worker import supervisor
+    from worker.procs import live_processes
+
+    assert os.geteuid() == 0, "a root worker's Slurm job: run this test as root"
+    Settings(SECRET_KEY="").secret_key()  # the key file of a server without SECRET_KEY, made in ASYNCRL_HOME
+    secret = Path(os.environ["ASYNCRL_HOME"]) / "secret_key"
+    run = submit(client, auth, slurm_spec(service, "slurm-uid", max_steps=3))
+    uid, job = supervisor.DEFAULT_RUN_UID_BASE + run["id"], run["launcher_handle"]
+    run_dir = Path(run["run_dir"])
+    seen: dict[int, tuple[int, str]] = {}  # pid -> (uid, command line) of every process of the run seen
+    probe = None
+    deadline = time.monotonic() + 400
+    while (now := run_of(client, auth, run["id"]))["status"] not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, "the run did not end within 400 s"
+        running = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "running"]
+        groups = set(running[-1]["pids"].values()) if running else set()
+        for pid, (pgid, _, cmd) in live_processes().items():
+            if pgid in groups and pid not in seen and "os.killpg(0, signal.SIGKILL)" not in cmd:  # not the watchdog
+                if (owner := uid_of(pid)) is not None:  # None: it ended meanwhile
+                    seen[pid] = (owner, cmd)
+        if groups and probe is None:  # from the job's node, started as the run's processes are
+            files = [secret, secret.parent, run_dir / "config.json", run_dir / "events.jsonl"]
+            drop = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+            probe = subprocess.run(
+                ["srun", f"--jobid={job}", "--overlap", "--nodes=1", "--ntasks=1", "setpriv", *drop, "--"]
+                + [sys.executable, "-c", PROBE, *map(str, files)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd="/",
+            ).stdout.split("\n")[:-1]
+        time.sleep(0.05)
+    assert now["status"] == "completed", now["status_reason"]
+    names = {"inference", "trainer", "orchestrator"}
+    assert set(running[-1]["pids"]) == names and groups <= set(seen), (running, seen)
+    assert {u for u, _ in seen.values()} == {uid}, seen
+    assert any("worker.trainer" in cmd for _, cmd in seen.values()), seen
+    assert (run_dir / "metrics.jsonl").stat().st_uid == uid and (run_dir / "weights").stat().st_uid == uid
+    assert probe == [f"denied {secret}", f"denied {secret.parent}", *(f"read {p}" for p in files[2:])]
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    print(f"run {run['id']}, job {job}: {len(seen)} processes, all uid {uid}; {probe}")
