@@ -203,10 +203,20 @@ def test_rl_run_on_tool_env(tool_run: RunDir, tool_model: Path) -> None:
     assert all({"reward_mean", "reward_std", "wait_for_policy_s", "staleness_max"} <= r.keys() for r in orch)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in orch)
     assert all({"loss", "mismatch_kl", "grad_norm", "lr", "entropy"} <= r.keys() for r in trainer)
-    # a step whose groups all had equal rewards trains on nothing and logs NaN (EMPTY_STEP_METRICS); the tool
-    # harness's requests are not seeded, so which steps those are varies (CI saw one): the others train finitely
-    assert any(r["num_samples"] for r in trainer), trainer
-    assert all(math.isfinite(r["loss"]) == (r["num_samples"] > 0) for r in trainer), trainer
+    # Each step trains exactly the rollouts of its groups whose rewards differ: a group of equal rewards has zero
+    # advantage and is dropped (orchestrator.drop_zero_advantage, on by default), every other record is one sample.
+    # The tool harness's requests are not seeded, so which groups those are varies; the counts must match exactly.
+    for step, stats in zip((1, 2, 3), trainer, strict=True):
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for r in read_jsonl(tool_run.rollout_file(step)):
+            groups.setdefault(r["group"], []).append(r)
+        for g, records in groups.items():
+            equal = len({r["reward"] for r in records}) == 1
+            assert [r["dropped"] for r in records] == [("zero_advantage" if equal else None)] * len(records), (step, g)
+        kept = sum(r["dropped"] is None for records in groups.values() for r in records)
+        assert stats["num_samples"] == kept, (step, stats, kept)
+        assert math.isfinite(stats["loss"]) == (kept > 0), stats  # an empty step logs NaN (EMPTY_STEP_METRICS)
+    assert sum(r["num_samples"] for r in trainer) > 0, trainer  # and the run trained
     assert [r["step"] for r in evals] == [0, 3] and all(0.0 <= r["reward_mean"] <= 1.0 for r in evals)
     print(
         "eval reward before/after:",
