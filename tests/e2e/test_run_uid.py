@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.support.server import wait_for
+from tests.support.uids import PROBE, uid_of
 from worker import supervisor
 from worker.demo import TERMINAL, embedded_service
 from worker.procs import session_members
@@ -26,24 +27,6 @@ from worker.spec import load_spec_data
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="a root worker's default")]
 
 REPO = Path(__file__).resolve().parents[2]
-
-PROBE = """
-import os, sys
-for path in sys.argv[1:]:
-    try:
-        os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(1)
-        print("read", path)
-    except PermissionError:
-        print("denied", path)
-"""
-
-
-def uid_of(pid: int) -> int | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
 
 
 def test_a_root_workers_run_runs_as_its_own_uid_which_cannot_read_the_servers_secrets(

@@ -22,6 +22,7 @@ import pytest
 from server.models import RunStatus
 from tests.support.runs import ended, run_of, small_spec, trainer_steps
 from tests.support.server import BAD_MODEL, points, processes, run_token_headers, spec, stored, wait_for
+from tests.support.uids import PROBE, uid_of
 from worker.checkpoint import complete_steps
 from worker.launchers import slurm
 from worker.rundir import RunDir, read_jsonl
@@ -360,25 +361,6 @@ def test_an_sft_run_and_an_eval_job_of_its_weights_run_as_slurm_jobs(
             "completed",
         ]
     assert len(jobs) == 2
-
-
-PROBE = """
-import os, sys
-for path in sys.argv[1:]:
-    try:
-        os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(1)
-        print("read", path)
-    except PermissionError:
-        print("denied", path)
-"""
-
-
-def uid_of(pid: int) -> int | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
 
 
 def test_a_root_workers_slurm_run_runs_as_its_own_uid_which_cannot_read_the_servers_secrets(
