@@ -27,7 +27,20 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunUser:
+    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``, or the run's own
+    uid under ``RUN_UID_BASE``)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
 
 PR_SET_PDEATHSIG = 1
 WATCHDOG = (

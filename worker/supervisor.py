@@ -40,7 +40,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ import httpx
 
 from worker import cgroups
 from worker.launchers import slurm_job
-from worker.procs import WORKER_CACHE_VARS, alive, give_tree, run_environ
+from worker.procs import WORKER_CACHE_VARS, RunUser, alive, give_tree, run_environ
 from worker.reporter import Reporter, report_timeout_s
 from worker.rundir import SupervisorHome, describe_os_error, read_jsonl
 
@@ -79,17 +78,6 @@ def run_env(run_id: int, token: str, server_url: str, allow: Collection[str] = (
     the run token (never logged) and the server's URL."""
     ids = {"ASYNCRL_RUN_ID": str(run_id), "ASYNCRL_RUN_TOKEN": token, "ASYNCRL_SERVER_URL": server_url}
     return {**run_environ(os.environ, allow), **ids}
-
-
-@dataclass(frozen=True)
-class RunUser:
-    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``, or the run's own
-    uid under ``RUN_UID_BASE``)."""
-
-    name: str
-    uid: int
-    gid: int
-    home: str
 
 
 RUN_HOME_DIR = "user-home"

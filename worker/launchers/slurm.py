@@ -26,15 +26,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from worker.checkpoint import complete_steps
-from worker.procs import give_tree, run_environ
+from worker.procs import RunUser, give_tree, run_environ
 from worker.rundir import SupervisorHome
 from worker.spec import EvalSpec, RLSpec, SFTSpec
-
-if TYPE_CHECKING:
-    from worker.supervisor import RunUser
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
 LIVE_STATES = frozenset(
