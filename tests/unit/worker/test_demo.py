@@ -116,6 +116,7 @@ def test_demo_refuses_bad_arguments_before_doing_anything(
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.timing  # Ctrl-C ends it within 30 s: 62 s in all beside pass 1's 4 processes and the fuzz (33 s alone)
 def test_serve_reopens_the_dashboard_on_an_earlier_demos_state(tmp_path: Path) -> None:
     """``asyncrl demo --serve`` starts the embedded service again on ``<output-dir>/service``: the runs the demo
     stored are there, a new token logs in, and Ctrl-C ends it (exit 0) with nothing left running."""
