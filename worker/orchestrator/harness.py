@@ -120,7 +120,9 @@ def trace_to_rollouts(
                 task_key=task_key,
                 prompt_ids=ids[:start],
                 completion_ids=ids[start:],
-                completion_logprobs=logprobs[start:],
+                # 0 on every token the model did not sample, whatever the trace carried there (a CI run once saw a
+                # masked position with a logprob): the trainer reads logprobs only under the mask
+                completion_logprobs=[lp if s else 0.0 for lp, s in zip(logprobs[start:], sampled[start:], strict=True)],
                 completion_text="\n".join(_render(m) for m in branch.messages[n_prompt:]),
                 finish_reason=finish,
                 reward=reward,
