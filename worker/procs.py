@@ -144,7 +144,7 @@ def give_tree(root: Path, uid: int, gid: int) -> None:
 
     A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run_files``) is first
     replaced by a copy of its own: changing the owner of the shared inode would give the child run's uid the
-    parent's files to rewrite (found by a helper, 2026-12-04)."""
+    parent's files to rewrite)."""
     for path in [root, *root.rglob("*")]:
         st = os.lstat(path)
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
