@@ -1,4 +1,4 @@
-"""The inference client's own CPU per completion request, A/B between checkouts (issue 19, session 17).
+"""The inference client's own CPU per completion request, A/B between two checkouts.
 
 One simulated server (``benchmarks/sim_inference.py``, its default latency model: 50 ms + 10 ms per token of the
 longest completion, log-normal lengths around 48 tokens cut at ``max_tokens`` 128) and, in turn, one client process

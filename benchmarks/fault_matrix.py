@@ -1,4 +1,4 @@
-"""The fault matrix (issue 16): every process of a real RL run and every service it depends on killed with SIGKILL
+"""The fault matrix: every process of a real RL run and every service it depends on killed with SIGKILL
 mid-run; time to detect, time to recover, steps lost, metric points lost or duplicated, processes left.
 
 1. A stack of its own (``tests/support/faults.py``): a Postgres and a Redis started for it on free ports (never the

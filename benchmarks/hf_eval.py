@@ -1,4 +1,5 @@
-"""Greedy held-out eval of an exported model loaded by transformers (no vLLM): the other half of case C16.
+"""Greedy held-out eval of an exported model loaded by transformers (no vLLM): the other half of the export round trip
+(benchmarks/export_roundtrip.sh).
 
 ``asyncrl eval`` serves a model with vLLM; this loads the same folder with ``AutoModelForCausalLM`` (a merged export
 or a full-weights export), or a base model plus a PEFT adapter folder (``--adapter``: an ``asyncrl export

@@ -1,4 +1,4 @@
-"""Learning check of LoRA RL on reverse-text (issue 18): LoRA vs full fine-tuning, same steps, same start.
+"""Learning check of LoRA RL on reverse-text: LoRA vs full fine-tuning, same steps, same start.
 
 The setting is the difficulty_pool check's (``difficulty_pool_learning.py``): the demo's SFT warm-up (built once under
 ``results/tmp/difficulty_pool/sft``, shared with that check), then one RL run per variant with the demo's RL settings
@@ -11,7 +11,7 @@ The setting is the difficulty_pool check's (``difficulty_pool_learning.py``): th
   10x is the optimum reported by Schulman et al., "LoRA Without Regret" (Thinking Machines, 2025), which also found
   low ranks enough for RL.
 
-Recorded per variant: the eval curve, the gain over the SFT model (last eval minus the eval at version 0; the issue's
+Recorded per variant: the eval curve, the gain over the SFT model (last eval minus the eval at version 0; the
 bar is >= +0.10), ``mismatch_kl`` (bar <= 1e-3), and the median per-version weight update (pause -> load -> resume, the
 orchestrator's ``weight_update_s``): the adapter's for LoRA, the full weights' for ``full``.
 

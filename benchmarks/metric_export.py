@@ -7,7 +7,7 @@
    comparison (``GET /api/metrics/export?run=a&run=b``, 2 x 100,000 points): p50/p99 of the app's time from the
    ``Server-Timing`` header and of the client time; each file is read back and its row count checked.
 
-Goal (issue 21): 100k points in under 2 s server time. Run: ``.venv/bin/python benchmarks/metric_export.py [--quick]``.
+Goal: 100k points in under 2 s server time. Run: ``.venv/bin/python benchmarks/metric_export.py [--quick]``.
 """
 
 from __future__ import annotations

