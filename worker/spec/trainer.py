@@ -178,7 +178,7 @@ class TrainerConfig(StrictModel):
     """Testing aid: sleep this long after every step to make the trainer the bottleneck (at most an hour)."""
     gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     """Share of each trainer GPU's memory the trainer may allocate (``torch.cuda.set_per_process_memory_fraction``;
-    None: no cap). With vLLM on the same GPU (colocated, ``worker.launchers.capacity.colocated``) it and
+    None: no cap). With vLLM on the same GPU (colocated, ``worker.spec.runs.RLSpec.colocated``) it and
     ``inference.gpu_memory_utilization`` must add up to at most 1; a model whose trainer state does not fit the share
     is refused at launch with the numbers (``worker.launchers.capacity.check_trainer_memory``)."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
