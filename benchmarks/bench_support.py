@@ -143,7 +143,7 @@ def sft_model(steps: int = 60, *, threads: int = 1) -> Path:
     final = TMP / f"sft-{steps}" / "final"
     if (final / "config.json").is_file() and (TMP / f"sft-{steps}" / "summary.json").is_file():
         return final
-    from worker.models import init_model
+    from worker.policy.models import init_model
     from worker.spec import load_spec_data, validate_spec
     from worker.trainer.sft import run_sft
 

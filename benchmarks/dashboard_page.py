@@ -34,7 +34,7 @@ def store(points: int) -> tuple[str, int, int]:
     from server.models import MetricPoint
     from server.services import config, metrics, runs, tokens
     from webui import figures
-    from worker.rundir import RunDir, append_jsonl
+    from worker.run.rundir import RunDir, append_jsonl
 
     pairs = sorted({(src, name) for c in figures.CHARTS for src, name, _ in c.lines} | set(figures.BOTTLENECK_LINES))
     steps = points // len(pairs)

@@ -74,7 +74,7 @@ def sft_checkpoint(steps: int | None, threads: int) -> tuple[Path, dict[str, Any
     run = WORK / "sft"
     if (run / "summary.json").is_file() and (run / "final" / "config.json").is_file():
         return run / "final", json.loads((run / "summary.json").read_text())
-    from worker.models import init_model
+    from worker.policy.models import init_model
     from worker.spec import load_spec_data, validate_spec
     from worker.trainer.sft import run_sft
 

@@ -44,7 +44,7 @@ def main() -> int:
     from tests.support.fault_matrix import FaultMatrix, table
     from tests.support.faults import Stack, new_root, remove
     from tests.support.runs import small_spec
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     machine, started = C.machine_facts(), time.time()
     root = new_root()

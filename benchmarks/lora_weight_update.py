@@ -36,9 +36,9 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int) -> dict:
     import torch
 
     from worker.inference.client import InferenceClient
-    from worker.lora_adapters import lora_adapter_name
-    from worker.models import load_model
-    from worker.rundir import RunDir
+    from worker.policy.lora_adapters import lora_adapter_name
+    from worker.policy.models import load_model
+    from worker.run.rundir import RunDir
     from worker.spec import LoraConfig
     from worker.trainer.lora import wrap
     from worker.weight_sync.publish import publish_adapter, publish_weights
@@ -110,8 +110,8 @@ def main() -> int:
     started, machine = time.time(), C.machine_facts()
 
     from worker.inference.server import start_server, stop_server, wait_ready
-    from worker.models import init_model
-    from worker.procs import free_port
+    from worker.policy.models import init_model
+    from worker.run.procs import free_port
 
     work = C.TMP / "lora_weight_update"
     model_dir = init_model(work / "model", size="tiny", seed=0, overwrite=True)

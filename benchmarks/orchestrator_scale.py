@@ -11,8 +11,8 @@ Per level L, three processes on 127.0.0.1:
   pause / load / reset / resume on every version). Each step holds ``L / (max_async_level + 1)`` rollouts and
   ``max_async_level`` is ``--async-level`` (default 1), so the producer's gate allows at most L rollouts in flight;
   the server reports how many were (time-average and maximum over the measured window);
-- a stand-in trainer (``--trainer``): reads each batch with ``worker.batch.read_batch`` as the trainer does (timed)
-  and publishes version n at once (``weights/step_n/STABLE``), so the orchestrator is never held by training.
+- a stand-in trainer (``--trainer``): reads each batch with ``worker.orchestrator.batch.read_batch`` as the trainer does
+  (timed) and publishes version n at once (``weights/step_n/STABLE``), so the orchestrator is never held by training.
 
 Measured in the orchestrator process over the steps after ``--warmup-steps``: rollouts/s (rollouts of the steps
 whose batches were written / seconds between the first and last of those writes), the event-loop lag (a ticker
@@ -67,7 +67,7 @@ def tokenizer_model() -> Path:
     """The tiny Qwen3 of ``asyncrl model init`` (its byte-level tokenizer is what the orchestrator loads)."""
     out = C.TMP / "tiny-init"
     if not (out / "config.json").is_file():
-        from worker.models import init_model
+        from worker.policy.models import init_model
 
         init_model(out, size="tiny", seed=0, overwrite=True)
     return out
@@ -83,8 +83,8 @@ def rss_bytes() -> int:
 
 def trainer(run_dir: Path, steps: int) -> int:
     """Read every batch as the trainer does and publish its version at once; timings to ``trainer_handoff.json``."""
-    from worker.batch import read_batch
-    from worker.rundir import STABLE_MARKER, RunDir
+    from worker.orchestrator.batch import read_batch
+    from worker.run.rundir import STABLE_MARKER, RunDir
 
     run = RunDir(run_dir)
     rows = []
@@ -116,7 +116,7 @@ def orchestrator(
 
     from worker.orchestrator import heap
     from worker.orchestrator.orchestrator import Orchestrator
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
     from worker.spec import RLSpec
 
     run = RunDir(run_dir)
@@ -240,7 +240,7 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 def run_level(
     level: int, args: argparse.Namespace, model: Path, profile: Path | None, admission: str = "step"
 ) -> dict[str, Any]:
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
 
     async_level = args.async_level
     per_step = level // (async_level + 1)

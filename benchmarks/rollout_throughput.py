@@ -70,8 +70,8 @@ def measure_alone(
     n: int = 8,
     max_tokens: int = 48,
 ) -> dict:
-    from worker.models import load_tokenizer
     from worker.orchestrator.prompts import prompt_ids
+    from worker.policy.models import load_tokenizer
 
     tok = load_tokenizer(model)
     env = C.bench_env(model)  # the RL run's prompts

@@ -7,11 +7,11 @@ backward over every packed micro-batch), ``clip_grad_norm_``, ``AdamW.step``, ``
 Batches: 64 samples (8 prompts x 8 samples) of real reverse-text prompts (chat-templated token ids
 of train tasks) plus a completion of ``len(answer) + 1`` random tokens, i.e. the length a correct
 reversal + ``<|im_end|>`` has (~64 tokens a sample in all, ~4.1k a batch), packed first-fit-decreasing
-(``worker.packing.pack``) into micro-batches of ``orchestrator.seq_len`` 256 or 1024 tokens, exactly
+(``worker.orchestrator.packing.pack``) into micro-batches of ``orchestrator.seq_len`` 256 or 1024 tokens, exactly
 as the orchestrator packs them. Sampling logprobs are random in [-3, 0), advantages +-1.
 
 Grid: seq_len {256, 1024} x torch threads {1, 2} x {fp32, bf16 autocast, fp32 with shared-prompt packing
-(``worker.packing.pack_shared_prompt``: each prompt once per chunk of its 8 samples)} (``model.dtype`` =
+(``worker.orchestrator.packing.pack_shared_prompt``: each prompt once per chunk of its 8 samples)} (``model.dtype`` =
 "bfloat16" turns on ``torch.autocast("cpu", bfloat16)`` in ``train_step``; master weights stay fp32).
 Per cell: ``--warmup`` steps (at most 1 for bf16), then ``--steps`` timed steps (``--bf16-steps``
 for bf16 cells); tokens/s = batch tokens / step seconds,
@@ -34,8 +34,8 @@ import bench_support as C  # noqa: E402
 
 
 def synthetic_batch(tokenizer, seq_len: int, seed: int, prompts: int = 8, group: int = 8, share: bool = False) -> dict:
+    from worker.orchestrator.packing import pack, pack_shared_prompt
     from worker.orchestrator.prompts import prompt_ids
-    from worker.packing import pack, pack_shared_prompt
 
     rng = random.Random(seed)
     env = C.bench_env(C.TMP / "tiny-init")  # rl.toml's prompts (the model path is not read)
@@ -76,7 +76,7 @@ def run_cell(
 ) -> dict:
     import torch
 
-    from worker.models import load_model
+    from worker.policy.models import load_model
     from worker.trainer.optim import build_optimizer
     from worker.trainer.train import train_step
 
@@ -129,7 +129,7 @@ def main() -> int:
 
     started = time.time()
     machine = C.machine_facts()
-    from worker.models import init_model, load_tokenizer
+    from worker.policy.models import init_model, load_tokenizer
 
     model_dir = C.TMP / "tiny-init"
     if not (model_dir / "config.json").is_file():

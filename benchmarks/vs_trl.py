@@ -180,7 +180,7 @@ def run_trl(model: Path, warmup: int, steps: int, threads: int, mode: str = "hf"
 
     from worker.envs import parse_answer
     from worker.envs.reverse_text import ANSWER_TAG, lcs_ratio
-    from worker.models import load_model, load_tokenizer
+    from worker.policy.models import load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

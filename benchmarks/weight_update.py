@@ -38,7 +38,7 @@ def _perturbed_states(model_dir: Path, rounds: int) -> list[dict]:
     """``rounds`` weight sets: the model's HF-named weights (tied lm_head left out) plus small noise each."""
     import torch
 
-    from worker.models import load_model
+    from worker.policy.models import load_model
 
     model = load_model(model_dir)
     base = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
@@ -55,7 +55,7 @@ async def _measure(url: str, model_dir: Path, work: Path, rounds: int, bucket_mb
     import torch
 
     from worker.inference.client import InferenceClient
-    from worker.rundir import STABLE_MARKER, RunDir
+    from worker.run.rundir import STABLE_MARKER, RunDir
     from worker.spec import WeightSyncConfig
     from worker.weight_sync.load import WeightReceiver
     from worker.weight_sync.publish import WeightSender, write_version
@@ -121,8 +121,8 @@ def main() -> int:
     started, machine = time.time(), C.machine_facts()
 
     from worker.inference.server import start_server, stop_server, wait_ready
-    from worker.models import init_model
-    from worker.procs import free_port
+    from worker.policy.models import init_model
+    from worker.run.procs import free_port
 
     per_size = {}
     for size in sizes:

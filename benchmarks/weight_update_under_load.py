@@ -146,9 +146,9 @@ def main() -> int:
     started, machine = time.time(), C.machine_facts()
 
     from worker.inference.server import run_server_command, server_env, stop_server, wait_ready
-    from worker.models import init_model, load_model
-    from worker.procs import free_port, spawn
-    from worker.rundir import RunDir
+    from worker.policy.models import init_model, load_model
+    from worker.run.procs import free_port, spawn
+    from worker.run.rundir import RunDir
     from worker.spec import RLSpec
 
     work = C.TMP / "weight_update_under_load"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A root worker runs each run as an unprivileged uid (worker/supervisor.py run_user; checked before each launch): that
+# A root worker runs each run as an unprivileged uid (worker/launchers/supervisor.py run_user; checked before each launch): that
 # uid must be able to run this checkout's venv Python. Let other users pass through (o+x: enter, not list) the folders
 # in its way, e.g. /root (0700) above a pyenv Python, saying so. Idempotent; nothing to do unless run as root.
 # Called by scripts/setup.sh and scripts/test-services.sh.

@@ -5,7 +5,7 @@
 # the venv's Python usable by the runs' uids (scripts/python-for-runs.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The runs the tests launch as a root worker run as other uids (worker/supervisor.py run_user): they must reach .venv's
+# The runs the tests launch as a root worker run as other uids (worker/launchers/supervisor.py run_user): they must reach .venv's
 # Python (e.g. through /root, 0700).
 bash scripts/python-for-runs.sh
 

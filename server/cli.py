@@ -146,8 +146,8 @@ def worker_command(argv: list[str]) -> int:
 
 def start_export_worker(concurrency: int, loglevel: str) -> subprocess.Popen[bytes]:
     """``asyncrl worker --exports-only`` as a child of this process (output to this one's); it gets SIGTERM when this
-    process dies, even by SIGKILL (``worker.procs.die_with_parent``)."""
-    from worker.procs import die_with_parent
+    process dies, even by SIGKILL (``worker.run.procs.die_with_parent``)."""
+    from worker.run.procs import die_with_parent
 
     parent = os.getpid()
     cmd = [sys.executable, "-m", "worker.cli", "worker", "--exports-only"]

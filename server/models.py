@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
-from worker.rundir import EngineEventKind
+from worker.run.rundir import EngineEventKind
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 
@@ -246,7 +246,8 @@ class StatusReport(SQLModel):
 
 
 class WorkerCapacity(SQLModel, table=True):
-    """The capacity a worker declared when it started (``worker/capacity.py``); submitted specs must fit one."""
+    """The capacity a worker declared when it started (``worker/launchers/capacity.py``); submitted specs must fit
+    one."""
 
     __tablename__ = "worker_capacity"
     name: str = Field(primary_key=True, max_length=255)
@@ -306,7 +307,8 @@ class Metric(SQLModel, table=True):
 
 
 class EngineEvent(BaseModel):
-    """One event a run's process wrote into ``events.jsonl`` (``worker.reporter.EventsForwarder`` sends them)."""
+    """One event a run's process wrote into ``events.jsonl`` (``worker.launchers.reporter.EventsForwarder`` sends
+    them)."""
 
     event: EngineEventKind
     time: float = PydanticField(ge=0, le=1e11, allow_inf_nan=False)

@@ -24,8 +24,9 @@ from tests.support.uvicorn_thread import serve
 
 RUNS_CAN_ENTER = 0o711
 """Mode of the tests' temporary folders when they run as root: the runs they launch through the service run as other
-uids (a root worker's default: ``worker.supervisor.run_user``) and must reach the models and data made there (enter,
-not list). pytest makes them 0700, under ``/tmp/pytest-of-root``, which every pytest session sets back to 0700."""
+uids (a root worker's default: ``worker.launchers.supervisor.run_user``) and must reach the models and data made there
+(enter, not list). pytest makes them 0700, under ``/tmp/pytest-of-root``, which every pytest session sets back to
+0700."""
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -27,7 +27,8 @@ from server.services.runs import RunNotFound
 from server.services.tokens import Principal
 from webui.errors import HTMLErrorRoute
 from webui.page import FormDep, Page, SessionDep, page
-from worker.alert_rules import (
+from worker.spec import SpecError
+from worker.tracking.alert_rules import (
     EVENT_KINDS,
     KNOWN_METRICS,
     RULE_KINDS,
@@ -39,7 +40,6 @@ from worker.alert_rules import (
     ThroughputRule,
     describe,
 )
-from worker.spec import SpecError
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
 KIND_FIELDS = {

@@ -15,8 +15,8 @@ from sqlmodel import Session
 
 from server.models import ConfigRevision, MetricSeries
 from server.services import metrics
-from worker.alert_rules import PER_ENV_METRICS
 from worker.orchestrator.staleness import LAG_HIST_METRICS
+from worker.tracking.alert_rules import PER_ENV_METRICS
 
 MISMATCH_KL_THRESHOLD = 1e-3
 """Alert threshold drawn on the ``mismatch_kl`` chart (nats per token, k3 estimator)."""

@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse
 from server.services import rollouts, runs
 from webui.errors import HTMLErrorRoute
 from webui.page import SessionDep, is_fragment, page
-from worker.run_files import RunFileError
+from worker.run.run_files import RunFileError
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)
 PAGE_SIZE = 50

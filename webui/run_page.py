@@ -26,7 +26,7 @@ from webui.errors import HTMLErrorRoute, error_status
 from webui.page import FormDep, Page, SessionDep, page
 from worker.dotted_keys import flatten, replay
 from worker.live_config import LIVE_KEYS, validate_changes
-from worker.run_files import RunFileError, RunFileMissing
+from worker.run.run_files import RunFileError, RunFileMissing
 from worker.spec import SpecError, parse_override_value, parse_text
 
 router = APIRouter(include_in_schema=False, route_class=HTMLErrorRoute)

@@ -114,7 +114,7 @@ def _spec_command(kind: str, argv: list[str]) -> int:
     spec = validate_spec(kind, load_spec_data(files, overrides))
     assert isinstance(spec, RLSpec | SFTSpec)  # kind is "rl" or "sft" (an eval job runs through the service)
     if "--dry-run" in flags:  # the same cheap checks as the launch, in the same order; nothing is created
-        from worker.checkpoint import check_run_dir
+        from worker.run.checkpoint import check_run_dir
 
         check_run_dir(spec, resume="--resume" in flags, overwrite="--overwrite" in flags)
         if isinstance(spec, RLSpec):
@@ -203,7 +203,7 @@ def _eval_command(argv: list[str]) -> int:
 
 
 def _model_command(argv: list[str]) -> int:
-    from worker.models import SIZES
+    from worker.policy.models import SIZES
 
     p = ArgParser(prog="asyncrl model")
     sub = p.add_subparsers(dest="action", required=True)
@@ -215,7 +215,7 @@ def _model_command(argv: list[str]) -> int:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model directory at --out")
     args = p.parse_args(argv)
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     try:
         path = init_model(args.out, size=args.size, seed=args.seed, overwrite=args.overwrite)
@@ -283,7 +283,7 @@ def _demo_command(argv: list[str]) -> int:
 
 
 def _export_command(argv: list[str]) -> int:
-    """``asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]`` (``worker/export.py``)."""
+    """``asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]`` (``worker/policy/export.py``)."""
     p = ArgParser(
         prog="asyncrl export",
         description="Write a Hugging Face model directory (weights, config, tokenizer, chat template) from a "
@@ -303,7 +303,7 @@ def _export_command(argv: list[str]) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from transformers.utils import logging as hf_logging
 
-    from worker.export import ExportError, check_adapter_only, check_out, find_source, write_export
+    from worker.policy.export import ExportError, check_adapter_only, check_out, find_source, write_export
 
     try:
         source = find_source(args.run_dir, args.step)

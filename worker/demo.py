@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.dotted_keys import with_keys
-from worker.rundir import SupervisorHome, atomic_write_json
+from worker.run.rundir import SupervisorHome, atomic_write_json
 from worker.spec import SFTSpec, SpecError, load_pipeline_data, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "reverse_text"
@@ -54,7 +54,7 @@ def say(msg: str) -> None:
 
 def _model_and_sft(out: Path, sft_steps: int | None) -> tuple[dict[str, Any], SFTSpec]:
     """Stages 1-2 under ``out``: tiny model, then the SFT warm-up; returns run_sft's result and its spec."""
-    from worker.models import init_model
+    from worker.policy.models import init_model
     from worker.trainer.sft import run_sft
 
     model_dir = init_model(out / "model", size="tiny", seed=0, overwrite=True)
@@ -152,7 +152,7 @@ def embedded_service(
     """
     import httpx
 
-    from worker.procs import free_port, kill_group, spawn
+    from worker.run.procs import free_port, kill_group, spawn
 
     url = f"http://127.0.0.1:{port or free_port()}"
     env = {
@@ -214,7 +214,7 @@ def _stop_run(client: Any, run: dict[str, Any], timeout_s: float = 60.0) -> None
     answer), terminate the run's supervisor found by its lock file (its processes go with it)."""
     import httpx
 
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     try:
         client.post(f"/api/runs/{run['id']}/stop")
@@ -250,7 +250,7 @@ def follow_run(
     import httpx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from worker.procs import alive
+    from worker.run.procs import alive
 
     seen_events, last_step, evals_seen, reward, gone = 0, -1, -1, float("nan"), 0
     last_ok = time.monotonic()
@@ -435,7 +435,7 @@ def run_service_demo(
     """
     import httpx
 
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     t0 = time.time()
     out = Path(output_dir).resolve()
@@ -521,6 +521,6 @@ def serve_demo(output_dir: str, *, port: int = 8000) -> None:
 
 
 def _alive(pid: int) -> bool:
-    from worker.procs import alive
+    from worker.run.procs import alive
 
     return alive(pid)

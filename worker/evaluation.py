@@ -26,7 +26,7 @@ from worker.envs import load_environment
 from worker.inference.client import InferenceClient
 from worker.orchestrator.eval import TaskResult, check_num_examples, evaluate
 from worker.orchestrator.mixture import combine_evals
-from worker.rundir import RunDir, append_jsonl, atomic_write_json, read_jsonl
+from worker.run.rundir import RunDir, append_jsonl, atomic_write_json, read_jsonl
 from worker.spec import EnvConfig, EvalSpec
 
 
@@ -127,15 +127,15 @@ def run_evals(
     Raises:
         SpecError: neither or both of ``model`` and ``url``; ``adapter`` with ``url``, or a folder without
             ``adapter_config.json`` (or with a rank vLLM does not serve); a model or tokenizer that fails
-            :func:`worker.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
+            :func:`worker.policy.models.check_model` / ``load_tokenizer`` (no chat template...); an environment that
             does not load, or that the orchestrator cannot run (`Environment.unsupported`, e.g. tools without
             ``uv``), named ``<env_field>id`` / ``<env_field>args`` (several: ``env.<i>.id``); ``settings.num_examples``
             more than an environment's eval split has, named ``count_field`` (``check_num_examples``: never evaluated
             on fewer without a word). All are checked before a server starts.
     """
     from worker.envs import EnvironmentLoadError, env_error_field
-    from worker.models import check_model, load_tokenizer
-    from worker.procs import free_port
+    from worker.policy.models import check_model, load_tokenizer
+    from worker.run.procs import free_port
     from worker.spec import SpecError
 
     if (model is None) == (url is None):
@@ -238,7 +238,7 @@ def adapter_rank(adapter: Path, *, served_by_url: bool) -> int:
             ``adapter_config.json`` in the folder, or no integer ``r`` in it.
     """
     from worker.inference.server import LORA_RANKS
-    from worker.lora_adapters import ADAPTER_CONFIG
+    from worker.policy.lora_adapters import ADAPTER_CONFIG
     from worker.spec import SpecError
 
     if served_by_url:
@@ -269,14 +269,14 @@ def job_step(spec: EvalSpec) -> int:
 def job_model(spec: EvalSpec, run: RunDir) -> str:
     """The model folder an eval job serves: ``model.name`` itself, or, with ``model.run``, ``<run_dir>/model`` made
     from ``<run_dir>/source`` (the evaluated run's weights the service copied in) on top of the base model
-    ``model.name`` by :func:`worker.export.write_export` (a LoRA adapter merged), the same folder
+    ``model.name`` by :func:`worker.policy.export.write_export` (a LoRA adapter merged), the same folder
     ``asyncrl export`` writes.
 
     Raises:
         SpecError: ``model.run`` without ``source/`` (a spec run outside the service) or with neither weights nor an
-            adapter in it; the export's own errors (``worker.export.ExportError``) as ``model.run``.
+            adapter in it; the export's own errors (``worker.policy.export.ExportError``) as ``model.run``.
     """
-    from worker.export import ExportError, ExportSource, adapter_folder, source_kind, write_export
+    from worker.policy.export import ExportError, ExportSource, adapter_folder, source_kind, write_export
     from worker.spec import SpecError
 
     if spec.model.run is None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.dotted_keys import did_you_mean, get_key, replay, with_keys
-from worker.rundir import ENDED, LIFECYCLE_EVENTS, append_jsonl, read_jsonl, read_jsonl_after
+from worker.run.rundir import ENDED, LIFECYCLE_EVENTS, append_jsonl, read_jsonl, read_jsonl_after
 from worker.spec import RLSpec, SpecError, parse_override_value, validate_spec
 
 logger = logging.getLogger("asyncrl.live_config")

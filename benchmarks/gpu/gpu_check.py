@@ -199,8 +199,8 @@ def part_boot(out: Path, work: Path, deadline: float) -> dict[str, Any]:
     """vLLM's boot on the tiny model as a run starts it (spawn -> /health): eager, then CUDA graphs with a fresh
     compile cache (``VLLM_CACHE_ROOT``), so the graphs boot includes the compile."""
     from worker.inference.server import server_command, server_env, wait_ready
-    from worker.models import init_model
-    from worker.procs import free_port, kill_group, spawn
+    from worker.policy.models import init_model
+    from worker.run.procs import free_port, kill_group, spawn
 
     model = init_model(work / "boot-model", size="tiny", seed=0)
     res: dict[str, Any] = {}

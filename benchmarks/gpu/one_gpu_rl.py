@@ -130,7 +130,7 @@ async def _alone_rounds(url: str, model: Path, a: argparse.Namespace) -> list[di
 def vllm_alone(model: Path, a: argparse.Namespace, log: Path, timeout_s: float) -> dict[str, Any]:
     """Start the server as the launcher does, time ``--rounds`` batches, stop it. Returns the part's JSON."""
     from worker.inference.server import server_command, server_env, wait_ready
-    from worker.procs import kill_group, spawn
+    from worker.run.procs import kill_group, spawn
 
     port = 8311
     cmd = server_command(
@@ -403,7 +403,7 @@ def main() -> int:
             )
             lora_path.write_text(json.dumps(lora, indent=1, default=str) + "\n")
 
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     model = Path(a.work) / f"model-{a.model_size}"
     if not (model / "config.json").is_file():

@@ -1,6 +1,6 @@
 """alert events of built-in rules: ``alert_events.rule_id`` nullable
 
-A built-in rule (``worker.alert_rules.BUILTIN_RULES``: ``policy_check`` fires on the run event
+A built-in rule (``worker.tracking.alert_rules.BUILTIN_RULES``: ``policy_check`` fires on the run event
 ``policy_check_failed``) is no stored row, so its ``alert_events`` rows have no rule id. SQLite rebuilds the table
 (``batch_alter_table``); Postgres drops the NOT NULL. The downgrade deletes the built-in rules' events first (their
 webhook deliveries cascade).

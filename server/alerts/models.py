@@ -1,6 +1,6 @@
 """Tables of alerts and webhooks (created by ``migrations/versions/0003_alerts.py``) and their API shapes.
 
-- ``alert_rules``: a rule (``worker/alert_rules.py``) for every run (``run_id`` null) or one run.
+- ``alert_rules``: a rule (``worker/tracking/alert_rules.py``) for every run (``run_id`` null) or one run.
 - ``alert_states``: per (rule, run): whether the rule holds now and the last step checked, so a rule fires
   once per episode, also across server restarts.
 - ``alert_events``: each time a rule started holding (``fired``) or stopped (``cleared``).
@@ -20,7 +20,7 @@ from sqlalchemy import BigInteger, Boolean, Column, ForeignKey, Integer, Text
 from sqlmodel import Field, SQLModel
 
 from server.models import JSONType, _ts
-from worker.alert_rules import EVENT_KINDS, AlertRule
+from worker.tracking.alert_rules import EVENT_KINDS, AlertRule
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ class AlertRuleRow(_Owned, table=True):
     """Null: the rule applies to every run."""
     kind: str = Field(max_length=16)
     rule: dict[str, Any] = Field(sa_column=Column(JSONType, nullable=False))
-    """The validated rule (``worker.alert_rules.AlertRule``) as JSON."""
+    """The validated rule (``worker.tracking.alert_rules.AlertRule``) as JSON."""
     origin: str = Field(default="api", max_length=8)
     """``api`` or ``spec`` (from the run spec's ``alerts`` list)."""
 
@@ -67,7 +67,7 @@ class AlertEvent(SQLModel, table=True):
     __tablename__ = "alert_events"
     id: int | None = Field(default=None, primary_key=True)
     rule_id: int | None = _fk("alert_rules", nullable=True)
-    """Null: a built-in rule's event (``worker.alert_rules.BUILTIN_RULES``, its ``kind``)."""
+    """Null: a built-in rule's event (``worker.tracking.alert_rules.BUILTIN_RULES``, its ``kind``)."""
     run_id: int = _fk("runs")
     kind: str = Field(max_length=16)
     state: str = Field(max_length=8)
@@ -129,7 +129,7 @@ _RULE_EXAMPLE: JsonDict = {"kind": "threshold", "metric": "mismatch_kl", "op": "
 
 
 class RuleIn(RootModel[AlertRule]):
-    """One rule; ``kind`` picks its fields (``worker/alert_rules.py``)."""
+    """One rule; ``kind`` picks its fields (``worker/tracking/alert_rules.py``)."""
 
     model_config = ConfigDict(
         json_schema_extra={"examples": [_RULE_EXAMPLE, {"kind": "status", "statuses": ["failed"]}]}
@@ -155,7 +155,7 @@ class RuleUpdate(BaseModel):
 class AlertEventPublic(_Public):
     id: int
     rule_id: int | None
-    """Null: a built-in rule (``worker.alert_rules.BUILTIN_RULES``)."""
+    """Null: a built-in rule (``worker.tracking.alert_rules.BUILTIN_RULES``)."""
     run_id: int
     kind: str
     state: str
@@ -176,7 +176,7 @@ class EndpointCreate(BaseModel):
     secret: str | None = PydanticField(None, min_length=16, max_length=256)
     """Signing secret; default: one is generated and returned once, in this response."""
     events: list[EventName] = PydanticField(default_factory=lambda: list(EVENT_KINDS), min_length=1)
-    """Rule kinds (and built-in ones, ``worker.alert_rules.BUILTIN_RULES``) whose firing is posted here."""
+    """Rule kinds (and built-in ones, ``worker.tracking.alert_rules.BUILTIN_RULES``) whose firing is posted here."""
     format: Literal["json", "slack"] = "json"
     """``json``: the event as an object; ``slack``: ``{"text": "<message>"}`` (Slack/Mattermost incoming hooks)."""
 

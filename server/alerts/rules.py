@@ -23,7 +23,8 @@ from server.alerts import webhooks
 from server.alerts.models import AlertEvent, AlertRuleRow, AlertState, RuleUpdate
 from server.core.db import serialize
 from server.models import Metric, MetricPoint, Run, RunStatus, stored_id, utcnow
-from worker.alert_rules import (
+from worker.spec import SpecError
+from worker.tracking.alert_rules import (
     BUILTIN_RULES,
     MAX_GLOBAL_RULES_PER_USER,
     MAX_RULES_PER_RUN,
@@ -36,7 +37,6 @@ from worker.alert_rules import (
     default_source,
     describe,
 )
-from worker.spec import SpecError
 
 RULE = TypeAdapter(AlertRule)
 OPS = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
@@ -189,7 +189,7 @@ def _record(
 
 
 def on_engine_event(session: Session, run: Run, event: str, reason: str, data: dict[str, Any]) -> AlertEvent | None:
-    """Fire the built-in rule of run event ``event`` (``worker.alert_rules.BUILTIN_RULES``), if it has one: an
+    """Fire the built-in rule of run event ``event`` (``worker.tracking.alert_rules.BUILTIN_RULES``), if it has one: an
     ``alert_events`` row without a rule (``kind`` the built-in's) and a delivery to every endpoint whose filter has that
     kind, through the same signed webhook path as the stored rules. Call it once per recorded event (the caller skips
     a resent one, so each event alerts once). Flushes only."""

@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     ``ASYNCRL_OUTPUT_DIR``. Relative entries are taken from the process's working folder
     (``server/services/spec_policy.py`` ``check_data_path``)."""
     RUN_ENV_ALLOW: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Worker variables passed to a run's processes besides ``worker.procs.run_environ``'s list (e.g.
+    """Worker variables passed to a run's processes besides ``worker.run.procs.run_environ``'s list (e.g.
     ``HF_TOKEN``); never the database or broker URL, the secret key, ``ASYNCRL_HOME`` or a run token."""
 
     RUN_USER: str = ""
@@ -138,13 +138,13 @@ class Settings(BaseSettings):
     other's environment (``/proc/<pid>/environ``: the run token, the vLLM key), signal or trace each other's processes,
     or write each other's files. Pick a base above every account of the worker (a run whose uid is an account's is
     refused). Run ids are never reused, so neither are uids. 0 = every run as ``RUN_USER``, and with ``RUN_USER``
-    empty too the default base 1900000000 (``worker.supervisor.DEFAULT_RUN_UID_BASE``): a root worker never runs a
-    run as root (a non-root worker runs runs as itself). The run's uid must be able to run the worker's Python, enter
-    ``ASYNCRL_OUTPUT_DIR`` and read the models, as for ``RUN_USER``; it cannot read ``ASYNCRL_HOME`` (0700, or 0711
-    when ``ASYNCRL_OUTPUT_DIR`` is inside it), the secret key file or the SQLite database (0600)."""
+    empty too the default base 1900000000 (``worker.launchers.supervisor.DEFAULT_RUN_UID_BASE``): a root worker never
+    runs a run as root (a non-root worker runs runs as itself). The run's uid must be able to run the worker's Python,
+    enter ``ASYNCRL_OUTPUT_DIR`` and read the models, as for ``RUN_USER``; it cannot read ``ASYNCRL_HOME`` (0700, or
+    0711 when ``ASYNCRL_OUTPUT_DIR`` is inside it), the secret key file or the SQLite database (0600)."""
 
     RUN_CGROUPS: bool = True
-    """A root worker puts each local run's processes in a cgroup of their own (``worker/cgroups.py``: killed and
+    """A root worker puts each local run's processes in a cgroup of their own (``worker/run/cgroups.py``: killed and
     removed as one when the run ends; ``launcher.memory_limit_gib`` is its memory limit). False, or where cgroups are
     not writable: the supervisor's session is the unit and memory limits are not enforced (a run event says so)."""
 

@@ -4,4 +4,4 @@ functions) the embedded broker (``embedded_broker``: a file-backed transport for
 heartbeat in the broker (``heartbeat``: what ``/healthz`` reports as ``broker`` and ``worker``).
 
 They belong to the server: they read and write its database and call its services, and they start runs through the
-engine (``worker.supervisor``, ``worker.launchers``), which never imports them."""
+engine (``worker.launchers.supervisor``, ``worker.launchers``), which never imports them."""

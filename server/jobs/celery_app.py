@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from server.core.config import settings
 from server.jobs.embedded_broker import register as register_embedded_broker
 from server.jobs.heartbeat import Heartbeat
-from worker.procs import die_with_parent
+from worker.run.procs import die_with_parent
 
 
 def _transport_options() -> dict[str, object]:

@@ -1,7 +1,7 @@
 """Celery tasks: thin shells over ``launch``, ``stop``, ``reconcile`` and ``export``, plain functions tested without Celery.
 
 ``launch(run_id)`` locks the run row and returns at once unless the run is ``queued`` with no launch recorded.
-Otherwise it starts the run's supervisor (``worker.supervisor``: a detached process group that runs the local
+Otherwise it starts the run's supervisor (``worker.launchers.supervisor``: a detached process group that runs the local
 launcher and reports status and metrics over HTTP with the run token) — or adopts the one a killed earlier
 delivery already started, found by the supervisor's lock file — records its pid as the launcher handle, moves
 the run to ``starting`` and commits. Enqueue a task only after the commit that created the row. When the run
@@ -14,12 +14,12 @@ the run is still ``queued``) adopts the finished run: it records the status the 
 starting/running/paused local run whose supervisor is gone gets the final status the supervisor spooled for this
 attempt (it could not reach the server), or else is marked ``failed`` with the reason (``out of memory: ...`` first
 when the run's cgroup saw an OOM kill); what is left of its processes is killed first. Then ``kill_leftovers`` kills
-what ended runs of this worker left behind (``worker/cgroups.py``) and records a ``leftovers`` event with the count.
-A launch makes the run's cgroup (``worker.cgroups.prepare``) and records a ``processes`` event naming the unit.
+what ended runs of this worker left behind (``worker/run/cgroups.py``) and records a ``leftovers`` event with the count.
+A launch makes the run's cgroup (``worker.run.cgroups.prepare``) and records a ``processes`` event naming the unit.
 
 A launch never leaves a run ``queued`` for a disk problem: when the filesystem of the run's home has less free space
-than the run obviously needs (``worker.rundir.space_refusal``), or preparing the home fails (a full disk, a read-only
-or unwritable output folder), the run is ``failed`` with the cause and the path.
+than the run obviously needs (``worker.run.rundir.space_refusal``), or preparing the home fails (a full disk, a
+read-only or unwritable output folder), the run is ``failed`` with the cause and the path.
 
 A launch that would start a run beyond ``MAX_RUNS_PER_USER`` (launched live runs of its owner) or
 ``MAX_RUNS_PER_WORKER`` (live local runs of this worker) leaves it ``queued`` with the reason
@@ -54,11 +54,19 @@ from server.jobs.celery_app import TaskName, app, enqueue
 from server.models import TERMINAL, EngineEvent, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
 from server.services import capacity, exports, metrics, pipelines, runs, spec_policy, sweeps, tokens
 from server.services.permissions import Forbidden
-from worker import cgroups, supervisor
-from worker.procs import alive, live_processes, started_at
-from worker.reporter import row_to_event, rows_to_points
-from worker.run_files import RunFileRefused, copy_run_folder, open_run_file
-from worker.rundir import ENGINE_EVENTS, SupervisorHome, describe_os_error, read_jsonl_after, read_offset, space_refusal
+from worker.launchers import supervisor
+from worker.launchers.reporter import row_to_event, rows_to_points
+from worker.run import cgroups
+from worker.run.procs import alive, live_processes, started_at
+from worker.run.run_files import RunFileRefused, copy_run_folder, open_run_file
+from worker.run.rundir import (
+    ENGINE_EVENTS,
+    SupervisorHome,
+    describe_os_error,
+    read_jsonl_after,
+    read_offset,
+    space_refusal,
+)
 from worker.spec import SpecError, validate_spec
 
 logger = logging.getLogger("asyncrl.tasks")
@@ -128,8 +136,8 @@ def launch(run_id: int) -> str:
 
 def _launch_error(err: Exception, home: Path) -> str:
     """One line for what stopped a launch: an ``OSError`` of the run's ``home``, a path in it or a folder above it
-    (preparing it: a full disk, a read-only or unwritable output folder) by its cause and path (``worker.rundir.describe_os_error``); any
-    other error as it is."""
+    (preparing it: a full disk, a read-only or unwritable output folder) by its cause and path
+    (``worker.run.rundir.describe_os_error``); any other error as it is."""
     if isinstance(err, OSError) and err.filename:
         where = Path(str(err.filename))
         if where.is_relative_to(home) or home.is_relative_to(where):
@@ -143,7 +151,7 @@ the run's previous attempt (``supervisor.terminate``) is still ending it removes
 
 
 def _run_unit(run: Run) -> tuple[cgroups.RunCgroup | None, str]:
-    """Make the local ``run``'s cgroup (``worker.cgroups.prepare``: ``RUN_CGROUPS``, its
+    """Make the local ``run``'s cgroup (``worker.run.cgroups.prepare``: ``RUN_CGROUPS``, its
     ``launcher.memory_limit_gib``); returns it (None: the supervisor's session is the unit) and the line saying so."""
     limit = (run.spec.get("launcher") or {}).get("memory_limit_gib")
     return cgroups.prepare(stored_id(run), Path(run.run_dir).parent, limit, enabled=settings.RUN_CGROUPS)
@@ -322,7 +330,7 @@ def stop(run_id: int, grace_s: float = 30.0) -> str:
 
 
 def _last_lines(home: Path, rel: str, n: int) -> str:
-    """The last ``n`` lines of ``home/rel`` read safely (``worker.run_files``: no link, a regular file), or ""."""
+    """The last ``n`` lines of ``home/rel`` read safely (``worker.run.run_files``: no link, a regular file), or ""."""
     try:
         with open_run_file(home, rel) as f:
             return "\n".join(runs.tail(f, n))
@@ -434,7 +442,7 @@ def _record_leftovers(
 
 def kill_leftovers() -> dict[int, int]:
     """SIGKILL the processes that ended local runs of this worker left behind, and remove their cgroups: processes
-    in a run's cgroup (``worker.cgroups``; any cgroup under ``asyncrl/`` named for a run of this service that has
+    in a run's cgroup (``worker.run.cgroups``; any cgroup under ``asyncrl/`` named for a run of this service that has
     ended), and processes whose session id is an ended run's supervisor pid and that started before the run ended
     (a later process that reuses the pid is left alone). Records a ``leftovers`` run event with the count. Returns
     run id -> processes killed."""
@@ -478,7 +486,7 @@ def kill_leftovers() -> dict[int, int]:
 
 def _unsent_rows(run: Run, home: Path, name: str, offset_path: Path) -> list[dict[str, Any]]:
     """The complete lines of the run file ``name`` (``metrics.jsonl``, ``events.jsonl``) after the byte offset its
-    supervisor had sent up to (``offset_path``), read safely (``worker.run_files``); [] when the file is refused (a
+    supervisor had sent up to (``offset_path``), read safely (``worker.run.run_files``); [] when the file is refused (a
     link: logged)."""
     rel = runs.run_file(run, name)
     try:
@@ -664,11 +672,11 @@ def export(run_id: int, step: int, adapter_only: bool, request: int | None = Non
     does nothing; the delivery after ``EXPORT_MAX_DELIVERIES`` started ones (each killed mid-export, e.g. out of memory:
     Celery redelivers a task whose worker process died) records ``export_failed`` instead of trying again.
 
-    The files of the checkpoint's trainer part an export reads (``worker.export.SOURCE_FILES``: not the optimizer's
-    ``state.pt``) are first copied (hard links where possible) through ``worker.run_files`` into a hidden folder beside
-    the export, so nothing the run's processes made is read through a link, and the base model is
+    The files of the checkpoint's trainer part an export reads (``worker.policy.export.SOURCE_FILES``: not the
+    optimizer's ``state.pt``) are first copied (hard links where possible) through ``worker.run.run_files`` into a
+    hidden folder beside the export, so nothing the run's processes made is read through a link, and the base model is
     the one of the run's stored spec, not of files in its run directory."""
-    from worker.export import (
+    from worker.policy.export import (
         ExportError,
         ExportSource,
         adapter_folder,
@@ -793,7 +801,7 @@ def _linked_export_folder(out: Path) -> str | None:
     """Why this worker must not write the service export ``out`` (``<run home>/exports/<name>``): the run's own uid owns
     its home, so it could make ``exports`` (or ``out``) a link pointing this worker's writes and deletes anywhere; None
     when ``exports`` is a real folder or absent (then made here) and ``out`` is no link."""
-    from worker.export import EXPORTS_DIR
+    from worker.policy.export import EXPORTS_DIR
 
     folder = out.parent
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):

@@ -22,7 +22,7 @@ from sqlmodel import Session, col, select
 from server.core.config import settings
 from server.core.db import serialize
 from server.models import Run, RunStatus, WorkerCapacity, utcnow
-from worker.capacity import Capacity, check, detect
+from worker.launchers.capacity import Capacity, check, detect
 from worker.spec import EvalSpec, RLSpec, SFTSpec, SpecError
 
 LIVE = (RunStatus.starting, RunStatus.running, RunStatus.paused)

@@ -5,7 +5,7 @@ the service (``model.run``): its checkpoint ``model.step``, or its final weights
 At submit ``runs.create`` checks the source run (``runs.resolve_eval_source``: it exists, is a training run, its owner
 or an admin asks, the checkpoint is complete / the final weights exist) and sets ``model.name`` and ``model.dtype`` to
 the source run's base model; after the row exists (``runs.attach_eval_source``) it copies the weight files of that
-checkpoint (or of ``final/``) into the job's ``<run_dir>/source/`` (``worker.run_files``: no link followed, bytes
+checkpoint (or of ``final/``) into the job's ``<run_dir>/source/`` (``worker.run.run_files``: no link followed, bytes
 copied, never hard-linked: the job's uid owns its copy) and records an ``evaluation`` event on the source run (job id,
 step). This module holds what builds on that: the one-click eval of a checkpoint (:func:`evaluate_checkpoint`) and eval
 reward over checkpoints (:func:`evals_of`). The job's process turns ``source/`` into a model folder and evaluates it

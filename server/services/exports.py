@@ -4,7 +4,7 @@ The service never loads a model (the server imports no torch): it lists the comp
 (who, which step, adapter-only only for LoRA checkpoints, not already exported or under way), records an
 ``export_requested`` event, commits, and enqueues the ``export_run`` Celery task (on the export queue,
 ``server/jobs/celery_app.py``) with the request's event id. The worker writes ``<run home>/exports/<step_N[-adapter]>/``
-(``worker/export.py``) and records ``export_started`` (with the request id, its pid and worker name) for each
+(``worker/policy/export.py``) and records ``export_started`` (with the request id, its pid and worker name) for each
 delivery, then ``export_done`` (with the path) or ``export_failed`` (with the reason).
 
 A request that never ends (its task lost, its worker killed) would block that export forever; it is ended with
@@ -27,9 +27,9 @@ from server.models import Run, RunEvent, stored_id, utcnow
 from server.services import permissions, runs
 from server.services.runs import InvalidTransition
 from server.services.tokens import Principal
-from worker.export import EXPORTS_DIR, export_name
-from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
-from worker.run_files import is_run_file
+from worker.policy.export import EXPORTS_DIR, export_name
+from worker.policy.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
+from worker.run.run_files import is_run_file
 from worker.spec import SpecError
 
 EXPORT_EVENTS = ("export_requested", "export_started", "export_done", "export_failed")

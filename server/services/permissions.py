@@ -8,7 +8,7 @@
 - An admin may do everything.
 - A run token reaches only its own run, and writes to it only while the run is live: once its final status is
   recorded, a write gets 401 (:class:`RunTokenExpired`). The supervisor sends its spooled metrics and config acks
-  before its final status (``worker/reporter.py``: ``Reporter.finish``), so none of them is refused.
+  before its final status (``worker/launchers/reporter.py``: ``Reporter.finish``), so none of them is refused.
 
 Refusals are domain errors (``server/errors.py``: :class:`Forbidden` 403, :class:`RunTokenExpired` 401) with a
 one-line message naming the owner and the action.

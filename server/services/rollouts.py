@@ -11,7 +11,7 @@ rollout's tokens, and the same task across runs.
 
 A rollout's id is ``<run>-<step>-<line>`` (``line``: its 0-based line in the step's file; lines are only appended,
 so an id stays valid), so an id names its run and an id of another run is refused, never answered from this run's
-file. Files are read through ``worker.run_files`` (regular files inside the run's home, no symbolic links), at most
+file. Files are read through ``worker.run.run_files`` (regular files inside the run's home, no symbolic links), at most
 ``MAX_ROLLOUT_BYTES`` of each. Tokens are decoded with the run's tokenizer (``model.name``) when it is a local
 model folder; otherwise ``text`` is None and the page shows ids.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from server.models import Run, stored_id
 from server.services.runs import run_file, run_home
-from worker.run_files import RunFileMissing, list_run_folder, open_run_file
+from worker.run.run_files import RunFileMissing, list_run_folder, open_run_file
 
 _ROLLOUT_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 _ROLLOUT_ID = re.compile(r"([0-9]{1,10})-([0-9]{1,18})-([0-9]{1,9})")
@@ -245,7 +245,7 @@ def browse(run: Run, filters: Filters, *, offset: int = 0, limit: int = 50) -> B
 
 @lru_cache(maxsize=8)
 def _tokenizer(path: str, mtime_ns: int) -> Any:  # noqa: ARG001 (mtime_ns: a changed folder is loaded again)
-    from worker.models import load_tokenizer
+    from worker.policy.models import load_tokenizer
 
     return load_tokenizer(path)
 

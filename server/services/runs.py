@@ -42,13 +42,20 @@ from server.models import (
 )
 from server.services import capacity, launch_checks, permissions, spec_policy
 from server.services.tokens import Principal
-from worker.checkpoint import PARTS as CHECKPOINT_PARTS
 from worker.dotted_keys import DottedKeyError, flatten, replay, with_keys
-from worker.export import WEIGHTS_FILE, is_source_file
 from worker.live_config import replay_in_effect
-from worker.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
-from worker.run_files import RunFileError, RunFileMissing, copy_run_folder, is_run_file, list_run_folder, open_run_file
-from worker.rundir import COMPLETE_MARKER, RunDir, atomic_write_json
+from worker.policy.export import WEIGHTS_FILE, is_source_file
+from worker.policy.lora_adapters import ADAPTER_DIR, ADAPTER_FILES
+from worker.run.checkpoint import PARTS as CHECKPOINT_PARTS
+from worker.run.run_files import (
+    RunFileError,
+    RunFileMissing,
+    copy_run_folder,
+    is_run_file,
+    list_run_folder,
+    open_run_file,
+)
+from worker.run.rundir import COMPLETE_MARKER, RunDir, atomic_write_json
 from worker.spec import EvalSpec, LoraConfig, RLSpec, SFTSpec, SpecError, validate_spec
 
 S = RunStatus
@@ -299,11 +306,11 @@ def record_event(session: Session, run: Run, kind: str, *, reason: str = "", **d
 
 def record_engine_events(session: Session, run: Run, events: list[dict[str, Any]]) -> int:
     """Record events of the run's processes (``{"event", "time", "reason", "process", "data"}``, kinds of
-    ``worker.rundir.ENGINE_EVENTS``) as run events of their kind, at the time they were written, each once: one
+    ``worker.run.rundir.ENGINE_EVENTS``) as run events of their kind, at the time they were written, each once: one
     whose kind and time the run already has is skipped (a supervisor that resends after a restart adds nothing). A new
     one fires its built-in alert rule, if it has one (``policy_check_failed``: ``server.alerts.rules.on_engine_event``),
-    and a new ``stalled`` event (the hang watchdog's, ``worker/progress.py``) fires the ``status`` alert rules that
-    watch ``stalled``. Returns how many were new. Flushes only."""
+    and a new ``stalled`` event (the hang watchdog's, ``worker/tracking/progress.py``) fires the ``status`` alert rules
+    that watch ``stalled``. Returns how many were new. Flushes only."""
     kinds = sorted({e["event"] for e in events})
     rows = session.exec(select(RunEvent).where(RunEvent.run_id == run.id, col(RunEvent.kind).in_(kinds))).all()
     seen = {(r.kind, r.data.get("time")) for r in rows}
@@ -586,12 +593,12 @@ def events(session: Session, run_id: int, *, offset: int = 0, limit: int = 500) 
 
 def run_home(run: Run) -> Path:
     """The run's home folder (``<ASYNCRL_OUTPUT_DIR>/runs/<id>``): every file of a run the service reads is read
-    below it through ``worker.run_files`` (no symbolic links, regular files only)."""
+    below it through ``worker.run.run_files`` (no symbolic links, regular files only)."""
     return Path(run.run_dir).parent
 
 
 def run_file(run: Run, *parts: str) -> str:
-    """The path of ``<run_dir>/<parts...>`` relative to the run's home (what ``worker.run_files`` takes and what
+    """The path of ``<run_dir>/<parts...>`` relative to the run's home (what ``worker.run.run_files`` takes and what
     error messages show)."""
     return "/".join((Path(run.run_dir).name, *parts))
 
@@ -638,7 +645,7 @@ def resume(session: Session, run: Run, *, by: str) -> int:
         InvalidTransition: the run is not failed/cancelled, its supervisor still runs, or it has no complete
             checkpoint (the message names the checkpoints folder).
     """
-    from worker.supervisor import running_pid
+    from worker.launchers.supervisor import running_pid
 
     current = RunStatus(run.status)
     if current not in RESUMABLE:
@@ -783,9 +790,9 @@ def check_fork_keeps(parent: dict[str, Any], child: RLSpec) -> None:
 
 
 def copy_probe(parent: Run, step: int, dst: RunDir) -> None:
-    """Give a fork its parent's served-policy check probe (``worker/policy_check.py``): the probe tokens, the base
-    log-probs and those of the fork step's version, so the fork checks its first load and every later version against
-    the same base. Nothing when the parent has none (check off, LoRA, or no step trained yet).
+    """Give a fork its parent's served-policy check probe (``worker/orchestrator/policy_check.py``): the probe tokens,
+    the base log-probs and those of the fork step's version, so the fork checks its first load and every later version
+    against the same base. Nothing when the parent has none (check off, LoRA, or no step trained yet).
 
     Raises:
         RunFileError: the parent's ``policy_check`` folder or a file in it is a link or a special file.
@@ -845,7 +852,7 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
             "raise it in changes"
         )
     dst = RunDir(child.run_dir)
-    try:  # no symbolic link or special file of the parent's folder is followed or copied (worker.run_files)
+    try:  # no symbolic link or special file of the parent's folder is followed or copied (worker.run.run_files)
         copy_run_folder(run_home(parent), run_file(parent, "checkpoints", f"step_{step}"), dst.checkpoint_dir(step))
         copy_probe(parent, step, dst)
         atomic_write_json(dst.config, child.spec)
@@ -957,7 +964,7 @@ def attach_eval_source(session: Session, job: Run, source: Run) -> None:
     ``evaluation`` event on ``source``. Flushes only.
 
     Raises:
-        SpecError: the weights cannot be copied (a link or special file in them: ``worker.run_files``), as
+        SpecError: the weights cannot be copied (a link or special file in them: ``worker.run.run_files``), as
             ``model.step``; nothing of the job's folder is left.
     """
     step = job.spec["model"]["step"]
@@ -989,7 +996,7 @@ def log_file(run: Run, process: str) -> str:
 
 
 def read_log(run: Run, process: str, lines: int) -> list[str]:
-    """The last ``lines`` lines of ``process``'s log (``log_file``), read safely (``worker.run_files``).
+    """The last ``lines`` lines of ``process``'s log (``log_file``), read safely (``worker.run.run_files``).
 
     Raises:
         RunFileMissing: no log yet. RunFileRefused: the log or a folder on its way is a link or not a file.

@@ -124,9 +124,9 @@ def check_model_name(name: str, roots: Collection[str], *, hub_offline: bool = F
     as written (``..`` refused) and, where it exists here, with its symlinks resolved. A path under a root that
     exists on this machine (the outputs folder the server shares with the workers) must be a model folder now (a
     ``config.json``), so a mistyped path is refused at submit, not at launch; under a root the server does not see
-    (mounted on the workers only) it is judged at launch (``worker.models.check_model``). A hub id is taken without a
-    look-up where hub downloads are on; with ``hub_offline`` (the setting ``HF_HUB_OFFLINE``) it must be a model in
-    this machine's hub cache (its ``config.json`` there), else the launch would fail on it.
+    (mounted on the workers only) it is judged at launch (``worker.policy.models.check_model``). A hub id is taken
+    without a look-up where hub downloads are on; with ``hub_offline`` (the setting ``HF_HUB_OFFLINE``) it must be a
+    model in this machine's hub cache (its ``config.json`` there), else the launch would fail on it.
 
     Raises:
         SpecError: ``model.name: '/etc' is not allowed in a run submitted to the service; allowed: a hub id

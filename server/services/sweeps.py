@@ -30,7 +30,7 @@ States (literal tables below). A sweep is ``running → completed | cancelled``.
 1. trials whose run ended are ``finished``;
 2. each trial's run is created with the rungs in its ``ckpt.hold_at`` (:func:`trial_run_data`): its trainer
    checkpoints at each rung and holds there (trains no further; the orchestrator runs its eval of that version and
-   holds too, ``worker/checkpoint.end_of_leg``), so the step a trial is held at is the rung itself, however late the
+   holds too, ``worker/run/checkpoint.end_of_leg``), so the step a trial is held at is the rung itself, however late the
    tick comes. At the first undecided rung ``s``, a running trial that logged the metric at ``s`` and has its
    complete checkpoint of ``s`` (or whose directory is not readable here: then on the metric alone) is *held*: its
    run, idle at ``s``, is stopped through the normal stop path (``runs.request_stop`` + ``stop_run``: the run ends
@@ -72,12 +72,12 @@ from server.jobs.celery_app import BrokerUnavailable, TaskName, enqueue
 from server.models import TERMINAL, Metric, Run, RunStatus, Sweep, SweepStatus, SweepTrial, stored_id, utcnow
 from server.services import capacity, job_groups, launch_checks, permissions, pruning, runs, spec_policy
 from server.services.tokens import Principal
-from worker.alert_rules import METRICS, metric_hint, reports
-from worker.checkpoint import complete_steps
 from worker.dotted_keys import DottedKeyError, closest, flatten, with_keys
-from worker.rundir import RunDir
+from worker.run.checkpoint import complete_steps
+from worker.run.rundir import RunDir
 from worker.spec import SpecError, validate_spec
 from worker.spec.trainer import MAX_HOLD_STEPS
+from worker.tracking.alert_rules import METRICS, metric_hint, reports
 
 
 class TrialStatus:
@@ -519,7 +519,7 @@ def tick(session: Session, sweep_id: int) -> list[str]:
     Raises:
         SweepNotFound: no such sweep.
     """
-    from worker.supervisor import running_pid
+    from worker.launchers.supervisor import running_pid
 
     sweep = get(session, sweep_id, lock=True)
     if sweep.status != SW.running:

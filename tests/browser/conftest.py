@@ -120,7 +120,9 @@ def kill_run_sessions() -> None:
     mid-run leaves its run training: the supervisor has its own session)."""
     procs = processes()
     sessions = {
-        pid for pid, (sid, cmd) in procs.items() if pid == sid and "worker.supervisor" in cmd and str(STATE) in cmd
+        pid
+        for pid, (sid, cmd) in procs.items()
+        if pid == sid and "worker.launchers.supervisor" in cmd and str(STATE) in cmd
     }
     for pid, (sid, _) in procs.items():
         if sid in sessions:

@@ -53,7 +53,7 @@ def chart(page: Any, key: str, expr: str) -> Any:
 def test_launch_watch_change_lr_stop_and_compare(
     page: Any, login: Any, service: str, make_run: Any, tmp_path: Path
 ) -> None:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     model = init_model(tmp_path / "model", size="tiny", seed=0)
     other = make_run(name="bad-model")  # a second run to compare with (its model path does not exist: it fails)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.runs import multiturn_run
 from tests.support.server import new_token, spec
-from worker.rundir import read_jsonl
+from worker.run.rundir import read_jsonl
 
 pytestmark = [pytest.mark.browser, pytest.mark.vllm]
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.vllm]
 def test_a_real_rollout_shows_recorded_logprobs_and_a_masked_env_turn(
     page: Any, login: Any, live_server: str, tmp_path: Path
 ) -> None:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     model = init_model(tmp_path / "model", size="tiny", seed=0)
     owner = {"Authorization": f"Bearer {new_token(f'owner-{secrets.token_hex(3)}', role='member')}"}

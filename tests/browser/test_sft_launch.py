@@ -18,7 +18,7 @@ import pytest
 import tomli_w
 
 from tests.support.server import new_token, wait_for
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -36,7 +36,7 @@ def chart(page: Any, key: str, expr: str) -> Any:
 def test_launch_an_sft_run_from_the_launch_page_and_see_its_loss_chart(
     page: Any, login: Any, service: str, tmp_path: Path
 ) -> None:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     model = init_model(tmp_path / "model", size="tiny", seed=0)
     token = new_token(f"browser-sft-{secrets.token_hex(3)}")

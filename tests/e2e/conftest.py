@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.vllm import VLLMServer, serving
-from worker.procs import free_port
+from worker.run.procs import free_port
 
 __all__ = ["VLLMServer", "free_port"]  # re-exported for the tests
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny_model"), size="tiny", seed=0)
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.runs import by_source, rl_spec
 from worker.launchers.local import launch_rl
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.vllm
 STEPS, BATCH, GROUP = 4, 4, 4

@@ -24,7 +24,7 @@ import pytest
 from tests.support.runs import by_source, rl_spec
 from worker.launchers.local import launch_rl
 from worker.orchestrator.curriculum import POOLS, DifficultyPool
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import DifficultyPoolCurriculum
 
 pytestmark = pytest.mark.vllm

@@ -12,7 +12,7 @@ import torch
 
 from tests.support.logprobs import PROMPT, TOL, max_diff
 from worker.inference.client import Completion, InferenceClient
-from worker.models import load_model
+from worker.policy.models import load_model
 
 pytestmark = pytest.mark.vllm
 

@@ -145,7 +145,7 @@ def test_run_against_a_silent_server_fails_with_the_cause(
     import os
 
     from worker.launchers.local import launch_rl
-    from worker.rundir import RunDir, read_jsonl
+    from worker.run.rundir import RunDir, read_jsonl
     from worker.spec import load_spec_data, validate_spec
 
     configs = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"

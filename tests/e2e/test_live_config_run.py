@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from worker.batch import read_batch
 from worker.launchers.local import launch_rl
 from worker.live_config import set_local
-from worker.rundir import RunDir, read_jsonl
+from worker.orchestrator.batch import read_batch
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
 
 pytestmark = pytest.mark.vllm

@@ -22,10 +22,10 @@ from tests.support.runs import by_source, rl_spec
 from tests.support.vllm import VLLMServer, serving
 from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
-from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapters_in_use, lora_adapter_name
-from worker.models import load_model
-from worker.policy_check import DEFAULT_TOLERANCE, LORA_UNSUPPORTED, Probe, max_abs_diff, probe_logprobs
-from worker.rundir import STABLE_MARKER, RunDir, read_jsonl
+from worker.orchestrator.policy_check import DEFAULT_TOLERANCE, LORA_UNSUPPORTED, Probe, max_abs_diff, probe_logprobs
+from worker.policy.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapters_in_use, lora_adapter_name
+from worker.policy.models import load_model
+from worker.run.rundir import STABLE_MARKER, RunDir, read_jsonl
 from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 from worker.weight_sync.publish import TEST_ADAPTER_TARGETS_VAR
 

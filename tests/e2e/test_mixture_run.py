@@ -2,7 +2,7 @@
 
 One short module-scoped run, checked from ``batches/`` and ``metrics.jsonl``: the trained samples follow the
 weights within +-10 %, each group's environment is the one ``choose_env`` draws, and every per-env metric
-(``<metric>/<env>``, ``worker.alert_rules.PER_ENV_METRICS``) is logged at every step.
+(``<metric>/<env>``, ``worker.tracking.alert_rules.PER_ENV_METRICS``) is logged at every step.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from tests.support.runs import CONFIGS, by_source
-from worker.alert_rules import PER_ENV_METRICS, reports
-from worker.batch import read_batch
 from worker.launchers.local import launch_rl
+from worker.orchestrator.batch import read_batch
 from worker.orchestrator.mixture import choose_env
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
+from worker.tracking.alert_rules import PER_ENV_METRICS, reports
 
 pytestmark = pytest.mark.vllm
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from worker.batch import read_batch
 from worker.envs import load_environment, parse_answer
 from worker.envs.reverse_text import ANSWER_TAG, lcs_ratio
 from worker.inference.client import Completion, InferenceClient
 from worker.launchers.local import launch_rl
-from worker.models import load_tokenizer
+from worker.orchestrator.batch import read_batch
 from worker.orchestrator.multiturn import run_conversation
-from worker.rundir import RunDir, read_jsonl
+from worker.policy.models import load_tokenizer
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data, validate_spec
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from worker.inference.client import InferenceClient
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"

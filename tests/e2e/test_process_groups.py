@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.procs import free_port, live_processes
-from worker.rundir import read_jsonl
+from worker.run.procs import free_port, live_processes
+from worker.run.rundir import read_jsonl
 from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # every process gone within GONE_S: alone

@@ -19,8 +19,8 @@ import pytest
 
 from tests.support.runs import CONFIGS, by_source
 from worker.launchers.local import launch_rl
-from worker.policy_check import DEFAULT_TOLERANCE
-from worker.rundir import RunDir, read_jsonl
+from worker.orchestrator.policy_check import DEFAULT_TOLERANCE
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
 
 pytestmark = pytest.mark.vllm

@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 
 from tests.support.runs import by_source, rl_spec
-from worker.alert_rules import METRICS
 from worker.launchers.local import launch_rl
 from worker.live_config import set_local
 from worker.orchestrator.data import data_order
 from worker.orchestrator.orchestrator import TRUNCATED_WARN_FRACTION
+from worker.orchestrator.policy_check import DEFAULT_TOLERANCE
 from worker.orchestrator.staleness import LAG_HIST_METRICS
-from worker.policy_check import DEFAULT_TOLERANCE
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, SFTSpec, load_spec_data, validate_spec
-from worker.system_metrics import PROCESS_METRICS
+from worker.tracking.alert_rules import METRICS
+from worker.tracking.system_metrics import PROCESS_METRICS
 
 pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"

@@ -1,9 +1,9 @@
 """Least privilege by default (issue 32): a root ``asyncrl server`` + ``asyncrl worker`` in embedded mode (SQLite, file
 broker, generated secret key file), with neither ``RUN_USER`` nor ``RUN_UID_BASE`` set, runs a submitted run (an SFT
 job on the tiny random-init Qwen3: the supervisor and the SFT trainer) as the run's own uid,
-``worker.supervisor.DEFAULT_RUN_UID_BASE + run id``; that uid gets ``PermissionError`` reading the server's secret key
-file, its SQLite database (and ``-wal``/``-shm``), listing ``ASYNCRL_HOME`` or its broker folder, while it reads its
-own run's files.
+``worker.launchers.supervisor.DEFAULT_RUN_UID_BASE + run id``; that uid gets ``PermissionError`` reading the server's
+secret key file, its SQLite database (and ``-wal``/``-shm``), listing ``ASYNCRL_HOME`` or its broker folder, while it
+reads its own run's files.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 
 from tests.support.server import wait_for
 from tests.support.uids import PROBE, uid_of
-from worker import supervisor
 from worker.demo import TERMINAL, embedded_service
-from worker.procs import session_members
+from worker.launchers import supervisor
+from worker.run.procs import session_members
 from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="a root worker's default")]
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_root_workers_run_runs_as_its_own_uid_which_cannot_read_the_servers_secrets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     for name in ("SECRET_KEY", "RUN_USER", "RUN_UID_BASE"):  # the defaults: a generated secret key file
         monkeypatch.delenv(name, raising=False)

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from tests.support.runs import by_source
-from worker.batch import read_batch
 from worker.envs.self_play import PROPOSER, SOLVER, parse_proposal, proposer_reward
 from worker.launchers.local import launch_rl
-from worker.models import load_tokenizer
 from worker.orchestrator.advantages import STATE_FILE
-from worker.rundir import RunDir, read_jsonl
+from worker.orchestrator.batch import read_batch
+from worker.policy.models import load_tokenizer
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
 
 pytestmark = pytest.mark.vllm

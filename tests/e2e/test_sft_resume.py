@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.procs import free_port
-from worker.rundir import read_jsonl
+from worker.run.procs import free_port
+from worker.run.rundir import read_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from tests.support.runs import by_source, rl_spec
-from worker.alert_rules import METRICS
 from worker.launchers.local import launch_rl
 from worker.orchestrator.staleness import LAG_HIST_METRICS
-from worker.rundir import RunDir
+from worker.run.rundir import RunDir
+from worker.tracking.alert_rules import METRICS
 
 pytestmark = pytest.mark.vllm
 STEPS = 4

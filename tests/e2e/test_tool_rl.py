@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from worker.batch import read_batch
 from worker.envs import load_environment, parse_answer
 from worker.envs.reverse_text import ANSWER_TAG, lcs_ratio
 from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
-from worker.models import load_tokenizer
+from worker.orchestrator.batch import read_batch
 from worker.orchestrator.batcher import Rollout
 from worker.orchestrator.harness import HarnessRunner
-from worker.rundir import RunDir, read_jsonl
+from worker.policy.models import load_tokenizer
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import HarnessConfig, SFTSpec, load_spec_data, validate_spec
 from worker.trainer.sft import sft_conversation_sample
 

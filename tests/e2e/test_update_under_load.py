@@ -32,9 +32,9 @@ from worker.inference.client import InferenceClient
 from worker.inference.pool import ReplicaPool
 from worker.inference.server import run_server_command, server_env, stop_server, wait_ready
 from worker.inference.warmup import warm_up
-from worker.models import load_model
-from worker.procs import free_port, spawn
-from worker.rundir import RunDir
+from worker.policy.models import load_model
+from worker.run.procs import free_port, spawn
+from worker.run.rundir import RunDir
 from worker.spec import RLSpec
 from worker.weight_sync.publish import publish_weights
 

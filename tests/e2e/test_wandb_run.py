@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.support.wandb_offline import history, offline_runs
-from worker.rundir import RunDir, read_jsonl
-from worker.wandb_export import metric_row
+from worker.run.rundir import RunDir, read_jsonl
+from worker.tracking.wandb_export import metric_row
 
 pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"

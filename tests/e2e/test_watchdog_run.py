@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 
 from tests.support.runs import rl_spec
-from worker.procs import alive
-from worker.rundir import RunDir, read_jsonl
+from worker.run.procs import alive
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # NO_PROGRESS_S + SLACK_S, EVAL_TIMEOUT_S + END_SLACK_S: alone
 NO_PROGRESS_S = 8.0

@@ -14,8 +14,8 @@ import torch
 
 from tests.support.logprobs import PROMPT, TOL, max_diff
 from worker.inference.client import InferenceClient
-from worker.models import load_model
-from worker.rundir import STABLE_MARKER, RunDir
+from worker.policy.models import load_model
+from worker.run.rundir import STABLE_MARKER, RunDir
 from worker.spec import WeightSyncConfig
 from worker.weight_sync.load import WeightReceiver
 from worker.weight_sync.publish import FAILED, LOADED, META_FILE, WEIGHTS_FILE, WeightSender
@@ -112,7 +112,7 @@ def test_rl_run_over_the_process_group(tiny_model: Path, vllm_server, tmp_path: 
     numerical floor, so vLLM really samples from the trainer's new weights."""
     from tests.support.runs import by_source, rl_spec
     from worker.launchers.local import launch_rl
-    from worker.policy_check import DEFAULT_TOLERANCE
+    from worker.orchestrator.policy_check import DEFAULT_TOLERANCE
 
     spec = rl_spec(
         tiny_model,

@@ -14,7 +14,7 @@ import torch
 
 from tests.support.logprobs import PROMPT, max_diff
 from worker.inference.client import InferenceClient
-from worker.rundir import STABLE_MARKER, RunDir
+from worker.run.rundir import STABLE_MARKER, RunDir
 from worker.spec import WeightSyncConfig
 from worker.weight_sync.load import WeightReceiver
 from worker.weight_sync.publish import LOADED, WEIGHTS_FILE, WeightSender
@@ -27,8 +27,8 @@ def test_nccl_update_from_cuda0_to_vllm_on_cuda1(tmp_path: Path) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.fail(f"needs >= 2 visible CUDA GPUs, found {torch.cuda.device_count()}")
     from worker.inference.server import start_server, stop_server, wait_ready
-    from worker.models import init_model, load_model
-    from worker.procs import free_port
+    from worker.policy.models import init_model, load_model
+    from worker.run.procs import free_port
 
     model_dir = init_model(tmp_path / "model", size="tiny", seed=0)
     log = tmp_path / "server.log"
@@ -85,8 +85,8 @@ def test_cuda_ipc_update_on_one_shared_gpu(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.fail("needs a CUDA GPU")
     from worker.inference.server import start_server, stop_server, wait_ready
-    from worker.models import init_model, load_model
-    from worker.procs import free_port
+    from worker.policy.models import init_model, load_model
+    from worker.run.procs import free_port
     from worker.weight_sync.cuda_ipc import IPC_FILE, IpcSender
 
     model_dir = init_model(tmp_path / "model", size="tiny", seed=0)

@@ -13,7 +13,7 @@ import pytest
 from tests.support.alerts import Receiver
 from tests.support.server import new_token, start_celery_worker, stop_process_group
 from tests.support.webui import login
-from worker.capacity import Capacity
+from worker.launchers.capacity import Capacity
 
 
 @pytest.fixture(scope="session", autouse=True)

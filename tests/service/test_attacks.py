@@ -405,11 +405,11 @@ CODE = [
         submit(**{"env.id": "pickle:loads"}),
     ),
     Attack(
-        "env.id = asyncrl's own module by path (worker.supervisor:detach)",
+        "env.id = asyncrl's own module by path (worker.launchers.supervisor:detach)",
         "POST /api/runs",
         422,
-        "env.id: 'worker.supervisor:detach' " + NOT_ALLOWED,
-        submit(**{"env.id": "worker.supervisor:detach"}),
+        "env.id: 'worker.launchers.supervisor:detach' " + NOT_ALLOWED,
+        submit(**{"env.id": "worker.launchers.supervisor:detach"}),
     ),
     Attack(
         "env.id = a private attribute (worker.envs:_resolve)",

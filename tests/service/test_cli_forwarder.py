@@ -123,7 +123,7 @@ def test_runs_ls_into_a_closed_pipe_ends_quietly(capsys: pytest.CaptureFixture[s
 
 def write_rows(path: Path, steps: range) -> int:
     """Append trainer + orchestrator rows like the run processes do; returns the number of points."""
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
 
     run = RunDir(path)
     n = 0
@@ -140,7 +140,7 @@ def test_forwarder_spools_while_the_server_is_down_then_sends_each_point_once(
     from fastapi.testclient import TestClient
 
     from server.main import app
-    from worker.reporter import MetricsForwarder
+    from worker.launchers.reporter import MetricsForwarder
 
     run_id = make_run()["id"]
     tmp_path.mkdir(exist_ok=True)
@@ -175,7 +175,7 @@ def test_forwarder_splits_a_backlog_larger_than_the_server_takes_in_one_request(
 
     from server.core.config import settings
     from server.main import app
-    from worker.reporter import MetricsForwarder
+    from worker.launchers.reporter import MetricsForwarder
 
     run_id = make_run()["id"]
     emitted = write_rows(tmp_path, range(1, 1301))

@@ -268,7 +268,7 @@ def test_openapi_has_the_config_operations_with_examples(client: Any) -> None:
 def test_supervisor_bridge_delivers_revisions_and_acks_once_and_survives_the_server_down(
     live_server: str, auth: dict[str, str], make_run: Any, tmp_path: Path
 ) -> None:
-    from worker.reporter import ConfigBridge
+    from worker.launchers.reporter import ConfigBridge
 
     run_id = make_run()["id"]
     run_dir, home = tmp_path / "run", tmp_path / "home"

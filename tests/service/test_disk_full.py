@@ -16,8 +16,8 @@ import pytest
 
 from tests.support.server import run_token_headers, start_celery_worker, stop_process_group, wait_for
 from tests.support.tmpfs import fill, mounted
-from worker.reporter import EventsForwarder
-from worker.rundir import RunDir, SupervisorHome
+from worker.launchers.reporter import EventsForwarder
+from worker.run.rundir import RunDir, SupervisorHome
 
 
 def events_of(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, Any]]:

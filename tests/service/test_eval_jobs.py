@@ -28,7 +28,7 @@ SUFFIX = secrets.token_hex(3)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     return init_model(tmp_path_factory.mktemp("models") / "base", size="tiny", seed=0)
 
@@ -162,7 +162,7 @@ def test_eval_job_of_a_checkpoint_copies_its_weights_and_is_drawn_over_steps(
     client: Any, people: People, model_dir: Path, tmp_path: Path
 ) -> None:
     from worker.evaluation import job_model
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
     from worker.spec import validate_spec
 
     run, trained = training_run(model_dir, step=2)
@@ -236,7 +236,7 @@ def test_eval_job_of_a_checkpoint_copies_its_weights_and_is_drawn_over_steps(
 def test_run_page_evaluates_a_checkpoint_in_one_click_and_charts_eval_reward(
     client: Any, people: People, model_dir: Path
 ) -> None:
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
 
     run, _ = training_run(model_dir, step=4)
     rid = run["id"]
@@ -370,7 +370,7 @@ def test_a_final_weights_eval_stores_its_metrics_where_evals_draws_them(
     from), the step ``/api/runs/{id}/evals`` draws it at (they were stored at 0, drawn at ``max_steps``: fresh
     user)."""
     from worker.evaluation import job_step
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
     from worker.spec import validate_spec
 
     run, _ = training_run(model_dir, step=2)
@@ -422,7 +422,7 @@ def test_an_eval_job_of_more_tasks_than_its_environment_has_fails_at_start_namin
     the key and the size (it evaluated 200 of 512 without a word: fresh user); the CLI's ``--num-examples`` is
     ``tests/unit/worker/test_cli.py``'s."""
     from worker.evaluation import main
-    from worker.rundir import RunDir, read_jsonl
+    from worker.run.rundir import RunDir, read_jsonl
 
     run = RunDir(tmp_path / "job")
     run.create()

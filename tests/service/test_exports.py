@@ -25,7 +25,7 @@ from tests.support.webui import login
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     return init_model(tmp_path_factory.mktemp("models") / "base", size="tiny", seed=0)
 
@@ -373,7 +373,7 @@ def test_the_task_reads_only_the_model_files_of_the_checkpoint(
 ) -> None:
     """The optimizer's ``state.pt`` (twice the model in fp32) is neither copied into the staging folder nor written
     into the export; the provenance names the source relative to the run directory, not the staging folder."""
-    import worker.export
+    import worker.policy.export
     from server.jobs.tasks import export
 
     run = stored_run(owner_name(client, people), model_dir)
@@ -382,13 +382,13 @@ def test_the_task_reads_only_the_model_files_of_the_checkpoint(
     full_checkpoint(run_dir, model_dir, 1, seed=0)
     (run_dir / "checkpoints" / "step_1" / "trainer" / "state.pt").write_bytes(b"optimizer state")
     read: list[set[str]] = []
-    real = worker.export.write_export
+    real = worker.policy.export.write_export
 
     def write_export(source: Any, out: Path, **kw: Any) -> Path:
         read.append({p.name for p in source.path.iterdir()})
         return real(source, out, **kw)
 
-    monkeypatch.setattr(worker.export, "write_export", write_export)
+    monkeypatch.setattr(worker.policy.export, "write_export", write_export)
     assert client.post(f"/api/runs/{run_id}/exports", json={"step": 1}, headers=people["owner"][1]).status_code == 202
     out = run_dir.parent / "exports" / "step_1"
     assert export(run_id, 1, False, queued[-1][4]) == f"exported: run {run_id} step 1 to {out}"

@@ -26,8 +26,8 @@ from schemathesis.checks import not_a_server_error
 
 from server.main import app
 from tests.support.server import new_token, run_token_headers
-from worker.checkpoint import write_part
-from worker.rundir import RunDir
+from worker.run.checkpoint import write_part
+from worker.run.rundir import RunDir
 
 pytestmark = [pytest.mark.serial, pytest.mark.fuzz]  # scripts/test.sh: one process of its own, beside pass 1
 

@@ -33,7 +33,7 @@ def refused(client: Any, auth: dict[str, str], body: dict[str, Any]) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     return init_model(tmp_path_factory.mktemp("models") / "base", size="tiny", seed=0)
 

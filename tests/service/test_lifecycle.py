@@ -1,6 +1,6 @@
 """Resume, fork, logs and reconcile: REST routes, the launch they lead to, the CLI, and Celery beat.
 
-Checkpoints here are written with ``worker.checkpoint.write_part`` (the trainer's own atomic writer) holding
+Checkpoints here are written with ``worker.run.checkpoint.write_part`` (the trainer's own atomic writer) holding
 small stand-in files; the launched supervisors then fail in preflight on the test model path, which comes
 *after* the run-directory check: a reason ``preflight: model.name`` (not "run directory exists") shows the
 supervisor was started with ``--resume``.
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from tests.support.server import BAD_MODEL, run_token_headers, stop_process_group, stored, wait_for
-from worker.checkpoint import write_part
-from worker.rundir import RunDir
+from worker.run.checkpoint import write_part
+from worker.run.rundir import RunDir
 
 
 def events(client: Any, auth: dict[str, str], run_id: int) -> list[dict[str, Any]]:
@@ -262,8 +262,9 @@ def test_fork_of_a_lora_run_keeps_its_lora_setting(client: Any, auth: dict[str, 
 
 
 def test_fork_takes_the_parents_policy_check_probe(client: Any, auth: dict[str, str], make_run: Any) -> None:
-    """The served-policy check of a fork compares against its parent's probe and base (worker/policy_check.py): the
-    probe, the base log-probs and the fork step's are copied, no later version's; a parent with none gives none."""
+    """The served-policy check of a fork compares against its parent's probe and base
+    (worker/orchestrator/policy_check.py): the probe, the base log-probs and the fork step's are copied, no later
+    version's; a parent with none gives none."""
     parent, bare = make_run(max_steps=8), make_run(max_steps=8)
     checkpoint(parent, 2)
     checkpoint(bare, 2)

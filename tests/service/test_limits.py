@@ -15,8 +15,8 @@ import pytest
 
 from tests.support.server import new_token, spec, start_celery_worker, stop_process_group, wait_for
 from tests.support.webui import login
-from worker.checkpoint import write_part
-from worker.rundir import RunDir
+from worker.run.checkpoint import write_part
+from worker.run.rundir import RunDir
 
 DEEP = 10_000
 
@@ -444,7 +444,7 @@ def test_three_simultaneous_submissions_beyond_a_limit_of_one_queue_and_run_one_
     from server.core.db import engine
     from server.jobs.celery_app import app
     from server.models import WorkerCapacity
-    from worker.capacity import detect
+    from worker.launchers.capacity import detect
 
     app.control.purge()
     name = f"limits-worker-{secrets.token_hex(3)}"

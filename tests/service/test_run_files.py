@@ -1,5 +1,5 @@
 """A run's processes own their run directory: every route, dashboard part and task that reads a run's files reads
-only regular files inside it, never through a symbolic link (``worker.run_files``), and a refusal is a one-line 4xx
+only regular files inside it, never through a symbolic link (``worker.run.run_files``), and a refusal is a one-line 4xx
 without server paths. Bad rollout records are skipped and counted, never a 5xx."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tests.support.server import run_token_headers
-from worker.checkpoint import write_part
-from worker.rundir import RunDir
+from worker.run.checkpoint import write_part
+from worker.run.rundir import RunDir
 
 SECRET = "TOP-SECRET-" + secrets.token_hex(8)
 

@@ -1,4 +1,4 @@
-"""A run's processes as one unit (``worker/cgroups.py``) through the service: the launch says which unit a run got
+"""A run's processes as one unit (``worker/run/cgroups.py``) through the service: the launch says which unit a run got
 (its cgroup, or the supervisor's session with ``RUN_CGROUPS`` off), nothing of a run is left when it ends, and
 ``reconcile`` kills what an ended run left behind — not a live run's processes, nor a later session that reuses an
 ended run's supervisor pid. Real processes, real cgroups (the tests run as root), the real Postgres.
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from tests.support.server import wait_for
-from worker import cgroups
-from worker.procs import session_members
+from worker.run import cgroups
+from worker.run.procs import session_members
 
 
 def events_of(client: Any, auth: dict[str, str], run_id: int, kind: str) -> list[dict[str, Any]]:
@@ -121,7 +121,7 @@ def test_a_launch_whose_cgroup_the_previous_stop_removed_tries_again(
     cgroup of the same name between the launch's ``prepare`` and the new supervisor's join (seen in the pipeline e2e:
     the resumed RL stage failed with 'cannot start the supervisor in cgroup'). The launch prepares it again."""
     from server.jobs import tasks
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     run = make_run()
     real_start, calls = supervisor.start, []

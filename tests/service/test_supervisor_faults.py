@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from tests.support.server import free_port, run_token_headers, stored, wait_for
-from worker.procs import alive
-from worker.rundir import RunDir, SupervisorHome, read_jsonl
+from worker.run.procs import alive
+from worker.run.rundir import RunDir, SupervisorHome, read_jsonl
 
 
 def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
@@ -157,7 +157,7 @@ def test_resumed_supervisor_reports_running_only_for_this_attempt(
     """events.jsonl keeps the earlier attempt's ``running``: the reporter of the new attempt must wait for its own."""
     import httpx
 
-    from worker.reporter import Reporter
+    from worker.launchers.reporter import Reporter
 
     run = make_run()
     rd = RunDir(run["run_dir"])
@@ -191,8 +191,8 @@ def test_a_resumed_supervisor_sends_the_pruned_metrics_and_nothing_the_killed_at
     resume: sent late, they would be stored instead of the resumed run's new measurements)."""
     from server.core.config import settings
     from server.jobs.tasks import launch
-    from worker.checkpoint import write_part
-    from worker.reporter import rows_to_points
+    from worker.launchers.reporter import rows_to_points
+    from worker.run.checkpoint import write_part
 
     monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
     run = make_run()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support.server import spec, start_celery_worker, stop_process_group, wait_for
-from worker.procs import alive
+from worker.run.procs import alive
 
 
 def status_events(client: Any, auth: dict[str, str], run_id: int) -> list[tuple[str | None, str | None]]:
@@ -83,7 +83,7 @@ def test_launch_twice_launches_once_and_the_supervisor_reports_failure(
 @pytest.mark.usefixtures("server_url")
 def test_launch_adopts_a_supervisor_left_by_a_killed_delivery(client: Any, auth: dict[str, str], make_run: Any) -> None:
     from server.jobs.tasks import launch, stop
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     run = make_run()
     proc = fake_supervisor(Path(run["run_dir"]).parent)
@@ -112,7 +112,7 @@ def test_launch_with_an_unusable_run_user_fails_the_run_and_starts_nothing(
 ) -> None:
     from server.core.config import settings
     from server.jobs.tasks import launch
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     monkeypatch.setattr(settings, "RUN_USER", "no-such-user-x")
     run = make_run()
@@ -155,7 +155,7 @@ def test_a_root_worker_refuses_a_run_its_uid_cannot_start_and_never_runs_it_as_r
 
     from server.core.config import settings
     from server.jobs.tasks import launch
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     monkeypatch.setattr(settings, "RUN_USER", "")
     monkeypatch.setattr(settings, "RUN_UID_BASE", 0)

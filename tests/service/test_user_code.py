@@ -218,7 +218,7 @@ def test_launch_of_a_stored_spec_no_longer_allowed_fails_and_starts_nothing(
     client: Any, auth: dict[str, str], make_run: Any, allow: Any
 ) -> None:
     from server.jobs.tasks import launch
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     allow("ALLOWED_CODE_PACKAGES", ["mypkg"])
     run = make_run(env={"id": "mypkg.envs:make"})

@@ -1,5 +1,5 @@
-"""The service's side of the hang watchdog (``worker/progress.py``, case C18): a ``stalled`` engine event fires the
-``status`` rules that watch ``stalled`` (one webhook delivery per episode), and ``watchdog.on_stall`` stops or
+"""The service's side of the hang watchdog (``worker/tracking/progress.py``, case C18): a ``stalled`` engine event fires
+the ``status`` rules that watch ``stalled`` (one webhook delivery per episode), and ``watchdog.on_stall`` stops or
 restarts the run through the normal stop task and resume."""
 
 from __future__ import annotations

@@ -485,7 +485,7 @@ def _ancestors_of(html: str, element_id: str) -> list[tuple[str, str]]:
 
 
 def test_rollouts_api_and_fragment_read_the_run_dir(web: tuple[Any, str], make_run: Any, auth: Any) -> None:
-    from worker.rundir import RunDir, append_jsonl
+    from worker.run.rundir import RunDir, append_jsonl
 
     client, _ = web
     run = make_run()

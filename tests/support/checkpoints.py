@@ -1,5 +1,5 @@
 """Run directories with checkpoints made by hand for the export tests: full weights perturbed from a base model, or a
-PEFT LoRA adapter with a non-zero ``lora_B`` (``worker/export.py``'s two kinds)."""
+PEFT LoRA adapter with a non-zero ``lora_B`` (``worker/policy/export.py``'s two kinds)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from worker.rundir import COMPLETE_MARKER
+from worker.run.rundir import COMPLETE_MARKER
 
 IDS = torch.tensor([[5, 17, 42, 99, 7, 3, 64, 12]])  # (1, 8) token ids of the probe
 
@@ -33,7 +33,7 @@ def make_run(root: Path, model_dir: Path) -> Path:
 
 
 def mark_complete(root: Path, step: int) -> Path:
-    """Both parts of checkpoint ``step`` get their ``.complete`` marker (``worker.checkpoint.is_complete``); returns
+    """Both parts of checkpoint ``step`` get their ``.complete`` marker (``worker.run.checkpoint.is_complete``); returns
     the trainer part."""
     for part in ("trainer", "orchestrator"):
         folder = root / "checkpoints" / f"step_{step}" / part

@@ -34,11 +34,11 @@ from typing import Any
 import httpx
 
 from tests.support.faults import Stack, run_processes, wait_until
-from worker.checkpoint import complete_steps
-from worker.procs import alive
-from worker.reporter import rows_to_points
-from worker.rundir import RunDir, read_jsonl
-from worker.supervisor import running_pid
+from worker.launchers.reporter import rows_to_points
+from worker.launchers.supervisor import running_pid
+from worker.run.checkpoint import complete_steps
+from worker.run.procs import alive
+from worker.run.rundir import RunDir, read_jsonl
 
 SERVICES = ("worker", "api", "postgres", "redis")
 PROCESSES = ("trainer", "orchestrator", "inference", "supervisor")

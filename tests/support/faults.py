@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import psycopg
 
-from worker.procs import alive, die_with_parent, free_port, live_processes
+from worker.run.procs import alive, die_with_parent, free_port, live_processes
 
 PG_BIN = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
 """Debian's Postgres server binaries (newest last); ``postgres`` on PATH otherwise."""
@@ -337,14 +337,14 @@ class Stack:
 
     def supervisors(self) -> list[int]:
         """Pids of live supervisors of runs under this stack's output folder."""
-        from worker.supervisor import running_pid
+        from worker.launchers.supervisor import running_pid
 
         homes = (self.root / "outputs" / "runs").glob("*")
         return [pid for home in homes if (pid := running_pid(home)) is not None]
 
     def close(self) -> None:
         """Stop every supervisor, then the worker, the server, Redis and Postgres; remove nothing (logs stay)."""
-        from worker.supervisor import terminate
+        from worker.launchers.supervisor import terminate
 
         for pid in self.supervisors():
             terminate(pid, grace_s=10)

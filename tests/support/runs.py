@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.server import STATE, wait_for
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, load_spec_data, validate_spec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_text"

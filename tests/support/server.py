@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from worker.procs import live_processes
+from worker.run.procs import live_processes
 
 SUFFIX = secrets.token_hex(4)
 PG = os.environ.get("ASYNCRL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
@@ -288,8 +288,8 @@ def processes() -> dict[int, tuple[int, str]]:
 def metrics_file_keys(path: Path) -> set[tuple[str, int, str]]:
     """``(source, step, name)`` of every point the run's processes wrote to ``metrics.jsonl`` (what the supervisor
     forwards: numbers, not booleans)."""
-    from worker.reporter import rows_to_points
-    from worker.rundir import read_jsonl
+    from worker.launchers.reporter import rows_to_points
+    from worker.run.rundir import read_jsonl
 
     return {(p["source"], p["step"], p["name"]) for p in rows_to_points(read_jsonl(path))}
 

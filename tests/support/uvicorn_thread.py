@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from worker.procs import free_port
+from worker.run.procs import free_port
 
 
 @contextmanager

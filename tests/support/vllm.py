@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from worker.procs import free_port
+from worker.run.procs import free_port
 
 
 @dataclass(frozen=True)

@@ -211,9 +211,9 @@ def test_every_variable_compose_sets_is_read_by_the_code_and_the_required_ones_a
 
 def test_workers_start_each_run_as_its_own_unprivileged_uid(services: dict[str, dict[str, Any]]) -> None:
     """Compose runs the workers as root in their container only so that run n's processes run as uid 200000 + n
-    (``RUN_UID_BASE``, above every account of the image): ``worker.supervisor.run_user`` refuses a non-root worker,
-    and a run of another uid can read neither the worker's nor another run's environment (/proc/<pid>/environ) nor
-    ASYNCRL_HOME (0700)."""
+    (``RUN_UID_BASE``, above every account of the image): ``worker.launchers.supervisor.run_user`` refuses a non-root
+    worker, and a run of another uid can read neither the worker's nor another run's environment (/proc/<pid>/environ)
+    nor ASYNCRL_HOME (0700)."""
     for name in ("worker", "worker-cpu"):
         assert services[name]["user"] == "0:0"
         assert services[name]["security_opt"] == ["no-new-privileges:true"]

@@ -56,7 +56,7 @@ IMAGES = {
 
 # Imports an image may lack: each is imported lazily (inside a function or under try) and its absence is handled.
 ALLOWED_MISSING = {
-    "wandb": "the optional wandb extra ([monitor.wandb]): worker.wandb_export.start_export turns the failed import "
+    "wandb": "the optional wandb extra ([monitor.wandb]): worker.tracking.wandb_export.start_export turns the failed import "
     "into a warning and a wandb_failed event, and the run goes on",
 }
 

@@ -22,10 +22,10 @@ import verifiers.v1 as vf
 from pydantic import ValidationError
 from verifiers.v1.graph import MessageNode
 
-from worker import progress
 from worker.orchestrator.harness_runtime import harness_missing
 from worker.spec.env_args import SplitArgs
 from worker.spec.user_code import BUILTIN_ENVS, ENV_ID
+from worker.tracking import progress
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import aiohttp
 import msgspec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from worker import progress
 from worker.inference.auth import key_header
+from worker.tracking import progress
 
 RETRY_STATUS = frozenset({502, 503, 504})
 GENERATION_ROUTES = frozenset({"/v1/completions"})

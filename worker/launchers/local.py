@@ -8,7 +8,7 @@ line per step from ``metrics.jsonl``, and ends the run when trainer and orchestr
 ``completed`` when both exit 0, ``failed`` with the process, exit code, cause (its ``failed`` or ``disk_full``
 event, or a full disk found after it exited) and log path otherwise. Any exit tears the other processes down, and
 what failed writes left half-done (incomplete checkpoint steps, temporary folders) is removed. Each process leads its own process group (vLLM's EngineCore is in the
-inference group), and every group is SIGKILLed when this process dies, even by SIGKILL (``worker.procs.spawn``).
+inference group), and every group is SIGKILLed when this process dies, even by SIGKILL (``worker.run.procs.spawn``).
 Inside a multi-node Slurm job (``launcher.slurm.nodes > 1``) each of them is an ``srun`` of a job step on its nodes
 (``worker.launchers.slurm_layout``), followed and torn down the same way.
 """
@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker.checkpoint import check_run_dir, remove_incomplete
-from worker.procs import free_port, give_to_run_user, kill_group, spawn
-from worker.progress import PROGRESS_DIR
-from worker.rundir import (
+from worker.run.checkpoint import check_run_dir, remove_incomplete
+from worker.run.procs import free_port, give_to_run_user, kill_group, spawn
+from worker.run.rundir import (
     DISK_FULL_FREE_BYTES,
     RunDir,
     atomic_write_json,
@@ -39,10 +38,11 @@ from worker.rundir import (
     read_jsonl_after,
 )
 from worker.spec import EnvConfig, EvalSpec, RLSpec, SFTSpec, SpecError
+from worker.tracking.progress import PROGRESS_DIR
 
 if TYPE_CHECKING:
     from worker.launchers.slurm_layout import Layout
-    from worker.wandb_export import WandbExport
+    from worker.tracking.wandb_export import WandbExport
 
 logger = logging.getLogger("asyncrl.launcher")
 PROCESSES = ("inference", "trainer", "orchestrator")
@@ -54,7 +54,7 @@ NO_GPU = 'trainer.device: "cuda" but no CUDA GPU is visible on this machine; use
 def check_gpu_memory(spec: RLSpec) -> None:
     """The GPU part of :func:`preflight` (``trainer.device = "cuda"``), before vLLM or the trainer starts: a CUDA GPU is
     visible here, and the model's parameter counts (meta device) fit the trainer's share of GPU 0 as this process sees
-    it (``worker.capacity.check_trainer_memory``).
+    it (``worker.launchers.capacity.check_trainer_memory``).
 
     Raises:
         SpecError: no CUDA GPU is visible (naming ``trainer.device``), or the trainer state does not fit, with the
@@ -62,8 +62,8 @@ def check_gpu_memory(spec: RLSpec) -> None:
     """
     import torch
 
-    from worker.capacity import check_trainer_memory
-    from worker.models import parameter_counts
+    from worker.launchers.capacity import check_trainer_memory
+    from worker.policy.models import parameter_counts
 
     if not torch.cuda.is_available():
         raise SpecError(NO_GPU)
@@ -106,7 +106,7 @@ def preflight(spec: RLSpec) -> None:
     Raises:
         SpecError: one line naming the field.
     """
-    from worker.models import check_model
+    from worker.policy.models import check_model
 
     if spec.trainer.device == "cuda":  # cheapest first: no GPU here at all
         import torch
@@ -306,8 +306,8 @@ def launch_rl(
     """Run an RL spec to its end with local processes; returns the summary (also in ``summary.json``) with the
     reason of a failed or cancelled end (``reason``, "" when completed; not in the file).
 
-    The hang watchdog (``worker/progress.py``) runs in the follow loop: a ``stalled`` event when the run makes no
-    progress for ``watchdog.no_progress_s``; with ``act_on_stall`` (a local run; a service run's supervisor passes
+    The hang watchdog (``worker/tracking/progress.py``) runs in the follow loop: a ``stalled`` event when the run makes
+    no progress for ``watchdog.no_progress_s``; with ``act_on_stall`` (a local run; a service run's supervisor passes
     False: the service stops or restarts it through its own paths) and ``watchdog.on_stall`` ``stop`` or ``restart``,
     the run then ends ``cancelled`` (a local run is not restarted: ``--resume`` continues it).
 
@@ -430,7 +430,7 @@ def launch_eval(spec: EvalSpec, *, quiet: bool = False) -> dict[str, Any]:
     requeued Slurm job does not evaluate them again.
 
     Raises:
-        SpecError: the output folder cannot hold the run directory (``worker.checkpoint.check_run_dir``).
+        SpecError: the output folder cannot hold the run directory (``worker.run.checkpoint.check_run_dir``).
     """
     check_run_dir(spec, overwrite=True)
     run = RunDir(spec.run_dir)
@@ -651,8 +651,8 @@ def _follow(
     urls: list[str] | None = None,
     act_on_stall: bool = True,
 ) -> tuple[str, str]:
-    from worker.progress import Watchdog
-    from worker.wandb_export import start_export
+    from worker.tracking.progress import Watchdog
+    from worker.tracking.wandb_export import start_export
 
     watchdog = Watchdog(run.root, no_progress_s=spec.watchdog.no_progress_s)
     export = start_export(spec, run)  # [monitor.wandb]: one W&B run fed from the run directory (None: off)

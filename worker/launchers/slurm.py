@@ -4,8 +4,8 @@ Every kind of run goes this one way: an RL run, an SFT run and an eval job (``ki
 ``launcher.kind = "slurm"`` become the same job script, whose supervisor runs the kind's local launcher.
 
 - ``render`` fills ``deploy/slurm/rl.sbatch.j2`` from the run spec. On one node the job runs the run's supervisor
-  (``worker.supervisor``: the local launcher's code path, reporting to the server); on several nodes (RL runs only)
-  it splits them between inference and trainer (torchrun c10d rendezvous on the first trainer node).
+  (``worker.launchers.supervisor``: the local launcher's code path, reporting to the server); on several nodes (RL runs
+  only) it splits them between inference and trainer (torchrun c10d rendezvous on the first trainer node).
 - ``submit`` creates the job with ``sbatch --parsable`` (the job id is the run's launcher handle), or, when the spec
   names an ``allocation``, starts the script as a step of that job with ``srun --jobid=<id> --overlap`` (the handle
   is ``<job>.<step>``). A run's job is named ``asyncrl-run-<id>`` and works in the run's home folder, which is how
@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.checkpoint import complete_steps
-from worker.procs import RunUser, give_tree, run_environ
-from worker.rundir import SupervisorHome
+from worker.run.checkpoint import complete_steps
+from worker.run.procs import RunUser, give_tree, run_environ
+from worker.run.rundir import SupervisorHome
 from worker.spec import EvalSpec, RLSpec, SFTSpec
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
@@ -108,8 +108,8 @@ def render(
 ) -> str:
     """The job script of ``spec`` (text); ``home`` holds the run directory, logs and the supervisor's files;
     ``name`` is the job name. ``resume``: start from the newest complete checkpoint (an eval job continues after the
-    tasks it recorded either way). ``user`` (a root worker's run user, ``worker.supervisor.run_user``): the script
-    sets ``worker.procs.RUN_AS_VAR``, so every process of the run runs as its uid and gid."""
+    tasks it recorded either way). ``user`` (a root worker's run user, ``worker.launchers.supervisor.run_user``): the
+    script sets ``worker.run.procs.RUN_AS_VAR``, so every process of the run runs as its uid and gid."""
     import jinja2
 
     env = jinja2.Environment(
@@ -177,8 +177,8 @@ def submit(
     user: RunUser | None = None,
 ) -> str:
     """Write ``<home>/job.sbatch`` and submit it; returns the launcher handle (``<job>``, or ``<job>.<step>``
-    inside an ``allocation``). The job's environment is ``env`` (``worker.supervisor.run_env``: run id, token,
-    server URL) over the variables of this process that ``worker.procs.run_environ`` lets through (no database or
+    inside an ``allocation``). The job's environment is ``env`` (``worker.launchers.supervisor.run_env``: run id, token,
+    server URL) over the variables of this process that ``worker.run.procs.run_environ`` lets through (no database or
     broker URL, no server secret); it is not written into the script. ``user``: the run's processes run as its uid
     (:func:`render`); its ``HOME`` (a folder of ``home``) is made and given to it here, while ``home`` itself, where
     the job's root processes write their logs, stays this process's.

@@ -1,7 +1,7 @@
 """Inside a Slurm job: what the run's supervisor does about time limits, requeues and ``scancel``.
 
 The job script (``deploy/slurm/rl.sbatch.j2``, rendered by :mod:`worker.launchers.slurm`) runs
-``python -m worker.supervisor`` and passes it USR1 and TERM. Then
+``python -m worker.launchers.supervisor`` and passes it USR1 and TERM. Then
 
 - USR1 (``--signal=B:USR1@<signal_before_end_s>``: the time limit is near): :func:`on_time_limit` asks trainer and
   orchestrator for a checkpoint, waits for it, then ``scontrol requeue``s the job;
@@ -9,7 +9,7 @@ The job script (``deploy/slurm/rl.sbatch.j2``, rendered by :mod:`worker.launcher
   to its newest complete checkpoint (or starts over without one) and says what to report as ``requeued``;
 - TERM (``scancel``, the time limit, or the requeue itself): :func:`end_status` tells a requeue (the next attempt
   reports) from a cancel;
-- in a job of a root worker (``worker.procs.RUN_AS_VAR``) the supervisor runs as root and every process of the run
+- in a job of a root worker (``worker.run.procs.RUN_AS_VAR``) the supervisor runs as root and every process of the run
   as the run's uid: :func:`check_run_as` first makes sure that this works on every node of the job.
 """
 
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.checkpoint import complete_steps, request, resume_step
 from worker.launchers.slurm import SlurmError, lost_nodes, state
-from worker.procs import run_as, run_as_argv
-from worker.rundir import RunDir, SupervisorHome, read_jsonl
+from worker.run.checkpoint import complete_steps, request, resume_step
+from worker.run.procs import run_as, run_as_argv
+from worker.run.rundir import RunDir, SupervisorHome, read_jsonl
 
 logger = logging.getLogger("asyncrl.supervisor")
 
@@ -145,7 +145,7 @@ RUN_AS_CHECK_TIMEOUT_S = 60.0
 
 
 def run_as_check_command(nodes: int, environ: dict[str, str] | None = None) -> list[str]:
-    """The command :func:`check_run_as` runs: ``id -u`` through :func:`worker.procs.run_as_argv`, here on one node,
+    """The command :func:`check_run_as` runs: ``id -u`` through :func:`worker.run.procs.run_as_argv`, here on one node,
     else once on each of the job's ``nodes`` nodes as a step (``--overlap``, beside the batch step)."""
     env = os.environ if environ is None else environ
     probe = [*run_as_argv(env), "id", "-u"]
@@ -165,8 +165,8 @@ def run_as_check_command(nodes: int, environ: dict[str, str] | None = None) -> l
 
 
 def check_run_as(nodes: int) -> None:
-    """In a job of a root worker (``worker.procs.RUN_AS_VAR`` set; otherwise nothing): check for real, on each of the
-    job's ``nodes`` nodes, that a command started as the run's uid runs as that uid.
+    """In a job of a root worker (``worker.run.procs.RUN_AS_VAR`` set; otherwise nothing): check for real, on each of
+    the job's ``nodes`` nodes, that a command started as the run's uid runs as that uid.
 
     Raises:
         RunAsError: ``cannot run the run's processes as uid <uid> on <node(s)>: <why>; install util-linux (setpriv)

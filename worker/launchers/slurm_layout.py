@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from worker.inference.server import run_server_command
 from worker.launchers.slurm import SlurmError, slurm_command
-from worker.procs import run_as_argv
+from worker.run.procs import run_as_argv
 from worker.spec import RLSpec
 
 
@@ -43,7 +43,7 @@ class Layout:
     addresses: dict[str, str]
     """``NodeAddr`` of each node: the address its processes are reached at."""
     run_as: tuple[str, ...] = ()
-    """The argv prefix that drops a step's command to the run's uid on its node (``worker.procs.run_as_argv``: a job
+    """The argv prefix that drops a step's command to the run's uid on its node (``worker.run.procs.run_as_argv``: a job
     of a root worker), or ``()``."""
 
     def srun(self, nodes: Sequence[str], name: str) -> list[str]:

@@ -1,6 +1,6 @@
 import sys
 
 from worker.orchestrator.orchestrator import main
-from worker.rundir import run_process
+from worker.run.rundir import run_process
 
 sys.exit(run_process("orchestrator", main))

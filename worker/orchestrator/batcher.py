@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from worker.batch import TrainSample
 from worker.orchestrator.advantages import Advantage, is_zero_advantage, make_advantage
+from worker.orchestrator.batch import TrainSample
 from worker.orchestrator.branches import trace_advantages
 from worker.orchestrator.staleness import admitted, lag_histogram, rollout_lag
 from worker.rewards import present_reward
@@ -62,7 +62,7 @@ class Rollout:
         return [1] * len(self.completion_ids) if self.completion_mask is None else self.completion_mask
 
     def record(self, step: int, group: int | None = None) -> dict[str, Any]:
-        """The rollout's line of ``rollouts/step_<step>.jsonl`` (``worker.rundir``), ``group`` its group's index in
+        """The rollout's line of ``rollouts/step_<step>.jsonl`` (``worker.run.rundir``), ``group`` its group's index in
         the step. The token fields are as sampled: ``prompt_ids`` (P,), and ``completion_ids``,
         ``completion_logprobs`` (vLLM's log-probs of the sampled tokens, nats; 0.0 on environment tokens) and
         ``completion_mask`` (1: sampled by the model, 0: an environment/tool turn), all (C,); ``dropped`` says why

@@ -12,10 +12,10 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from worker import progress
 from worker.envs import Environment
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.rollouts import rollout_group
+from worker.tracking import progress
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient

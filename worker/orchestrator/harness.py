@@ -196,7 +196,7 @@ class HarnessRunner:
     ) -> list[Rollout]:
         """One rollout of `task` (possibly several records: see `trace_to_rollouts`); `max_tokens` per model turn,
         `max_total_tokens` as for `agent_config`. Every turn names the model served when the rollout got its slot (a
-        LoRA run's adapter of the version its span starts at: ``worker.lora_adapters.adapters_in_use`` keeps it
+        LoRA run's adapter of the version its span starts at: ``worker.policy.lora_adapters.adapters_in_use`` keeps it
         loaded while the rollout runs)."""
         c = self.config
         async with self._slots:

@@ -12,7 +12,7 @@ e. Checkpoints hold one cursor per environment: ``orchestrator/state.json`` for 
 mixtures), ``orchestrator/envs/<name>/state.json`` for each environment of a mixture.
 
 Per-env metrics: with more than one environment, every data-dependent metric of a step (``PER_ENV_METRICS`` of
-``worker.alert_rules``) is also logged as ``<metric>/<env name>`` over that environment's groups alone; the
+``worker.tracking.alert_rules``) is also logged as ``<metric>/<env name>`` over that environment's groups alone; the
 trainer does the same for ``mismatch_kl`` from each sample's ``env`` and evals for every eval metric.
 """
 
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker.alert_rules import PER_ENV_METRICS
 from worker.orchestrator.batcher import Rollout, step_metrics
 from worker.orchestrator.data import TaskSampler
+from worker.tracking.alert_rules import PER_ENV_METRICS
 
 if TYPE_CHECKING:
-    from worker.batch import TrainSample
     from worker.envs import Environment
+    from worker.orchestrator.batch import TrainSample
     from worker.spec import CurriculumConfig, EnvConfig
 
 

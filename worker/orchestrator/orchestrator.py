@@ -47,29 +47,22 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from worker import progress
-from worker.batch import Batch, TrainSample, encode_batch
-from worker.checkpoint import HELD, end_of_leg, write_part
-from worker.checkpoint import due as checkpoint_due
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.inference.pool import Loader, Replica, ReplicaPool
 from worker.inference.warmup import warm_up
 from worker.live_config import LiveConfig
-from worker.lora_adapters import ADAPTER_CONFIG, adapters_in_use, lora_adapter_name
 from worker.orchestrator import advantages, heap
 from worker.orchestrator.admission import CONTINUOUS_SEED, AdmissionQueue, Start, group_start_version
+from worker.orchestrator.batch import Batch, TrainSample, encode_batch
 from worker.orchestrator.batcher import Rollout, batch_groups, batch_metrics, encode_records
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.gates import GatedStep, fill_batch, group_rejects
 from worker.orchestrator.harness import HarnessRunner
 from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metrics
-from worker.orchestrator.rollouts import rollout_group
-from worker.orchestrator.scoring import SCORE_PROCESS_MIN_ROLLOUTS, ScoreProcess
-from worker.orchestrator.staleness import min_start_version
-from worker.packing import pack, pack_shared_prompt, prompt_keys
-from worker.policy_check import (
+from worker.orchestrator.packing import pack, pack_shared_prompt, prompt_keys
+from worker.orchestrator.policy_check import (
     LORA_UNSUPPORTED,
     CheckResult,
     PolicyCheckFailed,
@@ -82,10 +75,17 @@ from worker.policy_check import (
     read_probe,
     write_base_served_diff,
 )
-from worker.policy_check import applies as policy_check_applies
-from worker.rundir import RunDir, append_jsonl_bytes, atomic_write_bytes, read_jsonl
+from worker.orchestrator.policy_check import applies as policy_check_applies
+from worker.orchestrator.rollouts import rollout_group
+from worker.orchestrator.scoring import SCORE_PROCESS_MIN_ROLLOUTS, ScoreProcess
+from worker.orchestrator.staleness import min_start_version
+from worker.policy.lora_adapters import ADAPTER_CONFIG, adapters_in_use, lora_adapter_name
+from worker.run.checkpoint import HELD, end_of_leg, write_part
+from worker.run.checkpoint import due as checkpoint_due
+from worker.run.rundir import RunDir, append_jsonl_bytes, atomic_write_bytes, read_jsonl
 from worker.spec import OrchestratorConfig, RLSpec
-from worker.system_metrics import ProcessSampler
+from worker.tracking import progress
+from worker.tracking.system_metrics import ProcessSampler
 from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 
 T = TypeVar("T")
@@ -215,8 +215,8 @@ class Orchestrator:
 
         A LoRA policy version (``path`` holds ``adapter_config.json``: ``[trainer.lora]``) is loaded as vLLM adapter
         ``lora_adapter_name(run, version)`` instead, and rollouts from then on name it as their ``model``; adapters
-        older than the newest ``adapters_in_use(max_async_level)`` are unloaded (``worker/lora_adapters.py``: running
-        rollouts may still name the others). With the test-only ``ASYNCRL_TEST_SKIP_WEIGHT_LOAD`` in the
+        older than the newest ``adapters_in_use(max_async_level)`` are unloaded (``worker/policy/lora_adapters.py``:
+        running rollouts may still name the others). With the test-only ``ASYNCRL_TEST_SKIP_WEIGHT_LOAD`` in the
         orchestrator's environment an adapter is not loaded and rollouts keep naming the model served before (case
         C14 for LoRA; a full-weight load is skipped by the server: ``worker.weight_sync.load.TEST_SKIP_LOAD_VAR``). A full model folder (a LoRA run's version 0 on a shared server) is
         loaded in place and rollouts name the base model.
@@ -304,8 +304,9 @@ class Orchestrator:
             await asyncio.sleep(0.05)
 
     def policy_check_tolerance(self) -> float:
-        """``orchestrator.policy_check.tolerance``, or when unset :func:`worker.policy_check.default_tolerance` of the
-        served-vs-trainer diff on the base weights (measured by this run, or stored by the attempt before)."""
+        """``orchestrator.policy_check.tolerance``, or when unset
+        :func:`worker.orchestrator.policy_check.default_tolerance` of the served-vs-trainer diff on the base weights
+        (measured by this run, or stored by the attempt before)."""
         check = self.spec.orchestrator.policy_check
         if check.tolerance is not None:
             return check.tolerance
@@ -364,11 +365,11 @@ class Orchestrator:
 
     async def check_policy(self, version: int, wait_s: float = 0.0) -> dict[str, float | int | None]:
         """The served-policy check of ``version``, just loaded (``[orchestrator.policy_check]``,
-        ``worker/policy_check.py``): inference's log-probs of the trainer's probe against the trainer's under
-        ``version`` and under the base. Returns its metrics (``policy_check_max_abs_diff``, ``policy_moved_from_base``;
-        none when the check is off or the trainer has fixed no probe yet); a failure is logged as a
-        ``policy_check_failed`` event and kept for :meth:`fail_policy_check`. ``wait_s``: how long to wait for the
-        trainer's log-probs of ``version`` (a resume's version is written by the trainer after it starts).
+        ``worker/orchestrator/policy_check.py``): inference's log-probs of the trainer's probe against the trainer's
+        under ``version`` and under the base. Returns its metrics (``policy_check_max_abs_diff``,
+        ``policy_moved_from_base``; none when the check is off or the trainer has fixed no probe yet); a failure is
+        logged as a ``policy_check_failed`` event and kept for :meth:`fail_policy_check`. ``wait_s``: how long to wait
+        for the trainer's log-probs of ``version`` (a resume's version is written by the trainer after it starts).
 
         An unanswered probe request skips the check of that version with a warning (the rollouts' own requests fail
         the run when inference is gone).
@@ -709,9 +710,9 @@ class Orchestrator:
         }
 
     async def write_step(self, step: int, batch: Batch) -> None:
-        """Hand step ``step``'s batch to the trainer (``batches/step_<step>.json``, as ``worker.batch.write_batch``
-        writes it): encoded a part at a time on the event loop (``worker.batch.encode_batch``), the write in a
-        thread."""
+        """Hand step ``step``'s batch to the trainer (``batches/step_<step>.json``, as
+        ``worker.orchestrator.batch.write_batch`` writes it): encoded a part at a time on the event loop
+        (``worker.orchestrator.batch.encode_batch``), the write in a thread."""
         parts = []
         for part in encode_batch(batch):
             parts.append(part)

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
-from worker import progress
+from worker.tracking import progress
 
 if TYPE_CHECKING:
     from worker.envs import Environment

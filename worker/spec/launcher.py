@@ -18,7 +18,7 @@ MAX_MEMORY_GIB = 65_536
 """Largest ``launcher.memory_limit_gib`` (64 TiB): no worker has more; at submit it must also fit the worker."""
 MAX_DEVICE_ID = 255
 """Largest CUDA device id of ``launcher.local`` (and trainer ranks <= 256): no machine has more GPUs; at submit the
-ids must also be below the worker's declared GPU count (``worker/capacity.py``)."""
+ids must also be below the worker's declared GPU count (``worker/launchers/capacity.py``)."""
 
 
 class SlurmConfig(StrictModel):
@@ -119,7 +119,8 @@ class LocalConfig(StrictModel):
     """CUDA device ids of the trainer: with more than one, ``torchrun`` starts one FSDP2 rank per GPU."""
     trainer_processes: int = Field(default=0, ge=0, le=MAX_DEVICE_ID + 1)
     """Trainer ranks under ``torchrun`` (FSDP2; gloo on cpu). 0: one per ``trainer_gpus`` entry, else 1 (a plain
-    process). At most 256 here; at submit also at most the worker's declared cores (``worker/capacity.py``)."""
+    process). At most 256 here; at submit also at most the worker's declared cores
+    (``worker/launchers/capacity.py``)."""
 
     @field_validator("inference_gpus", "trainer_gpus")
     @classmethod
@@ -136,10 +137,10 @@ class LauncherConfig(StrictModel):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     memory_limit_gib: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GIB)
     """Host memory all processes of a service-launched local run may use together, in GiB (its cgroup's limit,
-    ``worker/cgroups.py``): beyond it the kernel kills one of them and the run fails saying ``out of memory``. None:
+    ``worker/run/cgroups.py``): beyond it the kernel kills one of them and the run fails saying ``out of memory``. None:
     no limit of its own. At most 65536 here; at submit also at most the worker's declared memory
-    (``worker/capacity.py``). Not enforced where the worker cannot make cgroups (a run event says so); not used by
-    Slurm runs (use ``slurm.extra_sbatch = ["--mem=..."]``)."""
+    (``worker/launchers/capacity.py``). Not enforced where the worker cannot make cgroups (a run event says so); not
+    used by Slurm runs (use ``slurm.extra_sbatch = ["--mem=..."]``)."""
 
 
 MULTI_NODE_KEYS = ("inference_nodes", "rdzv_port", "inference_port")

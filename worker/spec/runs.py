@@ -8,7 +8,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from worker.alert_rules import MAX_RULES_PER_RUN, AlertRule
 from worker.spec.launcher import LauncherConfig, check_one_process_launcher, check_one_process_nodes
 from worker.spec.orchestrator import OrchestratorConfig
 from worker.spec.strict import StrictModel
@@ -21,6 +20,7 @@ from worker.spec.trainer import (
     TrainerConfig,
 )
 from worker.spec.user_code import ENV_ID
+from worker.tracking.alert_rules import MAX_RULES_PER_RUN, AlertRule
 
 # ----------------------------------------------------------------------------- model / env
 
@@ -220,8 +220,8 @@ class InferenceConfig(StrictModel):
 
 
 class WatchdogConfig(StrictModel):
-    """The hang watchdog (``worker/progress.py``): the supervisor reads the processes' progress records and writes a
-    ``stalled`` event naming the stalled component when the run made no progress for ``no_progress_s``."""
+    """The hang watchdog (``worker/tracking/progress.py``): the supervisor reads the processes' progress records and
+    writes a ``stalled`` event naming the stalled component when the run made no progress for ``no_progress_s``."""
 
     no_progress_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
     """Seconds without progress (a trainer step, a rollout group, a batch, an eval group) that make a stall (at most a
@@ -239,8 +239,8 @@ _WANDB_NAME = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
 
 class WandbConfig(StrictModel):
     """Export of the run's metrics, events and config revisions to one Weights & Biases run
-    (``worker/wandb_export.py``); ``mode = "offline"`` writes the W&B run under the run directory without network
-    (``wandb sync`` uploads it later)."""
+    (``worker/tracking/wandb_export.py``); ``mode = "offline"`` writes the W&B run under the run directory without
+    network (``wandb sync`` uploads it later)."""
 
     project: str = Field(min_length=1, max_length=128)
     entity: str | None = Field(default=None, min_length=1, max_length=128)
@@ -319,8 +319,8 @@ class RLSpec(StrictModel):
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     alerts: list[AlertRule] = Field(default_factory=list)
-    """Alert rules of this run (``worker/alert_rules.py``); the service adds them to its rules at submission. At
-    most ``MAX_RULES_PER_RUN``: every metrics upload checks each rule."""
+    """Alert rules of this run (``worker/tracking/alert_rules.py``); the service adds them to its rules at submission.
+    At most ``MAX_RULES_PER_RUN``: every metrics upload checks each rule."""
 
     _name = field_validator("name")(_check_run_name)
     _alerts = field_validator("alerts", mode="before")(_check_alert_count)
@@ -510,10 +510,10 @@ class SFTSpec(StrictModel):
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of the full weights (``worker/trainer/lora.py``); one process."""
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    """Checkpoints every ``ckpt.interval`` steps (0 = none), the RL layout (``worker/checkpoint.py``): the
+    """Checkpoints every ``ckpt.interval`` steps (0 = none), the RL layout (``worker/run/checkpoint.py``): the
     ``trainer`` part (weights, optimizer, scheduler, RNG) and the ``orchestrator`` part (the data cursor)."""
     alerts: list[AlertRule] = Field(default_factory=list)
-    """Alert rules of this run (``worker/alert_rules.py``), at most ``MAX_RULES_PER_RUN``."""
+    """Alert rules of this run (``worker/tracking/alert_rules.py``), at most ``MAX_RULES_PER_RUN``."""
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     """Where the service runs the trainer: a local process, or a one-node Slurm job (``kind = "slurm"``); no
     multi-node layout or GPU placement keys (``check_one_process_launcher``)."""

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from worker.lora_adapters import DEFAULT_LORA_TARGETS
+from worker.policy.lora_adapters import DEFAULT_LORA_TARGETS
 from worker.spec.strict import StrictModel
 from worker.spec.user_code import CustomCode
 
@@ -163,7 +163,7 @@ class TrainerConfig(StrictModel):
     loss: LossConfig = Field(default_factory=DppoKlLoss)
     threads: int = Field(default=1, ge=1, le=1024)
     """torch intra-op threads of the trainer process (CPU). At most 1024 here; at submit also at most the cores the
-    worker declares (``worker/capacity.py``): more threads than cores only thrash."""
+    worker declares (``worker/launchers/capacity.py``): more threads than cores only thrash."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer computes. ``cuda``: FSDP2 over the GPUs ``torchrun`` starts one process each for
     (one GPU without torchrun); ``cpu``: one plain process, or FSDP2 over gloo under ``torchrun``."""
@@ -178,9 +178,9 @@ class TrainerConfig(StrictModel):
     """Testing aid: sleep this long after every step to make the trainer the bottleneck (at most an hour)."""
     gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     """Share of each trainer GPU's memory the trainer may allocate (``torch.cuda.set_per_process_memory_fraction``;
-    None: no cap). With vLLM on the same GPU (colocated, ``worker.capacity.colocated``) it and
+    None: no cap). With vLLM on the same GPU (colocated, ``worker.spec.runs.RLSpec.colocated``) it and
     ``inference.gpu_memory_utilization`` must add up to at most 1; a model whose trainer state does not fit the share
-    is refused at launch with the numbers (``worker.capacity.check_trainer_memory``)."""
+    is refused at launch with the numbers (``worker.launchers.capacity.check_trainer_memory``)."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """How new policy versions reach vLLM: safetensors on disk (default) or a process-group broadcast."""
     lora: LoraConfig | None = None

@@ -2,9 +2,9 @@
 and save the final model.
 
 The layout and rules of checkpoints (atomic parts, completion, pruning, which step to resume, requests)
-live in ``worker/checkpoint.py``, which imports no torch because the server reads it; this module holds
+live in ``worker/run/checkpoint.py``, which imports no torch because the server reads it; this module holds
 what needs torch: the ``trainer`` part's files (``model.safetensors``; ``state.pt`` with optimizer,
-scheduler, RNG states and step; ``meta.json``), written through ``worker.checkpoint.write_part``.
+scheduler, RNG states and step; ``meta.json``), written through ``worker.run.checkpoint.write_part``.
 
 A LoRA run (``[trainer.lora]``) stores the adapter instead of the full weights: ``trainer/adapter/``
 (``adapter_config.json`` + ``adapter_model.safetensors``, PEFT's format, ``worker/trainer/lora.py``) beside
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.checkpoint import prune, write_part
-from worker.lora_adapters import ADAPTER_DIR
-from worker.models import readable
-from worker.rundir import RunDir, writing
+from worker.policy.lora_adapters import ADAPTER_DIR
+from worker.policy.models import readable
+from worker.run.checkpoint import prune, write_part
+from worker.run.rundir import RunDir, writing
 from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
 from worker.trainer.lora import adapter_state, load_adapter, save_adapter
 
@@ -81,7 +81,7 @@ class BackgroundCheckpointer:
     parameter name (``get_optimizer_state_dict``), so a checkpoint loads with any number of ranks;
     with FSDP2 every rank calls ``save`` (the state is gathered) and rank 0 writes.
 
-    A write that fails (e.g. :class:`worker.rundir.DiskFull`) leaves no half-written folder (``write_part``) and its
+    A write that fails (e.g. :class:`worker.run.rundir.DiskFull`) leaves no half-written folder (``write_part``) and its
     error is raised on the training thread by the next ``check``, ``save`` or ``wait``, so the trainer ends with it
     instead of training on without checkpoints.
     """

@@ -4,9 +4,10 @@ The update of a targeted linear layer ``W [out, in]`` is ``W + (alpha / rank) * 
 ``B [out, rank]`` (Hu et al. 2021, "LoRA", arXiv:2106.09685, eq. 3); PEFT initialises ``B = 0``, so policy
 version 0 equals the base model. Only ``A`` and ``B`` train (``requires_grad``); the base weights are frozen.
 
-On disk an adapter is PEFT's ``save_pretrained`` format (its files: ``worker/lora_adapters.py``), the one vLLM's LoRA
-loading reads (``/v1/load_lora_adapter``) and ``PeftModel.from_pretrained`` loads. It is what ``weights/step_n/`` holds for a LoRA run (``worker/weight_sync/publish.py``) and what a checkpoint's
-``trainer/adapter/`` holds (``worker/trainer/checkpointer.py``).
+On disk an adapter is PEFT's ``save_pretrained`` format (its files: ``worker/policy/lora_adapters.py``), the one vLLM's
+LoRA loading reads (``/v1/load_lora_adapter``) and ``PeftModel.from_pretrained`` loads. It is what ``weights/step_n/``
+holds for a LoRA run (``worker/weight_sync/publish.py``) and what a checkpoint's ``trainer/adapter/`` holds
+(``worker/trainer/checkpointer.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from worker.lora_adapters import ADAPTER_WEIGHTS
+from worker.policy.lora_adapters import ADAPTER_WEIGHTS
 from worker.spec import LoraConfig
 
 __all__ = [
@@ -59,8 +60,8 @@ def tied_modules(model: torch.nn.Module) -> list[str]:
 def tied_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """The entries of ``targets`` that match a module with tied weights (:func:`tied_modules`, PEFT's suffix
     matching): an adapter there trains one copy of a weight two layers share, and merging it
-    (``merge_and_unload``: ``worker/export.py``, ``final/``) writes ``W + (alpha / rank) B A`` into the shared tensor,
-    changing the other layer too, so the merged model is not the trained policy."""
+    (``merge_and_unload``: ``worker/policy/export.py``, ``final/``) writes ``W + (alpha / rank) B A`` into the shared
+    tensor, changing the other layer too, so the merged model is not the trained policy."""
     tied = tied_modules(model)
     return [t for t in targets if any(_matches(name, t) for name in tied)]
 

@@ -191,7 +191,7 @@ def micro_batch_tensors(samples: Sequence[Mapping[str, Any]]) -> PackedTensors:
     """Lay samples (``TrainSample`` dicts, or any with ``input_ids``/``loss_mask``) out in one row.
 
     A sample is laid out in full, except one that follows a sample of its group with the same
-    ``prefix_len`` prompt (``worker.packing.pack_shared_prompt`` puts them next to each other): it
+    ``prefix_len`` prompt (``worker.orchestrator.packing.pack_shared_prompt`` puts them next to each other): it
     contributes only its tokens after the prompt, which attend to the first sample's prompt tokens
     and causally to themselves, at their own positions. The logits of every sample are then those of
     the sample run alone (``tests/unit/worker/trainer/test_packed.py``); ``rows[i]`` says where they are.

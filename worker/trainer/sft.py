@@ -6,8 +6,8 @@ assistant turn), or the environment's own tasks with their reference answers (``
 an environment with its own SFT conversation, ``env.sft_conversation``, gives the whole conversation). Step ``n``
 takes the next ``data.batch_size`` rows from the data cursor (epoch, offset) in each epoch's seeded order
 (``data.shuffle``). The loss is cross-entropy on the loss-mask tokens only, a token-level mean over the step's
-batch; samples are packed into rows of at most ``seq_len`` tokens (``worker/packing.py``) and run through the RL
-trainer's packed forward and fused LM head (``worker/trainer/packed.py``, ``worker/trainer/logprobs.py``); the
+batch; samples are packed into rows of at most ``seq_len`` tokens (``worker/orchestrator/packing.py``) and run through
+the RL trainer's packed forward and fused LM head (``worker/trainer/packed.py``, ``worker/trainer/logprobs.py``); the
 model is prepared by the RL trainer's ``prepare_model`` (FSDP2 when sharded, ``compile``, activation checkpointing),
 LoRA by ``worker/trainer/lora.py``; AdamW and the warmup/decay schedule of ``worker/trainer/optim.py``.
 
@@ -17,7 +17,7 @@ first ``eval_examples`` eval tasks (not for environments whose rollouts call too
 
 What it writes into the run directory: ``config.json`` (the spec); one ``metrics.jsonl`` row per step (source
 ``sft``: loss, grad_norm, lr, tokens_per_s, step_time_s, epoch, eval_loss, eval_reward_greedy); checkpoints every
-``ckpt.interval`` steps in the RL layout (``worker/checkpoint.py``: the ``trainer`` part with weights or adapter,
+``ckpt.interval`` steps in the RL layout (``worker/run/checkpoint.py``: the ``trainer`` part with weights or adapter,
 optimizer, scheduler and RNG states, and the ``orchestrator`` part with the data cursor), from which
 ``asyncrl sft --resume`` continues exactly; the trained model with its tokenizer at the end (``<run>/final``) and
 ``summary.json``.
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.checkpoint import due as checkpoint_due
-from worker.checkpoint import prune, write_part
 from worker.envs import load_environment
 from worker.orchestrator.data import data_order
+from worker.orchestrator.packing import pack
 from worker.orchestrator.prompts import prompt_ids
-from worker.packing import pack
-from worker.rundir import RunDir, atomic_write_json
+from worker.run.checkpoint import due as checkpoint_due
+from worker.run.checkpoint import prune, write_part
+from worker.run.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
 from worker.trainer.dist import (
@@ -189,8 +189,8 @@ def sft_preflight(spec: SFTSpec, *, tokenize: bool = True) -> SFTData:
             (``data.path: row 3 has no assistant turn ...``), or a sample is longer than ``seq_len``.
     """
     from worker.envs import EnvironmentLoadError, env_error_field
-    from worker.models import check_model
     from worker.orchestrator.eval import check_num_examples
+    from worker.policy.models import check_model
 
     try:
         tokenizer = check_model(spec.model.name)
@@ -326,8 +326,8 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False, resume: bool = False, pre
         SpecError: the run directory exists (without ``overwrite`` or ``resume``), ``resume`` finds no complete
             checkpoint, the model, data or environment cannot load.
     """
-    from worker.checkpoint import check_run_dir
-    from worker.models import load_model
+    from worker.policy.models import load_model
+    from worker.run.checkpoint import check_run_dir
 
     resume_from = check_run_dir(spec, resume=resume, overwrite=overwrite or prepared)
     data = sft_preflight(spec)

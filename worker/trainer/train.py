@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from worker import progress
-from worker.batch import Batch, read_batch
-from worker.checkpoint import HELD, end_of_leg
-from worker.checkpoint import due as checkpoint_due
 from worker.live_config import LiveConfig, set_base_lr
-from worker.policy_check import applies as policy_check_applies
-from worker.policy_check import probe_from_batch, probe_logprobs, read_probe, write_logprobs, write_probe
-from worker.rundir import RunDir
+from worker.orchestrator.batch import Batch, read_batch
+from worker.orchestrator.policy_check import applies as policy_check_applies
+from worker.orchestrator.policy_check import probe_from_batch, probe_logprobs, read_probe, write_logprobs, write_probe
+from worker.run.checkpoint import HELD, end_of_leg
+from worker.run.checkpoint import due as checkpoint_due
+from worker.run.rundir import RunDir
 from worker.spec import RLSpec
-from worker.system_metrics import ProcessSampler
+from worker.tracking import progress
+from worker.tracking.system_metrics import ProcessSampler
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
 from worker.trainer.dist import (
     DistInfo,
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         IpcSender(run, sync, info.device, getattr(torch, spec.model.dtype)) if sync.kind == "cuda_ipc" else None
     )
 
-    from worker.models import load_model
+    from worker.policy.models import load_model
 
     # fp32 master weights; bf16 compute through FSDP2's policy (sharded) or autocast (one CPU process)
     model = load_model(spec.model.name, dtype="float32", attn_implementation=spec.trainer.attention)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         compile=spec.trainer.compile,
     )
     peak = peak_flops(info.device)
-    system = ProcessSampler(info.device)  # CPU %, RSS, GPU use of this process (worker/system_metrics.py)
+    system = ProcessSampler(info.device)  # CPU %, RSS, GPU use of this process (worker/tracking/system_metrics.py)
     optimizer = build_optimizer(model, spec.trainer.optim)
     scheduler = build_scheduler(optimizer, spec.trainer.scheduler, spec.max_steps)
     start = 0
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer = BackgroundCheckpointer(run, keep=spec.ckpt.keep)
     # live config replays every revision on resume: the live file wins over the checkpoint's lr
     live = LiveConfig(run.root, "trainer", start_step=start)
-    check = spec.orchestrator.policy_check  # the served-policy check's probe (worker/policy_check.py)
+    check = spec.orchestrator.policy_check  # the served-policy check's probe (worker/orchestrator/policy_check.py)
     probe = read_probe(run) if policy_check_applies(spec) else None  # a resumed run reuses its probe
     if probe is not None and not run.policy_check_logprobs(start).is_file():  # the resume load is checked too
         lps = probe_logprobs(model, probe, info.device)  # every rank: a sharded model's forward is collective

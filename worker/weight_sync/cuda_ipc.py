@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from worker.rundir import RunDir, step_dirs, writing
+from worker.run.rundir import RunDir, step_dirs, writing
 from worker.weight_sync.publish import FAILED, LOADED, WEIGHTS_FILE, prune_versions, write_file, write_version
 
 logger = logging.getLogger(__name__)

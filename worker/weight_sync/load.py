@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from worker.inference.client import InferenceError
-from worker.rundir import RunDir
+from worker.run.rundir import RunDir
 from worker.weight_sync.cuda_ipc import IPC_FILE, import_handle, views
 from worker.weight_sync.publish import (
     FAILED,

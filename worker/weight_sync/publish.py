@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from worker.rundir import STABLE_MARKER, RunDir, step_dirs, writing
+from worker.run.rundir import STABLE_MARKER, RunDir, step_dirs, writing
 from worker.trainer.dist import is_main_rank, weights_state_dict
 
 logger = logging.getLogger(__name__)
@@ -387,7 +387,7 @@ def _retarget_adapter(folder: Path, module: str) -> None:
     tensor names, not by ``target_modules``)."""
     from safetensors.torch import load_file, save_file
 
-    from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from worker.policy.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
     config["target_modules"] = [module]

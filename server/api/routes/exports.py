@@ -1,5 +1,6 @@
 """``/api/runs/{id}/checkpoints`` and ``/api/runs/{id}/exports``: a run's complete checkpoints, and exports of them
-as Hugging Face model directories written by the worker (``server/services/exports.py``, ``worker/export.py``)."""
+as Hugging Face model directories written by the worker (``server/services/exports.py``,
+``worker/policy/export.py``)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from server.models import (
     stored_id,
 )
 from server.services import lineage, permissions, rollouts, runs, spec_policy
-from worker.run_files import RunFileError, RunFileMissing
+from worker.run.run_files import RunFileError, RunFileMissing
 from worker.spec import parse_text
 from worker.spec.loading import MAX_SPEC_BYTES
 
@@ -301,7 +301,7 @@ def get_logs(
     tail: int = Query(200, ge=1, le=runs.MAX_LOG_LINES, description="last N lines"),
 ) -> Any:
     """The last ``tail`` lines of one process's log (read-only; user token or this run's token). The log is read
-    only as a regular file inside the run's folder (``worker.run_files``): a symbolic link gets 403."""
+    only as a regular file inside the run's folder (``worker.run.run_files``): a symbolic link gets 403."""
     if not runs.is_log_process(process):
         raise HTTPException(422, f"query.process: expected {runs.LOG_PROCESS_RULE}, got {process!r}")
     permissions.check_run_access(principal, run_id)

@@ -19,7 +19,7 @@ def migrated_database(database: str) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     return init_model(tmp_path_factory.mktemp("model"), size="tiny", seed=0)
 
@@ -38,7 +38,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from server.jobs.celery_app import app
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     app.control.purge()  # launches queued by earlier tests of this session
     tmp = tmp_path_factory.mktemp("resume")

@@ -21,9 +21,9 @@ import pytest
 from tests.support.runs import ended, small_spec, trainer_steps
 from tests.support.server import wait_for
 from tests.support.tmpfs import fill, mounted
-from worker.checkpoint import complete_steps
-from worker.rundir import RunDir, read_jsonl
-from worker.supervisor import running_pid
+from worker.launchers.supervisor import running_pid
+from worker.run.checkpoint import complete_steps
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.vllm
 

@@ -17,8 +17,8 @@ import pytest
 
 from tests.support.runs import ended, small_spec, trainer_steps
 from tests.support.server import wait_for
-from worker.checkpoint import complete_steps
-from worker.rundir import RunDir, read_jsonl
+from worker.run.checkpoint import complete_steps
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.vllm
 

@@ -35,8 +35,8 @@ from tests.support.server import (
     stored_keys,
     wait_for,
 )
-from worker.reporter import rows_to_points
-from worker.rundir import read_jsonl
+from worker.launchers.reporter import rows_to_points
+from worker.run.rundir import read_jsonl
 
 pytestmark = pytest.mark.vllm
 VISIBILITY_S = 60  # the lowest CELERY_VISIBILITY_TIMEOUT_S allowed: an unacked task is redelivered after this
@@ -60,7 +60,7 @@ def count(*fragments: str) -> int:
 def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop_cancels(
     client: Any, auth: dict[str, str], model: Path, api: ApiServer, tmp_path: Path
 ) -> None:
-    from worker import supervisor
+    from worker.launchers import supervisor
 
     # Submitted while no worker consumes the queue: the launch task waits in Redis.
     resp = client.post("/api/runs", json=real_spec(model, "killed-worker", max_steps=10_000), headers=auth)
@@ -107,7 +107,7 @@ def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop
         )
         started = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "running"]
         assert len(started) == 1, started  # one launch_rl in the run directory
-        assert count("worker.supervisor", f"--home {home}") == 1
+        assert count("worker.launchers.supervisor", f"--home {home}") == 1
         assert count("worker.trainer", f"--run-dir {run_dir}") == 1
         assert count("worker.orchestrator", f"--run-dir {run_dir}") == 1
         assert count("vllm.entrypoints.openai.api_server", f"--model {model}") == 1

@@ -3,9 +3,9 @@ the tiny random-init Qwen3) reported to the real API (uvicorn on 127.0.0.1) and 
 
 The first delivery of ``launch_run`` started the supervisor and was killed before it committed (the run stays
 ``queued`` with no launcher handle; ``test_real_runs`` shows that part with a real Celery worker). Here the
-supervisor is started exactly as that delivery did (``worker.supervisor.start`` with the attempt's id) and runs to
-its end: the server refuses ``running`` and ``completed`` for a queued run, so the run is still ``queued`` when the
-broker redelivers the task. The redelivered ``launch`` must adopt the finished run — report ``completed`` from the
+supervisor is started exactly as that delivery did (``worker.launchers.supervisor.start`` with the attempt's id) and
+runs to its end: the server refuses ``running`` and ``completed`` for a queued run, so the run is still ``queued`` when
+the broker redelivers the task. The redelivered ``launch`` must adopt the finished run — report ``completed`` from the
 supervisor's spool — and not start the run again (its run directory exists: that start failed the run).
 """
 
@@ -21,8 +21,8 @@ import pytest
 
 from tests.support.server import wait_for
 from worker.live_config import LIFECYCLE_EVENTS
-from worker.procs import alive
-from worker.rundir import RunDir, read_jsonl
+from worker.run.procs import alive
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data
 
 pytestmark = pytest.mark.vllm
@@ -38,8 +38,8 @@ def test_redelivered_launch_adopts_the_run_its_supervisor_finished(
     from server.core.db import engine
     from server.jobs.tasks import current_attempt, launch
     from tests.support.server import run_token_of
-    from worker import supervisor
-    from worker.models import init_model
+    from worker.launchers import supervisor
+    from worker.policy.models import init_model
 
     monkeypatch.setattr(settings, "ASYNCRL_SERVER_URL", live_server)
     model = init_model(tmp_path / "model", size="tiny", seed=0)

@@ -16,7 +16,7 @@ import pytest
 from tests.support.runs import multiturn_run
 from tests.support.server import new_token, spec
 from tests.support.webui import login
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.vllm
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.runs import real_spec, run_of
 from tests.support.server import processes, wait_for
-from worker import cgroups
+from worker.run import cgroups
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # no process left CLEAN_S after the end: alone
 LIMIT_GIB = 1.5

@@ -18,8 +18,8 @@ import pytest
 
 from tests.support.runs import ended
 from tests.support.server import wait_for
-from worker.checkpoint import complete_steps
-from worker.rundir import RunDir, read_jsonl
+from worker.run.checkpoint import complete_steps
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data
 
 pytestmark = pytest.mark.slow

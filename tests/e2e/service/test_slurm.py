@@ -23,9 +23,9 @@ from server.models import RunStatus
 from tests.support.runs import ended, run_of, small_spec, trainer_steps
 from tests.support.server import BAD_MODEL, points, processes, run_token_headers, spec, stored, wait_for
 from tests.support.uids import PROBE, uid_of
-from worker.checkpoint import complete_steps
 from worker.launchers import slurm
-from worker.rundir import RunDir, read_jsonl
+from worker.run.checkpoint import complete_steps
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import load_spec_data
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -374,8 +374,8 @@ def test_a_root_workers_slurm_run_runs_as_its_own_uid_which_cannot_read_the_serv
     import sys
 
     from server.core.config import Settings
-    from worker import supervisor
-    from worker.procs import live_processes
+    from worker.launchers import supervisor
+    from worker.run.procs import live_processes
 
     assert os.geteuid() == 0, "a root worker's Slurm job: run this test as root"
     Settings(SECRET_KEY="").secret_key()  # the key file of a server without SECRET_KEY, made in ASYNCRL_HOME

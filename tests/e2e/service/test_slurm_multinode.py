@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.runs import ended, run_of, small_spec, trainer_steps
 from tests.support.server import ApiServer, start_celery_worker, stop_process_group, wait_for
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -35,7 +35,7 @@ def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The tiny model's path, with an API server on the bridge address and a Celery worker whose Slurm commands
     (and the jobs' ``srun``) talk to the multi-node cluster."""
     from server.jobs.celery_app import app
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     assert Path(SLURM_CONF).exists(), "start the cluster: bash deploy/slurm/multi-node-cluster.sh start"
     app.control.purge()
@@ -94,7 +94,7 @@ def role(cmd: str) -> str | None:
     if cmd.startswith("srun ") or "torch.distributed.run" in cmd:
         return None
     for name, mark in (
-        ("supervisor", "-m worker.supervisor"),
+        ("supervisor", "-m worker.launchers.supervisor"),
         ("orchestrator", "-m worker.orchestrator"),
         ("trainer", "-m worker.trainer"),
         ("inference", "vllm.entrypoints"),
@@ -200,8 +200,8 @@ def test_scancel_leaves_no_process_on_any_node(client: Any, auth: dict[str, str]
 def test_requeue_after_a_checkpoint_resumes_on_all_three_nodes_with_each_step_stored_once(
     client: Any, auth: dict[str, str], multinode: str
 ) -> None:
-    from worker.checkpoint import complete_steps
     from worker.launchers import slurm
+    from worker.run.checkpoint import complete_steps
 
     spec = multinode_spec(multinode, "multinode-requeue", max_steps=6)
     spec["ckpt"]["interval"] = 2

@@ -18,8 +18,8 @@ import pytest
 
 from tests.support.runs import small_spec
 from tests.support.server import ApiServer, start_celery_worker, stop_process_group, wait_for
-from worker.checkpoint import complete_steps
-from worker.rundir import RunDir
+from worker.run.checkpoint import complete_steps
+from worker.run.rundir import RunDir
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +35,7 @@ def four_slots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A server and a worker with room for all four runs (``MAX_RUNS_PER_WORKER=4``): the sweep's ``max_parallel``
     is what keeps it to two at a time."""
     from server.jobs.celery_app import app
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     app.control.purge()
     tmp = tmp_path_factory.mktemp("sweep")

@@ -18,7 +18,7 @@ import pytest
 from tests.support.alerts import Receiver, alert_events, delivered, signed_ok
 from tests.support.runs import real_spec, run_of, trainer_steps
 from tests.support.server import ApiServer, start_celery_worker, stop_process_group, wait_for
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # the alert within NO_PROGRESS_S + SLACK_S: alone
 NO_PROGRESS_S = 8.0

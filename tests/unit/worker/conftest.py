@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.rundir import RunDir
+from worker.run.rundir import RunDir
 
 
 @pytest.fixture

@@ -124,7 +124,7 @@ def test_dry_run_later_file_wins(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.models import init_model
+    from worker.policy.models import init_model
 
     return init_model(tmp_path_factory.mktemp("models") / "m")
 
@@ -749,7 +749,7 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["sft", "@", SFT_TOML, "--model.name", "{model}", "--seq_len", "20", "--output_dir", "{out}", *SMALL_SFT],
         "re:error: seq_len: 20 tokens cannot hold a \\d+-token example; use at least \\d+",
     ),
-    # asyncrl export (more in tests/unit/worker/test_export.py)
+    # asyncrl export (more in tests/unit/worker/policy/test_export.py)
     "export-not-a-run-dir": (
         ["export", "{tmp}/outputs/old", "--out", "{tmp}/exported"],
         "error: RUN_DIR: {tmp}/outputs/old is not a run directory (no config.json)",
@@ -1007,8 +1007,8 @@ def test_resume_of_a_completed_run_is_refused(
 ) -> None:
     """--resume of a run that completed all max_steps: one line naming max_steps, nothing relaunched or changed
     (it used to start the three processes again and log a second final eval)."""
-    from worker.checkpoint import write_part
-    from worker.rundir import RunDir, atomic_write_json
+    from worker.run.checkpoint import write_part
+    from worker.run.rundir import RunDir, atomic_write_json
 
     run = RunDir(tmp_path / "outputs" / "done")
     run.create()

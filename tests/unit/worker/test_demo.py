@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from worker.demo import TERMINAL, DemoError, _stage_steps, embedded_service, follow_run, pipeline_data
-from worker.procs import alive  # the liveness check the service itself uses
+from worker.run.procs import alive  # the liveness check the service itself uses
 
 BAD_MODEL = "sft/final"  # under tmp_path: outside the service's own folder, as the demo's SFT model is; never made
 
@@ -120,7 +120,7 @@ def test_demo_refuses_bad_arguments_before_doing_anything(
 def test_serve_reopens_the_dashboard_on_an_earlier_demos_state(tmp_path: Path) -> None:
     """``asyncrl demo --serve`` starts the embedded service again on ``<output-dir>/service``: the runs the demo
     stored are there, a new token logs in, and Ctrl-C ends it (exit 0) with nothing left running."""
-    from worker.procs import free_port
+    from worker.run.procs import free_port
 
     out = tmp_path / "demo"
     with (

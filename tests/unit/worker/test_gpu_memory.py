@@ -1,13 +1,13 @@
 """The GPU memory split of a colocated run (issue 20's bad input): ``trainer.gpu_memory_fraction`` +
 ``inference.gpu_memory_utilization`` at most 1 on a shared GPU, and a trainer state that cannot fit its share refused
-with the numbers (``worker.capacity.check_trainer_memory``, ``worker.models.parameter_counts``)."""
+with the numbers (``worker.launchers.capacity.check_trainer_memory``, ``worker.policy.models.parameter_counts``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.capacity import check_trainer_memory
-from worker.models import init_model, load_model, parameter_counts
+from worker.launchers.capacity import check_trainer_memory
+from worker.policy.models import init_model, load_model, parameter_counts
 from worker.spec import SpecError, validate_spec
 
 GIB = 2**30

@@ -23,7 +23,7 @@ from worker.live_config import (
     set_base_lr,
     set_local,
 )
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, SpecError, validate_spec
 
 REPO = Path(__file__).resolve().parents[3]

@@ -691,7 +691,7 @@ def test_local_gpu_placement_and_trainer_ranks(tmp_path: Path) -> None:
     """``launcher.local``: device lists checked; trainer GPUs need a cuda trainer; ranks follow the GPU list; the
     trainer argv is torchrun only with more than one rank; placement becomes CUDA_VISIBLE_DEVICES."""
     from worker.launchers.local import gpu_env, trainer_command
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
 
     def spec(**local: Any) -> RLSpec:
         data = {**MODEL, "trainer": {"device": "cuda"}, "launcher": {"local": local}}

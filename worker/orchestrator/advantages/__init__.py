@@ -91,7 +91,7 @@ def compute_advantages(
     Args:
         config: ``[orchestrator.advantage]`` (``GrpoAdvantage`` or ``MaxRLAdvantage``).
         rewards: one per rollout; ``None`` (or NaN/inf) when the reward function gave none.
-        completion_lengths: sampled-token count per rollout (``worker.packing.completion_length``).
+        completion_lengths: sampled-token count per rollout (``worker.orchestrator.packing.completion_length``).
 
     Returns:
         ``AdvantageResult`` with one advantage per rollout (``None`` = do not train).

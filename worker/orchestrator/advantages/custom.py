@@ -5,8 +5,8 @@ before the call and get advantage ``None``, exactly as for the built-ins (``grou
 
     def function(rewards: list[float], completion_lengths: list[int], *, <your kwargs>) -> Sequence[float]
 
-``rewards`` and ``completion_lengths`` (sampled-token counts, ``worker.packing.completion_length``) have one entry
-per scored rollout, in group order, at least one; the result has one finite advantage per entry. ``kwargs`` of
+``rewards`` and ``completion_lengths`` (sampled-token counts, ``worker.orchestrator.packing.completion_length``) have
+one entry per scored rollout, in group order, at least one; the result has one finite advantage per entry. ``kwargs`` of
 the spec table are passed on every call. Where the code may come from is ``worker/spec/user_code.py``'s rule; the
 signature is checked at launch and by ``asyncrl rl --dry-run`` (:func:`load_custom_advantage`).
 """

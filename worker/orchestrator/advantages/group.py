@@ -70,7 +70,7 @@ def length_shaping(lengths: Sequence[int], length_penalty: float) -> list[float]
 
     Centred, so it sums to 0 over the group and never moves the group's mean advantage; scaled by
     the group's longest completion, so it lies in ``(-length_penalty, length_penalty)``. Lengths are
-    sampled-token counts (``worker.packing.completion_length``, case C11).
+    sampled-token counts (``worker.orchestrator.packing.completion_length``, case C11).
     """
     longest = max(lengths, default=0)
     if length_penalty == 0 or longest == 0:

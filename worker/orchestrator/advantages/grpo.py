@@ -16,7 +16,7 @@ to the group's length range:
 
     A_i <- A_i - length_penalty * (L_i - mean_j L_j) / max_j L_j
 
-L_i is the number of sampled tokens (``worker.packing.completion_length``). The term is centred, so
+L_i is the number of sampled tokens (``worker.orchestrator.packing.completion_length``). The term is centred, so
 advantages still sum to 0 over the group, and it is added after any std normalisation, so its size
 does not depend on the reward spread. Means, stds and lengths use only rollouts with a reward;
 rollouts with a missing reward get ``None`` (case C8, see ``group``). When every present reward is

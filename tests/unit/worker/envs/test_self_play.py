@@ -14,10 +14,10 @@ from worker.envs import load_environment
 from worker.envs.reverse_text import lcs_ratio
 from worker.envs.self_play import PROPOSER, SOLVER, parse_proposal, proposer_reward
 from worker.inference.client import Completion
-from worker.models import build_tokenizer
 from worker.orchestrator.advantages import make_advantage
 from worker.orchestrator.batcher import build_batch
 from worker.orchestrator.rollouts import rollout_group
+from worker.policy.models import build_tokenizer
 from worker.spec import OrchestratorConfig
 
 
@@ -104,7 +104,7 @@ def test_one_solver_is_refused_at_launch_naming_the_key(tmp_path: Path) -> None:
     """With one solver p is 0 or 1, so R_P is 0 for every proposal: such a run could never train its proposer."""
     from worker.envs import EnvironmentLoadError
     from worker.launchers.local import preflight
-    from worker.models import init_model
+    from worker.policy.models import init_model
     from worker.spec import SpecError, validate_spec
 
     assert [proposer_reward(True, [r]) for r in (0.0, 0.5, 1.0)] == [0.0, 0.0, 0.0]

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from tests.support.uvicorn_thread import serve
 from worker.inference.client import InferenceClient, InferenceError
 from worker.inference.pool import ReplicaPool
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 
 
 class FakeReplica:

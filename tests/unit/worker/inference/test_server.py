@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from worker.inference import server
-from worker.lora_adapters import adapters_in_use, lora_adapter_name
+from worker.policy.lora_adapters import adapters_in_use, lora_adapter_name
 
 
 def test_command_disables_vllm_stats_logging() -> None:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.tmpfs import fill
-from worker.checkpoint import remove_incomplete, write_part
 from worker.launchers.local import _follow, summarize
-from worker.procs import kill_group, spawn
-from worker.rundir import RunDir, read_jsonl
+from worker.run.checkpoint import remove_incomplete, write_part
+from worker.run.procs import kill_group, spawn
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec, validate_spec
 
 
@@ -36,7 +36,7 @@ _DIES_OF_A_FULL_DISK = """
 import sys
 from pathlib import Path
 from tests.support.tmpfs import fill
-from worker.rundir import RunDir, atomic_write_text, run_process
+from worker.run.rundir import RunDir, atomic_write_text, run_process
 
 run = RunDir(sys.argv[1])
 
@@ -187,8 +187,8 @@ def _resume(how: str, spec: RLSpec) -> RunDir:
     service resume (the supervisor prunes first, then its launcher) and a requeued Slurm attempt (the same)."""
     from worker.launchers.local import prepare_run_dir
     from worker.launchers.slurm_job import prepare_requeued
-    from worker.rundir import SupervisorHome
-    from worker.supervisor import prepare_resume
+    from worker.launchers.supervisor import prepare_resume
+    from worker.run.rundir import SupervisorHome
 
     home = SupervisorHome(Path(spec.run_dir).parent)
     if how == "service":

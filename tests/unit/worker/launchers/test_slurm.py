@@ -66,7 +66,7 @@ def test_four_node_layout_sbatch_lines() -> None:
     ]
     assert "export NCCL_DEBUG=WARN\nexport HF_HOME='/data/hf cache'\n" in script
     assert f"LOG_DIR={HOME}/slurm/attempt-$ATTEMPT" in script and "ATTEMPT=${SLURM_RESTART_COUNT:-0}" in script
-    assert "/venv/bin/python -m worker.supervisor --home /srv/asyncrl/runs/7 >>" in script
+    assert "/venv/bin/python -m worker.launchers.supervisor --home /srv/asyncrl/runs/7 >>" in script
     assert (  # inference.replicas unset: one server on each inference node
         "# 4 nodes: the first 2 serve inference (2 vLLM server(s): replica i on inference node i mod 2, port 8100 + i "
         "div 2), the other 2 train\n"
@@ -256,7 +256,7 @@ def test_single_node_script_runs_the_supervisor() -> None:
         "#SBATCH --open-mode=append",
     ]
     assert (
-        f"/venv/bin/python -m worker.supervisor --home {HOME} --resume >>{HOME}/supervisor.log 2>&1 &\npid=$!\n"
+        f"/venv/bin/python -m worker.launchers.supervisor --home {HOME} --resume >>{HOME}/supervisor.log 2>&1 &\npid=$!\n"
     ) in script
     assert "cd /srv/asyncrl\n" in script and "export ASYNCRL_LAUNCHER=slurm\n" in script
     assert "trap 'echo \"USR1 at $(date -u +%T): checkpoint and requeue\"; kill -USR1 $pid' USR1" in script
@@ -379,8 +379,8 @@ def test_bad_slurm_specs_name_the_field(slurm: dict[str, object], error: str) ->
 
 
 def test_checkpoint_request_adds_one_step_to_the_periodic_ones(tmp_path: Path) -> None:
-    from worker.checkpoint import due, request
-    from worker.rundir import RunDir
+    from worker.run.checkpoint import due, request
+    from worker.run.rundir import RunDir
 
     run = RunDir(tmp_path)
     assert [s for s in range(1, 13) if due(run, s, 4)] == [4, 8, 12]
@@ -451,7 +451,7 @@ def test_an_sft_run_and_an_eval_job_render_the_one_node_script(kind: str, extra:
     title_line = f'# asyncrl {title} "j": rendered from deploy/slurm/rl.sbatch.j2 (asyncrl slurm render / the Slurm'
     assert script.splitlines()[1] == title_line + " launcher)."
     assert script.splitlines()[2:] == rl_script.splitlines()[2:]
-    assert "/venv/bin/python -m worker.supervisor --home /srv/asyncrl/runs/7 >>" in script
+    assert "/venv/bin/python -m worker.launchers.supervisor --home /srv/asyncrl/runs/7 >>" in script
     assert sbatch_lines(script)[:6] == [
         "#SBATCH --job-name=asyncrl-run-7",
         "#SBATCH --nodes=1",
@@ -484,8 +484,8 @@ def test_a_root_workers_job_names_the_run_uid_and_every_step_drops_to_it() -> No
     the run's home); each process of the run starts through setpriv as that uid, on every node: the srun of a step
     runs as the job's user (root), the command after it as the run's uid."""
     from worker.launchers.slurm_job import run_as_check_command
-    from worker.procs import run_as_argv
-    from worker.supervisor import RunUser
+    from worker.launchers.supervisor import RunUser
+    from worker.run.procs import run_as_argv
 
     user = RunUser("asyncrl-run-7", 1_900_000_007, 1_900_000_007, f"{HOME}/user-home")
     spec = spec_of(nodes=4, inference_nodes=2, gpus_per_node=8, rdzv_port=29555, inference_port=8100)

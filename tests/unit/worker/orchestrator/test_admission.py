@@ -23,7 +23,7 @@ from worker.orchestrator.batcher import Rollout
 from worker.orchestrator.data import TaskSampler, request_seed
 from worker.orchestrator.mixture import EnvMixture, MixtureEnv, choose_env
 from worker.orchestrator.orchestrator import Orchestrator
-from worker.rundir import RunDir
+from worker.run.rundir import RunDir
 from worker.spec import EnvConfig, SpecError, validate_spec
 
 
@@ -310,8 +310,8 @@ def test_the_orchestrator_loop_runs_continuous_admission_against_the_simulated_s
     import httpx
 
     from tests.support.uvicorn_thread import serve
-    from worker.models import init_model
-    from worker.rundir import STABLE_MARKER, read_jsonl
+    from worker.policy.models import init_model
+    from worker.run.rundir import STABLE_MARKER, read_jsonl
 
     model = init_model(tmp_path / "tiny", size="tiny", seed=0)
     spec = validate_spec(

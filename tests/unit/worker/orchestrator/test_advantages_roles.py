@@ -239,7 +239,7 @@ def test_orchestrator_checkpoint_part_holds_the_rae_baselines(tmp_path: Path):
 
     from worker.orchestrator.data import TaskSampler
     from worker.orchestrator.orchestrator import Orchestrator
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
     sampler = TaskSampler(None, seed=0)

@@ -13,7 +13,7 @@ from worker.envs import load_environment
 from worker.orchestrator.advantages import make_advantage
 from worker.orchestrator.data import TaskSampler, data_order, request_seed
 from worker.orchestrator.orchestrator import Orchestrator
-from worker.rundir import RunDir
+from worker.run.rundir import RunDir
 from worker.spec import GrpoAdvantage
 
 NUM_TASKS, PER_STEP, STEPS, SEED = 16, 4, 8, 0

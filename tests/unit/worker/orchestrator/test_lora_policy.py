@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from worker.lora_adapters import adapters_in_use, lora_adapter_name
 from worker.orchestrator.orchestrator import Orchestrator
-from worker.rundir import RunDir
+from worker.policy.lora_adapters import adapters_in_use, lora_adapter_name
+from worker.run.rundir import RunDir
 from worker.spec import validate_spec
 
 
@@ -99,8 +99,8 @@ def test_adapter_versions_are_named_and_old_ones_unloaded(tmp_path: Path) -> Non
 @pytest.mark.parametrize("max_async_level", [0, 1, 2, 3])
 def test_every_adapter_a_running_rollout_may_name_stays_loaded(tmp_path: Path, max_async_level: int) -> None:
     """While v(n) loads, an eval started after batch n and a harness rollout of step n may still name the adapter of
-    v(n - 1 - max_async_level) on every turn (``worker/lora_adapters.adapters_in_use``): all of v(n - 1 - k) .. v(n)
-    stay loaded, and never more than the server's ``--max-loras`` (the same function) at once."""
+    v(n - 1 - max_async_level) on every turn (``worker/policy/lora_adapters.adapters_in_use``): all of v(n - 1 - k) ..
+    v(n) stay loaded, and never more than the server's ``--max-loras`` (the same function) at once."""
     client = FakeClient()
     run = RunDir(tmp_path / "run")
     orch = _orchestrator(client, run, max_async_level)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from worker.alert_rules import ThresholdRule, reports
 from worker.orchestrator.batcher import Rollout, build_batch
 from worker.orchestrator.data import TaskSampler
 from worker.orchestrator.mixture import (
@@ -24,6 +23,7 @@ from worker.orchestrator.mixture import (
 from worker.spec import DifficultyPoolCurriculum, EnvConfig, OrchestratorConfig, RLSpec, SFTSpec, SpecError
 from worker.spec.loading import validate_spec
 from worker.spec.user_code import CodeNotAllowed, check_spec_code
+from worker.tracking.alert_rules import ThresholdRule, reports
 
 # ----------------------------------------------------------------------------- the weighted choice
 
@@ -394,7 +394,7 @@ def test_charts_split_by_environment() -> None:
 
 
 def _trainer_batch(samples: list[dict]) -> dict:
-    from worker.packing import pack
+    from worker.orchestrator.packing import pack
 
     bins = pack([len(s["input_ids"]) for s in samples], 32)
     return {

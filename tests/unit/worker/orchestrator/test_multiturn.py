@@ -15,11 +15,11 @@ import pytest
 from worker.envs import load_environment
 from worker.envs.reverse_twice import FOLLOW_UP
 from worker.inference.client import Completion
-from worker.models import build_tokenizer
 from worker.orchestrator.batcher import build_batch
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.multiturn import env_turn_ids, run_conversation
 from worker.orchestrator.prompts import prompt_ids
+from worker.policy.models import build_tokenizer
 from worker.spec import OrchestratorConfig
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from worker.orchestrator import orchestrator as orch_module
 from worker.orchestrator.orchestrator import TRUNCATED_WARN_FRACTION, Orchestrator, until
-from worker.rundir import RunDir, read_jsonl
+from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec
 
 

@@ -11,7 +11,7 @@ from worker.orchestrator import heap
 from worker.orchestrator.advantages import make_advantage
 from worker.orchestrator.batcher import Rollout, batch_groups, batch_metrics, build_batch, encode_records
 from worker.orchestrator.orchestrator import slices
-from worker.packing import completion_length
+from worker.orchestrator.packing import completion_length
 from worker.spec import OrchestratorConfig
 
 

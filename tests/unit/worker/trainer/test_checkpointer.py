@@ -12,8 +12,8 @@ from transformers import Qwen3ForCausalLM
 
 from tests.support.models import tiny_qwen3
 from tests.support.tmpfs import fill, free_bytes
-from worker.checkpoint import complete_steps, is_complete, write_part
-from worker.rundir import DiskFull, RunDir
+from worker.run.checkpoint import complete_steps, is_complete, write_part
+from worker.run.rundir import DiskFull, RunDir
 from worker.spec import OptimConfig, SchedulerConfig
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
 from worker.trainer.optim import build_optimizer, build_scheduler

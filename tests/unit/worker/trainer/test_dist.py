@@ -133,9 +133,9 @@ def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from tests.support.fsdp_step import batch
-    from worker.batch import write_batch
-    from worker.models import init_model
-    from worker.rundir import RunDir, read_jsonl
+    from worker.orchestrator.batch import write_batch
+    from worker.policy.models import init_model
+    from worker.run.rundir import RunDir, read_jsonl
     from worker.spec import validate_spec
 
     model_dir = init_model(tmp_path / "model", size="tiny", seed=0)
@@ -162,7 +162,8 @@ def test_trainer_process_on_two_ranks_resumes_in_one(tmp_path: Path) -> None:
     rows = [r for r in read_jsonl(run.metrics) if r["source"] == "trainer"]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mfu"] is None and rows[0]["peak_memory_gib"] is None  # CPU: no peak FLOP/s, no GPU memory
-    # the process's own system metrics (worker/system_metrics.py): a busy trainer holding a model; no GPU names on CPU
+    # the process's own system metrics (worker/tracking/system_metrics.py): a busy trainer holding a model; no GPU names
+    # on CPU
     assert all(r["system/cpu_percent"] > 0 and r["system/rss_mb"] > 100 for r in rows), rows
     assert not any(k.startswith("system/gpu") for r in rows for k in r)
     assert all((run.weight_dir(s) / "STABLE").exists() for s in (1, 2))

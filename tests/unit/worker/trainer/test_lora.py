@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.models import tiny_qwen3
-from worker.checkpoint import write_part
-from worker.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from worker.models import init_model
-from worker.rundir import STABLE_MARKER, RunDir
+from worker.policy.lora_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from worker.policy.models import init_model
+from worker.run.checkpoint import write_part
+from worker.run.rundir import STABLE_MARKER, RunDir
 from worker.spec import LoraConfig, OptimConfig, SchedulerConfig, SpecError, validate_spec
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
 from worker.trainer.lora import adapter_state, check_targets, wrap
@@ -241,7 +241,7 @@ def test_adapter_of_an_fsdp2_model_saves_as_plain_tensors(tmp_path: Path) -> Non
         from pathlib import Path
         from safetensors.torch import load_file
         from torch.distributed.fsdp import fully_shard
-        from worker.models import init_model, load_model
+        from worker.policy.models import init_model, load_model
         from worker.spec import LoraConfig
         from worker.trainer.dist import decoder_blocks
         from worker.trainer.lora import adapter_state, save_adapter, wrap
@@ -281,8 +281,8 @@ def test_lora_checkpoint_resumes_into_an_fsdp2_model_exactly(tmp_path: Path) -> 
         import sys, torch, torch.distributed as dist
         from pathlib import Path
         from safetensors.torch import load_file
-        from worker.models import init_model, load_model
-        from worker.rundir import RunDir
+        from worker.policy.models import init_model, load_model
+        from worker.run.rundir import RunDir
         from worker.spec import LoraConfig, OptimConfig, SchedulerConfig
         from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state
         from worker.trainer.dist import DistInfo, prepare_model

@@ -9,7 +9,7 @@ import pytest
 from renderers import DefaultRenderer, DefaultRendererConfig
 
 from worker.envs import load_environment
-from worker.models import TOOL_CALL_TOKENS, build_tokenizer
+from worker.policy.models import TOOL_CALL_TOKENS, build_tokenizer
 from worker.trainer.sft import sft_conversation_sample
 
 TOK = build_tokenizer(seed=0)

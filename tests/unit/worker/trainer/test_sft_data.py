@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.models import tiny_qwen3
-from worker.models import build_tokenizer
+from worker.policy.models import build_tokenizer
 from worker.spec import SpecError
 from worker.trainer.dist import DistInfo
 from worker.trainer.sft import sft_loss
@@ -179,7 +179,7 @@ def test_resume_with_another_data_order_is_refused_naming_the_key(
 ) -> None:
     """A resume whose seed, data.shuffle or data.batch_size differs from the checkpoint's would silently train on
     other rows after the cursor: refused, naming the key; the same spec resumes at the stored cursor."""
-    from worker.rundir import RunDir
+    from worker.run.rundir import RunDir
     from worker.spec import SFTSpec
     from worker.trainer.sft import _read_data_cursor, _write_data_cursor
 
@@ -196,7 +196,7 @@ def test_resume_with_another_data_order_is_refused_naming_the_key(
 def test_launcher_preflight_checks_rows_without_tokenizing(tmp_path: Path) -> None:
     """The local launcher's ``sft_preflight(tokenize=False)`` checks each row's structure (what the service checks at
     submit) and leaves tokenizing to the trainer, so the rows are tokenized once: no samples, no ``seq_len`` check."""
-    from worker.models import init_model
+    from worker.policy.models import init_model
     from worker.spec import validate_spec
     from worker.trainer.sft import sft_preflight
 

@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from tests.support.models import tiny_qwen3
-from worker.packing import pack, pack_shared_prompt
+from worker.orchestrator.packing import pack, pack_shared_prompt
 from worker.spec import validate_spec
 from worker.trainer.train import train_step
 

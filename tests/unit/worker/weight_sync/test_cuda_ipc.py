@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import worker.weight_sync.cuda_ipc as cuda_ipc
-from worker.rundir import STABLE_MARKER, RunDir
+from worker.run.rundir import STABLE_MARKER, RunDir
 from worker.spec import WeightSyncConfig
 from worker.weight_sync.cuda_ipc import IPC_FILE, IpcSender, plan_layout, views
 from worker.weight_sync.publish import FAILED, LOADED, WEIGHTS_FILE

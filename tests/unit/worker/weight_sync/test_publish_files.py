@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.support.models import tiny_qwen3
 from tests.support.tmpfs import fill, free_bytes
-from worker.rundir import STABLE_MARKER, DiskFull, RunDir, human_bytes
+from worker.run.rundir import STABLE_MARKER, DiskFull, RunDir, human_bytes
 from worker.weight_sync.publish import publish_weights
 
 # ----------------------------------------------------------------------------- weights

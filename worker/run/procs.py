@@ -1,0 +1,310 @@
+"""Child processes of a run: start in their own process group, die with their parent, stop as a group.
+
+A child started by :func:`spawn` leads a new process group; whatever it starts (vLLM's API server starts its
+EngineCore, and so on) stays in that group. When the parent dies — even by SIGKILL — the whole group is killed:
+
+- a *watchdog* (a few lines of Python, one per group) sits in the group and blocks on a pipe whose only write end is
+  held by the parent. When the parent is gone the kernel closes that end, the read returns end-of-file, and the
+  watchdog sends SIGKILL to its group (itself included). It ignores SIGTERM, so :func:`kill_group`'s SIGTERM still
+  gives the others their grace period; the SIGKILL that follows ends it too.
+- the leader itself also gets SIGKILL from the kernel when its parent dies (``PR_SET_PDEATHSIG``), in case the
+  watchdog is not there (not started yet, or killed).
+
+SIGKILL, not SIGTERM: a vLLM API server that got SIGTERM once hung in its shutdown with its EngineCore defunct,
+keeping the port; a run whose launcher is gone has nobody to report to, and checkpoints are written atomically.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunUser:
+    """The unprivileged account a root worker runs a run's processes as (the worker's ``RUN_USER``, or the run's own
+    uid under ``RUN_UID_BASE``)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+PR_SET_PDEATHSIG = 1
+WATCHDOG = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "fd = int(sys.argv[1])\n"
+    "while os.read(fd, 1):\n"
+    "    pass\n"
+    "os.killpg(0, signal.SIGKILL)\n"
+)
+"""The watchdog's program: end-of-file on fd ``argv[1]`` (the parent is gone) -> SIGKILL to its process group."""
+_watchdogs: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
+"""Leader pid -> (its watchdog, the write end of the watchdog's pipe held by this process)."""
+_lock = threading.Lock()
+
+
+RUN_ENV_NAMES = frozenset(
+    {
+        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "XDG_CACHE_HOME"),
+        *("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV"),
+        *("LD_LIBRARY_PATH", "LD_PRELOAD", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
+        *("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"),
+        *(
+            "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "OPENBLAS_NUM_THREADS",
+            "NUMEXPR_NUM_THREADS",
+            "TOKENIZERS_PARALLELISM",
+        ),
+        *("ASYNCRL_REPORT_TIMEOUT_S", "ASYNCRL_INFERENCE_API_KEY", "ASYNCRL_LAUNCHER", "CC", "CXX"),
+    }
+)
+"""Variables a run's processes get from the worker's environment by name (see :func:`run_environ`)."""
+RUN_ENV_PREFIXES = (
+    *("LC_", "VLLM_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "KMP_", "MKL_", "OMP_"),
+    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TRITON_", "UV_", "SLURM_", "CCL_", "ONEDNN_", "DNNL_", "XLA_"),
+)
+"""Variables with these prefixes pass too (threading, vLLM, torch, CUDA/NCCL, the Hugging Face cache, uv, Slurm),
+unless their name looks like a credential (:data:`SECRET_MARKS`)."""
+SECRET_MARKS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "CREDENTIAL", "_KEY")
+"""A prefix-matched name containing one of these (``HF_TOKEN``) does not pass unless listed by name."""
+NEVER_PASSED = frozenset(
+    {
+        *("DATABASE_URL", "CELERY_BROKER_URL", "SECRET_KEY", "ASYNCRL_HOME"),
+        *("ASYNCRL_RUN_ID", "ASYNCRL_RUN_TOKEN", "ASYNCRL_SERVER_URL"),
+    }
+)
+"""The service's database and broker URLs, its secret (and ``ASYNCRL_HOME``, where its generated secret file lies)
+and any run's identity: never passed, whatever is allowed; the launcher sets the run's own identity itself."""
+
+
+WORKER_CACHE_VARS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT"})
+"""Cache folders of the worker's user (torch sets ``TORCHINDUCTOR_CACHE_DIR`` in the environment of a process that
+compiled once, e.g. ``/tmp/torchinductor_root``) that a run started as another user does not inherit: it could not
+write them (vLLM's engine failed with ``PermissionError`` on its first step), and a compile cache shared by runs would
+let one run put code into another's. Its caches go under its ``HOME`` and ``/tmp/torchinductor_<its USER>``."""
+
+RUN_AS_VAR = "ASYNCRL_RUN_AS"
+"""Set (``<uid>:<gid>:<name>:<HOME>``) in a Slurm job that a root worker submitted (``deploy/slurm/rl.sbatch.j2``):
+the job's supervisor runs as the job's user (root: it starts job steps and requeues the job), and every process of
+the run it starts, here or on another node, drops to that uid and gid first (:func:`run_as_argv`)."""
+
+
+def run_as(environ: Mapping[str, str] | None = None) -> tuple[int, int, str, str] | None:
+    """``(uid, gid, name, HOME)`` of :data:`RUN_AS_VAR` in ``environ`` (default this process's), None when unset."""
+    value = (os.environ if environ is None else environ).get(RUN_AS_VAR)
+    if not value:
+        return None
+    uid, gid, name, home = value.split(":", 3)
+    return int(uid), int(gid), name, home
+
+
+def run_as_argv(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The argv prefix that runs a command as :data:`RUN_AS_VAR`'s uid and gid with no supplementary groups (util-linux
+    ``setpriv``; the parent-death signal :func:`spawn` set is kept), with ``HOME``, ``USER`` and ``LOGNAME`` its own and
+    neither :data:`RUN_AS_VAR` nor :data:`WORKER_CACHE_VARS` in its environment: the identity a root worker's local run
+    has (``worker.launchers.supervisor.detach``). ``[]`` when the variable is unset (the command runs as this process's
+    user)."""
+    identity = run_as(environ)
+    if identity is None:
+        return []
+    uid, gid, name, home = identity
+    unset = [arg for var in (RUN_AS_VAR, *sorted(WORKER_CACHE_VARS)) for arg in ("-u", var)]
+    return [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={gid}",
+        "--clear-groups",
+        "--pdeathsig=keep",
+        "--",
+        "env",
+        *unset,
+        f"HOME={home}",
+        f"USER={name}",
+        f"LOGNAME={name}",
+    ]
+
+
+def give_tree(root: Path, uid: int, gid: int) -> None:
+    """Make ``root`` and everything under it (links themselves, never what they point to) owned by ``uid``/``gid``.
+
+    A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run.run_files``) is first
+    replaced by a copy of its own: changing the owner of the shared inode would give the child run's uid the
+    parent's files to rewrite)."""
+    for path in [root, *root.rglob("*")]:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            private = path.with_name(f".{path.name}.own")
+            shutil.copy2(path, private)
+            os.replace(private, path)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.lchown(path, uid, gid)
+
+
+def give_to_run_user(root: Path) -> None:
+    """Inside a Slurm job of a root worker (:data:`RUN_AS_VAR`): :func:`give_tree` the run directory ``root``, which
+    this (root) supervisor prepared, to the run's uid before its processes start; nothing otherwise."""
+    if (identity := run_as()) is not None:
+        give_tree(root, identity[0], identity[1])
+
+
+def run_environ(environ: Mapping[str, str], allow: Collection[str] = ()) -> dict[str, str]:
+    """The part of ``environ`` a service-launched run's processes may see: :data:`RUN_ENV_NAMES`, names with a
+    :data:`RUN_ENV_PREFIXES` prefix that do not look like a credential, and the names in ``allow`` (the
+    worker's ``RUN_ENV_ALLOW``); never :data:`NEVER_PASSED`."""
+
+    def passes(name: str) -> bool:
+        if name in NEVER_PASSED:
+            return False
+        if name in RUN_ENV_NAMES or name in allow:
+            return True
+        return name.startswith(RUN_ENV_PREFIXES) and not any(mark in name.upper() for mark in SECRET_MARKS)
+
+    return {name: value for name, value in environ.items() if passes(name)}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie, state ``Z``/``X`` in ``/proc/<pid>/stat``, has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG, Linux); exits at
+    once if the parent (pid ``parent``, default the current one) is already gone. Note: "parent" is the thread
+    that forked this process; call :func:`spawn` from a thread that lives as long as the child should."""
+    parent = os.getppid() if parent is None else parent
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def live_processes() -> dict[int, tuple[int, int, str]]:
+    """Live (not zombie) processes of this machine, read from ``/proc`` (Linux): pid -> (process group id,
+    session id, command line with spaces between its arguments). A process that exits while it is read is left
+    out."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] not in {"Z", "X"}:
+            found[int(entry.name)] = (int(fields[2]), int(fields[3]), cmdline)
+    return found
+
+
+def boot_time() -> float:
+    """When this machine booted, in seconds since the epoch, to 1/100 s: now minus ``/proc/uptime`` (both clocks
+    read now, so a wall clock set since the boot moves it along)."""
+    return time.time() - float(Path("/proc/uptime").read_text().split()[0])
+
+
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (:func:`boot_time` + field 22 of
+    ``/proc/<pid>/stat``; to about 1/50 s), None when it is gone. Compared with a run's end time it tells a reused
+    pid from a process of the run."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22; fields[0] is field 3 (state)
+
+
+def session_members(session: int) -> set[int]:
+    """Live (not zombie) processes whose session id is ``session`` (a supervisor's pid: every process of its
+    run that did not call ``setsid`` itself)."""
+    return {pid for pid, (_, sid, _) in live_processes().items() if sid == session}
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` as the leader of a new process group with stdout+stderr appended to ``log_path``, plus the
+    group's watchdog (module docstring): when this process dies, by any signal, the whole group gets SIGKILL.
+    ``env`` replaces the environment when given (else it is inherited). Inside a Slurm job of a root worker
+    (:data:`RUN_AS_VAR`) ``cmd`` runs as the run's uid (:func:`run_as_argv`; an ``srun`` of a job step is left as it
+    is: ``worker.launchers.slurm_layout.Layout.srun`` puts the drop on the node). Stop it with :func:`kill_group`.
+
+    Raises:
+        OSError: ``cmd`` cannot be started (the watchdog is not started then).
+    """
+    if cmd[:1] != ["srun"]:
+        cmd = [*run_as_argv(), *cmd]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        parent = os.getpid()
+
+        def child_setup() -> None:  # runs in the child between fork and exec
+            die_with_parent(parent, signal.SIGKILL)
+            os.setpgrp()
+
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup, cwd=os.getcwd()
+        )
+    read_end, write_end = os.pipe()  # both close-on-exec: only the watchdog gets the read end (pass_fds)
+    try:
+        watchdog = subprocess.Popen(
+            [sys.executable, "-S", "-c", WATCHDOG, str(read_end)],
+            pass_fds=(read_end,),
+            process_group=proc.pid,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        os.close(write_end)
+        kill_group(proc)
+        raise
+    finally:
+        os.close(read_end)
+    with _lock:
+        _watchdogs[proc.pid] = (watchdog, write_end)
+    return proc
+
+
+def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``; reaps the leader and its watchdog."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    with _lock:
+        entry = _watchdogs.pop(proc.pid, None)
+    if entry is not None:
+        watchdog, write_end = entry
+        os.close(write_end)
+        watchdog.wait()
