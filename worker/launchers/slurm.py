@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.inference.model_info import seed_run_home
 from worker.run.checkpoint import complete_steps
 from worker.run.procs import RunUser, give_tree, run_environ
 from worker.run.rundir import SupervisorHome
@@ -194,6 +195,7 @@ def submit(
     home.mkdir(parents=True, exist_ok=True)
     if user is not None and Path(user.home).parent == home:  # a run's own uid: its HOME is a folder of its home
         Path(user.home).mkdir(exist_ok=True)
+        seed_run_home(Path(user.home), spec.model.name)
         give_tree(Path(user.home), user.uid, user.gid)
     script = SupervisorHome(home).job_script
     script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume, user=user))

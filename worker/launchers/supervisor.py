@@ -45,6 +45,7 @@ from typing import Any
 
 import httpx
 
+from worker.inference.model_info import seed_run_home
 from worker.launchers import slurm_job
 from worker.launchers.reporter import Reporter, report_timeout_s
 from worker.run import cgroups
@@ -219,6 +220,12 @@ def folder_in_the_way(path: str, uid: int, gid: int) -> Path | None:
     return None
 
 
+def spec_model(spec: dict[str, Any]) -> str:
+    """The spec's ``model.name`` (``""`` when it names none: an eval job of a run's weights)."""
+    model = spec.get("model")
+    return str(model.get("name", "")) if isinstance(model, dict) else ""
+
+
 def give_home(home: Path, user: RunUser) -> None:
     """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's
     (:func:`worker.run.procs.give_tree`: a hard-linked file is copied first)."""
@@ -315,6 +322,7 @@ def start(
         files.log.touch()
         if Path(user.home).parent == home:  # a run's own uid: its HOME is a folder of its home folder
             Path(user.home).mkdir(exist_ok=True)
+            seed_run_home(Path(user.home), spec_model(spec))
         give_home(home, user)
     argv = [
         sys.executable,
