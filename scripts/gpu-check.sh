@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The one-call GPU check (issue 34): GPU tests, the shipped reverse-text RL config on a GPU, vLLM's boot.
+# The one-call GPU check: GPU tests, the shipped reverse-text RL config on a GPU, vLLM's boot.
 #
 #   bash scripts/gpu-check.sh                    # here, on a CPU machine with PyPI: prepare, print the device call
 #   bash scripts/gpu-check.sh --device OUT [--parts rl,tests,boot] [--budget-s 540] [--commit SHA] [--merge JSON]
 #                                                # there, on the GPU machine (no network), in the checkout's root
+#   bash scripts/gpu-check.sh --device OUT --parts loop --merge benchmarks/results/gpu_check.json
+#                                                # there, second call: the 0.6B-shape loop measurement
 #
 # Prepare (here): scripts/gpu-prepare.sh makes the vLLM 0.26 bundle (.vllm-parts) and asyncrl's missing wheels
 # (.gpuwheels), both git-ignored, carried to the GPU machine by the `run` tool's `carry`.
@@ -24,8 +26,9 @@ if [ "${1:-}" != "--device" ]; then
 == prepared. On the GPU machine (the \`run\` tool; commit ${SHA} — commit first, the working tree travels as it is):
 run(carry=[".vllm-parts", ".gpuwheels"], timeout_s=600, command=
   "bash scripts/gpu-check.sh --device \$OUT --commit ${SHA} 2>&1 | tee \$OUT/console.log")
-then copy \$OUT/gpu_check.json to benchmarks/results/gpu_check.json. Parts left out for time: a second call with
-  --parts <those> --merge benchmarks/results/gpu_check.json (the first call's file, committed or carried).
+then copy \$OUT/gpu_check.json to benchmarks/results/gpu_check.json. The second call, the 0.6B-shape loop measurement
+(and any part left out for time): --parts loop[,<those>] --merge benchmarks/results/gpu_check.json (the first call's
+file, committed or carried); copy its gpu_check.json over the first.
 EOF
   exit 0
 fi

@@ -1,6 +1,6 @@
-"""The one-call GPU check (issue 34), on the GPU machine: run through ``scripts/gpu-check.sh --device OUT``, which
-unpacks the vLLM bundle and wheels made on a CPU machine first. Parts, in this order, each within what is left of
-``--budget-s`` (a part that does not fit is recorded as not run, never guessed):
+"""The one-call GPU check, on the GPU machine: run through ``scripts/gpu-check.sh --device OUT``, which
+unpacks the vLLM bundle and wheels made on a CPU machine first. Parts, run in the order ``--parts`` names them, each
+within what is left of ``--budget-s`` (a part that does not fit is recorded as not run, never guessed):
 
 - ``rl``: ``asyncrl sft @ configs/reverse_text/sft.toml --device cuda`` from a fresh tiny model, then the shipped
   ``asyncrl rl @ configs/reverse_text/rl.toml`` with only ``--model.name`` (the SFT result), ``--output_dir`` and
@@ -11,12 +11,19 @@ unpacks the vLLM bundle and wheels made on a CPU machine first. Parts, in this o
   ``--confcutdir`` there: the repo's root conftest needs the control plane's packages, which the GPU image lacks);
   tests that need more GPUs than the machine has are deselected and listed.
 - ``boot``: vLLM's boot on the tiny model as a run starts it, eager then with CUDA graphs (a fresh compile cache).
+- ``loop``: the Qwen3-0.6B-shape loop measurement, ``benchmarks/gpu/one_gpu_rl.py --parts alone,async,sync`` on the
+  colocated route (``cuda_ipc``), 16 tasks x 8 samples x 128 tokens a step, vLLM with the run's own flags (CUDA
+  graphs) in the loop and alone. It does not fit one call beside the other parts: run it as a second call
+  (``--parts loop --merge`` the first call's JSON).
 
-Writes ``gpu_check.json`` (keys of issue 34: ``commit``, ``gpu``, ``tests_passed``, ``tests_failed``,
+Writes ``gpu_check.json`` (keys: ``commit``, ``gpu``, ``tests_passed``, ``tests_failed``,
 ``step_time_s``, ``rollout_ratio``, ``trainer_inloop_vs_bench``, ``weight_update_s``, ``async_speedup``,
-``policy_check_max_abs_diff``; null for what this call did not measure) after every part, and the logs, into
-``--out``. ``step_time_s``, ``rollout_ratio``, ``trainer_inloop_vs_bench``, ``weight_update_s`` and
-``async_speedup`` are the 0.6B-shape loop's (``benchmarks/gpu/one_gpu_rl.py``), not measured here: null.
+``policy_check_max_abs_diff``; null for what these calls did not measure) after every part, and the logs, into
+``--out``. From ``loop`` (``top_level_from_loop``): ``step_time_s`` the async run's seconds per trainer step after
+the warm-up steps, ``rollout_ratio`` its median rollout tok/s / vLLM alone's, ``weight_update_s`` its median
+``cuda_ipc`` update (pause -> resume), ``async_speedup`` sync / async wall over the same steps.
+``trainer_inloop_vs_bench`` stays null: ``benchmarks/gpu/trainer_bench.py`` measures other shapes (16 x 1024-token
+samples in one row) and does not fit the same call; the loop's trainer tok/s and MFU are in ``parts.loop``.
 ``policy_check_max_abs_diff`` is the max over the shipped RL run's versions.
 """
 
@@ -36,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("rl", "tests", "boot")
+PARTS = ("rl", "tests", "boot", "loop")
+LOOP_SHAPE = {"batch": 16, "group": 8, "max_tokens": 128}
+"""The loop measurement's step: tasks, samples per task, completion tokens."""
+RL_NEEDS_S = 330.0
+"""Seconds the ``rl`` part needs (H100: SFT 83 s, the RL run 223 s with vLLM's boot); with less left it is not run."""
+LOOP_STEPS, LOOP_SKIP = 12, 2
+"""RL steps of each loop run, and the first steps dropped as warm-up (compile, first allocation)."""
 TWO_GPU_TESTS = (
     "tests/e2e/test_weight_sync_gpu.py::test_nccl_update_from_cuda0_to_vllm_on_cuda1",
     "tests/unit/worker/trainer/test_dist.py::test_fsdp2_two_gpus_equal_one_gpu",
@@ -92,6 +105,9 @@ def part_rl(out: Path, work: Path, deadline: float) -> dict[str, Any]:
     py = sys.executable
     model, runs = work / "tiny", work / "runs"
     res: dict[str, Any] = {"command": None}
+    left = deadline - time.monotonic()
+    if left < RL_NEEDS_S:
+        return {**res, "status": f"not run: {left:.0f} s left, needs {RL_NEEDS_S:.0f}"}
     rc, wall = run_logged([py, "-m", "worker.cli", "model", "init", "--out", str(model)], out / "init.log", 120)
     if rc != 0:
         return {**res, "status": f"model init failed (rc {rc})"}
@@ -224,6 +240,80 @@ def part_boot(out: Path, work: Path, deadline: float) -> dict[str, Any]:
     return res
 
 
+# ----------------------------------------------------------------------------- loop
+
+
+def part_loop(out: Path, work: Path, deadline: float) -> dict[str, Any]:
+    """``benchmarks/gpu/one_gpu_rl.py`` (its own process: it starts and stops vLLM servers and runs) within what is
+    left of the deadline: vLLM alone, then the async and the sync run; its JSON and logs land in ``out/loop``."""
+    left = deadline - time.monotonic() - 15
+    if left < 300:
+        return {"status": f"not run: {left:.0f} s left, needs 300"}
+    alone_s = 130.0
+    run_s = max(150.0, (left - alone_s) * 0.5)  # the sync run (last) gets what the async run leaves
+    loop_out = out / "loop"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "one_gpu_rl.py"), "--out", str(loop_out)]
+    cmd += ["--work", str(work / "loop"), "--parts", "alone,async,sync", "--weight-sync", "cuda_ipc"]
+    cmd += ["--batch", str(LOOP_SHAPE["batch"]), "--group", str(LOOP_SHAPE["group"])]
+    cmd += ["--max-tokens", str(LOOP_SHAPE["max_tokens"]), "--steps", str(LOOP_STEPS), "--skip", str(LOOP_SKIP)]
+    cmd += ["--budget-s", f"{left:.0f}", "--alone-timeout-s", f"{alone_s:.0f}", "--part-timeout-s", f"{run_s:.0f}"]
+    rc, wall = run_logged(cmd, out / "loop_console.log", left + 10)
+    say(f"loop rc={rc} in {wall:.0f} s")
+    res: dict[str, Any] = {"command": " ".join(cmd[1:]), "rc": rc, "wall_s": round(wall, 1), **LOOP_SHAPE}
+    path = loop_out / "gpu_one_gpu_rl.json"
+    if not path.is_file():
+        return {**res, "status": f"no result (rc {rc})"}
+    return {**res, **loop_summary(json.loads(path.read_text()), rc)}
+
+
+LOOP_RUN_KEYS = (
+    "rc", "failure", "wall_s", "weight_sync", "last_step", "timed_steps", "s_per_step", "rollout_tokens_per_s_median",
+    "generation_s_median", "weight_update_s_median", "weight_update_pause_s_median", "weight_update_load_s_median",
+    "trainer_tokens_per_s_median", "trainer_mfu_median", "trainer_step_time_s_median",
+    "trainer_wait_for_batch_s_median", "trainer_peak_memory_gib_max", "policy_check_max_abs_diff_max",
+)  # fmt: skip
+"""What ``parts.loop.runs`` keeps of each run of ``gpu_one_gpu_rl.json`` (the rest stays in the logs)."""
+
+
+def run_failure(run: dict[str, Any]) -> str | None:
+    """Why an RL run of ``one_gpu_rl.py`` ended with a non-zero rc: its ``failure`` line, else the last ERROR line of
+    its orchestrator or trainer log tail; None for a run that ended with 0."""
+    if run.get("rc") == 0:
+        return None
+    if run.get("failure"):
+        return run["failure"]
+    for tail in ("orchestrator_log_tail", "trainer_log_tail"):
+        errors = [line for line in run.get(tail) or [] if " ERROR " in line]
+        if errors:
+            return errors[-1].split(" ERROR ", 1)[1][:500]
+    return f"rc {run.get('rc')}"
+
+
+def loop_summary(one: dict[str, Any], rc: int) -> dict[str, Any]:
+    """``parts.loop`` from ``one_gpu_rl.py``'s ``gpu_one_gpu_rl.json`` (``one``) and its exit code."""
+    runs = {name: {**run, "failure": run_failure(run)} for name, run in one.get("runs", {}).items()}
+    failed = [f"{name}: {run['failure']}" for name, run in runs.items() if run["failure"]]
+    complete = rc == 0 and {"async", "sync"} <= runs.keys() and not failed
+    res: dict[str, Any] = {"status": "completed" if complete else f"failed (rc {rc})", "failures": failed}
+    res["vllm_alone"] = {k: v for k, v in one.get("vllm_alone", {}).items() if k != "rounds"}
+    res["runs"] = {name: {k: run.get(k) for k in LOOP_RUN_KEYS} for name, run in runs.items()}
+    for key in ("rollout_throughput_ratio", "rollout_throughput_ratio_sync", "async_speedup", "async_speedup_steps"):
+        res[key] = one.get(key)
+    res["skipped"], res["errors"] = one.get("skipped", []), one.get("errors", {})
+    return res
+
+
+def top_level_from_loop(loop: dict[str, Any]) -> dict[str, Any]:
+    """The issue's loop keys from ``parts.loop`` (``part_loop``'s result); None where the loop did not measure it."""
+    a_run = loop.get("runs", {}).get("async", {})
+    return {
+        "step_time_s": a_run.get("s_per_step"),
+        "rollout_ratio": loop.get("rollout_throughput_ratio"),
+        "weight_update_s": a_run.get("weight_update_s_median"),
+        "async_speedup": loop.get("async_speedup"),
+    }
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -262,9 +352,14 @@ def main() -> int:
         "parts": {**old.get("parts", {})},
         "calls": [*old.get("calls", [])],
         "note": (
-            "step_time_s, rollout_ratio, trainer_inloop_vs_bench, weight_update_s and async_speedup are the 0.6B-shape "
-            "loop's (benchmarks/gpu/one_gpu_rl.py): null when not measured in these calls. policy_check_max_abs_diff: "
-            "max over the shipped reverse-text RL run's versions (parts.rl)."
+            "step_time_s, rollout_ratio, weight_update_s and async_speedup are the 0.6B-shape loop's (parts.loop: "
+            "benchmarks/gpu/one_gpu_rl.py, cuda_ipc, 16 tasks x 8 samples x 128 tokens, CUDA graphs; step_time_s = "
+            "the async run's s/step after the warm-up steps, rollout_ratio = its rollout tok/s / vLLM alone's with the "
+            "same flags, weight_update_s = its median update pause -> resume, async_speedup = sync / async wall over "
+            "the same steps); null when not measured. trainer_inloop_vs_bench is null: benchmarks/gpu/trainer_bench.py "
+            "measures other shapes (16 x 1024-token samples in one row) and does not fit the same call; the loop's "
+            "trainer tok/s and MFU are in parts.loop.runs. policy_check_max_abs_diff: max over the shipped "
+            "reverse-text RL run's versions (parts.rl)."
         ),
     }
 
@@ -278,10 +373,18 @@ def main() -> int:
         rl = res["parts"].get("rl")
         if rl:
             res["policy_check_max_abs_diff"] = rl.get("policy_check_max_abs_diff_max")
+        loop = res["parts"].get("loop")
+        if loop:
+            res.update(top_level_from_loop(loop))
         (a.out / "gpu_check.json").write_text(json.dumps(res, indent=1) + "\n")
         subprocess.run(["tar", "czf", str(a.out / "logs.tgz"), "-C", str(a.work), "logs"], check=False)
 
-    call = {"parts": parts, "gpu": info["gpu"], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+    call = {
+        "parts": parts,
+        "commit": a.commit,
+        "gpu": info["gpu"],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+    }
     res["calls"].append(call)
     for part in parts:
         t0 = time.monotonic()
@@ -290,6 +393,8 @@ def main() -> int:
             res["parts"]["rl"] = part_rl(logs, a.work, deadline)
         elif part == "tests":
             res["parts"]["tests"] = part_tests(logs, deadline, info["gpus"])
+        elif part == "loop":
+            res["parts"]["loop"] = part_loop(logs, a.work, deadline)
         else:
             res["parts"]["boot"] = part_boot(logs, a.work, deadline)
         call[f"{part}_s"] = round(time.monotonic() - t0, 1)

@@ -1,4 +1,4 @@
-"""The one-GPU check (issue 20 part 3, issue 18's GPU numbers): a Qwen3-0.6B-shape model through asyncrl's whole RL
+"""The one-GPU check: a Qwen3-0.6B-shape model through asyncrl's whole RL
 loop on one GPU, vLLM and the trainer sharing it, against the same vLLM alone.
 
 Run on the GPU machine through ``benchmarks/gpu/one_gpu_rl.sh`` (it unpacks what ``scripts/gpu-prepare.sh`` made);
@@ -25,7 +25,9 @@ medians of the orchestrator's ``rollout_tokens_per_s``, the inference ``weight_u
 prefix cache -> resume) and its parts ``weight_update_pause_s`` / ``weight_update_load_s``, the trainer's ``mfu`` and ``tokens_per_s``; the run's wall time from the trainer's step
 ``--skip`` to its last step. ``async_speedup`` = sync wall / async wall over those same steps;
 ``rollout_throughput_ratio`` = in-loop median / alone median. The JSON files are rewritten after every part, so a
-timeout still leaves the parts that finished: ``gpu_one_gpu_rl.json`` and ``gpu_lora.json`` in ``--out``.
+timeout still leaves the parts that finished: ``gpu_one_gpu_rl.json`` and ``gpu_lora.json`` in ``--out``; beside
+them each run's ``metrics.jsonl``, console log and ``policy_check/`` folder (the probe, the trainer's log-probs), and
+a failed run's ``failed:`` console line as its ``failure``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -247,6 +250,10 @@ def run_rl(name: str, spec: str, a: argparse.Namespace, timeout_s: float, out: P
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
         (out / f"{name}_metrics.jsonl").write_text(metrics.read_text())
         result.update(summarize(rows, a.skip))
+    failed = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("failed:")]
+    result["failure"] = failed[-1][len("failed:") :].strip()[:1000] if failed else None
+    if (run_dir / "policy_check").is_dir():  # the probe and the trainer's log-probs of each version: small JSON
+        shutil.copytree(run_dir / "policy_check", out / f"{name}_policy_check", dirs_exist_ok=True)
     for proc_log in ("trainer", "orchestrator", "inference"):
         lp = run_dir / "logs" / f"{proc_log}.log"
         if lp.is_file():

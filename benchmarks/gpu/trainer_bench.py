@@ -13,7 +13,7 @@ machine, put its ``worker/`` first on ``PYTHONPATH`` (``git archive <commit> wor
 packed mask) or ``flex_attention`` (block mask) x activation checkpointing off/on x batch shape
 ``packed`` (16 samples of 1024 tokens, 256 prompt + 768 completion, one 16384-token row) or ``single``
 (one 16384-token sample); plus flex attention cells with ``trainer.compile`` (each decoder block compiled).
-SFT cells (issue 22: SFT at >= the RL trainer's tokens/s) run the SFT trainer's loss on the same row and model setup:
+SFT cells (SFT at >= the RL trainer's tokens/s) run the SFT trainer's loss on the same row and model setup:
 ``worker.trainer.sft.sft_loss`` (packed forward, fused LM head, cross-entropy on the completion tokens), the same
 backward, ``clip_grad_norm_`` and AdamW; named ``sft ...`` like the asyncrl cell they mirror.
 
