@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -163,6 +165,42 @@ def test_no_words_of_the_teams_way_of_working(page: Path) -> None:
     found = [
         f"{page.name}:{number}: {what}: {line.strip()[:100]}"
         for number, line in enumerate(page.read_text().splitlines(), 1)
+        for pattern, what in PROCESS_WORDS.items()
+        if re.search(pattern, line, re.I if pattern.startswith(r"\bfresh") else 0)
+    ]
+    assert found == []
+
+
+BENCHMARK_SCRIPTS = sorted(
+    p for p in (ROOT / "benchmarks").rglob("*") if p.suffix in (".py", ".sh") and "results" not in p.parts
+)
+BENCHMARK_RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+DESCRIBING_KEYS = ("what", "benchmark", "note", "case", "command")
+"""Keys of a results file that describe it to its reader (its numbers are checked by the generated blocks)."""
+
+
+def _words_for_users(path: Path) -> list[str]:
+    """What a benchmark file says to its reader: a script's docstring or leading comments; a result's describing
+    values (top level and one level down, where the runs and variants are)."""
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        tops = [data] + [v for v in data.values() if isinstance(v, dict)] if isinstance(data, dict) else []
+        runs = [r for v in (data.values() if isinstance(data, dict) else []) if isinstance(v, list) for r in v]
+        return [str(d[k]) for d in [*tops, *runs] if isinstance(d, dict) for k in DESCRIBING_KEYS if k in d]
+    text = path.read_text()
+    if path.suffix == ".py":
+        return [ast.get_docstring(ast.parse(text)) or ""]
+    return [line for line in text.splitlines()[:40] if line.startswith("#")]
+
+
+@pytest.mark.parametrize("path", BENCHMARK_SCRIPTS + BENCHMARK_RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_benchmarks_speak_to_users(path: Path) -> None:
+    """A benchmark's docstring and its result's descriptions are read by users (``benchmarks/README.md`` links
+    them): no case ids, work-session numbers or issue numbers there either."""
+    found = [
+        f"{path.name}: {what}: {line.strip()[:100]}"
+        for text in _words_for_users(path)
+        for line in text.splitlines()
         for pattern, what in PROCESS_WORDS.items()
         if re.search(pattern, line, re.I if pattern.startswith(r"\bfresh") else 0)
     ]
