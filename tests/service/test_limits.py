@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 from collections.abc import Iterator
 from datetime import datetime
 from functools import partial
@@ -385,18 +386,26 @@ def test_runs_beyond_the_user_limit_wait_with_the_reason_and_start_when_a_slot_f
     limits(per_user=1)
     user, auth = user_auth()
     ids = [client.post("/api/runs", json=spec(), headers=auth).json()["id"] for _ in range(3)]
-    first, *rest = [launch(i) for i in ids]
-    reason = f"waiting for a slot: {user} has 1 live runs (MAX_RUNS_PER_USER = 1)"
+    first = launch(ids[0])
     assert first.startswith(f"launched: run {ids[0]} pid")
-    assert rest == [f"waiting: run {i}: {reason}" for i in ids[1:]]
-    for run_id in ids[1:]:
-        run = run_of(client, auth, run_id)
-        assert (run["status"], run["status_reason"], run["launcher_handle"]) == ("queued", reason, None)
-        assert events_of(client, auth, run_id)[-1] == ("waiting", None, reason)
-    assert launch(ids[1]) == f"waiting: run {ids[1]}: {reason}"  # a repeat adds no event
-    assert [e[0] for e in events_of(client, auth, ids[1])] == ["status", "waiting"]
-    web = login(client, new_token(f"viewer-{secrets.token_hex(3)}"))
-    assert web and reason in client.get(f"/runs/{ids[1]}").text  # the dashboard shows it too
+    # the first run fails in preflight within a second or so: held stopped until the checks of its waiting runs are
+    # done, so that a loaded box cannot end it (and free its slot) while they run
+    supervisor = int(first.split(" pid ")[1].split()[0])
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        rest = [launch(i) for i in ids[1:]]
+        reason = f"waiting for a slot: {user} has 1 live runs (MAX_RUNS_PER_USER = 1)"
+        assert rest == [f"waiting: run {i}: {reason}" for i in ids[1:]]
+        for run_id in ids[1:]:
+            run = run_of(client, auth, run_id)
+            assert (run["status"], run["status_reason"], run["launcher_handle"]) == ("queued", reason, None)
+            assert events_of(client, auth, run_id)[-1] == ("waiting", None, reason)
+        assert launch(ids[1]) == f"waiting: run {ids[1]}: {reason}"  # a repeat adds no event
+        assert [e[0] for e in events_of(client, auth, ids[1])] == ["status", "waiting"]
+        web = login(client, new_token(f"viewer-{secrets.token_hex(3)}"))
+        assert web and reason in client.get(f"/runs/{ids[1]}").text  # the dashboard shows it too
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
 
     wait_for(lambda: ended(client, auth, ids[0]), 60, "the first run to fail in preflight")
     behind = f"waiting for a slot: run {ids[1]} of {user} waits for one first"
@@ -422,10 +431,16 @@ def test_runs_beyond_the_worker_limit_wait_and_reconcile_starts_them(client: Any
     a = client.post("/api/runs", json=spec(), headers=auth_a).json()["id"]
     b = client.post("/api/runs", json=spec(), headers=auth_b).json()["id"]
     reason = f"waiting for a slot: worker {settings.WORKER_NAME} runs 1 live runs (MAX_RUNS_PER_WORKER = 1)"
-    assert launch(a).startswith(f"launched: run {a} pid")
-    assert launch(b) == f"waiting: run {b}: {reason}"
-    assert run_of(client, auth_b, b)["status_reason"] == reason
-    assert run_of(client, auth_a, a)["worker"] == settings.WORKER_NAME
+    first = launch(a)
+    assert first.startswith(f"launched: run {a} pid")
+    supervisor = int(first.split(" pid ")[1].split()[0])
+    os.kill(supervisor, signal.SIGSTOP)  # held live while b is refused its slot (as in the test above)
+    try:
+        assert launch(b) == f"waiting: run {b}: {reason}"
+        assert run_of(client, auth_b, b)["status_reason"] == reason
+        assert run_of(client, auth_a, a)["worker"] == settings.WORKER_NAME
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
     wait_for(lambda: ended(client, auth_a, a), 60, "the first run to fail in preflight")
     reconcile_runs()
     run = wait_for(lambda: ended(client, auth_b, b), 60, "the waiting run to start and end")
