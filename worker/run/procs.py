@@ -245,6 +245,26 @@ def session_members(session: int) -> set[int]:
     return {pid for pid, (_, sid, _) in live_processes().items() if sid == session}
 
 
+OOM_SCORE_ADJ = 500
+"""What a started process adds to its OOM-kill score (``/proc/self/oom_score_adj``; a process may raise its own,
+and its children inherit it): when a run's memory limit is reached the kernel kills one of the run's workers
+(vLLM, trainer, orchestrator), not the supervisor that started them (whose RSS is of the same size: it imports
+the launcher), which lives to report the OOM kill as the run's failure reason."""
+
+
+def prefer_for_oom_kill() -> None:
+    """Raise this process's OOM-kill score by :data:`OOM_SCORE_ADJ` (nothing where ``/proc`` lacks the file)."""
+    try:  # plain os calls: this runs in a forked child before exec
+        fd = os.open("/proc/self/oom_score_adj", os.O_RDWR)
+        try:
+            now = int(os.read(fd, 16).strip() or 0)
+            os.write(fd, str(min(1000, now + OOM_SCORE_ADJ)).encode())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` as the leader of a new process group with stdout+stderr appended to ``log_path``, plus the
     group's watchdog (module docstring): when this process dies, by any signal, the whole group gets SIGKILL.
@@ -264,6 +284,7 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
         def child_setup() -> None:  # runs in the child between fork and exec
             die_with_parent(parent, signal.SIGKILL)
             os.setpgrp()
+            prefer_for_oom_kill()
 
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup, cwd=os.getcwd()
