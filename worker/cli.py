@@ -158,6 +158,7 @@ def _eval_command(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--pass-k", type=int, default=1)
+    p.add_argument("--num-samples", type=int, help="samples per task (default --pass-k); pass@k unbiased from them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the result JSON here")
     args = p.parse_args(argv)
@@ -170,6 +171,8 @@ def _eval_command(argv: list[str]) -> int:
     for name in ("num_examples", "max_tokens", "pass_k"):
         if getattr(args, name) < 1:
             raise SpecError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.num_samples is not None and args.num_samples < args.pass_k:
+        raise SpecError(f"--num-samples: expected at least --pass-k = {args.pass_k}, got {args.num_samples}")
     if args.temperature < 0:
         raise SpecError(f"--temperature: expected >= 0 (0 = greedy), got {args.temperature}")
     if args.url is not None and not args.url.startswith(("http://", "https://")):
@@ -191,7 +194,9 @@ def _eval_command(argv: list[str]) -> int:
         tokenizer=args.tokenizer,
         env_id=env_id,
         env_args=env_args,
-        settings=EvalSettings(args.num_examples, args.temperature, args.max_tokens, args.pass_k),
+        settings=EvalSettings(
+            args.num_examples, args.temperature, args.max_tokens, args.pass_k, num_samples=args.num_samples
+        ),
         seed=args.seed,
         adapter=args.adapter,
     )

@@ -55,14 +55,16 @@ def env_of_spec(envs: list[EnvConfig], name: str | None, spec_path: str) -> EnvC
 @dataclass(frozen=True)
 class EvalSettings:
     """How each environment is evaluated: the keywords :func:`worker.orchestrator.eval.evaluate` takes besides the
-    client, environment and tokenizer (``num_examples`` tasks of the eval split, ``pass_k`` samples each of at most
-    ``max_tokens`` tokens at ``temperature``; a sample passes at reward >= ``pass_threshold``)."""
+    client, environment and tokenizer (``num_examples`` tasks of the eval split, ``num_samples`` samples each (None:
+    ``pass_k``) of at most ``max_tokens`` tokens at ``temperature``; pass@``pass_k`` with a sample passing at reward >=
+    ``pass_threshold``)."""
 
     num_examples: int
     temperature: float
     max_tokens: int
     pass_k: int
     pass_threshold: float = 1.0
+    num_samples: int | None = None
 
 
 def run_eval(
@@ -338,7 +340,9 @@ def run_job(spec: EvalSpec, run: RunDir) -> dict[str, Any]:
         url=None,
         tokenizer=None,
         envs=spec.envs,
-        settings=EvalSettings(ev.num_examples, ev.temperature, ev.max_tokens, ev.pass_k, ev.pass_threshold),
+        settings=EvalSettings(
+            ev.num_examples, ev.temperature, ev.max_tokens, ev.pass_k, ev.pass_threshold, ev.num_samples
+        ),
         seed=spec.seed,
         env_field="env.",
         count_field="eval.num_examples",

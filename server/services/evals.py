@@ -39,7 +39,9 @@ def checkpoint_spec(source: Run, step: int) -> dict[str, Any]:
     if source.kind == "rl":
         orch = spec.get("orchestrator") or {}
         ev = orch.get("eval") or {}
-        settings = {k: ev[k] for k in ("num_examples", "temperature", "pass_k", "pass_threshold") if k in ev}
+        settings = {
+            k: ev[k] for k in ("num_examples", "temperature", "pass_k", "pass_threshold", "num_samples") if k in ev
+        }
         if "max_tokens" in orch:
             settings["max_tokens"] = orch["max_tokens"]
     else:

@@ -210,6 +210,7 @@ def test_eval_job_of_a_checkpoint_copies_its_weights_and_is_drawn_over_steps(
         "max_tokens": 24,
         "pass_k": 1,
         "pass_threshold": 1.0,
+        "num_samples": None,
     }
 
     # eval metrics reported by the first job (its run token) are its point at step 2

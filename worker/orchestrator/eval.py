@@ -1,13 +1,16 @@
 """Held-out evaluation against an inference server: mean reward and pass@k.
 
-Shared by online evals (orchestrator) and ``asyncrl eval``. pass@k is the fraction of tasks with at
-least one of k samples scoring >= ``pass_threshold`` (the unbiased estimator of Chen et al. 2021,
-"Evaluating Large Language Models Trained on Code", with n = k reduces to this).
+Shared by online evals (orchestrator) and ``asyncrl eval``. pass@k is the chance that at least one of k samples of a
+task scores >= ``pass_threshold``, averaged over tasks, by the unbiased estimator of Chen et al. 2021 ("Evaluating
+Large Language Models Trained on Code", eq. 1) from n >= k samples per task of which c passed:
+``1 - C(n - c, k) / C(n, k)`` (:func:`pass_at_k`). With n = k it is the fraction of tasks with a passing sample; more
+samples (``num_samples``) lower its variance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -45,6 +48,17 @@ def check_num_examples(env: Environment, num_examples: int, field: str) -> None:
         )
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task from ``n`` samples of which ``c`` passed: ``1 - C(n - c, k) / C(n, k)``.
+
+    Raises:
+        ValueError: not ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 async def evaluate(
     client: InferenceClient,
     env: Environment,
@@ -56,12 +70,14 @@ async def evaluate(
     max_len: int | None = None,
     pass_k: int = 1,
     pass_threshold: float = 1.0,
+    num_samples: int | None = None,
     harness: HarnessRunner | None = None,
     seed: int | None = None,
     done: Mapping[int, TaskResult] | None = None,
     on_task: Callable[[int, TaskResult], None] | None = None,
 ) -> dict[str, float | int | None]:
-    """Score ``num_examples`` eval tasks (``pass_k`` samples each) with the environment's rewards.
+    """Score ``num_examples`` eval tasks (``num_samples`` samples each, default ``pass_k``) with the environment's
+    rewards; pass@``pass_k`` by :func:`pass_at_k` (a sample whose reward is missing did not pass).
 
     Each task's samples are one rollout group on the environment's path (``worker.orchestrator.rollouts``): a
     multi-turn environment runs whole conversations (``worker.orchestrator.multiturn``) of at most ``max_len``
@@ -77,18 +93,22 @@ async def evaluate(
     order.
 
     Returns:
-        ``{"reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"}``;
-        rewards that are None are left out of the mean and counted.
+        ``{"reward_mean", "pass_at_k", "k", "n", "num_examples", "completion_len_mean", "reward_missing"}`` (``n``:
+        samples per task); rewards that are None are left out of the mean and counted.
 
     Raises:
         InferenceError: the server did not answer within the client's bounded retries.
-        ValueError: ``env`` needs the agent harness and ``harness`` is None.
+        ValueError: ``env`` needs the agent harness and ``harness`` is None; ``num_samples`` below ``pass_k``.
         SpecError: ``num_examples`` is more than ``env`` has (:func:`check_num_examples`; never fewer silently).
     """
     if env.needs_harness and harness is None:
         raise ValueError(f"environment {env.id!r}: its tasks have tools; evaluating them needs a HarnessRunner")
     check_num_examples(env, num_examples, "num_examples")  # callers check it first, naming their own key
-    count = num_examples
+    count, samples = num_examples, pass_k if num_samples is None else num_samples
+    if samples < pass_k:
+        raise ValueError(
+            f"num_samples: {samples} samples per task cannot estimate pass@{pass_k}; use at least {pass_k}"
+        )
 
     done = done or {}
 
@@ -101,7 +121,7 @@ async def evaluate(
             env,
             index,
             harness=harness,
-            n=pass_k,
+            n=samples,
             max_tokens=max_tokens,
             temperature=temperature,
             policy_version=lambda: 0,
@@ -117,11 +137,16 @@ async def evaluate(
     results = await asyncio.gather(*(one(i) for i in range(count)))
     rewards = [r for rs, _ in results for r in rs if r is not None]
     lengths = [n for _, ns in results for n in ns]
-    passed = [any(r is not None and r >= pass_threshold for r in rs) for rs, _ in results]
+    # a task with fewer samples than k (none came back): whether any passed, as with n = k
+    per_task = [
+        pass_at_k(len(rs), sum(r is not None and r >= pass_threshold for r in rs), min(pass_k, len(rs))) if rs else 0.0
+        for rs, _ in results
+    ]
     return {
         "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
-        "pass_at_k": sum(passed) / max(1, len(passed)),
+        "pass_at_k": statistics.fmean(per_task) if per_task else 0.0,
         "k": pass_k,
+        "n": samples,
         "num_examples": count,
         "completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
         "reward_missing": sum(r is None for rs, _ in results for r in rs),

@@ -236,7 +236,7 @@ def env_step_metrics(
 def combine_evals(results: dict[str, dict[str, float | int | None]]) -> dict[str, float | int | None]:
     """One eval's metrics over a mixture: each environment's under ``<metric>/<env>``, and the whole eval's
     (``reward_mean``, ``pass_at_k``, ``completion_len_mean`` weighted by each env's ``num_examples``; counts
-    summed; ``k`` as is). With one environment, its results unchanged.
+    summed; ``k`` and ``n`` as is). With one environment, its results unchanged.
 
     Args:
         results: env name -> ``worker.orchestrator.eval.evaluate``'s result.
@@ -249,8 +249,10 @@ def combine_evals(results: dict[str, dict[str, float | int | None]]) -> dict[str
         parts = [(float(v), int(r["num_examples"] or 0)) for r in results.values() if (v := r[name]) is not None]
         out[name] = sum(v * n for v, n in parts) / total if total else float("nan")
     out["k"] = next(iter(results.values()))["k"]
+    if "n" in next(iter(results.values())):
+        out["n"] = next(iter(results.values()))["n"]
     out["num_examples"] = total
     out["reward_missing"] = sum(int(r["reward_missing"] or 0) for r in results.values())
     for env, r in results.items():
-        out.update({env_metric(k, env): v for k, v in r.items() if k != "k"})
+        out.update({env_metric(k, env): v for k, v in r.items() if k not in ("k", "n")})
     return out

@@ -786,6 +786,7 @@ class Orchestrator:
                             max_len=min(self.spec.orchestrator.seq_len, self.spec.inference.max_model_len),
                             pass_k=ev.pass_k,
                             pass_threshold=ev.pass_threshold,
+                            num_samples=ev.num_samples,
                             harness=self.harnesses.get(client.base_url),
                             seed=self._seed(-1, version),  # -1: eval requests never share a seed with a training step's
                         )

@@ -207,13 +207,22 @@ class EvalConfig(StrictModel):
     temperature: float = Field(default=1.0, ge=0, le=10)
     """Sampling temperature of evals (0 = greedy; above 10 sampling is uniform noise)."""
     pass_k: int = Field(default=1, ge=1, le=1024)
-    """Samples per eval task; reports mean reward and pass@k (reward >= ``pass_threshold``); at most 1024."""
+    """The k of pass@k (a sample passes at reward >= ``pass_threshold``); at most 1024."""
     pass_threshold: float = Field(default=1.0, ge=0, le=1)
     """Reward at which an eval sample counts as passed (rewards are in [0, 1])."""
+    num_samples: int | None = Field(default=None, ge=1, le=1024)
+    """Samples per eval task (unset: ``pass_k``); at least ``pass_k``. pass@k is then the unbiased estimate from n
+    samples (``worker/orchestrator/eval.py``): more samples, less variance; the mean reward is over all of them."""
     timeout_s: float = Field(default=600.0, gt=0, le=86_400)
     """Seconds one eval may take (at most a day); a slower one is abandoned: cancelled, an ``eval_abandoned`` event
     with the policy version and the groups done, no ``eval`` metrics. So a run whose last step is done ends at most
     this long after its final eval started (case C19)."""
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> EvalConfig:
+        if self.num_samples is not None and self.num_samples < self.pass_k:
+            raise ValueError(f"num_samples: expected at least pass_k = {self.pass_k}, got {self.num_samples}")
+        return self
 
 
 class PolicyCheckConfig(StrictModel):

@@ -602,9 +602,17 @@ class EvalSettings(StrictModel):
     max_tokens: int = Field(default=64, ge=1, le=65_536)
     """Tokens sampled per turn."""
     pass_k: int = Field(default=1, ge=1, le=1024)
-    """Samples per task; pass@k counts a task passed when one of them scores >= ``pass_threshold``."""
+    """The k of pass@k (a sample passes at reward >= ``pass_threshold``)."""
     pass_threshold: float = Field(default=1.0, ge=0, le=1)
     """Reward at which a sample counts as passed."""
+    num_samples: int | None = Field(default=None, ge=1, le=1024)
+    """Samples per task (unset: ``pass_k``; as ``orchestrator.eval.num_samples``); at least ``pass_k``."""
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> EvalSettings:
+        if self.num_samples is not None and self.num_samples < self.pass_k:
+            raise ValueError(f"num_samples: expected at least pass_k = {self.pass_k}, got {self.num_samples}")
+        return self
 
 
 class EvalSpec(StrictModel):

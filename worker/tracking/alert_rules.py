@@ -90,7 +90,7 @@ METRICS: dict[Source, tuple[str, ...]] = {
         *LAG_HIST_METRICS,
         *PROCESS_METRICS,
     ),
-    "eval": ("reward_mean", "pass_at_k", "k", "num_examples", "completion_len_mean", "reward_missing"),
+    "eval": ("reward_mean", "pass_at_k", "k", "n", "num_examples", "completion_len_mean", "reward_missing"),
     "inference": (
         "weight_update_s",
         "weight_update_pause_s",

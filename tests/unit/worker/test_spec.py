@@ -377,11 +377,12 @@ def test_every_numeric_field_has_an_upper_bound() -> None:
     fields = _numeric_fields(RLSpec) + _numeric_fields(SFTSpec)
     keys = [key for key, _ in fields]
     # trainer.gpu_memory_fraction, inference.replicas; SFT's lora.*, ckpt.*, launcher.* (8 numbers: SFT on Slurm)
-    assert len(keys) == 101 and {
+    assert len(keys) == 102 and {
         "inference.replicas",  # issue 19
         "orchestrator.inflight_groups",  # issue 19: continuous admission
         "watchdog.no_progress_s",
         "orchestrator.eval.timeout_s",
+        "orchestrator.eval.num_samples",  # pass@k from n >= k samples
         "orchestrator.advantage.std_floor",
         "orchestrator.advantage.decay",
         "orchestrator.policy_check.tolerance",

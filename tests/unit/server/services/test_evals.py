@@ -23,6 +23,7 @@ def test_an_sft_runs_checkpoint_is_evaluated_greedy_on_its_environment() -> None
         "max_tokens": 64,
         "pass_k": 1,
         "pass_threshold": 1.0,
+        "num_samples": None,
     }
     assert job.seed == spec["seed"] == 0
 
@@ -33,7 +34,10 @@ def test_an_rl_runs_checkpoint_takes_its_eval_settings_and_mixture() -> None:
         "seed": 3,
         "model": {"name": "m"},
         "env": [{"id": "reverse_text", "name": "a"}, {"id": "arithmetic", "name": "b", "weight": 0}],
-        "orchestrator": {"max_tokens": 40, "eval": {"num_examples": 7, "temperature": 0.5, "pass_k": 4}},
+        "orchestrator": {
+            "max_tokens": 40,
+            "eval": {"num_examples": 7, "temperature": 0.5, "pass_k": 4, "num_samples": 12},
+        },
     }
     stored = validate_spec("rl", data).model_dump(mode="json")
     run = Run(id=3, name="r" * 100, kind="rl", spec=stored, spec_hash="", owner="a", run_dir="")
@@ -41,6 +45,7 @@ def test_an_rl_runs_checkpoint_takes_its_eval_settings_and_mixture() -> None:
     assert job.name == "r" * 80 + "-eval-1000" and job.seed == 3
     assert [(e.name, e.weight) for e in job.envs] == [("a", 1.0), ("b", 0.0)]
     assert (job.eval.num_examples, job.eval.temperature, job.eval.pass_k, job.eval.max_tokens) == (7, 0.5, 4, 40)
+    assert job.eval.num_samples == 12  # the run's own online evals' samples per task
 
 
 def test_the_chart_draws_finished_evals_by_step_with_each_environment() -> None:
