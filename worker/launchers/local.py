@@ -625,7 +625,7 @@ def _failure_cause(run: RunDir, name: str, events_offset: int) -> str:
     return ""
 
 
-CONSOLE_WARNINGS = ("truncated", "policy_check_failed", "inference_resumed")
+CONSOLE_WARNINGS = ("truncated", "policy_check_failed", "inference_resumed", "starved")
 """Engine events (``events.jsonl``) the local launcher prints as they come: a warn-only policy check or a step of
 truncated rollouts would otherwise be seen only in the files."""
 

@@ -68,11 +68,17 @@ class Finished(Generic[T, G]):
 
 @dataclass
 class Taken(Generic[T, G]):
-    """Step ``step``'s batch: its groups in finish order and the stale groups dropped while it filled."""
+    """Step ``step``'s batch: its groups in finish order and the stale groups dropped while it filled (finished,
+    never trained: the bias metrics count them among the finished ones, case C26)."""
 
     step: int
     groups: list[Finished[T, G]]
-    dropped_stale: int = 0
+    stale: list[Finished[T, G]] = field(default_factory=list)
+
+    @property
+    def dropped_stale(self) -> int:
+        """Stale groups dropped while this batch filled."""
+        return len(self.stale)
 
 
 @dataclass
@@ -88,7 +94,7 @@ class AdmissionQueue(Generic[T, G]):
     running: int = 0
     todo: deque[Start[T]] = field(default_factory=deque)
     ready: deque[Finished[T, G]] = field(default_factory=deque)
-    _stale: int = 0
+    _stale: list[Finished[T, G]] = field(default_factory=list)
 
     def needs_chunk(self) -> bool:
         """True when every task of the chunks taken so far has started."""
@@ -118,7 +124,7 @@ class AdmissionQueue(Generic[T, G]):
         """Step ``step``'s batch when ``batch_size`` fresh groups are ready, else None (call again when one finishes).
 
         Every queued group whose lag ``(step - 1) - v_start`` exceeds ``max_off_policy_steps`` is dropped now (it only
-        gets staler) and counted in this step's ``dropped_stale``; the fresh ones keep their finish order.
+        gets staler) and returned with this step's batch (``stale``); the fresh ones keep their finish order.
 
         Raises:
             ValueError: ``step`` is not ``next_step`` (batches are taken in step order, each once).
@@ -130,12 +136,12 @@ class AdmissionQueue(Generic[T, G]):
             if admitted((step - 1) - f.v_start, max_off_policy_steps):
                 fresh.append(f)
             else:
-                self._stale += 1
+                self._stale.append(f)
         self.ready = fresh
         if len(fresh) < batch_size:
             return None
-        taken = Taken(step, [fresh.popleft() for _ in range(batch_size)], dropped_stale=self._stale)
-        self._stale = 0
+        taken = Taken(step, [fresh.popleft() for _ in range(batch_size)], stale=self._stale)
+        self._stale = []
         self.next_step += 1
         return taken
 

@@ -227,7 +227,8 @@ def step_metrics(
     ones (``num_samples``); ``dropped_stale`` the rollouts with a reward that staleness kept out (alone or with their
     group), ``dropped_overlong``. Per group: ``groups_all_missing``, ``dropped_zero_advantage_groups``,
     ``dropped_stale_groups``, ``num_groups``. The bias toward fast tasks: ``trained_ratios`` of the trained rollouts
-    over all finished ones (``rejected``, groups a gate rejected, included).
+    over all finished ones (``rejected`` included: groups a gate rejected, and those continuous admission dropped as
+    stale, case C26).
     """
     rollouts = [r for g in groups for r in g]
     trained = [r for r in rollouts if r.dropped is None]

@@ -91,6 +91,10 @@ from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
 T = TypeVar("T")
 TRUNCATED_WARN_FRACTION = 0.5
 """Above this fraction of a step's rollouts stopped at ``max_tokens``, the orchestrator warns (case C24)."""
+STARVED_GEN_TIME_RATIO = 0.75
+"""Below this ``trained_gen_time_ratio`` in a step where continuous admission dropped stale groups, the orchestrator
+warns that slow tasks are being starved (case C26: slow tasks 6x slower, none trained, the ratio ~0.3; healthy
+steps read ~1)."""
 logger = logging.getLogger("asyncrl.orchestrator")
 _STEP_SPEC: contextvars.ContextVar[RLSpec] = contextvars.ContextVar("asyncrl_step_spec")
 """The spec a step's rollout tasks were requested with (set in the context of each step's task)."""
@@ -162,7 +166,7 @@ class Orchestrator:
         self._admission_wait = 0.0
         """Seconds the continuous producer waited at the start gate since the last batch was taken."""
         self._admission_error: BaseException | None = None
-        self._admission_dropped: dict[int, int] = {}
+        self._admission_dropped: dict[int, list[list[Rollout]]] = {}  # step -> its stale-dropped groups (C26)
         """Stale groups each step's batch dropped from the ready queue, until the main loop logs them."""
         self._step_specs: dict[int, RLSpec] = {}
         self._evaluated = {
@@ -171,6 +175,7 @@ class Orchestrator:
         """Policy versions already evaluated: a second eval of the same weights is skipped (its metric key would
         collide with the first's, and with seeded sampling it would give the same numbers)."""
         self._truncation_warned = False
+        self._starvation_warned = False
         self._policy_check_warned: set[int] = set()
         """Versions whose failed served-policy check was warned about already (``on_fail = "warn"``); -1: the skip of a
         LoRA run targeting lm_head."""
@@ -584,7 +589,7 @@ class Orchestrator:
         started = [(task, [r.reward for r in group]) for task, group in gated.started]
         metrics = self.sampler.observe(step, started, orch.curriculum)
         if self.admission is not None:
-            metrics["admission_dropped_stale_groups"] = self._admission_dropped.pop(step)
+            metrics["admission_dropped_stale_groups"] = len(self._admission_dropped.pop(step))
         return {**metrics, **(gated.metrics() if orch.gates else {})}
 
     async def produce(self) -> None:
@@ -660,7 +665,7 @@ class Orchestrator:
                 await self._admission_changed.wait()
             groups = [f.group for f in taken.groups]
             self._gated[step] = GatedStep(kept=groups, started=[(f.start.task, f.group) for f in taken.groups])
-            self._admission_dropped[step] = taken.dropped_stale
+            self._admission_dropped[step] = [f.group for f in taken.stale]
             waited, self._admission_wait = self._admission_wait, 0.0
             return groups, waited, time.perf_counter() - t0
 
@@ -755,6 +760,27 @@ class Orchestrator:
         )
         logger.warning("%s", reason)
         self.run.log_event("truncated", step=step, fraction=fraction, max_tokens=max_tokens, reason=reason)
+
+    def warn_starved(self, step: int, ratio: float, dropped_groups: int) -> None:
+        """Case C26: when continuous admission dropped stale groups in step ``step`` and the trained rollouts took less
+        than ``STARVED_GEN_TIME_RATIO`` of the generation time of all finished ones (those dropped included), a console
+        warning and a ``starved`` event; once, and again only after it recovered."""
+        if not dropped_groups or not ratio < STARVED_GEN_TIME_RATIO:  # NaN: nothing measured
+            if ratio >= STARVED_GEN_TIME_RATIO:
+                self._starvation_warned = False
+            return
+        if self._starvation_warned:
+            return
+        self._starvation_warned = True
+        reason = (
+            f"step {step}: the trained rollouts took {ratio:.2f}x the generation time of all finished ones and "
+            f"{dropped_groups} group(s) were dropped as stale: slow tasks are being left out of training; raise "
+            f'orchestrator.max_off_policy_steps or use orchestrator.admission = "step"'
+        )
+        logger.warning("%s", reason)
+        self.run.log_event(
+            "starved", step=step, trained_gen_time_ratio=ratio, dropped_groups=dropped_groups, reason=reason
+        )
 
     # ------------------------------------------------------------------ evals
 
@@ -889,7 +915,8 @@ class Orchestrator:
                 groups, wait_for_policy, generation_s = await until(self._steps.pop(step), watcher)
                 gen_s = time.perf_counter() - t0
                 step_spec = self._step_specs.pop(step)
-                rejected = self._gated[step].dropped()  # gate-rejected groups: finished, never trained
+                # finished, never trained: gate-rejected groups and (continuous admission) stale-dropped ones (C26)
+                rejected = [*self._gated[step].dropped(), *self._admission_dropped.get(step, [])]
                 # a step's CPU work (advantages, records) in slices on the event loop, not in a thread: a CPU-bound
                 # thread makes the loop wait up to the GIL's switch interval (5 ms) after each of its syscalls, and a
                 # rollout task's step took 0.4 s at 4,096 rollouts in flight (benchmarks/README.md section 11)
@@ -916,6 +943,9 @@ class Orchestrator:
                     },
                 )
                 self.warn_truncated(step, metrics["truncated_fraction"], step_spec.orchestrator.max_tokens)
+                self.warn_starved(
+                    step, metrics["trained_gen_time_ratio"], int(metrics.get("admission_dropped_stale_groups", 0))
+                )
                 heap.after_step(step)  # the full garbage collections, at a step's end (heap.py)
                 if checkpoint_due(self.run, step, spec.ckpt.interval, spec.ckpt.hold_at):
                     self.save_state(step)

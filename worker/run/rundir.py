@@ -545,14 +545,15 @@ EngineEventKind = Literal[
     "progress_resumed",
     "eval_abandoned",
     "inference_resumed",
+    "starved",
 ]
 ENGINE_EVENTS: tuple[str, ...] = get_args(EngineEventKind)
 """Events of ``events.jsonl`` that the supervisor forwards to the server's run events (``worker.launchers.reporter``):
 what a run process warns about (``truncated``, case C24) or died of (``disk_full``; ``policy_check_failed``, case C14,
 either); the hang watchdog's ``stalled`` and ``progress_resumed`` (``worker/tracking/progress.py``, case C18) and an
 abandoned eval (``eval_abandoned``, case C19); an inference server found left paused by a killed orchestrator and
-resumed (``inference_resumed``). The launcher's own events (``starting``,
-``running``, the final status) reach the server as status reports instead."""
+resumed (``inference_resumed``); slow tasks left out of training by continuous admission (``starved``, case C26). The
+launcher's own events (``starting``, ``running``, the final status) reach the server as status reports instead."""
 
 ENDED = ("completed", "failed", "cancelled")
 """The launcher's last event of an attempt that recorded its end: the run's final status (with its ``reason``)."""

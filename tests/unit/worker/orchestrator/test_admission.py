@@ -87,6 +87,7 @@ def test_stale_groups_are_dropped_and_counted_with_the_step_that_filled() -> Non
         q.finish(s, f"g{s.task}", v_start=v)
     taken = q.take(4, 2, max_off_policy_steps=1)
     assert taken is not None and _names(taken.groups) == ["g1", "g4"] and taken.dropped_stale == 3
+    assert _names(taken.stale) == ["g0", "g2", "g3"]  # the groups themselves: finished, in the bias metrics (C26)
     assert _names(list(q.ready)) == ["g5"]  # fresh, for step 5 (lag 2 there: dropped then)
     assert q.take(5, 1, max_off_policy_steps=1) is None  # counted for step 5, which is not complete yet
     q.add_chunk(6, [6])
@@ -95,6 +96,7 @@ def test_stale_groups_are_dropped_and_counted_with_the_step_that_filled() -> Non
     q.finish(s6, "g6", v_start=4)
     fifth = q.take(5, 1, max_off_policy_steps=1)
     assert fifth is not None and _names(fifth.groups) == ["g6"] and fifth.dropped_stale == 1  # g5, counted once
+    assert _names(fifth.stale) == ["g5"]
 
 
 def test_a_groups_start_version_is_its_oldest_rollouts() -> None:
@@ -272,6 +274,7 @@ def test_the_producer_fills_slots_and_batches_by_finish_order(tmp_path: Path) ->
         await _settle()
         three, _, _ = await orch._steps.pop(3)
         assert [g[0].task_key for g in three] == ["6", "7"]
+        assert [g[0].task_key for g in orch._admission_dropped[3]] == ["4", "5"]  # finished, never trained (C26)
         assert orch.observe_step(3, orch.spec.orchestrator) == {"admission_dropped_stale_groups": 2}
         # every group's seed is its position's
         assert all(seed == request_seed(7, CONTINUOUS_SEED, index) for index, seed, _ in groups.calls)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from worker.orchestrator import orchestrator as orch_module
-from worker.orchestrator.orchestrator import TRUNCATED_WARN_FRACTION, Orchestrator, until
+from worker.orchestrator.orchestrator import STARVED_GEN_TIME_RATIO, TRUNCATED_WARN_FRACTION, Orchestrator, until
 from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import RLSpec
 
@@ -67,6 +67,28 @@ def test_c24_truncation_warns_once_per_episode_above_the_threshold(tmp_path: Pat
     assert events[0]["reason"] == (
         "step 2: 100% of the rollouts stopped at orchestrator.max_tokens = 2 (above 50%): their answers are cut; "
         "raise max_tokens"
+    )
+
+
+def test_c26_starvation_warns_once_per_episode_when_stale_drops_bias_training(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.create()
+    fake = SimpleNamespace(run=run, _starvation_warned=False)
+    assert STARVED_GEN_TIME_RATIO == 0.75
+    # (trained_gen_time_ratio, stale groups dropped): no drops -> no warning whatever the ratio; NaN (nothing timed)
+    # neither warns nor clears; 0.75 is not below: it clears
+    steps = [(0.3, 0), (0.9, 2), (0.29, 12), (0.2, 10), (float("nan"), 3), (0.75, 1), (0.5, 4)]
+    for step, (ratio, dropped) in enumerate(steps, start=1):
+        Orchestrator.warn_starved(fake, step, ratio, dropped)  # type: ignore[arg-type]
+    events = [e for e in read_jsonl(run.events) if e["event"] == "starved"]
+    assert [(e["step"], e["trained_gen_time_ratio"], e["dropped_groups"]) for e in events] == [
+        (3, 0.29, 12),
+        (7, 0.5, 4),
+    ]
+    assert events[0]["reason"] == (
+        "step 3: the trained rollouts took 0.29x the generation time of all finished ones and 12 group(s) were dropped "
+        "as stale: slow tasks are being left out of training; raise orchestrator.max_off_policy_steps or use "
+        'orchestrator.admission = "step"'
     )
 
 
