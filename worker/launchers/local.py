@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.launchers.console import RunConsole
 from worker.run.checkpoint import check_run_dir, remove_incomplete
 from worker.run.procs import free_port, give_to_run_user, kill_group, spawn
 from worker.run.rundir import (
@@ -196,20 +197,6 @@ def prepare_run_dir(spec: RLSpec | SFTSpec, *, resume: bool, overwrite: bool) ->
     return run, step
 
 
-def _step_line(step: int, max_steps: int, orch: dict[str, Any], trainer: dict[str, Any]) -> str:
-    def f(d: dict[str, Any], key: str, fmt: str) -> str:
-        value = d.get(key)
-        return format(value, fmt) if isinstance(value, int | float) else "-"
-
-    return (
-        f"step {step:>4}/{max_steps} | reward {f(orch, 'reward_mean', '.3f')} | loss {f(trainer, 'loss', '+.4f')}"
-        f" | mismatch_kl {f(trainer, 'mismatch_kl', '.1e')} | stale {f(orch, 'staleness_mean', '.1f')}"
-        f"/{f(orch, 'staleness_max', 'd')} drop {f(orch, 'dropped_stale', 'd')}"
-        f" | wait_for_batch {f(trainer, 'wait_for_batch_s', '.2f')}s wait_for_policy {f(orch, 'wait_for_policy_s', '.2f')}s"
-        f" | {f(trainer, 'tokens_per_s', '.0f')} tok/s"
-    )
-
-
 def summarize(run: RunDir, wall_s: float, status: str) -> dict[str, Any]:
     """Run summary from ``metrics.jsonl``: first/last eval, mean ``mismatch_kl`` of the last 3 steps that trained
     something (NaN steps left out), steps."""
@@ -323,7 +310,7 @@ def launch_rl(
     run.log_event("starting", resume_step=start)
     give_to_run_user(run.root)  # a Slurm job of a root worker: its processes run as the run's uid
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
+    say = RunConsole(spec.max_steps, start or 0, quiet=quiet).open()  # lines; on a terminal a progress bar too
     status, reason = "failed", ""
     try:
         from worker.launchers.slurm_layout import from_job
@@ -384,6 +371,7 @@ def launch_rl(
     except Exception as err:  # the run is failed with the reason, whatever broke
         status, reason = "failed", f"{type(err).__name__}: {err}"
     finally:
+        say.close()
         for proc in procs.values():
             kill_group(proc)
         remove_incomplete(run)  # what a failed or killed write left: its space back, nothing half-written to resume
@@ -644,7 +632,7 @@ def _follow(
     spec: RLSpec,
     run: RunDir,
     procs: dict[str, subprocess.Popen[bytes]],
-    say: Any,
+    say: RunConsole,
     start: int,
     *,
     url: str | None = None,
@@ -672,7 +660,7 @@ def _follow_loop(
     spec: RLSpec,
     run: RunDir,
     procs: dict[str, subprocess.Popen[bytes]],
-    say: Any,
+    say: RunConsole,
     start: int,
     watchdog: Any,
     export: WandbExport | None,
@@ -696,7 +684,7 @@ def _follow_loop(
         by = {(r["source"], r["step"]): r for r in rows}
         while ("trainer", printed + 1) in by:
             printed += 1
-            say(_step_line(printed, spec.max_steps, by.get(("orchestrator", printed), {}), by[("trainer", printed)]))
+            say.step(printed, by.get(("orchestrator", printed), {}), by[("trainer", printed)])
         evals = [r for r in rows if r["source"] == "eval"]
         for r in evals[evals_said:]:
             say(f"eval at policy version {r['step']}: reward {r['reward_mean']:.3f} pass@{r['k']} {r['pass_at_k']:.3f}")
