@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker.launchers.console import RunConsole
 from worker.run.checkpoint import check_run_dir, remove_incomplete
 from worker.run.procs import free_port, give_to_run_user, kill_group, spawn
 from worker.run.rundir import (
@@ -39,6 +38,7 @@ from worker.run.rundir import (
     read_jsonl_after,
 )
 from worker.spec import EnvConfig, EvalSpec, RLSpec, SFTSpec, SpecError
+from worker.tracking.console import RunConsole
 from worker.tracking.progress import PROGRESS_DIR
 
 if TYPE_CHECKING:

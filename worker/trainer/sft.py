@@ -46,6 +46,7 @@ from worker.run.checkpoint import due as checkpoint_due
 from worker.run.checkpoint import prune, write_part
 from worker.run.rundir import RunDir, atomic_write_json
 from worker.spec import SFTSpec, SpecError
+from worker.tracking.console import RunConsole
 from worker.trainer.checkpointer import BackgroundCheckpointer, load_trainer_state, save_final
 from worker.trainer.dist import (
     DistInfo,
@@ -379,47 +380,51 @@ def run_sft(spec: SFTSpec, *, overwrite: bool = False, resume: bool = False, pre
     if eval_env is not None and eval_env.needs_harness:  # its rollouts call tools: verifiers' agent harness on vLLM
         eval_env = None
         print(f"sft: {spec.env.id!r} tasks use tools; no greedy eval here (run `asyncrl eval --model <run>/final`)")  # noqa: T201
-    for step in range(start + 1, spec.max_steps + 1):
-        checkpointer.check()  # a failed background checkpoint write (a full disk) ends the run here
-        t0 = time.perf_counter()
-        idx, cursor = order.take(cursor, spec.data.batch_size)
-        loss, _, trained = _step_loss(model, [data.train[i] for i in idx], spec, info, train=True)
-        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm))
-        lr = float(scheduler.get_last_lr()[0])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if info.device.type == "cuda":
-            torch.cuda.synchronize(info.device)
-        dt = time.perf_counter() - t0
-        values: dict[str, float | int | None] = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens_per_s": trained / dt if dt > 0 else 0.0,
-            "step_time_s": dt,
-            "epoch": cursor.epoch,
-        }
-        if step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0):
-            if data.held_out:
-                model.eval()
-                with torch.no_grad():
-                    eval_loss = values["eval_loss"] = _step_loss(model, data.held_out, spec, info, train=False)[0]
-                model.train()
-            if eval_env is not None:
-                reward = values["eval_reward_greedy"] = greedy_eval(model, data.tokenizer, eval_env, spec.eval_examples)
-        if info.is_main:
-            run.log_metrics("sft", step, values)
-        if step % 20 == 0 or "eval_reward_greedy" in values or "eval_loss" in values:
-            extra = "".join(f" {k} {values[k]:.3f}" for k in ("eval_loss", "eval_reward_greedy") if k in values)
+    # lines as before; on a terminal a progress bar too (worker/tracking/console.py); other ranks print nothing
+    with RunConsole(spec.max_steps, start, quiet=not info.is_main) as say:
+        for step in range(start + 1, spec.max_steps + 1):
+            checkpointer.check()  # a failed background checkpoint write (a full disk) ends the run here
+            t0 = time.perf_counter()
+            idx, cursor = order.take(cursor, spec.data.batch_size)
+            loss, _, trained = _step_loss(model, [data.train[i] for i in idx], spec, info, train=True)
+            grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm))
+            lr = float(scheduler.get_last_lr()[0])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+            dt = time.perf_counter() - t0
+            values: dict[str, float | int | None] = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_s": trained / dt if dt > 0 else 0.0,
+                "step_time_s": dt,
+                "epoch": cursor.epoch,
+            }
+            if step == spec.max_steps or (spec.eval_interval and step % spec.eval_interval == 0):
+                if data.held_out:
+                    model.eval()
+                    with torch.no_grad():
+                        eval_loss = values["eval_loss"] = _step_loss(model, data.held_out, spec, info, train=False)[0]
+                    model.train()
+                if eval_env is not None:
+                    reward = values["eval_reward_greedy"] = greedy_eval(
+                        model, data.tokenizer, eval_env, spec.eval_examples
+                    )
             if info.is_main:
-                print(f"sft step {step:>4}/{spec.max_steps} | loss {loss:.4f} | lr {lr:.2e}{extra}", flush=True)  # noqa: T201
-        if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
-            checkpointer.save(step, model, optimizer, scheduler, adapter=adapter)
-            checkpointer.wait()  # the trainer part first: a data cursor never stands beside no weights
-            if info.is_main:
-                _write_data_cursor(run, step, cursor, len(data.train), spec)
-                prune(run, spec.ckpt.keep)  # again: the step is complete only now
+                run.log_metrics("sft", step, values)
+            if step % 20 == 0 or "eval_reward_greedy" in values or "eval_loss" in values:
+                extra = "".join(f" {k} {values[k]:.3f}" for k in ("eval_loss", "eval_reward_greedy") if k in values)
+                say(f"sft step {step:>4}/{spec.max_steps} | loss {loss:.4f} | lr {lr:.2e}{extra}")
+            say.bar(step, f"loss {loss:.4f} | {values['tokens_per_s']:.0f} tok/s")
+            if broadcast_from_main(info.is_main and checkpoint_due(run, step, spec.ckpt.interval), info):
+                checkpointer.save(step, model, optimizer, scheduler, adapter=adapter)
+                checkpointer.wait()  # the trainer part first: a data cursor never stands beside no weights
+                if info.is_main:
+                    _write_data_cursor(run, step, cursor, len(data.train), spec)
+                    prune(run, spec.ckpt.keep)  # again: the step is complete only now
     checkpointer.wait()
     save_final(model, spec.model.name, run.final, adapter=adapter)
     result = {

@@ -1,5 +1,6 @@
-"""What ``asyncrl rl`` prints while its run goes: one line per step, eval and warning; on a terminal also a progress
-bar under them (step of ``max_steps``, reward, trainer tokens/s, time left).
+"""What ``asyncrl rl`` and ``asyncrl sft`` print while their run goes: their lines (an RL run's per step, eval and
+warning; an SFT run's every 20 steps and at evals); on a terminal also a progress bar under them (step of
+``max_steps``, the last reward or loss, tokens/s, time left).
 
 Where stdout is not a terminal (a log file, a pipe, the supervisor of a service run) only the lines are printed, as
 before; ``quiet`` prints nothing. The bar's time left is rich's estimate from the steps done in this attempt (a
@@ -86,17 +87,17 @@ class RunConsole:
         if not self.quiet:
             self.console.print(message, markup=False, highlight=False)
 
-    def step(self, step: int, orch: dict[str, Any], trainer: dict[str, Any]) -> None:
-        """Step ``step`` trained: its line, and the bar moved to it with its reward and tokens/s."""
-        self(step_line(step, self.max_steps, orch, trainer))
+    def bar(self, step: int, status: str = "") -> None:
+        """Move the bar (if shown) to ``step`` done, ``status`` beside it; prints no line."""
         if self.progress is not None:
-            reward, tok_s = orch.get("reward_mean"), trainer.get("tokens_per_s")
-            status = " | ".join(
-                part
-                for part in (
-                    f"reward {reward:.3f}" if isinstance(reward, int | float) else "",
-                    f"{tok_s:.0f} tok/s" if isinstance(tok_s, int | float) else "",
-                )
-                if part
-            )
             self.progress.update(self._task, completed=step, status=status)
+
+    def step(self, step: int, orch: dict[str, Any], trainer: dict[str, Any]) -> None:
+        """RL step ``step`` trained: its line, and the bar moved to it with its reward and tokens/s."""
+        self(step_line(step, self.max_steps, orch, trainer))
+        reward, tok_s = orch.get("reward_mean"), trainer.get("tokens_per_s")
+        parts = (
+            f"reward {reward:.3f}" if isinstance(reward, int | float) else "",
+            f"{tok_s:.0f} tok/s" if isinstance(tok_s, int | float) else "",
+        )
+        self.bar(step, " | ".join(part for part in parts if part))

@@ -1,4 +1,4 @@
-"""``asyncrl rl``'s console (worker/launchers/console.py): the step lines everywhere, a progress bar with reward,
+"""``asyncrl rl``'s console (worker/tracking/console.py): the step lines everywhere, a progress bar with reward,
 tokens/s and time left only on a terminal (a pseudo-terminal here), nothing when quiet."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pty
 import re
 
-from worker.launchers.console import RunConsole, step_line
+from worker.tracking.console import RunConsole, step_line
 
 ORCH = {"reward_mean": 0.5, "staleness_mean": 0.25, "staleness_max": 1, "dropped_stale": 0, "wait_for_policy_s": 0.0}
 TRAINER = {"loss": -0.0123, "mismatch_kl": 2.5e-5, "wait_for_batch_s": 1.5, "tokens_per_s": 1834.4}
