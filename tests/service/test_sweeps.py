@@ -323,7 +323,7 @@ BAD = [
     ({"metric": "reward"}, "metric: expected <source>/<name> such as eval/reward_mean, got 'reward'"),
     (
         {"metric": "eval/reward_maen"},
-        "metric: eval logs no 'reward_maen' (did you mean 'reward_mean'?); it logs reward_mean, pass_at_k, k, "
+        "metric: eval logs no 'reward_maen' (did you mean 'reward_mean'?); it logs reward_mean, pass_at_k, k, n, "
         "num_examples, completion_len_mean, reward_missing",
     ),
     (
