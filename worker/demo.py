@@ -144,7 +144,8 @@ def embedded_service(
     ``Service``. ``model_roots``: the folders a submitted ``model.name`` may be under besides ``home/outputs``
     (the server's ``MODEL_ROOTS``; the demo's SFT model is outside the service's folder); ``port``: the server's
     (default: a free one). Both are children in
-    their own process groups that get SIGTERM if this process dies; on exit they are terminated (SIGKILL after 10 s). Logs: ``home/server.log``, ``home/worker.log``.
+    their own process groups that get SIGTERM if this process dies; on exit both are terminated at once (SIGKILL after
+    10 s). Logs: ``home/server.log``, ``home/worker.log``.
 
     Raises:
         DemoError: the server did not answer ``/healthz``, or its worker did not answer there, within
@@ -152,7 +153,7 @@ def embedded_service(
     """
     import httpx
 
-    from worker.run.procs import free_port, kill_group, spawn
+    from worker.run.procs import free_port, kill_groups, spawn
 
     url = f"http://127.0.0.1:{port or free_port()}"
     env = {
@@ -205,8 +206,7 @@ def embedded_service(
             raise DemoError(f"asyncrl token create failed: {made.stderr.strip().splitlines()[-1:]}")
         yield Service(url, made.stdout.strip(), {name: proc.pid for name, proc in procs.items()})
     finally:
-        for proc in reversed(procs.values()):
-            kill_group(proc)
+        kill_groups(list(procs.values()))
 
 
 def _stop_run(client: Any, run: dict[str, Any], timeout_s: float = 60.0) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.run.checkpoint import check_run_dir, remove_incomplete
-from worker.run.procs import free_port, give_to_run_user, kill_group, spawn
+from worker.run.procs import free_port, give_to_run_user, kill_group, kill_groups, spawn
 from worker.run.rundir import (
     DISK_FULL_FREE_BYTES,
     RunDir,
@@ -372,8 +372,7 @@ def launch_rl(
         status, reason = "failed", f"{type(err).__name__}: {err}"
     finally:
         say.close()
-        for proc in procs.values():
-            kill_group(proc)
+        kill_groups(list(procs.values()))
         remove_incomplete(run)  # what a failed or killed write left: its space back, nothing half-written to resume
         run.remove_temporaries()
     summary = summarize(run, time.time() - t_start, status)

@@ -312,20 +312,34 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
 
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL what is left after ``grace_s``; reaps the leader and its watchdog."""
-    if proc.poll() is None:
+    kill_groups([proc], grace_s)
+
+
+def kill_groups(procs: Collection[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM every process group of ``procs`` at once, then SIGKILL what is left of them ``grace_s`` later (one grace
+    for all: a run's three groups or a service's two end within ``grace_s``, not one grace after another); reaps
+    each leader and its watchdog."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    with _lock:
-        entry = _watchdogs.pop(proc.pid, None)
-    if entry is not None:
-        watchdog, write_end = entry
-        os.close(write_end)
-        watchdog.wait()
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        with _lock:
+            entry = _watchdogs.pop(proc.pid, None)
+        if entry is not None:
+            watchdog, write_end = entry
+            os.close(write_end)
+            watchdog.wait()

@@ -29,3 +29,36 @@ def test_a_started_process_is_the_oom_killers_choice_before_its_starter(tmp_path
         assert (_adj(proc.pid), _adj(children[0])) == (expected, expected)
     finally:
         kill_group(proc)
+
+
+def test_groups_that_ignore_sigterm_are_killed_after_one_grace_not_one_each(tmp_path: Path) -> None:
+    """``kill_groups``: three process groups whose leader and child ignore SIGTERM are all gone (and reaped) one
+    grace after the call, not three graces; a leader that already exited has its group's leftovers killed too."""
+    from worker.run.procs import alive, kill_groups
+
+    stubborn = "trap '' TERM; sleep 60 & wait; wait"
+    procs = [spawn(["sh", "-c", stubborn], tmp_path / f"log{i}") for i in range(3)]
+    done = spawn(["sh", "-c", "sleep 60 & exit 0"], tmp_path / "done")
+    done.wait(timeout=10)
+    time.sleep(0.3)  # the shells have set their traps
+    t0 = time.monotonic()
+    kill_groups([*procs, done], grace_s=1.0)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 2.5, took
+    assert [p.returncode for p in procs] == [-9, -9, -9] and done.returncode == 0
+    for p in [*procs, done]:  # no live member left in any group (a killed child is a zombie until init reaps it)
+        members = [
+            d.name
+            for d in Path("/proc").iterdir()
+            if d.name.isdigit() and _stat(d) is not None and _stat(d)[1] == p.pid and _stat(d)[0] != "Z"
+        ]
+        assert members == [] and not alive(p.pid)
+
+
+def _stat(d: Path) -> tuple[str, int] | None:
+    """(state, process group) of the process at ``/proc/<pid>``, or None if it is gone."""
+    try:
+        fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return fields[0], int(fields[2])
