@@ -25,6 +25,7 @@ from typing import Any
 from worker.envs import load_environment
 from worker.inference.client import InferenceClient
 from worker.orchestrator.eval import TaskResult, check_num_examples, evaluate
+from worker.orchestrator.harness import serving_tools
 from worker.orchestrator.mixture import combine_evals
 from worker.run.rundir import RunDir, append_jsonl, atomic_write_json, read_jsonl
 from worker.spec import EnvConfig, EvalSpec
@@ -205,16 +206,17 @@ def run_evals(
                         template = tokenizer or (str(model) if model is not None else await client.served_model())
                         harness = HarnessRunner(template, str(url), HarnessConfig())
                     record = None if on_task is None else (lambda i, r, name=name: on_task(name, i, r))
-                    results[name] = await evaluate(
-                        client,
-                        env,
-                        served_tok,
-                        **asdict(settings),
-                        harness=harness,
-                        seed=seed,
-                        done=(done or {}).get(name),
-                        on_task=record,
-                    )
+                    async with serving_tools([env]):  # the taskset's shared tools: one server for the whole eval
+                        results[name] = await evaluate(
+                            client,
+                            env,
+                            served_tok,
+                            **asdict(settings),
+                            harness=harness,
+                            seed=seed,
+                            done=(done or {}).get(name),
+                            on_task=record,
+                        )
                 return combine_evals(results)
 
         result = asyncio.run(go())

@@ -26,13 +26,13 @@ from worker.inference.client import InferenceClient
 from worker.launchers.local import launch_rl
 from worker.orchestrator.batch import read_batch
 from worker.orchestrator.batcher import Rollout
-from worker.orchestrator.harness import HarnessRunner
+from worker.orchestrator.harness import HarnessRunner, serving_tools
 from worker.policy.models import load_tokenizer
 from worker.run.rundir import RunDir, read_jsonl
 from worker.spec import HarnessConfig, SFTSpec, load_spec_data, validate_spec
 from worker.trainer.sft import sft_conversation_sample
 
-# the first test carries the module's SFT warm-up (~3 min alone; scripts/test.sh's pass 2 runs a real run beside it,
+# the first test carries the module's SFT warm-up (~3 min alone; scripts/test.sh's pass 2 runs another real run beside it,
 # and on a loaded 2-core box it took >15 min): a hang guard of twice the default
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "reverse_tool"
@@ -90,13 +90,16 @@ def harness_groups(served: Any, tool_model: Path) -> list[tuple[Any, list[Rollou
     runner = HarnessRunner(str(tool_model), served.url, HarnessConfig(max_turns=3))
 
     async def go() -> list[tuple[Any, list[Rollout]]]:
-        return [
-            (
-                env.task(i),
-                await runner.run_group(env.task(i), n=4, max_tokens=128, temperature=0.7, policy_version=lambda: 0),
-            )
-            for i in range(3)
-        ]
+        async with serving_tools([env]):  # the taskset's `reverse` server, once for all 12 rollouts
+            return [
+                (
+                    env.task(i),
+                    await runner.run_group(
+                        env.task(i), n=4, tools=env.tools, max_tokens=128, temperature=0.7, policy_version=lambda: 0
+                    ),
+                )
+                for i in range(3)
+            ]
 
     t0 = time.perf_counter()
     groups = asyncio.run(go())

@@ -138,6 +138,9 @@ class Environment:
         )
         """True when tasks have tools (or no opening prompt): rollouts run through verifiers' agent harness
         (`worker.orchestrator.harness`)."""
+        self.tools: dict[str, Any] = {}
+        """The taskset's shared tool servers while `worker.orchestrator.harness.serving_tools` runs them (lent to
+        each harness rollout of this split); empty otherwise."""
         self.is_multi_turn: bool = self.needs_harness or hasattr(first, "env_response")
         """True when a task needs more than one model turn: its task answers the model with
         `env_response(trace) -> str | None` (run by `worker.orchestrator.multiturn`), or it has tools

@@ -1,7 +1,8 @@
 """reverse-tool: reverse a made-up sentence with the help of a `reverse` tool (a tool-using taskset).
 
 The prompt is a sentence; the task offers one tool, `reverse(text) -> text[::-1]`, served by verifiers'
-own tool server (`ReverseToolset`, an MCP toolset launched per rollout). A model may call the tool and
+own tool server (`ReverseToolset`, an MCP toolset declared by the taskset: started once and shared by every
+rollout, ``worker.orchestrator.harness.serving_tools``). A model may call the tool and
 then answer, or answer directly. The reward (`@vf.reward`) is the LCS ratio (`lcs_ratio`) of the final
 reply's answer (`parse_answer`, tag ``reversed_text``) against the true reversal, as in reverse_text.
 
@@ -31,7 +32,7 @@ SYSTEM_PROMPT = "Reverse the text. You may call the reverse tool."
 
 
 class ReverseToolset(vf.Toolset[vf.ToolsetConfig]):
-    """The `reverse` tool (verifiers serves it per rollout as ``python -m worker.envs.reverse_tool``), advertised
+    """The `reverse` tool (verifiers serves it as ``python -m worker.envs.reverse_tool``, once a run), advertised
     bare as ``reverse`` (no ``<toolset>_`` prefix)."""
 
     TOOL_PREFIX = None
@@ -70,10 +71,6 @@ class ReverseToolTask(vf.Task[ReverseToolData, vf.State, ReverseToolTaskConfig])
     def key(self) -> str:
         return self.data.id or self.hash
 
-    @classmethod
-    def toolsets(cls, config: ReverseToolTaskConfig) -> list[vf.Toolset]:
-        return [ReverseToolset(config.tools)]
-
     def sft_conversation(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The ideal rollout as OpenAI chat messages (prompt, assistant call ``reverse(text)``, tool result,
         assistant answer in ``<reversed_text>`` tags) and the tool specs (OpenAI function form, as verifiers'
@@ -110,6 +107,11 @@ class ReverseToolTaskset(SplitTaskset[ReverseToolTask, ReverseToolConfig]):
         if config.max_chars < config.min_chars:
             raise ValueError(f"max_chars ({config.max_chars}) must be >= min_chars ({config.min_chars})")
         super().__init__(config)
+
+    @classmethod
+    def toolsets(cls, config: ReverseToolConfig) -> list[vf.Toolset]:
+        """The `reverse` tool, shared by every task (it holds no per-task state): one server for a whole run."""
+        return [ReverseToolset(config.task.tools)]
 
     def make_task(self, split: Literal["train", "eval"], index: int) -> ReverseToolTask:
         c = self.config

@@ -1,7 +1,8 @@
 """Rollouts through verifiers' own agent machinery, for tasksets whose tasks have tools (or no opening prompt).
 
-Each rollout is one `verifiers.v1.Agent.run(task)`: verifiers starts the task's tool servers and the agent
-harness (the `null` harness by default: a chat program run as a subprocess per rollout, through `uv`), and
+Each rollout is one `verifiers.v1.Agent.run(task)`: verifiers starts the task's own tool servers (``Task.toolsets``)
+and the agent harness (the `null` harness by default: a chat program run as a subprocess per rollout, through `uv`),
+and
 the harness reaches our vLLM server through verifiers' `TrainClient` (token ids + sampling logprobs from
 vLLM's ``/inference/v1/generate``; the server runs with ``--enable-scale-out``). verifiers parses the model's
 tool calls, runs the tools, feeds the results back, and scores the finished trace with the task's own
@@ -23,19 +24,25 @@ tokens (tool results and chat-template scaffold are 0) and the logprobs are vLLM
 (0.0 elsewhere). Branches that share a prefix are merged (``worker/orchestrator/branches.py``, case C22): a shared
 sampled token trains once, a branch that only extends another is one sample, and the batcher counts the trace once
 in its group's baseline.
+
+A taskset's shared tools (``Taskset.toolsets``: task-agnostic, like reverse_tool's `reverse`) run once for as long as
+`serving_tools` holds them, and every rollout of the taskset borrows them (``env.tools``): one tool server process for
+a whole run instead of one per rollout (each such start imports verifiers: ~3.6 s of CPU on the 2-core box, and a
+tool run of 3 steps of 2 groups of 4 started 32 of them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import verifiers.v1 as vf
 
-from worker.envs import EnvTask, trace_reward
+from worker.envs import Environment, EnvTask, trace_reward
 from worker.orchestrator.batcher import Rollout
 from worker.orchestrator.branches import merge_branches
 from worker.orchestrator.harness_runtime import ensure_uv_on_path, lock_chat_program
@@ -139,6 +146,27 @@ def _prompt_messages(branch: Any) -> int:
     return next((i for i, n in enumerate(branch.nodes) if n.sampled), len(branch.nodes))
 
 
+@contextlib.asynccontextmanager
+async def serving_tools(envs: Sequence[Environment]) -> AsyncIterator[None]:
+    """Start the shared tool servers of each environment's taskset (verifiers' ``Taskset.toolsets``) once and lend them
+    to its rollouts (``env.tools``, passed to every `HarnessRunner.run` of its tasks) until the block ends; then stop
+    them. Environments without a harness or without shared tools are left as they are."""
+    from verifiers.v1.mcp import serve_shared
+
+    started: list[Environment] = []
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            for env in envs:
+                toolsets = type(env.taskset).toolsets(env.taskset.config) if env.needs_harness else []
+                if toolsets and env not in started:
+                    env.tools = await stack.enter_async_context(serve_shared(toolsets))
+                    started.append(env)
+            yield
+        finally:
+            for env in started:
+                env.tools = {}
+
+
 def _render(message: vf.Message) -> str:
     text = f"[{message.role}] {message.content or ''}"
     for call in getattr(message, "tool_calls", None) or []:
@@ -193,9 +221,11 @@ class HarnessRunner:
         temperature: float,
         policy_version: Callable[[], int],
         max_total_tokens: int | None = None,
+        tools: Mapping[str, Any] | None = None,
     ) -> list[Rollout]:
         """One rollout of `task` (possibly several records: see `trace_to_rollouts`); `max_tokens` per model turn,
-        `max_total_tokens` as for `agent_config`. Every turn names the model served when the rollout got its slot (a
+        `max_total_tokens` as for `agent_config`; `tools`: the taskset's shared tool servers, running
+        (`serving_tools`: ``env.tools``), lent to the rollout. Every turn names the model served when the rollout got its slot (a
         LoRA run's adapter of the version its span starts at: ``worker.policy.lora_adapters.adapters_in_use`` keeps it
         loaded while the rollout runs)."""
         c = self.config
@@ -213,7 +243,7 @@ class HarnessRunner:
                 served_model=served,
                 max_total_tokens=max_total_tokens,
             )
-            trace = await vf.Agent(config).run(task)
+            trace = await vf.Agent(config).run(task, tools=tools)
             span, seconds = (v_start, policy_version()), time.perf_counter() - t0
         if not trace.ok:
             logger.warning("rollout of task %s failed: %s", task.key, [e.model_dump() for e in trace.errors])

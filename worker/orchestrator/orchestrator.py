@@ -59,7 +59,7 @@ from worker.orchestrator.batcher import Rollout, batch_groups, batch_metrics, en
 from worker.orchestrator.data import request_seed
 from worker.orchestrator.eval import evaluate
 from worker.orchestrator.gates import GatedStep, fill_batch, group_rejects
-from worker.orchestrator.harness import HarnessRunner
+from worker.orchestrator.harness import HarnessRunner, serving_tools
 from worker.orchestrator.mixture import EnvMixture, combine_evals, env_step_metrics
 from worker.orchestrator.packing import pack, pack_shared_prompt, prompt_keys
 from worker.orchestrator.policy_check import (
@@ -849,6 +849,11 @@ class Orchestrator:
     # ------------------------------------------------------------------ main loop
 
     async def main_loop(self) -> None:
+        """The run: :meth:`run_steps`, with the shared tool servers of its tasksets running (``serving_tools``)."""
+        async with serving_tools([e for m in self.sampler.envs for e in (m.train, m.eval)]):
+            await self.run_steps()
+
+    async def run_steps(self) -> None:
         spec = self.spec
         clients = [self.client] if self.pool is None else [r.client for r in self.pool.replicas]
         orch = spec.orchestrator

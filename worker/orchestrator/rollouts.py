@@ -125,6 +125,7 @@ async def rollout_group(
         return await harness.run_group(
             task,
             n=n,
+            tools=env.tools,
             max_tokens=max_tokens,
             temperature=temperature,
             policy_version=policy_version,

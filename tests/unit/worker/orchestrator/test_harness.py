@@ -150,3 +150,32 @@ def test_tool_taskset_runs_unless_uv_is_missing(tmp_path: Path, monkeypatch: pyt
         "which is not on PATH or next to this Python"
     )
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_a_tasksets_shared_tool_server_runs_once_while_served_and_answers() -> None:
+    """``serving_tools`` starts reverse_tool's `reverse` server once for both splits' environments given (the same
+    one twice starts it once), lends it through ``env.tools``, answers a real MCP call through it, and stops it (and
+    empties ``env.tools``) at the block's end."""
+    import httpx
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    from worker.orchestrator.harness import serving_tools
+
+    train, evals = load_environment("reverse_tool", split="train", seed=0), ENV
+    urls: list[str] = []
+
+    async def go() -> str:
+        async with serving_tools([train, evals, train]):
+            urls.extend(server.url for env in (train, evals) for server in env.tools.values())
+            async with streamable_http_client(urls[0]) as (read, write), ClientSession(read, write) as session:
+                await session.initialize()
+                result = await session.call_tool("reverse", {"text": "tool text"})
+        return str(result.structured_content["result"])
+
+    assert asyncio.run(go()) == "txet loot"
+    assert len(urls) == 2 and urls[0] != urls[1]  # one server per environment, each started once
+    assert train.tools == evals.tools == {}
+    for url in urls:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url, timeout=2)

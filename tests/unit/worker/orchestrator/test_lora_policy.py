@@ -137,7 +137,8 @@ def test_a_harness_rollout_names_the_adapter_of_the_version_its_span_starts_at(
         def __init__(self, config: Any) -> None:
             self.model = config.model
 
-        async def run(self, task: Any) -> Any:
+        async def run(self, task: Any, *, tools: Any) -> Any:
+            assert tools is None  # no taskset tools lent here
             named.append((self.model, version[0]))
             if len(named) == 1:
                 await release.wait()
