@@ -114,7 +114,7 @@ def multiturn_run(model: Path, run_dir: Path, *, max_steps: int = 2) -> RunDir:
 
     Once per session and inputs: a later call with a model of the same files (:func:`model_digest`) and the same
     ``max_steps`` gets a copy of the first call's run directory (its ``config.json`` names the first call's
-    ``run_dir``), not a second identical run (its own vLLM server: ~1 min of the one-at-a-time pass).
+    ``run_dir``), not a second identical run (its own vLLM server: ~1 min of the real-run pass).
 
     Raises:
         AssertionError: the run did not complete.
