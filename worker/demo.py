@@ -513,6 +513,8 @@ def serve_demo(output_dir: str, *, port: int = 8000) -> None:
     home = Path(output_dir).resolve() / "service"
     if not (home / "asyncrl.db").is_file():
         raise SpecError(f"--output-dir: no demo state in {home} (run `asyncrl demo --output-dir {output_dir}` first)")
+    # Ctrl-C stops it even when started with SIGINT ignored (a script's `&` job, or a parent that ignores it)
+    signal.signal(signal.SIGINT, _interrupt)
     with embedded_service(home, model_roots=[home.parent / "model"], port=port) as service:
         say(f"dashboard: {service.url}/pipelines (log in with the token {service.token}); Ctrl-C stops it")
         while all(_alive(pid) for pid in service.pids.values()):
