@@ -2,8 +2,7 @@
 
 Each rollout is one `verifiers.v1.Agent.run(task)`: verifiers starts the task's own tool servers (``Task.toolsets``)
 and the agent harness (the `null` harness by default: a chat program run as a subprocess per rollout, through `uv`),
-and
-the harness reaches our vLLM server through verifiers' `TrainClient` (token ids + sampling logprobs from
+and the harness reaches our vLLM server through verifiers' `TrainClient` (token ids + sampling logprobs from
 vLLM's ``/inference/v1/generate``; the server runs with ``--enable-scale-out``). verifiers parses the model's
 tool calls, runs the tools, feeds the results back, and scores the finished trace with the task's own
 `@vf.reward` functions.
