@@ -189,7 +189,7 @@ def alive(pid: int) -> bool:
     """Whether process ``pid`` exists and has not ended (a zombie, state ``Z``/``X`` in ``/proc/<pid>/stat``, has)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # ESRCH: it was reaped between the open and the read
         return False
     return state not in {"Z", "X"}
 
