@@ -136,7 +136,9 @@ class Settings(BaseSettings):
     """A root worker runs run ``n``'s processes as uid and gid ``RUN_UID_BASE + n`` (no account needed; ``HOME`` is
     ``<run home>/user-home``; ``RUN_USER`` is then not used), so that runs, of one user or of several, cannot read each
     other's environment (``/proc/<pid>/environ``: the run token, the vLLM key), signal or trace each other's processes,
-    or write each other's files. Pick a base above every account of the worker (a run whose uid is an account's is
+    or read or write each other's files (a run's home folder is 2750, its uid's, in the group of
+    ``<ASYNCRL_OUTPUT_DIR>/runs``, which the server must be in unless it is root; what a run starts from in another
+    run's folder is copied into its own before it starts: ``worker/run/inputs.py``). Pick a base above every account of the worker (a run whose uid is an account's is
     refused). Run ids are never reused, so neither are uids. 0 = every run as ``RUN_USER``, and with ``RUN_USER``
     empty too the default base 1900000000 (``worker.launchers.supervisor.DEFAULT_RUN_UID_BASE``): a root worker never
     runs a run as root (a non-root worker runs runs as itself). The run's uid must be able to run the worker's Python,

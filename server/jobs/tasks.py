@@ -56,8 +56,8 @@ from server.services import capacity, exports, metrics, pipelines, runs, spec_po
 from server.services.permissions import Forbidden
 from worker.launchers import supervisor
 from worker.launchers.reporter import row_to_event, rows_to_points
-from worker.run import cgroups
-from worker.run.procs import alive, live_processes, started_at
+from worker.run import cgroups, inputs
+from worker.run.procs import alive, give_tree, live_processes, started_at
 from worker.run.run_files import RunFileRefused, copy_run_folder, open_run_file
 from worker.run.rundir import (
     ENGINE_EVENTS,
@@ -97,28 +97,31 @@ def launch(run_id: int) -> str:
             if (waiting := _hold_for_slot(session, run, worker=capacity.worker_name())) is not None:
                 return waiting
             resume = bool(runs.checkpoint_steps(run))
+            try:  # RUN_USER / RUN_UID_BASE unusable, or another run's files it starts from cannot be copied
+                user = supervisor.run_user(settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home)
+                spec = _with_inputs(run, home, link=user is None)
+            except (ValueError, OSError) as err:
+                return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
             for tries in range(1, CGROUP_TRIES + 1):
                 unit, unit_line = _run_unit(run)
                 try:
                     pid = supervisor.start(
                         home,
                         run_id=run_id,
-                        spec=run.spec,
+                        spec=spec,
                         token=tokens.run_token(run),
                         server_url=settings.server_url(),
                         resume=resume,
                         attempt=attempt,
                         allow_env=settings.RUN_ENV_ALLOW,
-                        user=supervisor.run_user(
-                            settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home
-                        ),
+                        user=user,
                         cgroup=unit,
                     )
                     break
                 except (
                     ValueError,
                     OSError,
-                ) as err:  # RUN_USER / RUN_UID_BASE unusable, the home cannot be written, or no supervisor
+                ) as err:  # the run user cannot run this Python, the home cannot be written, or no supervisor
                     if unit is not None and not unit.exists() and tries < CGROUP_TRIES:
                         time.sleep(0.5)  # the stop of the previous attempt removed the cgroup before we joined it
                         continue
@@ -132,6 +135,17 @@ def launch(run_id: int) -> str:
             runs.record_event(session, run, "processes", reason=f"processes in the {unit_line}", pid=pid)
         session.commit()
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
+
+
+def _with_inputs(run: Run, home: Path, *, link: bool) -> dict[str, Any]:
+    """The spec ``run`` starts with: its stored spec, with the paths it names in other runs' folders replaced by the
+    copies made in its ``home`` (``worker.run.inputs.copy_inputs``: a run's uid cannot enter another run's folder).
+
+    Raises:
+        InputCopyError: such a path cannot be copied; one line naming the key.
+    """
+    runs_root = Path(settings.ASYNCRL_OUTPUT_DIR) / "runs"
+    return inputs.copy_inputs(run.spec, home, run_id=stored_id(run), runs_root=runs_root, link=link)
 
 
 def _launch_error(err: Exception, home: Path) -> str:
@@ -265,16 +279,19 @@ def _launch_slurm(session: Session, run: Run) -> str:
                 return waiting
             if (full := space_refusal(home, spec.model.name)) is not None:
                 return _fail_launch(session, run, full)
-            try:
-                SupervisorHome(home).write_spec(run.spec)
-            except OSError as err:
-                return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
             try:  # a root worker: the run's processes run as its uid (never as root), checked before submitting
                 user = supervisor.run_user(settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home)
                 if user is not None:
                     supervisor.check_run_user(user, home)
             except ValueError as err:
                 return _fail_launch(session, run, f"launch: {err}")
+            try:  # the files it starts from in other runs' folders: copied in, given to its uid
+                launched = _with_inputs(run, home, link=user is None)
+                if user is not None and (home / inputs.INPUTS_DIR).is_dir():
+                    give_tree(home / inputs.INPUTS_DIR, user.uid, user.gid)
+                SupervisorHome(home).write_spec(launched)
+            except (ValueError, OSError) as err:
+                return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
             env = supervisor.run_env(run_id, tokens.run_token(run), settings.server_url(), settings.RUN_ENV_ALLOW)
             resume = bool(runs.checkpoint_steps(run))
             job = slurm.submit(spec, run_id=run_id, home=home, env=env, resume=resume, user=user)

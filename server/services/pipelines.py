@@ -23,9 +23,10 @@ A pipeline spec (TOML or JSON; the CLI inlines each ``base = "path.toml"``)::
 
 What a stage takes from its ``from`` stage (the run the service records for it): an ``sft`` / ``rl`` stage's
 ``model.name`` becomes that run's final weights, ``<run_dir>/final`` (``save_pretrained`` with the tokenizer,
-``worker/trainer/checkpointer.save_final``); an ``eval`` stage's ``model.run`` becomes that run's id and
-``model.step`` its ``step`` (``runs.resolve_eval_source`` copies the weights). The first stage starts from its own
-spec. Each stage's run is named ``<pipeline>-<index>`` unless the stage gives a ``name``.
+``worker/trainer/checkpointer.save_final``; the worker copies it into the stage's own home before the stage starts,
+``worker.run.inputs``: a run's uid cannot enter another run's folder); an ``eval`` stage's ``model.run`` becomes that
+run's id and ``model.step`` its ``step`` (``runs.resolve_eval_source`` copies the weights). The first stage starts
+from its own spec. Each stage's run is named ``<pipeline>-<index>`` unless the stage gives a ``name``.
 
 States (literal tables below). A pipeline is ``running → completed | failed | cancelled``; ``failed`` and
 ``cancelled`` go back to ``running`` through :func:`resume_by` only. A stage is ``pending`` (no run yet) ``→

@@ -6,6 +6,7 @@ second or two and reports ``failed`` over HTTP with its run token — the whole 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -122,6 +123,39 @@ def test_launch_with_an_unusable_run_user_fails_the_run_and_starts_nothing(
     assert (done["status"], done["status_reason"], done["launcher_handle"]) == ("failed", reason, None)
     assert supervisor.running_pid(Path(run["run_dir"]).parent) is None
     assert status_events(client, auth, run["id"]) == [(None, "queued"), ("queued", "failed")]
+
+
+@pytest.mark.usefixtures("server_url")
+def test_a_launch_copies_what_the_run_starts_from_in_another_runs_folder_into_its_own(
+    client: Any, auth: dict[str, str], make_run: Any
+) -> None:
+    """Run B's model is run A's ``final/``: B's launch copies it into B's home (``worker.run.inputs``) and B's
+    supervisor gets that path; B's stored spec keeps A's. Run C's copy meets a link planted in A's folder: C fails at
+    launch naming the key, and nothing of it starts."""
+    from server.jobs.tasks import launch
+    from worker.run.rundir import SupervisorHome
+
+    final = Path(make_run()["run_dir"]) / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text('{"model_type": "qwen3"}')
+    b, c = make_run(model={"name": str(final)}), make_run(model={"name": str(final)})
+    assert launch(b["id"]).startswith(f"launched: run {b['id']} pid")
+    home = Path(b["run_dir"]).parent
+    copy = home / "inputs" / "model.name" / "final"
+    assert json.loads(SupervisorHome(home).spec.read_text())["model"]["name"] == str(copy)
+    assert (copy / "config.json").read_text() == '{"model_type": "qwen3"}'
+    assert run_of(client, auth, b["id"])["spec"]["model"]["name"] == str(final)
+    wait_for(lambda: run_of(client, auth, b["id"])["status"] == "failed", 60, "run B failed")  # no weights: preflight
+
+    (final / "tokenizer.json").symlink_to("config.json")  # inside MODEL_ROOTS, so spec_policy lets it by
+    reason = (
+        f"launch: model.name: {final} (run {Path(final).parents[1].name}'s {final.parent.name}/final) cannot be copied "
+        f"into the run's folder: {final.parent.name}/final/tokenizer.json: is a symbolic link; run files are read "
+        "only as regular files"
+    )
+    assert launch(c["id"]) == f"failed: run {c['id']}: {reason}"
+    assert run_of(client, auth, c["id"])["status_reason"] == reason
+    assert not (Path(c["run_dir"]).parent / "spec.json").exists()
 
 
 @pytest.mark.slurm

@@ -95,7 +95,7 @@ def run_user(name: str, *, run_id: int | None = None, uid_base: int = 0, home: P
     """The account a run's processes run as: with ``uid_base`` (the worker's ``RUN_UID_BASE``), uid and gid
     ``uid_base + run_id`` (no account needed; ``HOME`` = ``<home>/user-home``), so that runs, of one user or of
     several, cannot read each other's environment (``/proc/<pid>/environ``: run token, vLLM key), signal or trace each
-    other's processes, or write each other's files; else the account ``name``. With neither, a root worker uses
+    other's processes, or read or write each other's files (:func:`give_home`); else the account ``name``. With neither, a root worker uses
     :data:`DEFAULT_RUN_UID_BASE` (never root), any other worker its own user (None).
 
     Raises:
@@ -226,10 +226,20 @@ def spec_model(spec: dict[str, Any]) -> str:
     return str(model.get("name", "")) if isinstance(model, dict) else ""
 
 
+HOME_MODE = 0o2750
+"""Mode of a run's home folder given to its user (:func:`give_home`): its uid reads and writes it, the server's group
+reads it (the set-group-id bit: what the run makes in it gets that group too), no other uid may enter it."""
+
+
 def give_home(home: Path, user: RunUser) -> None:
-    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint) the run user's
-    (:func:`worker.run.procs.give_tree`: a hard-linked file is copied first)."""
-    give_tree(home, user.uid, user.gid)
+    """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint, the inputs copied from other
+    runs: :mod:`worker.run.inputs`) the run user's, in the group of the folder that holds the homes
+    (``<ASYNCRL_OUTPUT_DIR>/runs``: the server's, which reads them), with the home folder :data:`HOME_MODE`: another
+    run's uid cannot enter it, so reads nothing in it (:func:`worker.run.procs.give_tree`: a hard-linked file is
+    copied first)."""
+    group = os.stat(home.parent).st_gid
+    give_tree(home, user.uid, group)
+    os.chmod(home, HOME_MODE)
 
 
 def detach(

@@ -233,7 +233,8 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
     """Two runs started as a root worker with ``RUN_UID_BASE`` starts them (``supervisor.start``'s steps: give_home,
     then ``detach`` as the run's user), shells standing in for supervisors (this machine's Python lives under /root,
     which no other uid may enter). Run 41 tries, against run 42's process: read its environment (its run token), send
-    it a signal, write into its home folder; each is refused by the kernel, while run 41 reads its own environment."""
+    it a signal, write into its home folder, read a file of it or list it (the home is 2750, in the group of the folder
+    of homes); each is refused by the kernel, while run 41 reads its own environment and files."""
     base = Path(tempfile.mkdtemp(prefix="asyncrl-run-uids-"))
     try:
         base.chmod(0o755)
@@ -245,7 +246,9 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
             assert user is not None
             users[n] = user
             Path(users[n].home).mkdir()
+            (home / "spec.json").write_text("{}")
             supervisor.give_home(home, users[n])
+            assert (home.stat().st_mode & 0o7777, home.stat().st_gid) == (0o2750, (base / "runs").stat().st_gid)
         victim = supervisor.detach(
             ["/bin/sh", "-c", 'echo $$ > "$HOME/pid"; exec sleep 120'],
             supervisor.run_env(42, "rt_run_42_secret", "http://s"),
@@ -257,13 +260,15 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
             'tr "\\0" "\\n" < /proc/$$/environ | grep -c ASYNCRL_RUN_TOKEN=rt_run_41 > own; '
             'cat "/proc/$1/environ" > other 2> other_err; echo $? > other_rc; '
             'kill -0 "$1" 2> kill_err; echo $? > kill_rc; '
-            'touch "$2/planted" 2> write_err; echo $? > write_rc; touch done'
+            'touch "$2/planted" 2> write_err; echo $? > write_rc; '
+            'cat "$2/spec.json" > read 2> read_err; echo $? > read_rc; ls "$2" > list 2> list_err; echo $? > list_rc; '
+            'cat "$3/spec.json" > own_read; touch done'
         )
         deadline = time.monotonic() + 30
         while not (Path(users[42].home) / "pid").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         supervisor.detach(
-            ["/bin/sh", "-c", probe, "sh", str(victim), str(homes[42])],
+            ["/bin/sh", "-c", probe, "sh", str(victim), str(homes[42]), str(homes[41])],
             supervisor.run_env(41, "rt_run_41_secret", "http://s"),
             homes[41] / "supervisor.log",
             users[41],
@@ -273,7 +278,7 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
             time.sleep(0.05)
         got = {
             name: (out / name).read_text().strip()
-            for name in ("uid", "home", "own", "other", "other_rc", "kill_rc", "write_rc")
+            for name in ("uid", "home", "own", "other", "other_rc", "kill_rc", "write_rc", "read_rc", "list_rc")
         }
         assert got == {
             "uid": str(RUN_UID_BASE + 41),
@@ -283,10 +288,15 @@ def test_runs_with_their_own_uids_cannot_read_signal_or_write_each_other() -> No
             "other_rc": "1",
             "kill_rc": "1",
             "write_rc": "1",
+            "read_rc": "1",
+            "list_rc": "2",
         }
+        assert (out / "own_read").read_text() == "{}"
         assert "Permission denied" in (out / "other_err").read_text()
         assert "not permitted" in (out / "kill_err").read_text()
         assert "Permission denied" in (out / "write_err").read_text()
+        assert "Permission denied" in (out / "read_err").read_text()
+        assert "Permission denied" in (out / "list_err").read_text()
         assert not (homes[42] / "planted").exists()
         status = Path(f"/proc/{victim}/status").read_text()
         assert f"Uid:\t{RUN_UID_BASE + 42}\t" in status  # still alive, as its own uid
@@ -306,7 +316,8 @@ def test_give_home_copies_a_hard_linked_file_before_changing_its_owner(tmp_path:
     owner = (parent.stat().st_uid, parent.stat().st_gid)
     supervisor.give_home(home, supervisor.RunUser("run-8", 60_008, 60_008, str(home)))
     child = home / "ckpt" / "model.safetensors"
-    assert (child.stat().st_uid, child.stat().st_gid) == (60_008, 60_008) and child.read_bytes() == parent.read_bytes()
+    group = home.parent.stat().st_gid  # the folder of homes' (the server's) group
+    assert (child.stat().st_uid, child.stat().st_gid) == (60_008, group) and child.read_bytes() == parent.read_bytes()
     assert (parent.stat().st_uid, parent.stat().st_gid) == owner and parent.stat().st_nlink == 1
     assert [p.name for p in (home / "ckpt").iterdir()] == ["model.safetensors"]  # no temporary left
 
