@@ -52,7 +52,7 @@ from server.core.config import settings
 from server.core.db import engine
 from server.jobs.celery_app import TaskName, app, enqueue
 from server.models import TERMINAL, EngineEvent, MetricPoint, Role, Run, RunEvent, RunStatus, stored_id
-from server.services import capacity, exports, metrics, pipelines, runs, spec_policy, sweeps, tokens
+from server.services import capacity, exports, metrics, pipelines, runs, sweeps, tokens
 from server.services.permissions import Forbidden
 from worker.launchers import supervisor
 from worker.launchers.reporter import row_to_event, rows_to_points
@@ -208,14 +208,16 @@ def start_waiting() -> list[str]:
 
 
 def _refusal(session: Session, run: Run) -> str | None:
-    """Why the stored spec may not be launched now (it no longer validates, or names code or an address the service
-    does not allow, or something only an admin may use and the owner is not one: a spec stored before a rule, a
-    setting or the owner's role changed), None when it may. Checked only before a supervisor or Slurm job is
-    started, never against one an earlier delivery already started."""
+    """Why the stored spec may not be launched now (it no longer validates, or fails a check of submit,
+    ``runs.check_allowed``: names code, an address or a path the service does not allow, a path that now leads into
+    another user's run folder through a symlink swapped while the run waited, or something only an admin may use and
+    the owner is not one: a spec stored before a rule, a setting or the owner's role changed), None when it may.
+    Checked only before a supervisor or Slurm job is started, never against one an earlier delivery already
+    started."""
     owner = tokens.user(session, run.owner)
     try:
         spec = validate_spec(str(run.spec.get("kind", "rl")), run.spec)
-        spec_policy.check(spec, admin=owner is not None and owner.role == Role.admin)
+        runs.check_allowed(session, spec, owner=run.owner, admin=owner is not None and owner.role == Role.admin)
     except (SpecError, Forbidden) as err:
         return f"refused at launch: {err}"
     return None

@@ -146,8 +146,7 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     source = None
     if isinstance(spec, EvalSpec):  # model.run: the run's weights (checked, its base model named)
         spec, source = resolve_eval_source(session, spec, owner=owner, admin=admin)
-    spec_policy.check(spec, admin=admin)
-    check_run_files_used(session, spec, owner=owner, admin=admin)
+    check_allowed(session, spec, owner=owner, admin=admin)
     capacity.check_fits(session, spec)
     launch_checks.check(spec)  # what the launch would refuse: data rows, LoRA targets, inference.urls (<= 2 s)
     serialize(session, f"asyncrl:submit:{owner}")  # count, then add
@@ -170,6 +169,20 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     if source is not None:
         attach_eval_source(session, run, source)  # its weights into the job's folder, an event on the source run
     return run
+
+
+def check_allowed(session: Session, spec: RLSpec | SFTSpec | EvalSpec, *, owner: str, admin: bool) -> None:
+    """Everything a spec of ``owner`` (``admin``: an admin's) may name: code, addresses, flags and paths
+    (``spec_policy.check``) and no path inside another user's run folder (:func:`check_run_files_used`). The one check
+    of both moments: at submit (:func:`create`) and again at launch (``server.jobs.tasks.launch``), where a symlink the
+    owner swapped while the run waited, a rule, a setting or the owner's role may have changed.
+
+    Raises:
+        SpecError: ``spec_policy.check``'s refusals (``CodeNotAllowed``, ``AddressNotAllowed``, ...), naming the key.
+        permissions.Forbidden: a path inside another user's run folder; a Slurm allocation of a member.
+    """
+    spec_policy.check(spec, admin=admin)
+    check_run_files_used(session, spec, owner=owner, admin=admin)
 
 
 def check_run_files_used(session: Session, spec: RLSpec | SFTSpec | EvalSpec, *, owner: str, admin: bool) -> None:

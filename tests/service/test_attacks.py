@@ -185,6 +185,39 @@ def symlink_model(c: Ctx) -> Any:
     return submit(**{"model.name": str(link)})(c)
 
 
+def swapped_link_at_launch(c: Ctx) -> Any:
+    """Bob submits an SFT run of his own model folder through a link (``{state}/swap``); while the run waits for a
+    slot he points the link at alice's completed run's ``final/``. The launch checks the paths again as the submit
+    did; the answer is the run's status and reason (the supervisor's start is a stub: nothing runs either way)."""
+    from server.jobs import tasks
+
+    mine, link = STATE / "bobs-model", STATE / "swap"
+    mine.mkdir(exist_ok=True)
+    (mine / "config.json").write_text("{}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(mine)
+    body = {"kind": "sft", "name": f"swap-{secrets.token_hex(3)}", "max_steps": 2, "model": {"name": str(link)}}
+    made = c.api.post("/api/runs", json=body, headers=c.h["bob"])
+    assert made.status_code == 201, made.text
+    theirs = Path(c.api.get(f"/api/runs/{c.ids['ended']}", headers=c.h["alice"]).json()["run_dir"]) / "final"
+    theirs.mkdir(parents=True, exist_ok=True)
+    (theirs / "config.json").write_text("{}")
+    link.unlink()
+    link.symlink_to(theirs)
+
+    def not_started(*_args: Any, **_kw: Any) -> int:
+        raise OSError("started (the attack test's stub)")
+
+    real, tasks.supervisor.start = tasks.supervisor.start, not_started  # type: ignore[assignment]
+    try:
+        tasks.launch(made.json()["id"])
+    finally:
+        tasks.supervisor.start = real  # type: ignore[method-assign]
+    resp = c.api.get(f"/api/runs/{made.json()['id']}", headers=c.h["bob"])
+    resp._content = json.dumps({"detail": f"{resp.json()['status']}: {resp.json()['status_reason']}"}).encode()  # noqa: SLF001
+    return resp
+
+
 def unknown_model_type(c: Ctx) -> Any:
     """A LoRA run of a model folder whose ``config.json`` names no model type (transformers: "Unrecognized model")."""
     folder = STATE / "no-model-type"
@@ -611,6 +644,14 @@ ADDRESSES = [
         submit(**{"model.name": "~/.ssh"}),
     ),
     Attack("model.name = a symlink in a model root to /etc", "POST /api/runs", 422, "model.name: ", symlink_model),
+    Attack(
+        "model.name = a link to the submitter's model, pointed into another user's run folder before the launch",
+        "launch_run (queued run)",
+        200,
+        "failed: refused at launch: model.name: '{state}/swap' is inside the folder of run {ended}, which is not yours: "
+        "only a run's owner or an admin may use its files",
+        swapped_link_at_launch,
+    ),
     Attack(
         "model.name = a hub id not on this machine, hub downloads off (HF_HUB_OFFLINE)",
         "POST /api/runs",
