@@ -178,6 +178,8 @@ class RunPublic(RunBase):
     tags: list[str]
     notes: str
     group: str | None
+    step: int | None = None
+    """The newest step the run's trainer reported; ``None`` before its first and for an eval job."""
 
 
 class RunsPublic(SQLModel):

@@ -35,6 +35,7 @@ from server.models import (
     Metric,
     Run,
     RunEvent,
+    RunPublic,
     RunStatus,
     RunUpdate,
     stored_id,
@@ -267,6 +268,25 @@ def list_runs(
     total = session.exec(select(func.count()).select_from(Run).where(*where)).one()
     rows = session.exec(select(Run).where(*where).order_by(col(Run.id).desc()).offset(offset).limit(limit)).all()
     return list(rows), int(total)
+
+
+def latest_steps(session: Session, run_ids: Sequence[int]) -> dict[int, int]:
+    """Run id -> the newest step its trainer reported (``trainer`` metrics) for each of ``run_ids`` that has one
+    (an eval job has none): one grouped query over the metrics' primary key ``(run, source, step, name)``."""
+    if not run_ids:
+        return {}
+    stmt = (
+        select(Metric.run_id, func.max(Metric.step))
+        .where(col(Metric.run_id).in_(run_ids), Metric.source == "trainer")
+        .group_by(col(Metric.run_id))
+    )
+    return {int(run_id): int(step) for run_id, step in session.exec(stmt).all() if step is not None}
+
+
+def public(session: Session, runs: Sequence[Run]) -> list[RunPublic]:
+    """``runs`` as the API shows them: the stored fields plus ``step`` (:func:`latest_steps`)."""
+    steps = latest_steps(session, [stored_id(r) for r in runs])
+    return [RunPublic.model_validate(r).model_copy(update={"step": steps.get(stored_id(r))}) for r in runs]
 
 
 def transition(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.server import BAD_MODEL, new_token, run_token_headers, sft_data, spec
+from tests.support.server import BAD_MODEL, new_token, points, run_token_headers, sft_data, spec
 
 
 def run_count(client: Any, auth: dict[str, str]) -> int:
@@ -114,6 +114,20 @@ def test_list_filters_and_paginates(client: Any, auth: dict[str, str], make_run:
     client.post(f"/api/runs/{made[0]['id']}/stop", headers=auth)
     cancelled = client.get("/api/runs", params={"name": "page-", "status": "cancelled"}, headers=auth).json()
     assert [r["id"] for r in cancelled["data"]] == [made[0]["id"]]
+
+
+def test_show_and_list_give_the_trainers_newest_step(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    """``step`` is the newest step of the run's trainer metrics (other processes' steps do not count), ``null``
+    before the first; ``GET /api/runs/{id}``, the list and a stop's answer all carry it."""
+    run_id = make_run(name="stepped")["id"]
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["step"] is None
+    rt = run_token_headers(run_id)
+    batch = {"points": points(7) + points(12, name="reward_mean", source="orchestrator")}
+    assert client.post(f"/api/runs/{run_id}/metrics", json=batch, headers=rt).is_success
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["step"] == 6
+    listed = client.get("/api/runs", params={"name": "stepped"}, headers=auth).json()["data"]
+    assert [(r["id"], r["step"]) for r in listed] == [(run_id, 6)]
+    assert client.post(f"/api/runs/{run_id}/stop", headers=auth).json()["step"] == 6
 
 
 def test_status_transitions_are_recorded(client: Any, auth: dict[str, str], make_run: Any) -> None:

@@ -139,29 +139,30 @@ def list_runs(
     tags = [check_query_label(t, "tag") for t in tag or []]
     group = check_query_label(group, "group", MAX_GROUP_LEN) if group is not None else None
     data, count = runs.list_runs(session, status=status, name=name, tags=tags, group=group, offset=offset, limit=limit)
-    return RunsPublic(data=[RunPublic.model_validate(r) for r in data], count=count)
+    return RunsPublic(data=runs.public(session, data), count=count)
 
 
 @router.get("/{run_id}", response_model=RunPublic)
 def get_run(run_id: int, session: SessionDep, principal: PrincipalDep) -> Any:
     permissions.check_run_access(principal, run_id)
-    return runs.get(session, run_id)
+    return runs.public(session, [runs.get(session, run_id)])[0]
 
 
 @router.patch("/{run_id}", response_model=RunPublic, responses={422: {"description": "a bad tag, notes or group"}})
 def update_run(run_id: int, change: RunUpdate, session: SessionDep, user: UserDep) -> Any:
     """Set the run's ``tags`` (the whole list), ``notes`` and/or ``group`` (its owner or an admin, in any state);
     fields left out stay. A tag is 1-64 printable characters (no control characters); at most 32 tags."""
-    return runs.update_by(session, run_id, user, change)
+    return runs.public(session, [runs.update_by(session, run_id, user, change)])[0]
 
 
 @router.post("/{run_id}/stop", response_model=RunPublic)
 def stop_run(run_id: int, session: SessionDep, user: UserDep, via: SurfaceDep) -> Any:
-    """Cancel a queued run at once, or ask the worker to stop a launched one (status becomes ``cancelled``, its
-    reason ``stopped by <user> via API``, or ``via CLI`` from ``asyncrl runs stop``)."""
+    """Cancel a queued run at once, or ask the worker to stop a launched one: the answer shows the run as it is
+    when asked (still ``running``); it becomes ``cancelled`` once its processes have stopped, with the reason
+    ``stopped by <user> via API`` (``via CLI`` from ``asyncrl runs stop``)."""
     run = runs.stop_by(session, run_id, user, via=via)
     session.refresh(run)
-    return run
+    return runs.public(session, [run])[0]
 
 
 @router.delete("/{run_id}", status_code=204, responses={409: {"description": "the run has not ended"}})
@@ -268,7 +269,7 @@ def resume_run(run_id: int, session: SessionDep, user: UserDep) -> Any:
     metrics (those after the checkpoint step are dropped); the run is queued and relaunched with ``--resume``."""
     run = runs.resume_by(session, run_id, user)
     session.refresh(run)
-    return run
+    return runs.public(session, [run])[0]
 
 
 @router.post(
