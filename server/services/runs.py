@@ -853,9 +853,9 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
     ``fork`` event (child id). The caller commits and then enqueues the child's launch.
 
     Raises:
-        SpecError: the parent is an SFT run (fork is for RL runs), the changed spec is invalid (names the dotted key), changes ``trainer.lora``
-            (:func:`check_fork_keeps`), ``step`` has no complete checkpoint, or ``max_steps`` leaves nothing to train
-            after ``step``.
+        SpecError: the parent is an SFT run (fork is for RL runs), the changes set another ``kind``, the changed
+            spec is invalid (names the dotted key), changes ``trainer.lora`` (:func:`check_fork_keeps`), ``step`` has
+            no complete checkpoint, or ``max_steps`` leaves nothing to train after ``step``.
         InvalidTransition: the parent has no complete checkpoint at all.
     """
     if parent.kind != "rl":
@@ -869,6 +869,10 @@ def fork(session: Session, parent: Run, request: ForkRequest, *, owner: str, adm
     data.pop("output_dir", None)
     if request.name is not None:
         data["name"] = request.name
+    if data.get("kind", "rl") != "rl":
+        raise SpecError(
+            f"kind: a fork of an 'rl' run is an 'rl' run; leave 'kind' out of changes, got {data['kind']!r}"
+        )
     child_spec = validate_spec("rl", data)
     spec_policy.check(child_spec, admin=admin)  # a bad key, value or code: named before the copy
     check_fork_keeps(parent.spec, child_spec)

@@ -173,8 +173,10 @@ def sweepable_keys(base: dict[str, Any]) -> dict[str, Any]:
     text, booleans, unset optionals) outside ``NOT_SWEEPABLE``.
 
     Raises:
-        SpecError: the base spec is invalid (``base.`` + the spec's own message).
+        SpecError: the base spec is of another kind or invalid (``base.`` + the spec's own message).
     """
+    if base.get("kind", "rl") != "rl":
+        raise SpecError(f"base.kind: a sweep runs 'rl' runs; give an 'rl' spec as its base, got {base['kind']!r}")
     try:
         spec = validate_spec("rl", base)
     except SpecError as err:

@@ -204,6 +204,11 @@ def test_fork_makes_a_new_run_from_a_checkpoint_with_changes(client: Any, auth: 
         ({"step": 3}, 422, "step: run {id} has no complete checkpoint at step 3 (complete: [2])"),
         ({"changes": {"max_steps": 2}}, 422, "max_steps: 2 leaves nothing to train after the fork step 2"),
         ({"chnages": {}}, 422, "body.chnages: Extra inputs are not permitted"),
+        (  # the API's own words, not the CLI's ("this command runs 'rl' specs")
+            {"changes": {"kind": "sft"}},
+            422,
+            "kind: a fork of an 'rl' run is an 'rl' run; leave 'kind' out of changes, got 'sft'",
+        ),
         (  # the parent is a full fine-tune: its checkpoint holds no adapter for a LoRA child to load
             {"changes": {"trainer.lora": {"rank": 16}}},
             422,

@@ -387,6 +387,10 @@ BAD = [
         "base.output_dir: the service chooses the run folder (<ASYNCRL_OUTPUT_DIR>/runs/<id>/<name>); leave "
         "output_dir out of a submitted spec",
     ),
+    (  # the API's own words, not the CLI's ("this command runs 'rl' specs")
+        {"base": {**spec(max_steps=4), "kind": "sft"}},
+        "base.kind: a sweep runs 'rl' runs; give an 'rl' spec as its base, got 'sft'",
+    ),
     (
         {"max_paralel": 4},
         "max_paralel: unknown sweep key (did you mean 'max_parallel'?); allowed: name, base, grid, random, "
