@@ -41,6 +41,14 @@ def test_submit_toml_upload(client: Any, auth: dict[str, str]) -> None:
     assert resp.json()["spec"]["orchestrator"]["group_size"] == 4
 
 
+def test_a_toml_upload_with_a_byte_order_mark_is_taken(client: Any, auth: dict[str, str]) -> None:
+    """An editor's UTF-8 byte order mark before the first key is not part of the spec."""
+    toml = f'\ufeffname = "bom-run"\nmax_steps = 5\n[model]\nname = "{BAD_MODEL}"\n'
+    resp = client.post("/api/runs", files={"file": ("rl.toml", toml.encode(), "application/toml")}, headers=auth)
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["name"] == "bom-run"
+
+
 SPEC_LIMIT = 262_144
 """Largest spec file or pasted spec, in bytes (256 KiB; ``worker.spec.loading.MAX_SPEC_BYTES``)."""
 UPLOADS = {  # route -> a valid spec of that route, as TOML

@@ -70,7 +70,8 @@ def check_depth(data: Any, where: str = "spec") -> None:
 
 
 def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "spec") -> Any:
-    """Parse JSON or TOML text (bytes: UTF-8) whose nesting is at most ``MAX_DEPTH`` levels.
+    """Parse JSON or TOML text (bytes: UTF-8) whose nesting is at most ``MAX_DEPTH`` levels. A leading UTF-8 byte
+    order mark (editors on Windows write one) is dropped: every spec file, upload and pasted spec is read here.
 
     Raises:
         SpecError: nested deeper (``<where>: nested deeper than 32 levels``), also when the parser runs out of
@@ -79,6 +80,7 @@ def parse_text(text: str | bytes, fmt: Literal["JSON", "TOML"], where: str = "sp
         json.JSONDecodeError, tomllib.TOMLDecodeError: the text does not parse.
         UnicodeDecodeError: bytes that are not UTF-8 (TOML).
     """
+    text = text.removeprefix("\ufeff") if isinstance(text, str) else text.removeprefix(b"\xef\xbb\xbf")
     try:
         data = json.loads(text) if fmt == "JSON" else tomllib.loads(text if isinstance(text, str) else text.decode())
     except RecursionError:

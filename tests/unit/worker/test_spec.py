@@ -197,6 +197,17 @@ def test_json_file_layer(tmp_path: Path) -> None:
     assert (spec.orchestrator.batch_size, spec.orchestrator.group_size) == (4, 3)
 
 
+def test_a_byte_order_mark_is_dropped(tmp_path: Path) -> None:
+    """A spec file an editor saved with a UTF-8 byte order mark reads as the same file without it (TOML and JSON,
+    text and bytes, as files and uploads are read)."""
+    toml, js = tmp_path / "bom.toml", tmp_path / "bom.json"
+    toml.write_bytes(b'\xef\xbb\xbfmax_steps = 5\n[model]\nname = "m"\n')
+    js.write_bytes(b'\xef\xbb\xbf{"seed": 3}')
+    assert load_spec_data([toml, js], []) == {"max_steps": 5, "seed": 3, "model": {"name": "m"}}
+    assert parse_text("\ufeffa = 1", "TOML") == parse_text(b"\xef\xbb\xbfa = 1", "TOML") == {"a": 1}
+    assert parse_text('\ufeff{"a": 1}', "JSON") == parse_text(b'\xef\xbb\xbf{"a": 1}', "JSON") == {"a": 1}
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [
