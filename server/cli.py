@@ -46,6 +46,14 @@ def server_command(argv: list[str]) -> int:
     p.add_argument("--no-migrate", action="store_true", help="skip 'alembic upgrade head' at start")
     args = p.parse_args(argv)
     sock = bind(args.host, args.port)  # first: a busy port fails at once, before migrating or publishing
+    from server.core.db import DatabaseUnavailable, check_connection
+
+    try:
+        check_connection()
+    except DatabaseUnavailable as err:  # no such database, host down, bad password: one line, exit 1
+        sock.close()
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 1
     if not args.no_migrate:
         migrate()
     from server.core.config import settings
@@ -343,7 +351,7 @@ def runs_command(argv: list[str]) -> int:
     ls.add_argument("--limit", type=int, default=50)
     _api_args(ls)
     helps = {
-        "show": "one run as JSON (status, reason, spec, run directory)",
+        "show": "one run as JSON (status, step, reason, spec, run directory)",
         "stop": "stop a live run (its checkpoints stay)",
         "resume": "resume a stopped or failed run from its newest complete checkpoint",
         "delete": "delete an ended run (its directory stays)",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, event, text
+from sqlalchemy import URL, Engine, event, text
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, create_engine
 
 from server.core.config import settings
@@ -53,6 +55,43 @@ def make_engine(url: str) -> Engine:
 
 
 engine = make_engine(settings.DATABASE_URL)
+
+
+class DatabaseUnavailable(RuntimeError):
+    """``DATABASE_URL`` names a database that does not open; the message is one line saying what to do."""
+
+
+def check_connection(eng: Engine | None = None) -> None:
+    """Open and close one connection to ``eng`` (default :data:`engine`), so a server that cannot reach its
+    database says so at start in one line instead of a driver traceback.
+
+    Raises:
+        DatabaseUnavailable: ``DATABASE_URL: cannot open <url> (<the driver's reason>): <what to do>``.
+    """
+    eng = engine if eng is None else eng
+    try:
+        with eng.connect():
+            pass
+    except OperationalError as err:
+        raise DatabaseUnavailable(unavailable_line(eng.url, str(err.orig))) from None
+
+
+def unavailable_line(url: URL, reason: str) -> str:
+    """The one line of :class:`DatabaseUnavailable` for the driver's ``reason`` (psycopg's or sqlite3's message,
+    possibly several lines) of the database at ``url`` (shown without its password)."""
+    reason = " ".join((reason.strip().splitlines() or [""])[0].split())  # psycopg's second line is a hint
+    reason = re.sub(r"^connection failed: connection to server at .*? failed: ", "", reason)
+    reason = re.sub(r"^FATAL: +", "", reason).removesuffix(".")
+    host, port, user, name = url.host or "localhost", url.port or 5432, url.username, url.database
+    if re.search(r'database ".*" does not exist', reason):
+        todo = f"create it first (createdb -h {host} -p {port}{f' -U {user}' if user else ''} {name})"
+    elif "password authentication failed" in reason or re.search(r'role ".*" does not exist', reason):
+        todo = "check the user and password in DATABASE_URL"
+    elif url.get_backend_name() == "sqlite":
+        todo = "check that DATABASE_URL names a file this user may create and write"
+    else:
+        todo = f"is Postgres running and reachable at {host}:{port}? start it or fix DATABASE_URL"
+    return f"DATABASE_URL: cannot open {url.render_as_string(hide_password=True)} ({reason}): {todo}"
 
 
 def get_session() -> Iterator[Session]:

@@ -1,19 +1,24 @@
-"""Alembic is the only way the schema changes: one head, upgrade/downgrade work, and no drift from the models."""
+"""Alembic is the only way the schema changes: one head, upgrade/downgrade work, and no drift from the models; a
+server whose database does not open says so in one line."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
 from typing import Any
 
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import make_url
 from sqlmodel import SQLModel
 
 import server.alerts.models  # noqa: F401
 import server.models  # noqa: F401
-from tests.support.server import PG, migrate, pg_admin
+from tests.support.server import PG, free_port, migrate, pg_admin
 
 
 def test_single_head() -> None:
@@ -128,3 +133,19 @@ def test_existing_tokens_become_users_with_roles() -> None:
         migrate(url)
     finally:
         pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_the_server_on_a_database_that_does_not_exist_exits_with_one_line() -> None:
+    """``asyncrl server`` before ``createdb``: exit 1 and one line naming ``DATABASE_URL`` and the command that makes
+    the database, not the driver's traceback; the port it bound is free again."""
+    url = make_url(os.environ["DATABASE_URL"]).set(database="asyncrl_no_such_db")
+    env = {**os.environ, "DATABASE_URL": url.render_as_string(hide_password=False)}
+    cmd = [sys.executable, "-m", "worker.cli", "server", "--port", str(free_port())]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    shown = url.render_as_string(hide_password=True)
+    assert proc.stderr.strip() == (
+        f'error: DATABASE_URL: cannot open {shown} (database "asyncrl_no_such_db" does not exist): create it first '
+        f"(createdb -h {url.host} -p {url.port or 5432}{f' -U {url.username}' if url.username else ''} "
+        "asyncrl_no_such_db)"
+    )
