@@ -44,6 +44,11 @@ PROCESS_WORDS = {
     r"\bthe session's\b": "a work session",
 }
 """Patterns of words of the team's own way of working that mean nothing to a user, and what each is."""
+VENV_TOOLS = re.compile(
+    r"^\s*(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(python3?|pip3?|pytest|alembic|celery|asyncrl|uvicorn|wandb)(\s|$)"
+)
+"""A shell line that runs a tool of the checkout's ``.venv`` by its bare name (after any ``VAR=value``): on a fresh
+clone nothing puts ``.venv/bin`` on the PATH, so it fails (``python scripts/x.py``: ``No module named 'worker'``)."""
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 
@@ -125,6 +130,20 @@ def test_every_relative_link_resolves(page: Path) -> None:
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{page.name}:{number}: {target} (no heading #{anchor} in {dest.name})")
     assert broken == []
+
+
+@pytest.mark.parametrize("page", [*PAGES, BENCHMARKS_README], ids=lambda p: str(p.relative_to(ROOT)))
+def test_shell_examples_run_the_venvs_tools(page: Path) -> None:
+    """Every command of a ``bash`` / ``sh`` block works as written on a fresh clone: the checkout's tools are run as
+    ``.venv/bin/<tool>``."""
+    bare, shell = [], False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if FENCE.match(line.strip()):
+            shell = not shell and line.strip()[3:].strip() in ("bash", "sh", "shell")
+            continue
+        if shell and VENV_TOOLS.match(line):
+            bare.append(f"{page.name}:{number}: {line.strip()[:100]}")
+    assert bare == [], "run it as .venv/bin/<tool>"
 
 
 @pytest.mark.parametrize("page", [*PAGES, BENCHMARKS_README], ids=lambda p: str(p.relative_to(ROOT)))
