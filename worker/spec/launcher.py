@@ -7,10 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from worker.spec.strict import StrictModel
+from worker.spec.strict import StrictModel, check_port
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+"""A control character (newline, CR, NUL, tab, ...): never in a value written into a job script, even quoted."""
+MAX_EXTRA_SBATCH = 64
+"""Most ``launcher.slurm.extra_sbatch`` options."""
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,128}(,[A-Za-z0-9_.+-]{1,128}){0,63}$")
 """A Slurm partition, account or reservation name (a comma-separated list for partitions): written into an
 ``#SBATCH`` line of the job script, so a newline or a shell character must never reach it."""
@@ -43,14 +47,14 @@ class SlurmConfig(StrictModel):
     most a day)."""
     requeue: bool = True
     rdzv_port: int = Field(default=29500, ge=1, le=65535)
-    """Port of the trainer's torchrun c10d rendezvous on the first trainer node."""
+    """Port of the trainer's torchrun c10d rendezvous on the first trainer node (1024-65535)."""
     inference_port: int = Field(default=8000, ge=1, le=65535)
     """Port of the vLLM server on each inference node (multi-node layouts); with ``inference.replicas`` more than the
-    inference nodes, a node's second server listens on ``inference_port + 1``, and so on."""
-    extra_sbatch: list[str] = Field(default_factory=list)
-    """More ``#SBATCH`` options, each ``--name`` or ``--name=value``."""
+    inference nodes, a node's second server listens on ``inference_port + 1``, and so on (1024-65535)."""
+    extra_sbatch: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_SBATCH)
+    """More ``#SBATCH`` options, each ``--name`` or ``--name=value`` (at most ``MAX_EXTRA_SBATCH``)."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Variables exported in the job script."""
+    """Variables exported in the job script (each value shell-quoted there; no control characters)."""
 
     @field_validator("partition", "account", "reservation")
     @classmethod
@@ -92,7 +96,18 @@ class SlurmConfig(StrictModel):
         for name in v:
             if not _ENV_NAME.match(name):
                 raise ValueError(f"expected variable names of letters, digits and '_', got {name!r}")
+        for name, value in v.items():
+            if _CONTROL.search(value):
+                raise ValueError(
+                    f"expected values without control characters (newline, CR, NUL, tab; each value is shell-quoted "
+                    f"in the job script), got {name}={value!r}"
+                )
         return v
+
+    @field_validator("rdzv_port", "inference_port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        return check_port(v, free=False)
 
     @field_validator("inference_nodes")
     @classmethod

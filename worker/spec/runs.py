@@ -10,7 +10,7 @@ from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator,
 
 from worker.spec.launcher import LauncherConfig, check_one_process_launcher, check_one_process_nodes
 from worker.spec.orchestrator import OrchestratorConfig
-from worker.spec.strict import StrictModel
+from worker.spec.strict import StrictModel, check_port
 from worker.spec.trainer import (
     CheckpointConfig,
     LoraConfig,
@@ -145,7 +145,7 @@ class InferenceConfig(StrictModel):
     kept (replica i on inference node i mod ``inference_nodes``)."""
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
-    """0 picks a free port (for each replica)."""
+    """Port of the first replica (``port + i`` for replica i), 1024-65535; 0 picks a free port (for each replica)."""
     max_model_len: int = Field(default=512, ge=16, le=1_048_576)
     """vLLM context length in tokens (at most 2**20, past every released model's context)."""
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
@@ -206,6 +206,11 @@ class InferenceConfig(StrictModel):
                 f"inference.replicas: {self.replicas} replicas from port {self.port} need ports up to "
                 f"{self.port + self.replicas - 1}, above 65535"
             )
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        return check_port(v, free=True)
 
     @property
     def num_replicas(self) -> int:
@@ -457,6 +462,10 @@ class RLSpec(StrictModel):
         return Path(self.output_dir) / self.name
 
 
+SPLIT_NAME = re.compile(r"^[A-Za-z0-9_.\[\]:%-]{1,100}$")
+SPLIT_NAME_RULE = "a split name of 1-100 letters, digits, '_', '-', '.', '[', ']', ':', '%' (no '/', no '..')"
+
+
 class SFTDataConfig(StrictModel):
     path: str = ""
     """Training rows: a JSONL (``.jsonl``) or Parquet (``.parquet``) file, or a Hugging Face ``datasets`` folder
@@ -466,10 +475,10 @@ class SFTDataConfig(StrictModel):
     eval_path: str = ""
     """Held-out rows of the same forms for the eval loss; empty: with environment data the environment's eval tasks
     with their reference answers (``eval_examples`` of them), with a file no eval loss."""
-    split: str = Field(default="train", min_length=1, max_length=100)
-    """The split of a ``datasets`` folder holding a ``DatasetDict`` (``path``)."""
-    eval_split: str = Field(default="test", min_length=1, max_length=100)
-    """The split of a ``datasets`` folder holding a ``DatasetDict`` (``eval_path``)."""
+    split: str = "train"
+    """The split of a ``datasets`` folder holding a ``DatasetDict`` (``path``): a split name (``SPLIT_NAME_RULE``)."""
+    eval_split: str = "test"
+    """The split of a ``datasets`` folder holding a ``DatasetDict`` (``eval_path``): a split name."""
     num_examples: int = Field(default=4096, ge=1, le=10_000_000)
     """Generated prompt/completion pairs (from the environment's train split; held in memory: at most 10**7);
     environment data only."""
@@ -479,6 +488,13 @@ class SFTDataConfig(StrictModel):
     """Each epoch in its own seeded random order (``seed``, epoch); false: the rows' order, every epoch."""
     eval_reward: bool | None = None
     """Greedy reward of ``env``'s eval tasks at each eval; default (unset): with environment data only."""
+
+    @field_validator("split", "eval_split")
+    @classmethod
+    def _split(cls, v: str) -> str:
+        if not SPLIT_NAME.match(v) or ".." in v:
+            raise ValueError(f"expected {SPLIT_NAME_RULE}, got {v!r}")
+        return v
 
 
 class SFTSpec(StrictModel):

@@ -11,6 +11,25 @@ MAX_TEXT = 4096
 spec's size (``worker.spec.loading.MAX_SPEC_BYTES``)."""
 
 
+MIN_PORT = 1024
+"""Lowest TCP port a spec may name for a run's own servers (vLLM, torchrun's rendezvous, the weight-sync store): below
+it are the system services' ports (ssh 22, http 80, ...), which only root may bind and a run never needs."""
+
+
+def check_port(v: int, *, free: bool) -> int:
+    """A port a run's process listens on: ``MIN_PORT``-65535, or 0 (``free``: a free port is picked).
+
+    Raises:
+        ValueError: one line saying what is allowed and the value given.
+    """
+    if (free and v == 0) or MIN_PORT <= v <= 65535:
+        return v
+    zero = "0 (a free port) or " if free else ""
+    raise ValueError(
+        f"expected {zero}a port from {MIN_PORT} to 65535 (below {MIN_PORT}: system services' ports), got {v}"
+    )
+
+
 class SpecError(ValueError):
     """A spec that cannot be used; the message is one line naming the field and what is allowed."""
 

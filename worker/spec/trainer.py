@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from worker.policy.lora_adapters import DEFAULT_LORA_TARGETS
-from worker.spec.strict import StrictModel
+from worker.spec.strict import StrictModel, check_port
 from worker.spec.user_code import CustomCode
 
 
@@ -122,13 +122,18 @@ class WeightSyncConfig(StrictModel):
     master_addr: str = Field(default="127.0.0.1", min_length=1)
     """Address of trainer rank 0 as the vLLM workers reach it (the group's TCP store listens there)."""
     master_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the group's TCP store; 0 picks a free port."""
+    """Port of the group's TCP store, 1024-65535; 0 picks a free port."""
     bucket_mb: int = Field(default=256, ge=1, le=16384)
     """Upper bound of one broadcast bucket in MiB (tensors of one dtype flattened together; a larger tensor
     goes alone)."""
     timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     """Bound (at most a day: a longer wait is a hung run) on forming the group (after inference is up) and on one update, on both sides; past it the
     update falls back to the filesystem."""
+
+    @field_validator("master_port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        return check_port(v, free=True)
 
 
 class LoraConfig(StrictModel):

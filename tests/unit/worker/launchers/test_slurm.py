@@ -37,7 +37,7 @@ FOUR_NODES = {
     "rdzv_port": 29555,
     "inference_port": 8100,
     "extra_sbatch": ["--exclusive"],
-    "env": {"NCCL_DEBUG": "WARN", "HF_HOME": "/data/hf cache"},
+    "env": {"NCCL_DEBUG": "WARN", "HF_HOME": "/data/hf cache", "TZ": "$(id);`id`"},  # each value shell-quoted
 }
 
 
@@ -64,7 +64,7 @@ def test_four_node_layout_sbatch_lines() -> None:
         "#SBATCH --open-mode=append",
         "#SBATCH --exclusive",
     ]
-    assert "export NCCL_DEBUG=WARN\nexport HF_HOME='/data/hf cache'\n" in script
+    assert "export NCCL_DEBUG=WARN\nexport HF_HOME='/data/hf cache'\nexport TZ='$(id);`id`'\n" in script
     assert f"LOG_DIR={HOME}/slurm/attempt-$ATTEMPT" in script and "ATTEMPT=${SLURM_RESTART_COUNT:-0}" in script
     assert "/venv/bin/python -m worker.launchers.supervisor --home /srv/asyncrl/runs/7 >>" in script
     assert (  # inference.replicas unset: one server on each inference node
