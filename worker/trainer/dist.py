@@ -83,9 +83,13 @@ def prepare_model(
 ) -> torch.nn.Module:
     """Activation checkpointing and ``torch.compile`` per decoder block if asked, then FSDP2 when ``info.sharded``.
 
-    In place (parameter names do not change); ``model`` must hold fp32 weights (the master copy).
-    Returns the same module.
+    In place (parameter names do not change); ``model`` must hold fp32 weights (the master copy). A
+    ``flex_attention`` model is switched to the trainer's attention (``worker.trainer.packed.trainer_attention``) here,
+    before its first forward pass. Returns the same module.
     """
+    from worker.trainer.packed import trainer_attention
+
+    trainer_attention(model)  # the probe's base log-probs (before step 1) take the kernels of every later version's
     model.config.use_cache = False
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -115,8 +115,16 @@ def _flex_or_causal(
     return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _attention_for(model: PreTrainedModel) -> str:
-    """The model's attention implementation; a ``flex_attention`` model is switched (in place, once) to ``FLEX_OR_CAUSAL``."""
+def trainer_attention(model: PreTrainedModel) -> str:
+    """The model's attention implementation; a ``flex_attention`` model is switched (in place, once) to ``FLEX_OR_CAUSAL``.
+
+    ``worker.trainer.dist.prepare_model`` calls it, before the model's first forward pass, so that every forward pass
+    of the trainer takes the same kernels. The served-policy check's base log-probs (``policy_check/step_0.json``,
+    computed before the first step) once went through HF's own flex attention path instead (an unmasked probe
+    sequence: HF's causal block mask, and flex attention's decoding kernel below 128 tokens, which torch 2.11 on an
+    H100 cannot even lower for Qwen3-0.6B's 2 query heads per KV head: ``NoValidChoicesError``), every later version's
+    through SDPA ``is_causal``; the 0.6B-shape loop failed its check at version 0 by 0.95 nats (issue 34).
+    """
     impl = model.config._attn_implementation
     if impl == "flex_attention":
         from transformers import AttentionInterface
@@ -140,7 +148,7 @@ def forward_hidden(model: PreTrainedModel, t: PackedTensors, autocast: bool) -> 
     several samples gets its packing mask (dense for ``sdpa``, a block mask for flex attention). Both
     give the logits of each sample run alone.
     """
-    impl = _attention_for(model)
+    impl = trainer_attention(model)
     flex = impl == FLEX_OR_CAUSAL
     single = len(t.spans) == 1  # its positions are 0..T-1: plain causal attention
     mask = None if single else t.mask_for("flex_attention" if flex else impl)
