@@ -12,12 +12,16 @@
     asyncrl pipeline PIPELINE.toml | pipeline show|stop|resume ID        [--url URL] [--token T]
 
 ``submit``, ``runs``, ``sweep`` and ``pipeline`` go through the REST API (``ASYNCRL_URL``, else ``settings.server_url()``) with
-``ASYNCRL_TOKEN``; ``token`` writes to the database directly (it is how the first token is made).
+``ASYNCRL_TOKEN``; ``token`` writes to the database directly (it is how the first token is made): it is the local
+admin command, so whoever may write ``ASYNCRL_HOME`` (or log in to ``DATABASE_URL``) may make an admin token, by design.
+``server``, ``worker`` and ``token`` run by a user who may not write the service's state there say so in one line,
+exit 2 (:func:`opens_home`).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
@@ -119,7 +123,8 @@ def worker_command(argv: list[str]) -> int:
     from server.core.config import settings
     from server.jobs.celery_app import app
 
-    settings.private_home()  # beat's schedule file lives there
+    home = settings.private_home()  # beat's schedule file lives there, and the embedded broker's folder
+    check_writable(home, *([home / "broker"] if settings.embedded_broker else []))
     if args.exports_only:
         if args.export_concurrency == 0:
             raise SpecError("--export-concurrency: an --exports-only worker needs at least 1 process (got 0)")
@@ -152,6 +157,18 @@ def worker_command(argv: list[str]) -> int:
     return 0
 
 
+def check_writable(*folders: Path) -> None:
+    """Refuse to start on a folder of ``folders`` that exists and this user may not write (Celery would print a
+    traceback from its own threads and go on without a broker or a beat schedule).
+
+    Raises:
+        PermissionError: naming the folder (:func:`opens_home` words it as one line).
+    """
+    for folder in folders:
+        if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+
+
 def start_export_worker(concurrency: int, loglevel: str) -> subprocess.Popen[bytes]:
     """``asyncrl worker --exports-only`` as a child of this process (output to this one's); it gets SIGTERM when this
     process dies, even by SIGKILL (``worker.run.procs.die_with_parent``)."""
@@ -176,7 +193,13 @@ def token_command(argv: list[str]) -> int:
     from server.models import Role
 
     roles = [r.value for r in Role]
-    p = ArgParser(prog="asyncrl token", description="create or revoke API tokens, set a user's role")
+    p = ArgParser(
+        prog="asyncrl token",
+        description="create or revoke API tokens, set a user's role. The local admin command: it writes to the "
+        "service's database directly (DATABASE_URL; by default the SQLite file in ASYNCRL_HOME), so whoever may "
+        "write ASYNCRL_HOME (or log in to DATABASE_URL) may make any token, an admin's included, by design (it makes "
+        "the first one). Everyone else asks an admin.",
+    )
     sub = p.add_subparsers(dest="action", required=True)
     for action in ("create", "revoke", "role"):
         sub.add_parser(action).add_argument("--name", required=True)
@@ -194,9 +217,13 @@ def token_command(argv: list[str]) -> int:
     from sqlalchemy import inspect
     from sqlmodel import Session
 
-    from server.core.db import engine
+    from server.core.db import DatabaseUnavailable, check_connection, engine
     from server.services import tokens
 
+    try:
+        check_connection()  # the SQLite file of another user, Postgres down: one line
+    except DatabaseUnavailable as err:
+        raise SpecError(str(err)) from None
     db = engine.url.render_as_string(hide_password=True)
     if not inspect(engine).has_table("api_tokens"):
         raise SpecError(
@@ -503,10 +530,53 @@ def pipeline_command(argv: list[str]) -> int:
     )
 
 
+def home_refusal(err: OSError, command: str) -> SpecError | None:
+    """The one line for ``err``, an ``OSError`` a server-side ``command`` (``server``, ``worker``, ``token``) met
+    opening the service's state: a path in ``ASYNCRL_HOME`` (the SQLite database, the secret key, the broker's and
+    beat's files) or the SQLite file of ``DATABASE_URL``, which this user may not write; None for any other path."""
+    from server.core.config import settings
+
+    if not isinstance(err, PermissionError | IsADirectoryError | NotADirectoryError) or not err.filename:
+        return None
+    path = os.path.abspath(os.fsdecode(err.filename))
+    home = os.path.abspath(settings.ASYNCRL_HOME)
+    url = settings.DATABASE_URL
+    database = os.path.abspath(url.removeprefix("sqlite:///").split("?", 1)[0]) if url.startswith("sqlite:///") else ""
+    why = f"{path} ({err.strerror or err})"
+    if path == home or path.startswith(home.rstrip("/") + "/"):
+        return SpecError(
+            f"ASYNCRL_HOME: this user cannot use {why}: `asyncrl {command}` opens the service's database and secret "
+            f"key in {home}; run it as the user who owns that folder (the service's), or set ASYNCRL_HOME to a folder "
+            "you may write (another service)"
+        )
+    if database and (path == database or path == os.path.dirname(database)):
+        return SpecError(
+            f"DATABASE_URL: this user cannot use {why}: run `asyncrl {command}` as the user who owns the database "
+            "file, or set DATABASE_URL to one you may write"
+        )
+    return None
+
+
+def opens_home(command: str, run: Any) -> Any:
+    """``run`` (the ``command``'s function), with a permission error on the service's state (:func:`home_refusal`) as
+    one line and exit status 2 instead of a traceback: ``asyncrl token create`` as a user who may not write
+    ``ASYNCRL_HOME``."""
+
+    def guarded(argv: list[str]) -> int:
+        try:
+            return int(run(argv))
+        except OSError as err:
+            if (line := home_refusal(err, command)) is None:
+                raise
+            raise line from None
+
+    return guarded
+
+
 COMMANDS: dict[str, Any] = {
-    "server": server_command,
-    "worker": worker_command,
-    "token": token_command,
+    "server": opens_home("server", server_command),
+    "worker": opens_home("worker", worker_command),
+    "token": opens_home("token", token_command),
     "submit": submit_command,
     "runs": runs_command,
     "sweep": sweep_command,

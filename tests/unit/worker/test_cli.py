@@ -1140,6 +1140,44 @@ def test_token_roles_on_a_fresh_install(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "argument --role: invalid choice: 'root'" in bad.stderr
 
 
+def test_server_side_commands_in_a_home_this_user_cannot_write(tmp_path: Path) -> None:
+    """``asyncrl token|server|worker`` open the service's database and secret key in ``ASYNCRL_HOME``: run by a user
+    who may not write it (root's tests: as nobody; otherwise a home in root's own folder), each says so in one line,
+    exit 2, instead of a PermissionError traceback. ``token --help`` says who may use it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.server import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    home, prefix = tmp_path / "home", ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]  # nobody
+    if os.geteuid() != 0:
+        home, prefix = Path("/root/asyncrl-home"), []  # root's folder: no other user enters it
+    env |= {"ASYNCRL_HOME": str(home), "HOME": str(tmp_path)}
+    if os.geteuid() == 0:  # the service's home, made and migrated by its owner
+        up = [sys.executable, "-c", "from server.cli import migrate; migrate()"]
+        assert subprocess.run(up, env=env, capture_output=True, timeout=120).returncode == 0
+    for argv in (
+        ["token", "create", "--name", "eve", "--role", "admin"],
+        ["token", "revoke", "--name", "eve"],
+        ["server", "--port", str(free_port())],
+        ["worker", "--no-beat"],
+    ):
+        cmd = [*prefix, sys.executable, "-m", "worker.cli", *argv]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 2, (argv, proc.stderr[-2000:])
+        assert proc.stderr.startswith("error: ASYNCRL_HOME: this user cannot use "), (argv, proc.stderr[-2000:])
+        assert "(Permission denied)" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"`asyncrl {argv[0]}` opens the service's database and secret key in {home}; run it as the user" in (
+            proc.stderr
+        )
+    usage = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "token", "--help"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "The local admin command" in " ".join(usage.stdout.split()), usage.stdout
+
+
 @pytest.mark.parametrize("argv", [["slurm", "-h"], ["slurm", "--help"], ["slurm", "render", "-h"]])
 def test_slurm_help_prints_usage_and_exits_0(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
