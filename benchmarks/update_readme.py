@@ -41,6 +41,7 @@ TITLES = {
     "difficulty_pool_learning": "Learning check: difficulty_pool vs standard curriculum on reverse-text",
     "weight_update_under_load": "Weight update under a burst of 64 generations on fresh servers",
     "orchestrator_scale": "Orchestrator at 256 / 1,024 / 4,096 rollouts in flight (simulated inference server)",
+    "omp_wait_policy": "Torch threads on a busy CPU box: OpenMP's default wait policy vs PASSIVE",
 }
 """The benchmarks of the ``results`` block (``benchmarks/README.md``), in order."""
 

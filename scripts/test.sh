@@ -9,6 +9,9 @@
 #     every Slurm file in one: tests/conftest.py). A real run on the tiny model keeps about one core busy (Python,
 #     one OMP thread for vLLM): run one at a time, the box idled ~45 % of the time; two at once filled it. Each process
 #     has its own test database, queue, state dir and session vLLM server (tests/support/server.py);
+#  OMP_WAIT_POLICY=PASSIVE in passes 1 and 2, where more busy threads than cores always run: a torch OpenMP thread
+#  that waits for work sleeps at once instead of spinning on a core another test needs (benchmarks/omp_wait_policy.py:
+#  two 20-step SFTs at once on a busy 2-core box, 282 s default vs 48 s passive);
 #  3. `timing` tests (a time bound or ratio that a real run beside them breaks) and `serial` ones (gloo groups, a peer
 #     closed under load): one at a time, alone.
 set -uo pipefail
@@ -17,6 +20,7 @@ bash scripts/test-services.sh || exit 1
 REAL_RUNS="vllm or slurm or browser or slow"  # pass 2
 ALONE="serial or timing"  # pass 3
 fuzz_log=$(mktemp)
+export OMP_WAIT_POLICY=PASSIVE  # passes 1 and 2 (above); unset for pass 3
 .venv/bin/python -m pytest -m "not gpu and not fault_matrix and fuzz" -q --durations=5 "$@" >"$fuzz_log" 2>&1 &
 fuzz_pid=$!
 .venv/bin/python -m pytest -m "not gpu and not fault_matrix and not fuzz and not ($REAL_RUNS or $ALONE)" -n 4 \
@@ -30,9 +34,10 @@ rm -f "$fuzz_log"
 # exit 5: nothing selected (e.g. -k of a test elsewhere): not a failure of this run
 [ "$fuzzing" -eq 5 ] && fuzzing=0
 .venv/bin/python -m pytest -m "not gpu and not fault_matrix and not fuzz and ($REAL_RUNS) and not ($ALONE)" -n 2 \
-  --dist loadfile -q --durations=30 "$@"
+  --dist loadfile -q --durations=60 "$@"
 running=$?
 [ "$running" -eq 5 ] && running=0
+unset OMP_WAIT_POLICY
 .venv/bin/python -m pytest -m "not gpu and not fault_matrix and not fuzz and ($ALONE)" -q --durations=15 "$@"
 alone=$?
 [ "$alone" -eq 5 ] && alone=0
