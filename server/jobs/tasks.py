@@ -99,7 +99,7 @@ def launch(run_id: int) -> str:
             resume = bool(runs.checkpoint_steps(run))
             try:  # RUN_USER / RUN_UID_BASE unusable, or another run's files it starts from cannot be copied
                 user = supervisor.run_user(settings.RUN_USER, run_id=run_id, uid_base=settings.RUN_UID_BASE, home=home)
-                spec = _with_inputs(run, home, link=user is None)
+                spec = _with_inputs(session, run, home, link=user is None)
             except (ValueError, OSError) as err:
                 return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")
             for tries in range(1, CGROUP_TRIES + 1):
@@ -137,15 +137,26 @@ def launch(run_id: int) -> str:
         return f"{'adopted' if adopted else 'launched'}: run {run_id} pid {pid}"
 
 
-def _with_inputs(run: Run, home: Path, *, link: bool) -> dict[str, Any]:
+def _with_inputs(session: Session, run: Run, home: Path, *, link: bool) -> dict[str, Any]:
     """The spec ``run`` starts with: its stored spec, with the paths it names in other runs' folders replaced by the
-    copies made in its ``home`` (``worker.run.inputs.copy_inputs``: a run's uid cannot enter another run's folder).
+    copies made in its ``home`` (``worker.run.inputs.copy_inputs``: a run's uid cannot enter another run's folder),
+    each source's run asked again at the copy whether the owner may use its files (``runs.may_use_run_files``).
 
     Raises:
-        InputCopyError: such a path cannot be copied; one line naming the key.
+        InputCopyError: such a path cannot be copied, or now leads to a run the owner may not use; one line naming
+            the key.
     """
     runs_root = Path(settings.ASYNCRL_OUTPUT_DIR) / "runs"
-    return inputs.copy_inputs(run.spec, home, run_id=stored_id(run), runs_root=runs_root, link=link)
+    owner = tokens.user(session, run.owner)
+    admin = owner is not None and owner.role == Role.admin
+    return inputs.copy_inputs(
+        run.spec,
+        home,
+        run_id=stored_id(run),
+        runs_root=runs_root,
+        link=link,
+        may_use=lambda other: runs.may_use_run_files(session, other, owner=run.owner, admin=admin),
+    )
 
 
 def _launch_error(err: Exception, home: Path) -> str:
@@ -288,7 +299,7 @@ def _launch_slurm(session: Session, run: Run) -> str:
             except ValueError as err:
                 return _fail_launch(session, run, f"launch: {err}")
             try:  # the files it starts from in other runs' folders: copied in, given to its uid
-                launched = _with_inputs(run, home, link=user is None)
+                launched = _with_inputs(session, run, home, link=user is None)
                 if user is not None and (home / inputs.INPUTS_DIR).is_dir():
                     give_tree(home / inputs.INPUTS_DIR, user.uid, user.gid)
                 SupervisorHome(home).write_spec(launched)

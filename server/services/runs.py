@@ -208,12 +208,19 @@ def check_run_files_used(session: Session, spec: RLSpec | SFTSpec | EvalSpec, *,
         if rel == os.curdir or rel.startswith(os.pardir):
             continue  # not inside a run folder
         folder = rel.split(os.sep)[0]
-        run = session.get(Run, int(folder)) if folder.isdigit() and 1 <= int(folder) <= MAX_ID else None
-        if run is None or run.owner != owner:
+        if not (folder.isdigit() and may_use_run_files(session, int(folder), owner=owner, admin=admin)):
             raise permissions.Forbidden(
                 f"{key}: {value!r} is inside the folder of run {folder}, which is not yours: only a run's owner or "
                 "an admin may use its files (an eval job of its weights: model.run)"
             )
+
+
+def may_use_run_files(session: Session, run_id: int, *, owner: str, admin: bool) -> bool:
+    """Whether runs of ``owner`` may read run ``run_id``'s files: its owner's, or an admin's (any run's)."""
+    if admin:
+        return True
+    run = session.get(Run, run_id) if 1 <= run_id <= MAX_ID else None
+    return run is not None and run.owner == owner
 
 
 def get(session: Session, run_id: int, *, lock: bool = False) -> Run:

@@ -15,7 +15,9 @@ homes, where no run may write) and then moved into the home through folder descr
 links, so nothing the run's uid left in its home can turn the worker's writes elsewhere.
 
 Which run may use which run's files is decided at submit (``server.services.runs.check_run_files_used``: its owner or
-an admin); this module only moves what the stored spec names.
+an admin) and again at launch; the caller also passes that rule as ``may_use``, asked here for the run a path leads to
+at the moment it is copied (links resolved then, and the copy made from that resolved place), so a link swapped after
+the launch's check cannot bring another user's files in.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -58,16 +61,24 @@ def other_run_path(value: str, runs_root: Path, run_id: int) -> tuple[Path, Pure
     return Path(root, parts[0]), PurePosixPath(*parts[1:])
 
 
-def copy_inputs(spec: dict[str, Any], home: Path, *, run_id: int, runs_root: Path, link: bool) -> dict[str, Any]:
+def copy_inputs(
+    spec: dict[str, Any],
+    home: Path,
+    *,
+    run_id: int,
+    runs_root: Path,
+    link: bool,
+    may_use: Callable[[int], bool] = lambda _: True,
+) -> dict[str, Any]:
     """The spec to start run ``run_id`` (home folder ``home``) with: ``spec`` with each of :data:`COPIED_KEYS` that
     names a path in another run's folder (:func:`other_run_path`) replaced by its copy ``<home>/inputs/<key>/<name>``
     (an absolute path), made now unless an earlier attempt made it. ``link``: hard-link the files of a copied folder
     where the filesystem allows (a worker that runs every run as itself; a run of its own uid gets copies: its home is
-    given to it).
+    given to it). ``may_use(other_run_id)``: whether this run's owner may use that run's files (default: any).
 
     Raises:
         InputCopyError: a path cannot be copied (missing, a symbolic link or special file in it, a link where
-            ``inputs`` should be); one line naming the key.
+            ``inputs`` should be), or it leads into a run folder ``may_use`` refuses; one line naming the key.
     """
     out = copy.deepcopy(spec)
     for key in COPIED_KEYS:
@@ -76,6 +87,10 @@ def copy_inputs(spec: dict[str, Any], home: Path, *, run_id: int, runs_root: Pat
         if not isinstance(value, str) or (found := other_run_path(value, runs_root, run_id)) is None:
             continue
         source, rel = found
+        if not (source.name.isdigit() and may_use(int(source.name))):
+            raise InputCopyError(
+                f"{key}: {value} now leads into the folder of run {source.name}, which is not the owner's to use"
+            )
         try:
             _copy_in(source, rel, home, key, staging_in=Path(os.path.realpath(runs_root)), link=link)
         except (RunFileError, OSError) as err:

@@ -102,3 +102,30 @@ def test_links_the_run_left_in_its_own_home_are_never_followed(runs_root: Path, 
     with pytest.raises(InputCopyError, match=r"^model\.name: "):
         copy_inputs(spec, home, run_id=6, runs_root=runs_root, link=False)
     assert os.listdir(elsewhere) == []
+
+
+def test_a_link_that_now_leads_to_a_run_the_owner_may_not_use_is_refused_at_the_copy(
+    runs_root: Path, tmp_path: Path
+) -> None:
+    """The launch's owner check ran; then the user's link was turned to run 3's weights. The copy asks again, for
+    the run the link leads to now, and copies nothing."""
+    mine = tmp_path / "models" / "mine"
+    mine.mkdir(parents=True)
+    (mine / "config.json").write_text("{}")
+    link = tmp_path / "models" / "swap"
+    link.symlink_to(mine)  # what the checks saw: a folder outside the run folders
+    spec = {"kind": "rl", "model": {"name": str(link)}}
+    home = runs_root / "5"
+    asked: list[int] = []
+
+    def may_use(run_id: int) -> bool:
+        asked.append(run_id)
+        return run_id != 3
+
+    assert copy_inputs(spec, home, run_id=5, runs_root=runs_root, link=False, may_use=may_use) == spec
+    link.unlink()
+    link.symlink_to(runs_root / "3" / "sft" / "final")  # swapped after the check
+    with pytest.raises(InputCopyError) as err:
+        copy_inputs(spec, home, run_id=5, runs_root=runs_root, link=False, may_use=may_use)
+    assert str(err.value) == f"model.name: {link} now leads into the folder of run 3, which is not the owner's to use"
+    assert asked == [3] and not (home / "inputs").exists()
