@@ -70,8 +70,9 @@ def main() -> None:
         ("Reverse the text character by character: Mira sold twelve lanterns to the bakers of Olen.", 16),
         ("Mira", 160),
     ]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        msgs = [{"role": "user", "content": text}]
+        encoded: Any = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = [int(x) for x in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)]
         starts.append(len(ids))
         seqs.append(ids + torch.randint(0, len(tok), (completion,), generator=g).tolist())
     res: dict[str, Any] = {"lengths": [len(s) for s in seqs], "model_s": time.time() - t0}
