@@ -246,7 +246,8 @@ class PolicyCheckConfig(StrictModel):
       grows as the policy sharpens, up to 8.6x the version-0 one, so 20x keeps 2x to spare (tolerance 0.054; the old
       1e-3 failed healthy runs at version 1).
     - bfloat16 (0.6B shape, H100/H200): 0.016-0.023 over 22 versions; per-token differences of a few 1e-2 are usual
-      for a bf16 pair (8-bit mantissa), hence the floor 0.05.
+      for a bf16 pair (8-bit mantissa), hence the floor 0.05. Base weights (version 0) on an H100 with graphs and
+      ``cuda_ipc``: 0.0156 (tolerance 0.311), versions 1-14 at most 0.0197 (``benchmarks/results/gpu_check.json``).
 
     A frozen policy is still caught at the first update when one update moves the probe more than the tolerance;
     when it moves less, from ``base_updates`` on a served policy nearer (mean over the tokens) the base than the
