@@ -1,4 +1,4 @@
-"""Which attention path moves the served-policy check's probe log-probs (issue 34: version 0 failed by 0.95 nats).
+"""Which attention path moves the served-policy check's probe log-probs (a version-0 check once failed by 0.95 nats).
 
 Builds the 0.6B-shape model (``worker.policy.models.init_model``), prepares it as the RL trainer does (one-rank FSDP2,
 bf16 params and compute, compiled blocks, ``trainer.attention = "flex_attention"``) and computes the log-probs of a
