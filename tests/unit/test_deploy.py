@@ -336,11 +336,13 @@ def test_commands_are_the_images_and_parse_with_the_cli(
         cmd = [args for kind, args in dockerfile_instructions(DOCKERFILES[dockerfile]) if kind == "CMD"]
         assert [json.loads(c) for c in cmd] == [argv]
     from server import cli
+    from server.core import db
     from server.core.config import settings
     from server.jobs.celery_app import app
 
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(cli, "bind", lambda host, port: calls.append(("bind", host, port)))
+    monkeypatch.setattr(db, "check_connection", lambda: calls.append(("check database",)))
     monkeypatch.setattr(cli, "migrate", lambda: calls.append(("migrate",)))
     monkeypatch.setattr(cli, "serve", lambda sock, host, port: calls.append(("serve", host, port)))
     monkeypatch.setattr(app, "worker_main", lambda argv: calls.append(("celery", *argv)))
@@ -352,6 +354,7 @@ def test_commands_are_the_images_and_parse_with_the_cli(
     assert cli.COMMANDS[services["worker"]["command"][1]](services["worker"]["command"][2:]) == 0
     assert calls == [
         ("bind", "0.0.0.0", 8000),
+        ("check database",),
         ("migrate",),
         ("serve", "0.0.0.0", 8000),
         ("export worker", 1, "INFO"),

@@ -48,7 +48,7 @@ VENV_TOOLS = re.compile(
     r"^\s*(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(python3?|pip3?|pytest|alembic|celery|asyncrl|uvicorn|wandb)(\s|$)"
 )
 """A shell line that runs a tool of the checkout's ``.venv`` by its bare name (after any ``VAR=value``): on a fresh
-clone nothing puts ``.venv/bin`` on the PATH, so it fails (``python scripts/x.py``: ``No module named 'worker'``)."""
+clone nothing puts ``.venv/bin`` on the PATH, so it fails (``python scripts/sft_rows_from_env.py``: ``No module named 'worker'``)."""
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 
