@@ -226,7 +226,8 @@ def _pg_admin(sql: str) -> None:
 def scratch_database() -> Iterator[str]:
     """A scratch database ``asyncrl_bench_<random>`` on the local Postgres (``ASYNCRL_BENCH_POSTGRES``), migrated,
     with the server's settings pointed at it (and at a scratch ASYNCRL_HOME/output dir); dropped at the end, also on
-    errors. Import ``server`` modules only inside the block. Yields the database name."""
+    errors. The broker is the embedded one, in the scratch home: ``/healthz`` answers 200 (no worker) without Redis.
+    Import ``server`` modules only inside the block. Yields the database name."""
     db = f"asyncrl_bench_{secrets.token_hex(4)}"
     scratch = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
     os.environ.update(
@@ -235,9 +236,10 @@ def scratch_database() -> Iterator[str]:
             "SECRET_KEY": secrets.token_hex(16),
             "ASYNCRL_HOME": str(scratch / "home"),
             "ASYNCRL_OUTPUT_DIR": str(scratch / "outputs"),
-            "CELERY_BROKER_URL": "memory://",
+            "CELERY_BROKER_URL": "filesystem://",
         }
     )
+    (scratch / "home" / "broker").mkdir(parents=True)
     _pg_admin(f'CREATE DATABASE "{db}"')
     try:
         from server.cli import migrate
