@@ -42,6 +42,7 @@ TITLES = {
     "weight_update_under_load": "Weight update under a burst of 64 generations on fresh servers",
     "orchestrator_scale": "Orchestrator at 256 / 1,024 / 4,096 rollouts in flight (simulated inference server)",
     "omp_wait_policy": "Torch threads on a busy CPU box: OpenMP's default wait policy vs PASSIVE",
+    "prometheus_scrape": "Prometheus scrape of 100 live runs (30 metrics each)",
 }
 """The benchmarks of the ``results`` block (``benchmarks/README.md``), in order."""
 
@@ -211,6 +212,11 @@ def metric_export() -> str:
     return "\n".join([machine_line(d), "", d["table_md"], "", src("metric_export")])
 
 
+def prometheus_scrape() -> str:
+    d = load("prometheus_scrape")
+    return "\n".join([machine_line(d), "", d["table_md"], "", src("prometheus_scrape")])
+
+
 def service_throughput() -> str:
     d = load("service_throughput")
     return "\n".join([machine_line(d), "", d["table_md"], "", src("service_throughput")])
@@ -356,6 +362,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "weight-update-under-load": weight_update_under_load,
     "dashboard-page": dashboard_page,
     "metric-export": metric_export,
+    "prometheus-scrape": prometheus_scrape,
     "service-throughput": service_throughput,
     "orchestrator-scale": orchestrator_scale,
     "difficulty-pool": difficulty_pool,

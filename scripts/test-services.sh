@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Start what the tests talk to (idempotent; run as root on a Debian machine): Postgres and Redis (started if down),
-# Debian's headless Chromium for the dashboard's browser tests (Playwright never downloads a browser), and a real
-# single-node Slurm (munge, slurmctld, slurmd) for the Slurm launcher's tests, and a multi-node one beside it; and
-# the venv's Python usable by the runs' uids (scripts/python-for-runs.sh).
+# Debian's headless Chromium for the dashboard's browser tests (Playwright never downloads a browser), Debian's
+# Prometheus for the scrape test, and a real single-node Slurm (munge, slurmctld, slurmd) for the Slurm launcher's
+# tests, and a multi-node one beside it; and the venv's Python usable by the runs' uids (scripts/python-for-runs.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The runs the tests launch as a root worker run as other uids (worker/launchers/supervisor.py run_user): they must reach .venv's
@@ -21,6 +21,11 @@ if ! command -v chromium >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q >/dev/null
   apt-get install -y -q chromium >/dev/null
+fi
+if ! command -v prometheus >/dev/null; then  # Debian's Prometheus scrapes the server in tests/service/test_prometheus.py
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends prometheus >/dev/null
 fi
 if [ -f ../shared/slurm/local-cluster.sh ]; then bash ../shared/slurm/local-cluster.sh start
 else bash deploy/slurm/local-cluster.sh start; fi

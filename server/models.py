@@ -298,7 +298,10 @@ class Metric(SQLModel, table=True):
     """One scalar of one process at one step. The primary key is the idempotency key."""
 
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_series", "run_id", "name", "step"),)
+    __table_args__ = (
+        Index("ix_metrics_series", "run_id", "name", "step"),
+        Index("ix_metrics_latest", "run_id", "source", "name", "step"),  # the newest point of each series, one probe
+    )
     run_id: int = Field(sa_column=Column(Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True))
     source: str = Field(primary_key=True, max_length=32)
     step: int = Field(sa_column=Column(BigInteger, primary_key=True))

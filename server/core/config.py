@@ -73,6 +73,14 @@ class Settings(BaseSettings):
     """Per-request timeout of a delivery (connect, read)."""
     ALERT_STALL_CHECK_S: Annotated[float, Field(ge=1.0)] = 15.0
     """Celery beat checks ``stall`` alert rules this often."""
+    PROMETHEUS_MAX_RUNS: Annotated[int, Field(ge=0, le=10_000)] = 100
+    """Live runs (not completed, failed or cancelled) whose metrics ``GET /metrics`` exports, newest first
+    (``asyncrl_run_metric``, ``asyncrl_run_step``: ``server/core/telemetry.py``); 0 = none, only the control plane.
+    The runs left out are counted in ``asyncrl_run_metrics_left_out{cap="runs"}``."""
+    PROMETHEUS_MAX_METRICS_PER_RUN: Annotated[int, Field(ge=1, le=10_000)] = 100
+    """``(source, name)`` series one run exports at most, the last ones in (source, name) order; the runs that had
+    more are counted in ``asyncrl_run_metrics_left_out{cap="metrics"}``. With ``PROMETHEUS_MAX_RUNS``, a scrape
+    holds at most their product of ``asyncrl_run_metric`` series."""
     SWEEP_TICK_S: Annotated[float, Field(ge=0.5)] = 10.0
     """Celery beat advances running sweeps (prune, start trials: ``server/services/sweeps.py``) and pipelines (next
     stage: ``server/services/pipelines.py``) this often."""
