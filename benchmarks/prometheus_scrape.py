@@ -36,13 +36,14 @@ def names(count: int) -> list[tuple[str, str]]:
     ]
 
 
-def store(runs_n: int, series: list[tuple[str, str]], steps: int) -> list[int]:
-    """``runs_n`` running runs with ``steps`` points of every series; their ids."""
+def store(runs_n: int, series: list[tuple[str, str]], steps: int) -> tuple[str, list[int]]:
+    """``runs_n`` running runs with ``steps`` points of every series, and a read token (the per-run series are served
+    only to a scrape with a user token); ``(the token, the run ids)``."""
     from sqlmodel import Session
 
     from server.core.db import engine
     from server.models import MetricPoint, RunStatus
-    from server.services import metrics, runs
+    from server.services import metrics, runs, tokens
 
     ids = []
     with Session(engine) as s:
@@ -58,9 +59,10 @@ def store(runs_n: int, series: list[tuple[str, str]], steps: int) -> list[int]:
             ]
             metrics.ingest(s, run_id=int(run.id), points=points)  # type: ignore[arg-type]  # flushed: it has an id
             ids.append(int(run.id))  # type: ignore[arg-type]
+        _, token = tokens.create(s, name="prometheus", scope="read")
         s.commit()
     engine.dispose()
-    return ids
+    return token, ids
 
 
 def server_pid() -> int:
@@ -93,13 +95,13 @@ def db_cpu_s() -> float:
         return sum(C.tree_cpu_s(int(p)) for p in pids)
 
 
-def scrapes(url: str, rounds: int, pid: int, warmup: int = C.WARMUP_ROUNDS) -> dict:
+def scrapes(url: str, token: str, rounds: int, pid: int, warmup: int = C.WARMUP_ROUNDS) -> dict:
     """``rounds`` timed scrapes after ``warmup`` untimed ones: times, size, series, and the CPU per scrape of the server process
     and of the Postgres backends."""
     import httpx
 
     times = C.Timings()
-    with httpx.Client(base_url=url, timeout=300) as client:
+    with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {token}"}) as client:
         for _ in range(warmup):
             times.send(lambda: client.get("/metrics"), 0)
         cpu0, db0 = C.tree_cpu_s(pid), db_cpu_s()
@@ -135,10 +137,10 @@ def main() -> int:
     started, machine = time.time(), C.machine_facts()
 
     log = C.TMP / "prometheus_scrape_server.log"
-    with C.stored_server(lambda: store(runs_n, series, steps), log) as (ids, stored_s, url):
+    with C.stored_server(lambda: store(runs_n, series, steps), log) as ((token, ids), stored_s, url):
         C.say(f"[bench] {runs_n} runs x {len(series)} series x {steps} steps stored in {stored_s:.0f} s")
         pid = server_pid()
-        with_index = scrapes(url, rounds, pid)
+        with_index = scrapes(url, token, rounds, pid)
         from server.core.config import settings
 
         expected = min(runs_n, settings.PROMETHEUS_MAX_RUNS) * min(len(series), settings.PROMETHEUS_MAX_METRICS_PER_RUN)
@@ -154,7 +156,7 @@ def main() -> int:
             with engine.begin() as conn:
                 conn.execute(text("DROP INDEX ix_metrics_latest"))
             engine.dispose()
-            without = scrapes(url, no_index_rounds, pid, warmup=1)
+            without = scrapes(url, token, no_index_rounds, pid, warmup=1)
             C.say(f"[bench] without the index: server p50 {without['server_ms_p50']} ms")
 
     payload = {

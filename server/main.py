@@ -31,8 +31,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import text
 from sqlalchemy.exc import DataError, OperationalError
+from sqlmodel import Session
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.deps import current_principal
 from server.api.main import api_router
 from server.core import health
 from server.core.config import settings
@@ -249,9 +251,18 @@ def create_app() -> FastAPI:
         return JSONResponse(body, status)
 
     @app.get("/metrics", tags=["ops"], include_in_schema=False)
-    def prometheus_metrics() -> Response:
-        """Prometheus scrape endpoint (see ``server.core.telemetry``)."""
-        return Response(exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    def prometheus_metrics(request: Request) -> Response:
+        """Prometheus scrape endpoint (see ``server.core.telemetry``): the control plane to anyone; the live runs'
+        metrics (ids, owners, environments, values) only with a user token (a read token will do) in
+        ``Authorization: Bearer``: a bad token is 401, a run token 403 (it reaches only its own run)."""
+        runs = False
+        if request.headers.get("authorization"):
+            with Session(engine) as session:
+                principal = current_principal(request, session)
+            if principal.run_id is not None:
+                raise HTTPException(403, f"a run token (run {principal.run_id}) cannot read /metrics; use a user token")
+            runs = True
+        return Response(exposition(runs=runs), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(LimitJsonDepth, max_depth=MAX_DEPTH)  # inside LimitBodySize: reads a bounded body
     app.add_middleware(LimitBodySize, max_bytes=settings.MAX_BODY_BYTES)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server, served at ``GET /metrics`` (text exposition format, no token).
+"""Prometheus metrics of the server, served at ``GET /metrics`` (text exposition format; the per-run series only to a
+scrape with a user token: ``server.main``).
 
 - ``asyncrl_http_requests_total{method, route, status}`` and ``asyncrl_http_request_duration_seconds{method,
   route}``: every HTTP request, by route template (``/api/runs/{run_id}``; ``unmatched`` for unknown paths, so
@@ -198,9 +199,10 @@ RUN_METRICS = RunMetrics()
 REGISTRY.register(RunsByStatus())
 
 
-def exposition() -> bytes:
-    """The registry, then the live runs' metrics (:class:`RunMetrics`), in Prometheus text format (version 0.0.4)."""
-    return generate_latest(REGISTRY) + RUN_METRICS.exposition().encode()
+def exposition(*, runs: bool) -> bytes:
+    """The registry, then (``runs``: the scrape carried a user token) the live runs' metrics (:class:`RunMetrics`), in
+    Prometheus text format (version 0.0.4)."""
+    return generate_latest(REGISTRY) + (RUN_METRICS.exposition().encode() if runs else b"")
 
 
 class PrometheusMiddleware:

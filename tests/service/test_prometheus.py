@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.server import free_port, spec, wait_for
 
 
-def scrape(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    resp = client.get("/metrics")
+def scrape(client: Any, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of one ``GET /metrics`` (with ``headers``: a user token's, for the live runs' series)."""
+    resp = client.get("/metrics", headers=headers or {})
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -98,7 +99,7 @@ def test_live_runs_metrics_newest_value(client: Any, auth: dict[str, str], make_
     post(client, auth, b["id"], ("orchestrator", 7, "reward_mean", 0.5), ("trainer", 6, "grad/norm@0", -1.5))
     post(client, auth, done["id"], ("orchestrator", 9, "reward_mean", 1.0))
     assert client.post(f"/api/runs/{done['id']}/stop", headers=auth).json()["status"] == "cancelled"
-    samples = scrape(client)
+    samples = scrape(client, auth)
     assert run_samples(samples, {a["id"], b["id"], done["id"]}) == {
         ("asyncrl_run_metric", a["id"], "orchestrator", "reward_mean"): 0.3,
         ("asyncrl_run_metric", a["id"], "eval", "reward_mean"): 0.9,
@@ -134,7 +135,7 @@ def test_caps_on_runs_and_series(
     post(client, auth, new["id"], *[("trainer", s, n, s + 0.5) for s in range(3) for n in ("a", "b", "c")])
     monkeypatch.setattr(settings, "PROMETHEUS_MAX_RUNS", 2)
     monkeypatch.setattr(settings, "PROMETHEUS_MAX_METRICS_PER_RUN", 2)
-    samples = scrape(client)
+    samples = scrape(client, auth)
     assert run_samples(samples, {old["id"], mid["id"], new["id"]}) == {
         ("asyncrl_run_metric", mid["id"], "trainer", "loss"): 2.0,
         ("asyncrl_run_metric", new["id"], "trainer", "b"): 2.5,  # the last two in (source, name) order
@@ -147,7 +148,34 @@ def test_caps_on_runs_and_series(
     assert sample(samples, "asyncrl_run_metrics_left_out", cap="runs") == live - 2
     assert sample(samples, "asyncrl_run_metrics_left_out", cap="metrics") == 1
     monkeypatch.setattr(settings, "PROMETHEUS_MAX_RUNS", 0)  # off: the control plane only
-    assert not [k for k in scrape(client) if k[0].startswith("asyncrl_run_")]
+    assert not [k for k in scrape(client, auth) if k[0].startswith("asyncrl_run_")]
+
+
+def test_the_runs_series_need_a_user_token(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    """Without a token only the control plane (as a load balancer's probe sees it); a bad token 401, a run token 403
+    (it reaches only its own run); a read token sees the live runs' series."""
+    from server.services import tokens
+    from tests.support.server import run_token_headers
+
+    run = make_run()
+    post(client, auth, run["id"], ("trainer", 1, "loss", 0.25))
+    anonymous = scrape(client)
+    assert sample(anonymous, "asyncrl_runs", status="queued") >= 1  # the control plane is there
+    assert not [k for k in anonymous if k[0].startswith("asyncrl_run_")]
+    bad = client.get("/metrics", headers={"Authorization": "Bearer asr_nope"})
+    assert bad.status_code == 401 and "asyncrl_run_" not in bad.text
+    by_run = client.get("/metrics", headers=run_token_headers(run["id"]))
+    assert by_run.status_code == 403
+    assert by_run.json() == {"detail": f"a run token (run {run['id']}) cannot read /metrics; use a user token"}
+    from sqlmodel import Session
+
+    from server.core.db import engine
+
+    with Session(engine) as s:
+        _, read = tokens.create(s, name="prometheus-reader", scope="read")
+        s.commit()
+    labels = {"run": str(run["id"]), "source": "trainer", "name": "loss", "env": "reverse_text", "owner": run["owner"]}
+    assert sample(scrape(client, {"Authorization": f"Bearer {read}"}), "asyncrl_run_metric", **labels) == 0.25
 
 
 OWNER = 'me "quoted" \\ back'
@@ -214,12 +242,14 @@ def test_a_real_prometheus_scrapes_the_runs_metrics(
     """Debian's ``prometheus`` scrapes ``/metrics`` every second; its query API then gives the run's reward."""
     run_id = make_run()["id"]
     post(client, auth, run_id, ("orchestrator", 5, "reward_mean", 0.625))
+    token = auth["Authorization"].removeprefix("Bearer ")  # the scrape's user token (Prometheus sends it as Bearer)
     port = free_port()
     config = tmp_path / "prometheus.yml"
     target = live_server.removeprefix("http://")
     config.write_text(
         "global: {scrape_interval: 1s}\n"
-        f"scrape_configs:\n  - job_name: asyncrl\n    static_configs:\n      - targets: ['{target}']\n"
+        f"scrape_configs:\n  - job_name: asyncrl\n    authorization: {{credentials: '{token}'}}\n"
+        f"    static_configs:\n      - targets: ['{target}']\n"
     )
     log = (tmp_path / "prometheus.log").open("wb")
     proc = subprocess.Popen(
