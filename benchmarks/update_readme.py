@@ -106,8 +106,9 @@ def fresh_machine() -> str:
             f"{DEMO_SPREAD}",
             f"- the tests: {t['total_min']} min in all at {t['commit']} (`{t['ci_command']}`, "
             f"{'all passed' if t['all_passed'] else 'not all passed'}): pass 1 {t['pass1_tests']:,} tests in "
-            f"{t['pass1_s']} s (the fuzz's {t['fuzz_tests']} in {t['fuzz_s']} s beside it), pass 2 "
-            f"{t['pass2_tests']} in {t['pass2_min']} min; a slow box takes ~{t['slow_box_factor']}x as long.",
+            f"{t['pass1_s']} s (the fuzz's {t['fuzz_tests']} in {t['fuzz_s']} s beside it), pass 2 (real runs, two "
+            f"at once) {t['pass2_tests']} in {t['pass2_min']} min, pass 3 (one at a time) {t['pass3_tests']} in "
+            f"{t['pass3_min']} min; a slow box takes ~{t['slow_box_factor']}x as long.",
             "",
             src("fresh_machine"),
         ]
