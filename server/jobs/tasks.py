@@ -147,8 +147,7 @@ def _with_inputs(session: Session, run: Run, home: Path, *, link: bool) -> dict[
             the key.
     """
     runs_root = Path(settings.ASYNCRL_OUTPUT_DIR) / "runs"
-    owner = tokens.user(session, run.owner)
-    admin = owner is not None and owner.role == Role.admin
+    admin = _owner_is_admin(session, run)
     return inputs.copy_inputs(
         run.spec,
         home,
@@ -157,6 +156,12 @@ def _with_inputs(session: Session, run: Run, home: Path, *, link: bool) -> dict[
         link=link,
         may_use=lambda other: runs.may_use_run_files(session, other, owner=run.owner, admin=admin),
     )
+
+
+def _owner_is_admin(session: Session, run: Run) -> bool:
+    """Whether ``run``'s owner is an admin now (the launch's checks use the owner's role of today, not of submit)."""
+    owner = tokens.user(session, run.owner)
+    return owner is not None and owner.role == Role.admin
 
 
 def _launch_error(err: Exception, home: Path) -> str:
@@ -225,10 +230,9 @@ def _refusal(session: Session, run: Run) -> str | None:
     the owner is not one: a spec stored before a rule, a setting or the owner's role changed), None when it may.
     Checked only before a supervisor or Slurm job is started, never against one an earlier delivery already
     started."""
-    owner = tokens.user(session, run.owner)
     try:
         spec = validate_spec(str(run.spec.get("kind", "rl")), run.spec)
-        runs.check_allowed(session, spec, owner=run.owner, admin=owner is not None and owner.role == Role.admin)
+        runs.check_allowed(session, spec, owner=run.owner, admin=_owner_is_admin(session, run))
     except (SpecError, Forbidden) as err:
         return f"refused at launch: {err}"
     return None
