@@ -374,10 +374,7 @@ def check_vllm_args(args: list[str], allowed: Collection[str]) -> None:
     for i, arg in enumerate(args):
         if takes is not None:
             if not VLLM_VALUE.match(arg):
-                raise SpecError(
-                    f"{key}.{i}: {arg!r} is not a value of {takes}; expected a number or a name of ASCII letters, "
-                    "digits, '_', '.', '+', '-' (not starting with '-')"
-                )
+                raise _not_a_value(f"{key}.{i}", arg, takes)
             takes = None
             continue
         if any(c.isspace() for c in arg):  # one argv item each: "--a=1 --trust-remote-code" hides a second flag
@@ -396,16 +393,21 @@ def check_vllm_args(args: list[str], allowed: Collection[str]) -> None:
         if flag in VLLM_SWITCHES and eq:
             raise SpecError(f"{key}.{i}: {flag} takes no value, got {arg!r}; give {flag} alone")
         if flag in VLLM_VALUE_FLAGS and eq and not VLLM_VALUE.match(value):
-            raise SpecError(
-                f"{key}.{i}: {value!r} is not a value of {flag}; expected a number or a name of ASCII letters, "
-                "digits, '_', '.', '+', '-' (not starting with '-')"
-            )
+            raise _not_a_value(f"{key}.{i}", value, flag)
         if flag not in VLLM_FLAGS and eq and not VLLM_ADMIN_VALUE.match(value):
             raise SpecError(f"{key}.{i}: {value!r} is not a value of {flag}; expected printable ASCII without spaces")
         if flag in VLLM_VALUE_FLAGS and not eq:
             takes = flag
     if takes is not None:
         raise SpecError(f"{key}.{len(args) - 1}: {takes} takes a value; give it as the next item or as {takes}=VALUE")
+
+
+def _not_a_value(where: str, value: str, flag: str) -> SpecError:
+    """The refusal of ``value`` given to ``flag`` of :data:`VLLM_VALUE_FLAGS` (:data:`VLLM_VALUE`)."""
+    return SpecError(
+        f"{where}: {value!r} is not a value of {flag}; expected a number or a name of ASCII letters, digits, '_', "
+        "'.', '+', '-' (not starting with '-')"
+    )
 
 
 def check_job_env(names: Collection[str], allowed: Collection[str]) -> None:
