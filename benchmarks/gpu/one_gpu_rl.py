@@ -295,6 +295,10 @@ def summarize(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "weight_update_s_all": values("inference", "weight_update_s", first=0),
         "weight_update_pause_s_median": median(values("inference", "weight_update_pause_s", first=1)),
         "weight_update_load_s_median": median(values("inference", "weight_update_load_s", first=1)),
+        "weight_update_reset_s_median": median(values("inference", "weight_update_reset_s", first=1)),
+        "weight_update_resume_s_median": median(values("inference", "weight_update_resume_s", first=1)),
+        "weight_update_worker_s_median": median(values("inference", "weight_update_worker_s", first=1)),
+        "weight_update_pause_s_all": values("inference", "weight_update_pause_s", first=0),
         "trainer_mfu_median": median(values("trainer", "mfu")),
         "trainer_tokens_per_s_median": median(values("trainer", "tokens_per_s")),
         "trainer_step_time_s_median": median(values("trainer", "step_time_s")),
@@ -342,7 +346,9 @@ def main() -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of the vLLM-alone measurement")
     p.add_argument("--budget-s", type=float, default=560, help="wall budget of the whole command")
-    p.add_argument("--part-timeout-s", type=float, default=240, help="wall limit of one RL run")
+    p.add_argument(
+        "--part-timeout-s", type=float, default=240, help="wall limit of one RL run (at most its share of what is left)"
+    )
     p.add_argument("--alone-timeout-s", type=float, default=130)
     p.add_argument("--model-size", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda", help="trainer device (cpu only to try the script on a CPU machine)")
@@ -427,8 +433,13 @@ def main() -> int:
         res["vllm_alone"] = old.get("vllm_alone", {})
         res["runs"].update(old.get("runs", {}))
         res["merged_from"] = {"file": str(a.merge), "measured": old.get("measured")}
+    rl_left = [x for x in parts if x != "alone"]
     for part in parts:
-        budget = min(a.alone_timeout_s if part == "alone" else a.part_timeout_s, left() - 10)
+        if part == "alone":
+            budget = min(a.alone_timeout_s, left() - 10)
+        else:  # an equal share of what is left with each RL part still to run: the last one gets the rest
+            budget = min(a.part_timeout_s, (left() - 10) / len(rl_left))
+            rl_left.remove(part)
         if budget < 60:
             res.setdefault("skipped", []).append(f"{part}: {budget:.0f} s left")
             save()

@@ -215,8 +215,10 @@ class Orchestrator:
         Returns the ``inference`` metrics of the update, wall seconds as the orchestrator saw them:
         ``weight_update_s`` (pause -> resume; with replicas until every replica acked) and, when the reply has them
         (:meth:`InferenceClient.publish_weights`; with replicas the first acked replica's), its parts
-        ``weight_update_pause_s`` (until the engine stopped: it finishes the step it is in) and
-        ``weight_update_load_s`` (the load itself, request included); the rest is the prefix-cache reset and resume.
+        ``weight_update_pause_s`` (until the engine stopped: it finishes the step it is in),
+        ``weight_update_load_s`` (the load itself, request included), ``weight_update_reset_s`` (the prefix-cache
+        reset) and ``weight_update_resume_s``; ``weight_update_worker_s``: the load as the vLLM worker timed it, where
+        its reply says (the in-place routes).
 
         A LoRA policy version (``path`` holds ``adapter_config.json``: ``[trainer.lora]``) is loaded as vLLM adapter
         ``lora_adapter_name(run, version)`` instead, and rollouts from then on name it as their ``model``; adapters
@@ -264,7 +266,7 @@ class Orchestrator:
                     except InferenceError as e:  # the run goes on; the server keeps one more small adapter
                         logger.warning("could not unload LoRA adapter %s: %s", old, e)
         out = {"weight_update_s": float(info["total_s"])}
-        for part in ("pause_s", "load_s"):
+        for part in ("pause_s", "load_s", "reset_s", "resume_s"):
             if isinstance(info.get(part), int | float):
                 out[f"weight_update_{part}"] = float(info[part])
         return out
@@ -273,6 +275,8 @@ class Orchestrator:
     def _loader(adapter: str | None, load: Callable[[Path], Awaitable[dict[str, Any]]] | None) -> Loader:
         """Each replica's ``load`` of a version (``ReplicaPool.publish``): its own LoRA adapter load, the test-only
         skip, or an in-place load by path (the spec allows only the filesystem weight sync with replicas)."""
+        if isinstance(info.get("seconds"), int | float):  # the load as the vLLM worker timed it (no HTTP, no RPC)
+            out["weight_update_worker_s"] = float(info["seconds"])
         if adapter is None or load is None:
             return lambda client: load
 

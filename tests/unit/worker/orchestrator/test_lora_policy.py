@@ -79,6 +79,8 @@ def test_adapter_versions_are_named_and_old_ones_unloaded(tmp_path: Path) -> Non
                 "weight_update_s": 0.5,
                 "weight_update_pause_s": 0.125,
                 "weight_update_load_s": 0.25,
+                "weight_update_reset_s": 0.0625,
+                "weight_update_resume_s": 0.0625,
             }
             names.append(client.model)
             assert orch.policy_version == v
