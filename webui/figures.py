@@ -66,6 +66,11 @@ CHART_TABLE: tuple[tuple[str, str, str, str], ...] = (
      "orchestrator/staleness_mean=mean, orchestrator/staleness_max=max, orchestrator/dropped_stale=dropped"),
     ("lag_hist",    "Policy lag of trained samples (count per lag bucket)", "samples", LAG_LINES),
     ("tokens_per_s", "Trainer tokens/s",    "tokens/s",                 "trainer/tokens_per_s=tokens/s, sft/tokens_per_s=sft tokens/s"),
+    # vLLM's own metrics of the run's inference servers (worker/inference/server_metrics.py): why rollouts are slow
+    ("vllm_cache", "Inference KV cache and prefix cache (vLLM)", "fraction (0-1)",
+     "vllm/kv_cache_usage=KV cache in use (step max), vllm/prefix_cache_hit_rate=prefix-cache hit rate"),
+    ("vllm_requests", "Inference requests (vLLM)", "requests",
+     "vllm/requests_running=running (step max), vllm/requests_waiting=waiting (step max), vllm/preemptions=preempted"),
 )
 # fmt: on
 """The run page's charts in order: ``(key, title, unit, lines)``; options of a few charts in :data:`CHART_OPTIONS`."""

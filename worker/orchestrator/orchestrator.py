@@ -25,6 +25,9 @@ One asyncio process wiring single-purpose parts (prime-rl's orchestrator shape):
 - **eval**: held-out reward and pass@k at the start, every ``eval.interval`` steps and at the end; the eval of step
   n is of policy version n (it waits for the trainer's version n: the version served when batch n is written is
   older, up to ``max_async_level`` behind, so evals would land at steps 8/18/28 of an interval of 10).
+- **server metrics**: samples vLLM's own ``/metrics`` of every inference server each second (KV-cache use, running and
+  waiting requests, preemptions, prefix-cache hits) and logs them with each step as the ``vllm`` metrics
+  (``worker/inference/server_metrics.py``); a failed sample is warned about once and never fails the run.
 - **replicas** (``inference.replicas`` / ``inference.urls``, one ``--inference-url`` each): a ``ReplicaPool``
   (``worker/inference/pool.py``) routes each rollout group to one replica, publishes each version to all of them and
   drops / takes back a lost one; one URL: the single client, as above.
@@ -50,6 +53,7 @@ from typing import Any, TypeVar
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.inference.pool import Loader, Replica, ReplicaPool
+from worker.inference.server_metrics import ServerMetricsSampler
 from worker.inference.warmup import warm_up
 from worker.live_config import LiveConfig
 from worker.orchestrator import advantages, heap
@@ -125,6 +129,8 @@ class Orchestrator:
         ]
         self.client = clients[0]
         self.pool = ReplicaPool(clients, run, version=start_step) if len(clients) > 1 else None
+        self.server_metrics = ServerMetricsSampler(clients)
+        """Samples vLLM's own metrics of every inference server; each step logs them (``vllm``)."""
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.name)
         self.sampler = EnvMixture.load(
             spec.envs,
@@ -269,14 +275,14 @@ class Orchestrator:
         for part in ("pause_s", "load_s", "reset_s", "resume_s"):
             if isinstance(info.get(part), int | float):
                 out[f"weight_update_{part}"] = float(info[part])
+        if isinstance(info.get("seconds"), int | float):  # the load as the vLLM worker timed it (no HTTP, no RPC)
+            out["weight_update_worker_s"] = float(info["seconds"])
         return out
 
     @staticmethod
     def _loader(adapter: str | None, load: Callable[[Path], Awaitable[dict[str, Any]]] | None) -> Loader:
         """Each replica's ``load`` of a version (``ReplicaPool.publish``): its own LoRA adapter load, the test-only
         skip, or an in-place load by path (the spec allows only the filesystem weight sync with replicas)."""
-        if isinstance(info.get("seconds"), int | float):  # the load as the vLLM worker timed it (no HTTP, no RPC)
-            out["weight_update_worker_s"] = float(info["seconds"])
         if adapter is None or load is None:
             return lambda client: load
 
@@ -911,6 +917,7 @@ class Orchestrator:
         if self.start_step == 0:
             await self.run_eval()
         watcher = asyncio.create_task(self.watch_weights())
+        sampler = asyncio.create_task(self.server_metrics.run())  # never ends, never fails (server_metrics.py)
         if self.pool is not None:  # a lost replica is dropped, a returning one taken back; none left: the run fails
             pool_watch = asyncio.create_task(self.pool.watch())
             watcher = asyncio.create_task(_both(watcher, pool_watch))
@@ -951,6 +958,8 @@ class Orchestrator:
                         **self.system.sample(),
                     },
                 )
+                if served := self.server_metrics.take():
+                    self.run.log_metrics("vllm", step, served)
                 self.warn_truncated(step, metrics["truncated_fraction"], step_spec.orchestrator.max_tokens)
                 self.warn_starved(
                     step, metrics["trained_gen_time_ratio"], int(metrics.get("admission_dropped_stale_groups", 0))
@@ -969,7 +978,7 @@ class Orchestrator:
                 self.run.log_event(HELD, process="orchestrator", step=self.end, reason="held until stopped")
                 await until(asyncio.Event().wait(), watcher)
         finally:
-            for task in (watcher, producer, *self._steps.values()):
+            for task in (watcher, sampler, producer, *self._steps.values()):
                 task.cancel()
             if self.scoring is not None:
                 self.scoring.close()

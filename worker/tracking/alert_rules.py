@@ -25,8 +25,9 @@ from worker.dotted_keys import closest, did_you_mean
 from worker.orchestrator.staleness import LAG_HIST_METRICS
 from worker.tracking.system_metrics import GPU_METRICS, PROCESS_METRICS
 
-Source = Literal["trainer", "orchestrator", "eval", "inference"]
-"""A process that reports metrics to ``metrics.jsonl``."""
+Source = Literal["trainer", "orchestrator", "eval", "inference", "vllm"]
+"""A process that reports metrics to ``metrics.jsonl`` (``vllm``: the inference servers' own metrics, which the
+orchestrator samples: ``worker/inference/server_metrics.py``)."""
 
 METRICS: dict[Source, tuple[str, ...]] = {
     "trainer": (
@@ -95,16 +96,17 @@ METRICS: dict[Source, tuple[str, ...]] = {
         "weight_update_s",
         "weight_update_pause_s",
         "weight_update_load_s",
-        "policy_check_max_abs_diff",
         "weight_update_reset_s",
         "weight_update_resume_s",
         "weight_update_worker_s",
+        "policy_check_max_abs_diff",
         "policy_moved_from_base",
         "policy_check_tolerance",
         "policy_check_base_max_abs_diff",
         "replicas_healthy",
         "policy_check_replica_max_abs_diff",
     ),
+    "vllm": ("kv_cache_usage", "requests_running", "requests_waiting", "preemptions", "prefix_cache_hit_rate"),
 }
 """Process -> every metric name it writes to an RL run's ``metrics.jsonl`` (some only on some machines: ``mfu``,
 ``peak_memory_gib`` and the trainer's ``system/gpu_*``, ``worker/tracking/system_metrics.py``), so every logged metric
@@ -147,10 +149,12 @@ PER_REPLICA_METRICS: dict[Source, tuple[str, ...]] = {
         "weight_update_s",
         "policy_check_max_abs_diff",
     ),
+    "vllm": ("kv_cache_usage", "requests_running", "requests_waiting", "preemptions"),
 }
 """Process -> the metrics a run of several inference replicas (``inference.replicas`` or ``inference.urls``) logs per
-replica, as ``<metric>/r<index>`` (``worker/inference/pool.py``); ``replicas_healthy`` and
-``policy_check_replica_max_abs_diff`` (max over probe tokens of |replica i - replica 0|) only with replicas."""
+replica, as ``<metric>/r<index>`` (``worker/inference/pool.py``, ``worker/inference/server_metrics.py``);
+``replicas_healthy`` and ``policy_check_replica_max_abs_diff`` (max over probe tokens of |replica i - replica 0|) only
+with replicas."""
 KNOWN_METRICS = tuple(dict.fromkeys(n for names in METRICS.values() for n in names))
 STATUS_EVENTS = ("failed", "completed", "cancelled", "requeued", "stalled")
 MAX_RULES_PER_RUN = 100

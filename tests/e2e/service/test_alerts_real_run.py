@@ -1,6 +1,7 @@
 """A live RL run through the service posts its alerts: the spec's ``alerts`` list becomes the run's rules, the
 supervisor's metric batches are checked on ingest, and the webhooks arrive signed at a real receiver on 127.0.0.1
-(one per episode of the threshold rule, one for ``completed``)."""
+(one per episode of the threshold rule, one for ``completed``). The run's vLLM metrics (``vllm``) are stored with
+the others."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def test_live_run_posts_its_alerts(
         (trainer,) = [s for s in series["series"] if s["source"] == "trainer"]
         assert trainer["step"] == [1, 2, 3, 4]
         fired_at = [trainer["step"][i] for i in episodes(trainer["value"], -1.0)]
+        # vLLM's own metrics of the run's server (read with the run's key), stored like any other: every step
+        for name in ("kv_cache_usage", "requests_running", "requests_waiting"):
+            got = client.get(f"/api/runs/{run_id}/metrics", params={"name": name}, headers=auth).json()
+            (served,) = [s for s in got["series"] if s["source"] == "vllm"]
+            assert served["step"] == [1, 2, 3, 4], (name, served)
+            if name == "kv_cache_usage":
+                assert all(0.0 <= v <= 1.0 for v in served["value"]), served
+            else:
+                assert all(v >= 0 and v == int(v) for v in served["value"]), (name, served)
         assert fired_at[:1] == [1]  # the first step holds: mismatch_kl >= 0
         logged = delivered(client, auth, hook["id"], len(fired_at) + 1, timeout=60)
         time.sleep(2)  # nothing more arrives

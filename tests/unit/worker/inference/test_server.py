@@ -11,9 +11,9 @@ from worker.inference import server
 from worker.policy.lora_adapters import adapters_in_use, lora_adapter_name
 
 
-def test_command_disables_vllm_stats_logging() -> None:
+def test_command_keeps_vllm_stats_on_for_the_runs_vllm_metrics() -> None:
     cmd = server.server_command("/m", "127.0.0.1", 8123)
-    assert "--disable-log-stats" in cmd
+    assert "--disable-log-stats" not in cmd  # its /metrics is what worker/inference/server_metrics.py reads
     assert cmd[cmd.index("--port") + 1] == "8123"
 
 
