@@ -57,7 +57,7 @@ from server.services.permissions import Forbidden
 from worker.launchers import supervisor
 from worker.launchers.reporter import row_to_event, rows_to_points
 from worker.run import cgroups, inputs
-from worker.run.procs import alive, give_tree, live_processes, started_at
+from worker.run.procs import alive, give_folder, live_processes, started_at
 from worker.run.run_files import RunFileRefused, copy_run_folder, open_run_file
 from worker.run.rundir import (
     ENGINE_EVENTS,
@@ -303,9 +303,11 @@ def _launch_slurm(session: Session, run: Run) -> str:
             except ValueError as err:
                 return _fail_launch(session, run, f"launch: {err}")
             try:  # the files it starts from in other runs' folders: copied in, given to its uid
+                if user is not None:
+                    supervisor.open_slurm_home(home)
                 launched = _with_inputs(session, run, home, link=user is None)
                 if user is not None and (home / inputs.INPUTS_DIR).is_dir():
-                    give_tree(home / inputs.INPUTS_DIR, user.uid, user.gid)
+                    give_folder(home / inputs.INPUTS_DIR, user.uid, os.stat(home).st_gid)
                 SupervisorHome(home).write_spec(launched)
             except (ValueError, OSError) as err:
                 return _fail_launch(session, run, f"launch: {_launch_error(err, home)}")

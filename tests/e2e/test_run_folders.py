@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.uids import probe_as
 from worker.demo import TERMINAL, embedded_service
 from worker.launchers import supervisor
 from worker.spec import load_spec_data
@@ -26,31 +26,6 @@ from worker.spec import load_spec_data
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="a root worker's runs, as their uids")]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-PROBE = """
-for p in "$@"; do
-  if [ -d "$p" ]; then err=$(ls "$p" 2>&1 >/dev/null); else err=$(cat "$p" 2>&1 >/dev/null); fi
-  case "$?:$err" in 0:*) echo read ;; *"Permission denied"*) echo denied ;; *) echo "error $err" ;; esac
-done
-"""
-"""``sh -c PROBE sh PATH...``: ``read`` (a folder is listed), ``denied`` or ``error ...`` for each path (a shell and
-coreutils, which any uid may run: the venv's Python is not for a uid of the group of the folders above it)."""
-
-
-def _probe(paths: list[Path], uid: int, gid: int) -> list[str]:
-    """What ``uid`` with ``gid`` and no supplementary groups gets for each path (:data:`PROBE`)."""
-    out = subprocess.run(
-        ["/bin/sh", "-c", PROBE, "sh", *map(str, paths)],
-        user=uid,
-        group=gid,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-    )
-    return out.stdout.splitlines()
 
 
 def test_a_stage_cannot_read_the_stage_befores_folder_yet_starts_from_its_weights(
@@ -108,11 +83,11 @@ def test_a_stage_cannot_read_the_stage_befores_folder_yet_starts_from_its_weight
         a: [a.parent / "spec.json", a / "final" / "model.safetensors", a / "metrics.jsonl", a.parent],
         b: [b.parent / "spec.json", copy / "model.safetensors", b / "metrics.jsonl", b.parent],
     }
-    assert _probe(files[a], uid_b, uid_b) == ["denied"] * 4
-    assert _probe(files[b], uid_a, uid_a) == ["denied"] * 4
-    assert _probe(files[a], uid_a, uid_a) == ["read"] * 4
-    assert _probe(files[b], uid_b, uid_b) == ["read"] * 4
-    assert _probe(files[a] + files[b], uid_b + 1000, group) == ["read"] * 8  # not a run's uid, the server's group
+    assert probe_as(files[a], uid_b, uid_b) == ["denied"] * 4
+    assert probe_as(files[b], uid_a, uid_a) == ["denied"] * 4
+    assert probe_as(files[a], uid_a, uid_a) == ["read"] * 4
+    assert probe_as(files[b], uid_b, uid_b) == ["read"] * 4
+    assert probe_as(files[a] + files[b], uid_b + 1000, group) == ["read"] * 8  # not a run's uid, the server's group
     for home, uid in ((a.parent, uid_a), (b.parent, uid_b)):
         st = home.stat()
         assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (uid, group, "0o2750")

@@ -9,7 +9,6 @@ reads its own run's files.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from tests.support.server import wait_for
-from tests.support.uids import PROBE, uid_of
+from tests.support.uids import PROBE, output_as, uid_of
 from worker.demo import TERMINAL, embedded_service
 from worker.launchers import supervisor
 from worker.run.procs import session_members
@@ -76,21 +75,12 @@ def test_a_root_workers_run_runs_as_its_own_uid_which_cannot_read_the_servers_se
             home / "spec.json",
             Path(now["run_dir"]) / "metrics.jsonl",
         ]
-        probe = subprocess.run(
-            [sys.executable, "-c", PROBE, *map(str, files)],
-            user=uid,
-            group=uid,
-            extra_groups=[],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd="/",
-        )
+        probe = output_as([sys.executable, "-c", PROBE, *map(str, files)], uid, uid)
         modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files[:5]}
     assert sid in seen and len(seen) >= 2, seen  # the supervisor and the SFT trainer (at least)
     assert set(seen.values()) - {None} == {uid}, seen
     assert (Path(now["run_dir"]) / "metrics.jsonl").stat().st_uid == uid
-    assert probe.stdout.split("\n")[:-1] == [
+    assert probe == [
         *(f"denied {p}" for p in files[:6]),
         *(f"read {p}" for p in files[6:]),
     ]

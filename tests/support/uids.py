@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 PROBE = """
@@ -23,3 +24,26 @@ def uid_of(pid: int) -> int | None:
     except OSError:
         return None
     return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+SH_PROBE = """
+for p in "$@"; do
+  if [ -d "$p" ]; then err=$(ls "$p" 2>&1 >/dev/null); else err=$(cat "$p" 2>&1 >/dev/null); fi
+  case "$?:$err" in 0:*) echo read ;; *"Permission denied"*) echo denied ;; *) echo "error $err" ;; esac
+done
+"""
+"""``sh -c SH_PROBE sh PATH...``: ``read`` (a folder is listed), ``denied`` or ``error ...`` for each path (a shell and
+coreutils, which any uid may run: the venv's Python is not for a uid of the group of the folders above it)."""
+
+
+def output_as(argv: list[str], uid: int, gid: int) -> list[str]:
+    """The lines ``argv`` prints run on this machine as ``uid`` with ``gid`` and no supplementary groups, from ``/``."""
+    out = subprocess.run(
+        argv, user=uid, group=gid, extra_groups=[], capture_output=True, text=True, check=True, cwd="/"
+    )
+    return out.stdout.splitlines()
+
+
+def probe_as(paths: list[Path], uid: int, gid: int) -> list[str]:
+    """What ``uid`` with ``gid`` and no supplementary groups gets for each path on this machine (:data:`SH_PROBE`)."""
+    return output_as(["/bin/sh", "-c", SH_PROBE, "sh", *map(str, paths)], uid, gid)

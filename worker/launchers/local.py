@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.run.checkpoint import check_run_dir, remove_incomplete
-from worker.run.procs import free_port, give_to_run_user, kill_group, kill_groups, spawn
+from worker.run.procs import free_port, kill_group, kill_groups, spawn
 from worker.run.rundir import (
     DISK_FULL_FREE_BYTES,
     RunDir,
     atomic_write_json,
     disk_space,
+    empty_folder,
     human_bytes,
     read_jsonl,
     read_jsonl_after,
@@ -190,8 +191,8 @@ def prepare_run_dir(spec: RLSpec | SFTSpec, *, resume: bool, overwrite: bool) ->
     if step is not None:
         run.record_interrupted()  # an attempt killed with its launcher: its end, with the step it reached (unpruned)
         run.prune_after(step)
-    elif run.root.exists():
-        shutil.rmtree(run.root)
+    else:  # kept: a root worker's Slurm job gives its run's uid the folder, not the home above it
+        empty_folder(run.root)
     run.create()
     atomic_write_json(run.config, json.loads(spec.model_dump_json()))
     return run, step
@@ -308,7 +309,6 @@ def launch_rl(
     shutil.rmtree(run.root / PROGRESS_DIR, ignore_errors=True)  # an earlier attempt's records: not of these processes
     t_start = time.time()
     run.log_event("starting", resume_step=start)
-    give_to_run_user(run.root)  # a Slurm job of a root worker: its processes run as the run's uid
     procs: dict[str, subprocess.Popen[bytes]] = {}
     say = RunConsole(spec.max_steps, start or 0, quiet=quiet).open()  # lines; on a terminal a progress bar too
     status, reason = "failed", ""
@@ -439,7 +439,6 @@ def _one_process(
     group: ``cancelled``."""
     t_start = time.time()
     run.log_event("starting", resume_step=start)
-    give_to_run_user(run.root)  # a Slurm job of a root worker: the process runs as the run's uid
     log = run.logs / f"{name}.log"
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))  # noqa: T201 - console output
     events_offset = run.events.stat().st_size

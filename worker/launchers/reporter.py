@@ -18,6 +18,10 @@ A full disk does not stop the reporting: an offset that cannot be saved stays in
 sends again from the last saved one; the server ignores what it has), and a final status that cannot be spooled is
 still reported.
 
+In a root worker's Slurm job the supervisor is root and the run directory its run's uid's: every read or write of it
+here is done as that uid (``worker.run.procs.run_user_files``); the offsets and the spool, in the worker's home
+folder, as root.
+
 Nothing here imports the server: the API is the only contract.
 """
 
@@ -34,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from worker.run.procs import run_user_files
 from worker.run.rundir import ENGINE_EVENTS, SupervisorHome, atomic_write_text, read_jsonl_after, read_offset
 
 logger = logging.getLogger("asyncrl.supervisor")
@@ -130,7 +135,8 @@ class EventsForwarder:
     def send_once(self) -> int:
         """Send the engine events written since the offset; returns how many were sent. Raises httpx errors (the
         caller retries later; the offset moves only after every batch was answered)."""
-        rows, new_offset = read_jsonl_after(self.path, self.offset)
+        with run_user_files():
+            rows, new_offset = read_jsonl_after(self.path, self.offset)
         events = [row_to_event(r) for r in rows if r.get("event") in ENGINE_EVENTS]
         for i in range(0, len(events), self.batch_events):
             batch = events[i : i + self.batch_events]
@@ -158,7 +164,8 @@ class MetricsForwarder:
 
     def pending(self) -> tuple[list[dict[str, Any]], int]:
         """Rows after the offset (complete lines only) and the offset after them."""
-        return read_jsonl_after(self.path, self.offset)
+        with run_user_files():
+            return read_jsonl_after(self.path, self.offset)
 
     def send_once(self) -> int:
         """Send what is pending; returns points sent. A batch the server finds too large (413: more points or bytes
@@ -207,14 +214,16 @@ class ConfigBridge:
         """One round trip each way. Raises httpx errors (the caller retries later; nothing is lost)."""
         from worker.live_config import ACKS_FILE, append_revision, read_revisions
 
-        if not (self.run_dir / "config.json").exists():
-            return  # the launcher has not created the run directory yet; revisions wait on the server
-        last = max((int(r["revision"]) for r in read_revisions(self.run_dir)), default=0)
+        with run_user_files():
+            if not (self.run_dir / "config.json").exists():
+                return  # the launcher has not created the run directory yet; revisions wait on the server
+            last = max((int(r["revision"]) for r in read_revisions(self.run_dir)), default=0)
         resp = self.client.get(f"/api/runs/{self.run_id}/config", params={"after": last})
         resp.raise_for_status()
-        for rev in resp.json()["data"]:
-            append_revision(self.run_dir, rev["revision"], rev["changes"])
-        acks, end = read_jsonl_after(self.run_dir / ACKS_FILE, self.offset)
+        with run_user_files():
+            for rev in resp.json()["data"]:
+                append_revision(self.run_dir, rev["revision"], rev["changes"])
+            acks, end = read_jsonl_after(self.run_dir / ACKS_FILE, self.offset)
         for ack in acks:
             resp = self.client.post(
                 f"/api/runs/{self.run_id}/config/{ack['revision']}/ack",
@@ -264,7 +273,8 @@ class Reporter(threading.Thread):
     def attempt_events(self) -> list[dict[str, Any]]:
         """Events of ``events.jsonl`` written since the reporter was made (all of them when the file was replaced by
         a shorter one, e.g. a requeued attempt started over); complete lines only."""
-        return read_jsonl_after(self.run_dir / "events.jsonl", self.events_offset)[0]
+        with run_user_files():
+            return read_jsonl_after(self.run_dir / "events.jsonl", self.events_offset)[0]
 
     def status(self, status: str, reason: str = "") -> bool:
         """Report a status; False when the server refuses the transition (409), or the run token because the

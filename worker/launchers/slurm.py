@@ -29,8 +29,8 @@ from pathlib import Path
 
 from worker.inference.model_info import seed_run_home
 from worker.run.checkpoint import complete_steps
-from worker.run.procs import RunUser, give_tree, run_environ
-from worker.run.rundir import SupervisorHome
+from worker.run.procs import RunUser, give_folder, run_environ
+from worker.run.rundir import SupervisorHome, atomic_write_text
 from worker.spec import EvalSpec, RLSpec, SFTSpec
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "rl.sbatch.j2"
@@ -56,6 +56,9 @@ COMMAND_TIMEOUT_S = 30.0
 JobSpec = RLSpec | SFTSpec | EvalSpec
 """A spec the Slurm launcher submits: any kind of run (SFT runs and eval jobs on one node)."""
 KIND_NAMES = {"rl": "RL run", "sft": "SFT run", "eval": "eval job"}
+JOB_UMASK = "0027"
+"""The umask of a root worker's job (the job script sets it; Slurm makes the job's output file with it): what its root
+processes and the run's uid make gives no access to other uids (``worker.launchers.supervisor.SLURM_HOME_MODE``)."""
 
 
 class SlurmError(RuntimeError):
@@ -138,6 +141,7 @@ def render(
         resume_arg=f" --resume-step {steps[-1]}" if steps else "",
         user=user,
         run_as=None if user is None else f"{user.uid}:{user.gid}:{user.name}:{user.home}",
+        umask=JOB_UMASK,
     )
 
 
@@ -181,8 +185,10 @@ def submit(
     inside an ``allocation``). The job's environment is ``env`` (``worker.launchers.supervisor.run_env``: run id, token,
     server URL) over the variables of this process that ``worker.run.procs.run_environ`` lets through (no database or
     broker URL, no server secret); it is not written into the script. ``user``: the run's processes run as its uid
-    (:func:`render`); its ``HOME`` (a folder of ``home``) is made and given to it here, while ``home`` itself, where
-    the job's root processes write their logs, stays this process's.
+    (:func:`render`); its ``HOME`` (a folder of ``home``) is made and given to it here
+    (``worker.run.procs.give_folder``), while ``home`` itself, where the job's root processes write their logs, stays
+    this process's (``worker.launchers.supervisor.open_slurm_home``); the job script is written 0640 and the job runs
+    under :data:`JOB_UMASK`.
 
     Raises:
         SlurmError: Slurm refused it (e.g. ``sbatch: error: invalid partition specified: nope``); nothing is queued.
@@ -196,10 +202,12 @@ def submit(
     if user is not None and Path(user.home).parent == home:  # a run's own uid: its HOME is a folder of its home
         Path(user.home).mkdir(exist_ok=True)
         seed_run_home(Path(user.home), spec.model.name)
-        give_tree(Path(user.home), user.uid, user.gid)
+        give_folder(Path(user.home), user.uid, os.stat(home).st_gid)
     script = SupervisorHome(home).job_script
-    script.write_text(render(spec, home=home, name=job_name(run_id), resume=resume, user=user))
+    atomic_write_text(script, render(spec, home=home, name=job_name(run_id), resume=resume, user=user), mode=0o640)
     full_env = {**run_environ(os.environ), **env}
+    if user is not None:  # the job's own output file (slurm-<job>.out), made by Slurm: no access for other uids
+        full_env["SLURM_UMASK"] = JOB_UMASK
     if slurm.allocation is None:
         return slurm_command(["sbatch", "--parsable", str(script)], env=full_env).strip().split(";")[0]
     return _start_step(slurm.allocation, run_id, home, script, full_env)
@@ -229,7 +237,7 @@ def _start_step(allocation: str, run_id: int, home: Path, script: Path, env: dic
     """Run ``script`` as a step of job ``allocation``; returns ``<job>.<step>`` once Slurm lists the step."""
     name = job_name(run_id)
     srun_log = SupervisorHome(home).srun_log
-    with open(srun_log, "ab") as log:
+    with open(os.open(srun_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640), "ab") as log:
         proc = subprocess.Popen(
             [
                 "srun",

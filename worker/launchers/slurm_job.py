@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,8 +26,8 @@ from typing import Any
 
 from worker.launchers.slurm import SlurmError, lost_nodes, state
 from worker.run.checkpoint import complete_steps, request, resume_step
-from worker.run.procs import run_as, run_as_argv
-from worker.run.rundir import RunDir, SupervisorHome, read_jsonl
+from worker.run.procs import run_as, run_as_argv, run_user_files
+from worker.run.rundir import RunDir, SupervisorHome, empty_folder, read_jsonl
 
 logger = logging.getLogger("asyncrl.supervisor")
 
@@ -62,20 +61,17 @@ def checkpoint_then_requeue(run_dir: Path, wait_s: float) -> None:
     orchestrator's last step, wait up to ``wait_s`` for it to be complete, then ``scontrol requeue`` the job (the
     next attempt resumes from the newest complete checkpoint)."""
     run = RunDir(run_dir)
-    last = max((r["step"] for r in read_jsonl(run.metrics) if r.get("source") == "orchestrator"), default=0)
-    step = last + 2  # the orchestrator may be writing step last + 1 already
-    request(run, step)
-    logger.info("USR1: checkpoint requested at step %d", step)
-    deadline = time.monotonic() + wait_s
-    while step not in complete_steps(run) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    with run_user_files():  # a root worker's job: as the run's uid, which owns the run directory
+        last = max((r["step"] for r in read_jsonl(run.metrics) if r.get("source") == "orchestrator"), default=0)
+        step = last + 2  # the orchestrator may be writing step last + 1 already
+        request(run, step)
+        logger.info("USR1: checkpoint requested at step %d", step)
+        deadline = time.monotonic() + wait_s
+        while step not in complete_steps(run) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done = step in complete_steps(run)
     job = os.environ["SLURM_JOB_ID"]
-    logger.info(
-        "checkpoint step %d %s; requeueing job %s",
-        step,
-        "complete" if step in complete_steps(run) else "not complete in time",
-        job,
-    )
+    logger.info("checkpoint step %d %s; requeueing job %s", step, "complete" if done else "not complete in time", job)
     subprocess.run(["scontrol", "requeue", job], check=False)
 
 
@@ -84,13 +80,14 @@ def prepare_requeued(run_dir: Path, home: SupervisorHome, *, keep: bool = False)
     start over (``keep``: an eval job's directory is kept whole: the weights it evaluates and the tasks it recorded);
     the metrics forwarder replays from the start (ingestion is idempotent)."""
     run = RunDir(run_dir)
-    step = resume_step(run) if run.config.exists() else None
-    if step is not None or keep:  # an attempt lost with its node: its end, with the step it reached, before the pruning
-        run.record_interrupted()
-    if step is not None:
-        run.prune_after(step)
-    elif not keep:
-        shutil.rmtree(run.root, ignore_errors=True)
+    with run_user_files():  # a root worker's job: as the run's uid, which owns the run directory
+        step = resume_step(run) if run.config.exists() else None
+        if step is not None or keep:  # an attempt lost with its node: its end, with the step it reached, before pruning
+            run.record_interrupted()
+        if step is not None:
+            run.prune_after(step)
+        elif not keep:
+            empty_folder(run.root)
     home.forwarded_offset.unlink(missing_ok=True)
     return step
 

@@ -16,7 +16,8 @@ The Celery ``launch_run`` task starts it in its own session (process group) and 
   progress records and probes inference, and writes ``stalled`` / ``progress_resumed`` events, which the reporter
   forwards; the service fires the alert rules and applies ``watchdog.on_stall`` (``launch_rl(act_on_stall=False)``);
 - inside a Slurm job (any kind of run), checkpoints and requeues before the time limit and resumes a requeued
-  attempt (:mod:`worker.launchers.slurm_job`).
+  attempt (:mod:`worker.launchers.slurm_job`); in a root worker's job it stays root but gives the run directory to the
+  run's uid first and then reads and writes it only as that uid (:func:`worker.run.procs.run_user_files`).
 
 ``--attempt N`` names the launch attempt (the id of the run event that last queued the run; the launch task passes
 it): the spool records it, so a spool of an earlier attempt (before a resume) is never taken for this one's.
@@ -49,7 +50,15 @@ from worker.inference.model_info import seed_run_home
 from worker.launchers import slurm_job
 from worker.launchers.reporter import Reporter, report_timeout_s
 from worker.run import cgroups
-from worker.run.procs import WORKER_CACHE_VARS, RunUser, alive, give_tree, run_environ
+from worker.run.procs import (
+    WORKER_CACHE_VARS,
+    RunUser,
+    alive,
+    give_folder,
+    give_to_run_user,
+    run_environ,
+    run_user_files,
+)
 from worker.run.rundir import SupervisorHome, describe_os_error, read_jsonl
 
 logger = logging.getLogger("asyncrl.supervisor")
@@ -226,20 +235,31 @@ def spec_model(spec: dict[str, Any]) -> str:
     return str(model.get("name", "")) if isinstance(model, dict) else ""
 
 
-HOME_MODE = 0o2750
-"""Mode of a run's home folder given to its user (:func:`give_home`): its uid reads and writes it, the server's group
-reads it (the set-group-id bit: what the run makes in it gets that group too), no other uid may enter it."""
-
-
 def give_home(home: Path, user: RunUser) -> None:
     """Make the run's home folder (spec, logs, run directory, a fork's copied checkpoint, the inputs copied from other
     runs: :mod:`worker.run.inputs`) the run user's, in the group of the folder that holds the homes
-    (``<ASYNCRL_OUTPUT_DIR>/runs``: the server's, which reads them), with the home folder :data:`HOME_MODE`: another
-    run's uid cannot enter it, so reads nothing in it (:func:`worker.run.procs.give_tree`: a hard-linked file is
-    copied first)."""
-    group = os.stat(home.parent).st_gid
-    give_tree(home, user.uid, group)
-    os.chmod(home, HOME_MODE)
+    (``<ASYNCRL_OUTPUT_DIR>/runs``: the server's, which reads them), with the home folder
+    :data:`worker.run.procs.RUN_FOLDER_MODE`: another run's uid cannot enter it, so reads nothing in it
+    (:func:`worker.run.procs.give_folder`: a hard-linked file is copied first)."""
+    give_folder(home, user.uid, os.stat(home.parent).st_gid)
+
+
+SLURM_HOME_MODE = 0o2751
+"""Mode of the home folder of a root worker's Slurm run (:func:`open_slurm_home`): the worker's (root's), since the
+job's root processes write their logs and spools in it; the server's group reads it; any uid may pass through it but
+not list it."""
+
+
+def open_slurm_home(home: Path) -> None:
+    """Before a root worker's Slurm run is prepared: make its ``home`` folder if missing, the worker's, in the group of
+    the folder that holds the homes (the server's; the set-group-id bit gives that group to what is made in it), mode
+    :data:`SLURM_HOME_MODE`. The run's uid passes through it to what is given to it
+    (:func:`worker.run.procs.give_folder`: its run directory, ``HOME`` and copied inputs); the files of the worker and
+    of the job's root processes in it are written with no access for other uids (the spec and job script 0640, the
+    job under ``umask 027``)."""
+    home.mkdir(parents=True, exist_ok=True)
+    os.chown(home, -1, os.stat(home.parent).st_gid)
+    os.chmod(home, SLURM_HOME_MODE)
 
 
 def detach(
@@ -414,10 +434,11 @@ def prepare_resume(run_dir: Path, home: SupervisorHome) -> int | None:
     from worker.run.rundir import RunDir
 
     run = RunDir(run_dir)
-    step = resume_step(run) if run.config.exists() else None
-    if step is not None:
-        run.record_interrupted()  # a killed attempt's end, with the step it reached, before the pruning
-        run.prune_after(step)
+    with run_user_files():  # a root worker's Slurm job: as the run's uid, which owns the run directory
+        step = resume_step(run) if run.config.exists() else None
+        if step is not None:
+            run.record_interrupted()  # a killed attempt's end, with the step it reached, before the pruning
+            run.prune_after(step)
     home.forwarded_offset.unlink(missing_ok=True)
     return step
 
@@ -474,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if attempt is not None:  # an SFT run or an eval job has no checkpoint on request: USR1 requeues at once
         checkpoint = isinstance(spec, RLSpec)
         slurm_job.on_time_limit(spec.run_dir, spec.launcher.slurm.signal_before_end_s, checkpoint=checkpoint)
+    give_to_run_user(spec.run_dir)  # a root worker's job: the run directory is the run's uid's from here on
     if attempt:
         requeue = slurm_job.start_requeued(attempt, spec.run_dir, home, keep=isinstance(spec, EvalSpec))
         resume = requeue["resume_step"] is not None
@@ -490,13 +512,14 @@ def main(argv: list[str] | None = None) -> int:
         from worker.launchers.local import launch_eval, launch_rl, launch_sft
 
         slurm_job.check_run_as(spec.launcher.slurm.nodes)  # a root worker's job: never run the run as root
-        if isinstance(spec, SFTSpec):
-            summary = launch_sft(spec, resume=resume, quiet=True)
-        elif isinstance(spec, EvalSpec):
-            summary = launch_eval(spec, quiet=True)
-        else:
-            summary = launch_rl(spec, resume=resume, quiet=True, act_on_stall=False)  # the service acts on a stall
-        status, reason = summary["status"], str(summary.get("reason") or _last_reason(spec.run_dir))
+        with run_user_files():  # a root worker's job: the launcher touches the run directory as the run's uid
+            if isinstance(spec, SFTSpec):
+                summary = launch_sft(spec, resume=resume, quiet=True)
+            elif isinstance(spec, EvalSpec):
+                summary = launch_eval(spec, quiet=True)
+            else:
+                summary = launch_rl(spec, resume=resume, quiet=True, act_on_stall=False)  # the service acts on stalls
+            status, reason = summary["status"], str(summary.get("reason") or _last_reason(spec.run_dir))
     except SpecError as err:
         status, reason = "failed", f"preflight: {err}"
     except slurm_job.RunAsError as err:

@@ -151,8 +151,9 @@ def check_run_dir(spec: RLSpec | SFTSpec | EvalSpec, *, resume: bool = False, ov
     Returns the checkpoint step to resume from (with ``resume``), else None.
 
     Raises:
-        SpecError: ``output_dir`` is a file or not writable; the run directory exists without ``--resume`` or
-            ``--overwrite`` (sft: ``--overwrite``); ``--resume`` without a run config or a complete checkpoint.
+        SpecError: ``output_dir`` is a file or not writable; the run directory exists, not empty, without
+            ``--resume`` or ``--overwrite`` (sft: ``--overwrite``); ``--resume`` without a run config or a complete
+            checkpoint.
     """
     from worker.spec import EvalSpec, SpecError
 
@@ -184,7 +185,7 @@ def check_run_dir(spec: RLSpec | SFTSpec | EvalSpec, *, resume: bool = False, ov
                 f"to resume (raise --max_steps to train further)"
             )
         return step
-    if run.root.exists() and not overwrite:
+    if run.root.exists() and any(run.root.iterdir()) and not overwrite:  # empty: made for it (a root worker's job)
         raise SpecError(f"run directory {run.root} exists: pass --resume to continue it or --overwrite to replace it")
     return None
 

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,11 +157,75 @@ def give_tree(root: Path, uid: int, gid: int) -> None:
             os.lchown(path, uid, gid)
 
 
+RUN_FOLDER_MODE = 0o2750
+"""Mode of a folder given to a run's uid (:func:`give_folder`): that uid reads and writes it, the folder's group (the
+server's) reads it, and the set-group-id bit gives what the run makes there that group too; no other uid may enter."""
+
+
+def give_folder(folder: Path, uid: int, group: int) -> None:
+    """Make ``folder`` and everything under it owned by ``uid`` in the group ``group`` (:func:`give_tree`), the folder
+    itself :data:`RUN_FOLDER_MODE`: a run's home folder (a local run of a root worker), or the run directory, ``HOME``
+    and copied inputs of a Slurm run of a root worker, whose home stays the worker's."""
+    give_tree(folder, uid, group)
+    os.chmod(folder, RUN_FOLDER_MODE)
+
+
 def give_to_run_user(root: Path) -> None:
-    """Inside a Slurm job of a root worker (:data:`RUN_AS_VAR`): :func:`give_tree` the run directory ``root``, which
-    this (root) supervisor prepared, to the run's uid before its processes start; nothing otherwise."""
-    if (identity := run_as()) is not None:
-        give_tree(root, identity[0], identity[1])
+    """Inside a Slurm job of a root worker (:data:`RUN_AS_VAR`; nothing otherwise), before anything of this attempt
+    touches the run directory ``root``: make it if missing and, unless it is the run's already (an earlier attempt
+    gave it), :func:`give_folder` it to the run's uid in the group of the home folder above it (the server's). From
+    then on this root supervisor touches it only inside :func:`run_user_files`."""
+    if (identity := run_as()) is None:
+        return
+    root.mkdir(exist_ok=True)
+    if os.lstat(root).st_uid != identity[0]:  # only the worker could write in it so far: nothing of the run's is in it
+        give_folder(root, identity[0], os.stat(root.parent).st_gid)
+
+
+_SETGROUPS_SYSCALL = {"x86_64": 116, "aarch64": 159}
+"""``setgroups`` by its number: the kernel's call changes the calling thread's groups only (glibc's wrapper changes
+every thread's)."""
+
+
+def _thread_groups(libc: ctypes.CDLL, groups: list[int]) -> None:
+    number = _SETGROUPS_SYSCALL.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"run_user_files: no setgroups system call number known for {os.uname().machine}")
+    array = (ctypes.c_uint * max(len(groups), 1))(*groups)
+    if libc.syscall(number, len(groups), array) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setgroups of this thread: {os.strerror(err)}")
+
+
+@contextmanager
+def run_user_files() -> Iterator[None]:
+    """Inside a Slurm job of a root worker (:data:`RUN_AS_VAR`; nothing otherwise): while the block runs, the calling
+    thread's file accesses are checked as the run's uid and gid, with no supplementary groups (Linux ``setfsuid``,
+    ``setfsgid`` and ``setgroups`` of this thread; the threads it starts meanwhile inherit it). The root supervisor
+    keeps its other powers (signals, and the programs it starts, ``srun`` and ``setpriv``, run as root again), but
+    what it reads, writes, makes or removes in the run directory, which the run's uid owns, is done as that uid: a
+    symbolic or hard link the run planted there leads it nowhere the run could not go itself. Blocks nest.
+
+    Raises:
+        OSError: the thread's file identity cannot be changed (the block does not run).
+    """
+    identity = run_as()
+    if identity is None:
+        yield
+        return
+    uid, gid = identity[0], identity[1]
+    libc = ctypes.CDLL(None, use_errno=True)
+    groups = os.getgroups()
+    _thread_groups(libc, [])
+    old_gid, old_uid = libc.setfsgid(gid), libc.setfsuid(uid)
+    try:
+        if (libc.setfsuid(-1), libc.setfsgid(-1)) != (uid, gid):  # -1 changes nothing and returns the current ids
+            raise OSError(f"run_user_files: cannot take uid {uid} and gid {gid} for this thread's file accesses")
+        yield
+    finally:
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
+        _thread_groups(libc, groups)
 
 
 def run_environ(environ: Mapping[str, str], allow: Collection[str] = ()) -> dict[str, str]:

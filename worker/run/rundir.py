@@ -158,6 +158,23 @@ def remove_path(path: Path) -> None:
             pass
 
 
+def empty_folder(folder: Path) -> None:
+    """Remove everything in ``folder`` (links themselves, never what they lead to) but keep the folder itself: a run
+    directory that the run's uid owns in a home folder it may not write (a root worker's Slurm job). A missing folder
+    is left missing.
+
+    Raises:
+        OSError: something in it cannot be removed.
+    """
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def _clear_frames(err: BaseException) -> None:
     """Clear the local variables of the finished frames in the tracebacks of ``err`` and the errors it chains."""
     seen: set[int] = set()
@@ -265,24 +282,27 @@ def describe_os_error(err: OSError, path: Path | None = None) -> str:
     return f"{words}{at}"
 
 
-def atomic_write_text(path: Path, text: str, what: str | None = None) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename; a failed write leaves
-    neither the temporary file nor a changed ``path``.
+def atomic_write_text(path: Path, text: str, what: str | None = None, *, mode: int = 0o666) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder (made with ``mode`` less the umask,
+    never through a symbolic link) and a rename; a failed write leaves neither the temporary file nor a changed
+    ``path``.
 
     Raises:
         DiskFull: the filesystem is full (``what``, default the file's name, says what was written).
         OSError: any other failure to write.
     """
-    atomic_write_bytes(path, text.encode(), what)
+    atomic_write_bytes(path, text.encode(), what, mode=mode)
 
 
-def atomic_write_bytes(path: Path, data: bytes, what: str | None = None) -> None:
+def atomic_write_bytes(path: Path, data: bytes, what: str | None = None, *, mode: int = 0o666) -> None:
     """:func:`atomic_write_text` of bytes (UTF-8 text already encoded). Errors: as :func:`atomic_write_text`."""
     with writing(what or path.name, path):
         path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with writing(what or path.name, path, partial=tmp):
-        tmp.write_bytes(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
 
 
@@ -594,13 +614,14 @@ class SupervisorHome:
         return sorted(self.slurm_attempts.glob("attempt-*/job.log"))
 
     def write_spec(self, spec: dict[str, Any]) -> None:
-        """Create the folder and write the run's resolved spec (the supervisor reads it), atomically.
+        """Create the folder and write the run's resolved spec (the supervisor reads it), atomically, with no access for
+        other uids (0640: the home of a root worker's Slurm run lets any uid pass, ``worker.launchers.supervisor``).
 
         Raises:
             OSError: it cannot be written (:class:`DiskFull` when the filesystem is full).
         """
         self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.spec, json.dumps(spec), what="the run's spec")
+        atomic_write_text(self.spec, json.dumps(spec), what="the run's spec", mode=0o640)
 
     def write_final(self, final: dict[str, Any]) -> None:
         """Spool the final status (``{"status", "reason", "attempt", "pid", "time", "delivered"}``)."""

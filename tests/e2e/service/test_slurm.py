@@ -22,7 +22,7 @@ import pytest
 from server.models import RunStatus
 from tests.support.runs import ended, run_of, small_spec, trainer_steps
 from tests.support.server import BAD_MODEL, points, processes, run_token_headers, spec, stored, wait_for
-from tests.support.uids import PROBE, uid_of
+from tests.support.uids import PROBE, probe_as, uid_of
 from worker.launchers import slurm
 from worker.run.checkpoint import complete_steps
 from worker.run.rundir import RunDir, read_jsonl
@@ -369,7 +369,11 @@ def test_a_root_workers_slurm_run_runs_as_its_own_uid_which_cannot_read_the_serv
     """A root worker (RUN_USER and RUN_UID_BASE unset) submits an RL run as a Slurm job: every process of the run
     (vLLM and its engine, orchestrator, trainer: the process groups the supervisor starts, less each group's watchdog,
     which the supervisor owns) runs as uid = gid = DEFAULT_RUN_UID_BASE + run id; from the job's node that uid gets
-    PermissionError on the server's secret key file and ASYNCRL_HOME, and reads its own run's files."""
+    PermissionError on the server's secret key file and ASYNCRL_HOME, and reads its own run's files. The run completes;
+    then, kernel-checked: another run's uid is denied this run's spec, final and published weights, metrics and the
+    listing of its run directory and home, a uid of the server's group (the group of the folder of homes) reads them
+    (less the published versions, which only the run's uid reads); the home is the worker's, 2751, the run directory
+    and HOME the run's uid's, 2750, both in the server's group."""
     import os
     import sys
 
@@ -414,4 +418,20 @@ def test_a_root_workers_slurm_run_runs_as_its_own_uid_which_cannot_read_the_serv
     assert (run_dir / "metrics.jsonl").stat().st_uid == uid and (run_dir / "weights").stat().st_uid == uid
     assert probe == [f"denied {secret}", f"denied {secret.parent}", *(f"read {p}" for p in files[2:])]
     assert oct(secret.stat().st_mode & 0o777) == "0o600"
+
+    home, group = run_dir.parent, run_dir.parent.parent.stat().st_gid
+    version = sorted((run_dir / "weights").rglob("*.safetensors"))  # a published policy version (0600)
+    assert version, sorted(p.name for p in (run_dir / "weights").iterdir())
+    private = [home / "spec.json", run_dir / "final" / "model.safetensors", run_dir / "metrics.jsonl", run_dir, home]
+    assert probe_as([*private, version[-1]], uid + 1, uid + 1) == ["denied"] * 6  # another run's uid
+    assert probe_as(private, uid + 1000, group) == ["read"] * 5  # not a run's uid, the server's group
+    assert probe_as([*private[1:4], version[-1]], uid, uid) == ["read"] * 4  # the run's own files
+    modes = {p: (p.stat().st_uid, p.stat().st_gid, oct(p.stat().st_mode & 0o7777)) for p in (home, run_dir)}
+    modes[home / "user-home"] = (st := (home / "user-home").stat()).st_uid, st.st_gid, oct(st.st_mode & 0o7777)
+    assert modes == {
+        home: (0, group, "0o2751"),
+        run_dir: (uid, group, "0o2750"),
+        home / "user-home": (uid, group, "0o2750"),
+    }
+    assert (run_dir / "events.jsonl").stat().st_uid == uid  # the root supervisor's events, written as the run's uid
     print(f"run {run['id']}, job {job}: {len(seen)} processes, all uid {uid}; {probe}")

@@ -491,7 +491,9 @@ def test_a_root_workers_job_names_the_run_uid_and_every_step_drops_to_it() -> No
     spec = spec_of(nodes=4, inference_nodes=2, gpus_per_node=8, rdzv_port=29555, inference_port=8100)
     script = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python", user=user)
     assert f"\nexport ASYNCRL_RUN_AS={RUN_AS}\n" in script
-    assert "ASYNCRL_RUN_AS" not in render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
+    assert script.index("\numask 0027\n") < script.index('\nmkdir -p "$LOG_DIR"\n')  # before the job makes a file
+    plain = render(spec, home=HOME, name="asyncrl-run-7", python="/venv/bin/python")
+    assert "ASYNCRL_RUN_AS" not in plain and "umask" not in plain
     subprocess.run(["bash", "-n", "-c", script], check=True)
 
     assert run_as_argv({"ASYNCRL_RUN_AS": RUN_AS}) == DROP
@@ -551,3 +553,72 @@ def test_a_node_without_setpriv_fails_the_run_with_one_line(monkeypatch: pytest.
         f"cannot run the run's processes as uid 1900000007 on {os.uname().nodename}: setpriv: not found; "
         "install util-linux (setpriv) there, the run never runs as root"
     )
+
+
+def test_a_root_jobs_supervisor_touches_the_run_directory_only_as_the_run_uid() -> None:
+    """Inside a root worker's job (``ASYNCRL_RUN_AS``): the home is the worker's, 2751, in the group of the folder of
+    homes; ``give_to_run_user`` makes the run directory the run's uid's, 2750, in that group; inside
+    ``run_user_files`` the root supervisor's append, read and atomic write through links the run planted to a root-only
+    file are refused (a thread started inside too), what it makes is the run's uid's, a requeue that starts over
+    empties the run directory (kept: the uid cannot make it again in the worker's home); outside, it is root again."""
+    import os
+    import shutil
+    import tempfile
+    import threading
+
+    from worker.launchers import slurm_job, supervisor
+    from worker.run.procs import give_to_run_user, run_user_files
+    from worker.run.rundir import RunDir, SupervisorHome, append_jsonl, atomic_write_json, read_jsonl
+
+    uid, group = 1_900_000_007, 4242
+    base = Path(tempfile.mkdtemp(prefix="asyncrl-slurm-home-"))
+    try:
+        base.chmod(0o755)
+        (base / "runs").mkdir()
+        os.chown(base / "runs", -1, group)
+        home = base / "runs" / "7"
+        supervisor.open_slurm_home(home)
+        assert (home.stat().st_uid, home.stat().st_gid, oct(home.stat().st_mode & 0o7777)) == (0, group, "0o2751")
+        secret = base / "secret"
+        secret.write_text("root only\n")
+        secret.chmod(0o600)
+        run, groups = RunDir(home / "rl"), os.getgroups()
+        mp = pytest.MonkeyPatch()
+        mp.setenv("ASYNCRL_RUN_AS", f"{uid}:{uid}:asyncrl-run-7:{home}/user-home")
+        try:
+            give_to_run_user(run.root)
+            st = run.root.stat()
+            assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (uid, group, "0o2750")
+            run.events.symlink_to(secret)
+            (run.root / f".config.json.tmp-{os.getpid()}").symlink_to(secret)
+            seen: list[str] = []
+            with run_user_files():
+                with pytest.raises(PermissionError):
+                    run.log_event("starting")
+                with pytest.raises(PermissionError):
+                    read_jsonl(run.events)
+                with pytest.raises(OSError):
+                    atomic_write_json(run.config, {"name": "rl"})
+                append_jsonl(run.metrics, {"step": 1})
+
+                def read_secret() -> None:
+                    try:
+                        secret.read_text()
+                        seen.append("read")
+                    except PermissionError:
+                        seen.append("denied")
+
+                thread = threading.Thread(target=read_secret)
+                thread.start()
+                thread.join()
+            assert seen == ["denied"]
+            assert (run.metrics.stat().st_uid, run.metrics.stat().st_gid) == (uid, group)
+            assert secret.read_text() == "root only\n" and os.getgroups() == groups  # root again, the file untouched
+            SupervisorHome(home).forwarded_offset.write_text("12")
+            slurm_job.prepare_requeued(run.root, SupervisorHome(home))  # no config: the attempt starts over
+            assert run.root.is_dir() and list(run.root.iterdir()) == []
+            assert not SupervisorHome(home).forwarded_offset.exists()
+        finally:
+            mp.undo()
+    finally:
+        shutil.rmtree(base)
