@@ -232,9 +232,10 @@ def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> 
         SpecError: one line naming the field: no stages, an unknown stage kind or key, a ``from`` that is not an
             earlier stage or is an eval stage (no weights), a ``step`` on a non-eval stage or one the ``from`` stage
             never keeps a complete checkpoint of, or a stage spec that does not validate (``stages[i].<key>: ...``).
-        Forbidden: a first eval stage of another user's run (``runs.resolve_eval_source``), or a stage's
-            ``model.name`` (an SFT stage's ``data.path``) inside another user's run folder (``runs.check_run_files_used``,
-            as sweeps check every trial): ``stages[<i>].model.name: ...``.
+        Forbidden: a first eval stage of another user's run (``runs.resolve_eval_source``), or what submit refuses a
+            stage's spec (``runs.check_allowed``, as sweeps check every trial): its ``model.name`` (an SFT stage's
+            ``data.path``) inside another user's run folder, a member's Slurm allocation: ``stages[<i>].model.name:
+            ...``.
     """
     if isinstance(data.get("stages"), list) and not data["stages"]:
         raise SpecError("stages: empty; give at least one [[stages]] table with kind = 'sft', 'rl' or 'eval'")
@@ -284,17 +285,18 @@ def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> 
             run_spec = validate_spec(stage.kind, item)
         except SpecError as err:
             raise _prefixed(i, err) from None
-        try:  # as sweeps and runs.create: no stage may start from another user's run folder
-            runs.check_run_files_used(session, run_spec, owner=owner, admin=admin)
-        except permissions.Forbidden as err:
-            raise permissions.Forbidden(f"stages[{i}].{err}") from None
         try:
             if src is None and stage.kind == "eval":
                 run_spec, _ = runs.resolve_eval_source(session, run_spec, owner=owner, admin=admin)  # type: ignore[arg-type]
-            spec_policy.check(run_spec, admin=admin)
+        except SpecError as err:
+            raise _prefixed(i, err) from None
+        try:  # the check of submit and launch: code, addresses, flags, and no other user's run folder
+            runs.check_allowed(session, run_spec, owner=owner, admin=admin)
             capacity.check_fits(session, run_spec)
         except SpecError as err:
             raise _prefixed(i, err) from None
+        except permissions.Forbidden as err:
+            raise permissions.Forbidden(f"stages[{i}].{err}") from None
         resolved.append(run_spec.model_dump(mode="json"))
     return spec
 

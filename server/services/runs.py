@@ -174,16 +174,18 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
 
 def check_allowed(session: Session, spec: RLSpec | SFTSpec | EvalSpec, *, owner: str, admin: bool) -> None:
     """Everything a spec of ``owner`` (``admin``: an admin's) may name: code, addresses, flags and paths
-    (``spec_policy.check``) and no path inside another user's run folder (:func:`check_run_files_used`). The one check
-    of both moments: at submit (:func:`create`) and again at launch (``server.jobs.tasks.launch``), where a symlink the
-    owner swapped while the run waited, a rule, a setting or the owner's role may have changed.
+    (``spec_policy.check``) and no path inside another user's run folder (:func:`check_run_files_used`, checked
+    first: the policy's "no such model folder" would tell what another user's run folder holds). The one check
+    of both moments: at submit (:func:`create`; a sweep's trials and a pipeline's stages when they are created) and
+    again at launch (``server.jobs.tasks.launch``), where a symlink the owner swapped while the run waited, a rule, a
+    setting or the owner's role may have changed.
 
     Raises:
         SpecError: ``spec_policy.check``'s refusals (``CodeNotAllowed``, ``AddressNotAllowed``, ...), naming the key.
         permissions.Forbidden: a path inside another user's run folder; a Slurm allocation of a member.
     """
+    check_run_files_used(session, spec, owner=owner, admin=admin)  # first: whether another's folder holds the path
     spec_policy.check(spec, admin=admin)
-    check_run_files_used(session, spec, owner=owner, admin=admin)
 
 
 def check_run_files_used(session: Session, spec: RLSpec | SFTSpec | EvalSpec, *, owner: str, admin: bool) -> None:

@@ -289,9 +289,10 @@ class Plan:
     """Swept values of each trial."""
 
 
-def plan(data: dict[str, Any], *, admin: bool) -> Plan:
-    """Validate a sweep spec mapping and expand its trials; every trial's run spec is validated (and checked against
-    the service's code policy) here, so a bad value is refused before anything is created.
+def plan(session: Session, data: dict[str, Any], *, owner: str, admin: bool) -> Plan:
+    """Validate a sweep spec mapping of ``owner`` (``admin``: an admin's) and expand its trials; every trial's run spec
+    is validated and given the check of submit and launch (``runs.check_allowed``) here, so a bad value is refused
+    before anything is created.
 
     Raises:
         SpecError: one line naming the field: an unknown key (with the closest known one) or a non-sweepable one, an
@@ -301,7 +302,9 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
             the code policy or one the launch would refuse (``server.services.launch_checks``: LoRA targets,
             ``inference.urls`` that do not answer). Every key is named as the submitter wrote it (:func:`in_base`,
             :func:`in_trial`): ``grid.<key>: ...``, ``random.<key>: ...`` or ``base.<key>: ... (trial <i>: ...)``.
-        permissions.Forbidden: ``base.launcher.slurm.allocation`` of a non-admin (``spec_policy``).
+        permissions.Forbidden: ``base.launcher.slurm.allocation`` of a non-admin (``spec_policy``), or a trial's
+            ``model.name`` inside another user's run folder (``runs.check_run_files_used``): ``base.model.name: ...``
+            or ``grid.model.name: ...``.
     """
     mp = data.get("max_parallel", 1)
     if not isinstance(mp, int) or isinstance(mp, bool) or not 1 <= mp <= MAX_PARALLEL:
@@ -367,8 +370,8 @@ def plan(data: dict[str, Any], *, admin: bool) -> Plan:
             run_spec = validate_spec("rl", trial_run_data(spec.model_dump(mode="json", exclude_none=True), p))
         except SpecError as err:
             raise in_trial(spec, i, p, err, note="with the rungs of pruning.at_steps added") from None
-        try:
-            spec_policy.check(run_spec, admin=admin)
+        try:  # the check of submit and launch: code, addresses, flags, and no other user's run folder
+            runs.check_allowed(session, run_spec, owner=owner, admin=admin)
         except (SpecError, permissions.Forbidden) as err:  # a check of each key's own value
             raise in_trial(spec, i, p, err, note="") from None
         trials.append(run_spec)
@@ -388,20 +391,15 @@ def create(session: Session, *, data: dict[str, Any], owner: str, admin: bool = 
     Raises:
         SpecError: see :func:`plan`; or no worker can hold the base spec or a trial (``capacity.check_fits``):
             ``base.<key>: ...``, ``grid.<key>: ...`` (a swept value) or ``base.<key>: ... (trial <i>: ...)``.
-        permissions.Forbidden: see :func:`plan`; or a trial's ``model.name`` is inside another user's run folder
-            (``runs.check_run_files_used``): ``base.model.name: ...`` or ``grid.model.name: ...``.
+        permissions.Forbidden: see :func:`plan`.
     """
-    p = plan(data, admin=admin)
+    p = plan(session, data, owner=owner, admin=admin)
     try:
         capacity.check_fits(session, validate_spec("rl", p.spec.base))
     except SpecError as err:
         raise in_base(err) from None
     for i, params in enumerate(p.trials):  # a swept trainer.threads, launcher.local.*_gpus ... must fit a worker too
         trial = validate_spec("rl", with_keys(p.spec.base, params))
-        try:
-            runs.check_run_files_used(session, trial, owner=owner, admin=admin)  # Forbidden: another user's run folder
-        except permissions.Forbidden as err:
-            raise in_trial(p.spec, i, params, err, note="") from None
         try:
             capacity.check_fits(session, trial)
         except SpecError as err:
