@@ -279,12 +279,14 @@ BOUND_SHARE = 0.25
 """A wait above this share of step time marks its side as the bottleneck."""
 WINDOW = 20
 """The verdict looks at the last this many steps."""
+MORE_ROLLOUTS = "larger orchestrator.batch_size: more concurrent rollouts keep vLLM busier"
+"""Inference-bound advice that holds only while vLLM has room: left out when its KV cache is full or requests queue."""
 ADVICE = {
     "inference-bound": [
         "move GPUs from the trainer to inference",
         "raise orchestrator.max_async_level so inference runs further ahead of the trainer (keep "
         "orchestrator.max_off_policy_steps >= it: the window is the smaller of the two)",
-        "larger orchestrator.batch_size: more concurrent rollouts keep vLLM busier",
+        MORE_ROLLOUTS,
         "lower orchestrator.max_tokens if completions are cut anyway",
     ],
     "trainer-bound": [
@@ -294,6 +296,19 @@ ADVICE = {
     ],
     "balanced": ["both sides are busy: add GPUs to both in proportion"],
 }
+KV_CACHE_FULL = 0.9
+"""Mean step-highest ``vllm`` ``kv_cache_usage`` over the verdict's window at or above which an inference-bound run is
+told its servers are out of KV cache."""
+KV_CACHE_ADVICE = (
+    "the vLLM KV cache is full (kv_cache_usage {kv:.0%}): give vLLM more memory (inference.gpu_memory_utilization) "
+    "or fewer rollouts at once; more concurrent rollouts would only wait and be preempted"
+)
+QUEUE_ADVICE = (
+    "requests wait in vLLM's queue (requests_waiting {waiting:.0f}) with room in its KV cache: the servers are out of "
+    "compute; add inference replicas or GPUs rather than rollouts"
+)
+BOTTLENECK_VLLM = (("vllm", "kv_cache_usage"), ("vllm", "requests_waiting"))
+"""The inference servers' own metrics (``worker/inference/server_metrics.py``) that refine the inference-bound advice."""
 
 
 def bottleneck_verdict(batch_share: float, policy_share: float) -> str:
@@ -321,15 +336,31 @@ class Bottleneck:
     """None until a step has all three metrics."""
     mean_batch_share: float = 0.0
     mean_policy_share: float = 0.0
+    kv_cache_usage: float | None = None
+    """Mean of the ``vllm`` ``kv_cache_usage`` over the verdict's steps (None: the run logged none)."""
+    requests_waiting: float | None = None
+    """Mean of the ``vllm`` ``requests_waiting`` over the verdict's steps (None: the run logged none)."""
 
     @property
     def advice(self) -> list[str]:
-        return ADVICE.get(self.verdict or "", [])
+        """What to change for the verdict; an inference-bound run whose vLLM KV cache is full (``KV_CACHE_FULL``), or
+        whose requests queue with room in it, is told so first, and not to run more rollouts at once."""
+        advice = ADVICE.get(self.verdict or "", [])
+        if self.verdict != "inference-bound" or self.kv_cache_usage is None:
+            return advice
+        if self.kv_cache_usage >= KV_CACHE_FULL:
+            first = KV_CACHE_ADVICE.format(kv=self.kv_cache_usage)
+        elif self.requests_waiting is not None and self.requests_waiting >= 1:
+            first = QUEUE_ADVICE.format(waiting=self.requests_waiting)
+        else:
+            return advice
+        return [first, *(a for a in advice if a != MORE_ROLLOUTS)]
 
 
 def bottleneck(series: dict[tuple[str, str], MetricSeries]) -> Bottleneck:
     """Per step: trainer ``wait_for_batch_s`` and orchestrator ``wait_for_policy_s`` as shares of the trainer's
-    ``step_time_s`` (capped at 1), and the verdict over the last ``WINDOW`` steps that have all three."""
+    ``step_time_s`` (capped at 1), and the verdict over the last ``WINDOW`` steps that have all three (with the means
+    of the ``vllm`` metrics over those steps, for the advice)."""
     cols = [dict(zip(s.step, s.value, strict=True)) if (s := series.get(k)) else {} for k in BOTTLENECK_LINES]
     wfb, step_time, wfp = cols
     rows = [
@@ -343,7 +374,17 @@ def bottleneck(series: dict[tuple[str, str], MetricSeries]) -> Bottleneck:
     if not steps:
         return Bottleneck([], [], [], None)
     mb, mp = sum(b[-WINDOW:]) / len(b[-WINDOW:]), sum(p[-WINDOW:]) / len(p[-WINDOW:])
-    return Bottleneck(steps, b, p, bottleneck_verdict(mb, mp), mb, mp)
+    kv, waiting = (_window_mean(series.get(k), steps[-WINDOW:]) for k in BOTTLENECK_VLLM)
+    return Bottleneck(steps, b, p, bottleneck_verdict(mb, mp), mb, mp, kv, waiting)
+
+
+def _window_mean(s: MetricSeries | None, steps: list[int]) -> float | None:
+    """Mean of the finite values of ``s`` at ``steps`` (None: none there)."""
+    at = set(steps)
+    values = (
+        [v for n, v in zip(s.step, s.value, strict=True) if n in at and v is not None and math.isfinite(v)] if s else []
+    )
+    return sum(values) / len(values) if values else None
 
 
 def bottleneck_figure(bn: Bottleneck, marks: list[tuple[int, str]]) -> dict[str, Any]:

@@ -73,6 +73,35 @@ def test_the_inference_servers_vllm_metrics_have_two_charts_on_the_run_page() ->
     assert run["vllm_cache"]["layout"]["title"]["text"] == "Inference KV cache and prefix cache (vLLM)"
 
 
+def test_an_inference_bound_run_is_told_when_its_vllm_kv_cache_is_full_or_its_requests_queue() -> None:
+    """Inference-bound (the trainer waits 80 % of each step); the advice depends on vLLM's own metrics over the last
+    20 steps: a full KV cache or a queue comes first, and "more concurrent rollouts" goes."""
+    steps = list(range(1, 31))
+
+    def run(kv: list[float] | None, waiting: list[float] | None) -> figures.Bottleneck:
+        series = {
+            ("trainer", "step_time_s"): _series(steps, [1.0] * 30),
+            ("trainer", "wait_for_batch_s"): _series(steps, [0.8] * 30),
+            ("orchestrator", "wait_for_policy_s"): _series(steps, [0.0] * 30),
+        }
+        if kv is not None and waiting is not None:
+            series[("vllm", "kv_cache_usage")] = _series(steps, kv)
+            series[("vllm", "requests_waiting")] = _series(steps, waiting)
+        return figures.bottleneck(series)
+
+    plain = figures.ADVICE["inference-bound"]
+    assert run(None, None).advice == plain  # no vllm metrics (a server without vLLM's stats)
+    # the KV cache filled up in the last 20 steps (0.5 before): mean 0.95 over them
+    full = run([0.5] * 10 + [0.95] * 20, [0.0] * 10 + [12.0] * 20)
+    assert full.verdict == "inference-bound" and full.kv_cache_usage == pytest.approx(0.95)
+    assert full.advice[0].startswith("the vLLM KV cache is full (kv_cache_usage 95%): give vLLM more memory")
+    assert full.advice[1:] == [a for a in plain if a != figures.MORE_ROLLOUTS]
+    queued = run([0.3] * 30, [4.0] * 30)
+    assert queued.advice[0].startswith("requests wait in vLLM's queue (requests_waiting 4) with room in its KV cache")
+    assert figures.MORE_ROLLOUTS not in queued.advice
+    assert run([0.3] * 30, [0.0] * 30).advice == plain  # room and no queue: the usual advice
+
+
 def test_sweep_charts_share_the_layout_with_their_swept_key_and_metric_as_axis_titles() -> None:
     sweep = {
         "metric": "eval/reward_mean",
