@@ -322,6 +322,70 @@ def gpu_rl() -> str:
     )
 
 
+def gpu_check() -> str:
+    d = load("gpu_check")
+    loop = d["parts"].get("loop", {})
+    a, s = loop.get("runs", {}).get("async", {}), loop.get("runs", {}).get("sync", {})
+
+    def v(x: float | None, fmt: str = "{:.2f}") -> str:
+        return "not measured" if x is None else fmt.format(x)
+
+    def parts(r: dict[str, Any]) -> str:
+        keys = ("pause", "load", "reset", "resume")
+        got = [(k, r.get(f"weight_update_{k}_s_median")) for k in keys]
+        return ", ".join(f"{k} {x:.3f}" for k, x in got if x is not None)
+
+    alone = loop.get("vllm_alone", {}).get("rollout_tokens_per_s")
+    rows = [
+        "| key | value |",
+        "|---|---|",
+        f"| `step_time_s` (async, s per step) | {v(d['step_time_s'])} (sync {v(s.get('s_per_step'))}) |",
+        f"| `async_speedup` | {v(d['async_speedup'], '{:.2f}x')} |",
+        f"| `rollout_ratio` (in-loop rollout tok/s / vLLM alone) | {v(d['rollout_ratio'])} "
+        f"({v(a.get('rollout_tokens_per_s_median'), '{:,.0f}')} / {v(alone, '{:,.0f}')}) |",
+        f"| `weight_update_s` (async, pause -> resume, median) | {v(d['weight_update_s'], '{:.3f}')} s ({parts(a)}) |",
+        f"| the same in the sync run | {v(s.get('weight_update_s_median'), '{:.3f}')} s ({parts(s)}) |",
+        f"| trainer in the loop (async) | {v(a.get('trainer_tokens_per_s_median'), '{:,.0f}')} tok/s, MFU "
+        f"{v((a.get('trainer_mfu_median') or 0) * 100 or None, '{:.1f}')} % |",
+        f"| `trainer_inloop_vs_bench` | {v(d['trainer_inloop_vs_bench'])} |",
+        f"| `policy_check_max_abs_diff` (shipped reverse-text RL, max over versions) | "
+        f"{v(d['policy_check_max_abs_diff'], '{:.4f}')} |",
+    ]
+    w = load("gpu_weight_update")
+    c = w["conditions"]
+    bench = [
+        "| update | load path | pause | load | total |",
+        "|---|---|---|---|---|",
+    ]
+    for cond, label in (
+        ("idle", "idle"),
+        ("decoding", "128 sequences decoding"),
+        ("decoding_no_clear", "decoding, pause without cache reset"),
+    ):
+        for path in ("layerwise", "direct"):
+            r = c[cond][path]
+            bench.append(
+                f"| {label} | {path} | {r['pause_s_median']:.3f} s | {r['load_s_median']:.3f} s | "
+                f"{r['total_s_median']:.3f} s |"
+            )
+    same = w["same_policy"]["max_abs_diff_layerwise_vs_direct"]
+    return "\n".join(
+        [
+            f"`bash scripts/gpu-check.sh` at {d['commit'][:7]} on 1 × {d['gpu']} (Qwen3-0.6B shape, 16 × 8 × 128 "
+            "tokens a step, `cuda_ipc`, CUDA graphs; every number of one call):",
+            "",
+            "\n".join(rows),
+            "",
+            f"A weight update phase by phase (`benchmarks/gpu/weight_update_bench.py`, 1 × {w['gpu']}, medians; "
+            f"both load paths serve the same log-probs, max difference {same:g}):",
+            "",
+            "\n".join(bench),
+            "",
+            src("gpu_check", "gpu_weight_update"),
+        ]
+    )
+
+
 def weight_update_cpu() -> str:
     d = load("gpu_one_gpu_rl/cpu_tiny_check/gpu_one_gpu_rl")
     a, s = d["runs"]["async"], d["runs"]["sync"]
@@ -372,6 +436,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "compose-smoke": compose_smoke,
     "gpu-trainer": gpu_trainer,
     "gpu-rl": gpu_rl,
+    "gpu-check": gpu_check,
     "results": results,
 }
 """Marker name -> the function rendering its block from ``benchmarks/results/``."""

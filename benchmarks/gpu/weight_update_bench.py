@@ -3,24 +3,26 @@
 One vLLM server for the Qwen3-0.6B shape, started as a run starts it (``worker.inference.server.server_command``:
 bf16, CUDA graphs, ``gpu_memory_utilization`` 0.3, ``max_model_len`` 512). This process plays the trainer: it holds
 the policy in one flat bf16 GPU buffer shared through a CUDA IPC handle (``worker/weight_sync/cuda_ipc.py``) and
-publishes versions through the orchestrator's own ``InferenceClient.publish_weights`` (pause "keep" -> load ->
-prefix-cache reset -> resume), each version alternately the base weights and a perturbed copy, so every load changes
-the served policy. Per update: ``pause_s``, ``load_s`` (the ``/collective_rpc`` request; of it ``server_s``, the
-worker's own time, and ``open_s``, opening the handle), ``reset_s``, ``resume_s``, ``total_s``.
+publishes versions through the sequence of the orchestrator's ``InferenceClient.publish_weights`` (pause "keep" ->
+load -> prefix-cache reset -> resume), each version alternately the base weights and a perturbed copy, so every load
+changes the served policy. Per update: ``pause_s``, ``load_s`` (the ``/collective_rpc`` request; of it ``server_s``,
+the worker's own time, and ``open_s``, opening the handle), ``reset_s``, ``resume_s``, ``total_s``.
 
 Conditions, each with both load paths interleaved (``layerwise``: vLLM's layerwise ``reload_weights``; ``direct``:
 the model's ``load_weights`` in place, what a GPU run now uses, ``worker.weight_sync.load``):
 
 - ``idle``: nothing in flight (a synchronous run's update);
-- ``decoding``: 16 prompts x 8 samples x 128 tokens in flight, the update 0.3 s into them (an async run's update);
-- ``decoding_no_clear``: as ``decoding``, the pause asked not to clear vLLM's caches (``clear_cache=false``; the
+- ``decoding``: 16 prompts x 8 samples x 128 tokens in flight, the update 0.3 s into them (an async run's update),
+  the pause with vLLM's default cache reset (``clear_cache=true``, what runs asked for before);
+- ``decoding_no_clear``: as ``decoding``, the pause without it (``clear_cache=false``, what runs ask for now: the
   prefix-cache reset after the load stays);
 - ``decoding_gpu_busy``: as ``decoding``, with a second process keeping the GPU busy with bf16 matmuls (a trainer
   step running beside the update).
 
-Then a check that both paths serve the same policy: the served prompt log-probs of a fixed sequence after loading
-the perturbed weights through each path (``max_abs_diff_layerwise_vs_direct``, expected 0) and against the base
-(``moved_from_base``, expected > 0).
+Round trips of ``/health`` (the API server alone) and ``/is_paused`` (through the engine), idle and while decoding,
+show which process delays a pause. Then a check that both paths serve the same policy: the served prompt log-probs of
+a fixed sequence after loading the perturbed weights through each path (``max_abs_diff_layerwise_vs_direct``,
+expected 0) and against the base (``moved_from_base``, expected > 0).
 
     python benchmarks/gpu/weight_update_bench.py --out OUT   # on the GPU machine, after one_gpu_rl.sh's setup
 """
@@ -104,24 +106,18 @@ async def bench(url: str, model: Path, a: argparse.Namespace, out: Path) -> dict
             torch.cuda.synchronize()
             meta = {"version": 0, "handle": handle, "tensors": layout, "layerwise": path == "layerwise"}
 
-            async def load(_: Path) -> dict[str, Any]:
-                return await client.collective_rpc("update_weights_from_ipc", [meta], timeout_s=120)
-
-            # as publish_weights, the pause without vLLM's cache clearing (the reset after the load stays)
-            if not clear:
-                t0 = time.monotonic()
-                await client._request("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
-                t1 = time.monotonic()
-                info = await load(Path("/nonexistent"))
-                t2 = time.monotonic()
-                await client.reset_prefix_cache()
-                t3 = time.monotonic()
-                await client.resume()
-                t4 = time.monotonic()
-                parts = {"pause_s": t1 - t0, "load_s": t2 - t1, "reset_s": t3 - t2, "resume_s": t4 - t3}
-                info = {**info, **parts, "total_s": t4 - t0}
-            else:
-                info = await client.publish_weights(Path("/nonexistent"), load=load)
+            # publish_weights' sequence, with the pause's cache reset chosen (``clear``: vLLM's default)
+            t0 = time.monotonic()
+            await client.pause("keep", clear_cache=clear)
+            t1 = time.monotonic()
+            info = await client.collective_rpc("update_weights_from_ipc", [meta], timeout_s=120)
+            t2 = time.monotonic()
+            await client.reset_prefix_cache()
+            t3 = time.monotonic()
+            await client.resume()
+            t4 = time.monotonic()
+            parts = {"pause_s": t1 - t0, "load_s": t2 - t1, "reset_s": t3 - t2, "resume_s": t4 - t3}
+            info = {**info, **parts, "total_s": t4 - t0}
             return {
                 "path": path,
                 **{k: info[k] for k in ("pause_s", "load_s", "reset_s", "resume_s", "total_s")},
@@ -136,8 +132,33 @@ async def bench(url: str, model: Path, a: argparse.Namespace, out: Path) -> dict
             )
             return sum(len(c.token_ids) for group in outs for c in group)
 
+        async def latencies(decoding: bool) -> dict[str, float | None]:
+            """Round trips of a route the API server answers alone (``/health``) and of one that asks the engine
+            (``/is_paused``), idle or 0.3 s into a decoding batch: where a pause's time goes."""
+            gen = asyncio.create_task(decode()) if decoding else None
+            if gen is not None:
+                await asyncio.sleep(a.into_s)
+            health, engine = [], []
+            for _ in range(10):
+                t0 = time.monotonic()
+                await client.health()
+                t1 = time.monotonic()
+                await client.is_paused()
+                health.append(t1 - t0)
+                engine.append(time.monotonic() - t1)
+            if gen is not None:
+                await gen
+            return {
+                "health_s_median": median(health),
+                "health_s_max": max(health),
+                "is_paused_s_median": median(engine),
+                "is_paused_s_max": max(engine),
+            }
+
         for path in PATHS:  # warm-up: first calls of each path (allocations, first RPC)
             await publish(base, path)
+        res["round_trips"] = {"idle": await latencies(False), "decoding": await latencies(True)}
+        say(json.dumps(res["round_trips"]))
         t0 = time.perf_counter()
         n_tok = await decode()
         res["decode_alone"] = {"tokens": n_tok, "wall_s": time.perf_counter() - t0}
