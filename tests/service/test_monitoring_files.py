@@ -2,7 +2,8 @@
 ``promtool`` accepts and whose alerts fire on the runs they should (``promtool test rules`` on made-up series), and a
 Grafana dashboard (``deploy/grafana/asyncrl.json``) whose queries, like the rules', name only series the server's
 ``/metrics`` exports: every family is in a real scrape, and every ``asyncrl_run_metric{source, name}`` is a metric
-that process logs (``worker.tracking.alert_rules.reports``) and is exported for a live run that logged it."""
+that process logs (``worker.tracking.alert_rules.reports``) and is exported for a live run that logged it. A real
+Prometheus loads the rules and scrapes the server: a live run's full KV cache puts its alert in ``pending``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.server import free_port, wait_for
 from worker.tracking.alert_rules import reports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,3 +176,62 @@ def test_the_board_and_the_rules_name_only_series_the_server_exports(
     assert set(run_series) <= mine, set(run_series) - mine
     steps = [s for s in samples if s.name == "asyncrl_run_step" and s.labels.get("run") == str(run["id"])]
     assert {"owner", "run"} <= steps[0].labels.keys()  # the board's variables read these labels
+
+
+def test_a_real_prometheus_loads_the_rules_and_holds_the_kv_cache_alert_of_a_live_run(
+    live_server: str, client: Any, auth: dict[str, str], make_run: Any, tmp_path: Path
+) -> None:
+    """Debian's ``prometheus`` scrapes ``/metrics`` every second with ``alerts.yml`` loaded and evaluated every second:
+    a live run whose vLLM KV cache is full with requests waiting has its ``AsyncrlKVCacheFull`` alert pending (it
+    would fire after 5 minutes); another run, with room in its cache, has none."""
+    full, roomy = make_run()["id"], make_run()["id"]
+    for run_id, kv in ((full, 0.99), (roomy, 0.4)):
+        points = [
+            {"source": "vllm", "step": 3, "name": "kv_cache_usage", "value": kv, "time": 1.0},
+            {"source": "vllm", "step": 3, "name": "requests_waiting", "value": 12, "time": 1.0},
+        ]
+        assert client.post(f"/api/runs/{run_id}/metrics", json={"points": points}, headers=auth).status_code == 200
+    token = auth["Authorization"].removeprefix("Bearer ")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{RULES}']\n"
+        f"scrape_configs:\n  - job_name: asyncrl\n    authorization: {{credentials: '{token}'}}\n"
+        f"    static_configs:\n      - targets: ['{live_server.removeprefix('http://')}']\n"
+    )
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+    def get(path: str) -> Any:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/{path}", timeout=5)
+        except httpx.HTTPError:
+            return None
+        return r.json()["data"] if r.status_code == 200 else None
+
+    def kv_alerts() -> list[Any]:
+        alerts = (get("alerts") or {}).get("alerts", [])
+        return [a for a in alerts if a["labels"]["alertname"] == "AsyncrlKVCacheFull"]
+
+    try:
+        groups = wait_for(lambda: (get("rules") or {}).get("groups"), timeout=60, what="prometheus to load the rules")
+        rules = [r for g in groups for r in g["rules"]]
+        assert len(rules) == 5 and all(r["health"] in ("ok", "unknown") for r in rules), rules
+        (pending,) = wait_for(kv_alerts, timeout=60, what="the KV-cache alert of the full run")
+        assert pending["state"] == "pending" and pending["labels"]["run"] == str(full), pending
+        assert pending["labels"]["source"] == "vllm" and float(pending["value"]) == 0.99
+        assert "vLLM KV cache 99% full with requests waiting" in pending["annotations"]["summary"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
