@@ -155,7 +155,9 @@ def part_rl(out: Path, work: Path, deadline: float) -> dict[str, Any]:
     res["inference_ready"] = ready[0] if ready else None
     res["policy_check_failed"] = [e for e in events if e["event"] == "policy_check_failed"]
     if run.is_dir():
-        subprocess.run(["tar", "czf", str(out / "rl_run.tgz"), "-C", str(run), "logs", "metrics.jsonl", "events.jsonl"])
+        # policy_check/: the probe and every version's trainer log-probs (how the served diff grows with training)
+        kept = [x for x in ("logs", "metrics.jsonl", "events.jsonl", "policy_check") if (run / x).exists()]
+        subprocess.run(["tar", "czf", str(out / "rl_run.tgz"), "-C", str(run), *kept])
         for name in ("metrics.jsonl", "events.jsonl"):
             if (run / name).is_file():
                 (out / f"rl_{name}").write_bytes((run / name).read_bytes())
