@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -144,17 +145,41 @@ def run_as_argv(environ: Mapping[str, str] | None = None) -> list[str]:
 def give_tree(root: Path, uid: int, gid: int) -> None:
     """Make ``root`` and everything under it (links themselves, never what they point to) owned by ``uid``/``gid``.
 
-    A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run.run_files``) is first
-    replaced by a copy of its own: changing the owner of the shared inode would give the child run's uid the
-    parent's files to rewrite)."""
-    for path in [root, *root.rglob("*")]:
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            private = path.with_name(f".{path.name}.own")
-            shutil.copy2(path, private)
-            os.replace(private, path)
-        if (st.st_uid, st.st_gid) != (uid, gid):
-            os.lchown(path, uid, gid)
+    A file with other hard links (a fork's checkpoint, linked from its parent's by ``worker.run.run_files``, or one the
+    run linked itself) is first replaced by a copy of its own: changing the owner of the shared inode would give the
+    run's uid the other names' file to rewrite. A tree the run's uid already owns (a relaunch) may change while it is
+    walked, so the walk goes through folder descriptors, nothing is opened through a symbolic link, and the copy is made
+    under a name nobody can guess beside the file: nothing the run planted leads these (root) writes elsewhere."""
+    if (os.lstat(root).st_uid, os.lstat(root).st_gid) != (uid, gid):
+        os.lchown(root, uid, gid)
+    for _, folders, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+        for name in folders + files:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            copied = stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and _own_copy(name, dir_fd, st)
+            if copied or (st.st_uid, st.st_gid) != (uid, gid):
+                os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _own_copy(name: str, dir_fd: int, st: os.stat_result) -> bool:
+    """Replace the hard-linked regular file ``name`` of the folder ``dir_fd`` (``st``: its ``lstat``) by a copy of its
+    own (permission bits and times kept); False when it is no longer that file (replaced meanwhile: left as it is)."""
+    try:
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    with os.fdopen(src, "rb") as source:
+        opened = os.fstat(src)
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        tmp = f".{name}.own-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(tmp, flags, 0o600, dir_fd=dir_fd), "wb") as copy:
+            os.set_blocking(src, True)
+            shutil.copyfileobj(source, copy)
+            os.fchmod(copy.fileno(), st.st_mode & 0o777)  # never set-user-id: the copy is root's until it is given
+            os.utime(copy.fileno(), ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return True
 
 
 RUN_FOLDER_MODE = 0o2750

@@ -322,6 +322,29 @@ def test_give_home_copies_a_hard_linked_file_before_changing_its_owner(tmp_path:
     assert [p.name for p in (home / "ckpt").iterdir()] == ["model.safetensors"]  # no temporary left
 
 
+def test_giving_a_home_again_follows_no_link_the_run_planted(tmp_path: Path) -> None:
+    """A relaunch gives the home to its uid again while the run's own files are in it: a file it hard-linked twice gets
+    a copy of its own, made under a fresh name, so the link it planted at the old copy's name (to a root-only file) is
+    not written through; a link to a root file keeps that file root's."""
+    secret = tmp_path / "secret"
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    home = tmp_path / "runs" / "9"
+    (home / "rl").mkdir(parents=True)
+    (home / "rl" / "a").write_bytes(b"the run's bytes")
+    os.link(home / "rl" / "a", home / "rl" / "b")
+    (home / "rl" / ".a.own").symlink_to(secret)
+    (home / "rl" / "key").symlink_to(secret)
+    user = supervisor.RunUser("run-9", 60_009, 60_009, str(home))
+    supervisor.give_home(home, user)
+    assert secret.read_text() == "root only" and (secret.stat().st_uid, secret.stat().st_mode & 0o777) == (0, 0o600)
+    a, b = home / "rl" / "a", home / "rl" / "b"
+    assert a.read_bytes() == b.read_bytes() == b"the run's bytes" and a.stat().st_ino != b.stat().st_ino
+    assert {p.name: p.lstat().st_uid for p in (home / "rl").iterdir()} == dict.fromkeys(
+        ["a", "b", ".a.own", "key"], 60_009
+    )
+
+
 def test_a_root_worker_with_nothing_set_runs_each_run_as_its_own_uid(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
