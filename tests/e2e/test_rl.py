@@ -158,6 +158,9 @@ def test_every_metric_is_logged_every_step(learning_run: RunDir) -> None:
     assert {r["step"] for r in checked} >= {1, LEARN_STEPS}
     assert all(r["policy_check_max_abs_diff"] <= DEFAULT_TOLERANCE["float32"] for r in checked), checked
     assert all(r["policy_moved_from_base"] == 1.0 for r in checked), checked
+    served = by_source(learning_run, "vllm")  # the shared server's own metrics, sampled every second
+    assert [r["step"] for r in served] == list(range(1, LEARN_STEPS + 1))
+    assert all(0.0 <= r["kv_cache_usage"] <= 1.0 and r["requests_waiting"] >= 0 for r in served), served
     for r in read_jsonl(learning_run.metrics):  # every logged metric can be used in an alert rule
         assert r.keys() - {"source", "step", "time"} <= set(METRICS[r["source"]]), r.keys() - set(METRICS[r["source"]])
 
