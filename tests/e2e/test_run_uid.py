@@ -91,4 +91,4 @@ def test_a_root_workers_run_runs_as_its_own_uid_which_cannot_read_the_servers_se
         "asyncrl.db-shm": "0o600",
         "home": "0o711",  # ASYNCRL_OUTPUT_DIR (the runs' homes) is inside it: runs pass through, cannot list it
     }
-    print(f"run {run['id']}: {len(seen)} processes, all uid {uid}; {probe.stdout.strip()!r}")
+    print(f"run {run['id']}: {len(seen)} processes, all uid {uid}; {probe!r}")
