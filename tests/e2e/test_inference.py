@@ -41,6 +41,20 @@ def hf_model(tiny_model: Path) -> torch.nn.Module:
     return load_model(tiny_model).eval()
 
 
+def test_the_engine_core_is_forked_from_the_api_server_on_vllm_cpu(vllm_server) -> None:
+    """worker.inference.cpu_api_server: the server's one child is vLLM's engine core, forked (it names itself
+    ``VLLM::EngineCore``; a spawned one would be a second interpreter started as ``multiprocessing.spawn``), and it
+    serves (the session server answered every other test of this file)."""
+    from worker.run.procs import live_processes
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    children = [cmd for pid, (_, _, cmd) in live_processes().items() if parent(pid) == vllm_server.proc.pid]
+    assert "worker.inference.cpu_api_server" in " ".join(vllm_server.proc.args)
+    assert [c for c in children if "EngineCore" in c] and not [c for c in children if "spawn" in c], children
+
+
 def test_generate_returns_token_ids_and_sampled_logprobs(vllm_server, hf_model) -> None:
     async def go() -> list[Completion]:
         async with InferenceClient(vllm_server.url) as client:

