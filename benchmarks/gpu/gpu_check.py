@@ -14,7 +14,10 @@ within what is left of ``--budget-s`` (a part that does not fit is recorded as n
 - ``loop``: the Qwen3-0.6B-shape loop measurement, ``benchmarks/gpu/one_gpu_rl.py --parts alone,async,sync`` on the
   colocated route (``cuda_ipc``), 16 tasks x 8 samples x 128 tokens a step, vLLM with the run's own flags (CUDA
   graphs) in the loop and alone. It does not fit one call beside the other parts: run it as a second call
-  (``--parts loop --merge`` the first call's JSON).
+  (``--parts loop --merge`` the first call's JSON). On a cold H100 even its three runs hardly fit one 578 s call: each
+  starts its own vLLM (90-97 s to ready with graphs) and the first RL run also compiles the trainer; at d250eaa vLLM
+  alone took 131 s, which left the async run 198 s, cut before its first trainer step (it needs ~230 s cold). Then
+  run ``one_gpu_rl.py --parts async`` once more on the same machine while it is held (``parts.loop.notes``).
 
 Writes ``gpu_check.json`` (keys: ``commit``, ``gpu``, ``tests_passed``, ``tests_failed``,
 ``step_time_s``, ``rollout_ratio``, ``trainer_inloop_vs_bench``, ``weight_update_s``, ``async_speedup``,

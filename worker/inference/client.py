@@ -338,9 +338,10 @@ class InferenceClient:
         """Stop scheduling. ``keep`` (default) freezes in-flight requests; they continue after resume.
 
         ``clear_cache``: vLLM also resets its caches once the engine stopped (its default). Off here: a weight update
-        resets the prefix cache after the load (:meth:`publish_weights`), and the reset at the pause made the pause
-        itself slower while requests decode (0.29 s -> 0.19 s median with 128 sequences decoding, 0.6B shape, H100:
-        ``benchmarks/results/gpu_weight_update.json``).
+        resets the prefix cache after the load (:meth:`publish_weights`), so that reset was done twice. Without it the
+        bench's pause with 128 sequences decoding went from 0.29 s to 0.19 s median (0.6B shape, H100,
+        ``benchmarks/results/gpu_weight_update.json``); the async RL loop's pause stayed near 0.28 s, most of it spent
+        while vLLM serves the decoding batch, not in the reset (``docs/gpu.md``).
         """
         await self._request("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
 
