@@ -90,7 +90,7 @@ from worker.run.rundir import RunDir, append_jsonl_bytes, atomic_write_bytes, re
 from worker.spec import OrchestratorConfig, RLSpec
 from worker.tracking import progress
 from worker.tracking.system_metrics import ProcessSampler
-from worker.weight_sync.load import TEST_SKIP_LOAD_VAR
+from worker.weight_sync import TEST_SKIP_LOAD_VAR
 
 T = TypeVar("T")
 TRUNCATED_WARN_FRACTION = 0.5

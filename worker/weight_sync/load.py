@@ -34,6 +34,7 @@ import torch
 
 from worker.inference.client import InferenceError
 from worker.run.rundir import RunDir
+from worker.weight_sync import TEST_SKIP_LOAD_VAR
 from worker.weight_sync.cuda_ipc import IPC_FILE, import_handle, views
 from worker.weight_sync.publish import (
     FAILED,
@@ -49,11 +50,6 @@ from worker.weight_sync.publish import (
 )
 
 logger = logging.getLogger(__name__)
-TEST_SKIP_LOAD_VAR = "ASYNCRL_TEST_SKIP_WEIGHT_LOAD"
-"""Test only (case C14, ``tests/e2e/test_policy_check.py``): when set (non-empty) in the inference server's
-environment, :class:`WeightUpdateExtension` reads each new version and loads none of it, answering as if it had, so
-the served policy silently stays the one it booted with (what the served-policy check must catch). The server inherits
-its launcher's environment (``worker.inference.server.server_env``). Never set it in a real run."""
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
