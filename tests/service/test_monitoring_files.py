@@ -13,11 +13,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.server import free_port, wait_for
+from tests.support.prometheus import api_get, prometheus
+from tests.support.server import wait_for
 from worker.tracking.alert_rules import reports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,46 +192,16 @@ def test_a_real_prometheus_loads_the_rules_and_holds_the_kv_cache_alert_of_a_liv
         ]
         assert client.post(f"/api/runs/{run_id}/metrics", json={"points": points}, headers=auth).status_code == 200
     token = auth["Authorization"].removeprefix("Bearer ")
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{RULES}']\n"
-        f"scrape_configs:\n  - job_name: asyncrl\n    authorization: {{credentials: '{token}'}}\n"
-        f"    static_configs:\n      - targets: ['{live_server.removeprefix('http://')}']\n"
-    )
-    log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
 
-    def get(path: str) -> Any:
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/{path}", timeout=5)
-        except httpx.HTTPError:
-            return None
-        return r.json()["data"] if r.status_code == 200 else None
-
-    def kv_alerts() -> list[Any]:
-        alerts = (get("alerts") or {}).get("alerts", [])
+    def kv_alerts(api: str) -> list[Any]:
+        alerts = (api_get(api, "alerts") or {}).get("alerts", [])
         return [a for a in alerts if a["labels"]["alertname"] == "AsyncrlKVCacheFull"]
 
-    try:
-        groups = wait_for(lambda: (get("rules") or {}).get("groups"), timeout=60, what="prometheus to load the rules")
+    with prometheus(live_server, token, tmp_path, rules=RULES) as api:
+        groups = wait_for(lambda: (api_get(api, "rules") or {}).get("groups"), 60, "prometheus to load the rules")
         rules = [r for g in groups for r in g["rules"]]
         assert len(rules) == 5 and all(r["health"] in ("ok", "unknown") for r in rules), rules
-        (pending,) = wait_for(kv_alerts, timeout=60, what="the KV-cache alert of the full run")
+        (pending,) = wait_for(lambda: kv_alerts(api), timeout=60, what="the KV-cache alert of the full run")
         assert pending["state"] == "pending" and pending["labels"]["run"] == str(full), pending
         assert pending["labels"]["source"] == "vllm" and float(pending["value"]) == 0.99
         assert "vLLM KV cache 99% full with requests waiting" in pending["annotations"]["summary"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()

@@ -4,15 +4,14 @@ caps), also on SQLite, and scraped by a real Prometheus (Debian's ``prometheus``
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.server import free_port, spec, wait_for
+from tests.support.prometheus import api_get, prometheus
+from tests.support.server import spec, wait_for
 
 
 def scrape(client: Any, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -243,41 +242,12 @@ def test_a_real_prometheus_scrapes_the_runs_metrics(
     run_id = make_run()["id"]
     post(client, auth, run_id, ("orchestrator", 5, "reward_mean", 0.625))
     token = auth["Authorization"].removeprefix("Bearer ")  # the scrape's user token (Prometheus sends it as Bearer)
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    target = live_server.removeprefix("http://")
-    config.write_text(
-        "global: {scrape_interval: 1s}\n"
-        f"scrape_configs:\n  - job_name: asyncrl\n    authorization: {{credentials: '{token}'}}\n"
-        f"    static_configs:\n      - targets: ['{target}']\n"
-    )
-    log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     query = f'asyncrl_run_metric{{name="reward_mean",run="{run_id}"}}'
-
-    def answer() -> list[Any]:
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=5)
-        except httpx.HTTPError:
-            return []
-        return list(r.json()["data"]["result"]) if r.status_code == 200 else []
-
-    try:
-        (result,) = wait_for(answer, timeout=60, what=f"prometheus to answer {query}")
+    with prometheus(live_server, token, tmp_path) as api:
+        (result,) = wait_for(
+            lambda: (api_get(api, "query", query=query) or {}).get("result"), 60, f"prometheus to answer {query}"
+        )
         assert result["metric"]["source"] == "orchestrator" and result["metric"]["job"] == "asyncrl"
         assert float(result["value"][1]) == 0.625
-        up = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": "up"}, timeout=5).json()
-        assert [float(r["value"][1]) for r in up["data"]["result"]] == [1.0]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        up = api_get(api, "query", query="up")
+        assert [float(r["value"][1]) for r in up["result"]] == [1.0]
