@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from sqlalchemy import func
 from sqlmodel import Session, SQLModel, col, select
 
+from server.core.db import hold_write_lock
 from server.models import TERMINAL, Pipeline, PipelineStage, Role, Run, RunStatus, Sweep, SweepTrial, stored_id
 from server.services import runs, tokens
 
@@ -24,7 +25,9 @@ Member = TypeVar("Member", SweepTrial, PipelineStage)
 def get(
     session: Session, model: type[Group], group_id: int, *, lock: bool, missing: type[LookupError], what: str
 ) -> Group:
-    """The group ``group_id`` of table ``model`` (``lock``: ``SELECT ... FOR UPDATE`` until the transaction ends).
+    """The group ``group_id`` of table ``model`` (``lock``: ``SELECT ... FOR UPDATE``; SQLite, which has no row locks:
+    the database's write lock, ``server.core.db.hold_write_lock``; either until the transaction ends, so that two ticks
+    of one group, the submit's and beat's, run one after the other).
 
     Raises:
         missing: no such group (``"<what> <id> not found"``; an id outside ``1..runs.MAX_ID`` is looked up in no
@@ -35,6 +38,7 @@ def get(
     stmt = select(model).where(model.id == group_id)
     if lock:
         stmt = stmt.with_for_update()
+        hold_write_lock(session)
     group = session.exec(stmt).first()
     if group is None:
         raise missing(f"{what} {group_id} not found")

@@ -16,6 +16,7 @@ from sqlmodel import Session, func, select
 from server.models import Pipeline, Run
 from server.services import pipelines
 from tests.service.test_lifecycle import checkpoint, set_status
+from tests.service.test_run_ids import sqlite_engine  # noqa: F401 (a fixture)
 from tests.support.server import BAD_MODEL, new_token, run_token_headers, spec
 from tests.support.webui import login
 
@@ -394,3 +395,41 @@ def test_a_stage_in_another_users_run_folder_is_403_at_create_as_in_sweeps(
         assert (resp.status_code, resp.json()) == (403, {"detail": line})
     session.expire_all()
     assert session.exec(select(func.count()).select_from(Pipeline)).one() == before
+
+
+def test_two_ticks_at_once_on_sqlite_create_the_first_stages_run_once(sqlite_engine: Any, monkeypatch: Any) -> None:
+    """SQLite has no ``FOR UPDATE``: a tick's lock on its pipeline is the database's write lock, so the tick the
+    submit runs and beat's tick (the embedded demo once saw both create stage 0's run, and train it twice) create one
+    run between them; the second waits for the first's commit and finds the stage running."""
+    import threading
+    import time
+
+    from server.services import runs
+
+    with Session(sqlite_engine) as s:
+        pid = pipelines.create(s, data=body(), owner="alice").id
+        s.commit()
+    start = pipelines._start
+
+    def slow_start(*args: Any, **kwargs: Any) -> Run:  # widens the window between the stage's read and the commit
+        run = start(*args, **kwargs)
+        time.sleep(0.5)
+        return run
+
+    monkeypatch.setattr(pipelines, "_start", slow_start)
+    monkeypatch.setattr(runs, "enqueue_launch", lambda session, run_id: None)  # no broker in this test
+    done: list[list[str]] = []
+
+    def tick() -> None:
+        with Session(sqlite_engine) as s:
+            done.append(pipelines.tick(s, pid))
+
+    ticks = [threading.Thread(target=tick) for _ in range(2)]
+    for t in ticks:
+        t.start()
+    for t in ticks:
+        t.join(timeout=60)
+    with Session(sqlite_engine) as s:
+        (run_id,) = s.exec(select(Run.id)).all()
+        assert pipelines.stages(s, pid)[0].run_id == run_id
+    assert sorted(done) == [[], [f"stage 0 (sft): run {run_id} created"]]
