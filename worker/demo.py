@@ -239,7 +239,7 @@ def follow_run(
     local_supervisor: bool = False,
     label: str = "RL",
 ) -> dict[str, Any]:
-    """Poll the run until it ends (``label``: what its progress bar is called): a rich progress line with step and reward (``GET .../metrics``), one line per
+    """Poll the run until it ends (``label``: what its progress bar is called): a rich progress line with step and reward, an SFT stage's loss (``GET .../metrics``), one line per
     status change and eval (``GET .../events``, eval points). Returns the final run (``RunPublic`` JSON).
     With ``local_supervisor`` (the worker runs on this machine) a launched run whose supervisor is gone while the
     run is still live is an error rather than a wait without end.
@@ -253,6 +253,7 @@ def follow_run(
     from worker.run.procs import alive
 
     seen_events, last_step, evals_seen, reward, gone = 0, -1, -1, float("nan"), 0
+    metric = "loss" if label == "SFT" else "reward_mean"  # the bar's number: an SFT run's loss, other runs' reward
     last_ok = time.monotonic()
     columns = (
         TextColumn(f"[demo] {label}"),
@@ -282,11 +283,7 @@ def follow_run(
                 series = (
                     client.get(
                         f"/api/runs/{run_id}/metrics",
-                        params={
-                            "name": "reward_mean",
-                            "since_step": min(last_step, evals_seen),
-                            "max_points": 1000,
-                        },
+                        params={"name": metric, "since_step": min(last_step, evals_seen), "max_points": 1000},
                     )
                     .raise_for_status()
                     .json()["series"]
@@ -299,7 +296,7 @@ def follow_run(
                 continue
             for s in series:
                 for step, value in zip(s["step"], s["value"], strict=True):
-                    if s["source"] == "orchestrator" and step > last_step:
+                    if s["source"] in ("orchestrator", "sft") and step > last_step:
                         last_step, reward = step, value if value is not None else float("nan")
                     elif s["source"] == "eval" and step > evals_seen:
                         evals_seen = step
@@ -308,7 +305,9 @@ def follow_run(
                         if last_step < 0 and value is not None:  # an eval stage: no training rows, its eval's reward
                             reward = value
             done = max_steps if run["status"] == "completed" else max(last_step, 0)  # an eval stage has no steps
-            progress.update(bar, completed=done, description=f"{run['status']} | reward {reward:.3f}")
+            progress.update(
+                bar, completed=done, description=f"{run['status']} | {metric.removesuffix('_mean')} {reward:.3f}"
+            )
             if run["status"] in TERMINAL:
                 return dict(run)
             home = Path(run["run_dir"]).parent

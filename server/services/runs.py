@@ -279,14 +279,19 @@ def list_runs(
     return list(rows), int(total)
 
 
+STEP_SOURCES = ("trainer", "sft")
+"""The metric sources whose newest step is a run's ``step``: the RL trainer's, the SFT trainer's."""
+
+
 def latest_steps(session: Session, run_ids: Sequence[int]) -> dict[int, int]:
-    """Run id -> the newest step its trainer reported (``trainer`` metrics) for each of ``run_ids`` that has one
-    (an eval job has none): one grouped query over the metrics' primary key ``(run, source, step, name)``."""
+    """Run id -> the newest step its trainer reported (an RL run's ``trainer`` metrics, an SFT run's ``sft``
+    metrics) for each of ``run_ids`` that has one (an eval job has none): one grouped query over the metrics'
+    primary key ``(run, source, step, name)``."""
     if not run_ids:
         return {}
     stmt = (
         select(Metric.run_id, func.max(Metric.step))
-        .where(col(Metric.run_id).in_(run_ids), Metric.source == "trainer")
+        .where(col(Metric.run_id).in_(run_ids), col(Metric.source).in_(STEP_SOURCES))
         .group_by(col(Metric.run_id))
     )
     return {int(run_id): int(step) for run_id, step in session.exec(stmt).all() if step is not None}

@@ -138,6 +138,15 @@ def test_show_and_list_give_the_trainers_newest_step(client: Any, auth: dict[str
     assert client.post(f"/api/runs/{run_id}/stop", headers=auth).json()["step"] == 6
 
 
+def test_an_sft_runs_step_is_its_sft_trainers_newest(client: Any, auth: dict[str, str], make_run: Any) -> None:
+    """An SFT run logs its steps as the ``sft`` source: its ``step`` is theirs (it stayed ``null`` while an SFT
+    trained, and the README's submit example promises a step)."""
+    run_id = make_run(name="sft-stepped")["id"]
+    batch = {"points": points(13, name="loss", source="sft")}
+    assert client.post(f"/api/runs/{run_id}/metrics", json=batch, headers=run_token_headers(run_id)).is_success
+    assert client.get(f"/api/runs/{run_id}", headers=auth).json()["step"] == 12
+
+
 def test_status_transitions_are_recorded(client: Any, auth: dict[str, str], make_run: Any) -> None:
     run_id = make_run()["id"]
     rt = run_token_headers(run_id)

@@ -222,6 +222,22 @@ def test_the_demo_submits_the_example_pipeline_with_its_model_and_step_counts() 
     assert _stage_steps(pipeline_data("/m/tiny")) == [240, 160, 1]
 
 
+def test_an_sft_stage_shows_its_step_and_loss(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An SFT run logs no reward: its bar stayed at ``0/240 ... reward nan`` for a whole SFT stage; it shows the
+    newest ``sft`` step and its loss."""
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+        series = [{"source": "sft", "step": [1, 2, 3], "value": [2.5, 1.75, 1.25]}]
+        statuses = ["running", "running", "failed"]
+        with _scripted_server(tmp_path / "runs" / "7" / "run", running.pid, statuses, series) as client:
+            follow_run(client, 7, max_steps=240, poll_s=0.01, label="SFT")
+    finally:
+        running.kill()
+        running.wait()
+    out = capsys.readouterr().out
+    assert "3/240" in out and "loss 1.250" in out and "reward" not in out
+
+
 def test_an_eval_stage_shows_its_eval_reward_and_a_full_bar_when_done(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
