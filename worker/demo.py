@@ -457,7 +457,10 @@ def run_service_demo(
             raise DemoError(f"POST /api/pipelines: {resp.status_code} {resp.text[:500]}")
         pipeline = resp.json()
         dashboard = f"{service.url}/pipelines/{pipeline['id']}"
-        say(f"server {service.url} (state: {home}); pipeline {pipeline['id']} submitted, dashboard: {dashboard}")
+        say(
+            f"server {service.url} (state: {home}); pipeline {pipeline['id']} submitted, dashboard: {dashboard} "
+            f"(log in with the token {service.token})"
+        )
         previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill <demo>` cleans up like Ctrl-C
         try:
             pipeline = follow_pipeline(client, pipeline["id"], steps, current)
