@@ -138,8 +138,19 @@ def test_run_page_charts_update_live_and_compare_overlays(
     login(page, live_server, new_token(f"charts-{secrets.token_hex(3)}"))
     page.goto(f"{live_server}/runs/{a['id']}")
     wait_for(lambda: _chart(page, "reward", "d.data[0].x.length") == 3, 10, "3 reward points drawn")
+    # a chart is drawn again only when its figure changed: polls that bring no new point (status, events, logs and
+    # charts, every 3 s each) draw nothing; new points draw each chart they change once
+    page.evaluate(
+        "() => { window.drawn = []; const react = Plotly.react;"
+        " Plotly.react = function (div) { window.drawn.push(div.id); return react.apply(this, arguments); }; }"
+    )
+    page.wait_for_timeout(7_000)
+    assert page.evaluate("() => window.drawn") == []
     post(a, range(4, 9), 0.1)  # arrives while the page is open: htmx polling redraws
     wait_for(lambda: _chart(page, "reward", "d.data[0].x.length") == 8, 15, "8 reward points after a poll")
+    page.wait_for_timeout(7_000)
+    drawn = page.evaluate("() => window.drawn")
+    assert {"chart-reward", "chart-loss"} <= set(drawn) and len(drawn) == len(set(drawn)), drawn
     assert _chart(page, "loss", "d.data[0].y[7]") == 1.0 / 8
     post(b, range(1, 6), 0.5)
     page.goto(f"{live_server}/compare")

@@ -84,6 +84,10 @@
     return all;
   }
 
+  // Every htmx swap (status, events, logs... every few seconds each) calls draw(): a chart is drawn again only when
+  // what it shows changed (its figure, the smoothing, its log axis: `drawnAs`, by element). Drawing every chart on
+  // every swap kept a busy machine's browser drawing all the time, and the page stopped answering clicks.
+  var drawnAs = new WeakMap();
   function draw() {
     var figs = figures();
     syncControls(figs);
@@ -92,8 +96,12 @@
     Object.keys(figs).forEach(function (key) {
       var div = document.getElementById("chart-" + key);
       if (!div) return;
-      var fig = shown(figs[key], w, logY(key, figs[key]));
+      var log = logY(key, figs[key]);
+      var drawn = JSON.stringify(figs[key]) + "|" + w + "|" + log;
+      if (drawnAs.get(div) === drawn) return;
+      var fig = shown(figs[key], w, log);
       Plotly.react(div, fig.data, fig.layout, {responsive: true, displaylogo: false});
+      drawnAs.set(div, drawn);
     });
   }
 
