@@ -5,6 +5,11 @@ task scores >= ``pass_threshold``, averaged over tasks, by the unbiased estimato
 Large Language Models Trained on Code", eq. 1) from n >= k samples per task of which c passed:
 ``1 - C(n - c, k) / C(n, k)`` (:func:`pass_at_k`). With n = k it is the fraction of tasks with a passing sample; more
 samples (``num_samples``) lower its variance.
+
+What passes is a sample's reward, never a part of it: partial credit below ``pass_threshold`` (default 1.0, so the
+LCS-ratio 0.9 of an almost-reversed text) fails, and so does a sample without a reward (the rollout failed or was not
+scored) or one that never came back. A sample is one rollout of the task: a tool-using rollout that trains several
+branches (``worker.orchestrator.harness``) is one sample with one reward (:func:`task_result`).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from worker.tracking import progress
 
 if TYPE_CHECKING:
     from worker.inference.client import InferenceClient
+    from worker.orchestrator.batcher import Rollout
     from worker.orchestrator.harness import HarnessRunner
 
 
 TaskResult = tuple[list[float | None], list[int]]
-"""One eval task's ``pass_k`` samples: their rewards (None: missing) and completion lengths in tokens."""
+"""One eval task's samples: their rewards (None: missing) and completion lengths in model-sampled tokens."""
 
 
 def check_num_examples(env: Environment, num_examples: int, field: str) -> None:
@@ -51,12 +57,29 @@ def check_num_examples(env: Environment, num_examples: int, field: str) -> None:
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one task from ``n`` samples of which ``c`` passed: ``1 - C(n - c, k) / C(n, k)``.
 
+    Numerically stable as it stands: the binomials are exact Python integers (no float overflow, where C(1024, 512)
+    ~ 4.5e306) and their quotient is rounded once, where Chen et al.'s float product
+    ``1 - prod_{i = n-c+1}^{n} (1 - k / i)`` rounds c times. 0 when c = 0; 1 when ``n - c < k`` (every k of the n
+    samples hold a pass).
+
     Raises:
         ValueError: not ``0 <= c <= n`` and ``1 <= k <= n``.
     """
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def task_result(rollouts: list[Rollout]) -> TaskResult:
+    """One eval task's :data:`TaskResult` from its rollouts: a tool-using sample's branches (the records of one
+    ``trace``, all with its reward) count once, with their model-sampled tokens summed; a record without a trace is a
+    sample of its own."""
+    samples: dict[object, tuple[float | None, int]] = {}
+    for i, r in enumerate(rollouts):
+        key = i if r.trace is None else r.trace
+        reward, tokens = samples.get(key, (r.reward, 0))
+        samples[key] = (reward, tokens + sum(r.loss_mask))
+    return [reward for reward, _ in samples.values()], [tokens for _, tokens in samples.values()]
 
 
 async def evaluate(
@@ -77,7 +100,8 @@ async def evaluate(
     on_task: Callable[[int, TaskResult], None] | None = None,
 ) -> dict[str, float | int | None]:
     """Score ``num_examples`` eval tasks (``num_samples`` samples each, default ``pass_k``) with the environment's
-    rewards; pass@``pass_k`` by :func:`pass_at_k` (a sample whose reward is missing did not pass).
+    rewards; pass@``pass_k`` by :func:`pass_at_k` (a sample whose reward is missing did not pass, nor one that never
+    came back: counted missing).
 
     Each task's samples are one rollout group on the environment's path (``worker.orchestrator.rollouts``): a
     multi-turn environment runs whole conversations (``worker.orchestrator.multiturn``) of at most ``max_len``
@@ -129,7 +153,8 @@ async def evaluate(
             seed=None if seed is None else request_seed(seed, index),
         )
         progress.recorder.tick("eval_groups")
-        result: TaskResult = ([r.reward for r in rollouts], [sum(r.loss_mask) for r in rollouts])
+        rewards, lengths = task_result(rollouts)
+        result: TaskResult = (rewards + [None] * (samples - len(rewards)), lengths)  # a lost sample: missing
         if on_task is not None:
             on_task(index, result)
         return result
@@ -137,9 +162,9 @@ async def evaluate(
     results = await asyncio.gather(*(one(i) for i in range(count)))
     rewards = [r for rs, _ in results for r in rs if r is not None]
     lengths = [n for _, ns in results for n in ns]
-    # a task with fewer samples than k (none came back): whether any passed, as with n = k
+    # n: at least the samples asked (a record of an interrupted eval may hold fewer: the others did not pass)
     per_task = [
-        pass_at_k(len(rs), sum(r is not None and r >= pass_threshold for r in rs), min(pass_k, len(rs))) if rs else 0.0
+        pass_at_k(max(len(rs), samples), sum(r is not None and r >= pass_threshold for r in rs), pass_k)
         for rs, _ in results
     ]
     return {
