@@ -1,5 +1,5 @@
 """The orchestrator's own bookkeeping (``worker/orchestrator/orchestrator.py``): background-task failures end the run,
-case C24's truncation warning, one eval per policy version."""
+case C24's truncation warning, one eval per policy version with ``orchestrator.eval``'s pass@k settings."""
 
 from __future__ import annotations
 
@@ -94,15 +94,20 @@ def test_c26_starvation_warns_once_per_episode_when_stale_drops_bias_training(tm
 
 def test_a_policy_version_is_evaluated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int | None] = []
+    asked: list[tuple[int, int | None, float]] = []
 
-    async def fake_evaluate(*_: Any, seed: int | None, **__: Any) -> dict[str, float]:
+    async def fake_evaluate(
+        *_: Any, seed: int | None, pass_k: int, num_samples: int | None, pass_threshold: float, **__: Any
+    ) -> dict[str, float]:
         calls.append(seed)
+        asked.append((pass_k, num_samples, pass_threshold))
         return {"reward_mean": 0.5}
 
     monkeypatch.setattr(orch_module, "evaluate", fake_evaluate)
     run = RunDir(tmp_path / "run")
     run.create()
-    spec = RLSpec.model_validate({"model": {"name": "m"}})
+    ev = {"pass_k": 2, "num_samples": 8, "pass_threshold": 0.5}
+    spec = RLSpec.model_validate({"model": {"name": "m"}, "orchestrator": {"eval": ev}})
     env = SimpleNamespace(config=spec.envs[0], eval=None)
     sampler = SimpleNamespace(envs=[env])
     fake = _fake(
@@ -122,6 +127,7 @@ def test_a_policy_version_is_evaluated_once(tmp_path: Path, monkeypatch: pytest.
     assert asyncio.run(Orchestrator.run_eval(fake)) == {"reward_mean": 0.5}
     assert [r["step"] for r in read_jsonl(run.metrics) if r["source"] == "eval"] == [3, 4]
     assert len(calls) == 2 and calls[0] != calls[1] and None not in calls  # seeded by version
+    assert asked == [(2, 8, 0.5)] * 2  # pass@2 from 8 samples per task, as orchestrator.eval says
 
 
 def test_a_tool_group_runs_its_harness_on_the_replica_the_pool_leased(monkeypatch: pytest.MonkeyPatch) -> None:
