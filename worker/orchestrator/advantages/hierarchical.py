@@ -18,11 +18,12 @@ because only the environment knows whether the proposal was valid. ``self_play``
     R_P = v * (1 - 2 * |p - 1/2|)    v = 1 for a valid proposal else 0, p = the fraction of the episode's scored
                                       solvers that solved it (reward >= ``worker.envs.self_play.SOLVED_AT``, 1.0)
 
-highest (1) when half the solvers succeed, 0 for a task every solver passes or fails (with partial rewards the two
-differ: solver rewards 0.5 and 0.5 give p = 0 and R_P = 0, where their mean 0.5 would give 1). Each set of peers (one role of
-one episode, or one role of the group) sums to 0; a peer set of one rollout (a singleton) gets 0. Missing rewards are
-left out of every mean and get ``None`` (case C8); a group with none present is flagged ``all_missing``. Rollouts
-with no role or episode form the role ``None`` / episode ``None``, so a single-role group is plain Dr. GRPO.
+highest (1) when half the solvers succeed, 0 for a task every solver passes or fails. p is the fraction solved, not
+the mean solver reward; with partial rewards the two differ: solver rewards 0.5 and 0.5 give p = 0 and R_P = 0, where
+their mean 0.5 would give 1 (``tests/unit/worker/envs/test_self_play.py``). Each set of peers (one role of one episode,
+or one role of the group) sums to 0; a peer set of one rollout (a singleton) gets 0. Missing rewards are left out of
+every mean and get ``None`` (case C8); a group with none present is flagged ``all_missing``. Rollouts with no role or
+episode form the role ``None`` / episode ``None``, so a single-role group is plain Dr. GRPO.
 """
 
 from __future__ import annotations
