@@ -863,6 +863,10 @@ BAD_INPUTS: dict[str, tuple[list[str], str]] = {
         ["eval", "--model", "{model}", "--num-examples", "0"],
         "error: --num-examples: expected an integer >= 1, got 0",
     ),
+    "eval-fewer-samples-than-k": (  # pass@4 cannot be estimated from 2 samples per task
+        ["eval", "--model", "{model}", "--pass-k", "4", "--num-samples", "2"],
+        "error: --num-samples: expected at least --pass-k = 4, got 2",
+    ),
     "eval-url-without-scheme": (
         ["eval", "--url", "localhost:8000"],
         "error: --url: expected http://HOST:PORT, got 'localhost:8000'",
