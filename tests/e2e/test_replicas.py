@@ -129,5 +129,10 @@ def test_two_replicas_serve_ack_agree_and_the_run_survives_a_kill_9(tiny_model: 
         hit_rate = r["prefix_cache_hit_rate"]
         assert hit_rate is None or 0.0 <= hit_rate <= 1.0, r
     assert all(r["kv_cache_usage/r1"] is not None for r in served[: KILL_AFTER - 1])  # r1 was up then
-    assert served[-1]["kv_cache_usage/r1"] is None  # killed: its samples fail, the run goes on
-    assert any(r["kv_cache_usage"] > 0 for r in served), served  # the rollouts held KV-cache blocks
+    # killed: its samples fail (said once), the run goes on. Not "no r1 value in the last step's row": the kill lands
+    # while the orchestrator, a step ahead, is in step KILL_AFTER + 1 or + 2, and that step's samples from before the
+    # kill still read r1 (a fresh-clone CI run: step 4's row held r1's 0.0039).
+    log = (run.logs / "orchestrator.log").read_text()
+    assert f"vLLM metrics of {urls[1]}/metrics not read" in log and f"vLLM metrics of {urls[0]}/" not in log
+    # that the samples see the rollouts (KV-cache use, running requests) is asserted on test_rl.py's 48-step run: this
+    # run's 4 steps can fall between two 1 s samples (a quiet box: every gauge 0 and no counter grown)

@@ -161,6 +161,9 @@ def test_every_metric_is_logged_every_step(learning_run: RunDir) -> None:
     served = by_source(learning_run, "vllm")  # the shared server's own metrics, sampled every second
     assert [r["step"] for r in served] == list(range(1, LEARN_STEPS + 1))
     assert all(0.0 <= r["kv_cache_usage"] <= 1.0 and r["requests_waiting"] >= 0 for r in served), served
+    # the 1 s samples over ~1 min of rollouts see them: KV-cache blocks held, requests running, queries counted
+    assert max(r["kv_cache_usage"] for r in served) > 0 and max(r["requests_running"] for r in served) > 0, served
+    assert any(r["prefix_cache_hit_rate"] is not None for r in served), served
     for r in read_jsonl(learning_run.metrics):  # every logged metric can be used in an alert rule
         assert r.keys() - {"source", "step", "time"} <= set(METRICS[r["source"]]), r.keys() - set(METRICS[r["source"]])
 
