@@ -449,6 +449,10 @@ def reconcile() -> list[int]:
 LEFTOVER_SLACK_S = 1.0
 """A process counts as a leftover of an ended run when it started at most this long after the run's recorded end
 (clocks of the server and the worker, rounding of start times); one started later reuses a pid of the run."""
+EXIT_GRACE_S = 10.0
+"""Seconds after a run's recorded end before anything of it counts as left behind: the supervisor reports the end,
+then leaves its cgroup and exits by itself (a reconcile in that moment had killed a completed demo run's supervisor
+and recorded it as a leftover). A later reconcile checks the run again."""
 
 
 def _killed_line(n: int, why: str) -> str:
@@ -480,8 +484,8 @@ def kill_leftovers() -> dict[int, int]:
     """SIGKILL the processes that ended local runs of this worker left behind, and remove their cgroups: processes
     in a run's cgroup (``worker.run.cgroups``; any cgroup under ``asyncrl/`` named for a run of this service that has
     ended), and processes whose session id is an ended run's supervisor pid and that started before the run ended
-    (a later process that reuses the pid is left alone). Records a ``leftovers`` run event with the count. Returns
-    run id -> processes killed."""
+    (a later process that reuses the pid is left alone); a run that ended less than :data:`EXIT_GRACE_S` ago is left
+    to end by itself. Records a ``leftovers`` run event with the count. Returns run id -> processes killed."""
     try:
         layout = cgroups.layout()
         names = {d.name for d in (layout.roots[0] / cgroups.PARENT).glob("run-*") if d.is_dir()}
@@ -509,7 +513,10 @@ def kill_leftovers() -> dict[int, int]:
             unit = _cgroup_of(run)
             handle = run.launcher_handle or ""
             sid = int(handle) if handle.isdigit() and run.worker == capacity.worker_name() else None
-            ended_at = run.finished_at.replace(tzinfo=run.finished_at.tzinfo or UTC).timestamp() + LEFTOVER_SLACK_S
+            ended_s = run.finished_at.replace(tzinfo=run.finished_at.tzinfo or UTC).timestamp()
+            if time.time() - ended_s < EXIT_GRACE_S:
+                continue  # its supervisor may still be on its way out
+            ended_at = ended_s + LEFTOVER_SLACK_S
             if sid is not None and (leader := started_at(sid)) is not None and leader > ended_at:
                 sid = None  # the pid leads a later session: nothing of it is the run's
             killed = cgroups.end_run(unit, sid, started_before=ended_at)

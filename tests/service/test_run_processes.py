@@ -161,10 +161,30 @@ def test_stop_kills_what_left_the_supervisor_session_and_removes_the_cgroup(
     assert not unit.exists()
 
 
-def test_reconcile_kills_the_leftovers_of_an_ended_run_only(
-    client: Any, auth: dict[str, str], make_run: Any, started: list[subprocess.Popen[bytes]]
+def test_a_run_that_just_ended_is_left_to_exit_by_itself_then_its_leftovers_are_killed(
+    client: Any, auth: dict[str, str], make_run: Any, started: list[subprocess.Popen[bytes]], monkeypatch: Any
 ) -> None:
+    from server.jobs import tasks
+
+    assert tasks.EXIT_GRACE_S == 10.0
+    run = make_run()
+    leader = session_of_three(started)  # its supervisor, still exiting, and two processes of its session
+    record_launch(run["id"], leader.pid, ["starting", "running", "completed"])
+    assert tasks.reconcile() == [] and tasks.kill_leftovers() == {}  # ended just now: left alone
+    assert len(session_members(leader.pid)) == 3 and events_of(client, auth, run["id"], "leftovers") == []
+    monkeypatch.setattr(tasks, "EXIT_GRACE_S", 0.0)  # as if the grace had passed: what is left is a leftover
+    assert tasks.kill_leftovers() == {run["id"]: 3} and session_members(leader.pid) == set()
+    (event,) = events_of(client, auth, run["id"], "leftovers")
+    assert event["data"]["supervisor"] == leader.pid
+
+
+def test_reconcile_kills_the_leftovers_of_an_ended_run_only(
+    client: Any, auth: dict[str, str], make_run: Any, started: list[subprocess.Popen[bytes]], monkeypatch: Any
+) -> None:
+    from server.jobs import tasks
     from server.jobs.tasks import LEFTOVER_SLACK_S, reconcile
+
+    monkeypatch.setattr(tasks, "EXIT_GRACE_S", 0.0)  # the runs below ended just now (the grace: the test above)
 
     # Ended run: its supervisor's session (3 processes) and one process in its cgroup that left that session.
     ended = make_run()
