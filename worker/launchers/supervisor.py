@@ -444,11 +444,21 @@ def prepare_resume(run_dir: Path, home: SupervisorHome) -> int | None:
 
 
 _terminated = threading.Event()
+_terminated_at: list[float] = []
+"""``time.monotonic()`` of the first SIGTERM: the end's steps are logged with the seconds since (Slurm SIGKILLs the
+job's processes KillWait seconds after its SIGTERM)."""
 
 
 def _on_sigterm(_signum: int, _frame: Any) -> None:
     _terminated.set()
+    if not _terminated_at:
+        _terminated_at.append(time.monotonic())
     raise KeyboardInterrupt
+
+
+def _since_sigterm(what: str) -> None:
+    if _terminated_at:
+        logger.info("%s %.1f s after SIGTERM", what, time.monotonic() - _terminated_at[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         status, reason = "failed", f"launch: {describe_os_error(err)}"
     except Exception as err:  # reported to the server as the failure reason
         status, reason = "failed", f"{type(err).__name__}: {err}"
+    _since_sigterm(f"the launcher ended ({status})")
     if attempt is not None and _terminated.is_set():  # Slurm's SIGTERM: scancel, time limit or requeue
         status, reason = slurm_job.end_status(attempt)  # requeued: no status, the next attempt reports
+        _since_sigterm(f"Slurm says {status}")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     status, reason = _end_processes(status, reason)
     logger.info("run %d ended %s %s", run_id, status, reason)

@@ -188,7 +188,13 @@ def test_scancel_leaves_no_process_on_any_node(client: Any, auth: dict[str, str]
         ("trainer", "asrl-n3"),
     }
     subprocess.run(["scancel", job], check=True)
-    done = ended(client, auth, run["id"], 120)
+    try:
+        done = ended(client, auth, run["id"], 120)
+    except AssertionError:  # say where the supervisor was when Slurm's KillWait ran out
+        home = Path(run["run_dir"]).parent  # the supervisor's, the Slurm job's and the run's processes' logs
+        for log in sorted(home.rglob("*.log")):
+            print(f"--- {log}\n{log.read_text(errors='replace')[-6000:]}")  # noqa: T201 - the failure's context
+        raise
     assert (done["status"], done["status_reason"]) == (
         "cancelled",
         f"Slurm job {job} terminated (scancel or time limit)",
