@@ -222,6 +222,7 @@ def _load_full(source: ExportSource, stage: Stage) -> Any:
     from safetensors.torch import load_file
 
     from worker.policy.models import load_model
+    from worker.trainer.dist import tied_output_keys
 
     if (source.path / "config.json").is_file() and not (source.path / WEIGHTS_FILE).is_file():
         stage(f"loading {source.label} (save_pretrained)")
@@ -231,8 +232,8 @@ def _load_full(source: ExportSource, stage: Stage) -> Any:
     stage(f"loading the weights of {source.label}")
     weights = load_file(source.path / WEIGHTS_FILE)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    tied = tied_output_keys(model)  # published weights leave a tied output projection out
+    missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise ExportError(
             f"--step: the weights of {source.label} do not fit the base model {source.base} "

@@ -5,7 +5,8 @@ One code path for one CPU process, ``torchrun`` on CPU (gloo) and one or more GP
 - ``setup(device)``: a single CPU process stays plain (no process group, bf16 through autocast).
   Under ``torchrun`` (``WORLD_SIZE`` > 1) or with ``trainer.device = "cuda"`` it joins a process
   group (gloo on CPU, NCCL on GPU; a lone process gets a one-rank group) and the model is sharded.
-- ``shard(model, ...)``: ``fully_shard`` on every decoder block, then on the root, with a
+- ``prepare_model(model, ...)``: ``fully_shard`` on every decoder block (found through the model's own
+  ``_no_split_modules``, never by attribute name: ``decoder_blocks``), then on the root, with a
   ``MixedPrecisionPolicy`` (bf16 params and compute when ``model.dtype`` is bfloat16, fp32 gradient
   reduction). The sharded fp32 parameters are the master weights the optimizer updates.
   FSDP2 averages gradients over ranks; each rank's loss is divided by the step's global loss-token
@@ -20,10 +21,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+from worker.trainer.packed import ArchitectureError, architecture, layer_windows, output_embedding, trainer_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,12 +87,12 @@ def prepare_model(
 ) -> torch.nn.Module:
     """Activation checkpointing and ``torch.compile`` per decoder block if asked, then FSDP2 when ``info.sharded``.
 
-    In place (parameter names do not change); ``model`` must hold fp32 weights (the master copy). A
+    In place (parameter names do not change); ``model`` must hold fp32 weights (the master copy) and pass
+    :func:`check_trainable` (else ``ArchitectureError``, before anything changes). A
     ``flex_attention`` model is switched to the trainer's attention (``worker.trainer.packed.trainer_attention``) here,
     before its first forward pass. Returns the same module.
     """
-    from worker.trainer.packed import trainer_attention
-
+    check_trainable(model)
     trainer_attention(model)  # the probe's base log-probs (before step 1) take the kernels of every later version's
     model.config.use_cache = False
     if activation_checkpointing:
@@ -111,9 +115,73 @@ def prepare_model(
     return model
 
 
-def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder blocks of an HF decoder-only model (``model.model.layers``, e.g. Qwen3's)."""
-    return cast(torch.nn.ModuleList, model.get_submodule("model.layers"))
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks of an HF model: the outermost modules whose class its ``_no_split_modules`` names (HF's own
+    list of the units that must stay whole on one device), in model order. They are the FSDP2 units, the activation
+    checkpointing and ``compile`` units.
+
+    Raises:
+        ArchitectureError: the model names no such class, or none of its modules is one.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ArchitectureError(
+            f"{architecture(model)}: the model class names no decoder block (_no_split_modules is empty); "
+            "the trainer shards and checkpoints it block by block"
+        )
+    blocks: list[torch.nn.Module] = []
+    prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in names and not any(name.startswith(p) for p in prefixes):
+            blocks.append(module)
+            prefixes.append(name + ".")
+    if not blocks:
+        raise ArchitectureError(
+            f"{architecture(model)}: no module is a {' or '.join(sorted(names))} (its _no_split_modules); "
+            "the trainer shards and checkpoints it block by block"
+        )
+    return blocks
+
+
+def check_trainable(model: torch.nn.Module) -> None:
+    """Refuse a model the trainer cannot train, before any work: its decoder blocks, its output projection and its
+    attention layer types (``worker.trainer.packed.layer_windows``) must all be found through the model's own
+    accessors. Works on a model built on the meta device (no weights).
+
+    Raises:
+        ArchitectureError: one line naming the architecture and what is missing.
+    """
+    decoder_blocks(model)
+    output_embedding(model)
+    layer_windows(model)
+
+
+def check_trainable_dir(model_dir: str | Path) -> None:
+    """:func:`check_trainable` on the model of ``model_dir`` (a local folder or a hub name), built from its config on
+    the meta device: no weights are read. What ``--dry-run`` runs.
+
+    Raises:
+        ArchitectureError: one line naming the architecture and what is missing.
+        OSError / ValueError: the config does not load.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as err:  # no causal LM class for this config
+        raise ArchitectureError(f"{config.model_type}: no causal LM class ({str(err).splitlines()[0]})") from None
+    check_trainable(model)
+
+
+def tied_output_keys(model: torch.nn.Module) -> set[str]:
+    """State-dict names of the output projection's weight when it is the input embedding (``tie_word_embeddings``):
+    the published weights leave them out (the loader re-ties them). Empty for untied models."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return set()
+    head = output_embedding(model)
+    return {f"{name}.weight" for name, m in model.named_modules(remove_duplicate=False) if m is head}
 
 
 def all_ranks_max(value: int, info: DistInfo) -> int:
@@ -203,34 +271,35 @@ def full_state_dict(model: torch.nn.Module, *, cpu_offload: bool = True) -> dict
 
 
 def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF-named parameters, cloned and contiguous; a tied ``lm_head.weight`` is left out (it is the embedding).
+    """HF-named parameters, cloned and contiguous; a tied output projection (``tied_output_keys``) is left out (it is
+    the embedding).
 
     A collective with FSDP2 (see ``full_state_dict``): ranks other than 0 get ``{}``.
     """
     state = full_state_dict(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+    for key in tied_output_keys(model):
+        state.pop(key, None)
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
 def weight_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    """HF names and full shapes of the tensors :func:`iter_full_weights` yields, in its order (a tied
-    ``lm_head.weight`` left out); a sharded parameter (FSDP2 ``DTensor``) reports its global shape."""
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    return {k: v.shape for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    """HF names and full shapes of the tensors :func:`iter_full_weights` yields, in its order (a tied output
+    projection left out); a sharded parameter (FSDP2 ``DTensor``) reports its global shape."""
+    tied = tied_output_keys(model)
+    return {k: v.shape for k, v in model.state_dict().items() if k not in tied}
 
 
 def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF-named tensors one at a time, each in full on the parameters' device, not cloned (read each before the
-    next is asked for, and all before the next optimizer step); a tied ``lm_head.weight`` left out. With FSDP2 each
+    next is asked for, and all before the next optimizer step); a tied output projection left out. With FSDP2 each
     sharded tensor is gathered as it is read (a collective: every rank must read them all, in order), so the peak is
     one full tensor, not the model. The colocated weight sync (``worker/weight_sync/cuda_ipc.py``) copies them into
     its GPU buffer without a trip through host memory.
     """
     from torch.distributed.tensor import DTensor
 
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = tied_output_keys(model)
     for name, t in model.state_dict().items():
-        if tied and name == "lm_head.weight":
+        if name in tied:
             continue
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()

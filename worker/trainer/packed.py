@@ -2,8 +2,9 @@
 pass of such a row up to the final hidden states (the LM head is applied in ``worker/trainer/logprobs.py``).
 
 ``micro_batch_tensors`` builds a ``PackedTensors`` row (shared-prompt packing included); ``visible`` is the
-one attention rule behind its dense SDPA mask and its flex attention block mask; ``forward_hidden`` runs
-the model on it.
+one attention rule behind its dense SDPA mask and its flex attention block mask (with the sliding window of the
+layers that have one: ``layer_windows``); ``forward_hidden`` runs the model on it, finding the output projection
+through the model's own accessors, never by attribute name.
 """
 
 from __future__ import annotations
@@ -20,15 +21,98 @@ if TYPE_CHECKING:
 
 
 def visible(
-    q: torch.Tensor, k: torch.Tensor, seg: torch.Tensor, lead: torch.Tensor, shared: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seg: torch.Tensor,
+    lead: torch.Tensor,
+    shared: torch.Tensor,
+    pos: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Whether row token ``q`` may attend to row token ``k`` in a packed row (broadcasts over index tensors).
 
     Causal, and inside the own sample, or onto the prompt tokens of the sample whose prompt ``q``
-    reuses (shared-prompt packing). The one rule behind both the dense SDPA mask and the flex
-    attention block mask.
+    reuses (shared-prompt packing). With a sliding ``window`` (and the row's ``pos``itions), also only
+    onto keys less than ``window`` positions back, HF's rule (``kv > q - window``). The one rule behind
+    both the dense SDPA mask and the flex attention block mask.
     """
-    return (q >= k) & ((seg[q] == seg[k]) | ((lead[q] == seg[k]) & shared[k]))
+    ok = (q >= k) & ((seg[q] == seg[k]) | ((lead[q] == seg[k]) & shared[k]))
+    if window is not None and pos is not None:
+        ok = ok & (pos[q] - pos[k] < window)
+    return ok
+
+
+class ArchitectureError(ValueError):
+    """A model the trainer cannot train; the message is one line naming its architecture and what is missing."""
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config keys of transforms some causal LMs apply to the logits after the output projection (Gemma 2's
+soft-capping, Cohere's scale, Granite's divisor). The trainer's fused LM head (``worker.trainer.logprobs``) computes
+``hidden @ weight.T`` and nothing else, so a model with one of them set (not None, not 1) is refused."""
+
+
+def architecture(model: torch.nn.Module) -> str:
+    """The model's ``config.model_type`` (``llama``, ``gemma3_text``, ...), or its class name without a config."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "model_type", None) or type(model).__name__)
+
+
+def output_embedding(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's output projection (``get_output_embeddings()``), checked to be what the fused LM head computes:
+    a ``[vocab, hidden]`` weight, no bias, no transform of the logits after it (``LOGIT_TRANSFORMS``).
+
+    Raises:
+        ArchitectureError: one line naming the architecture and what does not fit.
+    """
+    arch = architecture(model)
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    weight = getattr(head, "weight", None)
+    if head is None or weight is None or weight.dim() != 2:
+        raise ArchitectureError(f"{arch}: get_output_embeddings() gives no [vocab, hidden] output projection")
+    if getattr(head, "bias", None) is not None:
+        raise ArchitectureError(
+            f"{arch}: the output projection has a bias; the trainer's fused LM head computes hidden @ weight.T only"
+        )
+    config = getattr(model, "config", None)
+    for key in LOGIT_TRANSFORMS:
+        value = getattr(config, key, None)
+        if value is not None and value != 1:
+            raise ArchitectureError(
+                f"{arch}: config.{key} = {value} transforms the logits after the output projection, which the "
+                "trainer's fused LM head does not do"
+            )
+    return head
+
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+"""The attention layer types (``config.layer_types``) the packed mask knows: causal, and causal within
+``config.sliding_window`` positions."""
+
+
+def layer_windows(model: torch.nn.Module) -> dict[str, int | None]:
+    """The sliding window of each attention layer type of ``model`` (None: full causal attention), from its config.
+
+    A config with ``layer_types`` (Gemma 3, Qwen2/3) gets ``{layer type: window}``, the window
+    ``config.sliding_window`` for ``sliding_attention`` layers; any other gets one entry ``{"": window}`` for every
+    layer (``config.sliding_window`` of Mistral, Phi-3; None where absent), as the model builds its own masks.
+
+    Raises:
+        ArchitectureError: a layer type other than ``ATTENTION_TYPES`` (chunked, linear attention, ...).
+    """
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return {"": window}
+    unknown = sorted(set(types) - set(ATTENTION_TYPES))
+    if unknown:
+        raise ArchitectureError(
+            f"{architecture(model)}: attention layer types {unknown} (the packed attention mask knows "
+            f"{', '.join(ATTENTION_TYPES)})"
+        )
+    return {t: window if t == "sliding_attention" else None for t in sorted(set(types))}
 
 
 @dataclass
@@ -63,25 +147,39 @@ class PackedTensors:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """Dense ``[1, 1, T, T]`` bool mask (True = may attend), built on the row's device (for SDPA)."""
-        idx = torch.arange(self.seg.numel(), device=self.seg.device)
-        return visible(idx[:, None], idx[None, :], self.seg, self.lead, self.shared)[None, None]
+        """Dense ``[1, 1, T, T]`` bool mask (True = may attend) of full causal attention, on the row's device (SDPA)."""
+        return self.dense_mask()
 
-    def block_mask(self) -> Any:
+    def dense_mask(self, window: int | None = None) -> torch.Tensor:
+        """Dense ``[1, 1, T, T]`` bool mask (True = may attend), within a sliding ``window`` if given, on the row's
+        device (for SDPA)."""
+        idx = torch.arange(self.seg.numel(), device=self.seg.device)
+        pos = self.position_ids[0]
+        return visible(idx[:, None], idx[None, :], self.seg, self.lead, self.shared, pos, window)[None, None]
+
+    def block_mask(self, window: int | None = None) -> Any:
         """The same rule as a flex attention ``BlockMask`` (128-token blocks; fully masked blocks are skipped)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        seg, lead, shared = self.seg, self.lead, self.shared
+        seg, lead, shared, pos = self.seg, self.lead, self.shared, self.position_ids[0]
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
-            return visible(q, k, seg, lead, shared)
+            return visible(q, k, seg, lead, shared, pos, window)
 
         n = self.seg.numel()
         return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=self.seg.device)
 
-    def mask_for(self, attn_implementation: str) -> Any:
-        """The attention mask argument for the model's attention implementation (``sdpa``/``eager`` or ``flex_attention``)."""
-        return self.block_mask() if attn_implementation == "flex_attention" else self.attention_mask
+    def mask_for(self, attn_implementation: str, windows: dict[str, int | None] | None = None) -> Any:
+        """The attention mask argument for the model's attention implementation (``sdpa``/``eager`` or
+        ``flex_attention``) and its layers' sliding windows (``layer_windows``; None: all full).
+
+        One mask when every layer has the same window; else ``{layer type: mask}``, the mapping HF models with
+        ``config.layer_types`` (Gemma 3, Qwen2/3) take in place of building their own masks."""
+        windows = windows or {"": None}
+        build = self.block_mask if attn_implementation == "flex_attention" else self.dense_mask
+        if len(set(windows.values())) == 1:
+            return build(next(iter(windows.values())))
+        return {layer_type: build(w) for layer_type, w in windows.items()}
 
     @property
     def attended_pairs(self) -> int:
@@ -137,32 +235,35 @@ def trainer_attention(model: PreTrainedModel) -> str:
 def forward_hidden(model: PreTrainedModel, t: PackedTensors, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of one packed row and the output embedding: ``(hidden [T, D], weight [vocab, D])``.
 
-    The model runs without its LM head (swapped for an identity during the call, so the ``[T, vocab]``
-    logits are never built; ``worker.trainer.logprobs.fused_logprob_entropy`` takes the head).
+    The model runs without its output projection (``get_output_embeddings()``, swapped for an identity through
+    ``set_output_embeddings`` during the call, so the ``[T, vocab]`` logits are never built;
+    ``worker.trainer.logprobs.fused_logprob_entropy`` takes the head). ``worker.trainer.dist.output_embedding``
+    refuses a model that transforms its logits after that projection (soft-capping, a scale).
     Both come in the compute dtype: bf16 under ``autocast`` (one CPU process) or FSDP2's bf16 policy,
     else the model's. Under FSDP2 ``weight`` is the root's unsharded parameter, which stays gathered
     from the forward to the backward pass (FSDP2 does not reshard the root after forward).
 
-    Attention: a row holding ONE sample gets no mask, i.e. SDPA with ``is_causal`` (cuDNN/flash
-    kernels), also for ``trainer.attention = "flex_attention"`` (see ``FLEX_OR_CAUSAL``); a row of
-    several samples gets its packing mask (dense for ``sdpa``, a block mask for flex attention). Both
-    give the logits of each sample run alone.
+    Attention: a row holding ONE sample gets no mask, i.e. the model's own causal (and sliding-window) masks,
+    SDPA with ``is_causal`` (cuDNN/flash kernels) for full attention, also for ``trainer.attention =
+    "flex_attention"`` (see ``FLEX_OR_CAUSAL``); a row of several samples gets its packing mask (dense for ``sdpa``,
+    a block mask for flex attention), one per attention layer type where their sliding windows differ
+    (``layer_windows``). Both give the logits of each sample run alone.
     """
     impl = trainer_attention(model)
     flex = impl == FLEX_OR_CAUSAL
     single = len(t.spans) == 1  # its positions are 0..T-1: plain causal attention
-    mask = None if single else t.mask_for("flex_attention" if flex else impl)
+    mask = None if single else t.mask_for("flex_attention" if flex else impl, layer_windows(model))
     # flex attention picks its decoding kernel (no backward) for rows under 128 tokens unless told otherwise
     extra = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if flex else {}
-    head = cast(torch.nn.Linear, model.lm_head)  # a causal LM's output projection
-    model.lm_head = torch.nn.Identity()
+    head = output_embedding(model)
+    model.set_output_embeddings(torch.nn.Identity())
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             hidden = model(input_ids=t.input_ids, position_ids=t.position_ids, attention_mask=mask, **extra).logits[0]
     finally:
-        model.lm_head = head
+        model.set_output_embeddings(head)
     dtype = torch.bfloat16 if autocast else hidden.dtype
-    return hidden.to(dtype), head.weight.to(dtype)
+    return hidden.to(dtype), cast(torch.Tensor, head.weight).to(dtype)
 
 
 def packed_attention_mask(lengths: list[int]) -> torch.Tensor:

@@ -185,7 +185,8 @@ def sft_preflight(spec: SFTSpec, *, tokenize: bool = True) -> SFTData:
     returned ``train`` / ``held_out`` are empty (no ``seq_len`` check): the rows are tokenized once, by the trainer.
 
     Raises:
-        SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable, its
+        SpecError: the model directory, tokenizer (chat template, ``<|im_end|>``) or environment is unusable, the
+            trainer cannot train the architecture (``worker.trainer.dist.check_trainable``: one line naming it), its
             tasks have no reference answer, ``eval_examples`` is more than its eval split has, a data file is missing, empty or has a row without an assistant turn
             (``data.path: row 3 has no assistant turn ...``), or a sample is longer than ``seq_len``.
     """
@@ -201,6 +202,12 @@ def sft_preflight(spec: SFTSpec, *, tokenize: bool = True) -> SFTData:
         raise SpecError(
             f"model.name: {spec.model.name}: tokenizer has no '<|im_end|>' token (SFT ends answers with it)"
         )
+    from worker.trainer.dist import check_trainable_dir
+
+    try:  # decoder blocks and output projection found through the model's own accessors (config only, no weights)
+        check_trainable_dir(spec.model.name)
+    except ValueError as err:
+        raise SpecError(f"model.name: {err}") from None
     if spec.lora is not None:  # every target names a linear layer (the model's config, no weights read): case C15
         from worker.trainer.lora import check_targets
 
