@@ -4,7 +4,7 @@
     asyncrl sft  @ configs/reverse_text/sft.toml [--max_steps 100] [--dry-run]
     asyncrl eval --model PATH | --url URL [--env reverse_text] [--num-examples 64]
     asyncrl eval --model PATH --spec RL.toml [--env NAME]   (one environment of the spec's [[env]] mixture)
-    asyncrl model init --out DIR [--size tiny|small] [--overwrite]
+    asyncrl model init --out DIR [--arch llama|qwen2|qwen3|qwen3_moe|gemma3|mistral|phi3|olmo2] [--size tiny|small]
     asyncrl demo [--local] [--summary PATH]
     asyncrl export RUN_DIR [--step N] --out DIR [--adapter-only]   (Hugging Face model directory)
     asyncrl config set RUN_DIR trainer.optim.lr=5e-5 [orchestrator.temperature=1.2 ...]   (live config)
@@ -208,22 +208,35 @@ def _eval_command(argv: list[str]) -> int:
 
 
 def _model_command(argv: list[str]) -> int:
+    from worker.policy.architectures import ARCHITECTURES, DEFAULT_ARCH
     from worker.policy.models import SIZES
 
     p = ArgParser(prog="asyncrl model")
     sub = p.add_subparsers(dest="action", required=True)
-    init = sub.add_parser("init", help="build a tiny random-init Qwen3 model and byte-level tokenizer")
+    init = sub.add_parser("init", help="build a tiny random-init model of one architecture and a byte-level tokenizer")
     init.add_argument("--out", required=True, type=Path)
+    init.add_argument(
+        "--arch",
+        default=DEFAULT_ARCH,
+        help=f"architecture: {', '.join(ARCHITECTURES)} (default {DEFAULT_ARCH})",
+    )
     init.add_argument(
         "--size", choices=list(SIZES), default="tiny", help="tiny (3M), small, qwen3-0.6b (596M: its shape)"
     )
+    tie = init.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="tie the output projection")
+    tie.add_argument("--untied", dest="tied", action="store_false", help="a separate output projection")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model directory at --out")
     args = p.parse_args(argv)
     from worker.policy.models import init_model
 
+    if args.arch not in ARCHITECTURES:
+        raise SpecError(f"--arch: expected one of {', '.join(ARCHITECTURES)}, got {args.arch!r}")
     try:
-        path = init_model(args.out, size=args.size, seed=args.seed, overwrite=args.overwrite)
+        path = init_model(
+            args.out, size=args.size, seed=args.seed, overwrite=args.overwrite, arch=args.arch, tied=args.tied
+        )
     except FileExistsError as err:
         hint = "; pass --overwrite to replace it" if str(err).endswith("not empty") else ""
         raise SpecError(f"--out: {err}{hint}") from None
@@ -231,6 +244,8 @@ def _model_command(argv: list[str]) -> int:
         raise SpecError(f"--out: {err}") from None
     except OSError as err:  # no permission, disk full: nothing is left at --out
         raise SpecError(f"--out: cannot write {args.out} ({err.strerror or type(err).__name__})") from None
+    except ValueError as err:  # a size of another architecture
+        raise SpecError(f"--{err}") from None
     print(f"model written to {path}")  # noqa: T201
     return 0
 

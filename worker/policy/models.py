@@ -1,9 +1,10 @@
 """Model and tokenizer helpers: ``asyncrl model init`` backend and the loaders used by the run processes.
 
 No machine here can download from a model hub, so :func:`init_model` builds a small random-init
-Qwen3 model plus a byte-level BPE tokenizer with very few merges (a near-character vocabulary keeps
-character-level tasks such as reversal learnable) and a ChatML chat template. The result is a
-normal ``save_pretrained`` directory that transformers and vLLM load by path.
+model of one of the architectures of ``worker/policy/architectures.py`` (Qwen3 by default; Llama, Qwen2,
+Qwen3-MoE, Gemma 3, Mistral, Phi-3, OLMo 2) plus a byte-level BPE tokenizer with very few merges (a
+near-character vocabulary keeps character-level tasks such as reversal learnable) and a ChatML chat
+template. The result is a normal ``save_pretrained`` directory that transformers and vLLM load by path.
 
 torch/transformers/tokenizers are imported lazily so that importing this module stays cheap.
 """
@@ -15,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
+
+from worker.policy.architectures import DEFAULT_ARCH, build_config, check_arch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -161,22 +164,35 @@ def build_tokenizer(seed: int = 0, num_merges: int = NUM_MERGES) -> PreTrainedTo
     return fast
 
 
-def init_model(out_dir: Path, size: Size = "tiny", seed: int = 0, *, overwrite: bool = False) -> Path:
-    """Build a random-init Qwen3ForCausalLM and a byte-level tokenizer and save both to ``out_dir``.
+def init_model(
+    out_dir: Path,
+    size: Size = "tiny",
+    seed: int = 0,
+    *,
+    overwrite: bool = False,
+    arch: str = DEFAULT_ARCH,
+    tied: bool | None = None,
+) -> Path:
+    """Build a random-init causal LM of architecture ``arch`` (``worker.policy.architectures.ARCHITECTURES``) and a
+    byte-level tokenizer and save both to ``out_dir``.
 
-    The vocabulary is padded to a multiple of 64; embeddings are tied; eos is ``<|im_end|>``. The model is
+    The vocabulary is padded to a multiple of 64; embeddings are tied as the family's small checkpoints are (or as
+    ``tied`` says); eos is ``<|im_end|>``. The model is
     written to a temporary sibling directory and renamed into place, so ``out_dir`` is never half-written;
     an existing non-empty ``out_dir`` is replaced only with ``overwrite``. Returns ``out_dir``.
 
     Raises:
-        ValueError: if ``size`` is unknown.
+        ValueError: ``arch`` or ``size`` is unknown, or ``size`` is another architecture's shape (one line naming
+            the allowed values).
         FileExistsError: ``out_dir`` is a file, or a non-empty directory and ``overwrite`` is False or it is
             not a model directory (no ``config.json``).
         NotADirectoryError: a parent of ``out_dir`` is a file.
         OSError: the parent directory cannot be created or written (e.g. PermissionError).
     """
-    if size not in SIZES:
-        raise ValueError(f"size: expected one of {sorted(SIZES)}, got {size!r}")
+    check_arch(arch)
+    allowed = sizes_of(arch)
+    if size not in allowed:
+        raise ValueError(f"size: expected one of {', '.join(allowed)} for arch {arch}, got {size!r}")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
@@ -192,7 +208,7 @@ def init_model(out_dir: Path, size: Size = "tiny", seed: int = 0, *, overwrite: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the model directory is an ordinary one
     try:
-        _write_model(tmp, size, seed)
+        _write_model(tmp, size, seed, arch, tied)
         readable(tmp)
         if out_dir.exists():  # empty, or replaced with overwrite: move it aside first, delete it after the rename
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
@@ -233,12 +249,11 @@ def _umask() -> int:
     return mask
 
 
-def _write_model(out_dir: Path, size: str, seed: int) -> None:
+def _write_model(out_dir: Path, size: str, seed: int, arch: str = DEFAULT_ARCH, tied: bool | None = None) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     shape = SIZES[size]
-    head_dim = shape.get("head_dim", 64)
     tokenizer = build_tokenizer(seed)
     vocab_size = shape.get("vocab_size")
     if vocab_size is None:
@@ -247,29 +262,18 @@ def _write_model(out_dir: Path, size: str, seed: int) -> None:
         tokenizer = pad_tokenizer_vocab(tokenizer, vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        head_dim=head_dim,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,  # type: ignore[arg-type]  # convert_tokens_to_ids is typed int | list[int]; one token gives an int
-        hidden_size=shape["hidden_size"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"],
-        intermediate_size=shape["intermediate_size"],
-    )
-    config.dtype = torch.float32
+    assert isinstance(eos_id, int) and isinstance(pad_id, int)  # one token each gives an int
+    config = build_config(arch, dict(shape), vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, tied=tied)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def sizes_of(arch: str) -> list[str]:
+    """The ``SIZES`` an architecture is built in: ``tiny`` and ``small`` for every one, ``qwen3-0.6b`` for qwen3."""
+    return [s for s in SIZES if arch == "qwen3" or not s.startswith("qwen3-")]
 
 
 def pad_tokenizer_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> PreTrainedTokenizerBase:

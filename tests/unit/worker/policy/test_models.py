@@ -165,7 +165,7 @@ def test_init_never_replaces_other_things(tmp_path: Path) -> None:
 
 
 def test_init_failure_leaves_nothing_half_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(out_dir: Path, size: str, seed: int) -> None:  # noqa: ARG001 - _write_model's signature
+    def crash(out_dir: Path, *args: object) -> None:  # noqa: ARG001 - _write_model's signature
         (out_dir / "config.json").write_text("{}")  # half-way through saving
         raise RuntimeError("disk full")
 
