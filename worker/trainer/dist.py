@@ -282,6 +282,17 @@ def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
+def on_disk_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (tensors under the model's in-memory names: :func:`weights_state_dict`) under the names and layout of
+    its checkpoint files, what ``save_pretrained`` writes and vLLM loads. transformers fuses some weights at load
+    (Qwen3-MoE's per-expert ``experts.<i>.{gate,up,down}_proj`` into 3-D ``experts.gate_up_proj`` /
+    ``experts.down_proj``); its ``revert_weight_conversion`` splits them back. Models without such a conversion get
+    ``state`` as it is. Weights published to vLLM must take this form: a fused name loads into nothing there."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return cast(dict[str, torch.Tensor], revert_weight_conversion(cast("PreTrainedModel", model), state))
+
+
 def weight_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     """HF names and full shapes of the tensors :func:`iter_full_weights` yields, in its order (a tied output
     projection left out); a sharded parameter (FSDP2 ``DTensor``) reports its global shape."""

@@ -24,7 +24,15 @@ import torch
 from worker.policy.architectures import ARCHITECTURES
 from worker.policy.models import init_model, load_model
 from worker.spec import LoraConfig, OptimConfig, validate_spec
-from worker.trainer.dist import DistInfo, check_trainable, decoder_blocks, prepare_model, tied_output_keys
+from worker.trainer.dist import (
+    DistInfo,
+    check_trainable,
+    decoder_blocks,
+    on_disk_names,
+    prepare_model,
+    tied_output_keys,
+    weights_state_dict,
+)
 from worker.trainer.logprobs import fused_logprob_entropy
 from worker.trainer.lora import wrap
 from worker.trainer.optim import build_optimizer
@@ -170,6 +178,21 @@ def test_lora_step_starts_at_the_base_and_trains_adapters_only(model_dirs: dict[
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads == {n for n, p in model.named_parameters() if "lora_" in n}
     assert len(grads) == 2 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_on_disk_names_are_what_save_pretrained_writes(model_dirs: dict[str, Path], arch: str) -> None:
+    """The trainer holds Qwen3-MoE's experts fused (``experts.gate_up_proj``); ``on_disk_names`` gives the
+    checkpoint's per-expert tensors, bit for bit; a model without a conversion keeps its names."""
+    from safetensors.torch import load_file
+
+    model = load_model(model_dirs[arch], dtype="float32")
+    state = weights_state_dict(model)
+    on_disk = on_disk_names(model, state)
+    assert on_disk.keys() == load_file(model_dirs[arch] / "model.safetensors").keys()
+    saved = load_file(model_dirs[arch] / "model.safetensors")
+    assert all(torch.equal(on_disk[k], saved[k]) for k in saved)
+    assert (on_disk.keys() != state.keys()) == (arch == "qwen3_moe")
 
 
 def test_unknown_arch_is_one_line_and_exit_2(tmp_path: Path) -> None:
