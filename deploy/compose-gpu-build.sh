@@ -165,6 +165,11 @@ out = {
     "note": env["GB_NOTE"],
     "installed": dict(sorted(installed.items(), key=lambda kv: kv[0].lower())),
 }
+if os.path.exists(sys.argv[1]):  # the earlier builds' records, newest first, without their package lists
+    earlier = json.load(open(sys.argv[1]))
+    before = earlier.pop("earlier_builds", [])
+    earlier.pop("installed", None)
+    out["earlier_builds"] = [earlier, *before][:5]
 with open(sys.argv[1], "w") as f:
     json.dump(out, f, indent=2)
     f.write("\n")
