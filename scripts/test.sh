@@ -14,9 +14,14 @@
 #  two 20-step SFTs at once on a busy 2-core box, 282 s default vs 48 s passive);
 #  3. `timing` tests (a time bound or ratio that a real run beside them breaks) and `serial` ones (gloo groups, a peer
 #     closed under load): one at a time, alone.
+# ASYNCRL_TEST_CACHE: a folder of this run's, removed at its end, where every pytest of the run keeps what a test
+# support helper made once for any of them (tests/support/runs.py, multiturn_run: keyed by its inputs and the code).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/test-services.sh || exit 1
+ASYNCRL_TEST_CACHE=$(mktemp -d -t asyncrl-test-cache-XXXXXX)
+export ASYNCRL_TEST_CACHE
+trap 'rm -rf "$ASYNCRL_TEST_CACHE"' EXIT
 REAL_RUNS="vllm or slurm or browser or slow"  # pass 2
 ALONE="serial or timing"  # pass 3
 fuzz_log=$(mktemp)

@@ -3,8 +3,10 @@ and API). Used by the end-to-end tests (``tests/e2e``)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,9 +94,13 @@ def ended(client: Any, auth: dict[str, str], run_id: int, timeout: float = 400) 
     )
 
 
-_MULTITURN_RUNS: dict[tuple[str, int], Path] = {}
-"""(model digest, max_steps) -> a completed :func:`multiturn_run` of this session, kept in the session's state
-directory (``tests.support.server.STATE``, removed at the session's end)."""
+SHARED_CACHE_VAR = "ASYNCRL_TEST_CACHE"
+"""A folder that ``scripts/test.sh`` makes for one run of its passes (and removes at its end): every pytest process
+of the run, both xdist workers of the real-run pass included, keeps there what :func:`multiturn_run` made once. Unset
+(a pytest of one's own), the session's state directory (``tests.support.server.STATE``) serves alone."""
+
+CODE_DIGEST_PATHS = ("worker", "configs")
+"""Folders whose ``.py`` and ``.toml`` files make a cached run: a change in any of them is another cache key."""
 
 
 def model_digest(model: Path) -> str:
@@ -107,43 +113,76 @@ def model_digest(model: Path) -> str:
     return h.hexdigest()
 
 
+def code_digest() -> str:
+    """SHA-256 over the names and bytes of the ``.py`` and ``.toml`` files of :data:`CODE_DIGEST_PATHS`, as they are
+    now: a run cached under another digest was made by other code or configs and is never reused."""
+    repo = CONFIGS.parents[1]
+    h = hashlib.sha256()
+    for top in CODE_DIGEST_PATHS:
+        for f in sorted(p for p in (repo / top).rglob("*") if p.suffix in (".py", ".toml") and p.is_file()):
+            h.update(f.relative_to(repo).as_posix().encode() + b"\0")
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the block: one process at a time, across the
+    xdist workers."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def multiturn_run(model: Path, run_dir: Path, *, max_steps: int = 2) -> RunDir:
     """A real short multi-turn RL run (``reverse_twice``: the environment answers the model's first turn) of the
     tiny ``model`` written into ``run_dir``, with its own vLLM server (``launch_rl``); 2 groups of 2 rollouts a step,
     16 tokens a turn, 2 eval examples at the start and end. Used by the rollout browser tests.
 
-    Once per session and inputs: a later call with a model of the same files (:func:`model_digest`) and the same
-    ``max_steps`` gets a copy of the first call's run directory (its ``config.json`` names the first call's
-    ``run_dir``), not a second identical run (its own vLLM server: ~1 min of the real-run pass).
+    Once per run of ``scripts/test.sh`` (:data:`SHARED_CACHE_VAR`; else once per session) and inputs: a later call,
+    in this process or another (the two rollout-browser files run in either xdist worker), with a model of the same
+    files (:func:`model_digest`), the same ``max_steps`` and the same worker code and configs (:func:`code_digest`)
+    gets a copy of the first call's run directory (its ``config.json`` names the first call's ``run_dir``), not a
+    second identical run (its own vLLM server: ~1 min of the real-run pass). A second process that asks while the
+    first makes it waits for it (:func:`file_lock`).
 
     Raises:
         AssertionError: the run did not complete.
     """
-    key = (model_digest(model), max_steps)
-    if (done := _MULTITURN_RUNS.get(key)) is not None:
-        shutil.copytree(done, run_dir, dirs_exist_ok=True)
-        return RunDir(run_dir)
-    from worker.launchers.local import launch_rl
+    shared = os.environ.get(SHARED_CACHE_VAR)
+    cache = Path(shared) if shared else STATE / "multiturn-runs"
+    cache.mkdir(parents=True, exist_ok=True)
+    key = f"{model_digest(model)[:16]}-{code_digest()[:16]}-{max_steps}"
+    kept = cache / key / "run"
+    with file_lock(cache / f"{key}.lock"):
+        if kept.is_dir():
+            shutil.copytree(kept, run_dir, dirs_exist_ok=True)
+            return RunDir(run_dir)
+        from worker.launchers.local import launch_rl
 
-    pairs = [
-        ("model.name", str(model)),
-        ("output_dir", str(run_dir.parent)),
-        ("name", run_dir.name),
-        ("max_steps", str(max_steps)),
-        ("env.id", "reverse_twice"),
-        ("orchestrator.batch_size", "2"),
-        ("orchestrator.group_size", "2"),
-        ("orchestrator.max_tokens", "16"),
-        ("orchestrator.eval.num_examples", "2"),
-        ("orchestrator.eval.interval", "0"),
-        ("ckpt.interval", "0"),
-    ]
-    spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))
-    summary = launch_rl(spec, quiet=True)  # type: ignore[arg-type]
-    assert summary["status"] == "completed", summary
-    kept = STATE / "multiturn-runs" / f"{key[0][:16]}-{max_steps}" / run_dir.name
-    shutil.copytree(run_dir, kept)
-    _MULTITURN_RUNS[key] = kept
+        pairs = [
+            ("model.name", str(model)),
+            ("output_dir", str(run_dir.parent)),
+            ("name", run_dir.name),
+            ("max_steps", str(max_steps)),
+            ("env.id", "reverse_twice"),
+            ("orchestrator.batch_size", "2"),
+            ("orchestrator.group_size", "2"),
+            ("orchestrator.max_tokens", "16"),
+            ("orchestrator.eval.num_examples", "2"),
+            ("orchestrator.eval.interval", "0"),
+            ("ckpt.interval", "0"),
+        ]
+        spec = validate_spec("rl", load_spec_data([CONFIGS / "rl.toml"], pairs))
+        summary = launch_rl(spec, quiet=True)  # type: ignore[arg-type]
+        assert summary["status"] == "completed", summary
+        partial = cache / key / ".run.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(run_dir, partial)
+        partial.rename(kept)  # complete or absent: a copy is taken only of a whole run directory
     return RunDir(run_dir)
 
 
