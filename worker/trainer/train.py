@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from worker.live_config import LiveConfig, set_base_lr
-from worker.orchestrator.batch import Batch, read_batch
+from worker.orchestrator.batch import Batch, TrainSample, read_batch
 from worker.orchestrator.policy_check import applies as policy_check_applies
 from worker.orchestrator.policy_check import probe_from_batch, probe_logprobs, read_probe, write_logprobs, write_probe
 from worker.run.checkpoint import HELD, end_of_leg
@@ -54,7 +54,7 @@ from worker.trainer.dist import (
 )
 from worker.trainer.logprobs import fused_logprob_entropy
 from worker.trainer.lora import wrap
-from worker.trainer.loss import LossInputs, compute_sample_loss
+from worker.trainer.loss import LossInputs, compute_sample_loss, token_separable
 from worker.trainer.optim import build_optimizer, build_scheduler
 from worker.trainer.packed import forward_hidden, micro_batch_tensors
 from worker.weight_sync.cuda_ipc import IpcSender
@@ -75,6 +75,48 @@ def wait_for_batch(run: RunDir, step: int, poll_s: float = 0.05) -> tuple[Batch,
         time.sleep(poll_s)
     progress.recorder.state("training", step=step)
     return read_batch(path), time.perf_counter() - t0
+
+
+def to_device(
+    parts: list[tuple[TrainSample, int, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token inputs of a micro-batch's loss, each ``[N]`` over its samples' tokens ``first..L-1`` in order:
+    target ids, loss mask, sampling log-probs and advantages.
+
+    Built on the host and copied in one transfer (from pinned memory on a GPU, without waiting for the forward pass
+    in flight): a tensor per sample and field cost 3 copies x 128 samples a step, each waiting for the GPU."""
+    ids = [i for s, f, _ in parts for i in s["input_ids"][f:]]
+    mask = [float(m) for s, f, _ in parts for m in s["loss_mask"][f:]]
+    lps = [x for s, f, _ in parts for x in s["sampling_logprobs"][f:]]
+    adv = [float(s["advantage"]) for s, f, _ in parts for _ in range(len(s["input_ids"]) - f)]
+    host = torch.tensor([ids, mask, lps, adv], dtype=torch.float64)  # ids < 2**53: exact in float64
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return dev[0].long(), dev[1].bool(), dev[2].float(), dev[3].float()
+
+
+def loss_unit(sample: TrainSample, step: int) -> tuple[bool, str | None]:
+    """What the step's metrics tell apart about a sample: on-policy (generated entirely by v(step-1), for
+    ``mismatch_kl_on_policy``) and its environment (a mixture's ``mismatch_kl/<env>``; None in a one-env run)."""
+    return sample["policy_span"] == [step - 1, step - 1], sample.get("env")
+
+
+def loss_calls(
+    parts: list[tuple[TrainSample, int, torch.Tensor]], step: int, separable: bool
+) -> list[tuple[tuple[bool, str | None], slice]]:
+    """The loss calls of a micro-batch: ``(loss_unit, slice of the parts' tokens)``, one per sample, or with a
+    ``separable`` loss one per run of consecutive samples of one unit (``parts`` sorted by unit: at most a few)."""
+    calls: list[tuple[tuple[bool, str | None], slice]] = []
+    offset = 0
+    for sample, _, rows in parts:
+        unit, end = loss_unit(sample, step), offset + len(rows)
+        if separable and calls and calls[-1][0] == unit:
+            calls[-1] = (unit, slice(calls[-1][1].start, end))
+        else:
+            calls.append((unit, slice(offset, end)))
+        offset = end
+    return calls
 
 
 def train_step(
@@ -106,6 +148,7 @@ def train_step(
     sums: dict[str, torch.Tensor | float] = defaultdict(float)
     autocast = spec.model.dtype == "bfloat16" and not info.sharded  # FSDP2's policy casts to bf16 itself
     dev = info.device
+    separable = token_separable(loss_cfg.type, params)
     mine = batch["micro_batches"][info.rank :: info.world_size]
     for k in range(all_ranks_max(len(mine), info)):
         if k >= len(mine):  # padding pass: same collectives, no gradient
@@ -124,27 +167,24 @@ def train_step(
             first = next((j for j, m in enumerate(sample["loss_mask"]) if m and j > 0), None)
             if first is not None:  # the prompt has no loss
                 parts.append((sample, first, rows[first - 1 :]))
+        if separable:  # the samples of one loss call next to each other (a stable sort keeps their order)
+            parts.sort(key=lambda part: str(loss_unit(part[0], step)))
         if parts:
             # all samples' rows at once through the fused chunked LM head + log-softmax + entropy
             sel = t.sample_logits(hidden, torch.cat([r for _, _, r in parts]))  # [N, D]
             temps = None
             if any(s["temperature"] != 1.0 for s, _, _ in parts):
                 temps = torch.cat([torch.full((len(r),), float(s["temperature"])) for s, _, r in parts]).to(dev)
-            targets = torch.tensor([i for s, f, _ in parts for i in s["input_ids"][f:]], device=dev)  # [N]
+            targets, masks, sampling_lps, advantages = to_device(parts, dev)  # [N] each, one copy
             lp_all, entropy_all = fused_logprob_entropy(sel, weight, targets, temps, compiled=spec.trainer.compile)
-        offset = 0
-        for sample, first, rows in parts:
-            trainer_lp = lp_all[offset : offset + len(rows)]  # [L-first]
-            entropy = entropy_all[offset : offset + len(rows)]
-            offset += len(rows)
-            mask = torch.tensor(sample["loss_mask"][first:], dtype=torch.bool, device=dev)  # [L-first]
-            sampling_lp = torch.tensor(sample["sampling_logprobs"][first:], dtype=torch.float32, device=dev)
+        for (on_policy, env), part in loss_calls(parts, step, separable):
+            mask = masks[part]
             out = compute_sample_loss(
                 loss_cfg.type,
                 LossInputs(
-                    trainer_logprobs=trainer_lp,
-                    sampling_logprobs=sampling_lp,
-                    advantages=torch.full_like(trainer_lp, sample["advantage"]),
+                    trainer_logprobs=lp_all[part],
+                    sampling_logprobs=sampling_lps[part],
+                    advantages=advantages[part],
                     loss_mask=mask,
                 ),
                 **params,
@@ -152,13 +192,13 @@ def train_step(
             total = total + out.loss
             for name, value in out.metrics.items():
                 sums[name] += value
-            if sample["policy_span"] == [step - 1, step - 1]:
+            if on_policy:
                 sums["on_policy_kl"] += out.metrics["mismatch_kl"]
                 sums["on_policy_tokens"] += out.metrics["loss_tokens"]
-            if "env" in sample:  # a mixture's sample (worker.orchestrator.mixture): mismatch_kl/<env>
-                sums[f"env_kl/{sample['env']}"] += out.metrics["mismatch_kl"]
-                sums[f"env_tokens/{sample['env']}"] += out.metrics["loss_tokens"]
-            sums["entropy"] += entropy[mask].sum()
+            if env is not None:  # a mixture's sample (worker.orchestrator.mixture): mismatch_kl/<env>
+                sums[f"env_kl/{env}"] += out.metrics["mismatch_kl"]
+                sums[f"env_tokens/{env}"] += out.metrics["loss_tokens"]
+            sums["entropy"] += torch.where(mask, entropy_all[part], 0.0).sum()  # no boolean indexing: no device sync
         (total * (info.loss_scale / n_tokens)).backward()
         sums["loss"] += total.detach()
     totals = all_ranks_sum({name: float(v) for name, v in sums.items()}, info)  # one sync per metric, at the end

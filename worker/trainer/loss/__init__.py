@@ -82,6 +82,14 @@ def _custom_loss(inputs: LossInputs, import_path: str, kwargs: dict[str, Any]) -
     return LossOutputs(loss=out.loss, metrics={**base_metrics(p, p.mask, none, none), **out.metrics})
 
 
+def token_separable(type: str, params: dict[str, Any]) -> bool:
+    """Whether the loss of several samples' tokens laid end to end is the sum of their losses, metrics included: the
+    built-in losses at ``ratio_level = "token"`` (every mask, term and metric is per token). The trainer then computes
+    a micro-batch's loss in a few calls instead of one per sample (the small per-sample kernels, forward and
+    backward, bounded a GPU step). A custom loss or a sequence-level ratio is computed sample by sample."""
+    return type in LOSSES and params.get("ratio_level", "token") == "token"
+
+
 def compute_sample_loss(type: str, inputs: LossInputs, **params: Any) -> LossOutputs:
     """Run the loss named ``type`` on one sample.
 
@@ -119,6 +127,7 @@ __all__ = [
     "compute_sample_loss",
     "load_custom_loss",
     "dppo_kl",
+    "token_separable",
     "icepop",
     "ipo",
 ]

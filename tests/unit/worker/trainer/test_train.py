@@ -75,6 +75,51 @@ def test_shared_prompt_packing_changes_nothing_but_the_token_count() -> None:
     assert any(g.abs().max() > 0 for g in g_full.values())
 
 
+def test_a_separable_loss_in_one_call_per_unit_equals_one_call_per_sample(monkeypatch) -> None:
+    """A built-in loss at the token level runs once per (on-policy, env) unit of a micro-batch instead of once per
+    sample: loss, every metric (on-policy and per-env mismatch_kl included) and the gradients are the per-sample
+    ones; a micro-batch of 8 samples in 4 units takes 4 calls."""
+    import worker.trainer.train as train
+
+    spec = validate_spec(
+        "rl",
+        {
+            "model": {"name": "unused"},
+            "orchestrator": {"seq_len": 64},
+            "env": [{"name": "a", "id": "reverse_text"}, {"name": "b", "id": "reverse_text"}],
+        },
+    )
+    samples = _samples()
+    for i, s in enumerate(samples):  # interleaved: on/off policy (step 2 trains v1) and two environments
+        s["policy_span"] = [1, 1] if i % 2 else [0, 1]
+        s["env"] = "ab"[(i // 2) % 2]
+    batch = {"step": 2, "num_samples": 8, "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples)}
+    batch["micro_batches"] = [samples]
+    calls: list[int] = []
+    real = train.loss_calls
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(train, "loss_calls", counted)
+    runs = {}
+    for separable in (True, False):
+        monkeypatch.setattr(train, "token_separable", lambda *_, _s=separable: _s)
+        model = _model()
+        metrics = train.train_step(model, batch, spec, step=2)  # type: ignore[arg-type]
+        runs[separable] = (metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert calls == [4, 8]
+    (one, g_one), (each, g_each) = runs[True], runs[False]
+    assert one.keys() == each.keys()
+    for name in one:
+        assert math.isclose(one[name], each[name], rel_tol=1e-5, abs_tol=1e-7), name
+    assert not math.isnan(one["mismatch_kl_on_policy"]) and not math.isnan(one["mismatch_kl/b"])
+    for name in g_each:
+        torch.testing.assert_close(g_one[name], g_each[name], atol=1e-6, rtol=1e-4)
+
+
 def test_lora_step_trains_adapters_only_and_starts_at_the_base() -> None:
     """With ``[trainer.lora]`` the first step sees the base model (B = 0): the same loss and metrics as the full
     model; gradients reach only the adapters, and only B (dL/dA = B^T (...) = 0 while B = 0)."""
