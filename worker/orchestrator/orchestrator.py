@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 from worker.envs import Environment
 from worker.inference.client import InferenceClient, InferenceError
 from worker.inference.pool import Loader, Replica, ReplicaPool
+from worker.inference.server import seeded
 from worker.inference.server_metrics import ServerMetricsSampler
 from worker.inference.warmup import warm_up
 from worker.live_config import LiveConfig
@@ -115,6 +116,8 @@ class Orchestrator:
         self.end = end_of_leg(start_step, spec.max_steps, spec.ckpt.hold_at)
         """The last step this process runs: ``max_steps``, or the ``ckpt.hold_at`` step it holds at."""
         self.system = ProcessSampler()  # CPU % and RSS of this process, logged each step
+        self.seeded_requests = seeded(spec.orchestrator.seeded_sampling)
+        """Whether vLLM requests carry seeds (``orchestrator.seeded_sampling``; unset: with vLLM's CPU build only)."""
         inf = spec.inference
         urls = [inference_url] if isinstance(inference_url, str) else list(inference_url)
         inference_url = urls[0]
@@ -509,8 +512,8 @@ class Orchestrator:
     # ------------------------------------------------------------------ rollouts
 
     def _seed(self, *where: int) -> int | None:
-        """The request seed of a place in the run (``data.request_seed``), None with ``seeded_sampling`` off."""
-        return request_seed(self.spec.seed, *where) if self.spec.orchestrator.seeded_sampling else None
+        """The request seed of a place in the run (``data.request_seed``), None when requests are not seeded."""
+        return request_seed(self.spec.seed, *where) if self.seeded_requests else None
 
     async def rollout_group(self, index: int, seed: int | None, env: int = 0) -> list[Rollout]:
         orch = self.spec.orchestrator

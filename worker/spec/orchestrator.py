@@ -308,11 +308,14 @@ class OrchestratorConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero (no learning signal)."""
-    seeded_sampling: bool = True
+    seeded_sampling: bool | None = None
     """Seed every vLLM request from the run's ``seed`` and its place (step, slot, rollout, turn), so that a run with
     the same spec samples the same tokens (``worker.orchestrator.data.request_seed``; the tool harness path is not
-    seeded). vLLM draws seeded requests from per-request generators, which costs sampling time at thousands of
-    concurrent requests: set false there if repeatability matters less than throughput."""
+    seeded). Unset (default): on with vLLM's CPU build, off with its GPU build (``worker.inference.server.seeded``).
+    On a GPU vLLM draws each seeded request from its own generator, one small kernel per request and step: 12.0k vs
+    15.9k tok/s unseeded for 128 sequences of the Qwen3-0.6B shape on an H100
+    (``benchmarks/results/gpu_vllm_decode.json``), and a GPU batch's numerics depend on which requests share it, so
+    seeds do not make a GPU run repeatable anyway."""
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
     curriculum: CurriculumConfig = Field(default_factory=StandardCurriculum)
     """Which tasks each step takes (``worker/orchestrator/curriculum.py``)."""

@@ -224,6 +224,7 @@ def _orchestrator(tmp_path: Path) -> Any:
     run.create()
     orch: Any = Orchestrator.__new__(Orchestrator)
     orch.spec, orch.run, orch.start_step, orch.end = spec, run, 0, 3
+    orch.seeded_requests = True
     orch.sampler = EnvMixture([MixtureEnv(EnvConfig(), None, None, TaskSampler(None, seed=7))], seed=7)  # type: ignore[arg-type]
     orch.policy_version, orch._version_changed = 0, asyncio.Condition()
     orch.live = orch_live(run)

@@ -119,6 +119,7 @@ def test_a_policy_version_is_evaluated_once(tmp_path: Path, monkeypatch: pytest.
         pool=None,
         sampler=sampler,
         tokenizer=None,
+        seeded_requests=True,
     )
     fake.harnesses, fake._seed = {}, lambda *where: Orchestrator._seed(fake, *where)
     assert asyncio.run(Orchestrator.run_eval(fake)) == {"reward_mean": 0.5}
