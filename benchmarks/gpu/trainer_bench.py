@@ -12,7 +12,10 @@ machine, put its ``worker/`` first on ``PYTHONPATH`` (``git archive <commit> wor
 ``--result-name``. Grid: attention ``sdpa`` (dense
 packed mask) or ``flex_attention`` (block mask) x activation checkpointing off/on x batch shape
 ``packed`` (16 samples of 1024 tokens, 256 prompt + 768 completion, one 16384-token row) or ``single``
-(one 16384-token sample); plus flex attention cells with ``trainer.compile`` (each decoder block compiled).
+(one 16384-token sample); plus flex attention cells with ``trainer.compile`` (each decoder block compiled); plus
+``loop`` cells: the batch of ``benchmarks/gpu/one_gpu_rl.py``'s RL loop (16 prompts of 64 tokens x 8 completions of
+128, each group's prompt shared, packed by the orchestrator's ``pack_shared_prompt`` into micro-batches of at most
+``--seq-len`` tokens), the bench side of ``trainer_inloop_vs_bench``.
 SFT cells (SFT at >= the RL trainer's tokens/s) run the SFT trainer's loss on the same row and model setup:
 ``worker.trainer.sft.sft_loss`` (packed forward, fused LM head, cross-entropy on the completion tokens), the same
 backward, ``clip_grad_norm_`` and AdamW; named ``sft ...`` like the asyncrl cell they mirror.
@@ -58,8 +61,11 @@ QWEN3_0_6B = {
     "tie_word_embeddings": True,
 }
 TOKENS = 16384
-SHAPES = {"packed": (16, 256), "single": (1, 0)}
-"""Batch shape: (samples in the 16k row, prompt tokens of each)."""
+SHAPES = {"packed": (16, 256), "single": (1, 0), "loop": (128, 64)}
+"""Batch shape: (samples in the 16k row, prompt tokens of each); ``loop`` is the RL loop's batch instead (:func:`loop_batch`)."""
+LOOP = {"prompts": 16, "group": 8, "prompt_tokens": 64, "completion_tokens": 128}
+"""The batch of ``benchmarks/gpu/one_gpu_rl.py``'s loop (16 tasks x 8 samples x 128 tokens; a random-init model rarely
+samples EOS, so completions run to ``max_tokens``), packed as the orchestrator packs it."""
 
 
 def rl_batch(shape: str, seed: int) -> dict[str, Any]:
@@ -79,6 +85,40 @@ def rl_batch(shape: str, seed: int) -> dict[str, Any]:
         for _ in range(n)
     ]
     return {"step": 1, "num_samples": n, "num_loss_tokens": n * (length - prompt), "micro_batches": [samples]}
+
+
+def loop_batch(seq_len: int, seed: int) -> dict[str, Any]:
+    """The RL loop's step batch (``LOOP``): each group's prompt shared (``orchestrator.share_prompt``, on by default)
+    and the samples packed into micro-batches of at most ``seq_len`` tokens by the orchestrator's own
+    ``pack_step`` path (``worker.orchestrator.packing.pack_shared_prompt``)."""
+    from worker.orchestrator.packing import pack_shared_prompt, prompt_keys
+
+    rng = random.Random(seed)
+    p, c = LOOP["prompt_tokens"], LOOP["completion_tokens"]
+    samples = []
+    for g in range(LOOP["prompts"]):
+        prompt = [rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(p)]
+        for _ in range(LOOP["group"]):
+            samples.append(
+                {
+                    "input_ids": prompt + [rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(c)],
+                    "loss_mask": [0] * p + [1] * c,
+                    "sampling_logprobs": [0.0] * p + [-3 * rng.random() for _ in range(c)],
+                    "advantage": rng.choice([-1.0, 1.0]),
+                    "temperature": 1.0,
+                    "policy_span": [0, 0],
+                    "group": g,
+                    "prefix_len": p,
+                }
+            )
+    lengths = [len(s["input_ids"]) for s in samples]
+    bins = pack_shared_prompt(lengths, [p] * len(samples), prompt_keys(samples), seq_len)
+    return {
+        "step": 1,
+        "num_samples": len(samples),
+        "num_loss_tokens": len(samples) * c,
+        "micro_batches": [[samples[i] for i in b] for b in bins],
+    }
 
 
 def build_model(attention: str, dtype: Any) -> Any:
@@ -111,14 +151,20 @@ def timed(step_fn: Any, warmup: int, steps: int) -> tuple[list[float], float]:
 
 
 def profile_step(step_fn: Any, path: Path) -> None:
-    """One ``step_fn`` under ``torch.profiler``: the 30 ops with the most self CUDA time, as a table in ``path``."""
+    """One ``step_fn`` under ``torch.profiler``: the 30 ops with the most self CUDA time, then the 40 with the most
+    CPU time (host work: launches, syncs, Python), as tables in ``path``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step_fn()
         torch.cuda.synchronize()
-    path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    ops = prof.key_averages()
+    path.write_text(
+        ops.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+        + "\n\n"
+        + ops.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+    )
 
 
 def asyncrl_cell(
@@ -131,6 +177,7 @@ def asyncrl_cell(
     profile_to: Path | None = None,
     compile: bool = False,
     loss: str = "rl",
+    seq_len: int = TOKENS,
 ) -> dict[str, Any]:
     """One cell of the asyncrl trainer: ``loss`` "rl" (``train_step``, the run's ``dppo_kl`` loss) or "sft"
     (``sft_loss`` on the same row, backward scaled as the SFT trainer does)."""
@@ -147,7 +194,7 @@ def asyncrl_cell(
         "rl",
         {
             "model": {"name": "random-qwen3-0.6b", "dtype": "bfloat16"},
-            "orchestrator": {"seq_len": TOKENS},
+            "orchestrator": {"seq_len": max(TOKENS, seq_len)},
             "trainer": {"device": "cuda", "attention": attention, "activation_checkpointing": ac, "compile": compile},
         },
     )
@@ -155,8 +202,10 @@ def asyncrl_cell(
     n_params = sum(p.numel() for p in model.parameters())
     prepare_model(model, info, bf16=True, activation_checkpointing=ac, compile=compile)
     opt = build_optimizer(model, spec.trainer.optim)
-    batch = rl_batch(shape, seed=0)
-    pairs = micro_batch_tensors(batch["micro_batches"][0]).attended_pairs
+    batch = loop_batch(seq_len, seed=0) if shape == "loop" else rl_batch(shape, seed=0)
+    rows = [micro_batch_tensors(mb) for mb in batch["micro_batches"]]
+    pairs = sum(r.attended_pairs for r in rows)
+    tokens = sum(int(r.input_ids.shape[1]) for r in rows)
     norms: list[float] = []
     losses: list[float] = []
 
@@ -181,6 +230,8 @@ def asyncrl_cell(
     return {
         "n_params": n_params,
         "attended_pairs": pairs,
+        "tokens": tokens,
+        "micro_batches": [int(r.input_ids.shape[1]) for r in rows],
         "times": times,
         "peak_memory_gib": mem,
         "grad_norm_first": norms[0],
@@ -225,6 +276,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated cell names to run (default: all)")
     ap.add_argument("--profile", default="", help="comma-separated cell names to profile one step of (into --out)")
     ap.add_argument("--result-name", default="gpu_trainer", help="benchmarks/results/<name>.json")
+    ap.add_argument(
+        "--seq-len", type=int, default=8192, help="micro-batch capacity of the loop cells (one_gpu_rl.py's --seq-len)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -257,6 +311,12 @@ def main() -> int:
             for ac in (False, True)
         ]
         + [(f"baseline sdpa ac={int(ac)} single", "baseline", "sdpa", ac, "single", False) for ac in (False, True)]
+        + [
+            (f"asyncrl {att} ac=0 loop{' compile' if comp else ''}", "asyncrl", att, False, "loop", comp)
+            for att in ("sdpa", "flex_attention")
+            for comp in (False, True)
+            if comp is False or att == "flex_attention"
+        ]
     )
     wanted = {w for w in args.only.split(",") if w}
     cells = []
@@ -271,7 +331,16 @@ def main() -> int:
         try:
             if kind in ("asyncrl", "sft"):
                 r = asyncrl_cell(
-                    info, att, ac, shape, args.warmup, args.steps, prof, comp, "sft" if kind == "sft" else "rl"
+                    info,
+                    att,
+                    ac,
+                    shape,
+                    args.warmup,
+                    args.steps,
+                    prof,
+                    comp,
+                    "sft" if kind == "sft" else "rl",
+                    seq_len=args.seq_len,
                 )
             else:
                 r = baseline_cell(ac, args.warmup, args.steps, prof)
@@ -284,7 +353,8 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
         step_s = C.median(r["times"])
-        flops = flops_per_step(config, r["n_params"], TOKENS, r["attended_pairs"])
+        tokens = r.get("tokens", TOKENS)
+        flops = flops_per_step(config, r["n_params"], tokens, r["attended_pairs"])
         cell = {
             "name": name,
             "kind": kind,
@@ -295,10 +365,11 @@ def main() -> int:
             "loss_first": r.get("loss_first"),
             "grad_norm_first": r.get("grad_norm_first"),
             "samples": SHAPES[shape][0],
-            "tokens": TOKENS,
+            "tokens": tokens,
+            "micro_batches": r.get("micro_batches"),
             "step_s_median": step_s,
             "step_s_all": r["times"],
-            "tokens_per_s": TOKENS / step_s,
+            "tokens_per_s": tokens / step_s,
             "mfu": flops / step_s / peak if peak else None,
             "flops_per_step": flops,
             "peak_memory_gib": r["peak_memory_gib"],

@@ -155,14 +155,68 @@ async def bench(url: str, model: Path, a: argparse.Namespace, out: Path) -> dict
                 "is_paused_s_max": max(engine),
             }
 
+        async def decode_plain() -> int:
+            """The same batch without sampled-token log-probs (what they cost the server)."""
+            body = {"n": a.group, "max_tokens": a.max_tokens, "temperature": 1.0, "return_token_ids": True}
+            outs = await asyncio.gather(
+                *(client._request("POST", "/v1/completions", json={**body, "prompt": p}) for p in prompts)
+            )
+            return sum(len(c["token_ids"]) for r in outs for c in r.json()["choices"])
+
         for path in PATHS:  # warm-up: first calls of each path (allocations, first RPC)
             await publish(base, path)
         res["round_trips"] = {"idle": await latencies(False), "decoding": await latencies(True)}
         say(json.dumps(res["round_trips"]))
-        t0 = time.perf_counter()
-        n_tok = await decode()
-        res["decode_alone"] = {"tokens": n_tok, "wall_s": time.perf_counter() - t0}
-        for cond in CONDITIONS:
+
+        async def decode_seeded() -> int:
+            """The same batch with a seed per request, as a run samples (``orchestrator.seeded_sampling``): vLLM draws
+            each seeded request from its own generator."""
+            outs = await asyncio.gather(
+                *(
+                    client.generate(p, n=a.group, max_tokens=a.max_tokens, temperature=1.0, seed=1000 + i)
+                    for i, p in enumerate(prompts)
+                )
+            )
+            return sum(len(c.token_ids) for group in outs for c in group)
+
+        variants = (
+            ("decode_alone", decode),
+            ("decode_without_logprobs", decode_plain),
+            ("decode_seeded", decode_seeded),
+        )
+        for name, fn in variants:
+            rounds = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                n_tok = await fn()
+                rounds.append({"tokens": n_tok, "wall_s": time.perf_counter() - t0})
+            res[name] = {"rounds": rounds, "tokens_per_s_median": median([r["tokens"] / r["wall_s"] for r in rounds])}
+            say(f"{name}: {json.dumps(res[name])}")
+        if a.py_spy:  # where the server's processes spend a decoding batch (collapsed stacks, both processes)
+            gen = asyncio.ensure_future(asyncio.gather(*(decode() for _ in range(3))))
+            await asyncio.sleep(a.into_s)
+            spy = await asyncio.create_subprocess_exec(
+                a.py_spy,
+                "record",
+                "--pid",
+                str(a.server_pid),
+                "--subprocesses",
+                "--nonblocking",
+                "--rate",
+                "250",
+                "--duration",
+                "3",
+                "--format",
+                "raw",
+                "--output",
+                str(out / "py_spy_decoding.txt"),
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, err = await spy.communicate()
+            res["py_spy"] = {"rc": spy.returncode, "stderr": err.decode()[-500:]}
+            await gen
+        for cond in [c for c in CONDITIONS if c in a.conditions.split(",")]:
             hog, stop = None, out / f"stop-{cond}"
             if cond.endswith("gpu_busy"):
                 hog = subprocess.Popen([sys.executable, "-c", HOG, str(stop)])
@@ -219,6 +273,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--into-s", type=float, default=0.3, help="seconds into the decoding when the update starts")
     p.add_argument("--boot-timeout-s", type=float, default=240)
+    p.add_argument(
+        "--conditions", default=",".join(CONDITIONS), help="comma-separated subset of " + ", ".join(CONDITIONS)
+    )
+    p.add_argument("--py-spy", default="", help="py-spy binary: record the server's processes while a batch decodes")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -245,6 +303,7 @@ def main() -> int:
         "server_command": " ".join(cmd[1:]),
     }
     try:
+        a.server_pid = proc.pid
         res["server_boot_s"] = wait_ready(f"http://127.0.0.1:{port}", a.boot_timeout_s, proc, log)
         say(f"server ready in {res['server_boot_s']:.0f} s")
         res.update(asyncio.run(bench(f"http://127.0.0.1:{port}", model, a, a.out)))
