@@ -208,6 +208,60 @@ def test_unknown_arch_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "m").exists()
 
 
+def test_model_init_arch_and_tie_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from worker.cli import main
+
+    assert main(["model", "init", "--out", str(tmp_path / "g"), "--arch", "gemma3", "--untied"]) == 0
+    config = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert (config["model_type"], config["tie_word_embeddings"]) == ("gemma3_text", False)
+    assert main(["model", "init", "--out", str(tmp_path / "l"), "--arch", "llama", "--size", "qwen3-0.6b"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("error: --size: expected one of tiny, small for arch llama, got 'qwen3-0.6b'")
+    )
+    assert not (tmp_path / "l").exists()
+
+
+def test_sft_dry_run_refuses_an_untrainable_architecture(
+    model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Gemma 2 (logit soft-cap 30): ``asyncrl sft --dry-run`` names it in one line, before any weights load."""
+    import shutil
+
+    import transformers
+
+    from worker.cli import main
+
+    config = transformers.Gemma2Config(
+        vocab_size=384,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    folder = tmp_path / "gemma2"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for f in model_dirs["llama"].iterdir():  # the tokenizer files
+        if "token" in f.name or f.name.startswith("chat_template"):
+            shutil.copy(f, folder)
+    toml = str(Path(__file__).resolve().parents[3] / "configs" / "reverse_text" / "sft.toml")
+    argv = ["sft", "@", toml, "--model.name", str(folder), "--output_dir", str(tmp_path / "run"), "--dry-run"]
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: model.name: gemma2: config.final_logit_softcapping = 30.0 transforms the logits after the output "
+        "projection, which the trainer's fused LM head does not do"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def _meta(config_class: str, **keys: object) -> torch.nn.Module:
     import transformers
 
