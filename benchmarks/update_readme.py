@@ -393,6 +393,42 @@ def gpu_check() -> str:
     )
 
 
+def gpu_loop() -> str:
+    d, dec = load("gpu_loop_fixes"), load("gpu_vllm_decode")
+    t, a, e = d["trainer_bench_loop_cell"], d["async_loop"], d["earlier_call"]
+    new, old = t["train_step_933f117"], t["train_step_fe23a30"]
+    rows = [
+        "| measure | this call | the gpu-check call above |",
+        "|---|---|---|",
+        f"| async step time (s per step) | {a['s_per_step']:.2f} | {e['s_per_step']:.2f} |",
+        f"| rollout tok/s in the loop | {a['rollout_tokens_per_s_median']:,.0f} | {e['rollout_tokens_per_s_median']:,.0f} |",
+        f"| weight update, pause -> resume (median) | {a['weight_update_s_median']:.3f} s (pause "
+        f"{a['weight_update_pause_s_median']:.3f}) | {e['weight_update_s_median']:.3f} s (pause "
+        f"{e['weight_update_pause_s_median']:.3f}) |",
+        f"| trainer tok/s in the loop | {a['trainer_tokens_per_s_median']:,.0f} (MFU "
+        f"{100 * a['trainer_mfu_median']:.1f} %) | {e['trainer_tokens_per_s_median']:,.0f} (MFU "
+        f"{100 * e['trainer_mfu_median']:.1f} %) |",
+        f"| `trainer_inloop_vs_bench` (the bench's loop cell, same call) | {d['trainer_inloop_vs_bench']:.2f} | "
+        "not measured |",
+    ]
+    return "\n".join(
+        [
+            f"The same loop after two changes, on 1 × {d['gpu']} in one call (commit {d['commit'][:7]}): the trainer "
+            "computes a micro-batch's loss in one call per (on-policy, environment) group instead of one per sample "
+            f"(the loop's batch in `benchmarks/gpu/trainer_bench.py`: {new['tokens_per_s']:,} tok/s against "
+            f"{old['tokens_per_s']:,} before, {t['speedup']:.2f}x in the same call), and runs on a GPU no longer seed "
+            f"their vLLM requests (decoding 128 sequences: {dec['decode_seeded']['tokens_per_s_median']:,.0f} tok/s "
+            f"seeded, {dec['decode_alone']['tokens_per_s_median']:,.0f} unseeded, "
+            f"{dec['decode_without_logprobs']['tokens_per_s_median']:,.0f} without sampled-token log-probs). "
+            "Machines differ from call to call; the right column is another call's:",
+            "",
+            "\n".join(rows),
+            "",
+            src("gpu_loop_fixes", "gpu_vllm_decode"),
+        ]
+    )
+
+
 def weight_update_cpu() -> str:
     d = load("gpu_one_gpu_rl/cpu_tiny_check/gpu_one_gpu_rl")
     a, s = d["runs"]["async"], d["runs"]["sync"]
@@ -444,6 +480,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "gpu-trainer": gpu_trainer,
     "gpu-rl": gpu_rl,
     "gpu-check": gpu_check,
+    "gpu-loop": gpu_loop,
     "results": results,
 }
 """Marker name -> the function rendering its block from ``benchmarks/results/``."""
