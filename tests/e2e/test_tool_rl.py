@@ -94,16 +94,15 @@ def harness_groups(served: Any, tool_model: Path) -> list[tuple[Any, list[Rollou
     runner = HarnessRunner(str(tool_model), served.url, HarnessConfig(max_turns=3))
 
     async def go() -> list[tuple[Any, list[Rollout]]]:
+        tasks = [env.task(i) for i in range(3)]
         async with serving_tools([env]):  # the taskset's `reverse` server, once for all 12 rollouts
-            return [
-                (
-                    env.task(i),
-                    await runner.run_group(
-                        env.task(i), n=4, tools=env.tools, max_tokens=128, temperature=0.7, policy_version=lambda: 0
-                    ),
+            groups = await asyncio.gather(  # the 3 groups at once, as the orchestrator runs them (runner's bound)
+                *(
+                    runner.run_group(t, n=4, tools=env.tools, max_tokens=128, temperature=0.7, policy_version=lambda: 0)
+                    for t in tasks
                 )
-                for i in range(3)
-            ]
+            )
+        return list(zip(tasks, groups, strict=True))
 
     t0 = time.perf_counter()
     groups = asyncio.run(go())
