@@ -19,6 +19,7 @@
 # $ASYNCRL_CI_CACHE/compose_ci.json, not to the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source deploy/docker-engine.sh  # start_dockerd
 CACHE=${ASYNCRL_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/asyncrl-compose}
 SUITE=bookworm
 STANDINS=("asyncrl-standin/debian:$SUITE" "asyncrl-standin/python:$SUITE" "asyncrl-standin/postgres:$SUITE"
@@ -28,17 +29,9 @@ mkdir -p "$CACHE"
 START=$SECONDS
 rc=0
 
-# The engine first (compose-smoke.sh starts one too, but the stand-ins are loaded before it runs): detached and
-# without this shell's open files (under `flock`, an inherited descriptor would hold the lock while dockerd runs)
+# The engine first (compose-smoke.sh starts one too, but the stand-ins are loaded before it runs)
 if ! docker info >/dev/null 2>&1 && command -v dockerd >/dev/null && [ "$(id -u)" = 0 ]; then
-  (
-    for fd in /proc/$BASHPID/fd/*; do
-      fd=${fd##*/}
-      if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-"; fi
-    done
-    cd / && exec setsid nohup dockerd </dev/null
-  ) >"$CACHE/dockerd.log" 2>&1 &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  start_dockerd "$CACHE/dockerd.log" || true
 fi
 docker info >/dev/null 2>&1 || { echo "compose-ci: no Docker engine (Debian: apt-get install docker.io)" >&2; exit 1; }
 

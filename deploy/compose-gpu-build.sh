@@ -23,6 +23,7 @@
 #   ASYNCRL_GPU_BUILD_NOTE  the conditions of this build, for the record (e.g. "fresh engine, cold pip cache")
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source deploy/docker-engine.sh  # start_dockerd, buildkit_build
 ROOT=$PWD
 WORK=${ASYNCRL_GPU_BUILD_DIR:-/tmp/asyncrl-gpu-build}
 RESULTS=benchmarks/results/compose_gpu_build.json
@@ -38,23 +39,9 @@ if ! docker info >/dev/null 2>&1; then
   command -v dockerd >/dev/null || die "no Docker engine and no dockerd (Debian: apt-get install docker.io)"
   [ "$(id -u)" = 0 ] || die "no Docker engine running; start dockerd (as root)"
   say "starting dockerd (log: $WORK/dockerd.log)"
-  (
-    for fd in /proc/$BASHPID/fd/*; do
-      fd=${fd##*/}
-      if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-"; fi
-    done
-    cd / && exec setsid nohup dockerd </dev/null
-  ) >"$WORK/dockerd.log" 2>&1 &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s: $(tail -3 "$WORK/dockerd.log")"
+  start_dockerd "$WORK/dockerd.log" || die "dockerd did not answer within 60 s: $(tail -3 "$WORK/dockerd.log")"
 fi
-if docker buildx version >/dev/null 2>&1; then
-  BUILD=(docker buildx build --load)
-elif [ -x /usr/bin/docker ] && /usr/bin/docker version -f '{{.Client.Version}}' 2>/dev/null | grep -q '^20\.'; then
-  BUILD=(env DOCKER_BUILDKIT=1 /usr/bin/docker build)
-else
-  die "no BuildKit builder: install docker-buildx, or Debian's docker.io (its 20.10 client has BuildKit built in)"
-fi
+buildkit_build || die "no BuildKit builder: install docker-buildx, or Debian's docker.io (its 20.10 client has BuildKit built in)"
 if docker compose version >/dev/null 2>&1; then
   COMPOSE=(docker compose)
 else

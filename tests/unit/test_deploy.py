@@ -541,5 +541,32 @@ def test_compose_ci_caches_the_smoke_scripts_stand_ins_and_writes_outside_the_ch
     )
     assert re.search(r"^ASYNCRL_SMOKE_DIR=.*ASYNCRL_SMOKE_RESULTS=\$RESULTS bash deploy/compose-smoke.sh", ci, re.M)
     assert "RESULTS=${ASYNCRL_SMOKE_RESULTS:-$CACHE/compose_ci.json}" in ci
-    for script in (ci, smoke):  # dockerd started by either must not inherit a `flock` descriptor
-        assert 'eval "exec $fd>&-"' in script and "exec setsid nohup dockerd </dev/null" in script
+    for script in (ci, smoke):  # each starts dockerd through start_dockerd (test_start_dockerd_closes_...)
+        assert "source deploy/docker-engine.sh" in script and "start_dockerd " in script
+
+
+def test_start_dockerd_closes_the_callers_descriptors_and_waits_for_the_engine(tmp_path: Path) -> None:
+    """``start_dockerd`` (deploy/docker-engine.sh, used by the compose scripts) starts dockerd without the calling
+    shell's open files (a ``flock`` descriptor inherited by dockerd would hold the lock after the script ended), in a
+    session of its own, and returns once ``docker info`` answers; status 1 when it never does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "dockerd-fds"
+    (bin_dir / "dockerd").write_text(
+        f"#!/bin/sh\nls /proc/$$/fd > {seen}.tmp; ps -o sid= -p $$ >> {seen}.tmp; mv {seen}.tmp {seen}\n"
+    )
+    (bin_dir / "docker").write_text(f'#!/bin/sh\n[ "$1" = info ] && [ -e {seen} ]\n')
+    for tool in ("dockerd", "docker"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = f"source deploy/docker-engine.sh; exec 9>{tmp_path / 'lock'}; start_dockerd {tmp_path / 'log'}; echo rc=$?; echo sid=$(ps -o sid= -p $$)"
+    out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "rc=0" in out.stdout, out.stderr
+    *fds, sid = seen.read_text().split()
+    assert "9" not in fds and {"0", "1", "2"} <= set(fds)  # the caller's lock descriptor 9 is not inherited
+    assert f"sid={sid}" not in out.stdout.split()  # its own session (setsid), not the caller's
+    seen.unlink()
+    (bin_dir / "dockerd").write_text("#!/bin/sh\nexit 1\n")
+    script = "source deploy/docker-engine.sh; seq() { echo 1 2; }; start_dockerd /dev/null; echo rc=$?"  # 2 polls
+    out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "rc=1" in out.stdout, out.stderr
