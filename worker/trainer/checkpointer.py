@@ -29,7 +29,7 @@ from worker.policy.lora_adapters import ADAPTER_DIR
 from worker.policy.models import readable
 from worker.run.checkpoint import prune, write_part
 from worker.run.rundir import RunDir, writing
-from worker.trainer.dist import full_state_dict, is_main_rank, weights_state_dict
+from worker.trainer.dist import full_state_dict, is_main_rank, tied_output_keys, weights_state_dict
 from worker.trainer.lora import adapter_state, load_adapter, save_adapter
 
 if TYPE_CHECKING:
@@ -181,11 +181,15 @@ def load_trainer_state(
         load_adapter(adapter, folder / ADAPTER_DIR)
     else:
         weights: dict[str, Any] = load_file(folder / "model.safetensors")  # Any: set_model_state_dict's value union
-        missing, unexpected = set_model_state_dict(model, weights, options=full)
-        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        # compared here: set_model_state_dict with full_state_dict reports no missing key; a tied output projection
+        # is saved as the embedding (tied_output_keys)
+        names = set(model.state_dict())
+        missing, unexpected = sorted(names - tied_output_keys(model) - set(weights)), sorted(set(weights) - names)
+        if missing or unexpected:
             raise RuntimeError(
                 f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}"
             )
+        set_model_state_dict(model, weights, options=full)
     state = torch.load(folder / "state.pt", weights_only=False)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])

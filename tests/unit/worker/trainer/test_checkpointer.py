@@ -34,6 +34,33 @@ def _train_step(
     sched.step()
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_checkpoint_without_the_output_projection_loads_only_when_it_is_tied(run: RunDir, tie: bool) -> None:
+    """A tied model's checkpoint leaves the output projection out (it is the embedding) and loads; an untied model's
+    checkpoint without it is refused, naming the missing weight, whatever the architecture calls it."""
+    from safetensors.torch import save_file
+
+    model = tiny_qwen3(seed=0, tie=tie).train()
+    opt = build_optimizer(model, OptimConfig(lr=1e-2))
+    sched = build_scheduler(opt, SchedulerConfig(), max_steps=10)
+    ckpt = BackgroundCheckpointer(run, keep=2)
+    ckpt.save(1, model, opt, sched)
+    ckpt.wait()
+    folder = run.checkpoint_dir(1) / "trainer"
+    weights = load_file(folder / "model.safetensors")
+    weights.pop("lm_head.weight", None)
+    save_file(weights, folder / "model.safetensors")
+    fresh = tiny_qwen3(seed=7, tie=tie).train()
+    opt2 = build_optimizer(fresh, OptimConfig(lr=1e-2))
+    sched2 = build_scheduler(opt2, SchedulerConfig(), max_steps=10)
+    if tie:
+        assert load_trainer_state(folder, fresh, opt2, sched2) == 1
+        assert torch.equal(fresh.lm_head.weight, model.model.embed_tokens.weight)
+    else:
+        with pytest.raises(RuntimeError, match="missing.*lm_head.weight"):
+            load_trainer_state(folder, fresh, opt2, sched2)
+
+
 def test_checkpoint_round_trip(run: RunDir) -> None:
     model = tiny_qwen3(seed=0)
     model.train()
