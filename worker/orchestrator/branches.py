@@ -37,6 +37,7 @@ class Branch(Protocol):
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_mask: list[int] | None
+    completion_logprobs: list[float]
     reward: float | None
     trace: str | None
     role: str | None
@@ -81,6 +82,9 @@ def merge_branches(branches: Sequence[B], trace: str) -> list[B]:
             continue  # everything it would train is trained in a branch taken before
         merged = copy.copy(branch)
         merged.completion_mask, merged.trace = mask, trace
+        # a token this branch no longer trains (a longer branch does) has no sampling log-prob here either: 0.0, as on
+        # environment tokens (the batch's rule, worker.orchestrator.batch.TrainSample)
+        merged.completion_logprobs = [lp if m else 0.0 for lp, m in zip(branch.completion_logprobs, mask, strict=True)]
         kept.append(merged)
         kept_ids.append(ids)
     return kept

@@ -36,7 +36,8 @@ def test_c22_forked_trace_advantages_half_and_shared_node_weight_once() -> None:
         ([3, 4, 5, 6, 7], [1, 1, 0, 1, 1], "T"),
         ([3, 4, 8, 9], [0, 0, 0, 1], "T"),
     ]
-    assert b.completion_mask == [1, 1, 0, 1]  # the inputs are not changed
+    assert [r.completion_logprobs for r in merged] == [[-0.5, -0.5, 0.0, -0.5, -0.5], [0.0, 0.0, 0.0, -0.5]]
+    assert b.completion_mask == [1, 1, 0, 1] and b.completion_logprobs == [-0.5, -0.5, 0.0, -0.5]  # inputs unchanged
     group = [*merged, rollout([1, 2], [10, 11], [1, 1], reward=0.0)]
     samples, metrics = build_batch(1, [group], OrchestratorConfig(group_size=2))
     # traces' rewards [1, 0]: mean 0.5 -> +0.5 (both branches), -0.5; per branch it would be [1/3, 1/3, -2/3]
